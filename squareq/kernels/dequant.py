@@ -1,0 +1,76 @@
+"""Dequantize a stored layer into a bf16 buffer, choosing the Triton kernel or the torch reference.
+
+Backends, picked per device:
+
+* ``triton``: CUDA tensors and an importable triton.
+* ``triton-interpret``: CPU tensors with ``TRITON_INTERPRET=1`` (how CI runs the kernels).
+* ``torch``: everything else; the exact reference from :mod:`squareq.quant`.
+
+``SQUAREQ_KERNELS=torch`` forces the reference. The choice is logged once per device type.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+import torch
+
+from .. import quant
+from ..quant import QuantizedWeight
+
+log = logging.getLogger("squareq.kernels")
+_announced: set[tuple[str, str]] = set()
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_for(device: torch.device | str) -> str:
+    """Name of the backend :func:`dequantize_into` uses for tensors on ``device``."""
+    device = torch.device(device)
+    if os.environ.get("SQUAREQ_KERNELS", "").lower() == "torch":
+        choice, why = "torch", "SQUAREQ_KERNELS=torch is set"
+    elif not _triton_available():
+        choice, why = "torch", "triton is not installed"
+    elif device.type == "cuda":
+        choice, why = "triton", "CUDA device"
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        choice, why = "triton-interpret", "TRITON_INTERPRET=1 on a CPU tensor"
+    else:
+        choice, why = "torch", f"no CUDA for {device.type} tensors and TRITON_INTERPRET is not set"
+    if (device.type, choice) not in _announced:
+        _announced.add((device.type, choice))
+        log.info("dequantization on %s uses the %s backend (%s).", device.type, choice, why)
+    return choice
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, int]) -> None:
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape) or out.stride(-1) != 1:
+        raise ValueError(
+            f"output buffer must be bfloat16 {tuple(shape)} with unit column stride; got {out.dtype} "
+            f"{tuple(out.shape)} stride {out.stride()}."
+        )
+
+
+def dequantize_into(out: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """Write ``qw``'s effective bf16 weight into ``out`` (bf16 ``[N, K]``, may be a view of a scratch buffer)."""
+    _check_out(out, qw.shape)
+    if qw.spec.is_passthrough:
+        return out.copy_(qw.tensors["weight"])
+    if backend_for(out.device) == "torch":
+        return out.copy_(quant.dequantize(qw))
+    for name, t in qw.tensors.items():
+        if t.device != out.device or t.stride(-1) != 1:
+            raise ValueError(f"tensor {name!r} must be on {out.device} with unit column stride.")
+    from .triton_dequant import triton_dequantize_into
+
+    return triton_dequantize_into(out, qw)
+
+
+def dequantize(qw: QuantizedWeight, device: torch.device | str | None = None) -> torch.Tensor:
+    """Allocate a bf16 ``[N, K]`` tensor and dequantize ``qw`` into it."""
+    device = torch.device(device) if device is not None else next(iter(qw.tensors.values())).device
+    out = torch.empty(qw.shape, dtype=torch.bfloat16, device=device)
+    return dequantize_into(out, qw)

@@ -1,0 +1,30 @@
+"""Pure tensor math for SquareQ weight formats: specs, packing, RTN, clip search, smoothing, metrics.
+
+Nothing here imports the rest of the project.
+"""
+from .metrics import rel_mse, sqnr_db, weighted_sq_error
+from .packing import pack, packed_row_bytes, unpack
+from .rtn import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize, tensor_layout
+from .search import ClipSearchResult, search_clip_ratio
+from .smooth import smoothing_scale
+from .spec import QuantSpec, SpecError
+
+__all__ = [
+    "ClipSearchResult",
+    "QuantSpec",
+    "QuantizedWeight",
+    "SpecError",
+    "dequantize",
+    "fake_quantize",
+    "num_groups",
+    "pack",
+    "packed_row_bytes",
+    "quantize",
+    "rel_mse",
+    "search_clip_ratio",
+    "smoothing_scale",
+    "sqnr_db",
+    "tensor_layout",
+    "unpack",
+    "weighted_sq_error",
+]

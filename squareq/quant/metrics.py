@@ -1,0 +1,40 @@
+"""Error metrics between a reference tensor and its approximation."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _err_and_ref(ref: torch.Tensor, approx: torch.Tensor, dim):
+    ref = ref.detach().double()
+    err = (approx.detach().double() - ref).pow(2)
+    if dim is None:
+        return err.sum(), ref.pow(2).sum()
+    return err.sum(dim=dim), ref.pow(2).sum(dim=dim)
+
+
+def rel_mse(ref: torch.Tensor, approx: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``||approx - ref||² / ||ref||²`` (over all elements, or along ``dim``); 0 when both are zero."""
+    err, power = _err_and_ref(ref, approx, dim)
+    safe = torch.where(power > 0, power, torch.ones_like(power))
+    return torch.where(power > 0, err / safe, torch.where(err > 0, torch.full_like(err, math.inf), err))
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB (``inf`` for an exact approximation)."""
+    err, power = _err_and_ref(ref, approx, None)
+    if err == 0:
+        return math.inf
+    if power == 0:
+        return -math.inf
+    return float(10.0 * torch.log10(power / err))
+
+
+def weighted_sq_error(ref: torch.Tensor, approx: torch.Tensor, channel_weight: torch.Tensor | None = None) -> float:
+    """Σ_k h_k Σ_n (approx - ref)²_nk: the expected output error E‖x(W-Ŵ)ᵀ‖² for inputs with
+    uncorrelated channels of second moment ``h`` (plain squared error when ``h`` is None)."""
+    d = (approx.detach().double() - ref.detach().double()).pow(2).sum(dim=0)
+    if channel_weight is not None:
+        d = d * channel_weight.detach().double().reshape(-1)
+    return float(d.sum())

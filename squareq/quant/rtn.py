@@ -1,0 +1,169 @@
+"""Round-to-nearest group quantization and its exact torch reference dequantization.
+
+A quantized weight ``[N, K]`` is a dict of named tensors (the names are slab roles):
+
+* ``qweight``: packed codes, ``uint8 [N, packed_row_bytes(bits, K)]`` (see :mod:`.packing`)
+* ``scales``: ``[N, ceil(K / group_size)]`` in the spec's scale dtype
+* ``zeros``: ``int8 [N, G]`` zero points in the signed code domain (asymmetric specs only)
+* ``inv_smooth``: ``float32 [K]`` = 1/s, folded back in at dequantization (smoothing specs only)
+* ``weight``: ``bfloat16 [N, K]`` (16-bit passthrough only)
+
+Dequantization is defined as ``bf16(float32(q - z) * float32(scale) [* inv_smooth])`` evaluated in
+exactly that order, so every kernel can reproduce it bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packing import pack, packed_row_bytes, unpack
+from .spec import QuantSpec, SpecError
+
+ROLES = ("qweight", "scales", "zeros", "inv_smooth", "weight")
+
+
+@dataclass
+class QuantizedWeight:
+    """A layer's stored tensors together with the spec and logical shape that give them meaning."""
+
+    spec: QuantSpec
+    shape: tuple[int, int]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def num_groups(k: int, group_size: int) -> int:
+    return -(-k // group_size)
+
+
+def tensor_layout(spec: QuantSpec, shape: tuple[int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Dtype and shape of every stored tensor for a weight of ``shape`` under ``spec``.
+
+    Sizes depend only on shape and spec, so a slab's byte layout can be planned before quantizing.
+    """
+    n, k = shape
+    if spec.is_passthrough:
+        return {"weight": (torch.bfloat16, (n, k))}
+    g = num_groups(k, spec.group_size)
+    out = {
+        "qweight": (torch.uint8, (n, packed_row_bytes(spec.bits, k))),
+        "scales": (spec.torch_scale_dtype, (n, g)),
+    }
+    if not spec.symmetric:
+        out["zeros"] = (torch.int8, (n, g))
+    if spec.smooth:
+        out["inv_smooth"] = (torch.float32, (k,))
+    return out
+
+
+def _check_weight(w: torch.Tensor) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}.")
+    if not torch.isfinite(w).all():
+        raise ValueError("the weight contains NaN or Inf values; fix the source checkpoint before quantizing.")
+
+
+def _apply_smoothing(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None):
+    if not spec.smooth:
+        return w, None
+    if smooth_scale is None:
+        raise SpecError("spec.smooth is set but no smoothing scale was given.")
+    s = smooth_scale.detach().to(device=w.device, dtype=torch.float32).reshape(-1)
+    if s.numel() != w.shape[1] or not torch.isfinite(s).all() or (s <= 0).any():
+        raise ValueError(f"smoothing scale must be {w.shape[1]} positive finite values.")
+    inv = (1.0 / s).contiguous()
+    # Quantize W·diag(1/inv) so that folding inv back in is exact in the same fp32 arithmetic.
+    return w * (1.0 / inv)[None, :], inv
+
+
+def _store_scale(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    stored = raw.to(spec.torch_scale_dtype)
+    # Round the stored scale up, never down, so the code range still covers the group's range.
+    low = stored.float() < raw
+    stored = torch.where(low, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
+    if not torch.isfinite(stored).all():
+        raise SpecError(
+            f"weight magnitudes overflow scale_dtype={spec.scale_dtype}; use scale_dtype='bfloat16' or 'float32'."
+        )
+    # An all-zero (or underflowing) group gets scale 1: its codes are 0 and it dequantizes to exact zeros.
+    return torch.where(stored == 0, torch.ones_like(stored), stored)
+
+
+def _codes(w: torch.Tensor, spec: QuantSpec):
+    """Return (codes int32 [N, G*g], scales [N, G] stored dtype, zeros int32 [N, G] or None)."""
+    n, k = w.shape
+    g = spec.group_size
+    groups = num_groups(k, g)
+    wg = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, g)
+    c = float(spec.clip_ratio)
+    if spec.symmetric:
+        amax = wg.abs().amax(dim=-1) * c
+        scales = _store_scale(amax / spec.qmax, spec)
+        s = scales.float()[..., None]
+        q = torch.round(wg / s).clamp_(-spec.qmax, spec.qmax)
+        return q.to(torch.int32).reshape(n, -1), scales, None
+    lo = wg.amin(dim=-1).clamp(max=0) * c
+    hi = wg.amax(dim=-1).clamp(min=0) * c
+    scales = _store_scale((hi - lo) / (2**spec.bits - 1), spec)
+    s = scales.float()
+    z = torch.round(spec.qmin - lo / s).clamp_(spec.qmin, spec.qmax)
+    q = torch.round(wg / s[..., None] + z[..., None]).clamp_(spec.qmin, spec.qmax)
+    return q.to(torch.int32).reshape(n, -1), scales, z.to(torch.int32)
+
+
+def _dequant_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int, g: int) -> torch.Tensor:
+    s = scales.float().repeat_interleave(g, dim=1)[:, :k]
+    if zeros is not None:
+        q = q - zeros.to(torch.int32).repeat_interleave(g, dim=1)[:, :k]
+    return q.float() * s
+
+
+def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantize ``w [N, K]`` under ``spec``; ``smooth_scale`` is ``s`` when ``spec.smooth``."""
+    _check_weight(w)
+    n, k = w.shape
+    w = w.detach().float()
+    if spec.is_passthrough:
+        if spec.smooth:
+            raise SpecError("smoothing applies to 4/6/8-bit formats only, not bf16 passthrough.")
+        return QuantizedWeight(spec, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
+    w, inv = _apply_smoothing(w, spec, smooth_scale)
+    q, scales, zeros = _codes(w, spec)
+    tensors = {"qweight": pack(q[:, :k], spec.bits), "scales": scales.contiguous()}
+    if zeros is not None:
+        tensors["zeros"] = zeros.to(torch.int8).contiguous()
+    if inv is not None:
+        tensors["inv_smooth"] = inv
+    return QuantizedWeight(spec, (n, k), tensors)
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """Exact reference dequantization to a ``bfloat16 [N, K]`` weight (the effective ``W``)."""
+    spec, (n, k), t = qw.spec, qw.shape, qw.tensors
+    if spec.is_passthrough:
+        return t["weight"].to(torch.bfloat16)
+    q = unpack(t["qweight"], spec.bits, k)
+    w = _dequant_codes(q, t["scales"], t.get("zeros"), k, spec.group_size)
+    if spec.smooth:
+        w = w * t["inv_smooth"].float()[None, :]
+    return w.to(torch.bfloat16)
+
+
+def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize(quantize(w))`` in float32 without packing (before the final bf16 rounding).
+
+    Used by searches that try many specs; shares the code path of :func:`quantize`.
+    """
+    _check_weight(w)
+    w = w.detach().float()
+    if spec.is_passthrough:
+        return w.to(torch.bfloat16).float()
+    k = w.shape[1]
+    ws, inv = _apply_smoothing(w, spec, smooth_scale)
+    q, scales, zeros = _codes(ws, spec)
+    out = _dequant_codes(q[:, :k], scales, zeros, k, spec.group_size)
+    return out * inv[None, :] if inv is not None else out

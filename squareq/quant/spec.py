@@ -1,0 +1,99 @@
+"""`QuantSpec`: the complete, frozen description of one layer's weight format."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+SUPPORTED_BITS = (4, 6, 8, 16)
+
+# Packing ids are part of the slab format: never renumber, only add.
+PACKING_FOR_BITS = {4: "u4x2", 6: "u6x4", 8: "i8", 16: "bf16"}
+
+SCALE_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+class SpecError(ValueError):
+    """A QuantSpec field has a value SquareQ cannot store or compute with."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one linear layer's weight is stored.
+
+    bits: 4, 6 or 8 (integer codes with per-group scales along K) or 16 (bf16 passthrough).
+    group_size: input channels (K) sharing one scale; a power of two >= 8.
+    symmetric: codes are centred on zero; otherwise (the default) each group also stores an int8
+        zero point, which lowers W4 error by about a quarter on Gaussian weights (docs/formats.md).
+    scale_dtype: "float16", "bfloat16" or "float32".
+    clip_ratio: fraction of the group's range that maps onto the code range (1.0 = no clipping).
+    smooth: the stored weight is W·diag(s) and the slab keeps 1/s per input channel.
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    symmetric: bool = False
+    scale_dtype: str = "float16"
+    clip_ratio: float = 1.0
+    smooth: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise SpecError(f"bits={self.bits} is not supported; use one of {SUPPORTED_BITS}.")
+        g = self.group_size
+        if not isinstance(g, int) or g < 8 or g & (g - 1):
+            raise SpecError(f"group_size={g!r} must be a power of two of at least 8 (e.g. 64 or 128).")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise SpecError(f"scale_dtype={self.scale_dtype!r} must be one of {sorted(SCALE_DTYPES)}.")
+        if not (0.0 < float(self.clip_ratio) <= 1.0):
+            raise SpecError(f"clip_ratio={self.clip_ratio} must lie in (0, 1].")
+
+    @property
+    def packing(self) -> str:
+        """Packing id recorded in the manifest (u4x2, u6x4, i8 or bf16)."""
+        return PACKING_FOR_BITS[self.bits]
+
+    @property
+    def is_passthrough(self) -> bool:
+        return self.bits == 16
+
+    @property
+    def torch_scale_dtype(self) -> torch.dtype:
+        return SCALE_DTYPES[self.scale_dtype]
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def with_clip(self, clip_ratio: float) -> "QuantSpec":
+        return replace(self, clip_ratio=float(clip_ratio))
+
+    def label(self) -> str:
+        """Short human label, e.g. ``W4 g64 sym`` or ``bf16``."""
+        if self.is_passthrough:
+            return "bf16"
+        return f"W{self.bits} g{self.group_size} {'sym' if self.symmetric else 'asym'}"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["packing"] = self.packing
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantSpec":
+        known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth"}
+        unknown = set(d) - known - {"packing"}
+        if unknown:
+            raise SpecError(f"unknown QuantSpec fields {sorted(unknown)}.")
+        spec = cls(**{k: d[k] for k in known if k in d})
+        if "packing" in d and d["packing"] != spec.packing:
+            raise SpecError(f"packing {d['packing']!r} does not match bits={spec.bits} ({spec.packing!r}).")
+        return spec

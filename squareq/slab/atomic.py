@@ -1,0 +1,42 @@
+"""Atomic creation of an output directory: build it under a temporary name, rename when complete."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from .errors import SlabError
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``final``; on success it replaces ``final``.
+
+    If the body raises, the temporary directory is removed and ``final`` is untouched.
+    """
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise SlabError(f"{final} already exists; choose another output path or pass overwrite (--force).")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if final.exists():
+            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

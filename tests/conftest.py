@@ -1,0 +1,43 @@
+import os
+
+import pytest
+import torch
+
+# Without CUDA, run Triton kernels in the interpreter; this must happen before triton.jit decorates them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_flux():
+    from squareq.models import load_builtin
+
+    return load_builtin("tiny-flux")
+
+
+@pytest.fixture(scope="session")
+def tiny_slab(tmp_path_factory, tiny_flux):
+    """A W4 slab of tiny-flux with a mix of formats, written once for the session (read-only in tests)."""
+    from squareq.quant import QuantSpec
+    from squareq.slab import WriteOptions, write_slab
+
+    model, adapter = tiny_flux
+    blocks = adapter.blocks(model)
+    plan = {
+        "transformer_blocks.0.attn.to_q": QuantSpec(bits=8, group_size=32, symmetric=True),
+        "transformer_blocks.0.attn.to_k": QuantSpec(bits=6, group_size=16),
+        "transformer_blocks.1.ff.net.2": QuantSpec(bits=16),
+        "single_transformer_blocks.0.proj_out": QuantSpec(bits=4, group_size=128, scale_dtype="bfloat16"),
+    }
+    out = tmp_path_factory.mktemp("slab") / "tiny.slab"
+    write_slab(model, blocks, plan, out, WriteOptions(default_spec=QuantSpec(bits=4), family="flux", source="tiny-flux"))
+    return out

@@ -1,0 +1,145 @@
+"""Every refusal of the reader, each from a crafted file; nothing is returned from a refused slab."""
+import json
+import pickle
+
+import pytest
+import torch
+
+from squareq.slab import SlabError, open_slab
+
+from .helpers import copy_slab, edit_manifest, flip_byte, read_safetensors, write_safetensors
+
+
+@pytest.fixture
+def slab(tiny_slab, tmp_path):
+    return copy_slab(tiny_slab, tmp_path / "copy.slab")
+
+
+def refused(path, match, **kw):
+    with pytest.raises(SlabError, match=match) as info:
+        open_slab(path, **kw)
+    message = str(info.value)
+    assert str(path) in message and message.count("\n") == 0
+    return message
+
+
+def test_truncated_file(slab):
+    data = slab / "slab.safetensors"
+    data.write_bytes(data.read_bytes()[:-1000])
+    refused(slab, "truncated")
+
+
+def test_flipped_byte_fails_the_hash(slab):
+    flip_byte(slab / "slab.safetensors", offset_from_end=150_000)
+    refused(slab, "sha256", verify=True)
+    lazy = open_slab(slab, verify="lazy")
+    bad = [b.index for b in lazy.manifest.blocks if _fails(lazy, b.index)]
+    assert len(bad) == 1
+    lazy.close()
+
+
+def _fails(slab, index):
+    try:
+        slab.block_bytes(index)
+        return False
+    except SlabError as exc:
+        assert "sha256" in str(exc)
+        return True
+
+
+def test_flipped_byte_in_resident_tensors(slab):
+    flip_byte(slab / "slab.safetensors", offset_from_end=3)
+    refused(slab, "resident tensor .* sha256", verify=True)
+
+
+def test_layer_offset_past_block_end(slab):
+    def edit(m):
+        m["layers"][0]["tensors"]["scales"]["offset"] = m["blocks"][0]["nbytes"]
+
+    edit_manifest(slab, edit)
+    refused(slab, "past its block")
+
+
+def test_header_offset_past_end_of_file(slab):
+    path = slab / "slab.safetensors"
+    header, data = read_safetensors(path)
+    header["block.0"]["data_offsets"] = [len(data), len(data) + header["block.0"]["shape"][0]]
+    write_safetensors(path, header, data)
+    refused(slab, "truncated or damaged")
+
+
+def test_wrong_format_version(slab):
+    edit_manifest(slab, lambda m: m.update(format_version=99))
+    msg = refused(slab, "version 99")
+    assert "recompile" in msg
+
+
+def test_extra_tensor(slab):
+    path = slab / "slab.safetensors"
+    header, data = read_safetensors(path)
+    header["sneaky"] = {"dtype": "U8", "shape": [4], "data_offsets": [len(data), len(data) + 4]}
+    write_safetensors(path, header, data + b"\x00" * 4)
+    refused(slab, "does not name .*sneaky")
+
+
+def test_missing_tensor(slab):
+    path = slab / "slab.safetensors"
+    header, data = read_safetensors(path)
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    begin = header.pop(last)["data_offsets"][0]
+    write_safetensors(path, header, data[:begin])
+    refused(slab, "missing tensors")
+
+
+@pytest.mark.parametrize("payload", ["pickle", "torch.save"])
+def test_pickle_renamed_to_safetensors(slab, payload):
+    path = slab / "slab.safetensors"
+    if payload == "pickle":
+        path.write_bytes(pickle.dumps({"block.0": [1, 2, 3]}))
+        refused(slab, "pickle")
+    else:
+        torch.save({"block.0": torch.zeros(4)}, path)
+        refused(slab, "zip archive")
+
+
+def test_nan_scale_is_refused_even_with_a_matching_hash(slab):
+    import hashlib
+
+    m = json.loads((slab / "manifest.json").read_text())
+    layer = m["layers"][0]
+    scales = layer["tensors"]["scales"]
+    path = slab / "slab.safetensors"
+    header, data = read_safetensors(path)
+    block = m["blocks"][layer["block"]]
+    start = header[block["tensor"]]["data_offsets"][0] + scales["offset"]
+    data = bytearray(data)
+    data[start : start + 2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    blob = bytes(data[header[block["tensor"]]["data_offsets"][0] : header[block["tensor"]]["data_offsets"][1]])
+    block["sha256"] = hashlib.sha256(blob).hexdigest()
+    write_safetensors(path, header, bytes(data))
+    (slab / "manifest.json").write_text(json.dumps(m))
+    refused(slab, "NaN or Inf scales", verify=True)
+
+
+def test_signature_mismatch(slab):
+    refused(slab, "different model", expected_signature="0" * 64)
+
+    def edit(m):
+        m["layers"][0]["shape"] = [m["layers"][0]["shape"][0] + 1, m["layers"][0]["shape"][1]]
+
+    edit_manifest(slab, edit)
+    refused(slab, "signature does not match")
+
+
+def test_not_a_slab_directory(tmp_path):
+    refused(tmp_path / "nowhere", "not a slab directory")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "manifest.json").write_text("{}")
+    refused(tmp_path / "half", "no slab.safetensors")
+
+
+def test_damaged_manifest(slab):
+    (slab / "manifest.json").write_text("{ not json")
+    refused(slab, "not valid JSON")
+    (slab / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    refused(slab, "not a SquareQ slab manifest")

@@ -1,0 +1,96 @@
+import pytest
+import torch
+from safetensors import safe_open
+
+from squareq.kernels import dequantize_into
+from squareq.quant import QuantSpec, dequantize, quantize
+from squareq.slab import SlabError, WriteOptions, model_signature, open_slab, write_slab
+
+
+def test_every_layer_reads_back_bit_for_bit(tiny_flux, tiny_slab):
+    model, _ = tiny_flux
+    modules = dict(model.named_modules())
+    with open_slab(tiny_slab, verify=True, expected_signature=model_signature(model)) as slab:
+        layers = slab.manifest.layers
+        assert len(layers) == sum(
+            isinstance(m, torch.nn.Linear) for n, m in model.named_modules() if n.startswith(("transformer_blocks.", "single_transformer_blocks."))
+        )
+        assert {layer.spec.bits for layer in layers} == {4, 6, 8, 16}
+        for layer in layers:
+            reference = quantize(modules[layer.name].weight.detach(), layer.spec)
+            stored = slab.quantized_weight(layer.name)
+            assert stored.tensors.keys() == reference.tensors.keys()
+            for role, t in reference.tensors.items():
+                assert torch.equal(stored.tensors[role], t), (layer.name, role)
+            assert torch.equal(slab.dequantized_weight(layer.name).view(torch.int16), dequantize(reference).view(torch.int16))
+            out = torch.empty(tuple(layer.shape), dtype=torch.bfloat16)
+            dequantize_into(out, stored)
+            assert torch.equal(out.view(torch.int16), dequantize(reference).view(torch.int16))
+
+
+def test_non_quantized_tensors_read_back(tiny_flux, tiny_slab):
+    model, _ = tiny_flux
+    state = model.state_dict()
+    with open_slab(tiny_slab) as slab:
+        rebuilt = slab.dequantized_state_dict()
+        assert rebuilt.keys() == state.keys()
+        for block in slab.manifest.blocks:
+            for name, t in slab.block_params(block.index).items():
+                assert torch.equal(t, state[f"{block.name}.{name}"].to(torch.bfloat16)), name
+        for name, t in slab.resident_tensors().items():
+            assert torch.equal(t, state[name].to(torch.bfloat16)), name
+
+
+def test_layout_is_aligned_and_plain_safetensors(tiny_slab):
+    with open_slab(tiny_slab) as slab:
+        m = slab.manifest
+        assert all(t.offset % 256 == 0 for layer in m.layers for t in layer.tensors.values())
+        assert all(p.offset % 256 == 0 for b in m.blocks for p in b.params)
+        assert all(b.nbytes % 256 == 0 for b in m.blocks)
+        keys = {b.tensor for b in m.blocks} | {r.tensor for r in m.resident}
+    with safe_open(str(tiny_slab / "slab.safetensors"), "pt") as f:
+        assert set(f.keys()) == keys
+        with open_slab(tiny_slab) as slab:
+            assert torch.equal(f.get_tensor("block.1"), slab.block_bytes(1))
+
+
+def test_writer_refuses_to_overwrite_and_leaves_nothing_on_failure(tiny_flux, tmp_path, monkeypatch):
+    model, adapter = tiny_flux
+    blocks = adapter.blocks(model)
+    out = tmp_path / "a.slab"
+    with pytest.raises(SlabError, match="no QuantSpec"):
+        write_slab(model, blocks, {}, out)
+    assert list(tmp_path.iterdir()) == []
+
+    from squareq.slab import writer
+
+    calls = []
+
+    def failing(block, opts):
+        calls.append(block.record.index)
+        if len(calls) == 3:
+            raise RuntimeError("disk full")
+        return original(block, opts)
+
+    original = writer._block_blob
+    monkeypatch.setattr(writer, "_block_blob", failing)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(writer, "_block_blob", original)
+
+    write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
+    with pytest.raises(SlabError, match="already exists"):
+        write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
+    write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec(bits=8), overwrite=True))
+    with open_slab(out) as slab:
+        assert {layer.spec.bits for layer in slab.manifest.layers} == {8}
+    assert [p.name for p in tmp_path.iterdir()] == ["a.slab"]
+
+
+def test_metrics_and_clip_ratio_are_recorded(tiny_slab):
+    with open_slab(tiny_slab) as slab:
+        for layer in slab.manifest.layers:
+            assert layer.metrics["weight_rel_mse"] >= 0
+            assert 0.5 <= layer.spec.clip_ratio <= 1.0
+            assert layer.rung == layer.spec.bits

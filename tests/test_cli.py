@@ -1,0 +1,78 @@
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from squareq.cli import main
+
+from .slab.helpers import copy_slab, flip_byte
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_help_lists_every_command(runner):
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for name in ("compile", "train", "accept", "inspect", "demo"):
+        assert f"  {name} " in result.output
+
+
+@pytest.mark.parametrize("name", ["compile", "train", "accept"])
+def test_commands_not_built_yet_say_so_and_fail(runner, name):
+    result = runner.invoke(main, [name, "whatever"])
+    assert result.exit_code == 2
+    assert f"`squareq {name}` is not in SquareQ" in result.output
+
+
+def test_inspect_table_and_totals(runner, tiny_slab):
+    result = runner.invoke(main, ["inspect", str(tiny_slab)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "transformer_blocks.0.attn.to_q" in out and "W8" in out and "W6" in out and "bf16" in out
+    assert "bits per weight" in out and "streamed blocks" in out and "largest" in out
+
+
+def test_inspect_json_matches_the_manifest(runner, tiny_slab):
+    result = runner.invoke(main, ["inspect", str(tiny_slab), "--json"])
+    assert result.exit_code == 0
+    report = json.loads(result.output)
+    manifest = json.loads((tiny_slab / "manifest.json").read_text())
+    assert [row["layer"] for row in report["layers"]] == [layer["name"] for layer in manifest["layers"]]
+    layer_bytes = sum(t["nbytes"] for layer in manifest["layers"] for t in layer["tensors"].values())
+    weights = sum(layer["shape"][0] * layer["shape"][1] for layer in manifest["layers"])
+    assert report["totals"]["bits_per_weight"] == pytest.approx(8 * layer_bytes / weights)
+    assert report["totals"]["streamed_bytes"] == sum(b["nbytes"] for b in manifest["blocks"])
+
+
+def test_inspect_verify_passes_on_a_good_slab(runner, tiny_slab):
+    result = runner.invoke(main, ["inspect", str(tiny_slab), "--verify"])
+    assert result.exit_code == 0 and "matches its sha256" in result.output
+
+
+def test_inspect_verify_fails_clearly_on_one_flipped_byte(runner, tiny_slab, tmp_path):
+    slab = copy_slab(tiny_slab, tmp_path / "bad.slab")
+    flip_byte(slab / "slab.safetensors", offset_from_end=150_000)
+    assert runner.invoke(main, ["inspect", str(slab)]).exit_code == 0  # without --verify nothing is hashed
+    result = runner.invoke(main, ["inspect", str(slab), "--verify"])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "sha256" in lines[0] and str(slab) in lines[0]
+
+
+def test_inspect_of_a_missing_path(runner, tmp_path):
+    result = runner.invoke(main, ["inspect", str(tmp_path / "nope.slab")])
+    assert result.exit_code == 1 and "not a slab directory" in result.output
+
+
+def test_demo_measures_and_writes_a_slab(runner, tmp_path):
+    out = tmp_path / "demo.slab"
+    result = runner.invoke(main, ["demo", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "manifest.json").is_file() and "[4/4]" in result.output
+    rel = float(result.output.split("output rel-MSE ")[1].split(",")[0])
+    assert 0 < rel < 0.05
+    again = runner.invoke(main, ["demo", "-o", str(out)])
+    assert again.exit_code == 1 and "already exists" in again.output
