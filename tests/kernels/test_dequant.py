@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 import torch
@@ -7,6 +8,11 @@ from squareq.kernels import backend_for, dequantize_into
 from squareq.kernels import dequant as dispatch
 from squareq.quant import QuantSpec, dequantize, quantize
 
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernel in the Triton interpreter; test_dequant_gpu.py covers CUDA",
+)
+
 SHAPES = [(7, 5, 8), (33, 200, 64), (16, 256, 128), (3, 129, 16), (4, 1, 16)]
 
 
@@ -14,6 +20,7 @@ def _bits(t):
     return t.view(torch.int16)
 
 
+@interpreted
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("smooth", [False, True])
@@ -30,6 +37,7 @@ def test_kernel_matches_reference_bit_for_bit(bits, symmetric, smooth):
         assert torch.equal(_bits(out), _bits(dequantize(qw))), (n, k, group)
 
 
+@interpreted
 def test_kernel_writes_into_a_view_of_a_larger_buffer():
     qw = quantize(torch.randn(10, 70), QuantSpec(bits=4, group_size=16))
     scratch = torch.full((12, 96), float("nan"), dtype=torch.bfloat16)
