@@ -113,6 +113,20 @@ class ModelRecord:
     block_lists: list[str]
 
 
+def layer_to_dict(rec: LayerRecord) -> dict:
+    return {**asdict(rec), "spec": rec.spec.to_dict()}
+
+
+def layer_from_dict(d: dict) -> LayerRecord:
+    """Parse a layer record; raises KeyError/TypeError/SpecError on malformed input."""
+    return LayerRecord(**{**d, "spec": QuantSpec.from_dict(d["spec"]),
+                          "tensors": {k: TensorRecord(**v) for k, v in d["tensors"].items()}})
+
+
+def block_from_dict(d: dict) -> BlockRecord:
+    return BlockRecord(**{**d, "params": [TensorRecord(**p) for p in d["params"]]})
+
+
 @dataclass
 class Manifest:
     model: ModelRecord
@@ -134,8 +148,7 @@ class Manifest:
 
     def to_json(self) -> str:
         d = asdict(self)
-        for layer, rec in zip(d["layers"], self.layers):
-            layer["spec"] = rec.spec.to_dict()
+        d["layers"] = [layer_to_dict(rec) for rec in self.layers]
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
@@ -156,19 +169,8 @@ class Manifest:
         try:
             return cls(
                 model=ModelRecord(**d["model"]),
-                blocks=[
-                    BlockRecord(**{**b, "params": [TensorRecord(**p) for p in b["params"]]}) for b in d["blocks"]
-                ],
-                layers=[
-                    LayerRecord(
-                        **{
-                            **rec,
-                            "spec": QuantSpec.from_dict(rec["spec"]),
-                            "tensors": {k: TensorRecord(**v) for k, v in rec["tensors"].items()},
-                        }
-                    )
-                    for rec in d["layers"]
-                ],
+                blocks=[block_from_dict(b) for b in d["blocks"]],
+                layers=[layer_from_dict(rec) for rec in d["layers"]],
                 resident=[ResidentRecord(**r) for r in d["resident"]],
                 alignment=d["alignment"],
                 thresholds=d.get("thresholds"),

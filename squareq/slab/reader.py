@@ -22,7 +22,6 @@ from .manifest import (
     DATA_FILE,
     DTYPES,
     MANIFEST_FILE,
-    BlockRecord,
     LayerRecord,
     Manifest,
     TensorRecord,

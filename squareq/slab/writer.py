@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import os
 import struct
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -33,8 +34,11 @@ from .manifest import (
     ResidentRecord,
     TensorRecord,
     align_up,
+    block_from_dict,
     block_tensor_name,
     dtype_name,
+    layer_from_dict,
+    layer_to_dict,
     resident_tensor_name,
 )
 from .signature import jsonable_config, model_signature
@@ -59,10 +63,21 @@ class WriteOptions:
 
 
 @dataclass
-class _Block:
+class EncodedBlock:
+    """A block turned into its blob: the records for the manifest and the file holding the bytes."""
+
     record: BlockRecord
-    linears: list[tuple[LayerRecord, nn.Linear]]
-    params: list[tuple[TensorRecord, torch.Tensor]]
+    layers: list[LayerRecord]
+    blob_path: Path
+
+    def to_dict(self) -> dict:
+        """JSON form, so a resumable compiler can keep finished blocks on disk."""
+        return {"record": asdict(self.record), "layers": [layer_to_dict(rec) for rec in self.layers],
+                "blob_path": str(self.blob_path)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EncodedBlock":
+        return cls(block_from_dict(d["record"]), [layer_from_dict(rec) for rec in d["layers"]], Path(d["blob_path"]))
 
 
 def _stored(t: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
@@ -70,16 +85,24 @@ def _stored(t: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Packer:
-    """Hands out 256-byte-aligned offsets inside one blob."""
+    """Places tensors at 256-byte-aligned offsets inside one blob."""
 
     def __init__(self) -> None:
         self.size = 0
+        self.items: list[tuple[TensorRecord, torch.Tensor]] = []
 
-    def add(self, name: str, dtype: torch.dtype, shape) -> TensorRecord:
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        rec = TensorRecord(name, dtype_name(dtype), [int(d) for d in shape], self.size, nbytes)
+    def add(self, name: str, t: torch.Tensor) -> TensorRecord:
+        nbytes = t.numel() * t.element_size()
+        rec = TensorRecord(name, dtype_name(t.dtype), [int(d) for d in t.shape], self.size, nbytes)
+        self.items.append((rec, t))
         self.size = align_up(self.size + nbytes)
         return rec
+
+    def blob(self) -> torch.Tensor:
+        blob = torch.zeros(align_up(max(self.size, 1)), dtype=torch.uint8)
+        for rec, t in self.items:
+            blob[rec.offset : rec.offset + rec.nbytes] = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        return blob
 
 
 def _resolve_spec(name: str, plan: Mapping[str, QuantSpec], opts: WriteOptions) -> QuantSpec:
@@ -89,71 +112,62 @@ def _resolve_spec(name: str, plan: Mapping[str, QuantSpec], opts: WriteOptions) 
     return spec
 
 
-def _plan_block(index: int, prefix: str, block: nn.Module, plan, opts: WriteOptions) -> _Block:
-    packer = _Packer()
-    linears, layer_records, taken = [], [], set()
-    for rel, mod in block.named_modules():
-        if not isinstance(mod, nn.Linear):
-            continue
-        name = f"{prefix}.{rel}"
-        spec = _resolve_spec(name, plan, opts)
-        shape = (mod.out_features, mod.in_features)
-        tensors = {
-            role: packer.add(f"{rel}.{role}", dtype, shp)
-            for role, (dtype, shp) in quant.tensor_layout(spec, shape).items()
-        }
-        rec = LayerRecord(name, index, list(shape), spec, tensors, rung=spec.bits,
-                          reason=list(opts.reasons.get(name, [])))
-        linears.append((rec, mod))
-        layer_records.append(name)
-        taken.add(f"{rel}.weight")
-    params = []
-    for rel, t in block.state_dict(keep_vars=True).items():
-        if rel in taken:
-            continue
-        stored = _stored(t, opts.param_dtype)
-        params.append((packer.add(rel, stored.dtype, stored.shape), t))
-    record = BlockRecord(index, prefix, block_tensor_name(index), align_up(max(packer.size, 1)), "",
-                         layer_records, [p for p, _ in params])
-    return _Block(record, linears, params)
+def block_linears(prefix: str, block: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(canonical name, module) of every ``nn.Linear`` in a block, in module order."""
+    return [(f"{prefix}.{rel}", mod) for rel, mod in block.named_modules() if isinstance(mod, nn.Linear)]
 
 
-def _quantize_layer(rec: LayerRecord, mod: nn.Linear, opts: WriteOptions) -> QuantizedWeight:
-    w = mod.weight.detach().float()
-    spec = rec.spec
-    smooth = opts.smoothing.get(rec.name)
-    if spec.smooth and smooth is None:
-        raise SlabError(f"layer {rec.name} asks for smoothing but no smoothing scale was provided.")
-    if opts.clip_search and not spec.is_passthrough:
-        found = quant.search_clip_ratio(w, spec, opts.act_second_moments.get(rec.name), smooth)
-        spec = spec.with_clip(found.clip_ratio)
-    qw = quant.quantize(w, spec, smooth)
+def weight_metrics(w: torch.Tensor, qw: QuantizedWeight) -> dict[str, float]:
     approx = quant.dequantize(qw).float()
-    rec.spec = spec
-    rec.metrics = {
-        "weight_rel_mse": float(quant.rel_mse(w, approx)),
-        "weight_sqnr_db": quant.sqnr_db(w, approx),
-        **opts.metrics.get(rec.name, {}),
-    }
-    return qw
+    w = w.detach().float()
+    return {"weight_rel_mse": float(quant.rel_mse(w, approx)), "weight_sqnr_db": quant.sqnr_db(w, approx)}
 
 
-def _fill(blob: torch.Tensor, rec: TensorRecord, t: torch.Tensor) -> None:
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if data.numel() != rec.nbytes:
-        raise SlabError(f"internal layout error: {rec.name} has {data.numel()} bytes, planned {rec.nbytes}.")
-    blob[rec.offset : rec.offset + rec.nbytes] = data.cpu()
+def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
+                 blob_path: Path, param_dtype: torch.dtype = torch.bfloat16,
+                 metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None) -> EncodedBlock:
+    """Lay out one block (its linears from ``quantized``, every other tensor raw) and write its blob to ``blob_path``.
+
+    The blob file appears only when complete (temporary name, then rename).
+    """
+    packer, layers, taken = _Packer(), [], set()
+    for name, mod in block_linears(prefix, block):
+        qw = quantized.get(name)
+        if qw is None:
+            raise SlabError(f"layer {name} was not quantized; every linear of block {prefix} needs a QuantizedWeight.")
+        expected = quant.tensor_layout(qw.spec, (mod.out_features, mod.in_features))
+        if {r: (t.dtype, tuple(t.shape)) for r, t in qw.tensors.items()} != expected or qw.shape != (mod.out_features, mod.in_features):
+            raise SlabError(f"layer {name}: stored tensors do not match {qw.spec.label()} for shape {list(qw.shape)}.")
+        rel = name[len(prefix) + 1 :]
+        tensors = {role: packer.add(f"{rel}.{role}", t) for role, t in qw.tensors.items()}
+        layer_metrics = {**weight_metrics(mod.weight, qw), **(metrics or {}).get(name, {})}
+        layers.append(LayerRecord(name, index, [mod.out_features, mod.in_features], qw.spec, tensors,
+                                  metrics=layer_metrics, rung=qw.spec.bits, reason=list((reasons or {}).get(name, []))))
+        taken.add(f"{rel}.weight")
+    params = [packer.add(rel, _stored(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
+    blob = packer.blob()
+    record = BlockRecord(index, prefix, block_tensor_name(index), blob.numel(),
+                         hashlib.sha256(blob.numpy().data).hexdigest(), [rec.name for rec in layers], params)
+    blob_path = Path(blob_path)
+    tmp = blob_path.with_name(blob_path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(blob.numpy().data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, blob_path)
+    return EncodedBlock(record, layers, blob_path)
 
 
-def _block_blob(block: _Block, opts: WriteOptions) -> torch.Tensor:
-    blob = torch.zeros(block.record.nbytes, dtype=torch.uint8)
-    for rec, mod in block.linears:
-        qw = _quantize_layer(rec, mod, opts)
-        for role, trec in rec.tensors.items():
-            _fill(blob, trec, qw.tensors[role])
-    for trec, t in block.params:
-        _fill(blob, trec, _stored(t, opts.param_dtype))
-    return blob
+def rtn_quantize(name: str, w: torch.Tensor, spec: QuantSpec, opts: WriteOptions) -> QuantizedWeight:
+    """Round-to-nearest with the writer's optional clip search (the compiler has its own searches)."""
+    w = w.detach().float()
+    smooth = opts.smoothing.get(name)
+    if spec.smooth and smooth is None:
+        raise SlabError(f"layer {name} asks for smoothing but no smoothing scale was provided.")
+    if opts.clip_search and not spec.is_passthrough:
+        found = quant.search_clip_ratio(w, spec, opts.act_second_moments.get(name), smooth)
+        spec = spec.with_clip(found.clip_ratio)
+    return quant.quantize(w, spec, smooth)
 
 
 def _header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
@@ -167,6 +181,57 @@ def _header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _copy_file_into(fh, path: Path, nbytes: int, chunk: int = 64 << 20) -> None:
+    with open(path, "rb") as src:
+        copied = 0
+        while block := src.read(chunk):
+            fh.write(block)
+            copied += len(block)
+    if copied != nbytes:
+        raise SlabError(f"{path} holds {copied} bytes but its block record says {nbytes}; recompute that block.")
+
+
+def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[EncodedBlock],
+                  residents: Mapping[str, torch.Tensor], options: WriteOptions) -> Manifest:
+    """Write the slab directory from encoded blocks (blobs on disk) and resident tensors, atomically.
+
+    ``skeleton`` may live on the meta device: only its class, config and shapes are used.
+    """
+    stored = {n: _stored(t, options.param_dtype) for n, t in residents.items()}
+    entries = [(b.record.tensor, "U8", [b.record.nbytes], b.record.nbytes) for b in blocks]
+    entries += [(resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
+                for n, t in stored.items()]
+    resident_records = []
+    with atomic_directory(Path(out), overwrite=options.overwrite) as tmp:
+        data_path = tmp / DATA_FILE
+        with open(data_path, "wb") as fh:
+            fh.write(_header(entries))
+            for b in blocks:
+                _copy_file_into(fh, b.blob_path, b.record.nbytes)
+            for name, t in stored.items():
+                raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
+                fh.write(raw)
+                resident_records.append(ResidentRecord(name, resident_tensor_name(name), dtype_name(t.dtype),
+                                                       list(t.shape), hashlib.sha256(raw).hexdigest()))
+        fsync_file(data_path)
+        paths = [b.record.name for b in blocks]
+        manifest = Manifest(
+            model=ModelRecord(options.family, type(skeleton).__name__, jsonable_config(getattr(skeleton, "config", {})),
+                              model_signature(skeleton), options.source,
+                              list(dict.fromkeys(p.rsplit(".", 1)[0] for p in paths))),
+            blocks=[b.record for b in blocks],
+            layers=[rec for b in blocks for rec in b.layers],
+            resident=resident_records,
+            alignment=ALIGNMENT,
+            thresholds=options.thresholds,
+            calibration=options.calibration,
+            created_by=_created_by(),
+        )
+        (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+        fsync_file(tmp / MANIFEST_FILE)
+    return manifest
+
+
 def _module(model: nn.Module, path: str) -> nn.Module:
     try:
         return model.get_submodule(path)
@@ -178,48 +243,25 @@ def write_slab(model: nn.Module, blocks: Sequence[str], plan: Mapping[str, Quant
                options: WriteOptions | None = None) -> Manifest:
     """Quantize ``model``'s streamed ``blocks`` (module paths) by ``plan`` and write the slab directory ``out``.
 
-    Every ``nn.Linear`` inside a block is stored under its spec (16 = bf16); every other tensor of a
-    block is stored raw inside that block's blob; tensors outside the blocks are stored as resident.
+    Every ``nn.Linear`` inside a block is stored under its spec (16 = bf16), round to nearest with
+    clip search; every other tensor of a block is stored raw inside that block's blob; tensors
+    outside the blocks are stored as resident.
     """
     opts = options or WriteOptions()
     out = Path(out)
-    planned = [_plan_block(i, p, _module(model, p), plan, opts) for i, p in enumerate(blocks)]
+    if out.exists() and not opts.overwrite:
+        raise SlabError(f"{out} already exists; choose another output path or pass overwrite (--force).")
+    modules = [_module(model, p) for p in blocks]
+    specs = {name: _resolve_spec(name, plan, opts) for p, m in zip(blocks, modules) for name, _ in block_linears(p, m)}
     prefixes = tuple(f"{p}." for p in blocks)
-    residents = [(n, _stored(t, opts.param_dtype)) for n, t in model.state_dict().items()
-                 if not n.startswith(prefixes)]
-    block_lists = list(dict.fromkeys(p.rsplit(".", 1)[0] for p in blocks))
-    entries = [(b.record.tensor, "U8", [b.record.nbytes], b.record.nbytes) for b in planned]
-    entries += [(resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
-                for n, t in residents]
-    resident_records = []
-    with atomic_directory(out, overwrite=opts.overwrite) as tmp:
-        data_path = tmp / DATA_FILE
-        with open(data_path, "wb") as fh:
-            fh.write(_header(entries))
-            for block in planned:
-                blob = _block_blob(block, opts)
-                block.record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
-                fh.write(blob.numpy().data)
-            for name, t in residents:
-                raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
-                fh.write(raw)
-                resident_records.append(ResidentRecord(name, resident_tensor_name(name), dtype_name(t.dtype),
-                                                       list(t.shape), hashlib.sha256(raw).hexdigest()))
-        fsync_file(data_path)
-        manifest = Manifest(
-            model=ModelRecord(opts.family, type(model).__name__, jsonable_config(getattr(model, "config", {})),
-                              model_signature(model), opts.source, block_lists),
-            blocks=[b.record for b in planned],
-            layers=[rec for b in planned for rec, _ in b.linears],
-            resident=resident_records,
-            alignment=ALIGNMENT,
-            thresholds=opts.thresholds,
-            calibration=opts.calibration,
-            created_by=_created_by(),
-        )
-        (tmp / MANIFEST_FILE).write_text(manifest.to_json())
-        fsync_file(tmp / MANIFEST_FILE)
-    return manifest
+    residents = {n: t for n, t in model.state_dict().items() if not n.startswith(prefixes)}
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.blocks-", dir=out.parent if out.parent.exists() else None) as work:
+        encoded = []
+        for i, (prefix, block) in enumerate(zip(blocks, modules)):
+            quantized = {name: rtn_quantize(name, mod.weight, specs[name], opts) for name, mod in block_linears(prefix, block)}
+            encoded.append(encode_block(i, prefix, block, quantized, Path(work) / f"block.{i}.bin", opts.param_dtype,
+                                        opts.metrics, opts.reasons))
+        return assemble_slab(out, model, encoded, residents, opts)
 
 
 def _created_by() -> str:

@@ -66,18 +66,18 @@ def test_writer_refuses_to_overwrite_and_leaves_nothing_on_failure(tiny_flux, tm
 
     calls = []
 
-    def failing(block, opts):
-        calls.append(block.record.index)
+    def failing(*args, **kwargs):
+        calls.append(args[0])
         if len(calls) == 3:
             raise RuntimeError("disk full")
-        return original(block, opts)
+        return original(*args, **kwargs)
 
-    original = writer._block_blob
-    monkeypatch.setattr(writer, "_block_blob", failing)
+    original = writer.encode_block
+    monkeypatch.setattr(writer, "encode_block", failing)
     with pytest.raises(RuntimeError, match="disk full"):
         write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(writer, "_block_blob", original)
+    monkeypatch.setattr(writer, "encode_block", original)
 
     write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
     with pytest.raises(SlabError, match="already exists"):
@@ -86,6 +86,19 @@ def test_writer_refuses_to_overwrite_and_leaves_nothing_on_failure(tiny_flux, tm
     with open_slab(out) as slab:
         assert {layer.spec.bits for layer in slab.manifest.layers} == {8}
     assert [p.name for p in tmp_path.iterdir()] == ["a.slab"]
+
+
+def test_encoded_blocks_survive_a_json_round_trip(tiny_flux, tmp_path):
+    from squareq.slab.writer import EncodedBlock, block_linears, encode_block
+
+    model, adapter = tiny_flux
+    prefix = adapter.blocks(model)[2]
+    block = model.get_submodule(prefix)
+    quantized = {name: quantize(mod.weight.detach(), QuantSpec(bits=6)) for name, mod in block_linears(prefix, block)}
+    enc = encode_block(2, prefix, block, quantized, tmp_path / "b.bin")
+    assert (tmp_path / "b.bin").stat().st_size == enc.record.nbytes
+    again = EncodedBlock.from_dict(enc.to_dict())
+    assert again == enc and all(layer.spec.bits == 6 for layer in again.layers)
 
 
 def test_metrics_and_clip_ratio_are_recorded(tiny_slab):
