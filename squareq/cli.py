@@ -10,11 +10,15 @@ import click
 
 from . import __version__
 from .models import ModelError
-from .quant import QuantSpec, SpecError
+from .quant import SpecError
 from .slab import SlabError, open_slab
 from .slab.summary import format_summary, summarize
 
-USER_ERRORS = (SlabError, ModelError, SpecError)
+from .compiler.budget import BudgetError
+from .compiler.state import StateError
+from .compiler.thresholds import ThresholdsError
+
+USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError)
 
 
 class _Group(click.Group):
@@ -56,9 +60,71 @@ def _not_yet(name: str, what: str):
     return _cmd
 
 
-_not_yet("compile", "Calibrate MODEL, choose W4/W6/W8 per layer under a size budget, write a slab")
 _not_yet("train", "Train a LoRA on a slab, streaming its blocks through the GPU")
 _not_yet("accept", "Gate a slab: layer MSE, convergence delta, peak VRAM")
+
+
+def _progress_printer():
+    """One line per block; on a terminal, the current layer overwrites itself on the line below."""
+    tty = sys.stderr.isatty()
+
+    def show(line: str) -> None:
+        if ": " in line and line.rsplit(": ", 1)[1].count(" ") == 0:  # a layer name: transient
+            if tty:
+                click.echo(f"\r\033[K[compile] {line}", err=True, nl=False)
+            return
+        click.echo(f"{chr(13) + chr(27) + '[K' if tty else ''}[compile] {line}", err=True)
+
+    return show
+
+
+@main.command("compile")
+@click.argument("model")
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="The slab directory to write.")
+@click.option("--budget", required=True, help="Largest slab size, e.g. 12GB, 11.5GiB, 800MB.")
+@click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
+              help="size: smallest slab meeting every threshold; quality: then spend the rest of the budget.")
+@click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
+              help="TOML file with a [thresholds] table (mse, act, scale, block); defaults in docs/compiler.md.")
+@click.option("--min-bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True,
+              help="The ladder's first rung.")
+@click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
+@click.option("--calib-samples", type=int, default=4, show_default=True, help="Calibration samples (one batch).")
+@click.option("--rounding", type=click.Choice(["gptq", "nearest"]), default="gptq", show_default=True,
+              help="gptq: error-compensating rounding from input second moments; nearest: plain RTN.")
+@click.option("--group-size", type=int, default=64, show_default=True)
+@click.option("--stream-window", type=int, help="Keep every K consecutive blocks within --max-window-bytes.")
+@click.option("--max-window-bytes", help="Byte cap for --stream-window, e.g. 2GB.")
+@click.option("--device", default="cpu", show_default=True, help="Where calibration runs, e.g. cuda.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
+@click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
+def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks, calib_samples, rounding, group_size,
+                stream_window, max_window_bytes, device, resume, force) -> None:
+    """Calibrate MODEL, choose W4/W6/W8 per layer under a size budget, write a slab.
+
+    MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
+    or, with --blocks, any diffusers/transformers model folder.
+    """
+    from .compiler import CompileOptions, Thresholds, compile_slab, open_source, parse_size
+
+    if (stream_window is None) != (max_window_bytes is None):
+        raise click.UsageError("--stream-window and --max-window-bytes go together; give both or neither.")
+    opts = CompileOptions(
+        budget=parse_size(budget), objective=objective,
+        thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
+        min_bits=int(min_bits), rounding=rounding, group_size=group_size, calib_samples=calib_samples,
+        stream_window=stream_window, max_window_bytes=parse_size(max_window_bytes) if max_window_bytes else None,
+        device=device, resume=resume, overwrite=force,
+    )
+    source = open_source(model, list(blocks) or None)
+    manifest = compile_slab(source, out, opts, progress=_progress_printer())
+    counts = {}
+    for layer in manifest.layers:
+        counts[layer.spec.label().split()[0]] = counts.get(layer.spec.label().split()[0], 0) + 1
+    size = sum(p.stat().st_size for p in out.iterdir())
+    click.echo(f"wrote {out}: {size:,} bytes (budget {opts.budget:,}); layers: "
+               + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+               + f"; see the reasons with: squareq inspect {out}")
 
 
 @main.command()
@@ -81,14 +147,14 @@ def inspect(slab: Path, as_json: bool, verify: bool) -> None:
 @main.command()
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("squareq-demo/tiny-flux.slab"),
               show_default=True, help="Where to write the demo slab.")
-@click.option("--bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True)
-@click.option("--group-size", type=int, default=64, show_default=True)
+@click.option("--budget", default="2MB", show_default=True, help="Size budget for the tiny model's slab.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def demo(out: Path, bits: str, group_size: int, force: bool) -> None:
+def demo(out: Path, budget: str, force: bool) -> None:
     """Run the pipeline on the built-in tiny model (what exists of it in this version)."""
+    from .compiler import parse_size
     from .demo import run_demo
 
-    result = run_demo(out, QuantSpec(bits=int(bits), group_size=group_size), overwrite=force, echo=click.echo)
+    result = run_demo(out, parse_size(budget), overwrite=force, echo=click.echo)
     click.echo(f"slab: {result.slab_path}  (inspect it: squareq inspect {result.slab_path} --verify)")
     click.echo("not run in this version: squareq train, squareq accept (they are not built yet)")
 

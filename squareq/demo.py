@@ -1,9 +1,9 @@
 """`squareq demo`: the whole pipeline on the built-in tiny model, as far as it exists in this version.
 
-Today that is: build tiny-flux → write a uniform-format slab (RTN + clip search) → reopen it with
-every hash verified → rebuild the model from the slab and measure its output error. Every number
-it prints is measured in the run. Calibrated compile, training and the acceptance gate join as
-their commands land.
+Today that is: build tiny-flux → compile it under a size budget (calibration, smoothing and clip
+search, GPTQ rounding, the W4→W6→W8 ladder) → reopen the slab with every hash verified → rebuild
+the model from the slab and measure its output error on inputs the compile never saw. Every number
+it prints is measured in the run. Training and the acceptance gate join as their commands land.
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Callable
 
 import torch
 
+from .compiler import CompileOptions, compile_slab, open_source
 from .models import load_builtin, tiny_flux_inputs
-from .quant import QuantSpec, rel_mse, sqnr_db
-from .slab import WriteOptions, open_slab, write_slab
+from .quant import rel_mse, sqnr_db
+from .slab import open_slab
 from .slab.summary import summarize
 
 
@@ -31,19 +32,25 @@ class DemoResult:
     output_sqnr_db: float
 
 
-def run_demo(out: Path, spec: QuantSpec, overwrite: bool, echo: Callable[[str], None] = print) -> DemoResult:
-    """Write, verify and measure a slab of the tiny model; ``echo`` receives progress lines."""
+def run_demo(out: Path, budget: int, overwrite: bool, echo: Callable[[str], None] = print) -> DemoResult:
+    """Compile, verify and measure a slab of the tiny model; ``echo`` receives progress lines."""
     model, adapter = load_builtin("tiny-flux")
     params = sum(p.numel() for p in model.parameters())
     echo(f"[1/4] built tiny-flux: {type(model).__name__}, {params:,} parameters, "
          f"{len(adapter.blocks(model))} blocks")
 
     start = time.perf_counter()
-    write_slab(model, adapter.blocks(model), {}, out,
-               WriteOptions(default_spec=spec, family=adapter.family, source="tiny-flux", overwrite=overwrite))
+    manifest = compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=budget, overwrite=overwrite))
     seconds = time.perf_counter() - start
-    echo(f"[2/4] wrote {out} in {seconds:.2f} s: every block linear at {spec.label()}, RTN with clip search "
-         "(uncalibrated; calibrated per-layer bit choice comes with `squareq compile`)")
+    rungs: dict[str, int] = {}
+    for layer in manifest.layers:
+        rungs[layer.spec.label().split()[0]] = rungs.get(layer.spec.label().split()[0], 0) + 1
+    echo(f"[2/4] compiled {out} in {seconds:.1f} s under a {budget:,}-byte budget: "
+         + ", ".join(f"{k} x{v}" for k, v in sorted(rungs.items()))
+         + f" ({manifest.calibration['kind']} calibration, {manifest.calibration['samples']} samples)")
+    for layer in manifest.layers:
+        if layer.reason:
+            echo(f"      {layer.name} -> {layer.spec.label().split()[0]}: {'; '.join(layer.reason)}")
 
     with open_slab(out, verify="eager") as slab:
         totals = summarize(slab)["totals"]

@@ -1,9 +1,32 @@
 """What a model family adapter declares, and the block discovery every adapter shares."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import torch
 from torch import nn
+
+
+@dataclass
+class CalibrationBatch:
+    """Keyword arguments for the model's forward (batch = calibration samples) and how they were made."""
+
+    kwargs: dict[str, Any]
+    description: dict[str, Any]
+
+
+def generic_token_inputs(model: nn.Module, samples: int, seed: int, tokens: int = 32, device="cpu",
+                         dtype: torch.dtype = torch.float32) -> CalibrationBatch:
+    """Random token ids for a transformers model with a vocabulary (text encoders in generic mode)."""
+    vocab = getattr(model.config, "vocab_size", None)
+    if not vocab:
+        raise ModelError(f"{type(model).__name__} has no vocab_size, so SquareQ cannot make calibration inputs "
+                         "for it; compile it from a training cache (--calib-cache).")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (samples, tokens), generator=g).to(device)
+    return CalibrationBatch({"input_ids": ids}, {"kind": "synthetic", "why": "random token ids (generic mode)",
+                                                 "samples": samples, "tokens": tokens, "seed": seed})
 
 
 class ModelError(ValueError):
@@ -17,6 +40,7 @@ class FamilyAdapter:
     family: str
     class_name: str
     block_lists: tuple[str, ...]
+    calibration_inputs: Callable[..., CalibrationBatch] = field(default=generic_token_inputs, compare=False)
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Module paths of the streamed blocks in definition order, e.g. ``transformer_blocks.0``."""

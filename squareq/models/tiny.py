@@ -24,6 +24,12 @@ TINY_FLUX_CONFIG = dict(
 OUTLIER_CHANNELS = 3  # hidden channels made into outliers
 OUTLIER_ACT_GAIN = 12.0  # embedder rows feeding them: large activations in the residual stream
 OUTLIER_WEIGHT_GAIN = 4.0  # input columns reading them in block linears: weight outliers
+# Two planted sensitive layers, as trained models have a few:
+# the MLP of the first double block gets two hidden units 60x larger, so `ff.net.2` reads
+# activation outliers; the last single block's output projection gets two output rows 300x larger
+# (a group-scale spread no 4- or 6-bit grid tolerates under the default thresholds).
+MLP_OUTLIER_LAYER, MLP_OUTLIER_GAIN = "transformer_blocks.0.ff.net.0.proj", 60.0
+ROW_OUTLIER_LAYER, ROW_OUTLIER_GAIN = "single_transformer_blocks.1.proj_out", 300.0
 
 
 def outlier_channels(hidden: int, seed: int) -> torch.Tensor:
@@ -48,6 +54,10 @@ def build_tiny_flux(seed: int = 0, dtype: torch.dtype = torch.float32):
             for mod in block.modules():
                 if isinstance(mod, torch.nn.Linear) and mod.in_features == hidden:
                     mod.weight[:, idx] *= OUTLIER_WEIGHT_GAIN
+        mlp = model.get_submodule(MLP_OUTLIER_LAYER)
+        mlp.weight[:2] *= MLP_OUTLIER_GAIN
+        mlp.bias[:2] = mlp.bias[:2].abs() * MLP_OUTLIER_GAIN
+        model.get_submodule(ROW_OUTLIER_LAYER).weight[:2] *= ROW_OUTLIER_GAIN
     return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 

@@ -1,8 +1,9 @@
-"""Pure tensor math for SquareQ weight formats: specs, packing, RTN, clip search, smoothing, metrics.
+"""Pure tensor math for SquareQ weight formats: specs, packing, RTN, GPTQ, clip search, smoothing, metrics.
 
 Nothing here imports the rest of the project.
 """
-from .metrics import rel_mse, sqnr_db, weighted_sq_error
+from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessian
+from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
 from .rtn import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize, tensor_layout
 from .search import ClipSearchResult, search_clip_ratio
@@ -11,12 +12,17 @@ from .spec import QuantSpec, SpecError
 
 __all__ = [
     "ClipSearchResult",
+    "GPTQInfo",
     "QuantSpec",
     "QuantizedWeight",
     "SpecError",
     "dequantize",
     "fake_quantize",
+    "gptq_quantize",
+    "gptq_quantize_with_info",
+    "input_hessian",
     "num_groups",
+    "output_rel_mse",
     "pack",
     "packed_row_bytes",
     "quantize",

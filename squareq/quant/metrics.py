@@ -38,3 +38,15 @@ def weighted_sq_error(ref: torch.Tensor, approx: torch.Tensor, channel_weight: t
     if channel_weight is not None:
         d = d * channel_weight.detach().double().reshape(-1)
     return float(d.sum())
+
+
+def output_rel_mse(w_ref: torch.Tensor, w_approx: torch.Tensor, x: torch.Tensor) -> float:
+    """Relative output error of a linear layer, ``‖x W_refᵀ - x W_approxᵀ‖² / ‖x W_refᵀ‖²``, for
+    inputs ``x [..., K]`` and weights ``[N, K]`` (computed in float64)."""
+    x = x.detach().double().reshape(-1, x.shape[-1])
+    ref = w_ref.detach().double()
+    err = (x @ (w_approx.detach().double() - ref).T).pow(2).sum()
+    power = (x @ ref.T).pow(2).sum()
+    if power == 0:
+        return 0.0 if err == 0 else math.inf
+    return float(err / power)

@@ -93,26 +93,41 @@ def _store_scale(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return torch.where(stored == 0, torch.ones_like(stored), stored)
 
 
+def group_params(wg: torch.Tensor, spec: QuantSpec):
+    """Scale and zero point of each group of ``wg [..., g]`` (the groups along the last dimension).
+
+    Returns ``(scales, zeros)``: ``scales [...]`` in the spec's stored dtype (clip ratio applied,
+    rounded up, all-zero groups get 1) and ``zeros [...]`` as integral float32 codes, or ``None`` for
+    symmetric specs. A partial group may be passed unpadded: zero padding would not change the result.
+    """
+    c = float(spec.clip_ratio)
+    if spec.symmetric:
+        amax = wg.abs().amax(dim=-1) * c
+        return _store_scale(amax / spec.qmax, spec), None
+    lo = wg.amin(dim=-1).clamp(max=0) * c
+    hi = wg.amax(dim=-1).clamp(min=0) * c
+    scales = _store_scale((hi - lo) / (2**spec.bits - 1), spec)
+    z = torch.round(spec.qmin - lo / scales.float()).clamp_(spec.qmin, spec.qmax)
+    return scales, z
+
+
+def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
+    """Codes (float32, integral) of ``w`` on fixed grids: ``scale`` (float32) and ``zero`` (or ``None``
+    when symmetric) broadcast against ``w``. This is the rounding rule of :func:`quantize`."""
+    if zero is None:
+        return torch.round(w / scale).clamp_(-spec.qmax, spec.qmax)
+    return torch.round(w / scale + zero).clamp_(spec.qmin, spec.qmax)
+
+
 def _codes(w: torch.Tensor, spec: QuantSpec):
     """Return (codes int32 [N, G*g], scales [N, G] stored dtype, zeros int32 [N, G] or None)."""
     n, k = w.shape
     g = spec.group_size
     groups = num_groups(k, g)
     wg = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, g)
-    c = float(spec.clip_ratio)
-    if spec.symmetric:
-        amax = wg.abs().amax(dim=-1) * c
-        scales = _store_scale(amax / spec.qmax, spec)
-        s = scales.float()[..., None]
-        q = torch.round(wg / s).clamp_(-spec.qmax, spec.qmax)
-        return q.to(torch.int32).reshape(n, -1), scales, None
-    lo = wg.amin(dim=-1).clamp(max=0) * c
-    hi = wg.amax(dim=-1).clamp(min=0) * c
-    scales = _store_scale((hi - lo) / (2**spec.bits - 1), spec)
-    s = scales.float()
-    z = torch.round(spec.qmin - lo / s).clamp_(spec.qmin, spec.qmax)
-    q = torch.round(wg / s[..., None] + z[..., None]).clamp_(spec.qmin, spec.qmax)
-    return q.to(torch.int32).reshape(n, -1), scales, z.to(torch.int32)
+    scales, z = group_params(wg, spec)
+    q = round_to_grid(wg, scales.float()[..., None], None if z is None else z[..., None], spec)
+    return q.to(torch.int32).reshape(n, -1), scales, None if z is None else z.to(torch.int32)
 
 
 def _dequant_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int, g: int) -> torch.Tensor:
@@ -133,17 +148,25 @@ def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None
         return QuantizedWeight(spec, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
     w, inv = _apply_smoothing(w, spec, smooth_scale)
     q, scales, zeros = _codes(w, spec)
-    tensors = {"qweight": pack(q[:, :k], spec.bits), "scales": scales.contiguous()}
+    return assemble(spec, q[:, :k], scales, zeros, inv)
+
+
+def assemble(spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             inv_smooth: torch.Tensor | None) -> QuantizedWeight:
+    """Pack already-chosen ``codes [N, K]`` (signed ints), ``scales [N, G]`` (stored dtype), integral
+    ``zeros [N, G]`` (asymmetric) and ``inv_smooth [K]`` (smoothing) into the stored tensors."""
+    n, k = codes.shape
+    tensors = {"qweight": pack(codes, spec.bits), "scales": scales.contiguous()}
     if zeros is not None:
         tensors["zeros"] = zeros.to(torch.int8).contiguous()
-    if inv is not None:
-        tensors["inv_smooth"] = inv
+    if inv_smooth is not None:
+        tensors["inv_smooth"] = inv_smooth
     return QuantizedWeight(spec, (n, k), tensors)
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """Exact reference dequantization to a ``bfloat16 [N, K]`` weight (the effective ``W``)."""
-    spec, (n, k), t = qw.spec, qw.shape, qw.tensors
+    spec, (_, k), t = qw.spec, qw.shape, qw.tensors
     if spec.is_passthrough:
         return t["weight"].to(torch.bfloat16)
     q = unpack(t["qweight"], spec.bits, k)

@@ -11,10 +11,16 @@ from typing import Any, Iterable
 import torch
 
 
+# Keys that name the library version that saved a config rather than the model itself.
+VERSION_KEYS = {"transformers_version"}
+
+
 def jsonable_config(config: Any) -> dict[str, Any]:
-    """A model config as plain JSON types, without diffusers' private ``_`` keys."""
-    items = dict(config or {})
-    return json.loads(json.dumps({k: v for k, v in items.items() if not str(k).startswith("_")}, default=list))
+    """A model config (diffusers dict or transformers ``PretrainedConfig``) as plain JSON types, without
+    private ``_`` keys and library versions, so the signature depends on the model only."""
+    items = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    kept = {k: v for k, v in items.items() if not str(k).startswith("_") and k not in VERSION_KEYS}
+    return json.loads(json.dumps(kept, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else list(o)))
 
 
 def signature_from_shapes(class_name: str, config: dict[str, Any], shapes: Iterable[tuple[str, list[int]]]) -> str:

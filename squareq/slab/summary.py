@@ -36,6 +36,8 @@ def summarize(slab: Slab) -> dict:
             "bytes": nbytes,
             "bits_per_weight": 8 * nbytes / weights,
             "metrics": rec.metrics,
+            "rung": rec.rung,
+            "reason": rec.reason,
         })
     blocks = [{"block": b.index, "name": b.name, "bytes": b.nbytes, "layers": len(b.layers)} for b in m.blocks]
     streamed = sum(b.nbytes for b in m.blocks)
@@ -77,8 +79,13 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
+# The table shows these metrics when present (all of them are in --json).
+TABLE_METRICS = {"output_rel_mse": "out_mse", "weight_rel_mse": "w_mse", "alpha": "alpha"}
+
+
 def _metric_text(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.3g}" for k, v in metrics.items()) if metrics else "-"
+    shown = [f"{short}={metrics[k]:.3g}" for k, short in TABLE_METRICS.items() if k in metrics]
+    return " ".join(shown) if shown else "-"
 
 
 def format_summary(s: dict) -> str:
@@ -91,6 +98,7 @@ def format_summary(s: dict) -> str:
     ]
     block_rows = [[str(b["block"]), b["name"], str(b["layers"]), human_bytes(b["bytes"])] for b in s["blocks"]]
     m = s["model"]
+    why = [f"  {r['layer']} ({r['format'].split()[0]}): " + "; ".join(r["reason"]) for r in s["layers"] if r["reason"]]
     lines = [
         f"slab {s['path']}  (format v{s['format_version']}, {m['class']} family={m['family']} source={m['source']})",
         "",
@@ -98,6 +106,7 @@ def format_summary(s: dict) -> str:
         "",
         _table(["block", "name", "layers", "size"], block_rows),
         "",
+        *(["why these layers left the lower rungs:", *why, ""] if why else []),
         f"layers: {t['quantized_layers']}  formats: "
         + ", ".join(f"{k} x{v}" for k, v in t["bits_histogram"].items()),
         f"layer weights: {t['layer_weights']:,} in {human_bytes(t['layer_bytes'])} "

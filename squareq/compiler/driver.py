@@ -1,0 +1,269 @@
+"""`squareq compile`: calibrate block by block, climb the ladder per layer, check block drift, solve the
+budget, write the slab.
+
+The model runs its own forward once over the calibration batch, with each streamed block replaced
+by a stand-in that loads the real block from the source, measures and decides it, and then runs
+the *quantized* block, so the next block sees the error the runtime will see. Only one real block
+is materialized at a time; everything else of the model is resident.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import quant
+from ..slab import SlabError, WriteOptions
+from ..slab.manifest import MANIFEST_FILE
+from ..slab.writer import assemble_slab, block_linears, encode_block
+from .budget import BlockLayers, BudgetError, candidate_bytes, solve
+from .calibration import StatsCollector
+from .ladder import RUNGS, LayerDecision, climb
+from .layer_search import search_layer
+from .sources import Source
+from .state import CompileState
+from .thresholds import Thresholds
+
+# Bytes reserved for the safetensors header and manifest, which are written after the budget is solved.
+MANIFEST_BYTES_PER_LAYER = 2048
+MANIFEST_BYTES_FIXED = 16384
+
+
+@dataclass
+class CompileOptions:
+    """Everything `squareq compile` takes besides the model and the output path."""
+
+    budget: int
+    objective: str = "size"
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    min_bits: int = 4
+    rounding: str = "gptq"
+    group_size: int = 64
+    calib_samples: int = 4
+    max_rows: int = 512
+    seed: int = 0
+    stream_window: int | None = None
+    max_window_bytes: int | None = None
+    device: str = "cpu"
+    resume: bool = False
+    overwrite: bool = False
+
+    def fingerprint(self) -> dict:
+        keep = ("objective", "min_bits", "rounding", "group_size", "calib_samples", "max_rows", "seed")
+        return {k: getattr(self, k) for k in keep} | {"thresholds": self.thresholds.to_dict()}
+
+
+Progress = Callable[[str], None]
+
+
+def state_folder(out: Path) -> Path:
+    return out.parent / f"{out.name}.state"
+
+
+def _floats(out) -> list[torch.Tensor]:
+    if torch.is_tensor(out):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _floats(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _floats(o)]
+    return [t for o in getattr(out, "__dict__", {}).values() for t in _floats(o)]
+
+
+def outputs_rel_mse(ref, got) -> float:
+    """Σ‖got − ref‖² / Σ‖ref‖² over every floating tensor a block returns."""
+    err = power = 0.0
+    for r, g in zip(_floats(ref), _floats(got)):
+        err += float((g.double() - r.double()).pow(2).sum())
+        power += float(r.double().pow(2).sum())
+    return err / power if power > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def _quantized_copy(block: nn.Module, prefix: str, chosen: dict[str, quant.QuantizedWeight], dtype) -> nn.Module:
+    q = copy.deepcopy(block)
+    for name, mod in block_linears(prefix, q):
+        with torch.no_grad():
+            mod.weight.copy_(quant.dequantize(chosen[name]).to(dtype))
+    return q
+
+
+class _BlockCompiler(nn.Module):
+    """Stands in for one streamed block inside the model's own forward."""
+
+    def __init__(self, run: "_Run", index: int, path: str) -> None:
+        super().__init__()
+        self._run = run
+        self.index = index
+        self.path = path
+
+    def forward(self, *args, **kwargs):
+        return self._run.block(self.index, self.path, args, kwargs)
+
+
+class _Run:
+    def __init__(self, source: Source, opts: CompileOptions, state: CompileState, progress: Progress) -> None:
+        self.source, self.opts, self.state, self.progress = source, opts, state, progress
+        self.started = time.perf_counter()
+        self.done_blocks = 0
+
+    def _eta(self, index: int, n: int) -> str:
+        if self.done_blocks == 0:
+            return "ETA --"
+        per = (time.perf_counter() - self.started) / self.done_blocks
+        return f"ETA {per * (n - index):.0f}s"
+
+    def block(self, index: int, path: str, args, kwargs):
+        n = len(self.source.block_paths)
+        real = self.source.load_block(path, self.opts.device, torch.float32)
+        if not self.state.has_block(index):
+            self.progress(f"block {index + 1}/{n} {path}: calibrating and searching ({self._eta(index, n)})")
+            self._decide(index, path, real, args, kwargs)
+            self.done_blocks += 1
+        else:
+            self.progress(f"block {index + 1}/{n} {path}: finished earlier, reusing it")
+        decisions, _ = self.state.load_block(index)
+        chosen = {d.name: d.chosen.qweight for d in decisions}
+        with torch.no_grad():
+            return _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs)
+
+    @torch.no_grad()
+    def _decide(self, index: int, path: str, real: nn.Module, args, kwargs) -> None:
+        o = self.opts
+        with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index) as col:
+            ref = real(*args, **kwargs)
+        decisions: dict[str, LayerDecision] = {}
+        for name, mod in block_linears(path, real):
+            self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
+            decisions[name] = climb(name, mod.weight, col.stats[name], o.thresholds, o.min_bits, o.rounding,
+                                    o.group_size, measure_all=o.objective == "quality")
+        drift = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
+        fixed = sum(-(-t.numel() * 2 // 256) * 256 for n, t in real.state_dict().items()
+                    if not any(n == f"{x[len(path) + 1:]}.weight" for x in decisions))
+        self.state.save_block(index, list(decisions.values()), {"block_rel_mse": drift, "fixed_bytes": fixed})
+
+    def _block_drift(self, path, real, args, kwargs, ref, decisions, stats) -> float:
+        """Check the block's output against τ_BLOCK; move up the layer whose restoration helps most."""
+        o = self.opts
+        while True:
+            chosen = {n: d.chosen.qweight for n, d in decisions.items()}
+            err = outputs_rel_mse(ref, _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs))
+            movable = [n for n, d in decisions.items() if d.chosen.bits < 16]
+            if err <= o.thresholds.block or not movable:
+                return err
+            restored = {}
+            for n in movable:
+                trial = dict(chosen)
+                trial[n] = quant.quantize(real.get_submodule(n[len(path) + 1:]).weight.detach().float(),
+                                          quant.QuantSpec(bits=16))
+                restored[n] = outputs_rel_mse(ref, _quantized_copy(real, path, trial, torch.float32)(*args, **kwargs))
+            worst = min(restored, key=restored.get)
+            d = decisions[worst]
+            up = RUNGS[RUNGS.index(d.chosen.bits) + 1]
+            cand = d.candidate(up)
+            if cand is None:
+                cand = search_layer(real.get_submodule(worst[len(path) + 1:]).weight, stats[worst], up,
+                                    group_size=o.group_size, rounding=o.rounding)
+                d.tried.append(cand)
+            d.reasons.append(f"W{d.chosen.bits}: block {path} output rel-MSE {err:.4g} > τ_BLOCK "
+                             f"{o.thresholds.block:g}; restoring this layer helped most")
+            d.chosen = cand
+
+
+def _install_residents(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    for name, t in state.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner) if owner else model
+        if attr in mod._parameters:
+            mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+        else:
+            mod._buffers[attr] = t
+
+
+def _shell(source: Source, run: _Run, device: str) -> nn.Module:
+    """The model with resident tensors loaded and each streamed block replaced by a stand-in."""
+    model = source.skeleton()  # a fresh copy: the source keeps its own to copy blocks from
+    _install_residents(model, source.resident_state(device, torch.float32))
+    for i, path in enumerate(source.block_paths):
+        owner, _, idx = path.rpartition(".")
+        model.get_submodule(owner)[int(idx)] = _BlockCompiler(run, i, path)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise SlabError(f"{source.description}: tensors outside the blocks were not found in the checkpoint "
+                        f"({', '.join(left[:3])}); check the checkpoint and --blocks.")
+    return model.eval()
+
+
+def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress: Progress = lambda s: None):
+    """Compile ``source`` into the slab directory ``out`` and return its manifest."""
+    out = Path(out)
+    if out.exists() and not opts.overwrite:
+        raise SlabError(f"{out} already exists; choose another output path or pass --force.")
+    skeleton = source.skeleton()
+    batch = source.adapter.calibration_inputs(skeleton, opts.calib_samples, opts.seed, device=opts.device)
+    inputs_hash = hashlib.sha256(json.dumps(batch.description, sort_keys=True).encode()).hexdigest()[:16]
+    fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
+                   **opts.fingerprint()}
+    state = CompileState(state_folder(out), fingerprint, opts.resume)
+    run = _Run(source, opts, state, progress)
+    started = time.perf_counter()
+    with torch.no_grad():
+        _shell(source, run, opts.device)(**batch.kwargs)
+    calibrate_s = time.perf_counter() - started
+
+    blocks, records = [], []
+    for i, path in enumerate(source.block_paths):
+        decisions, info = state.load_block(i)
+        blocks.append(BlockLayers(path, decisions, info["fixed_bytes"]))
+        records.append(info)
+    residents = source.resident_state("cpu", torch.float32)
+    overhead = (MANIFEST_BYTES_FIXED + MANIFEST_BYTES_PER_LAYER * sum(len(b.decisions) for b in blocks)
+                + sum(-(-t.numel() * 2 // 256) * 256 for t in residents.values()))
+    window = (opts.stream_window, opts.max_window_bytes) if opts.stream_window and opts.max_window_bytes else None
+    try:
+        choice = solve(blocks, opts.thresholds, opts.budget, opts.objective, overhead, window)
+    except BudgetError as exc:
+        raise BudgetError(f"{exc} Nothing was written; the measurements are kept in {state.folder}, so rerunning "
+                          "with --resume and a larger --budget skips the calibration (changed thresholds need a fresh compile).") from None
+
+    encoded = []
+    work = state.folder / "blobs"
+    work.mkdir(exist_ok=True)
+    for i, (b, info) in enumerate(zip(blocks, records)):
+        real = source.load_block(b.name, "cpu", torch.float32)
+        chosen = {d.name: d.tried[choice[d.name]] for d in b.decisions}
+        metrics = {n: {**c.metrics, "block_rel_mse": info["block_rel_mse"]} for n, c in chosen.items()}
+        reasons = {d.name: list(d.reasons) + _objective_note(d, choice[d.name]) for d in b.decisions}
+        encoded.append(encode_block(i, b.name, real, {n: c.qweight for n, c in chosen.items()},
+                                    work / f"block.{i}.bin", metrics=metrics, reasons=reasons))
+    total = time.perf_counter() - started
+    manifest = assemble_slab(out, skeleton, encoded, residents, WriteOptions(
+        family=source.family, source=source.description, overwrite=opts.overwrite,
+        thresholds=opts.thresholds.to_dict(),
+        calibration={**batch.description, "objective": opts.objective, "budget_bytes": opts.budget,
+                     "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
+                     "calibrate_seconds": round(calibrate_s, 3), "compile_seconds": round(total, 3)},
+    ))
+    size = sum(p.stat().st_size for p in (out / "slab.safetensors", out / MANIFEST_FILE))
+    if size > opts.budget:  # the reserve for header and manifest was too small: never leave an over-budget slab
+        import shutil
+
+        shutil.rmtree(out)
+        raise BudgetError(f"the written slab is {size:,} bytes, over --budget {opts.budget:,}; raise --budget slightly.")
+    state.remove()
+    return manifest
+
+
+def _objective_note(d: LayerDecision, index: int) -> list[str]:
+    c = d.tried[index]
+    if c is d.chosen:
+        return []
+    return [f"W{d.chosen.bits}→W{c.bits}: --objective quality spent budget here (output rel-MSE "
+            f"{d.chosen.metrics['output_rel_mse']:.4g} → {c.metrics['output_rel_mse']:.4g}, "
+            f"+{candidate_bytes(c) - candidate_bytes(d.chosen):,} bytes)"]

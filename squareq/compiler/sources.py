@@ -1,0 +1,468 @@
+"""Where the compiler reads a model from, one block at a time.
+
+``open_source(MODEL)`` accepts a built-in name (``tiny-flux``), a diffusers pipeline folder (its
+``transformer/`` is used) or model folder, a transformers model folder, or a BFL single-file FLUX.1
+checkpoint. It builds the model's own class on the meta device (the skeleton), checks every tensor
+name and shape in the checkpoint headers against it, and then reads weights lazily: ``load_block``
+reads only that block's tensors through a safetensors mmap, so host memory stays near one block and the
+whole model never has to fit anywhere. Every tensor read is checked for NaN/Inf.
+
+Bad input raises ``ModelError`` with one sentence naming the file or tensor and what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, load_builtin
+
+__all__ = ["Source", "open_source"]
+
+_WHAT_TO_PASS = "pass a diffusers folder, a BFL .safetensors file or tiny-flux"
+_MISMATCH = "the checkpoint does not match its config"
+
+
+def _few(names: Iterable[str], n: int = 3) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+# --------------------------------------------------------------------------- skeletons
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside lands on the meta device; buffers stay real.
+
+    Parameters are made on the meta device as they are registered, so their initializers run on meta
+    (free). Buffers are left alone: non-persistent ones (position ids, rotary frequencies) are computed
+    in ``__init__`` and not stored in checkpoints, so they must stay real.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param):
+        if param is not None and not param.is_meta:
+            param = param.__class__(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _build_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    with _parameters_on_meta():
+        model = build()
+    return model.eval()
+
+
+def _alias_groups(model: nn.Module) -> dict[str, list[str]]:
+    """Parameter names that share one tensor (tied weights), each name -> its whole group."""
+    by_tensor: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor[id(p)].append(name)
+    return {name: names for names in by_tensor.values() if len(names) > 1 for name in names}
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _check_finite(t: torch.Tensor, name: str, file) -> torch.Tensor:
+    if t.is_floating_point():
+        values = t if t.element_size() > 1 else t.float()  # float8 has no isfinite kernel everywhere
+        if not bool(torch.isfinite(values).all()):
+            kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
+            raise ModelError(f"tensor {name} in {file} contains {kind} values, so the checkpoint is damaged; "
+                             "re-download or re-export it.")
+    return t
+
+
+@contextlib.contextmanager
+def _safe_open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise ModelError(f"{path} is not a readable safetensors file ({exc}); re-download or re-export it.") from None
+    with handle as h:
+        yield h
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with _safe_open(path) as h:
+        return {k: tuple(int(d) for d in h.get_slice(k).get_shape()) for k in h.keys()}
+
+
+class _Tensors:
+    """A checkpoint seen under the skeleton's (diffusers/transformers) tensor names."""
+
+    label: str  # the file or folder, for messages
+    shapes: dict[str, tuple[int, ...]]
+
+    def file_of(self, name: str) -> str:
+        return self.label
+
+    def display(self, name: str) -> str:
+        """How the checkpoint itself names ``name``."""
+        return name
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class _MemoryTensors(_Tensors):
+    """A built-in model's state dict; read returns copies so callers never alias the built model."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], label: str):
+        self.state, self.label = dict(state), label
+        self.shapes = {k: tuple(v.shape) for k, v in self.state.items()}
+
+    def read(self, names):
+        return {n: _check_finite(self.state[n].detach().clone(), n, self.label) for n in names}
+
+
+class _SafetensorsFiles(_Tensors):
+    """One or several (sharded) safetensors files whose names are already the model's."""
+
+    def __init__(self, files: Sequence[Path], label: str):
+        self.label = label
+        self.shapes, self._file = {}, {}
+        for f in files:
+            for k, shape in _header_shapes(f).items():
+                self.shapes[k], self._file[k] = shape, f
+
+    def file_of(self, name):
+        return str(self._file.get(name, self.label))
+
+    def read(self, names):
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for n in names:
+            by_file[self._file[n]].append(n)
+        out = {}
+        for f, group in by_file.items():
+            with _safe_open(f) as h:
+                for n in group:
+                    out[n] = _check_finite(h.get_tensor(n), n, f)
+        return out
+
+
+class _BFLFile(_Tensors):
+    """A BFL single-file FLUX.1 checkpoint mapped to diffusers names, tensor by tensor."""
+
+    def __init__(self, path: Path, prefix: str, shapes: Mapping[str, tuple[int, ...]]):
+        self.path, self.label = path, str(path)
+        raw = {k[len(prefix):]: k for k in shapes if k.startswith(prefix)}  # BFL name -> key in the file
+        unknown = [n for n in raw if not flux_bfl.is_bfl_name(n)]
+        if unknown:
+            raise ModelError(f"{path} has {len(unknown)} tensors that are not BFL FLUX.1 names ({_few(unknown)}); "
+                             f"{_MISMATCH}.")
+        self._key = raw
+        bfl_shapes = {n: shapes[k] for n, k in raw.items()}
+        self.config = flux_bfl.infer_bfl_config(bfl_shapes, where=str(path))
+        self.shapes, self._origin = {}, {}
+        for n, shape in bfl_shapes.items():  # map shapes on the meta device: no data is read
+            for d, t in self._convert({n: torch.empty(shape, device="meta")}).items():
+                self.shapes[d], self._origin[d] = tuple(t.shape), n
+
+    def _convert(self, raw):
+        try:
+            return flux_bfl.bfl_to_diffusers(raw, self.config)
+        except ModelError as exc:
+            raise ModelError(f"{self.path}: {exc}") from None
+
+    def display(self, name):
+        bfl = self._origin.get(name) or flux_bfl.bfl_name(name)
+        return f"{bfl} (diffusers {name})"
+
+    def read(self, names):
+        needed = sorted({self._origin[n] for n in names})
+        with _safe_open(self.path) as h:
+            raw = {b: _check_finite(h.get_tensor(self._key[b]), self._key[b], self.path) for b in needed}
+        converted = self._convert(raw)
+        return {n: converted[n] for n in names}
+
+
+def _folder_weights(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: the index's shards, else the one weights file."""
+    indexes = sorted(folder.glob("*.safetensors.index.json"), key=lambda p: (len(p.name), p.name))
+    if indexes:
+        index = indexes[0]  # shortest name: the variant-free index when fp16 variants sit beside it
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise ModelError(f"{index} is not a safetensors index (no weight_map); re-save the model.") from None
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelError(f"{index} lists the shard {f.name}, which is not in {folder}; copy the missing shard.")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) > 1:
+        standard = [f for f in files if f.name in ("diffusion_pytorch_model.safetensors", "model.safetensors")]
+        if len(standard) != 1:
+            raise ModelError(f"{folder} holds several safetensors files ({_few(f.name for f in files)}) and no "
+                             "*.safetensors.index.json; keep one weights file or add the index.")
+        files = standard
+    if not files:
+        other = [f.name for f in folder.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        if other:
+            raise ModelError(f"{folder} has only pickled weights ({_few(other)}); SquareQ reads safetensors only, "
+                             "so re-save it with save_pretrained(..., safe_serialization=True).")
+        raise ModelError(f"{folder} has no *.safetensors weights; {_WHAT_TO_PASS}.")
+    return files
+
+
+# --------------------------------------------------------------------------- the source
+
+
+class Source:
+    """A model to compile: its skeleton on the meta device and lazy, checked access to its weights."""
+
+    def __init__(self, description: str, skeleton: nn.Module, tensors: _Tensors,
+                 blocks: Sequence[str] | None = None):
+        self.description = description
+        self._skeleton = skeleton
+        self._tensors = tensors
+        self.adapter = _adapter(skeleton, blocks, description)
+        self.family = self.adapter.family
+        self.block_paths = self.adapter.blocks(skeleton)
+        for a in self.block_paths:
+            for b in self.block_paths:
+                if b.startswith(a + "."):
+                    raise ModelError(f"block {b} lies inside block {a}; pass block lists that do not nest.")
+        self._expected = {n: tuple(t.shape) for n, t in skeleton.state_dict(keep_vars=True).items()}
+        self._aliases = _alias_groups(skeleton)
+        self._key = self._bind()
+
+    def __repr__(self) -> str:
+        return f"Source({self.description!r}, family={self.family!r}, blocks={len(self.block_paths)})"
+
+    # -- checks, at open time, from headers only
+
+    def _bind(self) -> dict[str, str]:
+        """Map each skeleton tensor to its checkpoint tensor, refusing missing, misshapen and extra ones."""
+        t, cls = self._tensors, type(self._skeleton).__name__
+        key, missing = {}, []
+        for name, shape in self._expected.items():
+            candidates = [name] + [a for a in self._aliases.get(name, ()) if a != name]
+            found = next((c for c in candidates if c in t.shapes), None)
+            if found is None:
+                missing.append(name)
+                continue
+            if t.shapes[found] != shape:
+                raise ModelError(f"tensor {t.display(found)} in {t.file_of(found)} has shape {list(t.shapes[found])}, "
+                                 f"but {cls} with this config expects {list(shape)}; {_MISMATCH}.")
+            key[name] = found
+        if missing:
+            raise ModelError(f"{t.label} has no tensor {t.display(missing[0])}, which {cls} with this config expects "
+                             f"({len(missing)} missing in all); {_MISMATCH}.")
+        ignore = [re.compile(p) for p in getattr(self._skeleton, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        extra = [n for n in set(t.shapes) - set(key.values()) if not any(p.search(n) for p in ignore)]
+        if extra:
+            shown = _few(t.display(n) for n in extra)
+            raise ModelError(f"{t.label} has {len(extra)} tensors that {cls} with this config does not have ({shown}); "
+                             f"{_MISMATCH}.")
+        return key
+
+    # -- the API the compiler uses
+
+    def skeleton(self) -> nn.Module:
+        """The model's own class built from its config on the meta device.
+
+        The build is cached; each call returns a fresh copy of it, so a caller may install tensors in it or
+        swap its blocks without changing what ``load_block`` and later ``skeleton()`` calls see.
+        """
+        return copy.deepcopy(self._skeleton)
+
+    def load_block(self, path: str, device="cpu", dtype: torch.dtype | None = torch.float32) -> nn.Module:
+        """A real copy of the module at ``path`` with weights read from the checkpoint (only its tensors).
+
+        Floating tensors are cast to ``dtype`` (None keeps the checkpoint's dtype).
+        """
+        try:
+            template = self._skeleton.get_submodule(path)
+        except AttributeError:
+            raise ModelError(f"{type(self._skeleton).__name__} has no module {path!r}; its {len(self.block_paths)} "
+                             f"blocks run from {self.block_paths[0]} to {self.block_paths[-1]}.") from None
+        prefix = path + "."
+        names = [n for n in self._expected if n.startswith(prefix)]
+        module = copy.deepcopy(template)
+        _materialize(module, self._read(names, strip=prefix), device, dtype)
+        return module
+
+    def resident_state(self, device="cpu", dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+        """Every state-dict entry outside the streamed blocks, under the model's own names."""
+        prefixes = tuple(p + "." for p in self.block_paths)
+        names = [n for n in self._expected if not n.startswith(prefixes)]
+        return {n: _convert(t, device, dtype) for n, t in self._read(names).items()}
+
+    def load_model(self, device="cpu", dtype: torch.dtype | None = torch.float32) -> nn.Module:
+        """The whole model materialized (small models and tests only)."""
+        model = copy.deepcopy(self._skeleton)
+        _materialize(model, self._read(list(self._expected)), device, dtype)
+        return model
+
+    def _read(self, names: Sequence[str], strip: str = "") -> dict[str, torch.Tensor]:
+        keys = {n: self._key[n] for n in names}
+        tensors = self._tensors.read(sorted(set(keys.values())))
+        return {n[len(strip):]: tensors[k] for n, k in keys.items()}
+
+
+def _convert(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    t = t.to(device)
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, dtype) -> None:
+    """Give a meta-device module real tensors: ``state`` for its state dict, moved non-persistent buffers."""
+    aliases = _alias_groups(module)
+    module.load_state_dict({n: _convert(t, device, dtype) for n, t in state.items()}, strict=True, assign=True)
+    for names in {tuple(g) for g in aliases.values()}:  # assign=True unties shared parameters; tie them again
+        shared = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._parameters[attr] = shared
+    for sub in module.modules():  # non-persistent buffers were built real on the host
+        for name, buf in sub._buffers.items():
+            if buf is not None and not buf.is_meta:
+                sub._buffers[name] = _convert(buf, device, dtype)
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    if left:
+        raise ModelError(f"{type(module).__name__} still has tensors on the meta device after loading ({_few(left)}).")
+
+
+def _adapter(skeleton: nn.Module, blocks: Sequence[str] | None, where: str) -> FamilyAdapter:
+    cls = type(skeleton).__name__
+    try:
+        family = adapter_for(skeleton)
+    except ModelError:
+        family = None
+    if blocks:  # generic mode; a known family still lends its calibration inputs
+        attrs = tuple(b.strip() for b in ([blocks] if isinstance(blocks, str) else blocks) if b.strip())
+        generic = FamilyAdapter(family="generic", class_name=cls, block_lists=attrs)
+        return dataclasses.replace(generic, calibration_inputs=family.calibration_inputs) if family else generic
+    if family is None:
+        lists: list[str] = []  # the outermost non-empty ModuleLists, as a hint
+        for n, m in skeleton.named_modules():
+            if isinstance(m, nn.ModuleList) and len(m) and not any(n.startswith(o + ".") for o in lists):
+                lists.append(n)
+        lists = lists[:3]
+        hint = f" (its nn.ModuleLists include {', '.join(lists)})" if lists else ""
+        raise ModelError(f"{where} is a {cls}, which has no SquareQ family adapter; pass --blocks ATTR naming the "
+                         f"nn.ModuleList that holds its blocks{hint}.")
+    return family
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ModelError(f"{path} is not valid JSON ({exc}); re-save the model.") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path} does not hold a JSON object; re-save the model.")
+    return data
+
+
+def _diffusers_skeleton(folder: Path, config: dict) -> nn.Module:
+    import diffusers
+
+    name = config["_class_name"]
+    cls = getattr(diffusers, str(name), None) if isinstance(name, str) and name.isidentifier() else None
+    if cls is None or not hasattr(cls, "from_config"):
+        raise ModelError(f"{folder / 'config.json'} names the class {name!r}, which diffusers "
+                         f"{diffusers.__version__} does not have; upgrade diffusers or {_WHAT_TO_PASS}.")
+    return _build_meta(lambda: cls.from_config(config))
+
+
+def _transformers_skeleton(folder: Path) -> nn.Module:
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"transformers cannot read {folder / 'config.json'} ({exc}); upgrade transformers "
+                         "or fix the config.") from None
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
+        if cls is not None:
+            return _build_meta(lambda cls=cls: cls(config))
+    try:
+        return _build_meta(lambda: transformers.AutoModel.from_config(config))
+    except ValueError as exc:
+        raise ModelError(f"transformers has no model class for {folder / 'config.json'} ({exc}).") from None
+
+
+def _open_folder(folder: Path, blocks) -> Source:
+    if (folder / "model_index.json").is_file():
+        if not (folder / "transformer").is_dir():
+            raise ModelError(f"{folder} is a pipeline folder without transformer/; pass one of its component "
+                             f"folders (e.g. {folder / 'text_encoder'}) with --blocks ATTR.")
+        folder = folder / "transformer"
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{folder} has no config.json, so it is not a diffusers or transformers model folder; "
+                         f"{_WHAT_TO_PASS}.")
+    config = _read_json(config_file)
+    if "_class_name" in config:
+        skeleton = _diffusers_skeleton(folder, config)
+    elif "architectures" in config or "model_type" in config:
+        skeleton = _transformers_skeleton(folder)
+    else:
+        raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
+                         f"(transformers); {_WHAT_TO_PASS}.")
+    tensors = _SafetensorsFiles(_folder_weights(folder), label=str(folder))
+    return Source(str(folder), skeleton, tensors, blocks)
+
+
+def _open_file(path: Path, blocks) -> Source:
+    if path.suffix != ".safetensors":
+        raise ModelError(f"{path} is not a .safetensors file; SquareQ reads safetensors only, so convert it "
+                         f"first or {_WHAT_TO_PASS}.")
+    shapes = _header_shapes(path)
+    prefix = flux_bfl.bfl_key_prefix(shapes)
+    if prefix is None:
+        raise ModelError(f"{path} is not a BFL FLUX.1 checkpoint (it has no double_blocks.0.img_attn.qkv.weight); "
+                         "pass its diffusers or transformers model folder (with config.json) instead.")
+    tensors = _BFLFile(path, prefix, shapes)
+    from diffusers import FluxTransformer2DModel
+
+    skeleton = _build_meta(lambda: FluxTransformer2DModel(**tensors.config))
+    return Source(f"{path} (BFL single file)", skeleton, tensors, blocks)
+
+
+def _open_builtin(name: str, blocks) -> Source:
+    model, _ = load_builtin(name)
+    skeleton = copy.deepcopy(model).to("meta").eval()
+    return Source(name, skeleton, _MemoryTensors(model.state_dict(), label=f"built-in {name}"), blocks)
+
+
+def open_source(model: str | os.PathLike, blocks: Sequence[str] | None = None) -> Source:
+    """Open MODEL: a built-in name, a diffusers pipeline/model folder, a transformers folder or a BFL file.
+
+    ``blocks`` names the ``nn.ModuleList`` attributes holding the blocks (``["encoder.layer"]``) for a
+    model without a family adapter (generic mode); None uses the family adapter.
+    """
+    if isinstance(model, str) and model in BUILTIN_MODELS:
+        return _open_builtin(model, blocks)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelError(f"{model} does not exist; {_WHAT_TO_PASS}.")
+    path = path.resolve()
+    return _open_folder(path, blocks) if path.is_dir() else _open_file(path, blocks)

@@ -1,0 +1,98 @@
+"""The compile state folder beside the output: finished blocks survive a crash, and `--resume` reuses them.
+
+``<out>.state/state.json`` fingerprints the source and the options; ``block.<k>.safetensors`` holds
+every candidate measured for the block's layers and ``block.<k>.json`` the decisions. The JSON is
+written last, so a block counts as finished only when both files are complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..quant import QuantSpec, QuantizedWeight
+from .ladder import LayerDecision
+from .layer_search import Candidate
+
+
+class StateError(ValueError):
+    """The state folder cannot be used for this compile."""
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class CompileState:
+    """Read and write one compile's state folder."""
+
+    def __init__(self, folder: Path, fingerprint: dict, resume: bool) -> None:
+        self.folder = Path(folder)
+        meta = self.folder / "state.json"
+        if self.folder.exists() and not resume:
+            raise StateError(f"{self.folder} holds an earlier, unfinished compile; pass --resume to continue it, "
+                             "or delete the folder to start over.")
+        if resume and meta.is_file():
+            found = json.loads(meta.read_text())
+            if found != fingerprint:
+                changed = sorted(k for k in set(found) | set(fingerprint) if found.get(k) != fingerprint.get(k))
+                raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
+                                 "rerun with the same model and options, or delete the folder to start over.")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(meta, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+    def _paths(self, index: int) -> tuple[Path, Path]:
+        return self.folder / f"block.{index}.safetensors", self.folder / f"block.{index}.json"
+
+    def has_block(self, index: int) -> bool:
+        return self._paths(index)[1].is_file()
+
+    def save_block(self, index: int, decisions: list[LayerDecision], info: dict) -> None:
+        tensors, records = {}, []
+        for d in decisions:
+            tried = []
+            for c in d.tried:
+                for role, t in c.qweight.tensors.items():
+                    tensors[f"{d.name}:{c.bits}:{role}"] = t.detach().contiguous().cpu()
+                tried.append({"spec": c.qweight.spec.to_dict(), "shape": list(c.qweight.shape), "alpha": c.alpha,
+                              "metrics": c.metrics})
+            records.append({"name": d.name, "chosen": d.tried.index(d.chosen), "reasons": d.reasons, "tried": tried})
+        data, meta = self._paths(index)
+        tmp = data.with_name(data.name + ".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, data)
+        _atomic_write_text(meta, json.dumps({"layers": records, **info}, indent=1))
+
+    def load_block(self, index: int) -> tuple[list[LayerDecision], dict]:
+        data, meta = self._paths(index)
+        record = json.loads(meta.read_text())
+        tensors = load_file(str(data))
+        decisions = []
+        for layer in record.pop("layers"):
+            tried = []
+            for c in layer["tried"]:
+                spec = QuantSpec.from_dict(c["spec"])
+                prefix = f"{layer['name']}:{spec.bits}:"
+                qt = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                tried.append(Candidate(QuantizedWeight(spec, tuple(c["shape"]), qt), c["alpha"], c["metrics"]))
+            decisions.append(LayerDecision(layer["name"], tried[layer["chosen"]], tried, layer["reasons"]))
+        return decisions, record
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def tensor_fingerprint(t: torch.Tensor) -> str:
+    """A short content hash of a tensor (for calibration inputs in the fingerprint)."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data).hexdigest()[:16]

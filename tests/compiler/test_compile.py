@@ -1,0 +1,148 @@
+"""End to end: `squareq compile` on the tiny model, its BFL twin and a small transformers encoder."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from squareq.cli import main
+from squareq.compiler import BudgetError, CompileOptions, compile_slab, open_source
+from squareq.compiler import driver
+from squareq.models.flux_bfl import diffusers_to_bfl
+from squareq.models.tiny import MLP_OUTLIER_LAYER, ROW_OUTLIER_LAYER
+from squareq.slab import open_slab
+
+FAST = dict(rounding="nearest", calib_samples=2, max_rows=128)
+
+
+def manifest(slab):
+    return json.loads((slab / "manifest.json").read_text())
+
+
+def without_timings(m):
+    m["calibration"] = {k: v for k, v in m["calibration"].items() if not k.endswith("_seconds")}
+    return m
+
+
+@pytest.fixture(scope="module")
+def size_slab(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile") / "tiny.slab"
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB",
+                                       "--calib-samples", "2", "--rounding", "nearest"])
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output and "W8 x1" in result.output
+    return out
+
+
+def test_mixed_rung_slab_explains_every_decision(size_slab):
+    m = manifest(size_slab)
+    layers = {layer["name"]: layer for layer in m["layers"]}
+    planted = layers[ROW_OUTLIER_LAYER]
+    assert planted["rung"] >= 8 and planted["reason"][0].startswith("W4: group-scale ratio")
+    plain = [layer for name, layer in layers.items() if name != ROW_OUTLIER_LAYER]
+    assert all(layer["rung"] == 4 and layer["reason"] == [] for layer in plain)
+    for layer in m["layers"]:
+        for key in ("output_rel_mse", "act_outlier_score", "scale_ratio", "alpha", "clip_ratio", "block_rel_mse"):
+            assert key in layer["metrics"], (layer["name"], key)
+        assert layer["metrics"]["block_rel_mse"] <= m["thresholds"]["block"]
+    # the planted activation outliers are handled by smoothing rather than by more bits
+    mlp_reader = layers[MLP_OUTLIER_LAYER.replace("net.0.proj", "net.2")]
+    assert mlp_reader["spec"]["smooth"] and mlp_reader["metrics"]["alpha"] > 0
+    assert m["calibration"]["kind"] == "synthetic" and m["thresholds"]["mse"] > 0
+    with open_slab(size_slab, verify=True):
+        pass
+    shown = CliRunner().invoke(main, ["inspect", str(size_slab)]).output
+    assert "group-scale ratio" in shown
+
+
+def test_impossible_budget_states_the_minimum(tmp_path):
+    out = tmp_path / "small.slab"
+    with pytest.raises(BudgetError, match=r"at least [\d,]+ bytes") as info:
+        compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=100_000, **FAST))
+    assert not out.exists() and driver.state_folder(out).exists() and "--resume" in str(info.value)
+    minimum = int(str(info.value).split("at least ")[1].split(" bytes")[0].replace(",", ""))
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=minimum, resume=True, **FAST))
+    assert sum(p.stat().st_size for p in out.iterdir()) <= minimum
+    assert not driver.state_folder(out).exists()
+
+
+def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, size_slab):
+    base = {layer["name"]: layer for layer in manifest(size_slab)["layers"]}
+    budget = int(1.25 * sum(p.stat().st_size for p in size_slab.iterdir()))
+    out = tmp_path / "quality.slab"
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=budget, objective="quality", **FAST))
+    assert sum(p.stat().st_size for p in out.iterdir()) <= budget
+    m = manifest(out)
+    upgraded = [layer for layer in m["layers"] if layer["spec"]["bits"] > base[layer["name"]]["spec"]["bits"]]
+    assert upgraded and all("--objective quality" in layer["reason"][-1] for layer in upgraded)
+    for layer in m["layers"]:
+        assert layer["metrics"]["output_rel_mse"] <= base[layer["name"]]["metrics"]["output_rel_mse"] * (1 + 1e-9)
+
+
+def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch):
+    opts = CompileOptions(budget=2_000_000, **FAST)
+    whole = tmp_path / "whole.slab"
+    compile_slab(open_source("tiny-flux"), whole, opts)
+
+    original, calls = driver._Run._decide, []
+
+    def dies_at_third_block(self, index, *args):
+        calls.append(index)
+        if index == 2:
+            raise KeyboardInterrupt
+        return original(self, index, *args)
+
+    monkeypatch.setattr(driver._Run, "_decide", dies_at_third_block)
+    out = tmp_path / "resumed.slab"
+    with pytest.raises(KeyboardInterrupt):
+        compile_slab(open_source("tiny-flux"), out, opts)
+    assert not out.exists() and sorted(p.name for p in driver.state_folder(out).glob("block.*.json")) == [
+        "block.0.json", "block.1.json"]
+    with pytest.raises(Exception, match="--resume"):
+        compile_slab(open_source("tiny-flux"), out, opts)
+    monkeypatch.setattr(driver._Run, "_decide", original)
+    calls.clear()
+    resumed = CompileOptions(budget=2_000_000, resume=True, **FAST)
+    compile_slab(open_source("tiny-flux"), out, resumed)
+    assert (out / "slab.safetensors").read_bytes() == (whole / "slab.safetensors").read_bytes()
+    assert without_timings(manifest(out)) == without_timings(manifest(whole))
+
+
+def test_bfl_and_diffusers_sources_give_identical_slabs(tmp_path, tiny_flux):
+    model, _ = tiny_flux
+    model.save_pretrained(tmp_path / "diffusers", safe_serialization=True)
+    bfl = tmp_path / "tiny-flux1.safetensors"
+    save_file({k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()}, str(bfl))
+    opts = CompileOptions(budget=2_000_000, **FAST)
+    compile_slab(open_source(str(tmp_path / "diffusers")), tmp_path / "a.slab", opts)
+    compile_slab(open_source(str(bfl)), tmp_path / "b.slab", opts)
+    assert (tmp_path / "a.slab/slab.safetensors").read_bytes() == (tmp_path / "b.slab/slab.safetensors").read_bytes()
+    a, b = manifest(tmp_path / "a.slab"), manifest(tmp_path / "b.slab")
+    assert a["model"]["signature"] == b["model"]["signature"] and a["layers"] == b["layers"]
+
+
+def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    T5EncoderModel(cfg).save_pretrained(tmp_path / "t5", safe_serialization=True)
+    result = CliRunner().invoke(main, ["compile", str(tmp_path / "t5"), "--blocks", "encoder.block", "-o",
+                                       str(tmp_path / "t5.slab"), "--budget", "1MB", "--calib-samples", "2",
+                                       "--rounding", "gptq"])
+    assert result.exit_code == 0, result.output
+    m = manifest(tmp_path / "t5.slab")
+    assert m["model"]["class_name"] == "T5EncoderModel" and m["model"]["family"] == "generic"
+    assert [b["name"] for b in m["blocks"]] == ["encoder.block.0", "encoder.block.1"]
+    assert m["calibration"]["why"].startswith("random token ids")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tiny-flux", "--budget", "lots"], "cannot read the size 'lots'"),
+    (["/no/such/model", "--budget", "1GB"], "does not exist"),
+    (["tiny-flux", "--budget", "1GB", "--stream-window", "2"], "go together"),
+])
+def test_bad_input_gets_one_clear_sentence(tmp_path, args, message):
+    result = CliRunner().invoke(main, ["compile", *args[:1], "-o", str(tmp_path / "x.slab"), *args[1:]])
+    assert result.exit_code != 0 and message in result.output
