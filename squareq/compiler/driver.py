@@ -89,8 +89,10 @@ def outputs_rel_mse(ref, got) -> float:
 def _quantized_copy(block: nn.Module, prefix: str, chosen: dict[str, quant.QuantizedWeight], dtype) -> nn.Module:
     q = copy.deepcopy(block)
     for name, mod in block_linears(prefix, q):
+        qw = chosen[name]
+        on_device = quant.QuantizedWeight(qw.spec, qw.shape, {k: v.to(mod.weight.device) for k, v in qw.tensors.items()})
         with torch.no_grad():
-            mod.weight.copy_(quant.dequantize(chosen[name]).to(dtype))
+            mod.weight.copy_(quant.dequantize(on_device).to(dtype))
     return q
 
 
