@@ -94,7 +94,9 @@ def main() -> None:
     from squareq.compiler import CompileOptions, compile_slab, open_source, parse_size
 
     records: list = []
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # The device gets a copy of the working tree without git history: pass SQUAREQ_COMMIT there.
+    commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     env = {"kind": "env", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit}
     emit(env, records)
@@ -108,7 +110,7 @@ def main() -> None:
     start = time.perf_counter()
 
     def progress(line: str) -> None:
-        if ":" in line and "calibrating" in line or "reusing" in line:
+        if "calibrating" in line or "reusing" in line:
             print(f"[{time.perf_counter() - start:8.1f}s] {line}", flush=True)
 
     manifest = compile_slab(open_source(str(src)), out, CompileOptions(
