@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..slab.manifest import align_up
+from ..slab.summary import human_bytes
 from .ladder import LayerDecision, trips
 from .thresholds import Thresholds
 
@@ -94,7 +95,7 @@ def solve(blocks: list[BlockLayers], thresholds: Thresholds, budget: int, object
     if size > budget:
         hints = _relaxations(blocks, thresholds, budget, overhead)
         raise BudgetError(
-            f"the thresholds need a slab of at least {size:,} bytes ({size / 1e9:.3f} GB) but --budget is "
+            f"the thresholds need a slab of at least {size:,} bytes ({human_bytes(size)}) but --budget is "
             f"{budget:,} bytes; raise --budget to at least that"
             + (", or relax a threshold: " + "; ".join(hints) if hints else "") + "."
         )

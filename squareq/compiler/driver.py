@@ -21,8 +21,16 @@ from torch import nn
 
 from .. import quant
 from ..slab import SlabError, WriteOptions
-from ..slab.manifest import MANIFEST_FILE
-from ..slab.writer import assemble_slab, block_linears, encode_block
+from ..slab.manifest import ResidentRecord, dtype_name, resident_tensor_name
+from ..slab.writer import (
+    PLACEHOLDER_FLOAT,
+    assemble_slab,
+    block_linears,
+    build_manifest,
+    encode_block,
+    header_bytes,
+    layout_block,
+)
 from .budget import BlockLayers, BudgetError, candidate_bytes, solve
 from .calibration import StatsCollector
 from .ladder import RUNGS, LayerDecision, climb
@@ -31,9 +39,9 @@ from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
 
-# Bytes reserved for the safetensors header and manifest, which are written after the budget is solved.
-MANIFEST_BYTES_PER_LAYER = 2048
-MANIFEST_BYTES_FIXED = 16384
+# The quality objective's upgrades lengthen a layer's manifest record by a reason (~150 bytes) and
+# other metric digits; the exact size is checked against the budget before anything is written.
+QUALITY_SLACK_PER_LAYER = 256
 
 
 @dataclass
@@ -225,41 +233,64 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
         blocks.append(BlockLayers(path, decisions, info["fixed_bytes"]))
         records.append(info)
     residents = source.resident_state("cpu", torch.float32)
-    overhead = (MANIFEST_BYTES_FIXED + MANIFEST_BYTES_PER_LAYER * sum(len(b.decisions) for b in blocks)
-                + sum(-(-t.numel() * 2 // 256) * 256 for t in residents.values()))
+    # Planned with placeholders as long as any real value, so a stated minimum holds for every budget.
+    calibration = {**batch.description, "objective": opts.objective, "budget_bytes": 10**15,
+                   "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
+                   "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT}
+    write_opts = WriteOptions(family=source.family, source=source.description, overwrite=opts.overwrite,
+                              thresholds=opts.thresholds.to_dict(), calibration=calibration)
+    ladder_choice = {d.name: d.tried.index(d.chosen) for b in blocks for d in b.decisions}
+    overhead = _metadata_bytes(skeleton, blocks, records, ladder_choice, residents, write_opts)
+    if opts.objective == "quality":  # upgraded layers carry a longer reason and other metric digits
+        overhead += QUALITY_SLACK_PER_LAYER * len(ladder_choice)
     window = (opts.stream_window, opts.max_window_bytes) if opts.stream_window and opts.max_window_bytes else None
     try:
         choice = solve(blocks, opts.thresholds, opts.budget, opts.objective, overhead, window)
     except BudgetError as exc:
         raise BudgetError(f"{exc} Nothing was written; the measurements are kept in {state.folder}, so rerunning "
-                          "with --resume and a larger --budget skips the calibration (changed thresholds need a fresh compile).") from None
+                          "with --resume and a larger --budget skips the calibration (changed thresholds need a "
+                          "fresh compile).") from None
 
     encoded = []
     work = state.folder / "blobs"
     work.mkdir(exist_ok=True)
     for i, (b, info) in enumerate(zip(blocks, records)):
         real = source.load_block(b.name, "cpu", torch.float32)
-        chosen = {d.name: d.tried[choice[d.name]] for d in b.decisions}
-        metrics = {n: {**c.metrics, "block_rel_mse": info["block_rel_mse"]} for n, c in chosen.items()}
-        reasons = {d.name: list(d.reasons) + _objective_note(d, choice[d.name]) for d in b.decisions}
-        encoded.append(encode_block(i, b.name, real, {n: c.qweight for n, c in chosen.items()},
-                                    work / f"block.{i}.bin", metrics=metrics, reasons=reasons))
-    total = time.perf_counter() - started
-    manifest = assemble_slab(out, skeleton, encoded, residents, WriteOptions(
-        family=source.family, source=source.description, overwrite=opts.overwrite,
-        thresholds=opts.thresholds.to_dict(),
-        calibration={**batch.description, "objective": opts.objective, "budget_bytes": opts.budget,
-                     "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
-                     "calibrate_seconds": round(calibrate_s, 3), "compile_seconds": round(total, 3)},
-    ))
-    size = sum(p.stat().st_size for p in (out / "slab.safetensors", out / MANIFEST_FILE))
-    if size > opts.budget:  # the reserve for header and manifest was too small: never leave an over-budget slab
-        import shutil
-
-        shutil.rmtree(out)
-        raise BudgetError(f"the written slab is {size:,} bytes, over --budget {opts.budget:,}; raise --budget slightly.")
+        qws, metrics, reasons = _annotations(b, info, choice)
+        encoded.append(encode_block(i, b.name, real, qws, work / f"block.{i}.bin", metrics=metrics, reasons=reasons))
+    write_opts.calibration["budget_bytes"] = opts.budget
+    write_opts.calibration["calibrate_seconds"] = round(calibrate_s, 3)
+    write_opts.calibration["compile_seconds"] = round(time.perf_counter() - started, 3)
+    manifest = assemble_slab(out, skeleton, encoded, residents, write_opts, max_bytes=opts.budget)
     state.remove()
     return manifest
+
+
+def _annotations(b: BlockLayers, info: dict, choice: dict[str, int]):
+    """(quantized weights, metrics, reasons) by layer name for one block under ``choice``."""
+    chosen = {d.name: d.tried[choice[d.name]] for d in b.decisions}
+    metrics = {n: {**c.metrics, "block_rel_mse": info["block_rel_mse"]} for n, c in chosen.items()}
+    reasons = {d.name: list(d.reasons) + _objective_note(d, choice[d.name]) for d in b.decisions}
+    return {n: c.qweight for n, c in chosen.items()}, metrics, reasons
+
+
+def _metadata_bytes(skeleton, blocks: list[BlockLayers], records: list[dict], choice: dict[str, int],
+                    residents: dict, write_opts: WriteOptions) -> int:
+    """Bytes of everything but the blobs (header, resident tensors, manifest) for ``choice``, planned from
+    the skeleton: an upper bound, since unknown numbers are given their longest JSON form."""
+    block_records, layer_records = [], []
+    for i, (b, info) in enumerate(zip(blocks, records)):
+        qws, metrics, reasons = _annotations(b, info, choice)
+        rec, layers, _ = layout_block(i, b.name, skeleton.get_submodule(b.name), qws, metrics=metrics,
+                                      reasons=reasons, measure=False)
+        block_records.append(rec)
+        layer_records += layers
+    stored = {n: t.to(write_opts.param_dtype) if t.is_floating_point() else t for n, t in residents.items()}
+    resident = [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), "0" * 64)
+                for n, t in stored.items()]
+    manifest = build_manifest(skeleton, block_records, layer_records, resident, write_opts)
+    return (header_bytes(block_records, residents, write_opts.param_dtype) + len(manifest.to_json().encode())
+            + sum(t.numel() * t.element_size() for t in stored.values()))
 
 
 def _objective_note(d: LayerDecision, index: int) -> list[str]:

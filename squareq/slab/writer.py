@@ -123,12 +123,17 @@ def weight_metrics(w: torch.Tensor, qw: QuantizedWeight) -> dict[str, float]:
     return {"weight_rel_mse": float(quant.rel_mse(w, approx)), "weight_sqnr_db": quant.sqnr_db(w, approx)}
 
 
-def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
-                 blob_path: Path, param_dtype: torch.dtype = torch.bfloat16,
-                 metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None) -> EncodedBlock:
-    """Lay out one block (its linears from ``quantized``, every other tensor raw) and write its blob to ``blob_path``.
+# Longest JSON text of a float, used where a metric is not known yet (manifest size planning).
+PLACEHOLDER_FLOAT = -1.2345678901234567e-123
 
-    The blob file appears only when complete (temporary name, then rename).
+
+def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
+                 param_dtype: torch.dtype = torch.bfloat16, metrics: Mapping[str, dict] | None = None,
+                 reasons: Mapping[str, list] | None = None, measure: bool = True) -> tuple[BlockRecord, list, _Packer]:
+    """Records and tensor placement of one block (its linears from ``quantized``, every other tensor raw).
+
+    With ``measure=False`` the block may be on the meta device: weight metrics get placeholder values
+    of maximal JSON length, so the manifest's size can be planned before any weight is read.
     """
     packer, layers, taken = _Packer(), [], set()
     for name, mod in block_linears(prefix, block):
@@ -140,14 +145,25 @@ def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
             raise SlabError(f"layer {name}: stored tensors do not match {qw.spec.label()} for shape {list(qw.shape)}.")
         rel = name[len(prefix) + 1 :]
         tensors = {role: packer.add(f"{rel}.{role}", t) for role, t in qw.tensors.items()}
-        layer_metrics = {**weight_metrics(mod.weight, qw), **(metrics or {}).get(name, {})}
+        measured = (weight_metrics(mod.weight, qw) if measure
+                    else {"weight_rel_mse": PLACEHOLDER_FLOAT, "weight_sqnr_db": PLACEHOLDER_FLOAT})
         layers.append(LayerRecord(name, index, [mod.out_features, mod.in_features], qw.spec, tensors,
-                                  metrics=layer_metrics, rung=qw.spec.bits, reason=list((reasons or {}).get(name, []))))
+                                  metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.bits,
+                                  reason=list((reasons or {}).get(name, []))))
         taken.add(f"{rel}.weight")
     params = [packer.add(rel, _stored(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
+    record = BlockRecord(index, prefix, block_tensor_name(index), align_up(max(packer.size, 1)), "0" * 64,
+                         [rec.name for rec in layers], params)
+    return record, layers, packer
+
+
+def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
+                 blob_path: Path, param_dtype: torch.dtype = torch.bfloat16,
+                 metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None) -> EncodedBlock:
+    """Lay out one block and write its blob to ``blob_path`` (temporary name, then rename)."""
+    record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons)
     blob = packer.blob()
-    record = BlockRecord(index, prefix, block_tensor_name(index), blob.numel(),
-                         hashlib.sha256(blob.numpy().data).hexdigest(), [rec.name for rec in layers], params)
+    record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
     blob_path = Path(blob_path)
     tmp = blob_path.with_name(blob_path.name + ".tmp")
     with open(tmp, "wb") as fh:
@@ -191,43 +207,65 @@ def _copy_file_into(fh, path: Path, nbytes: int, chunk: int = 64 << 20) -> None:
         raise SlabError(f"{path} holds {copied} bytes but its block record says {nbytes}; recompute that block.")
 
 
+def build_manifest(skeleton: nn.Module, blocks: list[BlockRecord], layers: list[LayerRecord],
+                   resident: list[ResidentRecord], options: WriteOptions) -> Manifest:
+    """The manifest object for a slab of ``skeleton`` (only its class, config and shapes are used)."""
+    return Manifest(
+        model=ModelRecord(options.family, type(skeleton).__name__, jsonable_config(getattr(skeleton, "config", {})),
+                          model_signature(skeleton), options.source,
+                          list(dict.fromkeys(b.name.rsplit(".", 1)[0] for b in blocks))),
+        blocks=blocks,
+        layers=layers,
+        resident=resident,
+        alignment=ALIGNMENT,
+        thresholds=options.thresholds,
+        calibration=options.calibration,
+        created_by=_created_by(),
+    )
+
+
+def header_bytes(blocks: list[BlockRecord], residents: Mapping[str, torch.Tensor], param_dtype=torch.bfloat16) -> int:
+    """Length of the safetensors header for these blobs and resident tensors."""
+    entries = [(b.tensor, "U8", [b.nbytes], b.nbytes) for b in blocks]
+    stored = {n: _stored(t, param_dtype) for n, t in residents.items()}
+    entries += [(resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
+                for n, t in stored.items()]
+    return len(_header(entries))
+
+
 def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[EncodedBlock],
-                  residents: Mapping[str, torch.Tensor], options: WriteOptions) -> Manifest:
+                  residents: Mapping[str, torch.Tensor], options: WriteOptions,
+                  max_bytes: int | None = None) -> Manifest:
     """Write the slab directory from encoded blocks (blobs on disk) and resident tensors, atomically.
 
-    ``skeleton`` may live on the meta device: only its class, config and shapes are used.
+    ``skeleton`` may live on the meta device: only its class, config and shapes are used. The header
+    and manifest are built first, so with ``max_bytes`` a slab that would be larger is refused
+    (:class:`SlabError` stating the exact size) before anything is written.
     """
     stored = {n: _stored(t, options.param_dtype) for n, t in residents.items()}
+    raws = {n: t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data for n, t in stored.items()}
     entries = [(b.record.tensor, "U8", [b.record.nbytes], b.record.nbytes) for b in blocks]
     entries += [(resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                 for n, t in stored.items()]
-    resident_records = []
+    header = _header(entries)
+    manifest = build_manifest(skeleton, [b.record for b in blocks], [rec for b in blocks for rec in b.layers],
+                              [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape),
+                                              hashlib.sha256(raws[n]).hexdigest()) for n, t in stored.items()], options)
+    text = manifest.to_json()
+    total = len(header) + sum(e[3] for e in entries) + len(text.encode())
+    if max_bytes is not None and total > max_bytes:
+        raise SlabError(f"the slab for {out} would be {total:,} bytes with its header and manifest, over the "
+                        f"{max_bytes:,}-byte budget; raise --budget to at least {total:,}. Nothing was written.")
     with atomic_directory(Path(out), overwrite=options.overwrite) as tmp:
         data_path = tmp / DATA_FILE
         with open(data_path, "wb") as fh:
-            fh.write(_header(entries))
+            fh.write(header)
             for b in blocks:
                 _copy_file_into(fh, b.blob_path, b.record.nbytes)
-            for name, t in stored.items():
-                raw = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data
+            for raw in raws.values():
                 fh.write(raw)
-                resident_records.append(ResidentRecord(name, resident_tensor_name(name), dtype_name(t.dtype),
-                                                       list(t.shape), hashlib.sha256(raw).hexdigest()))
         fsync_file(data_path)
-        paths = [b.record.name for b in blocks]
-        manifest = Manifest(
-            model=ModelRecord(options.family, type(skeleton).__name__, jsonable_config(getattr(skeleton, "config", {})),
-                              model_signature(skeleton), options.source,
-                              list(dict.fromkeys(p.rsplit(".", 1)[0] for p in paths))),
-            blocks=[b.record for b in blocks],
-            layers=[rec for b in blocks for rec in b.layers],
-            resident=resident_records,
-            alignment=ALIGNMENT,
-            thresholds=options.thresholds,
-            calibration=options.calibration,
-            created_by=_created_by(),
-        )
-        (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+        (tmp / MANIFEST_FILE).write_text(text)
         fsync_file(tmp / MANIFEST_FILE)
     return manifest
 

@@ -18,7 +18,7 @@ def test_statistics_match_a_direct_computation():
     torch.manual_seed(0)
     block = TwoLinears()
     batches = [torch.randn(2, 5, 6) * torch.tensor([1, 1, 1, 1, 1, 30.0]) for _ in range(4)]
-    with StatsCollector("blk", block, max_rows=1000) as col:
+    with StatsCollector("blk", block, max_rows=1000, holdout=0.0) as col:
         for x in batches:
             block(x)
     x = torch.cat([b.reshape(-1, 6) for b in batches])
@@ -37,7 +37,7 @@ def test_row_sample_is_bounded_uniform_and_seeded():
     x = torch.arange(600, dtype=torch.float32)[:, None].repeat(1, 6)
 
     def sample(seed):
-        with StatsCollector("blk", block, max_rows=50, hessian=False, seed=seed) as col:
+        with StatsCollector("blk", block, max_rows=50, hessian=False, seed=seed, holdout=0.0) as col:
             for chunk in x.split(60):
                 block(chunk)
         return col.stats["blk.a"].rows[:, 0]
@@ -46,6 +46,30 @@ def test_row_sample_is_bounded_uniform_and_seeded():
     assert first.shape == (50,) and torch.equal(first, again) and not torch.equal(first, other)
     assert first.min() < 100 and first.max() > 500  # drawn from the whole stream, not its start
     assert col_hooks_removed(block)
+
+
+def test_measurement_rows_are_held_out_of_the_gram_matrix():
+    torch.manual_seed(1)
+    block = TwoLinears()
+    x = torch.randn(400, 6)
+    with StatsCollector("blk", block, max_rows=1000, holdout=0.25, seed=3) as col:
+        for chunk in x.split(100):
+            block(chunk)
+    st = col.stats["blk.a"]
+    held = st.rows
+    assert 50 < held.shape[0] < 150 and st.gram_count == 400 - held.shape[0]
+    # every held-out row is one of the inputs, and the Gram matrix is exactly the other rows'
+    assert all(any(torch.equal(r, y) for y in x) for r in held[:5])
+    assert torch.allclose(st.gram.float(), x.T @ x - held.T @ held, atol=1e-3)
+    assert st.count == 400 and torch.allclose(st.second_moment, x.pow(2).mean(0))
+
+
+def test_a_layer_with_few_rows_still_holds_one_out():
+    block = TwoLinears()
+    with StatsCollector("blk", block, holdout=0.25, seed=0) as col:
+        block(torch.randn(2, 6))
+    st = col.stats["blk.a"]
+    assert st.rows.shape[0] >= 1 and st.gram_count + st.rows.shape[0] == 2
 
 
 def col_hooks_removed(block):
