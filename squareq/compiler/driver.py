@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import quant
 from ..slab import SlabError, WriteOptions
-from ..slab.manifest import ResidentRecord, dtype_name, resident_tensor_name
+from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
     PLACEHOLDER_FLOAT,
     assemble_slab,
@@ -154,8 +154,10 @@ class _Run:
             decisions[name] = climb(name, mod.weight, col.stats[name], o.thresholds, o.min_bits, o.rounding,
                                     o.group_size, measure_all=o.objective == "quality")
         drift = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
-        fixed = sum(-(-t.numel() * 2 // 256) * 256 for n, t in real.state_dict().items()
-                    if not any(n == f"{x[len(path) + 1:]}.weight" for x in decisions))
+        # Bytes of the block's other tensors in its blob, as the writer stores them (floating ones as bf16).
+        weights = {f"{x[len(path) + 1:]}.weight" for x in decisions}
+        fixed = sum(align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
+                    for n, t in real.state_dict().items() if n not in weights)
         self.state.save_block(index, list(decisions.values()), {"block_rel_mse": drift, "fixed_bytes": fixed})
 
     def _block_drift(self, path, real, args, kwargs, ref, decisions, stats) -> float:
