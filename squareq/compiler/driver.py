@@ -218,7 +218,7 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
     skeleton = source.skeleton()
-    batch = source.adapter.calibration_inputs(skeleton, opts.calib_samples, opts.seed, device=opts.device)
+    batch = source.adapter.calibration_batch(skeleton, opts.calib_samples, opts.seed, source.pipeline, opts.device)
     inputs_hash = hashlib.sha256(json.dumps(batch.description, sort_keys=True).encode()).hexdigest()[:16]
     fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
                    **opts.fingerprint()}

@@ -235,6 +235,7 @@ class Source:
     def __init__(self, description: str, skeleton: nn.Module, tensors: _Tensors,
                  blocks: Sequence[str] | None = None):
         self.description = description
+        self.pipeline: Path | None = None  # the diffusers pipeline folder around the model, if any
         self._skeleton = skeleton
         self._tensors = tensors
         self.adapter = _adapter(skeleton, blocks, description)
@@ -410,11 +411,14 @@ def _transformers_skeleton(folder: Path) -> nn.Module:
 
 
 def _open_folder(folder: Path, blocks) -> Source:
+    pipeline = None
     if (folder / "model_index.json").is_file():
         if not (folder / "transformer").is_dir():
             raise ModelError(f"{folder} is a pipeline folder without transformer/; pass one of its component "
                              f"folders (e.g. {folder / 'text_encoder'}) with --blocks ATTR.")
-        folder = folder / "transformer"
+        pipeline, folder = folder, folder / "transformer"
+    elif (folder.parent / "model_index.json").is_file():
+        pipeline = folder.parent
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{folder} has no config.json, so it is not a diffusers or transformers model folder; "
@@ -428,7 +432,9 @@ def _open_folder(folder: Path, blocks) -> Source:
         raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
                          f"(transformers); {_WHAT_TO_PASS}.")
     tensors = _SafetensorsFiles(_folder_weights(folder), label=str(folder))
-    return Source(str(folder), skeleton, tensors, blocks)
+    source = Source(str(folder), skeleton, tensors, blocks)
+    source.pipeline = pipeline
+    return source
 
 
 def _open_file(path: Path, blocks) -> Source:

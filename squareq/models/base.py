@@ -41,6 +41,16 @@ class FamilyAdapter:
     class_name: str
     block_lists: tuple[str, ...]
     calibration_inputs: Callable[..., CalibrationBatch] = field(default=generic_token_inputs, compare=False)
+    # Calibration through a pipeline's own text encoders (None: the family has no such path yet).
+    prompt_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
+    has_text_encoders: Callable[..., bool] | None = field(default=None, compare=False)
+
+    def calibration_batch(self, model: nn.Module, samples: int, seed: int, pipeline=None,
+                          device="cpu") -> CalibrationBatch:
+        """Prompts through the pipeline's encoders when it has them, else the documented fallback."""
+        if pipeline is not None and self.prompt_inputs and self.has_text_encoders and self.has_text_encoders(pipeline):
+            return self.prompt_inputs(model, samples, seed, pipeline, device=device)
+        return self.calibration_inputs(model, samples, seed, device=device)
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Module paths of the streamed blocks in definition order, e.g. ``transformer_blocks.0``."""

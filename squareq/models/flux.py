@@ -1,9 +1,13 @@
 """FLUX.1 family (diffusers ``FluxTransformer2DModel``): 19 double-stream + 38 single-stream blocks at 12B."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from .base import CalibrationBatch, FamilyAdapter
+from .base import CalibrationBatch, FamilyAdapter, ModelError
+from .prompts import CALIBRATION_PROMPTS
 
 
 def flux_synthetic_inputs(model, samples: int, seed: int, side: int | None = None, text_tokens: int | None = None,
@@ -46,9 +50,62 @@ def flux_synthetic_inputs(model, samples: int, seed: int, side: int | None = Non
     return CalibrationBatch(kwargs, description)
 
 
+def _load_component(folder: Path, device, dtype: torch.dtype):
+    """A transformers text encoder from a pipeline component folder (offline), by its config's architecture."""
+    import transformers
+
+    config = json.loads((folder / "config.json").read_text())
+    arch = (config.get("architectures") or ["AutoModel"])[0]
+    cls = getattr(transformers, arch, None) or transformers.AutoModel
+    model = cls.from_pretrained(folder, local_files_only=True, dtype=dtype).to(device).eval()
+    return model
+
+
+def flux_prompt_inputs(model, samples: int, seed: int, pipeline: Path, device="cpu",
+                       dtype: torch.dtype = torch.float32) -> CalibrationBatch:
+    """Built-in prompts through the pipeline's own CLIP (pooled) and T5 (sequence) encoders, with noise
+    latents at timesteps spread across the schedule. The encoders are dropped before returning."""
+    from transformers import AutoTokenizer
+
+    cfg = model.config
+    synthetic = flux_synthetic_inputs(model, samples, seed, dtype=dtype, device=device)
+    text_tokens = synthetic.kwargs["encoder_hidden_states"].shape[1]
+    prompts = [CALIBRATION_PROMPTS[(seed + i) % len(CALIBRATION_PROMPTS)] for i in range(samples)]
+    encoder_dtype = dtype if torch.device(device).type == "cpu" else torch.bfloat16
+    with torch.no_grad():
+        clip_tok = AutoTokenizer.from_pretrained(pipeline / "tokenizer", local_files_only=True)
+        clip = _load_component(pipeline / "text_encoder", device, encoder_dtype)
+        ids = clip_tok(prompts, padding="max_length", max_length=min(77, clip_tok.model_max_length),
+                       truncation=True, return_tensors="pt").input_ids.to(device)
+        pooled = clip(ids).pooler_output.to(dtype)
+        del clip
+        t5_tok = AutoTokenizer.from_pretrained(pipeline / "tokenizer_2", local_files_only=True)
+        t5 = _load_component(pipeline / "text_encoder_2", device, encoder_dtype)
+        ids = t5_tok(prompts, padding="max_length", max_length=text_tokens, truncation=True,
+                     return_tensors="pt").input_ids.to(device)
+        sequence = t5(ids).last_hidden_state.to(dtype)
+        del t5
+    if pooled.shape[-1] != cfg.pooled_projection_dim or sequence.shape[-1] != cfg.joint_attention_dim:
+        raise ModelError(f"{pipeline}: the text encoders give {pooled.shape[-1]}/{sequence.shape[-1]} features but "
+                         f"the transformer expects {cfg.pooled_projection_dim}/{cfg.joint_attention_dim}; "
+                         "the pipeline's components do not belong together.")
+    kwargs = {**synthetic.kwargs, "encoder_hidden_states": sequence, "pooled_projections": pooled}
+    description = {**synthetic.description, "kind": "text-encoders",
+                   "why": "built-in prompts through the pipeline's CLIP and T5 encoders; noise latents",
+                   "prompts": prompts}
+    return CalibrationBatch(kwargs, description)
+
+
+def has_text_encoders(pipeline: Path) -> bool:
+    return all((pipeline / part / "config.json").is_file() for part in ("text_encoder", "text_encoder_2")) and all(
+        (pipeline / part).is_dir() for part in ("tokenizer", "tokenizer_2"))
+
+
 FLUX = FamilyAdapter(
     family="flux",
     class_name="FluxTransformer2DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     calibration_inputs=flux_synthetic_inputs,
+    prompt_inputs=flux_prompt_inputs,
+    has_text_encoders=has_text_encoders,
 )
