@@ -35,11 +35,18 @@ class Candidate:
         return self.qweight.nbytes
 
 
-def group_scale_ratio(qw: QuantizedWeight) -> float:
-    """max / median of the layer's group scales (1.0 for bf16)."""
+def group_scale_ratio(qw: QuantizedWeight, w: torch.Tensor, smooth: torch.Tensor | None) -> float:
+    """max / median of the layer's unclipped group scales (1.0 for bf16).
+
+    Taken before clipping, so it describes the weight (as stored, after smoothing) rather than the
+    clip search's choices, and does not move when per-group clipping does.
+    """
     if qw.spec.is_passthrough:
         return 1.0
-    s = qw.tensors["scales"].float().reshape(-1)
+    stored = w.detach().float() * smooth[None, :] if smooth is not None else w.detach().float()
+    unclipped = QuantSpec(bits=qw.spec.bits, group_size=qw.spec.group_size, symmetric=qw.spec.symmetric,
+                          scale_dtype=qw.spec.scale_dtype)
+    s = quant.quantize(stored, unclipped).tensors["scales"].float().reshape(-1)
     med = float(s.median())
     return float(s.max()) / med if med > 0 else float("inf")
 
@@ -48,7 +55,9 @@ def search_layer(w: torch.Tensor, stats: LayerStats, bits: int, group_size: int 
                  rounding: str = "gptq", alphas=DEFAULT_ALPHAS) -> Candidate:
     """Best (α, clip) for ``w [N, K]`` at ``bits`` by output rel-MSE on ``stats.rows``; α = 0 means no smoothing.
 
-    α and clip are chosen with round-to-nearest; GPTQ rounding then runs once, at the chosen α and
+    Each group gets its own clip ratio (activation-weighted error; it lives in the stored scales, so
+    the manifest's ``spec.clip_ratio`` stays 1.0 and ``metrics.clip_ratio`` is the mean). α and clip
+    are chosen with round-to-nearest; GPTQ rounding then runs once, at the chosen α and
     clip, and is kept only where it lowers the measured output error (a quarter of the GPTQ runs of
     trying it at every α, which dominates compile time at 12B).
     """
@@ -63,25 +72,27 @@ def search_layer(w: torch.Tensor, stats: LayerStats, bits: int, group_size: int 
     for alpha in alphas:
         smooth = quant.smoothing_scale(stats.absmax, w, alpha) if alpha > 0 else None
         spec = QuantSpec(bits=bits, group_size=group_size, symmetric=symmetric, smooth=alpha > 0)
-        clip = quant.search_clip_ratio(w, spec, stats.second_moment, smooth, ratios=CLIP_RATIOS).clip_ratio
-        qw = quant.quantize(w, spec.with_clip(clip), smooth)
+        clip = quant.search_group_clip(w, spec, stats.second_moment, smooth, ratios=CLIP_RATIOS).clip
+        qw = quant.quantize(w, spec, smooth, clip)
         err = quant.output_rel_mse(w, quant.dequantize(qw), x)
         if best is None or err < best[0]:
-            best = (err, qw, alpha, smooth)
-    err, qw, alpha, smooth = best
+            best = (err, qw, alpha, smooth, clip)
+    err, qw, alpha, smooth, clip = best
     used_gptq = False
     if rounding == "gptq" and stats.gram is not None:
-        compensated = quant.gptq_quantize(w, qw.spec, stats.hessian, smooth)
+        compensated = quant.gptq_quantize(w, qw.spec, stats.hessian, smooth, clip=clip)
         if quant.output_rel_mse(w, quant.dequantize(compensated), x) < err:
             qw, used_gptq = compensated, True
-    return Candidate(qw, alpha, {**_measure(w, qw, x, stats, alpha, smooth), "gptq": float(used_gptq)})
+    metrics = _measure(w, qw, x, stats, alpha, smooth)
+    metrics.update(gptq=float(used_gptq), clip_ratio=float(clip.mean()), clip_ratio_min=float(clip.min()))
+    return Candidate(qw, alpha, metrics)
 
 
 def _measure(w, qw, x, stats: LayerStats, alpha: float, smooth: torch.Tensor | None = None) -> dict[str, float]:
     return {
         "output_rel_mse": quant.output_rel_mse(w, quant.dequantize(qw), x),
         "act_outlier_score": stats.outlier_score(smooth),
-        "scale_ratio": group_scale_ratio(qw),
+        "scale_ratio": group_scale_ratio(qw, w, smooth),
         "alpha": alpha,
-        "clip_ratio": qw.spec.clip_ratio,
+        "clip_ratio": qw.spec.clip_ratio,  # per-group ratios overwrite this with their mean
     }
