@@ -136,6 +136,7 @@ class Manifest:
     alignment: int = ALIGNMENT
     thresholds: dict[str, Any] | None = None
     calibration: dict[str, Any] | None = None
+    totals: dict[str, Any] | None = None
     created_by: str = ""
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
@@ -175,6 +176,7 @@ class Manifest:
                 alignment=d["alignment"],
                 thresholds=d.get("thresholds"),
                 calibration=d.get("calibration"),
+                totals=d.get("totals"),
                 created_by=d.get("created_by", ""),
                 format=d["format"],
                 format_version=version,

@@ -220,8 +220,28 @@ def build_manifest(skeleton: nn.Module, blocks: list[BlockRecord], layers: list[
         alignment=ALIGNMENT,
         thresholds=options.thresholds,
         calibration=options.calibration,
+        totals=_totals(blocks, layers, resident),
         created_by=_created_by(),
     )
+
+
+def _totals(blocks: list[BlockRecord], layers: list[LayerRecord], resident: list[ResidentRecord]) -> dict:
+    weights = sum(rec.shape[0] * rec.shape[1] for rec in layers)
+    layer_bytes = sum(t.nbytes for rec in layers for t in rec.tensors.values())
+    formats: dict[str, int] = {}
+    for rec in layers:
+        formats[rec.spec.label()] = formats.get(rec.spec.label(), 0) + 1
+    return {
+        "blocks": len(blocks),
+        "layers": len(layers),
+        "streamed_bytes": sum(b.nbytes for b in blocks),
+        "largest_block_bytes": max((b.nbytes for b in blocks), default=0),
+        "resident_tensors": len(resident),
+        "layer_weights": weights,
+        "layer_bytes": layer_bytes,
+        "bits_per_layer_weight": round(8 * layer_bytes / weights, 4) if weights else 0.0,
+        "formats": dict(sorted(formats.items())),
+    }
 
 
 def header_bytes(blocks: list[BlockRecord], residents: Mapping[str, torch.Tensor], param_dtype=torch.bfloat16) -> int:
