@@ -6,13 +6,12 @@ from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessia
 from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
 from .rtn import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize, tensor_layout
-from .search import ClipSearchResult, GroupClipResult, search_clip_ratio, search_group_clip
+from .search import ClipSearchResult, search_clip_ratio
 from .smooth import smoothing_scale
 from .spec import QuantSpec, SpecError
 
 __all__ = [
     "ClipSearchResult",
-    "GroupClipResult",
     "GPTQInfo",
     "QuantSpec",
     "QuantizedWeight",
@@ -29,7 +28,6 @@ __all__ = [
     "quantize",
     "rel_mse",
     "search_clip_ratio",
-    "search_group_clip",
     "smoothing_scale",
     "sqnr_db",
     "tensor_layout",

@@ -101,7 +101,6 @@ def gptq_quantize_with_info(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
-    clip: torch.Tensor | None = None,
 ) -> tuple[QuantizedWeight, GPTQInfo]:
     """:func:`gptq_quantize`, also returning a :class:`GPTQInfo` (fallback flag, damping used)."""
     _check_weight(w)
@@ -111,7 +110,7 @@ def gptq_quantize_with_info(
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be positive.")
     if spec.is_passthrough:
-        return quantize(w, spec, smooth_scale, clip), GPTQInfo(False, 0.0, 0)
+        return quantize(w, spec, smooth_scale), GPTQInfo(False, 0.0, 0)
     w = w.detach().float()
     h = _check_hessian(hessian, k, w.device)
     ws, inv = _apply_smoothing(w, spec, smooth_scale)
@@ -140,9 +139,9 @@ def gptq_quantize_with_info(
             "GPTQ: the Cholesky factorization of the %dx%d Hessian failed even with damping %.3g of its mean "
             "diagonal; this layer falls back to round-to-nearest.", k, k, used,
         )
-        return quantize(w, spec, smooth_scale, clip), GPTQInfo(True, used, n_dead)
+        return quantize(w, spec, smooth_scale), GPTQInfo(True, used, n_dead)
 
-    codes, scales, zeros = _gptq_codes(ws, upper, spec, perm, block_size, clip)
+    codes, scales, zeros = _gptq_codes(ws, upper, spec, perm, block_size)
     return assemble(spec, codes, scales, zeros, inv), GPTQInfo(False, used, n_dead)
 
 
@@ -154,7 +153,6 @@ def gptq_quantize(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
-    clip: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """Quantize ``w [N, K]`` (out, in) under ``spec`` with error-compensating rounding.
 
@@ -168,13 +166,12 @@ def gptq_quantize(
     ("static groups") so the stored format keeps contiguous K groups and original column order.
     Without it, each group's scale and zero point come from the error-updated weights when the
     group is reached, with the same rules (clip ratio, rounded-up scale, zero point) as
-    :func:`squareq.quant.quantize`. ``clip [N, G]`` gives per-group clip ratios, as in ``quantize``.
+    :func:`squareq.quant.quantize`.
     """
-    return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order, clip)[0]
+    return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order)[0]
 
 
-def _gptq_codes(w: torch.Tensor, upper: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None, block_size: int,
-                clip: torch.Tensor | None = None):
+def _gptq_codes(w: torch.Tensor, upper: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None, block_size: int):
     """Run the column sweep; returns (codes int32 [N, K] in original column order, scales, zeros)."""
     n, k = w.shape
     g = spec.group_size
@@ -182,7 +179,7 @@ def _gptq_codes(w: torch.Tensor, upper: torch.Tensor, spec: QuantSpec, perm: tor
     static = perm is not None
     if static:
         wg = torch.nn.functional.pad(w, (0, n_groups * g - k)).reshape(n, n_groups, g)
-        scales, zeros = group_params(wg, spec, clip)
+        scales, zeros = group_params(wg, spec)
         order = perm.tolist()
         w = w[:, perm].contiguous()
     else:
@@ -204,8 +201,7 @@ def _gptq_codes(w: torch.Tensor, upper: torch.Tensor, spec: QuantSpec, perm: tor
             col = order[b0 + j]
             gi = col // g
             if not static and col % g == 0:
-                s_new, z_new = group_params(blk[:, j : min(j + g, b1 - b0)], spec,
-                                            None if clip is None else clip[:, gi])
+                s_new, z_new = group_params(blk[:, j : min(j + g, b1 - b0)], spec)
                 scales[:, gi] = s_new
                 if zeros is not None:
                     zeros[:, gi] = z_new

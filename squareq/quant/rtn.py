@@ -93,16 +93,14 @@ def _store_scale(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return torch.where(stored == 0, torch.ones_like(stored), stored)
 
 
-def group_params(wg: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | None = None):
+def group_params(wg: torch.Tensor, spec: QuantSpec):
     """Scale and zero point of each group of ``wg [..., g]`` (the groups along the last dimension).
 
     Returns ``(scales, zeros)``: ``scales [...]`` in the spec's stored dtype (clip ratio applied,
     rounded up, all-zero groups get 1) and ``zeros [...]`` as integral float32 codes, or ``None`` for
     symmetric specs. A partial group may be passed unpadded: zero padding would not change the result.
-    ``clip`` (shape ``[...]``) gives each group its own clip ratio instead of ``spec.clip_ratio``; it
-    only changes the stored scales, so the format is the same.
     """
-    c = float(spec.clip_ratio) if clip is None else clip.to(device=wg.device, dtype=torch.float32)
+    c = float(spec.clip_ratio)
     if spec.symmetric:
         amax = wg.abs().amax(dim=-1) * c
         return _store_scale(amax / spec.qmax, spec), None
@@ -121,13 +119,13 @@ def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
     return torch.round(w / scale + zero).clamp_(spec.qmin, spec.qmax)
 
 
-def _codes(w: torch.Tensor, spec: QuantSpec, clip: torch.Tensor | None = None):
+def _codes(w: torch.Tensor, spec: QuantSpec):
     """Return (codes int32 [N, G*g], scales [N, G] stored dtype, zeros int32 [N, G] or None)."""
     n, k = w.shape
     g = spec.group_size
     groups = num_groups(k, g)
     wg = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, g)
-    scales, z = group_params(wg, spec, clip)
+    scales, z = group_params(wg, spec)
     q = round_to_grid(wg, scales.float()[..., None], None if z is None else z[..., None], spec)
     return q.to(torch.int32).reshape(n, -1), scales, None if z is None else z.to(torch.int32)
 
@@ -139,10 +137,8 @@ def _dequant_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
     return q.float() * s
 
 
-def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None,
-             clip: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantize ``w [N, K]`` under ``spec``; ``smooth_scale`` is ``s`` when ``spec.smooth``;
-    ``clip [N, G]`` gives per-group clip ratios (see :func:`group_params`)."""
+def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantize ``w [N, K]`` under ``spec``; ``smooth_scale`` is ``s`` when ``spec.smooth``."""
     _check_weight(w)
     n, k = w.shape
     w = w.detach().float()
@@ -151,7 +147,7 @@ def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None
             raise SpecError("smoothing applies to 4/6/8-bit formats only, not bf16 passthrough.")
         return QuantizedWeight(spec, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
     w, inv = _apply_smoothing(w, spec, smooth_scale)
-    q, scales, zeros = _codes(w, spec, clip)
+    q, scales, zeros = _codes(w, spec)
     return assemble(spec, q[:, :k], scales, zeros, inv)
 
 
@@ -180,8 +176,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
-def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None,
-                  clip: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(quantize(w))`` in float32 without packing (before the final bf16 rounding).
 
     Used by searches that try many specs; shares the code path of :func:`quantize`.
@@ -192,6 +187,6 @@ def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor |
         return w.to(torch.bfloat16).float()
     k = w.shape[1]
     ws, inv = _apply_smoothing(w, spec, smooth_scale)
-    q, scales, zeros = _codes(ws, spec, clip)
+    q, scales, zeros = _codes(ws, spec)
     out = _dequant_codes(q[:, :k], scales, zeros, k, spec.group_size)
     return out * inv[None, :] if inv is not None else out
