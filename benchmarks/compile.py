@@ -133,7 +133,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "compile.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    print(f"\n| device | blocks | layers | wall s | target s | slab GB | bits/w | host RSS peak GB | VRAM peak alloc / reserved GB |")
+    print("\n| device | blocks | layers | wall s | target s | slab GB | bits/w | host RSS peak GB | VRAM peak alloc / reserved GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| {env['device']} | {rec['blocks']} | {rec['layers']} | {wall:.0f} | 900 | {size / 1e9:.2f} | "
           f"{rec['bits_per_layer_weight']:.2f} | {rec['host_rss_peak_gb']:.1f} | "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from ..slab.writer import (
 from .budget import BlockLayers, BudgetError, candidate_bytes, solve
 from .calibration import StatsCollector
 from .ladder import RUNGS, LayerDecision, climb
-from .layer_search import search_layer
+from .layer_search import Candidate, search_layer
 from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
@@ -94,6 +95,14 @@ def outputs_rel_mse(ref, got) -> float:
     return err / power if power > 0 else (0.0 if err == 0 else float("inf"))
 
 
+def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
+    """A linear the calibration never called (a branch the inputs did not take): kept at bf16."""
+    c = Candidate(quant.quantize(w.detach().float(), quant.QuantSpec(bits=16)), 0.0,
+                  {"output_rel_mse": 0.0, "act_outlier_score": 0.0, "scale_ratio": 1.0, "alpha": 0.0,
+                   "clip_ratio": 1.0, "gptq": 0.0})
+    return LayerDecision(name, c, [c], ["not called during calibration, so it has no measurements: kept at bf16"])
+
+
 def _quantized_copy(block: nn.Module, prefix: str, chosen: dict[str, quant.QuantizedWeight], dtype) -> nn.Module:
     q = copy.deepcopy(block)
     for name, mod in block_linears(prefix, q):
@@ -118,7 +127,7 @@ class _BlockCompiler(nn.Module):
 
 
 class _Run:
-    def __init__(self, source: Source, opts: CompileOptions, state: CompileState, progress: Progress) -> None:
+    def __init__(self, source: Source, opts: CompileOptions, state: CompileState | None, progress: Progress) -> None:
         self.source, self.opts, self.state, self.progress = source, opts, state, progress
         self.started = time.perf_counter()
         self.done_blocks = 0
@@ -151,6 +160,9 @@ class _Run:
         decisions: dict[str, LayerDecision] = {}
         for name, mod in block_linears(path, real):
             self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
+            if name not in col.stats:
+                decisions[name] = _unmeasured(name, mod.weight)
+                continue
             decisions[name] = climb(name, mod.weight, col.stats[name], o.thresholds, o.min_bits, o.rounding,
                                     o.group_size, measure_all=o.objective == "quality")
         drift = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
@@ -222,11 +234,12 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     inputs_hash = hashlib.sha256(json.dumps(batch.description, sort_keys=True).encode()).hexdigest()[:16]
     fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
                    **opts.fingerprint()}
-    state = CompileState(state_folder(out), fingerprint, opts.resume)
-    run = _Run(source, opts, state, progress)
+    run = _Run(source, opts, None, progress)
+    shell = _shell(source, run, opts.device)  # checks the checkpoint before any state is written
+    state = run.state = CompileState(state_folder(out), fingerprint, opts.resume)
     started = time.perf_counter()
     with torch.no_grad():
-        _shell(source, run, opts.device)(**batch.kwargs)
+        shell(**batch.kwargs)
     calibrate_s = time.perf_counter() - started
 
     blocks, records = [], []
@@ -253,17 +266,17 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
                           "with --resume and a larger --budget skips the calibration (changed thresholds need a "
                           "fresh compile).") from None
 
-    encoded = []
-    work = state.folder / "blobs"
-    work.mkdir(exist_ok=True)
-    for i, (b, info) in enumerate(zip(blocks, records)):
-        real = source.load_block(b.name, "cpu", torch.float32)
-        qws, metrics, reasons = _annotations(b, info, choice)
-        encoded.append(encode_block(i, b.name, real, qws, work / f"block.{i}.bin", metrics=metrics, reasons=reasons))
-    write_opts.calibration["budget_bytes"] = opts.budget
-    write_opts.calibration["calibrate_seconds"] = round(calibrate_s, 3)
-    write_opts.calibration["compile_seconds"] = round(time.perf_counter() - started, 3)
-    manifest = assemble_slab(out, skeleton, encoded, residents, write_opts, max_bytes=opts.budget)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.blobs-", dir=out.parent) as work:
+        encoded = []
+        for i, (b, info) in enumerate(zip(blocks, records)):
+            real = source.load_block(b.name, "cpu", torch.float32)
+            qws, metrics, reasons = _annotations(b, info, choice)
+            encoded.append(encode_block(i, b.name, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
+                                        reasons=reasons))
+        write_opts.calibration["budget_bytes"] = opts.budget
+        write_opts.calibration["calibrate_seconds"] = round(calibrate_s, 3)
+        write_opts.calibration["compile_seconds"] = round(time.perf_counter() - started, 3)
+        manifest = assemble_slab(out, skeleton, encoded, residents, write_opts, max_bytes=opts.budget)
     state.remove()
     return manifest
 

@@ -7,29 +7,19 @@ written last, so a block counts as finished only when both files are complete.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from ..quant import QuantSpec, QuantizedWeight
+from ..slab.atomic import atomic_write_bytes
 from .ladder import LayerDecision
 from .layer_search import Candidate
 
 
 class StateError(ValueError):
     """The state folder cannot be used for this compile."""
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class CompileState:
@@ -48,7 +38,7 @@ class CompileState:
                 raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
                                  "rerun with the same model and options, or delete the folder to start over.")
         self.folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(meta, json.dumps(fingerprint, indent=1, sort_keys=True))
+        atomic_write_bytes(meta, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
 
     def _paths(self, index: int) -> tuple[Path, Path]:
         return self.folder / f"block.{index}.safetensors", self.folder / f"block.{index}.json"
@@ -67,10 +57,9 @@ class CompileState:
                               "metrics": c.metrics})
             records.append({"name": d.name, "chosen": d.tried.index(d.chosen), "reasons": d.reasons, "tried": tried})
         data, meta = self._paths(index)
-        tmp = data.with_name(data.name + ".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, data)
-        _atomic_write_text(meta, json.dumps({"layers": records, **info}, indent=1))
+        # Tensors first, then the JSON that marks the block finished: both fsynced before their rename.
+        atomic_write_bytes(data, save(tensors))
+        atomic_write_bytes(meta, json.dumps({"layers": records, **info}, indent=1).encode())
 
     def load_block(self, index: int) -> tuple[list[LayerDecision], dict]:
         data, meta = self._paths(index)
@@ -89,10 +78,3 @@ class CompileState:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def tensor_fingerprint(t: torch.Tensor) -> str:
-    """A short content hash of a tensor (for calibration inputs in the fingerprint)."""
-    import hashlib
-
-    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data).hexdigest()[:16]

@@ -16,6 +16,17 @@ def fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def atomic_write_bytes(path: Path, data) -> None:
+    """Write ``data`` (bytes or a buffer) to ``path`` through a temporary name, fsynced, then renamed."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``final``; on success it replaces ``final``.

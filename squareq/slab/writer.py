@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -19,7 +18,7 @@ from torch import nn
 
 from .. import quant
 from ..quant import QuantSpec, QuantizedWeight
-from .atomic import atomic_directory, fsync_file
+from .atomic import atomic_directory, atomic_write_bytes, fsync_file
 from .errors import SlabError
 from .manifest import (
     ALIGNMENT,
@@ -34,11 +33,8 @@ from .manifest import (
     ResidentRecord,
     TensorRecord,
     align_up,
-    block_from_dict,
     block_tensor_name,
     dtype_name,
-    layer_from_dict,
-    layer_to_dict,
     resident_tensor_name,
 )
 from .signature import jsonable_config, model_signature
@@ -69,15 +65,6 @@ class EncodedBlock:
     record: BlockRecord
     layers: list[LayerRecord]
     blob_path: Path
-
-    def to_dict(self) -> dict:
-        """JSON form, so a resumable compiler can keep finished blocks on disk."""
-        return {"record": asdict(self.record), "layers": [layer_to_dict(rec) for rec in self.layers],
-                "blob_path": str(self.blob_path)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EncodedBlock":
-        return cls(block_from_dict(d["record"]), [layer_from_dict(rec) for rec in d["layers"]], Path(d["blob_path"]))
 
 
 def _stored(t: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
@@ -164,14 +151,8 @@ def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
     record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons)
     blob = packer.blob()
     record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
-    blob_path = Path(blob_path)
-    tmp = blob_path.with_name(blob_path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(blob.numpy().data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, blob_path)
-    return EncodedBlock(record, layers, blob_path)
+    atomic_write_bytes(Path(blob_path), blob.numpy().data)
+    return EncodedBlock(record, layers, Path(blob_path))
 
 
 def rtn_quantize(name: str, w: torch.Tensor, spec: QuantSpec, opts: WriteOptions) -> QuantizedWeight:
@@ -244,13 +225,17 @@ def _totals(blocks: list[BlockRecord], layers: list[LayerRecord], resident: list
     }
 
 
-def header_bytes(blocks: list[BlockRecord], residents: Mapping[str, torch.Tensor], param_dtype=torch.bfloat16) -> int:
-    """Length of the safetensors header for these blobs and resident tensors."""
+def _entries(blocks: list[BlockRecord], stored: Mapping[str, torch.Tensor]) -> list[tuple[str, str, list[int], int]]:
+    """(name, dtype, shape, nbytes) of every tensor in the data file, in file order."""
     entries = [(b.tensor, "U8", [b.nbytes], b.nbytes) for b in blocks]
-    stored = {n: _stored(t, param_dtype) for n, t in residents.items()}
     entries += [(resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
                 for n, t in stored.items()]
-    return len(_header(entries))
+    return entries
+
+
+def header_bytes(blocks: list[BlockRecord], residents: Mapping[str, torch.Tensor], param_dtype=torch.bfloat16) -> int:
+    """Length of the safetensors header for these blobs and resident tensors."""
+    return len(_header(_entries(blocks, {n: _stored(t, param_dtype) for n, t in residents.items()})))
 
 
 def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[EncodedBlock],
@@ -264,9 +249,7 @@ def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[Encoded
     """
     stored = {n: _stored(t, options.param_dtype) for n, t in residents.items()}
     raws = {n: t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data for n, t in stored.items()}
-    entries = [(b.record.tensor, "U8", [b.record.nbytes], b.record.nbytes) for b in blocks]
-    entries += [(resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
-                for n, t in stored.items()]
+    entries = _entries([b.record for b in blocks], stored)
     header = _header(entries)
     manifest = build_manifest(skeleton, [b.record for b in blocks], [rec for b in blocks for rec in b.layers],
                               [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape),
