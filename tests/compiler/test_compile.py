@@ -146,3 +146,20 @@ def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
 def test_bad_input_gets_one_clear_sentence(tmp_path, args, message):
     result = CliRunner().invoke(main, ["compile", *args[:1], "-o", str(tmp_path / "x.slab"), *args[1:]])
     assert result.exit_code != 0 and message in result.output
+
+
+def test_a_linear_the_calibration_never_calls_stays_bf16_with_a_reason(tmp_path, monkeypatch):
+    from transformers import T5Config, T5EncoderModel
+    from transformers.models.t5 import modeling_t5
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0)
+    T5EncoderModel(cfg).save_pretrained(tmp_path / "t5", safe_serialization=True)
+    # the feed-forward branch is skipped, as a branch the calibration inputs do not take would be
+    monkeypatch.setattr(modeling_t5.T5LayerFF, "forward", lambda self, hidden_states: hidden_states)
+    m = compile_slab(open_source(str(tmp_path / "t5"), ["encoder.block"]), tmp_path / "t5.slab",
+                     CompileOptions(budget=10**6, **FAST))
+    skipped = {layer.name: layer for layer in m.layers if "DenseReluDense" in layer.name}
+    assert skipped and all(layer.spec.bits == 16 and "not called during calibration" in layer.reason[0]
+                           for layer in skipped.values())
+    assert all(layer.spec.bits == 4 for layer in m.layers if layer.name not in skipped)
