@@ -244,7 +244,7 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
 
     blocks, records = [], []
     for i, path in enumerate(source.block_paths):
-        decisions, info = state.load_block(i)
+        decisions, info = state.load_block(i, tensors=False)  # sizes and metrics only: one block's data at a time
         blocks.append(BlockLayers(path, decisions, info["fixed_bytes"]))
         records.append(info)
     residents = source.resident_state("cpu", torch.float32)
@@ -270,7 +270,8 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
         encoded = []
         for i, (b, info) in enumerate(zip(blocks, records)):
             real = source.load_block(b.name, "cpu", torch.float32)
-            qws, metrics, reasons = _annotations(b, info, choice)
+            loaded, _ = state.load_block(i)
+            qws, metrics, reasons = _annotations(BlockLayers(b.name, loaded, b.fixed_bytes), info, choice)
             encoded.append(encode_block(i, b.name, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
                                         reasons=reasons))
         write_opts.calibration["budget_bytes"] = opts.budget

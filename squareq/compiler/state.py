@@ -10,9 +10,10 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save
 
-from ..quant import QuantSpec, QuantizedWeight
+from ..quant import QuantSpec, QuantizedWeight, tensor_layout
 from ..slab.atomic import atomic_write_bytes
 from .ladder import LayerDecision
 from .layer_search import Candidate
@@ -61,18 +62,24 @@ class CompileState:
         atomic_write_bytes(data, save(tensors))
         atomic_write_bytes(meta, json.dumps({"layers": records, **info}, indent=1).encode())
 
-    def load_block(self, index: int) -> tuple[list[LayerDecision], dict]:
+    def load_block(self, index: int, tensors: bool = True) -> tuple[list[LayerDecision], dict]:
+        """A finished block's decisions. With ``tensors=False`` the candidates' tensors are meta-device
+        stand-ins of the right dtype and shape: enough to plan sizes without reading the data."""
         data, meta = self._paths(index)
         record = json.loads(meta.read_text())
-        tensors = load_file(str(data))
+        stored = load_file(str(data)) if tensors else {}
         decisions = []
         for layer in record.pop("layers"):
             tried = []
             for c in layer["tried"]:
-                spec = QuantSpec.from_dict(c["spec"])
-                prefix = f"{layer['name']}:{spec.bits}:"
-                qt = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                tried.append(Candidate(QuantizedWeight(spec, tuple(c["shape"]), qt), c["alpha"], c["metrics"]))
+                spec, shape = QuantSpec.from_dict(c["spec"]), tuple(c["shape"])
+                if tensors:
+                    prefix = f"{layer['name']}:{spec.bits}:"
+                    qt = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
+                else:
+                    qt = {role: torch.empty(shp, dtype=dtype, device="meta")
+                          for role, (dtype, shp) in tensor_layout(spec, shape).items()}
+                tried.append(Candidate(QuantizedWeight(spec, shape, qt), c["alpha"], c["metrics"]))
             decisions.append(LayerDecision(layer["name"], tried[layer["chosen"]], tried, layer["reasons"]))
         return decisions, record
 
