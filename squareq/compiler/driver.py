@@ -143,17 +143,18 @@ class _Run:
         real = self.source.load_block(path, self.opts.device, torch.float32)
         if not self.state.has_block(index):
             self.progress(f"block {index + 1}/{n} {path}: calibrating and searching ({self._eta(index, n)})")
-            self._decide(index, path, real, args, kwargs)
+            out = self._decide(index, path, real, args, kwargs)
             self.done_blocks += 1
-        else:
-            self.progress(f"block {index + 1}/{n} {path}: finished earlier, reusing it")
+            return out  # the decided quantized block's output: what a resumed run recomputes from the state
+        self.progress(f"block {index + 1}/{n} {path}: finished earlier, reusing it")
         decisions, _ = self.state.load_block(index)
         chosen = {d.name: d.chosen.qweight for d in decisions}
         with torch.no_grad():
             return _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs)
 
     @torch.no_grad()
-    def _decide(self, index: int, path: str, real: nn.Module, args, kwargs) -> None:
+    def _decide(self, index: int, path: str, real: nn.Module, args, kwargs):
+        """Measure and decide every layer of the block, save them, and return the quantized block's output."""
         o = self.opts
         with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index) as col:
             ref = real(*args, **kwargs)
@@ -165,22 +166,26 @@ class _Run:
                 continue
             decisions[name] = climb(name, mod.weight, col.stats[name], o.thresholds, o.min_bits, o.rounding,
                                     o.group_size, measure_all=o.objective == "quality")
-        drift = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
+        drift, out = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
         # Bytes of the block's other tensors in its blob, as the writer stores them (floating ones as bf16).
         weights = {f"{x[len(path) + 1:]}.weight" for x in decisions}
         fixed = sum(align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
                     for n, t in real.state_dict().items() if n not in weights)
         self.state.save_block(index, list(decisions.values()), {"block_rel_mse": drift, "fixed_bytes": fixed})
+        return out
 
-    def _block_drift(self, path, real, args, kwargs, ref, decisions, stats) -> float:
-        """Check the block's output against τ_BLOCK; move up the layer whose restoration helps most."""
+    def _block_drift(self, path, real, args, kwargs, ref, decisions, stats):
+        """Check the block's output against τ_BLOCK; move up the layer whose restoration helps most.
+
+        Returns the final block rel-MSE and the quantized block's output."""
         o = self.opts
         while True:
             chosen = {n: d.chosen.qweight for n, d in decisions.items()}
-            err = outputs_rel_mse(ref, _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs))
+            out = _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs)
+            err = outputs_rel_mse(ref, out)
             movable = [n for n, d in decisions.items() if d.chosen.bits < 16]
             if err <= o.thresholds.block or not movable:
-                return err
+                return err, out
             restored = {}
             for n in movable:
                 trial = dict(chosen)
