@@ -31,6 +31,7 @@ from ..slab.writer import (
     encode_block,
     header_bytes,
     layout_block,
+    stored_tensor,
 )
 from .budget import BlockLayers, BudgetError, candidate_bytes, solve
 from .calibration import StatsCollector
@@ -169,8 +170,8 @@ class _Run:
         drift, out = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
         # Bytes of the block's other tensors in its blob, as the writer stores them (floating ones as bf16).
         weights = {f"{x[len(path) + 1:]}.weight" for x in decisions}
-        fixed = sum(align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
-                    for n, t in real.state_dict().items() if n not in weights)
+        kept = (stored_tensor(t) for n, t in real.state_dict().items() if n not in weights)
+        fixed = sum(align_up(t.numel() * t.element_size()) for t in kept)
         self.state.save_block(index, list(decisions.values()), {"block_rel_mse": drift, "fixed_bytes": fixed})
         return out
 
@@ -306,7 +307,7 @@ def _metadata_bytes(skeleton, blocks: list[BlockLayers], records: list[dict], ch
                                       reasons=reasons, measure=False)
         block_records.append(rec)
         layer_records += layers
-    stored = {n: t.to(write_opts.param_dtype) if t.is_floating_point() else t for n, t in residents.items()}
+    stored = {n: stored_tensor(t, write_opts.param_dtype) for n, t in residents.items()}
     resident = [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), "0" * 64)
                 for n, t in stored.items()]
     manifest = build_manifest(skeleton, block_records, layer_records, resident, write_opts)

@@ -67,7 +67,8 @@ class EncodedBlock:
     blob_path: Path
 
 
-def _stored(t: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+def stored_tensor(t: torch.Tensor, param_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A non-quantized tensor as a slab stores it: floating ones in ``param_dtype``, others unchanged."""
     return t.detach().to(param_dtype) if t.is_floating_point() else t.detach()
 
 
@@ -138,7 +139,7 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
                                   metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.bits,
                                   reason=list((reasons or {}).get(name, []))))
         taken.add(f"{rel}.weight")
-    params = [packer.add(rel, _stored(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
+    params = [packer.add(rel, stored_tensor(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
     record = BlockRecord(index, prefix, block_tensor_name(index), align_up(max(packer.size, 1)), "0" * 64,
                          [rec.name for rec in layers], params)
     return record, layers, packer
@@ -235,7 +236,7 @@ def _entries(blocks: list[BlockRecord], stored: Mapping[str, torch.Tensor]) -> l
 
 def header_bytes(blocks: list[BlockRecord], residents: Mapping[str, torch.Tensor], param_dtype=torch.bfloat16) -> int:
     """Length of the safetensors header for these blobs and resident tensors."""
-    return len(_header(_entries(blocks, {n: _stored(t, param_dtype) for n, t in residents.items()})))
+    return len(_header(_entries(blocks, {n: stored_tensor(t, param_dtype) for n, t in residents.items()})))
 
 
 def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[EncodedBlock],
@@ -247,7 +248,7 @@ def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[Encoded
     and manifest are built first, so with ``max_bytes`` a slab that would be larger is refused
     (:class:`SlabError` stating the exact size) before anything is written.
     """
-    stored = {n: _stored(t, options.param_dtype) for n, t in residents.items()}
+    stored = {n: stored_tensor(t, options.param_dtype) for n, t in residents.items()}
     raws = {n: t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data for n, t in stored.items()}
     entries = _entries([b.record for b in blocks], stored)
     header = _header(entries)
