@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, load_builtin
+from ..models.skeleton import build_meta
 
 __all__ = ["Source", "open_source"]
 
@@ -39,34 +40,6 @@ def _few(names: Iterable[str], n: int = 3) -> str:
 
 
 # --------------------------------------------------------------------------- skeletons
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Every parameter registered inside lands on the meta device; buffers stay real.
-
-    Parameters are made on the meta device as they are registered, so their initializers run on meta
-    (free). Buffers are left alone: non-persistent ones (position ids, rotary frequencies) are computed
-    in ``__init__`` and not stored in checkpoints, so they must stay real.
-    """
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param):
-        if param is not None and not param.is_meta:
-            param = param.__class__(param.detach().to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-def _build_meta(build: Callable[[], nn.Module]) -> nn.Module:
-    with _parameters_on_meta():
-        model = build()
-    return model.eval()
 
 
 def _alias_groups(model: nn.Module) -> dict[str, list[str]]:
@@ -389,7 +362,7 @@ def _diffusers_skeleton(folder: Path, config: dict) -> nn.Module:
     if cls is None or not hasattr(cls, "from_config"):
         raise ModelError(f"{folder / 'config.json'} names the class {name!r}, which diffusers "
                          f"{diffusers.__version__} does not have; upgrade diffusers or {_WHAT_TO_PASS}.")
-    return _build_meta(lambda: cls.from_config(config))
+    return build_meta(lambda: cls.from_config(config))
 
 
 def _transformers_skeleton(folder: Path) -> nn.Module:
@@ -403,9 +376,9 @@ def _transformers_skeleton(folder: Path) -> nn.Module:
     for arch in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
         if cls is not None:
-            return _build_meta(lambda cls=cls: cls(config))
+            return build_meta(lambda cls=cls: cls(config))
     try:
-        return _build_meta(lambda: transformers.AutoModel.from_config(config))
+        return build_meta(lambda: transformers.AutoModel.from_config(config))
     except ValueError as exc:
         raise ModelError(f"transformers has no model class for {folder / 'config.json'} ({exc}).") from None
 
@@ -449,7 +422,7 @@ def _open_file(path: Path, blocks) -> Source:
     tensors = _BFLFile(path, prefix, shapes)
     from diffusers import FluxTransformer2DModel
 
-    skeleton = _build_meta(lambda: FluxTransformer2DModel(**tensors.config))
+    skeleton = build_meta(lambda: FluxTransformer2DModel(**tensors.config))
     return Source(f"{path} (BFL single file)", skeleton, tensors, blocks)
 
 

@@ -156,6 +156,11 @@ class Slab:
             self.verify_block(i)
         self.verify_resident()
 
+    def blob_file_range(self, index: int) -> tuple[int, int]:
+        """(byte offset in slab.safetensors, length) of block ``index``'s blob, for direct file reads."""
+        begin, end = self._header[self.manifest.blocks[index].tensor]["data_offsets"]
+        return self._data_start + begin, end - begin
+
     def block_bytes(self, index: int) -> torch.Tensor:
         """The raw blob of block ``index`` (uint8, zero-copy view of the file), verified as configured."""
         if not 0 <= index < len(self.manifest.blocks):

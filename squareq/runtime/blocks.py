@@ -1,0 +1,191 @@
+"""Running a streamed block: acquire its slot, run the family's own forward, release the slot.
+
+Without gradients (inference, or a forward with nothing to train) a block is simply streamed forward.
+With gradients, the block runs inside :class:`_StreamedCheckpoint`, this runtime's own activation
+checkpoint: the forward keeps only the block's inputs; the backward brings the block back into a slot
+(the streamer prefetches in reverse order), recomputes it under the forward's autocast and RNG state,
+and returns the input and LoRA gradients. Owning the checkpoint is what makes the reverse-order replay
+visible to the streamer; torch's own checkpoint (and hooks on forward only) would replay blocks the
+streamer had already evicted.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .streamer import BACKWARD, FORWARD, Streamer
+
+log = logging.getLogger("squareq.runtime")
+
+NEEDS_CHECKPOINTING = (
+    "{model} streams its blocks through {slots} device slot(s), so a block's weights are gone by the time the "
+    "backward needs them; call model.enable_gradient_checkpointing() before training (the backward then "
+    "re-streams each block in reverse order), or run this forward under torch.no_grad()."
+)
+
+
+class BlockRunner:
+    """Everything needed to run streamed block ``index``: its module, original forward and the streamer."""
+
+    def __init__(self, module: nn.Module, index: int, streamer: Streamer, runtime) -> None:
+        self.module = module
+        self.index = index
+        self.streamer = streamer
+        self.runtime = runtime
+        self.forward = type(module).forward.__get__(module)
+        from .qlinear import QuantLinear
+
+        self.quant_linears = [m for m in module.modules() if isinstance(m, QuantLinear)]
+
+    def trainable(self) -> list[torch.Tensor]:
+        out = []
+        for m in self.quant_linears:
+            if m.lora_A is not None:
+                out += [p for p in (m.lora_A.weight, m.lora_B.weight) if p.requires_grad]
+        return out
+
+    @contextlib.contextmanager
+    def resident(self, phase: str, training: bool):
+        slot = self.streamer.acquire(self.index, phase, training)
+        try:
+            yield
+        finally:
+            self.streamer.release(slot, phase)
+
+    def __call__(self, *args, **kwargs):
+        params = self.trainable() if torch.is_grad_enabled() else []
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+        if not torch.is_grad_enabled() or not (params or any(t.requires_grad for t in tensors)):
+            with self.resident(FORWARD, training=False):
+                return self.forward(*args, **kwargs)
+        if not self.runtime.checkpointing:
+            raise RuntimeError(NEEDS_CHECKPOINTING.format(model=self.runtime.class_name,
+                                                          slots=len(self.streamer.slots)))
+        skeleton = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
+        box: dict[str, Any] = {}
+        outs = _StreamedCheckpoint.apply(self, skeleton, spec, box, len(tensors), *tensors, *params)
+        leaves = list(box["leaves"])
+        for pos, t in zip(box["tensor_positions"], outs):
+            leaves[pos] = t
+        return tree_unflatten(leaves, box["spec"])
+
+
+_TENSOR = object()  # marks where a tensor argument goes back into a flattened call
+
+
+def _rebuild(skeleton: list, spec, tensors) -> tuple[tuple, dict]:
+    flat, it = list(skeleton), iter(tensors)
+    for i, v in enumerate(skeleton):
+        if v is _TENSOR:
+            flat[i] = next(it)
+    args, kwargs = tree_unflatten(flat, spec)
+    return args, kwargs
+
+
+class _AmpState:
+    """The autocast state of the forward, re-entered for the recompute in the backward."""
+
+    def __init__(self, device_type: str) -> None:
+        self.states = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+                       for dt in dict.fromkeys((device_type, "cpu"))]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    @contextlib.contextmanager
+    def restore(self):
+        with contextlib.ExitStack() as stack:
+            for dt, enabled, dtype in self.states:
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=self.cache))
+            yield
+
+
+class _RngState:
+    """CPU and device RNG state at the forward, so a recompute draws the same random numbers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def restore(self):
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+_cudnn_fallback_announced = False
+
+
+def _is_cudnn_attention_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return "mha_graph" in text or ("cudnn" in text.lower() and "attention" in text.lower())
+
+
+class _StreamedCheckpoint(torch.autograd.Function):
+    """A block's forward without saved activations; its backward re-streams and recomputes it."""
+
+    @staticmethod
+    def forward(ctx, runner: BlockRunner, skeleton, spec, box, n_inputs: int, *tensors):
+        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
+        ctx.runner, ctx.skeleton, ctx.spec, ctx.n_params = runner, skeleton, spec, len(params)
+        ctx.amp = _AmpState(runner.streamer.device.type)
+        ctx.rng = _RngState(runner.streamer.device)
+        ctx.save_for_backward(*inputs)
+        args, kwargs = _rebuild(skeleton, spec, inputs)
+        with runner.resident(FORWARD, training=True):
+            out = runner.forward(*args, **kwargs)
+        leaves, out_spec = tree_flatten(out)
+        box["spec"] = out_spec
+        box["tensor_positions"] = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        box["leaves"] = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+        outs = tuple(v for v in leaves if isinstance(v, torch.Tensor))
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        runner = ctx.runner
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+        params = runner.trainable()
+        if len(params) != ctx.n_params:
+            raise RuntimeError(f"block {runner.index}'s trainable LoRA parameters changed between its forward and "
+                               "backward; add or freeze LoRA layers only between training steps.")
+        try:
+            grads = _recompute_grads(ctx, runner, inputs, params, grad_outs)
+        except RuntimeError as exc:
+            if not (torch.backends.cuda.cudnn_sdp_enabled() and _is_cudnn_attention_failure(exc)):
+                raise
+            global _cudnn_fallback_announced
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            if not _cudnn_fallback_announced:
+                _cudnn_fallback_announced = True
+                log.warning("the cuDNN attention backward failed on this GPU (%s); SquareQ turned the cuDNN "
+                            "attention backend off for this process and recomputed the block, so training goes on "
+                            "with the flash/efficient kernels.", str(exc).splitlines()[0][:200])
+            grads = _recompute_grads(ctx, runner, inputs, params, grad_outs)
+        wanted = [t for t in inputs if t.requires_grad]
+        input_grads = iter(grads[: len(wanted)])
+        per_input = [next(input_grads) if t.requires_grad else None for t in inputs]
+        return (None, None, None, None, None, *per_input, *grads[len(wanted):])
+
+
+def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
+    args, kwargs = _rebuild(ctx.skeleton, ctx.spec, inputs)
+    wanted = [t for t in inputs if t.requires_grad] + list(params)
+    with torch.enable_grad(), ctx.rng.restore(), ctx.amp.restore(), runner.resident(BACKWARD, training=True):
+        out = runner.forward(*args, **kwargs)
+        outs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]
+        if not pairs or not wanted:
+            return [None] * len(wanted)
+        return list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))

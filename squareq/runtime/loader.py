@@ -1,0 +1,215 @@
+"""``squareq.runtime.load``: a slab attached to the family's own model class, ready to run or train.
+
+The model is built on the meta device from the class and config the slab records, its signature checked
+against the manifest, its resident (non-block) tensors put on the device, and every linear inside a
+streamed block replaced by a :class:`QuantLinear`. Blocks then either stream through a ring of device
+slots (the default) or, with ``stream=False``, all stay on the device (the resident quantized model: the
+reference the streamed one must equal, and the fastest choice when the whole slab fits).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models.skeleton import skeleton_from_record
+from ..quant import QuantizedWeight
+from ..slab import Slab, SlabError, open_slab
+from ..slab.manifest import DTYPES, Manifest
+from ..slab.signature import model_signature
+from .blocks import BlockRunner
+from .host import DiskStaging, PinnedArena
+from .qlinear import DequantScratch, QuantLinear
+from .streamer import Streamer
+from .telemetry import StepStats, Telemetry
+
+HOSTS = ("pinned", "disk")
+RUNTIME_ATTR = "_squareq_runtime"
+
+
+class Runtime:
+    """The streaming state attached to a loaded model (``runtime_of(model)``)."""
+
+    def __init__(self, model: nn.Module, manifest: Manifest, device: torch.device, streamer: Streamer | None,
+                 telemetry: Telemetry, scratch: DequantScratch, device_blobs: list[torch.Tensor]) -> None:
+        self.class_name = type(model).__name__
+        self.manifest = manifest
+        self.device = device
+        self.streamer = streamer
+        self.telemetry = telemetry
+        self.scratch = scratch
+        self.device_blobs = device_blobs  # stream=False: every block's blob on the device
+        self.checkpointing = False
+
+    @property
+    def streamed(self) -> bool:
+        return self.streamer is not None
+
+    def step_stats(self) -> StepStats:
+        """Copies, copy wait and peak memory since the previous call (call once per training step)."""
+        return self.telemetry.step()
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+        if self.telemetry.tracing:
+            self.telemetry.write_trace()
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    """The :class:`Runtime` of a model returned by :func:`load`."""
+    rt = getattr(model, RUNTIME_ATTR, None)
+    if rt is None:
+        raise ValueError(f"this {type(model).__name__} was not loaded by squareq.runtime.load.")
+    return rt
+
+
+class _Binder:
+    """Points a block's modules at the bytes of the buffer that holds its blob (a slot or a device blob).
+
+    The views for each (block, buffer) pair are built once and cached, so a rebind is a few attribute stores.
+    """
+
+    def __init__(self, model: nn.Module, manifest: Manifest) -> None:
+        self.model = model
+        self.manifest = manifest
+        self.layers = {rec.name: rec for rec in manifest.layers}
+        self._cache: dict[tuple[int, int], list] = {}
+
+    def _plan(self, block: int, buffer: torch.Tensor) -> list:
+        rec = self.manifest.blocks[block]
+        module = self.model.get_submodule(rec.name)
+
+        def view(t):
+            return buffer[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
+
+        ops = []
+        for name in rec.layers:
+            layer = self.layers[name]
+            qw = QuantizedWeight(layer.spec, (layer.shape[0], layer.shape[1]),
+                                 {role: view(t) for role, t in layer.tensors.items()})
+            ops.append((self.model.get_submodule(name), "qweight", qw))
+        for p in rec.params:
+            owner_path, _, attr = p.name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            t = view(p)
+            if attr in owner._parameters:
+                ops.append((owner._parameters, attr, nn.Parameter(t, requires_grad=False)))
+            elif attr in owner._buffers:
+                ops.append((owner._buffers, attr, t))
+            else:
+                raise SlabError(f"the slab stores {rec.name}.{p.name}, which {type(self.model).__name__} does not "
+                                "have; the slab does not match this model class, recompile it.")
+        return ops
+
+    def bind(self, block: int, key: int, buffer: torch.Tensor) -> None:
+        ops = self._cache.get((block, key))
+        if ops is None:
+            ops = self._cache[(block, key)] = self._plan(block, buffer)
+        for target, attr, value in ops:
+            if isinstance(target, dict):
+                target[attr] = value
+            else:
+                setattr(target, attr, value)
+
+
+def _install_quant_linears(model: nn.Module, manifest: Manifest, scratch: DequantScratch) -> None:
+    for layer in manifest.layers:
+        owner_path, _, attr = layer.name.rpartition(".")
+        owner = model.get_submodule(owner_path)
+        old = getattr(owner, attr)
+        if not isinstance(old, nn.Linear) or [old.out_features, old.in_features] != list(layer.shape):
+            raise SlabError(f"the slab's layer {layer.name} ({layer.shape}) is not a matching nn.Linear in "
+                            f"{type(model).__name__}; recompile the slab for this model.")
+        setattr(owner, attr, QuantLinear(old.in_features, old.out_features, scratch))
+
+
+def _place_residents(model: nn.Module, slab: Slab, device: torch.device) -> None:
+    for name, t in slab.resident_tensors().items():
+        owner_path, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_path) if owner_path else model
+        value = t.to(device, copy=True)
+        if attr in owner._parameters:
+            owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        else:
+            owner._buffers[attr] = value
+    for module in model.modules():  # non-persistent buffers were built real on the host
+        for attr, buf in module._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                module._buffers[attr] = buf.to(device)
+
+
+def _call_through(function, *args, **kwargs):
+    """The checkpoint function handed to the model class: the streamed blocks checkpoint themselves."""
+    return function(*args, **kwargs)
+
+
+def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
+    """``enable_gradient_checkpointing()`` (diffusers) and ``gradient_checkpointing_enable()`` (transformers)
+    both end in ``_set_gradient_checkpointing``; route it to the streamed blocks' own checkpoint."""
+    original = model._set_gradient_checkpointing
+
+    def set_gradient_checkpointing(enable: bool = True, gradient_checkpointing_func=None, **kwargs):
+        rt.checkpointing = bool(enable)
+        if enable:
+            return original(enable=True, gradient_checkpointing_func=_call_through, **kwargs)
+        return original(enable=False, **kwargs)
+
+    model._set_gradient_checkpointing = set_gradient_checkpointing
+
+
+def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
+         stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None) -> nn.Module:
+    """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
+
+    prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
+        computing; 1 means no overlap). host: "pinned" keeps every blob in page-locked RAM; "disk" reads
+        them from the slab file through two page-locked staging buffers. stream=False puts every block on
+        the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
+        returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
+        (default: the ``SQUAREQ_TRACE`` environment variable).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if host not in HOSTS:
+        raise ValueError(f"host={host!r}: choose one of {', '.join(HOSTS)}.")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch={prefetch!r}: the number of block slots must be an integer of at least 1.")
+    s = slab if isinstance(slab, Slab) else open_slab(slab, verify=verify)
+    m = s.manifest
+    if isinstance(slab, Slab) and verify in ("eager", True):
+        s.verify()
+    model = skeleton_from_record(m.model.class_name, m.model.config)
+    if model_signature(model) != m.model.signature:
+        raise SlabError(f"{s.path}: {m.model.class_name} built from the recorded config does not have the parameters "
+                        "the slab was compiled for (an incompatible diffusers/transformers version?); recompile the slab "
+                        "with the installed libraries.")
+    largest = max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=1)
+    scratch = DequantScratch(largest, device)
+    _install_quant_linears(model, m, scratch)
+    _place_residents(model, s, device)
+    binder = _Binder(model, m)
+    telemetry = Telemetry(device, trace if trace is not None else os.environ.get("SQUAREQ_TRACE") or None)
+    sizes = [b.nbytes for b in m.blocks]
+    streamer, device_blobs = None, []
+    if stream:
+        source = PinnedArena(s, device) if host == "pinned" else DiskStaging(s, device)
+        streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, telemetry)
+    else:
+        for b in m.blocks:
+            blob = s.block_bytes(b.index).to(device, copy=True)
+            device_blobs.append(blob)
+            binder.bind(b.index, -1, blob)
+    model.requires_grad_(False)
+    model.eval()
+    rt = Runtime(model, m, device, streamer, telemetry, scratch, device_blobs)
+    object.__setattr__(model, RUNTIME_ATTR, rt)
+    if streamer is not None:
+        for b in m.blocks:
+            block = model.get_submodule(b.name)
+            block.forward = BlockRunner(block, b.index, streamer, rt)
+        _route_checkpointing(model, rt)
+    return model

@@ -1,0 +1,49 @@
+"""LoRA on a loaded model's QuantLinear layers, chosen by name the way PEFT's ``target_modules`` chooses.
+
+A target matches a layer whose name equals it or ends with ``.<target>``; the default is FLUX's attention
+projections, as in the diffusers FLUX LoRA scripts. Factors are fp32 master weights on the runtime's
+device for the whole run (they are never streamed); under bf16 autocast they compute in bf16.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .qlinear import QuantLinear
+
+DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def _matches(name: str, targets) -> bool:
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targets=DEFAULT_TARGETS,
+             seed: int = 0) -> list[nn.Parameter]:
+    """Attach rank-``rank`` LoRA factors (scale alpha/rank; alpha defaults to rank) to every QuantLinear whose
+    name matches ``targets``; return the new trainable parameters."""
+    if rank < 1:
+        raise ValueError(f"rank={rank}: a LoRA rank must be at least 1.")
+    if isinstance(targets, str):
+        targets = (targets,)
+    g = torch.Generator().manual_seed(seed)
+    params: list[nn.Parameter] = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and _matches(name, targets):
+            module.add_lora(rank, float(alpha if alpha is not None else rank), generator=g,
+                            device=module.scratch.buffer.device)
+            params += [module.lora_A.weight, module.lora_B.weight]
+    if not params:
+        raise ValueError(f"no quantized layer of {type(model).__name__} matches the LoRA targets {list(targets)}; "
+                         "name layers as PEFT target_modules do (e.g. to_q, attn.to_out.0).")
+    return params
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every LoRA factor of ``model`` by its state-dict name (``<layer>.lora_A.weight``)."""
+    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of the LoRA factors on the CPU, in PEFT naming relative to the model."""
+    return {n: p.detach().to("cpu", copy=True) for n, p in lora_parameters(model).items()}

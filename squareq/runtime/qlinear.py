@@ -1,0 +1,111 @@
+"""QuantLinear: a frozen linear layer whose weight lives, quantized, in a block slot of the runtime.
+
+Its autograd Function dequantizes the weight into a shared bf16 scratch buffer and calls the vendor
+matmul, in the forward and again in the backward. It returns only the input gradient: the base weight
+is frozen, so no weight gradient is ever computed or stored, and nothing of the weight is saved for the
+backward (the backward dequantizes again from the slot, which then holds the same bytes).
+
+Optional LoRA factors (``lora_A``, ``lora_B``) sit on the layer itself, so their state-dict names are the
+ones diffusers/PEFT LoRA files use (``<layer>.lora_A.weight``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import dequantize_into
+from ..quant import QuantizedWeight
+
+
+class DequantScratch:
+    """One reusable bf16 buffer per device, large enough for the biggest layer that dequantizes into it.
+
+    Every QuantLinear of a model shares it. Uses are ordered on one compute stream (dequantize, then the
+    matmul that reads it, then the next layer's dequantize), so sharing is safe and memory stays flat.
+    """
+
+    def __init__(self, numel: int, device: torch.device | str) -> None:
+        self.buffer = torch.empty(max(numel, 1), dtype=torch.bfloat16, device=device)
+
+    def weight(self, qw: QuantizedWeight) -> torch.Tensor:
+        """``qw``'s bf16 weight: the stored tensor itself for bf16 layers, else dequantized into the scratch."""
+        if qw.spec.is_passthrough:
+            return qw.tensors["weight"]
+        n, k = qw.shape
+        return dequantize_into(self.buffer[: n * k].view(n, k), qw)
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x W^T + b with W dequantized on the fly; backward returns dL/dx only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+        ctx.layer = layer
+        w = layer.scratch.weight(layer.qweight)
+        bias = layer.bias
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(w.dtype)  # without autocast the layer computes in its storage dtype, as nn.Linear would
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        layer = ctx.layer
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        w = layer.scratch.weight(layer.qweight)
+        grad_in = grad_out.to(w.dtype).matmul(w)
+        return grad_in, None
+
+
+class QuantLinear(nn.Module):
+    """A frozen linear layer computed from a quantized weight held in a runtime block slot.
+
+    ``qweight`` and ``bias`` are views into the slot that holds this layer's block; the runtime rebinds
+    them each time it brings the block into a slot. ``scratch`` is the model's shared dequant buffer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scratch: DequantScratch) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scratch = scratch
+        self.qweight: QuantizedWeight | None = None
+        self.register_parameter("bias", None)  # bound to a slot view when the layer has a bias
+        self.lora_A: nn.Linear | None = None
+        self.lora_B: nn.Linear | None = None
+        self.lora_scale = 0.0
+
+    def extra_repr(self) -> str:
+        spec = self.qweight.spec.label() if self.qweight is not None else "unbound"
+        lora = f", lora_rank={self.lora_A.out_features}" if self.lora_A is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {spec}{lora}"
+
+    def add_lora(self, rank: int, alpha: float, generator: torch.Generator | None = None,
+                 device: torch.device | str | None = None) -> None:
+        """Attach fp32 LoRA factors: A kaiming-uniform, B zero (so the layer's output is unchanged at first)."""
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=torch.float32)
+        with torch.no_grad():
+            bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)), as nn.Linear and PEFT use
+            a = torch.empty(self.lora_A.weight.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.zero_()
+        self.lora_scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "
+                               "runtime (use squareq.runtime.load) before it runs.")
+        y = _DequantLinear.apply(x, self)
+        if self.lora_A is not None:
+            y = y + lora_delta(x, self.lora_A.weight, self.lora_B.weight, self.lora_scale).to(y.dtype)
+        return y
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale · x Aᵀ Bᵀ, in the activation dtype (bf16 under autocast) from fp32 master factors."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    return F.linear(F.linear(x.to(dtype), a.to(dtype)), b.to(dtype)) * scale
