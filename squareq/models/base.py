@@ -44,6 +44,9 @@ class FamilyAdapter:
     # Calibration through a pipeline's own text encoders (None: the family has no such path yet).
     prompt_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
     has_text_encoders: Callable[..., bool] | None = field(default=None, compare=False)
+    # (tokens per sample, hidden width) of the block stream for a config, an image side and a text length;
+    # the runtime's memory plan needs it. None: the generic rule (text tokens, config hidden size).
+    sequence_shape: Callable[[dict, int, int], tuple[int, int]] | None = field(default=None, compare=False)
 
     def calibration_batch(self, model: nn.Module, samples: int, seed: int, pipeline=None,
                           device="cpu") -> CalibrationBatch:

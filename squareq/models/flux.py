@@ -101,6 +101,12 @@ def has_text_encoders(pipeline: Path) -> bool:
         (pipeline / part).is_dir() for part in ("tokenizer", "tokenizer_2"))
 
 
+def flux_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
+    """FLUX.1 runs (resolution/16)² image tokens (8x VAE, 2x2 packing) plus the text tokens, at heads x head_dim."""
+    side = resolution // (16 * int(config.get("patch_size", 1)))
+    return side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
 FLUX = FamilyAdapter(
     family="flux",
     class_name="FluxTransformer2DModel",
@@ -108,4 +114,5 @@ FLUX = FamilyAdapter(
     calibration_inputs=flux_synthetic_inputs,
     prompt_inputs=flux_prompt_inputs,
     has_text_encoders=has_text_encoders,
+    sequence_shape=flux_sequence_shape,
 )

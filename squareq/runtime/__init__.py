@@ -3,10 +3,11 @@ slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`.
 from .blocks import NEEDS_CHECKPOINTING
 from .loader import HOSTS, Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
+from .plan import MemoryPlan, PlanError, plan
 from .qlinear import DequantScratch, QuantLinear
 from .streamer import StreamError, Streamer
 from .telemetry import StepStats, Telemetry
 
-__all__ = ["DEFAULT_TARGETS", "HOSTS", "NEEDS_CHECKPOINTING", "DequantScratch", "QuantLinear", "Runtime",
-           "StepStats", "StreamError", "Streamer", "Telemetry", "add_lora", "load", "lora_parameters",
+__all__ = ["DEFAULT_TARGETS", "HOSTS", "NEEDS_CHECKPOINTING", "DequantScratch", "MemoryPlan", "PlanError", "QuantLinear", "Runtime",
+           "StepStats", "StreamError", "Streamer", "Telemetry", "add_lora", "load", "lora_parameters", "plan",
            "lora_state_dict", "runtime_of"]

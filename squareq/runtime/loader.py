@@ -76,11 +76,15 @@ class _Binder:
         self.model = model
         self.manifest = manifest
         self.layers = {rec.name: rec for rec in manifest.layers}
+        # Modules are found by name once, at load: a caller may later reorder a block list, and a block's
+        # slab data must follow its module, not the name its position now has.
+        self.modules = {name: model.get_submodule(name)
+                        for b in manifest.blocks for name in (b.name, *b.layers)}
         self._cache: dict[tuple[int, int], list] = {}
 
     def _plan(self, block: int, buffer: torch.Tensor) -> list:
         rec = self.manifest.blocks[block]
-        module = self.model.get_submodule(rec.name)
+        module = self.modules[rec.name]
 
         def view(t):
             return buffer[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
@@ -90,7 +94,7 @@ class _Binder:
             layer = self.layers[name]
             qw = QuantizedWeight(layer.spec, (layer.shape[0], layer.shape[1]),
                                  {role: view(t) for role, t in layer.tensors.items()})
-            ops.append((self.model.get_submodule(name), "qweight", qw))
+            ops.append((self.modules[name], "qweight", qw))
         for p in rec.params:
             owner_path, _, attr = p.name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module

@@ -14,7 +14,8 @@ from .qlinear import QuantLinear
 DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
-def _matches(name: str, targets) -> bool:
+def matches(name: str, targets) -> bool:
+    """PEFT target_modules rule: the name equals a target or ends with ``.<target>``."""
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
@@ -29,7 +30,7 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targe
     g = torch.Generator().manual_seed(seed)
     params: list[nn.Parameter] = []
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear) and _matches(name, targets):
+        if isinstance(module, QuantLinear) and matches(name, targets):
             module.add_lora(rank, float(alpha if alpha is not None else rank), generator=g,
                             device=module.scratch.buffer.device)
             params += [module.lora_A.weight, module.lora_B.weight]

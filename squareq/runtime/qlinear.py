@@ -78,6 +78,17 @@ class QuantLinear(nn.Module):
         self.lora_B: nn.Linear | None = None
         self.lora_scale = 0.0
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in with the effective weight's shape, dtype (bf16) and device, for model code that inspects
+        ``layer.weight.dtype`` (transformers' T5 does). Its values are not the weight: that is dequantized on use;
+        :meth:`dequantized_weight` returns it."""
+        return self.scratch.buffer[:1].view(()).expand(self.out_features, self.in_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """A fresh copy of the effective bf16 weight of the block now bound."""
+        return self.scratch.weight(self.qweight).clone()
+
     def extra_repr(self) -> str:
         spec = self.qweight.spec.label() if self.qweight is not None else "unbound"
         lora = f", lora_rank={self.lora_A.out_features}" if self.lora_A is not None else ""

@@ -1,0 +1,84 @@
+"""runtime.load builds the family's own class; generic-mode slabs come back as their transformers class; plans."""
+import pytest
+import torch
+
+from squareq import runtime
+from squareq.quant import QuantSpec
+from squareq.slab import WriteOptions, write_slab
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+
+
+def test_load_returns_the_diffusers_class_with_quant_linears(tiny_slab):
+    from diffusers import FluxTransformer2DModel
+
+    model = runtime.load(tiny_slab, "cpu")
+    assert type(model) is FluxTransformer2DModel
+    quant = [n for n, m in model.named_modules() if isinstance(m, runtime.QuantLinear)]
+    assert "transformer_blocks.0.attn.to_q" in quant and "proj_out" not in quant
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_lora_names_follow_peft_and_targets_are_configurable(tiny_slab):
+    model = runtime.load(tiny_slab, "cpu")
+    params = runtime.add_lora(model, rank=4, targets=["to_q", "ff.net.2"])
+    names = set(runtime.lora_parameters(model))
+    assert "transformer_blocks.0.attn.to_q.lora_A.weight" in names
+    assert "transformer_blocks.1.ff.net.2.lora_B.weight" in names
+    assert not any(".to_k." in n for n in names)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in params)
+    with pytest.raises(ValueError, match="matches the LoRA targets"):
+        runtime.add_lora(model, targets=["no_such_layer"])
+
+
+def test_generic_mode_slab_loads_as_its_transformers_class(tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    source = T5EncoderModel(cfg).eval()
+    out = tmp_path / "t5.slab"
+    write_slab(source, ["encoder.block.0", "encoder.block.1"], {}, out,
+               WriteOptions(default_spec=QuantSpec(bits=8), family="generic"))
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    resident = runtime.load(out, "cpu", stream=False)
+    streamed = runtime.load(out, "cpu", prefetch=1)
+    assert type(streamed) is T5EncoderModel
+    with torch.no_grad():
+        expected = resident(input_ids=ids).last_hidden_state
+        got = streamed(input_ids=ids).last_hidden_state
+        assert torch.equal(got, expected)
+        # the quantized encoder stays close to the source
+        ref = source.to(torch.bfloat16)(input_ids=ids).last_hidden_state.float()
+    assert ((got.float() - ref).pow(2).mean() / ref.pow(2).mean()) < 0.02
+
+
+def test_plan_counts_what_load_allocates(tiny_slab):
+    plan = runtime.plan(tiny_slab, resolution=128, batch=2, text_tokens=16, prefetch=3, lora_rank=4)
+    model = runtime.load(tiny_slab, "cpu", prefetch=3)
+    rt = runtime.runtime_of(model)
+    params = runtime.add_lora(model, rank=4)
+    assert plan.tokens == (128 // 16) ** 2 + 16 and plan.hidden == 64
+    assert plan.ring == sum(s.buffer.numel() for s in rt.streamer.slots)
+    assert plan.scratch == rt.scratch.buffer.numel() * 2
+    assert plan.lora == 16 * sum(p.numel() for p in params)
+    assert plan.checkpoints == len(rt.manifest.blocks) * 2 * plan.batch * plan.tokens * plan.hidden
+    assert plan.peak_reserved >= plan.peak_allocated
+    assert "expected peak reserved" in str(plan)
+
+
+def test_plan_refuses_a_budget_it_exceeds(tiny_slab):
+    plan = runtime.plan(tiny_slab, resolution=128, text_tokens=16)
+    plan.check(plan.peak_reserved)
+    with pytest.raises(runtime.PlanError, match="--vram-budget"):
+        plan.check(plan.peak_reserved - 1)
+
+
+def test_load_rejects_bad_arguments(tiny_slab):
+    with pytest.raises(ValueError, match="host="):
+        runtime.load(tiny_slab, "cpu", host="ram")
+    with pytest.raises(ValueError, match="prefetch="):
+        runtime.load(tiny_slab, "cpu", prefetch=0)
