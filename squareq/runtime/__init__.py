@@ -5,9 +5,26 @@ from .loader import HOSTS, Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .plan import MemoryPlan, PlanError, plan
 from .qlinear import DequantScratch, QuantLinear
-from .streamer import StreamError, Streamer
+from .streamer import Streamer, StreamError
 from .telemetry import StepStats, Telemetry
 
-__all__ = ["DEFAULT_TARGETS", "HOSTS", "NEEDS_CHECKPOINTING", "DequantScratch", "MemoryPlan", "PlanError", "QuantLinear", "Runtime",
-           "StepStats", "StreamError", "Streamer", "Telemetry", "add_lora", "load", "lora_parameters", "plan",
-           "lora_state_dict", "runtime_of"]
+__all__ = [
+           "DEFAULT_TARGETS",
+           "HOSTS",
+           "NEEDS_CHECKPOINTING",
+           "DequantScratch",
+           "MemoryPlan",
+           "PlanError",
+           "QuantLinear",
+           "Runtime",
+           "StepStats",
+           "StreamError",
+           "Streamer",
+           "Telemetry",
+           "add_lora",
+           "load",
+           "lora_parameters",
+           "lora_state_dict",
+           "plan",
+           "runtime_of",
+]

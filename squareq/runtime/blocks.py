@@ -180,9 +180,13 @@ class _StreamedCheckpoint(torch.autograd.Function):
 
 
 def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
-    args, kwargs = _rebuild(ctx.skeleton, ctx.spec, inputs)
+    # The forward saw these inputs as non-leaf tensors (outputs of the previous block). A detached input that
+    # requires grad is a leaf, and autocast caches its casts to bf16 (one cast shared by every use) where the
+    # forward made one cast per use; the gradients would then be summed in another dtype and order. A view is
+    # not a leaf, so the recompute builds exactly the forward's graph.
     wanted = [t for t in inputs if t.requires_grad] + list(params)
     with torch.enable_grad(), ctx.rng.restore(), ctx.amp.restore(), runner.resident(BACKWARD, training=True):
+        args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
         out = runner.forward(*args, **kwargs)
         outs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]

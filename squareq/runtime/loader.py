@@ -9,7 +9,6 @@ reference the streamed one must equal, and the fastest choice when the whole sla
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn

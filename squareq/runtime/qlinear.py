@@ -42,7 +42,7 @@ class _DequantLinear(torch.autograd.Function):
     """y = x W^T + b with W dequantized on the fly; backward returns dL/dx only."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: "QuantLinear") -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
         w = layer.scratch.weight(layer.qweight)
         bias = layer.bias

@@ -1,0 +1,626 @@
+#!/usr/bin/env python3
+"""LoRA training step time of a FLUX.1-dev-shaped 12B transformer: SquareQ streaming vs its peers (issue 4).
+
+    python benchmarks/train_step.py [--out DIR] [--workdir DIR] [--res 512 1024] [--steps 5 --warmup 2]
+                                    [--only slab,squareq,resident,bnb,group_offload] [--phase-timeout S] [--tiny]
+
+The model is diffusers ``FluxTransformer2DModel`` with FLUX.1-dev's config and seeded random weights
+(normal(0, 0.02) for matrices, norm weights 1, other vectors 0), built directly on the GPU. Every setup
+trains LoRA rank 16 on ``to_q,to_k,to_v,to_out.0`` with AdamW (lr 1e-4), gradient checkpointing, batch 1,
+512 text tokens, bf16 autocast and an MSE loss against a random target; the step time is the median of
+``--steps`` steps after ``--warmup`` steps. Setups, each one a phase in its own subprocess so that GPU
+memory statistics start clean and a crash or timeout costs only that phase:
+
+* ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
+  this script already exists in ``--workdir``;
+* ``squareq RES K HOST``: ``squareq.runtime.load(slab, prefetch=K, host=HOST)`` + ``add_lora``; reports
+  copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction;
+* ``resident RES``: the bf16 model fully on the GPU with PEFT LoRA, the speed to match;
+* ``bnb RES``: bitsandbytes NF4 linears (QLoRA) with PEFT LoRA, when bitsandbytes imports;
+* ``group_offload RES``: diffusers block-level group offloading with streams and PEFT LoRA.
+
+Each phase prints one JSON line per measurement; the driver echoes them, adds ``ratio_to_resident``,
+writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last. Set
+``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
+the 512², K=3 pinned phase. ``--tiny`` swaps in the tiny FLUX config (runs on the CPU when no GPU is
+present, where memory figures read 0) so the script can be smoke-tested anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+LORA_RANK = 16
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this (full config)
+# Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
+SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A timestamped progress line on stderr (stdout carries only JSON lines and the table)."""
+    stamp = datetime.datetime.now().strftime("%H:%M:%S")
+    print(f"[{stamp} +{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def emit(rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Phases (each runs in its own process)
+# ----------------------------------------------------------------------------------------------------------
+
+class Setup:
+    """What every phase shares: model config, device, token counts and step counts."""
+
+    def __init__(self, args) -> None:
+        import torch
+
+        self.tiny = args.tiny
+        if args.tiny:
+            from squareq.models import TINY_FLUX_CONFIG
+            self.config, self.text_tokens = dict(TINY_FLUX_CONFIG), 16
+        else:
+            self.config, self.text_tokens = dict(FLUX_DEV), 512
+        self.cuda = torch.cuda.is_available()
+        if not self.cuda and not args.tiny:
+            raise RuntimeError("the full-size benchmark needs a CUDA device; use --tiny on a CPU.")
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.device_name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
+        self.steps, self.warmup = args.steps, args.warmup
+        self.slab = slab_path(Path(args.workdir), args.tiny)
+
+    def sync(self) -> None:
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def slab_path(workdir: Path, tiny: bool) -> Path:
+    return workdir / ("tiny-flux.slab" if tiny else "flux-dev-shaped.slab")
+
+
+def build_flux(setup: Setup):
+    """The FLUX transformer in bf16 on the device, seeded random weights, no host copy of them."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**setup.config)
+    model = model.to(torch.bfloat16).to_empty(device=setup.device)
+    g = torch.Generator(device=setup.device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.02, generator=g)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for b in model.buffers():  # to_empty leaves them uninitialized
+            b.zero_()
+    return model.requires_grad_(False)
+
+
+def make_batch(setup: Setup, res: int):
+    """Forward inputs at ``res``² pixels ((res/16)² image tokens) and a random target, seeded."""
+    import torch
+
+    cfg, dev, side = setup.config, setup.device, res // 16
+    g = torch.Generator(device=dev).manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(torch.bfloat16)
+
+    img_ids = torch.zeros(side, side, 3, device=dev)
+    img_ids[..., 1] = torch.arange(side, device=dev)[:, None]
+    img_ids[..., 2] = torch.arange(side, device=dev)[None, :]
+    batch = dict(hidden_states=rand(1, side * side, cfg["in_channels"]),
+                 encoder_hidden_states=rand(1, setup.text_tokens, cfg["joint_attention_dim"]),
+                 pooled_projections=rand(1, cfg["pooled_projection_dim"]),
+                 timestep=torch.full((1,), 0.5, device=dev, dtype=torch.bfloat16),
+                 guidance=torch.full((1,), 3.5, device=dev, dtype=torch.bfloat16),
+                 img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(setup.text_tokens, 3, device=dev))
+    return batch, rand(1, side * side, cfg["in_channels"])
+
+
+def memory_peaks(setup: Setup) -> dict:
+    """Peak allocated/reserved since the last call, and reserved now; resets the peaks (0 on a CPU)."""
+    import torch
+    if not setup.cuda:
+        return {"peak_allocated": 0, "peak_reserved": 0, "reserved": 0}
+    out = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
+           "reserved": torch.cuda.memory_reserved()}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def train(setup: Setup, model, params, res: int, after_step) -> dict:
+    """Warm-up plus measured LoRA steps; ``after_step()`` returns a dict of per-step figures (memory peaks
+    at least). Returns the median time, the median step's figures and the max peaks over measured steps."""
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    batch, target = make_batch(setup, res)
+    model.train()
+    after_step()  # start counting at the first step, not at load
+    times, figures, losses = [], [], []
+    for i in range(setup.warmup + setup.steps):
+        setup.sync()
+        start = time.perf_counter()
+        with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+            out = model(**batch, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(out.float(), target.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        setup.sync()
+        dt = time.perf_counter() - start
+        fig = after_step()  # outside the timed region: it synchronizes and resolves events
+        losses.append(loss.item())
+        if i >= setup.warmup:
+            times.append(dt)
+            figures.append(fig)
+        log(f"  step {i}{' (warm-up)' if i < setup.warmup else ''}: {dt:.3f} s, loss {losses[-1]:.5f}")
+    median_step = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
+    return {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times],
+            "peak_alloc_GB": max(f["peak_allocated"] for f in figures) / 1e9,
+            "peak_reserved_GB": max(f["peak_reserved"] for f in figures) / 1e9,
+            "reserved_GB_per_step": [round(f["reserved"] / 1e9, 3) for f in figures],
+            "loss_first": losses[0], "loss": losses[-1], "median_figures": figures[median_step]}
+
+
+def allocated_GB(setup: Setup) -> float:
+    import torch
+    return torch.cuda.memory_allocated() / 1e9 if setup.cuda else 0.0
+
+
+def peft_lora(model) -> list:
+    """PEFT LoRA (rank 16, alpha 16) on the FLUX attention projections, factors in fp32 as SquareQ keeps them."""
+    from peft import LoraConfig
+
+    model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
+                                 target_modules=LORA_TARGETS))
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+# Slab mix. W4 g64 asymmetric alone already costs 4 + 24/64 = 4.375 bits per weight (fp16 scale + int8 zero
+# per group), which leaves no room under 4.5 for W6/W8 layers, so the bulk uses W4 g128 (4.1875 bits) and
+# the finer W4 g64 is kept for the LoRA-trained q/k/v projections. On FLUX-12B this averages ~4.40 bits.
+def mix_spec(name: str):
+    """The QuantSpec of block linear ``name`` in the fixed benchmark mix (first matching suffix wins)."""
+    from squareq.quant import QuantSpec
+
+    if name.endswith(".attn.to_out.0"):  # double-block attention output (single blocks have none)
+        return QuantSpec(bits=8, group_size=128)
+    if name.endswith(".ff.net.2"):  # image-stream MLP down projection (ff_context keeps W4)
+        return QuantSpec(bits=6, group_size=128)
+    if name.endswith((".attn.to_q", ".attn.to_k", ".attn.to_v")):
+        return QuantSpec(bits=4, group_size=64)
+    return QuantSpec(bits=4, group_size=128)
+
+
+def mix_bits(model, plan: dict) -> float:
+    """Average stored bits per layer weight of ``plan``, from shapes alone (as the writer lays tensors out)."""
+    from squareq import quant
+
+    weights = nbytes = 0
+    for name, spec in plan.items():
+        mod = model.get_submodule(name)
+        weights += mod.out_features * mod.in_features
+        layout = quant.tensor_layout(spec, (mod.out_features, mod.in_features))
+        nbytes += sum(dtype.itemsize * math.prod(shape) for dtype, shape in layout.values())
+    return 8 * nbytes / weights
+
+
+def existing_slab(setup: Setup):
+    """The manifest of a slab this script already wrote for this config, or None."""
+    from squareq.slab import open_slab
+
+    try:
+        m = open_slab(setup.slab, verify="off").manifest
+    except Exception:  # absent, partial or unreadable: rebuild
+        return None
+    same = m.model.source == SLAB_SOURCE and all(
+        m.model.config.get(k) == json.loads(json.dumps(v)) for k, v in setup.config.items())
+    return m if same else None
+
+
+def phase_slab(setup: Setup) -> None:
+    from squareq.models import FLUX
+    from squareq.quant import QuantSpec
+    from squareq.slab.writer import WriteOptions, block_linears, write_slab
+
+    rec = {"what": "slab", "device": setup.device_name, "path": str(setup.slab)}
+    manifest = existing_slab(setup)
+    if manifest is not None:
+        log(f"slab: reusing {setup.slab}")
+        rec.update(reused=True)
+    else:
+        start = time.perf_counter()
+        model = build_flux(setup)
+        setup.sync()
+        rec["build_s"] = time.perf_counter() - start
+        blocks = FLUX.blocks(model)
+        plan = {name: mix_spec(name) for p in blocks for name, _ in block_linears(p, model.get_submodule(p))}
+        rec["predicted_bits_per_weight"] = mix_bits(model, plan)
+        log(f"slab: model built in {rec['build_s']:.1f} s; mix averages {rec['predicted_bits_per_weight']:.3f} "
+            f"bits/weight; writing {setup.slab}")
+        if not setup.tiny and rec["predicted_bits_per_weight"] > MAX_BITS:
+            raise RuntimeError(f"the slab mix averages {rec['predicted_bits_per_weight']:.3f} bits per weight, "
+                               f"over {MAX_BITS}; change mix_spec.")
+        setup.slab.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        manifest = write_slab(model, blocks, plan, setup.slab, WriteOptions(
+            default_spec=QuantSpec(bits=4, group_size=128), clip_search=False, family="flux",
+            source=SLAB_SOURCE, overwrite=True))
+        rec.update(reused=False, write_s=time.perf_counter() - start)
+    totals = manifest.totals or {}
+    rec.update(slab_bytes=sum(p.stat().st_size for p in setup.slab.iterdir()),
+               bits_per_weight=totals.get("bits_per_layer_weight"),
+               streamed_GB=totals.get("streamed_bytes", 0) / 1e9,
+               largest_block_MB=totals.get("largest_block_bytes", 0) / 1e6, formats=totals.get("formats"))
+    emit(rec)
+    if not setup.tiny and (rec["bits_per_weight"] or 99) > MAX_BITS:
+        raise RuntimeError(f"the written slab stores {rec['bits_per_weight']} bits per weight, over {MAX_BITS}.")
+
+
+def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
+    import squareq.runtime as rt
+
+    rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "device": setup.device_name}
+    trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
+    trace = None
+    if trace_dir and host == "pinned" and prefetch == 3 and res == (128 if setup.tiny else 512):
+        trace = str(Path(trace_dir) / f"trace_{res}_{prefetch}.json")
+        rec["trace"] = trace  # tracing adds events per block: this phase's timings carry that overhead
+    if host == "disk":
+        rec["note"] = "the slab is far smaller than host RAM, so reads after the first come from the page cache"
+    if hasattr(rt, "plan"):
+        try:
+            predicted = rt.plan(setup.slab, resolution=res, batch=1, text_tokens=setup.text_tokens,
+                                prefetch=prefetch, lora_rank=LORA_RANK)
+            # MemoryPlan has peak_allocated and peak_reserved; an older draft had only peak_bytes.
+            peak = getattr(predicted, "peak_allocated", None) or predicted.peak_bytes
+            rec["plan_peak_GB"] = peak / 1e9
+            if getattr(predicted, "peak_reserved", None):
+                rec["plan_peak_reserved_GB"] = predicted.peak_reserved / 1e9
+        except Exception as exc:  # being written in parallel: record and measure anyway
+            rec["plan_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    start = time.perf_counter()
+    # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
+    # 6.7 GB in every phase would only lengthen the run.
+    model = rt.load(setup.slab, setup.device, prefetch=prefetch, host=host, verify="off", trace=trace)
+    params = rt.add_lora(model, rank=LORA_RANK)
+    model.enable_gradient_checkpointing()
+    setup.sync()
+    rec.update(load_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
+               lora_params=sum(p.numel() for p in params))
+    runtime = rt.runtime_of(model)
+    log(f"squareq {res} K={prefetch} {host}: loaded in {rec['load_s']:.1f} s")
+    result = train(setup, model, params, res, lambda: runtime.step_stats().to_dict())
+    stats = result.pop("median_figures")
+    rec.update(result)
+    rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
+               bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],
+               demand_loads=stats["demand_loads"])
+    runtime.close()
+    emit(rec)
+
+
+def phase_resident(setup: Setup, res: int) -> None:
+    rec = {"what": "resident", "res": res, "device": setup.device_name}
+    start = time.perf_counter()
+    model = build_flux(setup)
+    params = peft_lora(model)
+    model.enable_gradient_checkpointing()
+    setup.sync()
+    rec.update(build_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
+               lora_params=sum(p.numel() for p in params))
+    result = train(setup, model, params, res, lambda: memory_peaks(setup))
+    result.pop("median_figures")
+    emit({**rec, **result})
+
+
+def phase_bnb(setup: Setup, res: int) -> None:
+    import gc
+
+    import bitsandbytes as bnb
+    import torch
+
+    rec = {"what": "bnb", "res": res, "device": setup.device_name, "bnb": bnb.__version__}
+    model = build_flux(setup)
+    start = time.perf_counter()
+
+    def swap(module):
+        # Linear4bit is made on meta (no host allocation or init) and quantizes the bf16 weight already on
+        # the GPU when moved there; peer_baselines went through the host, which only costs time.
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and child.in_features >= 1024:
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4")
+                if child.bias is not None:
+                    q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+                setattr(module, name, q.to(setup.device))
+            else:
+                swap(child)
+
+    swap(model)
+    gc.collect()
+    torch.cuda.empty_cache()
+    setup.sync()
+    rec.update(quantize_s=time.perf_counter() - start, weights_GB=allocated_GB(setup))
+    params = peft_lora(model)
+    model.enable_gradient_checkpointing()
+    result = train(setup, model, params, res, lambda: memory_peaks(setup))
+    result.pop("median_figures")
+    emit({**rec, **result})
+
+
+def phase_group_offload(setup: Setup, res: int) -> None:
+    import torch
+
+    rec = {"what": "group_offload", "res": res, "device": setup.device_name}
+    start = time.perf_counter()
+    model = build_flux(setup)
+    params = peft_lora(model)
+    model = model.to("cpu")  # the offload hooks own placement from here on
+    torch.cuda.empty_cache()
+    model.enable_gradient_checkpointing()
+    model.enable_group_offload(onload_device=setup.device, offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+    rec["setup_s"] = time.perf_counter() - start
+    result = train(setup, model, params, res, lambda: memory_peaks(setup))
+    result.pop("median_figures")
+    emit({**rec, **result})
+
+
+def phase_record(phase: list[str]) -> dict:
+    """The identifying keys of a phase's record, from its command line (``squareq 512 3 pinned``)."""
+    rec: dict = {"what": phase[0]}
+    if phase[0] != "slab":
+        rec["res"] = int(phase[1])
+    if phase[0] == "squareq":
+        rec.update(prefetch=int(phase[2]), host=phase[3])
+    return rec
+
+
+def run_phase(args) -> None:
+    """Run one phase in this process; an exception becomes an error record and a nonzero exit."""
+    name, rec = args.phase[0], phase_record(args.phase)
+    try:
+        import torch
+        # The cuDNN attention backward fails on the device image (mha_graph.execute); use flash/efficient.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        setup = Setup(args)
+        log(f"phase {' '.join(args.phase)} on {setup.device_name}")
+        if name == "slab":
+            phase_slab(setup)
+        elif name == "squareq":
+            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"])
+        else:
+            {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
+    except Exception as exc:
+        import traceback
+        traceback.print_exc()
+        emit({**rec, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        sys.exit(1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------
+
+def spawn(phase: list[str], args, timeout: float) -> list[dict]:
+    """Run a phase subprocess, echo its output, return its JSON records (an error record if it died)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--workdir", str(args.workdir)] + (["--tiny"] if args.tiny else [])
+    log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    tail: collections.deque = collections.deque(maxlen=15)
+
+    def pump_stderr():
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+
+    pump = threading.Thread(target=pump_stderr, daemon=True)
+    pump.start()
+    killed = threading.Event()
+
+    def kill():
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    records = []
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if line.startswith("{"):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    rc = proc.wait()
+    timer.cancel()
+    pump.join(timeout=5)
+    wall = time.perf_counter() - start
+    if rc != 0 and not any("error" in r for r in records):
+        why = f"timed out after {timeout:.0f} s" if killed.is_set() else f"exit code {rc}"
+        records.append({**phase_record(phase), "error": f"{why}; stderr tail: {' | '.join(list(tail)[-4:])}"[:800]})
+    for r in records:
+        r["phase_wall_s"] = round(wall, 1)
+    log(f"phase {' '.join(phase)}: {'ok' if rc == 0 else 'FAILED'} in {wall:.1f} s")
+    return records
+
+
+def add_ratios(records: list[dict]) -> None:
+    resident = {r["res"]: r["step_s"] for r in records if r.get("what") == "resident" and "step_s" in r}
+    for r in records:
+        if "step_s" in r and r.get("res") in resident:
+            r["ratio_to_resident"] = r["step_s"] / resident[r["res"]]
+
+
+def write_jsonl(out: Path, records: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".train_step.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, out / "train_step.jsonl")  # readers never see a half-written file
+
+
+LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4",
+          "group_offload": "diffusers group offload"}
+
+
+def table(records: list[dict]) -> str:
+    env = records[0]
+    head = (f"device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}"
+            f"{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after {env['warmup']} warm-up")
+    lines = [head, "", "| setup | res | step s | × bf16 resident | peak alloc GB | peak reserved GB | copy-wait % | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt):
+        return "" if v is None else format(v, fmt)
+
+    for r in records[1:]:
+        what = r.get("what")
+        if what == "slab":
+            note = (f"error: {r['error']}" if "error" in r else
+                    f"{r['slab_bytes'] / 1e9:.2f} GB, {r['bits_per_weight']} bits/w, "
+                    + ("reused" if r.get("reused") else f"written in {r.get('write_s', 0):.0f} s"))
+            lines.append(f"| slab | | | | | | | {note} |")
+            continue
+        setup = LABELS.get(what, what)
+        notes = []
+        if what == "squareq":
+            setup += f" K={r.get('prefetch')} {r.get('host')}"
+            if "step_s" in r:
+                notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
+            if "plan_peak_GB" in r:
+                notes.append(f"plan peak {r['plan_peak_GB']:.2f} GB"
+                             + (f" / {r['plan_peak_reserved_GB']:.2f} GB reserved" if "plan_peak_reserved_GB" in r else ""))
+            elif "plan_error" in r:
+                notes.append(f"plan: {r['plan_error'][:60]}")
+        if "loss_first" in r:
+            notes.append(f"loss₀ {r['loss_first']:.5f}")
+        if "error" in r:
+            notes.append(f"error: {r['error'][:160]}")
+        if "skipped" in r:
+            notes.append(f"skipped: {r['skipped']}")
+        wait = r.get("copy_wait_share")
+        lines.append(f"| {setup} | {r.get('res', '')}² | {f(r.get('step_s'), '.3f')} | "
+                     f"{f(r.get('ratio_to_resident'), '.2f')} | {f(r.get('peak_alloc_GB'), '.2f')} | "
+                     f"{f(r.get('peak_reserved_GB'), '.2f')} | {'' if wait is None else f'{100 * wait:.1f}'} | "
+                     f"{'; '.join(n.replace('|', '/') for n in notes)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="write DIR/train_step.jsonl")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/squareq_bench"), help="where the slab goes")
+    ap.add_argument("--res", type=int, nargs="+", help="resolutions for squareq pinned, resident, bnb (512 1024)")
+    ap.add_argument("--disk-res", type=int, nargs="*", help="resolutions for squareq host=disk K=3 (512)")
+    ap.add_argument("--offload-res", type=int, nargs="*", help="resolutions for group offload (512)")
+    ap.add_argument("--bnb-res", type=int, nargs="*", help="resolutions for bnb (same as --res)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 3], help="ring sizes K for host=pinned")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only", default="slab,squareq,resident,bnb,group_offload")
+    ap.add_argument("--phase-timeout", type=float, default=240, help="seconds per training phase")
+    ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
+    ap.add_argument("--tiny", action="store_true", help="tiny FLUX config; runs on the CPU without a GPU")
+    ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
+    args = ap.parse_args()
+    if args.phase:
+        return run_phase(args)
+
+    import torch  # version only: touching CUDA here would hold GPU memory during every phase
+
+    cuda = torch.cuda.is_available()
+    base_res = [128] if args.tiny else [512, 1024]  # tiny: (128/16)² = 64 image tokens
+    res = args.res or base_res
+    disk_res = args.disk_res if args.disk_res is not None else res[:1]
+    offload_res = args.offload_res if args.offload_res is not None else res[:1]
+    bnb_res = args.bnb_res if args.bnb_res is not None else res
+    only = set(args.only.split(","))
+    unknown = only - {"slab", "squareq", "resident", "bnb", "group_offload"}
+    if unknown:
+        ap.error(f"--only: unknown setups {sorted(unknown)}")
+
+    commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
+    env = {"what": "env", "device": None, "torch": torch.__version__, "tiny": args.tiny, "steps": args.steps,
+           "warmup": args.warmup, "commit": commit,
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    emit(env)
+    records = [env]
+
+    phases: list[list[str]] = []
+    if only & {"slab", "squareq"}:
+        phases.append(["slab"])
+    for r in res:  # resident first at each resolution: it is what every ratio divides by
+        if "resident" in only:
+            phases.append(["resident", str(r)])
+        if "squareq" in only:
+            phases += [["squareq", str(r), str(k), "pinned"] for k in args.prefetch]
+    if "squareq" in only:
+        phases += [["squareq", str(r), "3", "disk"] for r in disk_res]
+    skipped = []
+    for name, rs in (("bnb", bnb_res), ("group_offload", offload_res)):
+        if name not in only:
+            continue
+        if not cuda:
+            skipped += [{"what": name, "res": r, "skipped": "no CUDA device"} for r in rs]
+        elif name == "bnb" and subprocess.run([sys.executable, "-c", "import bitsandbytes"],
+                                              capture_output=True, check=False).returncode != 0:
+            skipped += [{"what": name, "res": r, "skipped": "bitsandbytes does not import"} for r in rs]
+        else:
+            phases += [[name, str(r)] for r in rs]
+
+    log("phases: " + ", ".join(" ".join(p) for p in phases))
+    for phase in phases:
+        if phase[0] == "squareq" and any(r.get("what") == "slab" and "error" in r for r in records):
+            records.append({**phase_record(phase), "skipped": "no slab"})
+            continue
+        new = spawn(phase, args, args.slab_timeout if phase == ["slab"] else args.phase_timeout)
+        env["device"] = env["device"] or next((r["device"] for r in new if r.get("device")), None)
+        records += new
+        add_ratios(records)
+        if args.out:
+            write_jsonl(args.out, records)
+    records += skipped
+    add_ratios(records)
+    if args.out:
+        write_jsonl(args.out, records)
+    print()
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
