@@ -154,7 +154,24 @@ def memory_peaks(setup: Setup) -> dict:
     return out
 
 
-def train(setup: Setup, model, params, res: int, after_step) -> dict:
+def profile_step(one_step, setup: Setup, path: Path) -> float:
+    """One more step under torch.profiler: the top host-side ops to ``path``; returns GPU kernel seconds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    setup.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step()
+        setup.sync()
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n"
+                    + events.table(sort_by="self_device_time_total", row_limit=25))
+    return kernel_us / 1e6
+
+
+def train(setup: Setup, model, params, res: int, after_step, label: str | None = None) -> dict:
     """Warm-up plus measured LoRA steps; ``after_step()`` returns a dict of per-step figures (memory peaks
     at least). Returns the median time, the median step's figures and the max peaks over measured steps."""
     import torch
@@ -163,26 +180,38 @@ def train(setup: Setup, model, params, res: int, after_step) -> dict:
     batch, target = make_batch(setup, res)
     model.train()
     after_step()  # start counting at the first step, not at load
-    times, figures, losses = [], [], []
-    for i in range(setup.warmup + setup.steps):
-        setup.sync()
-        start = time.perf_counter()
+    times, cpu, figures, losses = [], [], [], []
+
+    def one_step():
         with torch.autocast(setup.device.type, dtype=torch.bfloat16):
             out = model(**batch, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(out.float(), target.float())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(setup.warmup + setup.steps):
+        setup.sync()
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        loss = one_step()
+        cpu_s = time.thread_time() - cpu_start  # the Python thread's own work: launches, autograd, hooks
         setup.sync()
         dt = time.perf_counter() - start
         fig = after_step()  # outside the timed region: it synchronizes and resolves events
         losses.append(loss.item())
         if i >= setup.warmup:
             times.append(dt)
+            cpu.append(cpu_s)
             figures.append(fig)
-        log(f"  step {i}{' (warm-up)' if i < setup.warmup else ''}: {dt:.3f} s, loss {losses[-1]:.5f}")
+        log(f"  step {i}{' (warm-up)' if i < setup.warmup else ''}: {dt:.3f} s (host thread busy {cpu_s:.3f} s), "
+            f"loss {losses[-1]:.5f}")
+    profile = os.environ.get("SQUAREQ_PROFILE_DIR")
+    if profile and label:
+        gpu_busy = profile_step(one_step, setup, Path(profile) / f"profile_{label}.txt")
     median_step = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
     return {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times],
+            "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
             "peak_alloc_GB": max(f["peak_allocated"] for f in figures) / 1e9,
             "peak_reserved_GB": max(f["peak_reserved"] for f in figures) / 1e9,
             "reserved_GB_per_step": [round(f["reserved"] / 1e9, 3) for f in figures],
@@ -320,7 +349,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
                lora_params=sum(p.numel() for p in params))
     runtime = rt.runtime_of(model)
     log(f"squareq {res} K={prefetch} {host}: loaded in {rec['load_s']:.1f} s")
-    result = train(setup, model, params, res, lambda: runtime.step_stats().to_dict())
+    result = train(setup, model, params, res, lambda: runtime.step_stats().to_dict(),
+                   label=f"squareq_{res}_{prefetch}_{host}")
     stats = result.pop("median_figures")
     rec.update(result)
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
@@ -339,7 +369,7 @@ def phase_resident(setup: Setup, res: int) -> None:
     setup.sync()
     rec.update(build_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
                lora_params=sum(p.numel() for p in params))
-    result = train(setup, model, params, res, lambda: memory_peaks(setup))
+    result = train(setup, model, params, res, lambda: memory_peaks(setup), label=f"resident_{res}")
     result.pop("median_figures")
     emit({**rec, **result})
 

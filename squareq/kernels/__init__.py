@@ -1,4 +1,4 @@
 """GPU kernels (Triton) with exact torch references; dispatch picks one per device."""
-from .dequant import backend_for, dequantize, dequantize_into
+from .dequant import backend_for, dequantize, dequantize_into, prepare_dequantize
 
-__all__ = ["backend_for", "dequantize", "dequantize_into"]
+__all__ = ["backend_for", "dequantize", "dequantize_into", "prepare_dequantize"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,12 @@ def _check_out(out: torch.Tensor, shape: tuple[int, int]) -> None:
         )
 
 
+def _check_inputs(out: torch.Tensor, qw: QuantizedWeight) -> None:
+    for name, t in qw.tensors.items():
+        if t.device != out.device or t.stride(-1) != 1:
+            raise ValueError(f"tensor {name!r} must be on {out.device} with unit column stride.")
+
+
 def dequantize_into(out: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """Write ``qw``'s effective bf16 weight into ``out`` (bf16 ``[N, K]``, may be a view of a scratch buffer)."""
     _check_out(out, qw.shape)
@@ -61,12 +68,25 @@ def dequantize_into(out: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         return out.copy_(qw.tensors["weight"])
     if backend_for(out.device) == "torch":
         return out.copy_(quant.dequantize(qw))
-    for name, t in qw.tensors.items():
-        if t.device != out.device or t.stride(-1) != 1:
-            raise ValueError(f"tensor {name!r} must be on {out.device} with unit column stride.")
+    _check_inputs(out, qw)
     from .triton_dequant import triton_dequantize_into
 
     return triton_dequantize_into(out, qw)
+
+
+def prepare_dequantize(out: torch.Tensor, qw: QuantizedWeight) -> Callable[[], torch.Tensor]:
+    """A zero-argument callable that writes ``qw``'s bf16 weight into ``out`` and returns it (bf16 layers return
+    their stored tensor and leave ``out`` alone). Checks and launch parameters are worked out once, here."""
+    _check_out(out, qw.shape)
+    if qw.spec.is_passthrough:
+        weight = qw.tensors["weight"]
+        return lambda: weight
+    if backend_for(out.device) == "torch":
+        return lambda: out.copy_(quant.dequantize(qw))
+    _check_inputs(out, qw)
+    from .triton_dequant import prepare_triton_dequantize
+
+    return prepare_triton_dequantize(out, qw)
 
 
 def dequantize(qw: QuantizedWeight, device: torch.device | str | None = None) -> torch.Tensor:

@@ -7,6 +7,8 @@ Throughput against a device copy is measured by ``benchmarks/dequant.py``.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -157,9 +159,8 @@ def _vec6_ok(qweight: torch.Tensor) -> bool:
     return (qweight.shape[1] % 48 == 0 and qweight.stride(0) % 16 == 0 and qweight.data_ptr() % 16 == 0)
 
 
-def triton_dequantize_into(out: torch.Tensor, qw: QuantizedWeight,
-                           tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Launch the dequant kernel writing ``qw``'s effective weight into ``out`` (bf16 [N, K], unit column stride)."""
+def _launch(out: torch.Tensor, qw: QuantizedWeight, tile: tuple[int, int, int] | None):
+    """(grid, positional args, keyword args) of the dequant kernel for ``qw`` into ``out``."""
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     block_n, block_k, warps = tile or default_tile(spec.group_size, k, spec.bits, spec.smooth)
     if block_k % spec.group_size:
@@ -180,10 +181,70 @@ def triton_dequantize_into(out: torch.Tensor, qw: QuantizedWeight,
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     if k_major:
         grid = grid[::-1]
-    _dequant_kernel[grid](
-        qweight, scales, zeros, inv, out.view(torch.int16),
-        n, k, row_bytes, scales.shape[1], qweight.stride(0), scales.stride(0), out.stride(0),
-        BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
-        BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, K_MAJOR=k_major, num_warps=warps,
-    )
+    args = (qweight, scales, zeros, inv, out.view(torch.int16),
+            n, k, row_bytes, scales.shape[1], qweight.stride(0), scales.stride(0), out.stride(0))
+    kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
+                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, K_MAJOR=k_major, num_warps=warps)
+    return grid, args, kwargs
+
+
+def triton_dequantize_into(out: torch.Tensor, qw: QuantizedWeight,
+                           tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Launch the dequant kernel writing ``qw``'s effective weight into ``out`` (bf16 [N, K], unit column stride)."""
+    grid, args, kwargs = _launch(out, qw, tile)
+    _dequant_kernel[grid](*args, **kwargs)
     return out
+
+
+# Compiled kernels whose direct launch was checked against the dispatcher's, by id: True if it matched.
+_direct_ok: dict[int, bool] = {}
+
+
+def prepare_triton_dequantize(out: torch.Tensor, qw: QuantizedWeight,
+                              tile: tuple[int, int, int] | None = None) -> Callable[[], torch.Tensor]:
+    """A zero-argument launcher of ``triton_dequantize_into(out, qw)`` for a layer that runs thousands of times.
+
+    Triton's dispatcher re-derives the specialization key from every argument on each call, which costs more
+    host time than the kernel takes on the GPU (a FLUX step launches ~1,500 of them). The launch arguments are
+    fixed here, and after the first launch the compiled kernel is called directly. That direct call is checked
+    once per compiled kernel against the dispatcher's output; if it differs, the dispatcher is kept.
+    """
+    grid, args, kwargs = _launch(out, qw, tile)
+    state: dict = {}
+
+    def launch() -> torch.Tensor:
+        direct = state.get("direct")
+        if direct is not None:
+            direct()
+            return out
+        compiled = _dequant_kernel[grid](*args, **kwargs)
+        if "direct" not in state:
+            state["direct"] = _direct_launcher(compiled, grid, args, kwargs, out)
+        return out
+
+    return launch
+
+
+def _direct_launcher(compiled, grid, args, kwargs, out: torch.Tensor) -> Callable[[], None] | None:
+    try:
+        runner = compiled[grid]
+        names = _dequant_kernel.arg_names
+        values = list(args) + [kwargs[name] for name in names[len(args):]]
+    except Exception:  # an interpreter or a Triton without this API: keep the dispatcher
+        return None
+
+    def direct() -> None:
+        runner(*values)
+
+    key = id(compiled)
+    if key not in _direct_ok:
+        expected = out.clone()
+        out.zero_()
+        try:
+            direct()
+            _direct_ok[key] = bool(torch.equal(out, expected))
+        except Exception:
+            _direct_ok[key] = False
+        if not _direct_ok[key]:
+            out.copy_(expected)
+    return direct if _direct_ok[key] else None

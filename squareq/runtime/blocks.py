@@ -185,9 +185,10 @@ def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
     # forward made one cast per use; the gradients would then be summed in another dtype and order. A view is
     # not a leaf, so the recompute builds exactly the forward's graph.
     wanted = [t for t in inputs if t.requires_grad] + list(params)
-    with torch.enable_grad(), ctx.rng.restore(), ctx.amp.restore(), runner.resident(BACKWARD, training=True):
-        args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
-        out = runner.forward(*args, **kwargs)
+    with torch.enable_grad(), ctx.rng.restore(), runner.resident(BACKWARD, training=True):
+        with ctx.amp.restore():  # the recompute runs under the forward's autocast; its backward, like any, does not
+            args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
+            out = runner.forward(*args, **kwargs)
         outs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]
         if not pairs or not wanted:

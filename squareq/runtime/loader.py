@@ -83,7 +83,7 @@ class _Binder:
 
     def _plan(self, block: int, buffer: torch.Tensor) -> list:
         rec = self.manifest.blocks[block]
-        module = self.modules[rec.name]
+        block_module = self.modules[rec.name]
 
         def view(t):
             return buffer[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
@@ -93,10 +93,11 @@ class _Binder:
             layer = self.layers[name]
             qw = QuantizedWeight(layer.spec, (layer.shape[0], layer.shape[1]),
                                  {role: view(t) for role, t in layer.tensors.items()})
-            ops.append((self.modules[name], "qweight", qw))
+            module = self.modules[name]
+            ops.append((module, "bind", (qw, module.scratch.prepare(qw))))
         for p in rec.params:
             owner_path, _, attr = p.name.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
+            owner = block_module.get_submodule(owner_path) if owner_path else block_module
             t = view(p)
             if attr in owner._parameters:
                 ops.append((owner._parameters, attr, nn.Parameter(t, requires_grad=False)))
@@ -115,7 +116,7 @@ class _Binder:
             if isinstance(target, dict):
                 target[attr] = value
             else:
-                setattr(target, attr, value)
+                target.bind(*value)
 
 
 def _install_quant_linears(model: nn.Module, manifest: Manifest, scratch: DequantScratch) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import dequantize_into
+from ..kernels import dequantize_into, prepare_dequantize
 from ..quant import QuantizedWeight
 
 
@@ -30,12 +30,20 @@ class DequantScratch:
     def __init__(self, numel: int, device: torch.device | str) -> None:
         self.buffer = torch.empty(max(numel, 1), dtype=torch.bfloat16, device=device)
 
+    def view(self, shape: tuple[int, int]) -> torch.Tensor:
+        n, k = shape
+        return self.buffer[: n * k].view(n, k)
+
     def weight(self, qw: QuantizedWeight) -> torch.Tensor:
         """``qw``'s bf16 weight: the stored tensor itself for bf16 layers, else dequantized into the scratch."""
         if qw.spec.is_passthrough:
             return qw.tensors["weight"]
-        n, k = qw.shape
-        return dequantize_into(self.buffer[: n * k].view(n, k), qw)
+        return dequantize_into(self.view(qw.shape), qw)
+
+    def prepare(self, qw: QuantizedWeight):
+        """A zero-argument callable returning ``qw``'s bf16 weight (dequantized into the scratch), prepared once
+        so that the thousands of calls a training step makes cost little host time."""
+        return prepare_dequantize(self.view(qw.shape), qw)
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -44,7 +52,7 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
-        w = layer.scratch.weight(layer.qweight)
+        w = layer.dequant()
         bias = layer.bias
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             x = x.to(w.dtype)  # without autocast the layer computes in its storage dtype, as nn.Linear would
@@ -55,7 +63,7 @@ class _DequantLinear(torch.autograd.Function):
         layer = ctx.layer
         if not ctx.needs_input_grad[0]:
             return None, None
-        w = layer.scratch.weight(layer.qweight)
+        w = layer.dequant()
         grad_in = grad_out.to(w.dtype).matmul(w)
         return grad_in, None
 
@@ -73,10 +81,21 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.scratch = scratch
         self.qweight: QuantizedWeight | None = None
+        self.dequant = self._unbound  # the runtime binds a prepared dequantizer with each qweight
         self.register_parameter("bias", None)  # bound to a slot view when the layer has a bias
         self.lora_A: nn.Linear | None = None
         self.lora_B: nn.Linear | None = None
         self.lora_scale = 0.0
+
+    @staticmethod
+    def _unbound() -> torch.Tensor:
+        raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "
+                           "runtime (use squareq.runtime.load) before it runs.")
+
+    def bind(self, qweight: QuantizedWeight, dequant=None) -> None:
+        """Point the layer at stored tensors (views into a slot) and the callable that dequantizes them."""
+        self.qweight = qweight
+        self.dequant = dequant or self.scratch.prepare(qweight)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -87,7 +106,7 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """A fresh copy of the effective bf16 weight of the block now bound."""
-        return self.scratch.weight(self.qweight).clone()
+        return self.dequant().clone()
 
     def extra_repr(self) -> str:
         spec = self.qweight.spec.label() if self.qweight is not None else "unbound"
@@ -107,16 +126,18 @@ class QuantLinear(nn.Module):
         self.lora_scale = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is None:
-            raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "
-                               "runtime (use squareq.runtime.load) before it runs.")
+        if self.lora_A is None:
+            return _DequantLinear.apply(x, self)
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # one cast of the input serves the base matmul and the LoRA path (autocast would cast it twice)
+            x = x.to(torch.get_autocast_dtype(device_type))
         y = _DequantLinear.apply(x, self)
-        if self.lora_A is not None:
-            y = y + lora_delta(x, self.lora_A.weight, self.lora_B.weight, self.lora_scale).to(y.dtype)
-        return y
+        return torch.add(y, lora_delta(x, self.lora_A.weight, self.lora_B.weight).to(y.dtype), alpha=self.lora_scale)
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale · x Aᵀ Bᵀ, in the activation dtype (bf16 under autocast) from fp32 master factors."""
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    return F.linear(F.linear(x.to(dtype), a.to(dtype)), b.to(dtype)) * scale
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x Aᵀ Bᵀ in the activation dtype from fp32 master factors (autocast casts them, once per region)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return F.linear(F.linear(x, a), b)
+    return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))

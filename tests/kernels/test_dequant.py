@@ -70,3 +70,17 @@ def test_torch_fallback_is_chosen_and_logged_once(monkeypatch, caplog):
 def test_forcing_the_reference(monkeypatch):
     monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
     assert backend_for("cpu") == "torch"
+
+
+@interpreted
+def test_prepared_launcher_matches_the_reference():
+    from squareq.kernels import prepare_dequantize
+
+    for bits in (4, 6, 8, 16):
+        spec = QuantSpec(bits=bits, group_size=32) if bits != 16 else QuantSpec(bits=16)
+        w = torch.randn(24, 96, generator=torch.Generator().manual_seed(bits))
+        qw = quantize(w, spec)
+        out = torch.empty(24, 96, dtype=torch.bfloat16)
+        launch = prepare_dequantize(out, qw)
+        for _ in range(2):
+            assert torch.equal(launch().view(torch.int16), dequantize(qw).view(torch.int16)), bits

@@ -105,3 +105,21 @@ def test_dispatch_uses_triton_on_cuda():
     out = torch.full((256, 384), float("nan"), device="cuda", dtype=torch.bfloat16)
     dequantize_into(out, qw)
     assert torch.equal(_bits(out), _bits(dequantize(qw)))
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=4, group_size=64), QuantSpec(bits=6, group_size=128),
+                                  QuantSpec(bits=8, group_size=128, symmetric=True), QuantSpec(bits=4, smooth=True)])
+def test_prepared_launcher_matches_reference_on_every_call(spec):
+    """The prepared launcher's first call goes through Triton's dispatcher, later ones launch the compiled kernel
+    directly; both must write the reference weight, for layers sharing one output buffer."""
+    from squareq.kernels import prepare_dequantize
+
+    buffer = torch.empty(512 * 768, dtype=torch.bfloat16, device="cuda")
+    layers = [_quantized(n, k, spec, seed) for seed, (n, k) in enumerate([(512, 768), (256, 512), (384, 768)])]
+    launchers = [prepare_dequantize(buffer[: qw.shape[0] * qw.shape[1]].view(qw.shape), qw) for qw in layers]
+    for _ in range(3):
+        for qw, launch in zip(layers, launchers):
+            buffer.fill_(float("nan"))
+            out = launch()
+            torch.cuda.synchronize()
+            assert torch.equal(_bits(out), _bits(dequantize(qw))), qw.spec.label()
