@@ -354,6 +354,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
     stats = result.pop("median_figures")
     rec.update(result)
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
+               read_wait_s=stats.get("read_wait_s", 0.0),
                bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],
                demand_loads=stats["demand_loads"])
     runtime.close()

@@ -17,6 +17,7 @@ begins on the blocks the forward left in their slots and prefetches the rest in 
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,10 @@ class Streamer:
             self._fill(slot, block, demand=True)
         slot.users += 1
         if slot.ticket is not None:
+            if not slot.ticket.issued.is_set():
+                start = time.perf_counter()
+                slot.ticket.wait_issued()
+                self.telemetry.read_wait_s += time.perf_counter() - start
             slot.ticket.wait_issued()
             for start, end in slot.ticket.marks:
                 self.telemetry.span(f"copy block {block}", "copy", 1, start, end)

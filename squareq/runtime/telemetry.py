@@ -25,6 +25,7 @@ class StepStats:
     copies: int
     demand_loads: int  # acquisitions that found their block neither resident nor prefetched
     copy_wait_s: float  # time the compute stream waited for copies
+    read_wait_s: float  # host="disk": time the training thread waited for the reader thread to stage a block
     peak_allocated: int  # bytes; 0 on CPU
     peak_reserved: int
     reserved: int
@@ -65,6 +66,7 @@ class Telemetry:
         self._spans: list[tuple[str, str, int, object, object]] = []
         self._waits: list[tuple[object, object]] = []
         self.bytes_copied = self.copies = self.demand_loads = 0
+        self.read_wait_s = 0.0
 
     @property
     def tracing(self) -> bool:
@@ -98,10 +100,12 @@ class Telemetry:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             peak_alloc = peak_res = reserved = 0
-        stats = StepStats(self.bytes_copied, self.copies, self.demand_loads, wait, peak_alloc, peak_res, reserved)
+        stats = StepStats(self.bytes_copied, self.copies, self.demand_loads, float(wait), self.read_wait_s,
+                          peak_alloc, peak_res, reserved)
         self._waits.clear()
         self._spans.clear()
         self.bytes_copied = self.copies = self.demand_loads = 0
+        self.read_wait_s = 0.0
         if self.tracing:
             self.write_trace()
         return stats
