@@ -24,7 +24,8 @@ log = logging.getLogger("squareq.runtime")
 
 NEEDS_CHECKPOINTING = (
     "{model} streams its blocks through {slots} device slot(s), so a block's weights are gone by the time the "
-    "backward needs them; call model.enable_gradient_checkpointing() before training (the backward then "
+    "backward needs them; turn gradient checkpointing on before training (model.enable_gradient_checkpointing() "
+    "for diffusers models, model.gradient_checkpointing_enable() for transformers models; the backward then "
     "re-streams each block in reverse order), or run this forward under torch.no_grad()."
 )
 
@@ -41,6 +42,9 @@ class BlockRunner:
         from .qlinear import QuantLinear
 
         self.quant_linears = [m for m in module.modules() if isinstance(m, QuantLinear)]
+        # Which tensor outputs carry no gradient (e.g. T5's position bias), per pattern of inputs needing grad
+        # and number of trainable tensors; learned on the block's first training forward.
+        self.constant_outputs: dict[tuple, set[int]] = {}
 
     def trainable(self) -> list[torch.Tensor]:
         out = []
@@ -140,15 +144,23 @@ class _StreamedCheckpoint(torch.autograd.Function):
         ctx.amp = _AmpState(runner.streamer.device.type)
         ctx.rng = _RngState(runner.streamer.device)
         ctx.save_for_backward(*inputs)
-        args, kwargs = _rebuild(skeleton, spec, inputs)
+        key = (tuple(t.requires_grad for t in inputs), len(params))
+        constant = runner.constant_outputs.get(key)
         with runner.resident(FORWARD, training=True):
-            out = runner.forward(*args, **kwargs)
+            if constant is None:
+                out = _forward_learning_constants(runner, skeleton, spec, inputs, key)
+                constant = runner.constant_outputs[key]
+            else:
+                args, kwargs = _rebuild(skeleton, spec, inputs)
+                out = runner.forward(*args, **kwargs)
         leaves, out_spec = tree_flatten(out)
         box["spec"] = out_spec
         box["tensor_positions"] = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         box["leaves"] = [None if isinstance(v, torch.Tensor) else v for v in leaves]
         outs = tuple(v for v in leaves if isinstance(v, torch.Tensor))
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        # An output the recompute would not connect to any input or LoRA factor must not look differentiable
+        # to the next block, or its backward would grow a branch the resident model does not have.
+        ctx.mark_non_differentiable(*[t for i, t in enumerate(outs) if i in constant or not t.is_floating_point()])
         return outs
 
     @staticmethod
@@ -171,12 +183,25 @@ class _StreamedCheckpoint(torch.autograd.Function):
                 _cudnn_fallback_announced = True
                 log.warning("the cuDNN attention backward failed on this GPU (%s); SquareQ turned the cuDNN "
                             "attention backend off for this process and recomputed the block, so training goes on "
-                            "with the flash/efficient kernels.", str(exc).splitlines()[0][:200])
+                            "with the flash/efficient kernels (this step's gradients come from a recompute that "
+                            "differs from its forward in the last bits).", str(exc).splitlines()[0][:200])
             grads = _recompute_grads(ctx, runner, inputs, params, grad_outs)
         wanted = [t for t in inputs if t.requires_grad]
         input_grads = iter(grads[: len(wanted)])
         per_input = [next(input_grads) if t.requires_grad else None for t in inputs]
         return (None, None, None, None, None, *per_input, *grads[len(wanted):])
+
+
+def _forward_learning_constants(runner: BlockRunner, skeleton, spec, inputs, key):
+    """Run the block once with autograd recording (saved tensors discarded, so memory is that of a no-grad
+    forward) to learn which tensor outputs carry no gradient; return its outputs, detached."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None):
+        args, kwargs = _rebuild(skeleton, spec, [t.detach().requires_grad_(t.requires_grad) for t in inputs])
+        out = runner.forward(*args, **kwargs)
+    leaves, out_spec = tree_flatten(out)
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    runner.constant_outputs[key] = {i for i, t in enumerate(tensors) if not t.requires_grad}
+    return tree_unflatten([v.detach() if isinstance(v, torch.Tensor) else v for v in leaves], out_spec)
 
 
 def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):

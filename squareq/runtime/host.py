@@ -119,6 +119,10 @@ class DiskStaging:
 
     def start_copy(self, index: int, dst: torch.Tensor, stream, ready, free, trace: bool = False) -> CopyTicket:
         ticket = CopyTicket(index, self.ranges[index][1])
+        if self._fd is None:
+            ticket.error = RuntimeError(f"the disk reader of {self.path} was closed; load the slab again.")
+            ticket.issued.set()
+            return ticket
         self._jobs.put((ticket, dst, stream, ready, free, trace))
         return ticket
 
@@ -150,12 +154,16 @@ class DiskStaging:
             done += n
         enqueue_copy(dst[:nbytes], stage, stream, ready, free, marks)
         if stream is not None:
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # the reader sleeps on it rather than spinning a core
             ev.record(stream)
             self.staged[k] = ev
 
     def close(self) -> None:
+        """Stop the reader thread and close the file; safe to call more than once."""
+        if self._fd is None:
+            return
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
         os.close(self._fd)
+        self._fd = None

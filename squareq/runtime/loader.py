@@ -9,6 +9,7 @@ reference the streamed one must equal, and the fastest choice when the whole sla
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -111,12 +112,20 @@ class _Binder:
     def bind(self, block: int, key: int, buffer: torch.Tensor) -> None:
         ops = self._cache.get((block, key))
         if ops is None:
-            ops = self._cache[(block, key)] = self._plan(block, buffer)
+            # Normal tensors even when the first forward runs under torch.inference_mode(): the cached views
+            # serve every later training step, and inference tensors cannot be saved for a backward.
+            with torch.inference_mode(False):
+                ops = self._cache[(block, key)] = self._plan(block, buffer)
         for target, attr, value in ops:
             if isinstance(target, dict):
                 target[attr] = value
             else:
                 target.bind(*value)
+
+    def unbind(self, block: int) -> None:
+        """The block left its slot: its QuantLinear layers refuse to run (and to report a weight) until rebound."""
+        for name in self.manifest.blocks[block].layers:
+            self.modules[name].unbind()
 
 
 def _install_quant_linears(model: nn.Module, manifest: Manifest, scratch: DequantScratch) -> None:
@@ -146,8 +155,13 @@ def _place_residents(model: nn.Module, slab: Slab, device: torch.device) -> None
 
 
 def _call_through(function, *args, **kwargs):
-    """The checkpoint function handed to the model class: the streamed blocks checkpoint themselves."""
-    return function(*args, **kwargs)
+    """The checkpoint function handed to the model class: streamed blocks checkpoint themselves (diffusers passes
+    the block, transformers a partial of its ``__call__``); anything else keeps torch's checkpoint."""
+    target = getattr(function, "func", function)
+    module = getattr(target, "__self__", target)
+    if isinstance(getattr(module, "forward", None), BlockRunner):
+        return function(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
 def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
@@ -201,7 +215,11 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     streamer, device_blobs = None, []
     if stream:
         source = PinnedArena(s, device) if host == "pinned" else DiskStaging(s, device)
-        streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, telemetry)
+        try:
+            streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, binder.unbind, telemetry)
+        except BaseException:
+            source.close()
+            raise
     else:
         for b in m.blocks:
             blob = s.block_bytes(b.index).to(device, copy=True)
@@ -212,6 +230,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     rt = Runtime(model, m, device, streamer, telemetry, scratch, device_blobs)
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if streamer is not None:
+        weakref.finalize(model, streamer.close)  # the disk reader thread and its file go with the model
         for b in m.blocks:
             block = model.get_submodule(b.name)
             block.forward = BlockRunner(block, b.index, streamer, rt)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import dequantize_into, prepare_dequantize
+from ..kernels import prepare_dequantize
 from ..quant import QuantizedWeight
 
 
@@ -33,12 +33,6 @@ class DequantScratch:
     def view(self, shape: tuple[int, int]) -> torch.Tensor:
         n, k = shape
         return self.buffer[: n * k].view(n, k)
-
-    def weight(self, qw: QuantizedWeight) -> torch.Tensor:
-        """``qw``'s bf16 weight: the stored tensor itself for bf16 layers, else dequantized into the scratch."""
-        if qw.spec.is_passthrough:
-            return qw.tensors["weight"]
-        return dequantize_into(self.view(qw.shape), qw)
 
     def prepare(self, qw: QuantizedWeight):
         """A zero-argument callable returning ``qw``'s bf16 weight (dequantized into the scratch), prepared once
@@ -96,6 +90,10 @@ class QuantLinear(nn.Module):
         """Point the layer at stored tensors (views into a slot) and the callable that dequantizes them."""
         self.qweight = qweight
         self.dequant = dequant or self.scratch.prepare(qweight)
+
+    def unbind(self) -> None:
+        self.qweight = None
+        self.dequant = self._unbound
 
     @property
     def weight(self) -> torch.Tensor:

@@ -47,7 +47,8 @@ class Streamer:
     """Moves block blobs from a host source into ``slots`` device buffers, ahead of the compute."""
 
     def __init__(self, host, device: torch.device, slots: int, slot_bytes: int, block_sizes: list[int],
-                 bind: Callable[[int, int, torch.Tensor], None], telemetry: Telemetry) -> None:
+                 bind: Callable[[int, int, torch.Tensor], None], unbind: Callable[[int], None],
+                 telemetry: Telemetry) -> None:
         if slots < 1:
             raise ValueError(f"prefetch={slots}: the ring needs at least one slot.")
         self.host = host
@@ -55,15 +56,16 @@ class Streamer:
         self.cuda = device.type == "cuda"
         self.block_sizes = block_sizes
         self.bind = bind  # bind(block, slot index, slot buffer): point the block's modules at the slot
+        self.unbind = unbind  # unbind(block): the block left its slot
+        self.closed = False
         self.telemetry = telemetry
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.slots = [Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=device)) for i in range(slots)]
         for slot in self.slots:
             if self.cuda:
                 slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
-                slot.free.record()
+                slot.free.record(torch.cuda.current_stream(device))
         self.order: list[int] = list(range(len(block_sizes)))  # guess until a pass is observed
-        self.order_observed = False
         self._pos = {b: i for i, b in enumerate(self.order)}
         self._seen: list[int] = []
 
@@ -78,7 +80,6 @@ class Streamer:
             rest = [b for b in self.order if b not in self._seen]
             self.order = self._seen + rest
             self._pos = {b: i for i, b in enumerate(self.order)}
-            self.order_observed = True
         self._seen = [block] if phase == FORWARD else []
 
     def upcoming(self, block: int, phase: str, training: bool):
@@ -107,6 +108,8 @@ class Streamer:
         return None
 
     def _fill(self, slot: Slot, block: int, demand: bool) -> None:
+        if slot.block is not None and slot.block != block:
+            self.unbind(slot.block)  # its layers must not read the next block's bytes
         slot.block = block
         slot.ticket = self.host.start_copy(block, slot.buffer, self.copy_stream, slot.ready, slot.free,
                                            trace=self.telemetry.tracing)
@@ -133,6 +136,9 @@ class Streamer:
 
     def acquire(self, block: int, phase: str, training: bool) -> Slot:
         """Make ``block`` readable by the compute stream and bind its modules to its slot."""
+        if self.closed:
+            raise StreamError("this model's SquareQ runtime was closed, so its blocks can no longer stream; load the "
+                              "slab again with squareq.runtime.load.")
         self._observe(block, phase)
         slot = self._slot_of(block)
         if slot is None:
@@ -141,35 +147,55 @@ class Streamer:
                 raise StreamError(f"all {len(self.slots)} block slots are in use; blocks nest more deeply than the "
                                   "ring allows, so load the model with a larger prefetch.")
             self._fill(slot, block, demand=True)
+        try:
+            self._await_copy(slot, block)
+            self.bind(block, slot.index, slot.buffer)
+        except BaseException:
+            # The slot's contents are unknown (a failed read, an interrupt): forget them, so the next
+            # acquisition copies the block again instead of failing the same way forever.
+            slot.block = slot.ticket = None
+            raise
         slot.users += 1
+        try:
+            self._prefetch(block, phase, training)
+        except BaseException:
+            slot.users -= 1
+            raise
+        slot.started = self.telemetry.clock.mark(self._stream()) if self.telemetry.tracing else None
+        return slot
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def _await_copy(self, slot: Slot, block: int) -> None:
         if slot.ticket is not None:
             if not slot.ticket.issued.is_set():
                 start = time.perf_counter()
-                slot.ticket.wait_issued()
+                slot.ticket.issued.wait()
                 self.telemetry.read_wait_s += time.perf_counter() - start
-            slot.ticket.wait_issued()
+            slot.ticket.wait_issued()  # raises the reader's error, if it had one
             for start, end in slot.ticket.marks:
                 self.telemetry.span(f"copy block {block}", "copy", 1, start, end)
             slot.ticket = None
         if self.cuda:
-            clock = self.telemetry.clock
-            before = clock.mark()
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
-            after = clock.mark()
+            stream, clock = self._stream(), self.telemetry.clock
+            before = clock.mark(stream)
+            stream.wait_event(slot.ready)
+            after = clock.mark(stream)
             self.telemetry.wait(before, after)
             self.telemetry.span("wait", "wait", 2, before, after)
-        self.bind(block, slot.index, slot.buffer)
-        self._prefetch(block, phase, training)
-        slot.started = self.telemetry.clock.mark() if self.telemetry.tracing else None
-        return slot
 
     def release(self, slot: Slot, phase: str = FORWARD) -> None:
         """The compute stream has enqueued its last read of ``slot``; it may be refilled after that."""
         if self.cuda:
             slot.free.record(torch.cuda.current_stream(self.device))
         if self.telemetry.tracing and slot.started is not None:
-            self.telemetry.span(f"{phase} block {slot.block}", phase, 0, slot.started, self.telemetry.clock.mark())
+            self.telemetry.span(f"{phase} block {slot.block}", phase, 0, slot.started,
+                                self.telemetry.clock.mark(self._stream()))
         slot.users -= 1
 
     def close(self) -> None:
-        self.host.close()
+        """Stop the host side (the disk reader thread, its file); later acquisitions raise. Safe to repeat."""
+        if not self.closed:
+            self.closed = True
+            self.host.close()

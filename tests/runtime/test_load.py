@@ -82,3 +82,28 @@ def test_load_rejects_bad_arguments(tiny_slab):
         runtime.load(tiny_slab, "cpu", host="ram")
     with pytest.raises(ValueError, match="prefetch="):
         runtime.load(tiny_slab, "cpu", prefetch=0)
+
+
+def test_generic_mode_transformers_model_trains_streamed_like_resident(tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, dropout_rate=0.0)
+    out = tmp_path / "t5.slab"
+    write_slab(T5EncoderModel(cfg).eval(), [f"encoder.block.{i}" for i in range(3)], {}, out,
+               WriteOptions(default_spec=QuantSpec(bits=8), family="generic"))
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for stream in (False, True):
+        model = runtime.load(out, "cpu", stream=stream, prefetch=1)
+        params = runtime.add_lora(model, rank=2, targets=["q", "v"])
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.05)
+        model.train()
+        model.gradient_checkpointing_enable()  # transformers' own switch, routed to the streamed blocks
+        model(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in runtime.lora_parameters(model).items()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 12
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
