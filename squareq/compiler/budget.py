@@ -8,8 +8,9 @@ meets them and which relaxed threshold would fit.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
+
+from .. import sizes
 
 from ..slab.manifest import align_up
 from ..slab.summary import human_bytes
@@ -17,8 +18,6 @@ from .ladder import LayerDecision, trips
 from .thresholds import Thresholds
 
 OBJECTIVES = ("size", "quality")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 class BudgetError(ValueError):
@@ -26,12 +25,11 @@ class BudgetError(ValueError):
 
 
 def parse_size(text: str) -> int:
-    """'12GB', '11.5GiB', '800MB', '123456' -> bytes (decimal units for KB/MB/GB, binary for KiB/MiB/GiB)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).upper() if m else None
-    if not m or unit not in _UNITS:
-        raise BudgetError(f"cannot read the size {text!r}; write it like 12GB, 11.5GiB or 800MB.")
-    return int(float(m.group(1)) * _UNITS[unit])
+    """'12GB', '11.5GiB', '800MB', '123456' -> bytes; :class:`BudgetError` when unreadable."""
+    try:
+        return sizes.parse_size(text)
+    except sizes.SizeError as exc:
+        raise BudgetError(str(exc)) from None
 
 
 def candidate_bytes(c) -> int:

@@ -8,6 +8,7 @@ from torch import nn
 from .base import FamilyAdapter, ModelError
 from .flux import FLUX
 from .tiny import TINY_FLUX_CONFIG, build_tiny_flux, tiny_flux_inputs
+from .tiny_pipeline import build_tiny_flux_pipeline, write_tiny_flux_pipeline
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX,)}
 
@@ -43,6 +44,8 @@ __all__ = [
     "ModelError",
     "adapter_for",
     "build_tiny_flux",
+    "build_tiny_flux_pipeline",
     "load_builtin",
     "tiny_flux_inputs",
+    "write_tiny_flux_pipeline",
 ]

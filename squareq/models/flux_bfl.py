@@ -233,6 +233,11 @@ def bfl_block_prefix(diffusers_block: str) -> str:
     return f"{BLOCK_LISTS[head]}.{index}."
 
 
+def bfl_lookup(diffusers_name: str):
+    """(group, block index, rule, part, parameter) placing a diffusers tensor in the BFL layout, or None."""
+    return _TABLE.from_diffusers(diffusers_name)
+
+
 def bfl_name(diffusers_name: str) -> str:
     """The BFL tensor holding the diffusers tensor ``diffusers_name`` (fused tensors hold several)."""
     found = _TABLE.from_diffusers(diffusers_name)

@@ -1,0 +1,20 @@
+"""Byte sizes as people write them on a command line: 12GB, 11.5GiB, 800MB."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+class SizeError(ValueError):
+    """A size cannot be read."""
+
+
+def parse_size(text: str) -> int:
+    """'12GB', '11.5GiB', '800MB', '123456' -> bytes (decimal units for KB/MB/GB, binary for KiB/MiB/GiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS:
+        raise SizeError(f"cannot read the size {text!r}; write it like 12GB, 11.5GiB or 800MB.")
+    return int(float(m.group(1)) * _UNITS[unit])

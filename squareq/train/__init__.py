@@ -1,0 +1,16 @@
+"""Training: configuration, data, the cache, the flow-matching objective, checkpoints and LoRA file formats.
+
+docs/train.md says what each module holds and the choices made where the issue was silent."""
+from .cache import CacheError, EmbeddingCache
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ConfigError, TrainConfig, load_config
+from .data import (BucketBatches, DataError, Dataset, Item, Skipped, bucket_for, caption_for, load_image, make_buckets,
+                   scan_dataset)
+from .lora_files import load_lora, save_diffusers_lora, save_kohya_lora
+
+__all__ = [
+    "BucketBatches", "CacheError", "CheckpointError", "ConfigError", "DataError", "Dataset", "EmbeddingCache", "Item",
+    "Skipped", "TrainConfig", "bucket_for", "caption_for", "latest_checkpoint", "load_checkpoint", "load_config",
+    "load_image", "load_lora", "make_buckets", "save_checkpoint", "save_diffusers_lora", "save_kohya_lora",
+    "scan_dataset",
+]

@@ -1,0 +1,113 @@
+"""The training cache: VAE latents and text embeddings computed once, stored as safetensors, found by content.
+
+Each entry is one small safetensors file named by the sha256 of everything its value depends on (what
+was encoded, the encoder's identity, the resolution or sequence length). Editing one caption therefore
+re-encodes one entry; an entry that no caption or image asks for any more is simply not read. Files
+are written under a temporary name and renamed, so a run killed while caching leaves only whole
+entries, and the next run computes what is missing. ``squareq cache`` fills the cache without training;
+the compiler's ``--calib-cache`` can read the same folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+
+KINDS = ("latents", "text")
+
+
+class CacheError(ValueError):
+    """A cache entry cannot be used; the message names the file."""
+
+
+def content_key(*parts) -> str:
+    """sha256 over ``parts`` (bytes as they are; anything else as canonical JSON)."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part if isinstance(part, (bytes, bytearray)) else json.dumps(part, sort_keys=True).encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes (an image's identity in the cache)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def module_identity(module: torch.nn.Module, name: str) -> str:
+    """A short, stable identity for an encoder: its class, config and every parameter's name, shape and a
+    checksum of its values (float64 sum and sum of squares), so different weights give different keys."""
+    config = getattr(module, "config", None)
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    config = {k: v for k, v in config.items() if not str(k).startswith("_") and k != "transformers_version"}
+    sums = []
+    with torch.no_grad():
+        for pname, p in module.state_dict().items():
+            values = p.detach().double()
+            sums.append([pname, list(p.shape), round(float(values.sum()), 6), round(float(values.square().sum()), 6)])
+    return content_key(name, type(module).__name__, json.loads(json.dumps(config, default=str)), sums)[:16]
+
+
+class EmbeddingCache:
+    """Content-addressed tensors under ``root/<kind>/<key>.safetensors``."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        for kind in KINDS:
+            (self.root / kind).mkdir(parents=True, exist_ok=True)
+        self.computed = 0  # entries written by this object (tests and progress lines read it)
+
+    def path(self, kind: str, key: str) -> Path:
+        if kind not in KINDS:
+            raise ValueError(f"cache kind {kind!r} is not one of {KINDS}.")
+        return self.root / kind / f"{key}.safetensors"
+
+    def has(self, kind: str, key: str) -> bool:
+        return self.path(kind, key).is_file()
+
+    def load(self, kind: str, key: str) -> dict[str, torch.Tensor]:
+        path = self.path(kind, key)
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CacheError(f"cache entry {path} is unreadable ({exc}); delete it and the next run recomputes "
+                             "it.") from None
+
+    def store(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        path = self.path(kind, key)
+        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        self.computed += 1
+
+    def fill(self, kind: str, keys: Iterable[str], compute: Callable[[list[int]], list[dict[str, torch.Tensor]]],
+             batch_size: int = 8) -> int:
+        """Compute the entries of ``keys`` that are missing, ``batch_size`` at a time: ``compute(indices)``
+        returns one tensor dict per index into ``keys``. Returns how many entries were computed."""
+        keys = list(keys)
+        missing, seen = [], set()
+        for i, key in enumerate(keys):
+            if key not in seen and not self.has(kind, key):
+                missing.append(i)
+                seen.add(key)
+        for start in range(0, len(missing), batch_size):
+            chunk = missing[start : start + batch_size]
+            for i, tensors in zip(chunk, compute(chunk), strict=True):
+                self.store(kind, keys[i], tensors)
+        return len(missing)

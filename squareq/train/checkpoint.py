@@ -1,0 +1,477 @@
+"""Training checkpoints: atomic, resumable, and free of pickle.
+
+A checkpoint is a directory ``OUT/checkpoints/step-00001234/`` holding
+
+``lora.safetensors``
+    the LoRA tensors, under the caller's names.
+``optimizer.safetensors``
+    every tensor of ``optimizer.state_dict()``: per-parameter state as ``state.<param name>.<key>``
+    (AdamW's ``exp_avg``, ``exp_avg_sq`` and its ``step`` tensor), and tensor-valued
+    hyperparameters, if any, as ``param_groups.<i>.<key>``.
+``state.safetensors``
+    the remaining tensors: the torch CPU RNG state (``rng.torch``), one CUDA RNG state per
+    device (``rng.cuda.<i>``), and tensors found in the scheduler state or in ``extra``.
+``state.json``
+    format name and version, step, the optimizer's non-tensor state and per-group hyperparameters
+    (parameters named, not numbered), the scheduler's JSON-able state, Python ``random`` and numpy
+    global RNG states, ``data_state``, ``config`` and ``extra``.
+
+In JSON, ``{"__tensor__": KEY}`` stands for the tensor KEY of the matching safetensors file and
+``{"__tuple__": [...]}`` for a tuple (AdamW's ``betas`` must come back as a tuple).
+
+Nothing is pickled and nothing is unpickled: safetensors and JSON are data only, so loading a
+checkpoint from a stranger cannot run code. The price is that state which is not tensors, numbers,
+strings, lists, tuples and dicts cannot be saved; the one case that occurs in practice,
+``LambdaLR``'s ``lr_lambdas`` (functions), is handled by keeping only the scheduler fields that
+encode and restoring them onto the freshly built scheduler, whose functions come from the code.
+
+A checkpoint is built in a temporary hidden sibling folder, every file fsynced, then renamed into
+place (``squareq.slab.atomic.atomic_directory``), so a crash leaves either the complete checkpoint
+or nothing under the ``step-*`` name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..slab.atomic import atomic_directory, fsync_file
+
+FORMAT = "squareq-train-checkpoint"
+FORMAT_VERSION = 1
+
+CHECKPOINTS_DIR = "checkpoints"
+LORA_FILE = "lora.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+TENSORS_FILE = "state.safetensors"
+STATE_FILE = "state.json"
+REQUIRED_FILES = (LORA_FILE, OPTIMIZER_FILE, TENSORS_FILE, STATE_FILE)
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TENSOR_TAG = "__tensor__"
+_TUPLE_TAG = "__tuple__"
+_RESUME_HINT = "pass --resume with an older checkpoint"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read or used; the message is one sentence naming the folder and what to do."""
+
+
+@dataclass
+class Checkpoint:
+    """What :func:`load_checkpoint` gives back; optimizer, scheduler and RNG states are already restored."""
+
+    step: int
+    lora: dict[str, torch.Tensor]
+    data_state: dict
+    config: dict
+    extra: dict = field(default_factory=dict)
+    path: Path | None = None
+
+
+def checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
+    """The folder a checkpoint of ``step`` lives in: ``out_dir/checkpoints/step-{step:08d}``."""
+    return Path(out_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
+
+
+# --------------------------------------------------------------------------- JSON <-> tensors
+
+
+class _NotEncodable(TypeError):
+    pass
+
+
+def _encode(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """JSON-able form of ``obj``; tensors go to ``tensors`` under ``key`` (extended per nesting level)."""
+    if isinstance(obj, torch.Tensor):
+        if key in tensors:  # only possible with contrived names; refuse rather than overwrite
+            raise _NotEncodable(f"{key}: two tensors would share this name")
+        # clone: safetensors refuses tensors that share storage, and the caller keeps training.
+        tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
+        return {_TENSOR_TAG: key}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {_TUPLE_TAG: [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise _NotEncodable(f"{key}: dictionary keys must be strings")
+        return {k: _encode(v, f"{key}.{k}", tensors) for k, v in obj.items()}
+    raise _NotEncodable(f"{key}: {type(obj).__name__} cannot be stored without pickle")
+
+
+def _encode_plain(obj: Any, key: str) -> Any:
+    """Like :func:`_encode` for values that must be pure JSON (no tensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(obj, key, tensors)
+    if tensors:
+        raise _NotEncodable(f"{next(iter(tensors))}: tensors are not allowed here (put them in extra)")
+    return encoded
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors, where) for v in obj]
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR_TAG}:
+            name = obj[_TENSOR_TAG]
+            if name not in tensors:
+                raise CheckpointError(f"checkpoint {where} is corrupted (tensor {name!r} is missing); {_RESUME_HINT}.")
+            return tensors[name]
+        if set(obj) == {_TUPLE_TAG}:
+            return tuple(_decode(v, tensors, where) for v in obj[_TUPLE_TAG])
+        return {k: _decode(v, tensors, where) for k, v in obj.items()}
+    return obj
+
+
+# --------------------------------------------------------------------------- writers (patchable in tests)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": FORMAT})
+    fsync_file(path)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1, allow_nan=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the renames durable; not every platform can open a directory, and that is not fatal.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _check_names(optimizer: torch.optim.Optimizer, param_names: list[str]) -> None:
+    n = len(_optimizer_params(optimizer))
+    if len(param_names) != n:
+        raise ValueError(f"param_names has {len(param_names)} names but the optimizer holds {n} parameters.")
+    if len(set(param_names)) != n:
+        raise ValueError("param_names must be unique.")
+
+
+def _encode_optimizer(optimizer, param_names, tensors) -> dict:
+    sd = optimizer.state_dict()
+    # state_dict numbers parameters 0..n-1 in param_groups order, which is param_names' order.
+    state = {}
+    for index, per_param in sd["state"].items():
+        name = param_names[index]
+        state[name] = _encode(per_param, f"state.{name}", tensors)
+    groups = []
+    for g, group in enumerate(sd["param_groups"]):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({
+            "params": [param_names[i] for i in group["params"]],
+            "hyper": _encode(hyper, f"param_groups.{g}", tensors),
+        })
+    params = _optimizer_params(optimizer)
+    return {
+        "class": type(optimizer).__name__,
+        "param_shapes": {name: list(p.shape) for name, p in zip(param_names, params)},
+        "state": state,
+        "param_groups": groups,
+    }
+
+
+def _restore_optimizer(optimizer, param_names, saved: dict, tensors, where: str) -> None:
+    def refuse(detail: str):
+        raise CheckpointError(
+            f"checkpoint {where} was made for a different LoRA (rank/targets): {detail}; "
+            "train into a new output folder or pass --resume with a checkpoint of this configuration."
+        )
+
+    if saved["class"] != type(optimizer).__name__:
+        raise CheckpointError(
+            f"checkpoint {where} was made with the {saved['class']} optimizer, not {type(optimizer).__name__}; "
+            "use the same optimizer or start a new run."
+        )
+    params = _optimizer_params(optimizer)
+    index = {name: i for i, name in enumerate(param_names)}
+    shapes = saved["param_shapes"]
+    missing = [n for n in param_names if n not in shapes]
+    extra = [n for n in shapes if n not in index]
+    if missing or extra:
+        parts = [f"{len(missing)} parameter(s) are new here, e.g. {missing[0]}" if missing else "",
+                 f"{len(extra)} parameter(s) are gone, e.g. {extra[0]}" if extra else ""]
+        refuse(" and ".join(p for p in parts if p))
+    for name, p in zip(param_names, params):
+        if list(p.shape) != shapes[name]:
+            refuse(f"{name} has shape {shapes[name]} there and {list(p.shape)} here")
+
+    groups_now = []
+    start = 0
+    for group in optimizer.param_groups:
+        groups_now.append(param_names[start:start + len(group["params"])])
+        start += len(group["params"])
+    saved_groups = saved["param_groups"]
+    if [set(g["params"]) for g in saved_groups] != [set(g) for g in groups_now]:
+        refuse("its parameter groups hold different parameters")
+
+    # Rebuild a state_dict numbered the way *this* optimizer numbers its parameters, so that
+    # Optimizer.load_state_dict's positional id mapping lands each state on the right parameter.
+    sd = {"state": {}, "param_groups": []}
+    for name, per_param in saved["state"].items():
+        sd["state"][index[name]] = _decode(per_param, tensors, where)
+    for g, names in zip(saved_groups, groups_now):
+        group = dict(_decode(g["hyper"], tensors, where))
+        group["params"] = [index[n] for n in names]
+        sd["param_groups"].append(group)
+    optimizer.load_state_dict(sd)
+
+
+# --------------------------------------------------------------------------- scheduler and RNG
+
+
+def _encode_scheduler(scheduler, tensors) -> dict | None:
+    if scheduler is None:
+        return None
+    kept, dropped = {}, []
+    for key, value in scheduler.state_dict().items():
+        part: dict[str, torch.Tensor] = {}
+        try:
+            kept[key] = _encode(value, f"scheduler.{key}", part)
+        except _NotEncodable:
+            # e.g. LambdaLR's lr_lambdas holding a callable object's __dict__: comes from code on resume.
+            dropped.append(key)
+            continue
+        tensors.update(part)
+    return {"class": type(scheduler).__name__, "state": kept, "dropped": dropped}
+
+
+def _restore_scheduler(scheduler, saved: dict | None, tensors, where: str) -> None:
+    if scheduler is None:
+        return
+    if saved is None:
+        warnings.warn(f"checkpoint {where} has no learning-rate scheduler state; the scheduler starts afresh.")
+        return
+    if saved["class"] != type(scheduler).__name__:
+        raise CheckpointError(
+            f"checkpoint {where} was made with the {saved['class']} scheduler, not {type(scheduler).__name__}; "
+            "use the same scheduler or start a new run."
+        )
+    # Start from the fresh scheduler's own state so fields that could not be saved keep their code values.
+    state = scheduler.state_dict()
+    state.update(_decode(saved["state"], tensors, where))
+    scheduler.load_state_dict(state)
+
+
+def _capture_rng(tensors) -> dict:
+    tensors["rng.torch"] = torch.get_rng_state()
+    cuda = []
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s.cpu()
+            cuda.append(f"rng.cuda.{i}")
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": "rng.torch",
+        "cuda": cuda,
+        "python": [version, list(internal), gauss_next],
+        # numpy's MT19937 key is 624 uint32 words: a JSON list of ints is exact.
+        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+    }
+
+
+def _restore_rng(saved: dict, tensors, where: str) -> None:
+    try:
+        torch.set_rng_state(tensors[saved["torch"]])
+        version, internal, gauss_next = saved["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+        n = saved["numpy"]
+        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {where} has an unreadable random-number state ({exc}); {_RESUME_HINT}."
+        ) from exc
+    cuda = [tensors[k] for k in saved["cuda"] if k in tensors]
+    if cuda:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            warnings.warn(f"checkpoint {where} holds {len(cuda)} CUDA RNG states that do not match this machine's "
+                          "devices; CUDA random numbers will differ from an uninterrupted run.")
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    out_dir: str | os.PathLike,
+    step: int,
+    lora: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    data_state: dict,
+    config: dict,
+    extra: dict | None = None,
+) -> Path:
+    """Write the checkpoint of ``step`` atomically and return its folder.
+
+    ``param_names`` names the optimizer's parameters in ``param_groups`` order. ``data_state``,
+    ``config`` and ``extra`` must be JSON-able; ``extra`` may also hold tensors (e.g. a dedicated
+    ``torch.Generator``'s ``get_state()``), which come back as tensors. An existing checkpoint of the
+    same step (a run resumed from an older one) is replaced.
+    """
+    _check_names(optimizer, param_names)
+    final = checkpoint_dir(out_dir, step)
+
+    # Encode everything before touching the disk, so a value that cannot be saved fails cleanly.
+    lora_tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in lora.items()}
+    opt_tensors: dict[str, torch.Tensor] = {}
+    other_tensors: dict[str, torch.Tensor] = {}
+    try:
+        state = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": int(step),
+            "optimizer": _encode_optimizer(optimizer, param_names, opt_tensors),
+            "scheduler": _encode_scheduler(scheduler, other_tensors),
+            "rng": _capture_rng(other_tensors),
+            "data_state": _encode_plain(data_state, "data_state"),
+            "config": _encode_plain(config, "config"),
+            "extra": _encode(extra or {}, "extra", other_tensors),
+        }
+    except _NotEncodable as exc:
+        raise ValueError(
+            f"cannot save checkpoint {final}: {exc}; keep data_state, config and extra JSON-able."
+        ) from exc
+
+    with atomic_directory(final, overwrite=True) as tmp:
+        _write_tensors(tmp / LORA_FILE, lora_tensors)
+        _write_tensors(tmp / OPTIMIZER_FILE, opt_tensors)
+        _write_tensors(tmp / TENSORS_FILE, other_tensors)
+        _write_json(tmp / STATE_FILE, state)
+        _fsync_dir(tmp)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _read_tensors(path: Path, where: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {where}: {path.name} is not a valid safetensors file (SquareQ never loads pickles) "
+            f"({exc}); {_RESUME_HINT}."
+        ) from exc
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> Checkpoint:
+    """Read the checkpoint folder ``path``; restore optimizer, scheduler and all RNG states in place.
+
+    The caller copies ``Checkpoint.lora`` into its LoRA parameters. Raises :class:`CheckpointError`
+    for an incomplete, corrupted or foreign checkpoint, or one made for a different LoRA.
+    """
+    path = Path(path)
+    _check_names(optimizer, param_names)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; {_RESUME_HINT} or leave --resume out.")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); {_RESUME_HINT}.")
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is unreadable ({exc}); {_RESUME_HINT}.") from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not a SquareQ training checkpoint; {_RESUME_HINT}.")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {state.get('format_version')}, which this SquareQ "
+            f"(version {FORMAT_VERSION}) cannot read; use the SquareQ that wrote it or {_RESUME_HINT}."
+        )
+
+    lora = _read_tensors(path / LORA_FILE, path)
+    opt_tensors = _read_tensors(path / OPTIMIZER_FILE, path)
+    other_tensors = _read_tensors(path / TENSORS_FILE, path)
+    try:
+        _restore_optimizer(optimizer, param_names, state["optimizer"], opt_tensors, str(path))
+        _restore_scheduler(scheduler, state["scheduler"], other_tensors, str(path))
+        extra = _decode(state["extra"], other_tensors, str(path))
+        result = Checkpoint(step=int(state["step"]), lora=lora, data_state=_decode(state["data_state"], {}, str(path)),
+                            config=_decode(state["config"], {}, str(path)), extra=extra, path=path)
+        # Last, so nothing above consumes random numbers after the restore.
+        _restore_rng(state["rng"], other_tensors, str(path))
+    except KeyError as exc:
+        raise CheckpointError(f"checkpoint {path} is corrupted ({exc} is missing from it); {_RESUME_HINT}.") from exc
+    return result
+
+
+# --------------------------------------------------------------------------- listing and pruning
+
+
+def _step_dirs(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoint folders, oldest first; temporary (hidden) and incomplete folders are skipped."""
+    root = Path(out_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and all((entry / f).is_file() for f in REQUIRED_FILES):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step under ``out_dir``, or None."""
+    found = _step_dirs(out_dir)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(out_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints; return the folders removed.
+
+    Each folder is first renamed to a hidden temporary name (one atomic step, after which
+    ``latest_checkpoint`` no longer sees it), then removed. The newest is never deleted.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1 (the newest checkpoint is always kept), got {keep_last}.")
+    removed = []
+    for _, folder in _step_dirs(out_dir)[:-keep_last]:
+        doomed = folder.with_name(f".{folder.name}.del-{uuid.uuid4().hex[:8]}")
+        os.replace(folder, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(folder)
+    return removed

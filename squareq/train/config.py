@@ -1,0 +1,203 @@
+"""`squareq train`'s configuration: one dataclass, read from TOML, overridden flag by flag, printed back.
+
+Precedence: built-in defaults < ``--config train.toml`` < command-line flags. ``squareq train
+--print-config`` prints the resolved configuration as TOML that ``--config`` reads back unchanged.
+Defaults follow what users of kohya sd-scripts, ai-toolkit and SimpleTuner expect for a FLUX LoRA
+(docs/train.md lists each choice).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..runtime.lora import DEFAULT_TARGETS
+from ..sizes import SizeError, parse_size
+from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, TIMESTEP_MODES
+
+OPTIMIZERS = ("adamw", "adamw8bit")
+SCHEDULES = ("constant", "cosine")
+TIMESTEP_SAMPLING = TIMESTEP_MODES
+HOSTS = ("pinned", "disk")
+LOGGERS = ("jsonl", "tensorboard")
+
+
+class ConfigError(ValueError):
+    """A configuration value cannot be used; the message names the file or flag."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. ``None`` means "not set" where a default is derived."""
+
+    slab: str = ""
+    data: str = ""
+    output: str = ""
+    model: str | None = None  # folder with the VAE and text encoders (default: the slab's recorded source)
+    cache_dir: str | None = None  # default: <output>/cache
+    # LoRA
+    rank: int = 16
+    alpha: float | None = None  # default: rank (scale 1)
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    # optimization
+    lr: float = 1e-4
+    optimizer: str = "adamw"
+    weight_decay: float = 1e-4
+    schedule: str = "constant"
+    warmup: int = 0  # steps of linear warm-up
+    steps: int | None = 1000
+    epochs: int | None = None  # when set, overrides steps
+    batch_size: int = 1
+    grad_accum: int = 1
+    max_grad_norm: float = 1.0  # 0 turns clipping off
+    # data
+    resolution: int = 1024
+    caption_dropout: float = 0.0
+    trigger: str | None = None
+    seed: int = 42
+    # objective
+    timestep_sampling: str = "shift"
+    shift: float = DEFAULT_SHIFT
+    guidance: float = DEFAULT_GUIDANCE
+    # checkpoints, samples, logs
+    save_every: int = 250
+    keep_last: int = 3
+    sample_every: int = 0  # 0: no samples during training
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_seed: int = 42
+    sample_steps: int = 20
+    sample_guidance: float = 3.5
+    log: str = "jsonl"
+    resume: str | None = None  # "latest" or a checkpoint folder
+    nan_patience: int = 5  # consecutive skipped steps (NaN/Inf) before the run stops
+    # runtime
+    prefetch: int = 2
+    host: str = "pinned"
+    vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, where: str = "the configuration") -> None:
+        """Raise :class:`ConfigError` with one sentence naming the key if a value cannot work."""
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"{where}: {key} = {getattr(self, key)!r} {why}.")
+
+        for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
+                             ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
+            if getattr(self, key) not in choices:
+                raise bad(key, f"is not one of {', '.join(choices)}")
+        for key in ("rank", "batch_size", "grad_accum", "prefetch", "resolution", "nan_patience", "sample_steps"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise bad(key, "must be a whole number of at least 1")
+        for key in ("warmup", "save_every", "keep_last", "sample_every", "seed"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                raise bad(key, "must be a whole number of at least 0")
+        if self.steps is None and self.epochs is None:
+            raise bad("steps", "is unset and so is epochs; give one of them")
+        for key in ("steps", "epochs"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad(key, "must be a whole number of at least 1")
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise bad("caption_dropout", "must be in [0, 1)")
+        if self.lr <= 0:
+            raise bad("lr", "must be positive")
+        if self.resolution % 16:
+            raise bad("resolution", "must be a multiple of 16 (FLUX packs 2x2 latent patches of an 8x VAE)")
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise bad("targets", "must be a non-empty list of layer name patterns, e.g. [\"to_q\", \"to_k\"]")
+        if self.vram_budget is not None:
+            try:
+                parse_size(self.vram_budget)
+            except SizeError as exc:
+                raise ConfigError(f"{where}: vram_budget: {exc}") from None
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha if self.alpha is not None else self.rank)
+
+    @property
+    def vram_budget_bytes(self) -> int | None:
+        return parse_size(self.vram_budget) if self.vram_budget is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The configuration as TOML (keys left unset are written as comments, since TOML has no null)."""
+        lines = ["# squareq train configuration (squareq train --print-config)"]
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lines.append(f"# {f.name} = (unset)" if value is None else f"{f.name} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """Values from TOML or flags into the field's type (ints stay ints, a float field accepts an int)."""
+    kind = _FIELD_TYPES[name]
+    if value is None:
+        return None
+    try:
+        if "list" in kind:
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            return [str(v) for v in value]
+        if "float" in kind and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return float(value)
+        if "int" in kind and not isinstance(value, bool):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if "str" in kind:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"{where}: {name} = {value!r} is not a {kind.replace(' | None', '')}.") from None
+
+
+_FIELD_TYPES = {f.name: str(f.type) for f in fields(TrainConfig)}
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults, then the TOML file at ``path`` (a ``[train]`` table or top-level keys), then ``overrides``
+    (flag values; ``None`` means the flag was not given)."""
+    values: dict[str, Any] = {}
+    where = "the configuration"
+    if path is not None:
+        where = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path} does not exist; pass an existing TOML file to --config.") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid TOML ({exc}); fix the file.") from None
+        table = data.get("train", data)
+        unknown = sorted(set(table) - set(_FIELD_TYPES))
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys {unknown}; `squareq train --print-config` lists every key.")
+        values.update({k: _coerce(k, v, where) for k, v in table.items()})
+    for key, value in (overrides or {}).items():
+        if key not in _FIELD_TYPES:
+            raise ConfigError(f"--{key.replace('_', '-')} is not a training option.")
+        if value is not None:
+            values[key] = _coerce(key, value, f"--{key.replace('_', '-')}")
+    try:
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("the configuration", where, 1)) from None

@@ -1,0 +1,348 @@
+"""Training data for ``squareq train --data DIR``: find captioned images, bucket them, batch them.
+
+A user points at a folder and gets every usable image in it, each with its caption, plus one warning
+per file that was left out saying why and what to do. Two layouts are read:
+
+* images (png, jpg, jpeg, webp, bmp, any letter case) with a same-name ``.txt`` caption next to each
+  (``cat.png`` + ``cat.txt``), found recursively in subfolders; hidden files and folders (``.cache``,
+  macOS ``._cat.png``) are ignored;
+* a ``metadata.jsonl`` in the folder, one JSON object a line with ``file_name`` (relative to the folder)
+  and the caption under ``caption`` (or ``text``). When it exists it wins: other images are ignored.
+
+Images are trained at several aspect ratios (kohya/SimpleTuner buckets) instead of being squashed or
+cropped to a square; :class:`BucketBatches` builds batches from one bucket at a time in a seeded order
+that a resumed run continues exactly.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+log = logging.getLogger("squareq.train")
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+METADATA = "metadata.jsonl"
+_HOW = "pass a folder of images with same-name .txt captions, or a folder with a metadata.jsonl"
+
+
+class DataError(ValueError):
+    """The training data folder is missing or holds no usable image."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One usable image: its path, caption and size (after EXIF rotation)."""
+
+    path: Path
+    caption: str
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A file left out of the dataset and the one-sentence reason (naming it and what to do)."""
+
+    path: Path
+    reason: str
+
+
+@dataclass
+class Dataset:
+    """The usable images of a folder, sorted by path, and the files that were skipped."""
+
+    root: Path
+    items: list[Item] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Item:
+        return self.items[index]
+
+
+# ---------------------------------------------------------------------------------------------- scanning
+
+def scan_dataset(path, min_side: int = 64) -> Dataset:
+    """Read a data folder (``metadata.jsonl`` wins over ``.txt`` captions); :class:`DataError` if nothing is usable.
+
+    Every image is fully decoded once, so truncated or corrupt files are reported here rather than
+    halfway through training; images whose shorter side is below ``min_side`` are skipped.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"The data folder {root} does not exist: {_HOW}.")
+    if not root.is_dir():
+        raise DataError(f"The data path {root} is not a folder: {_HOW}.")
+    data = Dataset(root)
+    candidates = _from_jsonl(root, data) if (root / METADATA).is_file() else _from_folder(root, data)
+    for image, caption in candidates:
+        problem = _check_image(image, root, min_side)
+        if isinstance(problem, str):
+            data.skipped.append(Skipped(image, problem))
+        else:
+            data.items.append(Item(image, caption, *problem))
+    data.items.sort(key=lambda it: _rel(it.path, root))
+    for s in data.skipped:
+        log.warning("skipped: %s", s.reason)
+    if data.skipped:
+        log.warning("%d of %d images in %s skipped (reasons above); training on %d.",
+                    len(data.skipped), len(data.skipped) + len(data.items), root, len(data.items))
+    if not data.items:
+        found = f"none of the {len(data.skipped)} files found is usable (see the warnings)" if data.skipped \
+            else "it holds no images"
+        raise DataError(f"No training images in {root}: {found}; {_HOW}.")
+    log.info("%d training images in %s", len(data.items), root)
+    return data
+
+
+def _rel(p: Path, root: Path) -> str:
+    try:
+        return p.relative_to(root).as_posix()
+    except ValueError:  # a jsonl file_name may point outside the folder
+        return p.as_posix()
+
+
+def _from_folder(root: Path, data: Dataset) -> list[tuple[Path, str]]:
+    found = []
+    for image in sorted(root.rglob("*")):
+        rel = image.relative_to(root)
+        if image.suffix.lower() not in IMAGE_EXTENSIONS or any(p.startswith(".") for p in rel.parts):
+            continue
+        if not image.is_file():
+            continue
+        txt = image.with_suffix(".txt")
+        rel_txt = txt.relative_to(root).as_posix()
+        if not txt.is_file():
+            data.skipped.append(Skipped(image, f"{rel.as_posix()} has no caption: add {rel_txt} "
+                                               f"or a {METADATA} line for it."))
+            continue
+        try:
+            caption = txt.read_text(encoding="utf-8-sig").strip()  # -sig: editors on Windows add a BOM
+        except (OSError, UnicodeDecodeError) as exc:
+            data.skipped.append(Skipped(image, f"{rel_txt} could not be read as UTF-8 text ({exc}): "
+                                               f"save it as UTF-8."))
+            continue
+        if not caption:
+            data.skipped.append(Skipped(image, f"{rel_txt} is empty: write a caption for "
+                                               f"{rel.as_posix()} in it."))
+            continue
+        found.append((image, caption))
+    return found
+
+
+def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str]]:
+    meta = root / METADATA
+    found, seen = [], set()
+
+    def bad(reason: str, p: Path = meta) -> None:
+        data.skipped.append(Skipped(p, reason))
+
+    try:
+        lines = meta.read_text(encoding="utf-8-sig").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{meta} could not be read as UTF-8 text ({exc}): fix it or remove it to use .txt captions.")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{METADATA} line {n}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            bad(f"{where} is not valid JSON ({exc.msg}): fix or remove that line.")
+            continue
+        name = entry.get("file_name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not name:
+            bad(f"{where} has no file_name: give each line a file_name relative to {root}.")
+            continue
+        caption = entry.get("caption", entry.get("text"))
+        image = root / name
+        if not image.is_file():
+            bad(f"{where} names {name}, which is not a file in {root}: fix the file_name or add the image.", image)
+        elif image in seen:
+            bad(f"{where} repeats {name}: keep one line per image.", image)
+        elif not isinstance(caption, str):
+            bad(f"{name} has no caption in {where}: add a \"caption\" (or \"text\") string.", image)
+        elif not caption.strip():
+            bad(f"{name} has an empty caption in {where}: write a caption for it.", image)
+        else:
+            seen.add(image)
+            found.append((image, caption.strip()))
+    return found
+
+
+def _check_image(image: Path, root: Path, min_side: int) -> tuple[int, int] | str:
+    """(width, height) of a fully decodable image, or the reason it cannot be used."""
+    rel = _rel(image, root)
+    try:
+        with Image.open(image) as img:
+            img.load()  # decodes every byte: truncated files raise here (LOAD_TRUNCATED_IMAGES stays off)
+            w, h = _oriented_size(img)
+    except Exception as exc:  # any decode failure (OSError, SyntaxError, DecompressionBombError...) skips one file
+        msg = str(exc).rstrip(".") or type(exc).__name__
+        return f"{rel} could not be decoded as an image ({msg}): re-export it or remove it."
+    if min(w, h) < min_side:
+        return f"{rel} is {w}x{h}, below the {min_side}-pixel minimum side: use a larger version or remove it."
+    return w, h
+
+
+def _oriented_size(img: Image.Image) -> tuple[int, int]:
+    # Phone photos store portrait shots as landscape pixels plus an EXIF rotation; load_image applies it.
+    w, h = img.size
+    return (h, w) if img.getexif().get(0x0112) in (5, 6, 7, 8) else (w, h)
+
+
+# ---------------------------------------------------------------------------------------------- buckets
+
+def make_buckets(resolution: int, step: int = 64, max_ratio: float = 2.0,
+                 min_side: int | None = None) -> list[tuple[int, int]]:
+    """Sorted (width, height) buckets: multiples of ``step``, area <= resolution², aspect ratio <= ``max_ratio``.
+
+    For each width the height is the largest multiple of ``step`` within the area, so every bucket
+    spends about the same pixel budget; each shape comes with its mirror (portrait and landscape).
+    The square bucket is always present. ``step`` 64 is the usual trainer choice; FLUX itself only
+    needs 16 (VAE factor 8 x patch 2). ``min_side`` (default ``step``) is capped at the square side so
+    tiny resolutions still get their square bucket.
+    """
+    if step <= 0 or resolution < step:
+        raise ValueError(f"resolution {resolution} is smaller than the bucket step {step}: raise it or lower the step.")
+    side = resolution // step * step
+    if max_ratio < 1:
+        raise ValueError(f"max_ratio must be at least 1, got {max_ratio}.")
+    lo = min(-(-(min_side or step) // step) * step, side)  # rounded up to a multiple of step
+    area = resolution * resolution
+    buckets = {(side, side)}
+    for w in range(lo, area // lo + 1, step):
+        h = area // w // step * step
+        if h >= lo and max(w, h) / min(w, h) <= max_ratio:
+            buckets.update([(w, h), (h, w)])  # mirrored, so portrait and landscape get the same shapes
+    return sorted(buckets)
+
+
+def bucket_for(width: int, height: int, buckets) -> tuple[int, int]:
+    """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width)."""
+    r = math.log(width / height)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - r), -b[0] * b[1], b))
+
+
+# ---------------------------------------------------------------------------------------------- images and captions
+
+def load_image(path, bucket: tuple[int, int]) -> torch.Tensor:
+    """RGB float32 (3, height, width) in [-1, 1]: scaled to cover the bucket, then center-cropped."""
+    bw, bh = bucket
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img)
+        if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+            # Transparent pixels often hide black; a white backdrop is what viewers show.
+            rgba = img.convert("RGBA")
+            img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+        img = img.convert("RGB")
+    w, h = img.size
+    scale = max(bw / w, bh / h)
+    size = (max(bw, round(w * scale)), max(bh, round(h * scale)))
+    if size != (w, h):
+        img = img.resize(size, Image.Resampling.LANCZOS)
+    left, top = (size[0] - bw) // 2, (size[1] - bh) // 2
+    img = img.crop((left, top, left + bw, top + bh))
+    pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
+    return pixels.float().div_(127.5).sub_(1.0)
+
+
+def caption_for(caption: str, trigger: str | None = None, dropout: float = 0.0,
+                generator: torch.Generator | None = None) -> str:
+    """The caption to train on: ``"trigger, caption"``, or with probability ``dropout`` only the trigger ("" if none).
+
+    Dropout keeps the trigger (like kohya's keep_tokens) so the LoRA still learns what the trigger alone
+    means; a caption that already starts with the trigger (as a whole word, case-sensitive) is left as is.
+    """
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"caption dropout must be between 0 and 1, got {dropout}.")
+    trigger = (trigger or "").strip()
+    caption = caption.strip()
+    if dropout > 0 and torch.rand((), generator=generator).item() < dropout:
+        return trigger
+    if not trigger:
+        return caption
+    rest = caption[len(trigger):]
+    if caption.startswith(trigger) and not (rest[:1].isalnum() or rest[:1] == "_"):
+        return caption
+    return f"{trigger}, {caption}" if caption else trigger
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+class BucketBatches:
+    """Epochs of batches (lists of item indices), each batch from one bucket, in an order fixed by (seed, epoch).
+
+    Iterating yields the rest of the current epoch and moves to the next one. ``state_dict()`` after
+    any batch, loaded into a new instance built with the same arguments, continues with the same next
+    batch. Use one iterator at a time: iteration advances this object's state.
+    """
+
+    def __init__(self, dataset: Dataset, buckets, batch_size: int, seed: int, drop_last: bool = False):
+        if batch_size < 1 or seed < 0:
+            raise ValueError(f"batch_size must be at least 1 and seed at least 0, got {batch_size} and {seed}.")
+        self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
+        self.item_buckets = [bucket_for(it.width, it.height, buckets) for it in dataset.items]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, b in enumerate(self.item_buckets):
+            groups.setdefault(b, []).append(i)
+        self._groups = [groups[b] for b in sorted(groups)]
+        self.epoch, self.position = 0, 0
+        # Resuming with other data, buckets or settings would silently train on a different order.
+        key = repr((seed, batch_size, drop_last, self.item_buckets)).encode()
+        self._fingerprint = hashlib.sha256(key).hexdigest()[:16]
+        if len(self) == 0:
+            raise ValueError(f"No bucket holds batch_size={batch_size} images, so drop_last leaves no batch: "
+                             f"lower the batch size or set drop_last=False.")
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        whole = sum(len(g) // self.batch_size for g in self._groups)
+        return whole + (0 if self.drop_last else sum(len(g) % self.batch_size > 0 for g in self._groups))
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """All batches of ``epoch`` in order (a pure function of seed, epoch and the bucket groups)."""
+        rng = np.random.default_rng([self.seed, epoch])  # SeedSequence mixes both; needs seed >= 0
+        batches = []
+        for group in self._groups:
+            order = [group[i] for i in rng.permutation(len(group))]
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                if len(batch) == self.batch_size or not self.drop_last:
+                    batches.append(batch)
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def __iter__(self):
+        batches = self.epoch_batches(self.epoch)
+        while self.position < len(batches):
+            batch = batches[self.position]
+            self.position += 1
+            last = self.position == len(batches)
+            if last:  # roll over before yielding, so a state saved after the last batch starts the next epoch
+                self.epoch, self.position = self.epoch + 1, 0
+            yield batch
+            if last:
+                return
+
+    def state_dict(self) -> dict:
+        """Where the iteration stands: epoch, batches already given in it, and a fingerprint of the settings."""
+        return {"epoch": self.epoch, "position": self.position, "fingerprint": self._fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`; refuses one saved with other data, buckets or settings."""
+        if state.get("fingerprint") != self._fingerprint:
+            raise ValueError("The saved batch order belongs to other data, buckets, batch size or seed: "
+                             "resume with the same settings or start a fresh run.")
+        if not 0 <= state["position"] < len(self):
+            raise ValueError(f"Saved batch position {state['position']} is outside an epoch of {len(self)} batches.")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,172 @@
+"""FLUX.1 rectified-flow training objective: latent packing, timestep sampling, noising, loss.
+
+The training step this module serves (one line per function)::
+
+    tokens  = pack_latents(latents)                       # [B, C, H, W] -> [B, H/2 * W/2, 4C]
+    t       = sample_timesteps(B, generator)              # t in (0, 1), shifted toward noise
+    x_t, v  = flow_match(latents, noise, t)               # x_t = (1-t) x0 + t noise, v = noise - x0
+    pred    = transformer(hidden_states=pack_latents(x_t), img_ids=image_ids(H, W), txt_ids=text_ids(L),
+                          **transformer_time_inputs(t), ...)
+    loss    = flow_loss(unpack_latents(pred, H, W), v)
+
+Conventions, checked against the installed diffusers:
+
+* Time runs from data (t = 0) to noise (t = 1), the same direction as diffusers'
+  ``FlowMatchEulerDiscreteScheduler`` sigmas, and the model predicts the velocity ``noise - x0``.
+* ``FluxTransformer2DModel.forward`` computes ``timestep.to(dtype) * 1000`` (and the same for
+  ``guidance``), so the trainer passes ``t`` itself, in [0, 1], and the guidance scale itself (3.5,
+  not 3500). diffusers' FLUX pipeline and its dreambooth LoRA script do the same
+  (``timestep=timesteps / 1000`` where their timesteps are sigma * 1000).
+* ``height`` and ``width`` here are always *latent* sizes (the VAE output), not pixels.
+"""
+from __future__ import annotations
+
+import torch
+
+# Default static shift for "shift" sampling: 3.0, the default ``--discrete_flow_shift`` of
+# kohya sd-scripts' FLUX trainer (library/flux_train_utils.py) and a common FLUX LoRA setting.
+DEFAULT_SHIFT = 3.0
+
+# Embedded guidance passed to guidance-distilled FLUX.1-dev during training. diffusers'
+# train_dreambooth_lora_flux.py and kohya sd-scripts both default ``--guidance_scale`` to 3.5
+# (FluxPipeline's inference default); published FLUX.1-dev LoRA command lines often pass 1.0,
+# which is the choice here. It only matters for models built with ``guidance_embeds=True``;
+# the trainer should expose it as an option.
+DEFAULT_GUIDANCE = 1.0
+
+TIMESTEP_MODES = ("uniform", "logit_normal", "shift")
+
+# Samples are kept this far inside (0, 1): torch.rand can return exactly 0 and a sigmoid can
+# round to exactly 1 in float32, and the contract is an open interval.
+_T_EPS = 1e-6
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] latents -> [B, (H/2)(W/2), 4C] tokens (FLUX 2x2 patchify, as FluxPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height and width must be even to pack into 2x2 patches, got {h}x{w}.")
+    x = latents.view(b, c, h // 2, 2, w // 2, 2)
+    # Token order is row-major over patches; each token holds (channel, dy, dx) in that order.
+    x = x.permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_latents`: [B, (H/2)(W/2), 4C] -> [B, C, H, W] for latent ``height`` x ``width``."""
+    b, n, d = tokens.shape
+    if height % 2 or width % 2 or n != (height // 2) * (width // 2) or d % 4:
+        raise ValueError(
+            f"tokens of shape {tuple(tokens.shape)} do not pack a {height}x{width} latent "
+            f"(expected {(height // 2) * (width // 2)} tokens of a multiple of 4 features)."
+        )
+    x = tokens.view(b, height // 2, width // 2, d // 4, 2, 2)
+    x = x.permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, height, width)
+
+
+def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Position ids [(H/2)(W/2), 3] for a ``height`` x ``width`` latent: (0, patch row, patch column)."""
+    rows, cols = height // 2, width // 2
+    ids = torch.zeros(rows, cols, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(cols, device=device, dtype=dtype)[None, :]
+    return ids.reshape(rows * cols, 3)
+
+
+def text_ids(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """Position ids [n, 3] for ``n`` text tokens: all zeros (FLUX gives text no spatial position)."""
+    return torch.zeros(n, 3, device=device, dtype=dtype)
+
+
+def sample_timesteps(
+    batch: int,
+    generator: torch.Generator | None,
+    mode: str = "shift",
+    shift: float = DEFAULT_SHIFT,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+) -> torch.Tensor:
+    """Draw ``batch`` float32 times in (0, 1) on the generator's device (CPU when ``generator`` is None).
+
+    ``mode``:
+      * ``"uniform"``: t ~ U(0, 1).
+      * ``"logit_normal"``: t = sigmoid(N(logit_mean, logit_std)), the SD3 paper's density
+        (as diffusers' ``compute_density_for_timestep_sampling``); median sigmoid(logit_mean).
+      * ``"shift"`` (default): u ~ U(0, 1), then the SD3/FLUX time shift
+        t = shift*u / (1 + (shift - 1)*u), the map ``FlowMatchEulerDiscreteScheduler`` applies to its
+        sigmas. shift > 1 moves mass toward t = 1 (more noise), which suits high-resolution latents;
+        shift = 1 is uniform.
+    """
+    device = generator.device if generator is not None else torch.device("cpu")
+    if mode == "uniform":
+        t = torch.rand(batch, generator=generator, device=device)
+    elif mode == "logit_normal":
+        z = torch.randn(batch, generator=generator, device=device) * logit_std + logit_mean
+        t = torch.sigmoid(z)
+    elif mode == "shift":
+        if shift <= 0:
+            raise ValueError(f"shift must be positive, got {shift}.")
+        u = torch.rand(batch, generator=generator, device=device)
+        t = shift * u / (1 + (shift - 1) * u)
+    else:
+        raise ValueError(f"unknown timestep mode {mode!r}; choose one of {', '.join(TIMESTEP_MODES)}.")
+    return t.clamp(_T_EPS, 1 - _T_EPS)
+
+
+def _per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Reshape per-sample values [B] so they broadcast over every non-batch dim of ``like``."""
+    t = torch.as_tensor(t, device=like.device)
+    if t.ndim == 0:
+        t = t.expand(like.shape[0])
+    if t.shape != (like.shape[0],):
+        raise ValueError(f"expected one value per sample ({like.shape[0]}), got shape {tuple(t.shape)}.")
+    return t.view(-1, *([1] * (like.ndim - 1)))
+
+
+def flow_match(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rectified-flow interpolation: x_t = (1 - t)·x0 + t·noise, and the velocity target noise - x0.
+
+    ``t`` has one value per sample. Both are computed in float32; x_t is returned in ``x0``'s dtype
+    (it is the model input) and the target stays float32 (it only feeds the fp32 loss), so bf16
+    latents lose no precision in the subtraction.
+    """
+    if x0.shape != noise.shape:
+        raise ValueError(f"x0 {tuple(x0.shape)} and noise {tuple(noise.shape)} must have the same shape.")
+    x0f, nf = x0.float(), noise.float()
+    tt = _per_sample(t, x0).float()
+    x_t = (1 - tt) * x0f + tt * nf
+    return x_t.to(x0.dtype), nf - x0f
+
+
+def transformer_time_inputs(
+    t: torch.Tensor, guidance: float | None = DEFAULT_GUIDANCE, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor | None]:
+    """``timestep`` and ``guidance`` keyword arguments for ``FluxTransformer2DModel.forward``.
+
+    The transformer multiplies both by 1000 itself, so ``timestep`` is ``t`` in [0, 1] and ``guidance``
+    is the plain scale, one per sample. Pass ``guidance=None`` for models without guidance
+    embeddings (FLUX.1-schnell, ``guidance_embeds=False``).
+    """
+    dtype = dtype or t.dtype
+    g = None if guidance is None else torch.full_like(t, float(guidance), dtype=dtype)
+    return {"timestep": t.to(dtype), "guidance": g}
+
+
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error in float32, a scalar.
+
+    Without ``weighting`` it is the mean over all elements. With ``weighting`` (one weight per sample,
+    shape [B]) it is the mean over samples of weight × that sample's MSE.
+    """
+    if pred.shape != target.shape:
+        raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must have the same shape.")
+    # fp32 so that bf16 predictions do not round the squared error (as diffusers' FLUX scripts do).
+    err = (pred.float() - target.float()).square()
+    if weighting is None:
+        return err.mean()
+    per_sample = err.reshape(err.shape[0], -1).mean(dim=1)
+    w = torch.as_tensor(weighting, device=per_sample.device).float().reshape(-1)
+    if w.shape != per_sample.shape:
+        raise ValueError(f"weighting must have one value per sample ({per_sample.shape[0]}), got {tuple(w.shape)}.")
+    return (w * per_sample).mean()

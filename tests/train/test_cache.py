@@ -1,0 +1,63 @@
+"""The training cache: content-addressed entries, recomputed only where the content changed."""
+import pytest
+import torch
+
+from squareq.train.cache import CacheError, EmbeddingCache, content_key, module_identity
+
+
+def _encode_all(cache, captions, calls):
+    keys = [content_key("text", c, "enc-1") for c in captions]
+
+    def compute(indices):
+        calls.extend(captions[i] for i in indices)
+        return [{"embeds": torch.full((2, 3), float(len(captions[i])))} for i in indices]
+
+    cache.fill("text", keys, compute, batch_size=2)
+    return keys
+
+
+def test_only_changed_entries_are_recomputed(tmp_path):
+    cache = EmbeddingCache(tmp_path / "cache")
+    calls = []
+    captions = ["a cat", "a dog", "a fox", "a cat"]
+    keys = _encode_all(cache, captions, calls)
+    assert calls == ["a cat", "a dog", "a fox"]  # the repeated caption is encoded once
+    calls.clear()
+    captions[1] = "a red dog"
+    _encode_all(EmbeddingCache(tmp_path / "cache"), captions, calls)
+    assert calls == ["a red dog"]
+    assert torch.equal(cache.load("text", keys[2])["embeds"], torch.full((2, 3), 5.0))
+
+
+def test_keys_depend_on_every_part():
+    assert content_key("x", 1) != content_key("x", 2)
+    assert content_key(b"ab", "c") != content_key(b"a", "bc")  # parts are length-prefixed
+    assert content_key("x", {"a": 1, "b": 2}) == content_key("x", {"b": 2, "a": 1})
+
+
+def test_module_identity_changes_with_the_weights():
+    lin = torch.nn.Linear(4, 4)
+    before = module_identity(lin, "enc")
+    assert module_identity(lin, "enc") == before
+    with torch.no_grad():
+        lin.weight[0, 0] += 1.0
+    assert module_identity(lin, "enc") != before
+
+
+def test_a_damaged_entry_is_reported_with_its_path(tmp_path):
+    cache = EmbeddingCache(tmp_path)
+    cache.store("latents", "k", {"x": torch.ones(2)})
+    cache.path("latents", "k").write_bytes(b"\x80garbage")
+    with pytest.raises(CacheError, match="k.safetensors is unreadable"):
+        cache.load("latents", "k")
+
+
+def test_no_partial_files_are_left_after_a_failed_compute(tmp_path):
+    cache = EmbeddingCache(tmp_path)
+
+    def compute(indices):
+        raise RuntimeError("encoder crashed")
+
+    with pytest.raises(RuntimeError):
+        cache.fill("latents", ["a", "b"], compute)
+    assert list((tmp_path / "latents").iterdir()) == []

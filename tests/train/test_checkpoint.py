@@ -1,0 +1,264 @@
+"""Training checkpoints: exact resume, RNG restore, atomic writes, listing, pruning, refusals."""
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import squareq.train.checkpoint as ckpt
+from squareq.train.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _names(model):
+    return [n for n, _ in model.named_parameters()]
+
+
+def _lora(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _schedule(warmup=3, total=10):
+    def f(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+    return f
+
+
+def _train(model, opt, sched, steps):
+    for _ in range(steps):
+        x = torch.randn(4, 6)  # global RNG on purpose: resume must restore it
+        y = torch.randn(4, 3)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def _assert_optimizer_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        assert sa["state"][i].keys() == sb["state"][i].keys()
+        for k, va in sa["state"][i].items():
+            vb = sb["state"][i][k]
+            if isinstance(va, torch.Tensor):
+                assert va.dtype == vb.dtype and va.shape == vb.shape
+                assert torch.equal(va, vb), (i, k)
+            else:
+                assert va == vb
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+    lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+])
+def test_optimizer_state_round_trips_exactly(tmp_path, make_opt):
+    model = _model()
+    opt = make_opt(model.parameters())
+    _train(model, opt, None, 3)
+    path = save_checkpoint(tmp_path, 3, _lora(model), opt, _names(model), None, {"epoch": 0}, {"rank": 4})
+    assert path == checkpoint_dir(tmp_path, 3) and path.name == "step-00000003"
+    assert sorted(os.listdir(path)) == sorted(ckpt.REQUIRED_FILES)
+
+    fresh = _model(seed=1)
+    opt2 = make_opt(fresh.parameters())
+    loaded = load_checkpoint(path, opt2, _names(fresh))
+    _assert_optimizer_equal(opt, opt2)
+    assert isinstance(opt2.state_dict()["param_groups"][0].get("betas", ()), tuple)
+    assert loaded.step == 3 and loaded.data_state == {"epoch": 0} and loaded.config == {"rank": 4}
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded.lora[name], p.detach())
+
+
+def test_adamw_step_tensor_is_saved(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, None, 2)
+    path = save_checkpoint(tmp_path, 2, _lora(model), opt, _names(model), None, {}, {})
+    from safetensors.torch import load_file
+    tensors = load_file(str(path / ckpt.OPTIMIZER_FILE))
+    assert torch.equal(tensors["state.0.weight.step"], torch.tensor(2.0))
+    assert {"state.0.weight.exp_avg", "state.0.weight.exp_avg_sq", "state.2.bias.exp_avg"} <= tensors.keys()
+
+
+def test_rng_states_round_trip(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(11), random.seed(12), np.random.seed(13)
+    torch.randn(3), random.random(), np.random.normal()  # leave a cached gaussian in numpy
+    path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
+    expected = (torch.randn(5), [random.random() for _ in range(5)], np.random.normal(size=5))
+
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)  # scramble
+    load_checkpoint(path, torch.optim.AdamW(_model().parameters()), _names(model))
+    got = (torch.randn(5), [random.random() for _ in range(5)], np.random.normal(size=5))
+    assert torch.equal(expected[0], got[0])
+    assert expected[1] == got[1]
+    assert np.array_equal(expected[2], got[2])
+
+
+def test_extra_generator_state_round_trips(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    gen = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=gen)
+    path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {},
+                           extra={"timestep_generator": gen.get_state(), "note": ("a", 1)})
+    expected = torch.rand(4, generator=gen)
+    loaded = load_checkpoint(path, torch.optim.AdamW(model.parameters()), _names(model))
+    gen2 = torch.Generator()
+    gen2.set_state(loaded.extra["timestep_generator"])
+    assert torch.equal(torch.rand(4, generator=gen2), expected)
+    assert loaded.extra["note"] == ("a", 1)
+
+
+def _fresh_run(seed):
+    model = _model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule())
+    return model, opt, sched
+
+
+def test_interrupted_training_resumes_bitwise(tmp_path):
+    torch.manual_seed(100)
+    model_a, opt_a, sched_a = _fresh_run(0)
+    torch.manual_seed(100)
+    _train(model_a, opt_a, sched_a, 10)
+
+    torch.manual_seed(100)
+    model_b, opt_b, sched_b = _fresh_run(0)
+    torch.manual_seed(100)
+    _train(model_b, opt_b, sched_b, 5)
+    path = save_checkpoint(tmp_path, 5, _lora(model_b), opt_b, _names(model_b), sched_b, {"seen": 5}, {"lr": 1e-2})
+    del model_b, opt_b, sched_b
+
+    model_c, opt_c, sched_c = _fresh_run(seed=7)  # different init, fresh lr schedule: all must be overwritten
+    loaded = load_checkpoint(path, opt_c, _names(model_c), sched_c)
+    with torch.no_grad():
+        for name, p in model_c.named_parameters():
+            p.copy_(loaded.lora[name])
+    assert loaded.step == 5 and loaded.data_state == {"seen": 5}
+    assert sched_c.last_epoch == 5
+    _train(model_c, opt_c, sched_c, 5)
+
+    for (na, pa), (nc, pc) in zip(model_a.named_parameters(), model_c.named_parameters()):
+        assert na == nc and torch.equal(pa, pc), na
+    _assert_optimizer_equal(opt_a, opt_c)
+    assert sched_a.state_dict() == sched_c.state_dict()
+
+
+def test_failure_while_writing_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, None, 1)
+    first = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
+    before = {f: (first / f).read_bytes() for f in os.listdir(first)}
+
+    def boom(path, obj):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_json", boom)
+    _train(model, opt, None, 1)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, _lora(model), opt, _names(model), None, {}, {})
+    root = tmp_path / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step-00000001"]  # no step-2, no temporary left behind
+    assert {f: (first / f).read_bytes() for f in os.listdir(first)} == before
+    assert latest_checkpoint(tmp_path) == first
+
+
+def test_latest_ignores_temporary_and_incomplete(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    assert latest_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, 2, _lora(model), opt, _names(model), None, {}, {})
+    root = tmp_path / "checkpoints"
+    (root / ".step-00000009.tmp-deadbeef").mkdir()
+    (root / "step-00000007").mkdir()  # incomplete: no files
+    (root / "notes").mkdir()
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 2)
+
+
+def test_prune_keeps_newest(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (1, 2, 10, 100):
+        save_checkpoint(tmp_path, step, _lora(model), opt, _names(model), None, {}, {})
+    removed = prune_checkpoints(tmp_path, keep_last=2)
+    assert [p.name for p in removed] == ["step-00000001", "step-00000002"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000010", "step-00000100"]
+    assert prune_checkpoints(tmp_path, keep_last=5) == []
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert os.listdir(tmp_path / "checkpoints") == ["step-00000100"]
+    with pytest.raises(ValueError):
+        prune_checkpoints(tmp_path, keep_last=0)
+
+
+def test_pickle_in_place_of_safetensors_is_refused(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, None, 1)
+    path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
+    torch.save(opt.state_dict(), path / ckpt.OPTIMIZER_FILE)  # a pickle wearing the safetensors name
+    refusal = r"optimizer\.safetensors is not a valid safetensors file.*older checkpoint"
+    with pytest.raises(CheckpointError, match=refusal):
+        load_checkpoint(path, torch.optim.AdamW(model.parameters()), _names(model))
+
+
+def test_incomplete_or_corrupt_checkpoint_is_refused(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
+    (path / ckpt.STATE_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"state\.json is unreadable"):
+        load_checkpoint(path, opt, _names(model))
+    (path / ckpt.LORA_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"is incomplete \(missing lora\.safetensors\)"):
+        load_checkpoint(path, opt, _names(model))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere", opt, _names(model))
+
+
+def test_different_lora_is_refused(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt, None, 1)
+    path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
+
+    wider = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # another "rank"
+    with pytest.raises(CheckpointError, match="different LoRA"):
+        load_checkpoint(path, torch.optim.AdamW(wider.parameters()), _names(wider))
+    renamed = [f"x.{n}" for n in _names(model)]  # other targets
+    with pytest.raises(CheckpointError, match="different LoRA"):
+        load_checkpoint(path, torch.optim.AdamW(_model().parameters()), renamed)
+    with pytest.raises(CheckpointError, match="SGD"):
+        load_checkpoint(path, torch.optim.SGD(_model().parameters(), lr=0.1), _names(model))
+
+
+def test_unsaveable_values_fail_before_writing(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="JSON-able"):
+        save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {"f": object()}, {})
+    with pytest.raises(ValueError, match="JSON-able"):
+        save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {"t": torch.zeros(1)})
+    assert latest_checkpoint(tmp_path) is None

@@ -1,0 +1,60 @@
+"""Training configuration: defaults < TOML < flags; every bad value is one sentence naming its key."""
+import pytest
+
+from squareq.train.config import ConfigError, TrainConfig, load_config
+
+
+def test_defaults_toml_and_flags_apply_in_that_order(tmp_path):
+    path = tmp_path / "train.toml"
+    path.write_text('[train]\nrank = 8\nlr = 2e-4\ntargets = ["to_q", "to_v"]\nschedule = "cosine"\n')
+    cfg = load_config(path, {"rank": 4, "lr": None, "trigger": "sks"})
+    assert cfg.rank == 4  # the flag wins
+    assert cfg.lr == 2e-4  # the file wins over the default; an unset flag changes nothing
+    assert cfg.targets == ["to_q", "to_v"] and cfg.schedule == "cosine" and cfg.trigger == "sks"
+    assert cfg.batch_size == TrainConfig().batch_size
+    assert cfg.lora_alpha == 4.0
+
+
+def test_print_config_reads_back_unchanged(tmp_path):
+    cfg = load_config(None, {"rank": 32, "alpha": 16, "targets": "to_q,to_k", "vram_budget": "12GB",
+                             "sample_prompts": ["a cat", 'a "quoted" dog']})
+    path = tmp_path / "printed.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path) == cfg
+    assert cfg.vram_budget_bytes == 12 * 10**9
+
+
+@pytest.mark.parametrize("content, key", [
+    ("rank = 0", "rank"),
+    ('optimizer = "sgd"', "optimizer"),
+    ("resolution = 1000", "resolution"),
+    ("caption_dropout = 1.5", "caption_dropout"),
+    ('vram_budget = "lots"', "vram_budget"),
+    ('rank = "sixteen"', "rank"),
+    ("lr = -1.0", "lr"),
+])
+def test_bad_values_name_the_file_and_key(tmp_path, content, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(content + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(path) in str(err.value) and key in str(err.value)
+
+
+def test_unknown_keys_and_flags_are_refused(tmp_path):
+    path = tmp_path / "typo.toml"
+    path.write_text("rnak = 8\n")
+    with pytest.raises(ConfigError, match=r"unknown keys \['rnak'\]"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="--learning-rate is not a training option"):
+        load_config(None, {"learning_rate": 1e-3})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "broken.toml").write_text("rank = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "broken.toml")
+
+
+def test_a_bad_flag_value_names_the_flag():
+    with pytest.raises(ConfigError, match="--batch-size"):
+        load_config(None, {"batch_size": "two"})

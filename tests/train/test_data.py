@@ -1,0 +1,281 @@
+"""Training data: scanning a folder, skipping bad files with reasons, buckets, images, captions, resumable batches."""
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from squareq.train.data import (BucketBatches, DataError, Dataset, Item, bucket_for, caption_for, load_image,
+                                make_buckets, scan_dataset)
+
+
+def _image(path: Path, size=(96, 80), color=(200, 30, 30), noise=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if noise:  # incompressible, so a chopped file really lacks pixel data
+        pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+        img = Image.fromarray(pixels)
+    else:
+        img = Image.new("RGB", size, color)
+    img.save(path)
+    return path
+
+
+def _captioned(root: Path, rel: str, caption: str, **kw):
+    image = _image(root / rel, **kw)
+    image.with_suffix(".txt").write_text(caption, encoding="utf-8")
+    return image
+
+
+def _reasons(data: Dataset) -> dict[str, str]:
+    return {s.path.name: s.reason for s in data.skipped}
+
+
+# ---------------------------------------------------------------------------------------------- scanning
+
+def test_folder_with_captions_gives_sorted_items(tmp_path):
+    _captioned(tmp_path, "b.png", "  a red square \n", size=(96, 80))
+    _captioned(tmp_path, "a.JPG", "a photo", size=(70, 120))
+    _captioned(tmp_path, "sub/c.webp", "in a subfolder")
+    _captioned(tmp_path, ".cache/d.png", "hidden, ignored")
+    (tmp_path / "notes.txt").write_text("not a caption of anything")
+    data = scan_dataset(tmp_path)
+    assert [it.path.relative_to(tmp_path).as_posix() for it in data.items] == ["a.JPG", "b.png", "sub/c.webp"]
+    assert len(data) == 3 and data.skipped == []
+    b = data.items[1]
+    assert (b.caption, b.width, b.height) == ("a red square", 96, 80)
+    assert (data.items[0].width, data.items[0].height) == (70, 120)
+
+
+def test_metadata_jsonl_wins_over_txt_captions(tmp_path):
+    _image(tmp_path / "img/one.png")
+    _image(tmp_path / "two.png", size=(128, 64))
+    _captioned(tmp_path, "three.png", "only listed in a .txt, so ignored")
+    lines = [{"file_name": "two.png", "text": "second"}, {"file_name": "img/one.png", "caption": "first"}]
+    (tmp_path / "metadata.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    data = scan_dataset(tmp_path)
+    assert [(it.path.name, it.caption) for it in data.items] == [("one.png", "first"), ("two.png", "second")]
+    assert (data.items[1].width, data.items[1].height) == (128, 64)
+    assert data.skipped == []
+
+
+def test_each_bad_file_is_skipped_with_a_reason_naming_it(tmp_path, caplog):
+    _captioned(tmp_path, "good.png", "fine")
+    truncated = _captioned(tmp_path, "truncated.png", "cut short", size=(128, 128), noise=True)
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    cut_jpeg = _captioned(tmp_path, "cut.jpg", "cut short too", size=(128, 128), noise=True)
+    cut_jpeg.write_bytes(cut_jpeg.read_bytes()[: cut_jpeg.stat().st_size // 2])
+    (tmp_path / "fake.png").write_text("I am text, not an image")
+    (tmp_path / "fake.txt").write_text("caption of a fake image")
+    _captioned(tmp_path, "small.png", "tiny", size=(200, 40))
+    _image(tmp_path / "photos/nocap.png")
+    _captioned(tmp_path, "empty.png", "  \n ")
+    with caplog.at_level(logging.WARNING, logger="squareq.train"):
+        data = scan_dataset(tmp_path, min_side=64)
+    assert [it.path.name for it in data.items] == ["good.png"]
+    reasons = _reasons(data)
+    assert set(reasons) == {"truncated.png", "cut.jpg", "fake.png", "small.png", "nocap.png", "empty.png"}
+    assert reasons["truncated.png"].startswith("truncated.png could not be decoded")
+    assert reasons["cut.jpg"].startswith("cut.jpg could not be decoded")
+    assert reasons["fake.png"].startswith("fake.png could not be decoded")
+    assert "200x40" in reasons["small.png"] and "64-pixel" in reasons["small.png"]
+    assert reasons["nocap.png"] == ("photos/nocap.png has no caption: add photos/nocap.txt "
+                                    "or a metadata.jsonl line for it.")
+    assert reasons["empty.png"].startswith("empty.txt is empty") and "empty.png" in reasons["empty.png"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 7  # one per skipped file plus the summary
+    assert all(any(name in w for w in warnings) for name in reasons)
+    assert "6 of 7 images" in warnings[-1]
+
+
+def test_bad_jsonl_lines_and_missing_files_are_skipped(tmp_path):
+    _image(tmp_path / "ok.png")
+    _image(tmp_path / "blank.png")
+    (tmp_path / "metadata.jsonl").write_text("\n".join([
+        json.dumps({"file_name": "ok.png", "caption": "fine"}),
+        "{not json",
+        json.dumps({"caption": "no file name"}),
+        json.dumps({"file_name": "gone.png", "caption": "missing"}),
+        json.dumps({"file_name": "blank.png", "caption": " "}),
+    ]))
+    data = scan_dataset(tmp_path)
+    assert [it.caption for it in data.items] == ["fine"]
+    reasons = [s.reason for s in data.skipped]
+    assert len(reasons) == 4
+    assert reasons[0].startswith("metadata.jsonl line 2 is not valid JSON")
+    assert reasons[1].startswith("metadata.jsonl line 3 has no file_name")
+    assert reasons[2].startswith("metadata.jsonl line 4 names gone.png") and "fix the file_name" in reasons[2]
+    assert reasons[3].startswith("blank.png has an empty caption in metadata.jsonl line 5")
+
+
+def test_nothing_usable_raises_naming_the_folder(tmp_path):
+    _image(tmp_path / "nocap.png")
+    with pytest.raises(DataError, match="No training images in .*none of the 1 files"):
+        scan_dataset(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match=f"{empty.name}: it holds no images"):
+        scan_dataset(empty)
+    with pytest.raises(DataError, match="does not exist"):
+        scan_dataset(tmp_path / "missing")
+    with pytest.raises(DataError, match="is not a folder"):
+        scan_dataset(tmp_path / "nocap.png")
+
+
+# ---------------------------------------------------------------------------------------------- buckets
+
+@pytest.mark.parametrize("resolution,step", [(1024, 64), (512, 64), (1024, 16), (100, 32)])
+def test_buckets_respect_step_area_and_ratio(resolution, step):
+    buckets = make_buckets(resolution, step=step, max_ratio=2.0)
+    side = resolution // step * step
+    assert (side, side) in buckets
+    assert buckets == sorted(set(buckets))
+    for w, h in buckets:
+        assert w % step == 0 and h % step == 0
+        assert w * h <= resolution * resolution
+        assert max(w, h) / min(w, h) <= 2.0
+        assert (h, w) in buckets
+    if resolution >= 1024:  # enough 64-pixel steps to come near the ratio limit in both orientations
+        assert max(w / h for w, h in buckets) > 1.8 and min(w / h for w, h in buckets) < 1 / 1.8
+
+
+def test_tiny_resolutions_get_the_square_bucket():
+    assert make_buckets(64) == [(64, 64)]
+    assert make_buckets(128) == [(128, 128)]
+    assert (128, 128) in make_buckets(128, step=16, min_side=256)  # min_side capped at the square side
+    with pytest.raises(ValueError, match="smaller than the bucket step"):
+        make_buckets(32, step=64)
+
+
+def test_bucket_for_picks_the_closest_aspect_ratio():
+    buckets = make_buckets(1024)
+    assert bucket_for(500, 500, buckets) == (1024, 1024)
+    assert bucket_for(1920, 1080, buckets) == (1344, 768)
+    assert bucket_for(1080, 1920, buckets) == (768, 1344)
+    assert bucket_for(5000, 1000, buckets) == (1408, 704)  # beyond the widest: the widest
+    for w, h in [(640, 480), (333, 999), (1200, 1100)]:
+        chosen = bucket_for(w, h, buckets)
+        best = min(abs(math.log(b[0] / b[1]) - math.log(w / h)) for b in buckets)
+        assert abs(math.log(chosen[0] / chosen[1]) - math.log(w / h)) == best
+    # equal ratios: the larger area wins, whatever the list order
+    assert bucket_for(100, 100, [(64, 64), (128, 128)]) == bucket_for(100, 100, [(128, 128), (64, 64)]) == (128, 128)
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+def test_load_image_covers_the_bucket_and_center_crops(tmp_path):
+    # 200x100: black outer quarters, white middle; a square bucket keeps only the middle half.
+    pixels = np.zeros((100, 200, 3), dtype=np.uint8)
+    pixels[:, 50:150] = 255
+    Image.fromarray(pixels).save(tmp_path / "wide.png")
+    x = load_image(tmp_path / "wide.png", (64, 64))
+    assert x.shape == (3, 64, 64) and x.dtype == torch.float32
+    assert x.min() >= -1 and x.max() <= 1
+    assert x[:, :, 2:-2].mean() > 0.95  # white only: the black sides were cropped away
+    assert torch.equal(x, load_image(tmp_path / "wide.png", (64, 64)))
+    y = load_image(tmp_path / "wide.png", (128, 64))
+    assert y.shape == (3, 64, 128) and y.min() < -0.9 and y.max() > 0.9  # same ratio: nothing cropped
+
+
+def test_load_image_handles_grey_alpha_and_exif_rotation(tmp_path):
+    Image.new("L", (80, 80), 0).save(tmp_path / "grey.png")
+    assert torch.allclose(load_image(tmp_path / "grey.png", (64, 64)), torch.full((3, 64, 64), -1.0))
+    Image.new("RGBA", (80, 80), (0, 0, 0, 0)).save(tmp_path / "clear.png")
+    assert torch.allclose(load_image(tmp_path / "clear.png", (64, 64)), torch.ones(3, 64, 64))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90° clockwise to display"
+    Image.new("RGB", (160, 96), (10, 20, 30)).save(tmp_path / "rotated.png", exif=exif)
+    (tmp_path / "rotated.txt").write_text("a portrait photo")
+    item = scan_dataset(tmp_path).items[-1]
+    assert (item.path.name, item.width, item.height) == ("rotated.png", 96, 160)
+    assert load_image(item.path, (64, 128)).shape == (3, 128, 64)
+
+
+# ---------------------------------------------------------------------------------------------- captions
+
+def test_caption_trigger_is_prepended_once():
+    assert caption_for("a dog on grass") == "a dog on grass"
+    assert caption_for("a dog on grass", trigger="sks") == "sks, a dog on grass"
+    assert caption_for("sks, a dog on grass", trigger="sks") == "sks, a dog on grass"
+    assert caption_for("sks dog", trigger="sks") == "sks dog"
+    assert caption_for("sksdog runs", trigger="sks") == "sks, sksdog runs"  # only a whole word counts
+    assert caption_for("", trigger="sks") == "sks"
+
+
+def test_caption_dropout_rate_and_determinism():
+    def run(seed, trigger=None):
+        g = torch.Generator().manual_seed(seed)
+        return [caption_for("a cat", trigger, dropout=0.3, generator=g) for _ in range(4000)]
+
+    out = run(0)
+    assert set(out) == {"", "a cat"}
+    assert abs(out.count("") / len(out) - 0.3) < 0.03
+    assert run(0) == out and run(1) != out
+    with_trigger = run(0, trigger="sks")
+    assert [c == "sks" for c in with_trigger] == [c == "" for c in out]  # dropout keeps the trigger
+    assert set(with_trigger) == {"sks", "sks, a cat"}
+    g = torch.Generator().manual_seed(0)
+    assert all(caption_for("a cat", dropout=1.0, generator=g) == "" for _ in range(10))
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        caption_for("a cat", dropout=1.5)
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+def _dataset(n=23):
+    shapes = [(512, 512), (800, 400), (400, 800), (600, 500)]
+    items = [Item(Path(f"{i:03d}.png"), f"c{i}", *shapes[i % len(shapes)]) for i in range(n)]
+    return Dataset(Path("."), items)
+
+
+def _take(batches, n):
+    """The next n batches, crossing epoch boundaries."""
+    out, epochs = [], 0
+    while len(out) < n:
+        epochs += 1
+        assert epochs <= n + 1, "an epoch yielded no batch"  # stall instead of looping forever
+        for b in batches:
+            out.append(b)
+            if len(out) == n:
+                break
+    return out
+
+
+def test_batches_hold_one_bucket_and_cover_each_epoch():
+    data, buckets = _dataset(), make_buckets(512)
+    bb = BucketBatches(data, buckets, batch_size=4, seed=7)
+    epoch0 = list(bb)
+    assert bb.state_dict()["epoch"] == 1 and bb.state_dict()["position"] == 0
+    assert len(epoch0) == len(bb) == 8  # buckets of 6, 6, 6, 5 images: 2 batches each
+    assert sorted(i for b in epoch0 for i in b) == list(range(len(data)))
+    for b in epoch0:
+        assert len({bb.item_buckets[i] for i in b}) == 1 and 1 <= len(b) <= 4
+    epoch1 = list(bb)
+    assert epoch1 != epoch0 and sorted(map(sorted, epoch1)) != sorted(map(sorted, epoch0))
+    assert list(BucketBatches(data, buckets, batch_size=4, seed=7)) == epoch0  # same seed, same order
+    dropped = BucketBatches(data, buckets, batch_size=4, seed=7, drop_last=True)
+    assert all(len(b) == 4 for b in dropped) and len(dropped) == 4
+
+
+@pytest.mark.parametrize("k", [0, 3, 7, 8, 13])
+def test_resumed_batches_continue_exactly(k):
+    data, buckets = _dataset(), make_buckets(512)
+    reference = _take(BucketBatches(data, buckets, batch_size=4, seed=3), 24)  # three epochs
+    first = BucketBatches(data, buckets, batch_size=4, seed=3)
+    assert _take(first, k) == reference[:k]
+    state = first.state_dict()
+    resumed = BucketBatches(data, buckets, batch_size=4, seed=3)
+    resumed.load_state_dict(state)
+    assert _take(resumed, 24 - k) == reference[k:]
+
+
+def test_resume_refuses_other_settings():
+    data, buckets = _dataset(), make_buckets(512)
+    state = BucketBatches(data, buckets, batch_size=4, seed=3).state_dict()
+    with pytest.raises(ValueError, match="other data, buckets, batch size or seed"):
+        BucketBatches(data, buckets, batch_size=2, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="drop_last leaves no batch"):
+        BucketBatches(data, buckets, batch_size=7, seed=3, drop_last=True)
