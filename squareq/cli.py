@@ -1,6 +1,7 @@
 """The `squareq` command line: a thin layer that parses flags, calls the library and prints."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -18,7 +19,16 @@ from .compiler.budget import BudgetError
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
 
-USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError)
+from .runtime import PlanError, StreamError
+from .train.cache import CacheError
+from .train.checkpoint import CheckpointError
+from .train.config import HELP, ConfigError, TrainConfig, load_config
+from .train.data import DataError
+from .train.encoders import EncoderError
+from .train.lora_files import LoraFileError
+
+USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
+               CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError)
 
 
 class _Group(click.Group):
@@ -60,7 +70,6 @@ def _not_yet(name: str, what: str):
     return _cmd
 
 
-_not_yet("train", "Train a LoRA on a slab, streaming its blocks through the GPU")
 _not_yet("accept", "Gate a slab: layer MSE, convergence delta, peak VRAM")
 
 
@@ -125,6 +134,50 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks
     click.echo(f"wrote {out}: {size:,} bytes (budget {opts.budget:,}); layers: "
                + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
                + f"; see the reasons with: squareq inspect {out}")
+
+
+def _config_options(command):
+    """A flag for every TrainConfig key (its help from train.config.HELP), so the file and the flags never drift."""
+    for f in reversed(dataclasses.fields(TrainConfig)):
+        if f.name in ("slab", "data", "output"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "sample_prompts":
+            command = click.option(flag, f.name, multiple=True, help=HELP[f.name])(command)
+        else:
+            kind = str(f.type)
+            typ = float if "float" in kind else int if "int" in kind else str
+            command = click.option(flag, f.name, type=typ, default=None, help=HELP[f.name])(command)
+    return command
+
+
+@main.command()
+@click.argument("slab", type=click.Path(path_type=Path), required=False)
+@click.option("--data", type=click.Path(path_type=Path), help="Folder of images with .txt captions or metadata.jsonl.")
+@click.option("-o", "--out", "output", type=click.Path(path_type=Path), help="Folder for the LoRA, checkpoints and logs.")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
+@click.option("--print-config", is_flag=True, help="Print the resolved configuration as TOML and exit.")
+@_config_options
+def train(slab, data, output, config_file, print_config, **flags) -> None:
+    """Train a LoRA on SLAB, streaming its blocks through the GPU (flags override --config)."""
+    from .train.loop import TrainError, train as run_training
+
+    flags = {k: (list(v) or None) if k == "sample_prompts" else v for k, v in flags.items()}
+    flags.update(slab=str(slab) if slab else None, data=str(data) if data else None,
+                 output=str(output) if output else None)
+    cfg = load_config(config_file, flags)
+    if print_config:
+        click.echo(cfg.to_toml(), nl=False)
+        return
+    for key, flag in (("slab", "SLAB"), ("data", "--data"), ("output", "-o/--out")):
+        if not getattr(cfg, key):
+            raise click.UsageError(f"{flag} is required (or set {key} in --config).")
+    try:
+        result = run_training(cfg, echo=click.echo)
+    except TrainError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"done: {result.steps} steps, LoRA at {result.lora_file}")
 
 
 @main.command()

@@ -25,6 +25,47 @@ HOSTS = ("pinned", "disk")
 LOGGERS = ("jsonl", "tensorboard")
 
 
+# One line per key for `squareq train --help` and docs/cli.md (the CLI makes a flag of every key).
+HELP = {
+    "model": "Pipeline folder with the VAE and text encoders (default: the slab's recorded source).",
+    "cache_dir": "Where cached latents and text embeddings go (default: OUT/cache).",
+    "rank": "LoRA rank.",
+    "alpha": "LoRA alpha; the update is scaled by alpha/rank (default: alpha = rank).",
+    "targets": "Comma-separated layer name patterns for LoRA, matched like PEFT target_modules.",
+    "lr": "Learning rate.",
+    "optimizer": "adamw, or adamw8bit (needs bitsandbytes).",
+    "weight_decay": "AdamW weight decay.",
+    "schedule": "Learning-rate schedule: constant or cosine (both after --warmup).",
+    "warmup": "Steps of linear learning-rate warm-up.",
+    "steps": "Optimizer steps to train.",
+    "epochs": "Passes over the data; when given, decides the length instead of --steps.",
+    "batch_size": "Images per step (per GPU).",
+    "grad_accum": "Batches whose gradients are summed before each optimizer step.",
+    "max_grad_norm": "Clip the LoRA gradient norm to this (0: no clipping).",
+    "resolution": "Training side in pixels; images go to aspect-ratio buckets of about resolution² pixels.",
+    "caption_dropout": "Probability of training a step with an empty caption (the trigger word is kept).",
+    "trigger": "Trigger word put in front of every caption.",
+    "seed": "Seed for LoRA init, batch order, noise and timesteps.",
+    "timestep_sampling": "shift, logit_normal or uniform.",
+    "shift": "Time shift for timestep_sampling = shift.",
+    "guidance": "Embedded guidance value given to guidance-distilled models during training.",
+    "max_sequence_length": "T5 tokens per caption.",
+    "save_every": "Write a checkpoint every N steps (0: only at the end).",
+    "keep_last": "Checkpoints to keep.",
+    "sample_every": "Sample images every N steps (0: never).",
+    "sample_prompts": "A prompt to sample (repeat the flag for several).",
+    "sample_seed": "Seed for sample images.",
+    "sample_steps": "Denoising steps per sample image.",
+    "sample_guidance": "Guidance scale for sample images.",
+    "log": "Metrics: jsonl, or tensorboard.",
+    "resume": "Continue from a checkpoint: latest, or a checkpoint folder.",
+    "nan_patience": "Stop after this many steps in a row with NaN/Inf losses or gradients.",
+    "prefetch": "Block slots on the GPU (the runtime's ring size).",
+    "host": "Where block blobs wait: pinned (RAM) or disk.",
+    "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
+}
+
+
 class ConfigError(ValueError):
     """A configuration value cannot be used; the message names the file or flag."""
 
@@ -62,6 +103,7 @@ class TrainConfig:
     timestep_sampling: str = "shift"
     shift: float = DEFAULT_SHIFT
     guidance: float = DEFAULT_GUIDANCE
+    max_sequence_length: int = 512  # T5 tokens per caption (FLUX.1-dev's maximum)
     # checkpoints, samples, logs
     save_every: int = 250
     keep_last: int = 3
@@ -90,7 +132,8 @@ class TrainConfig:
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")
-        for key in ("rank", "batch_size", "grad_accum", "prefetch", "resolution", "nan_patience", "sample_steps"):
+        for key in ("rank", "batch_size", "grad_accum", "prefetch", "resolution", "nan_patience", "sample_steps",
+                    "max_sequence_length"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
         for key in ("warmup", "save_every", "keep_last", "sample_every", "seed"):

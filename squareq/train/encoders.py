@@ -1,0 +1,87 @@
+"""The VAE and text encoders the cache needs, found from the slab's recorded source or ``--model``.
+
+``tiny-flux`` uses the built-in toy VAE, CLIP and T5 (squareq.models.tiny_pipeline); a diffusers FLUX
+pipeline folder (or its ``transformer/`` subfolder) supplies its own ``vae``, ``text_encoder`` and
+``text_encoder_2``. They are held only while the cache is filled, then released.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import build_tiny_flux_pipeline
+from .cache import module_identity
+
+
+class EncoderError(ValueError):
+    """The VAE or text encoders cannot be found; the message names where SquareQ looked."""
+
+
+@dataclass
+class Encoders:
+    pipeline: object  # a diffusers FluxPipeline without its transformer
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def vae(self):
+        return self.pipeline.vae
+
+    @property
+    def text_identity(self) -> str:
+        return module_identity(self.pipeline.text_encoder, "clip") + module_identity(self.pipeline.text_encoder_2, "t5")
+
+    @torch.no_grad()
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """[3, H, W] in [-1, 1] -> the FLUX-normalized latent [C, H/8, W/8] (fp32). The distribution's mode, so
+        a cached latent is the same every time it is computed."""
+        vae = self.vae
+        z = vae.encode(image[None].to(self.device, self.dtype)).latent_dist.mode()
+        return ((z.float() - vae.config.shift_factor) * vae.config.scaling_factor)[0].cpu()
+
+    @torch.no_grad()
+    def encode_prompt(self, text: str, max_sequence_length: int) -> dict[str, torch.Tensor]:
+        prompt, pooled, _ = self.pipeline.encode_prompt(text, prompt_2=None, device=self.device,
+                                                        max_sequence_length=max_sequence_length)
+        return {"prompt_embeds": prompt[0].float().cpu(), "pooled_prompt_embeds": pooled[0].float().cpu()}
+
+
+def _load_folder(source: Path, dtype: torch.dtype):
+    from diffusers import FluxPipeline
+
+    folder = source.parent if (source.parent / "model_index.json").is_file() else source
+    if not (folder / "model_index.json").is_file():
+        raise EncoderError(f"{source} is not a diffusers pipeline folder (no model_index.json there or in its parent), "
+                           "so SquareQ cannot find the VAE and text encoders; pass the pipeline folder with --model.")
+    try:
+        return FluxPipeline.from_pretrained(str(folder), transformer=None, torch_dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({exc}); pass a complete FLUX "
+                           "pipeline folder with --model.") from None
+
+
+@contextlib.contextmanager
+def open_encoders(source: str, device: torch.device) -> Iterator[Encoders]:
+    """The encoders of ``source`` (``tiny-flux`` or a folder) on ``device``, released on exit."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if source == "tiny-flux":
+        pipe = build_tiny_flux_pipeline()
+        pipe.transformer = None
+    else:
+        pipe = _load_folder(Path(source).expanduser(), dtype)
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        getattr(pipe, name).to(device=device, dtype=dtype).eval()
+    try:
+        yield Encoders(pipe, device, dtype)
+    finally:
+        for name in ("vae", "text_encoder", "text_encoder_2"):
+            setattr(pipe, name, None)
+        del pipe
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # once, before training: the encoders' memory goes back to the ring

@@ -1,0 +1,242 @@
+"""The training loop behind ``squareq train``: cache, then flow-matching LoRA steps on the streamed slab.
+
+1. The slab is loaded through the runtime (blocks streamed, gradient checkpointing on) and LoRA factors
+   are attached. With ``vram_budget`` set on a GPU, the memory plan is checked before anything else.
+2. Images and captions are scanned; VAE latents and text embeddings are computed once into the cache
+   (only entries that are missing), and the encoders are released before training starts.
+3. Each step draws a batch of one bucket, noise and timesteps from the run's own generator, computes
+   the rectified-flow loss and updates the LoRA with AdamW. A step whose loss or gradients are not
+   finite is skipped and counted; ``nan_patience`` skips in a row stop the run with the last good
+   checkpoint left untouched.
+4. Every ``save_every`` steps a checkpoint (LoRA, optimizer, schedule, RNG states, data position) is
+   written atomically; ``resume="latest"`` continues from the newest one exactly (bitwise on a CPU).
+   The finished LoRA is written in the diffusers/PEFT layout.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from ..slab import open_slab
+from .cache import EmbeddingCache, content_key, file_digest, module_identity
+from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .config import TrainConfig
+from .data import BucketBatches, bucket_for, caption_for, load_image, make_buckets, scan_dataset
+from .encoders import Encoders, open_encoders
+from .lora_files import save_diffusers_lora
+from .objective import flow_loss, flow_match, image_ids, pack_latents, sample_timesteps, text_ids
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainError(RuntimeError):
+    """The run cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    skipped_steps: int
+    losses: list[float]
+    lora_file: Path
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _schedule(cfg: TrainConfig, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if cfg.warmup and step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        if cfg.schedule == "cosine":
+            progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return factor
+
+
+def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise TrainError("optimizer = adamw8bit needs bitsandbytes; install it (pip install bitsandbytes) or "
+                             "use optimizer = adamw.") from None
+        return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], encoders: Encoders,
+                cache: EmbeddingCache, echo) -> tuple[list[str], dict[str, str]]:
+    """Cache every image's latents and every caption's embeddings; return the latent keys per item and the
+    text key per caption."""
+    vae_id, text_id = module_identity(encoders.vae, "vae"), encoders.text_identity
+    image_keys = [content_key("latents", file_digest(item.path), vae_id, list(bucket))
+                  for item, bucket in zip(dataset.items, item_buckets, strict=True)]
+
+    def encode_images(indices):
+        return [{"latents": encoders.encode_image(load_image(dataset.items[i].path, item_buckets[i]))}
+                for i in indices]
+
+    text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
+    unique = list(text_keys)
+
+    def encode_texts(indices):
+        return [encoders.encode_prompt(unique[i], cfg.max_sequence_length) for i in indices]
+
+    start = time.perf_counter()
+    made = cache.fill("latents", image_keys, encode_images) + cache.fill("text", [text_keys[c] for c in unique],
+                                                                        encode_texts)
+    echo(f"cache {cache.root}: {made} new entries of {len(image_keys) + len(unique)} in "
+         f"{time.perf_counter() - start:.1f} s")
+    return image_keys, text_keys
+
+
+def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
+          after_step: Callable[[int], None] | None = None) -> TrainResult:
+    """Run the training ``cfg`` describes; ``after_step(step)`` is called after each finished step."""
+    if cfg.sample_every:
+        raise TrainError("sample_every: sampling images during training is not in this SquareQ version yet; set "
+                         "sample_every = 0 (the LoRA file loads into diffusers' FluxPipeline for sampling).")
+    if cfg.log != "jsonl":
+        raise TrainError(f"log = {cfg.log}: only the JSONL metrics file is written in this SquareQ version; set "
+                         "log = jsonl.")
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    device = _device()
+    torch.manual_seed(cfg.seed)
+
+    slab = open_slab(cfg.slab, verify="eager")
+    if cfg.vram_budget_bytes is not None and device.type == "cuda":
+        plan = runtime.plan(slab, resolution=cfg.resolution, batch=cfg.batch_size,
+                            text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
+                            lora_targets=cfg.targets)
+        echo("expected device memory:\n" + str(plan))
+        plan.check(cfg.vram_budget_bytes)
+
+    dataset = scan_dataset(cfg.data)
+    buckets = make_buckets(cfg.resolution)
+    item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
+    plain = [caption_for(item.caption, cfg.trigger) for item in dataset.items]
+    dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
+    cache = EmbeddingCache(cfg.cache_dir or out / "cache")
+    with open_encoders(cfg.model or slab.manifest.model.source, device) as encoders:
+        image_keys, text_keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(plain) | {dropped}), encoders,
+                                            cache, echo)
+
+    model = runtime.load(slab, device, prefetch=cfg.prefetch, host=cfg.host, verify="off")
+    params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
+    names = [n for n, p in runtime.lora_parameters(model).items()]
+    model.enable_gradient_checkpointing()
+    model.train()
+    batches = BucketBatches(dataset, buckets, cfg.batch_size, cfg.seed)
+    total = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, len(batches) // cfg.grad_accum)
+    optimizer = _optimizer(cfg, params)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total))
+    generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
+
+    step, skipped_in_row, skipped = 0, 0, 0
+    if cfg.resume:
+        path = latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
+        if path is None:
+            echo(f"no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
+        else:
+            ckpt = load_checkpoint(path, optimizer, names, scheduler)
+            with torch.no_grad():
+                for name, p in runtime.lora_parameters(model).items():
+                    p.copy_(ckpt.lora[name])
+            batches.load_state_dict(ckpt.data_state["batches"])
+            generator.set_state(ckpt.extra["generator"])
+            step, skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
+            echo(f"resumed from {path} at step {step}")
+
+    def checkpoint() -> Path:
+        path = save_checkpoint(out, step, runtime.lora_state_dict(model), optimizer, names, scheduler,
+                               {"batches": batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
+                               extra={"generator": generator.get_state()})
+        prune_checkpoints(out, max(1, cfg.keep_last))
+        return path
+
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    batch_iter = iter(batches)
+    losses: list[float] = []
+    metrics = open(out / METRICS_FILE, "a")
+    try:
+        while step < total:
+            started = time.perf_counter()
+            step_loss = 0.0
+            for _ in range(cfg.grad_accum):
+                indices = next(batch_iter, None)
+                if indices is None:
+                    batch_iter = iter(batches)
+                    indices = next(batch_iter)
+                latents = torch.stack([cache.load("latents", image_keys[i])["latents"] for i in indices]).to(device)
+                texts = []
+                for i in indices:
+                    drop = cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
+                    texts.append(cache.load("text", text_keys[dropped if drop else plain[i]]))
+                prompt = torch.stack([t["prompt_embeds"] for t in texts]).to(device)
+                pooled = torch.stack([t["pooled_prompt_embeds"] for t in texts]).to(device)
+                noise = torch.randn(latents.shape, generator=generator).to(device)
+                t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift).to(device)
+                x_t, target = flow_match(latents, noise, t)
+                h, w = latents.shape[-2:]
+                with amp:
+                    pred = model(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
+                                 pooled_projections=pooled, timestep=t,
+                                 guidance=torch.full_like(t, cfg.guidance) if _has_guidance(model) else None,
+                                 img_ids=image_ids(h, w, device=device), txt_ids=text_ids(prompt.shape[1]).to(device),
+                                 return_dict=False)[0]
+                loss = flow_loss(pred, pack_latents(target)) / cfg.grad_accum
+                loss.backward()
+                step_loss += float(loss.detach())
+            grads = [p.grad for p in params if p.grad is not None]
+            finite = math.isfinite(step_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+            if not finite:
+                optimizer.zero_grad(set_to_none=True)
+                skipped_in_row, skipped = skipped_in_row + 1, skipped + 1
+                echo(f"step {step + 1}: the loss or a gradient is NaN/Inf; skipped ({skipped_in_row} in a row)")
+                if skipped_in_row >= cfg.nan_patience:
+                    raise TrainError(f"{skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
+                                     f"stopped at step {step}; the last good checkpoint in {out / 'checkpoints'} is "
+                                     "untouched. Lower the learning rate or check the data, then --resume latest.")
+                continue
+            skipped_in_row = 0
+            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else
+                                                        float("inf")))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            losses.append(step_loss)
+            record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
+                      "seconds": time.perf_counter() - started, "skipped_total": skipped}
+            if device.type == "cuda":
+                stats = runtime.runtime_of(model).step_stats()
+                record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                checkpoint()
+            if after_step is not None:
+                after_step(step)
+        checkpoint()
+    finally:
+        metrics.close()
+        runtime.runtime_of(model).close()
+    lora_file = save_diffusers_lora(runtime.lora_state_dict(model), out, cfg.rank, cfg.lora_alpha, cfg.targets,
+                                    extra_metadata={"base_model_signature": slab.manifest.model.signature})
+    echo(f"LoRA written to {lora_file} after {step} steps ({skipped} skipped)")
+    return TrainResult(step, skipped, losses, lora_file)
+
+
+def _has_guidance(model) -> bool:
+    return bool(getattr(model.config, "guidance_embeds", False))

@@ -1,0 +1,142 @@
+"""`squareq train`'s loop on tiny-flux: it learns, resumes bitwise after a kill, and stops on NaN."""
+import pytest
+import torch
+from PIL import Image
+
+from squareq import runtime
+from squareq.models import load_builtin
+from squareq.quant import QuantSpec
+from squareq.slab import WriteOptions, write_slab
+from squareq.train.config import load_config
+from squareq.train.lora_files import load_lora
+from squareq.train.loop import TrainError, train
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")  # the Triton kernel is tested on its own; this keeps CI fast
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    model, adapter = load_builtin("tiny-flux")
+    write_slab(model, adapter.blocks(model), {}, root / "tiny.slab",
+               WriteOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    data = root / "data"
+    data.mkdir()
+    for i, (color, caption) in enumerate([((220, 30, 30), "a red square"), ((30, 30, 220), "a blue square"),
+                                          ((30, 200, 30), "a green square"), ((230, 230, 20), "a yellow square")]):
+        Image.new("RGB", (64, 64), color).save(data / f"img{i}.png")
+        (data / f"img{i}.txt").write_text(caption)
+    (data / "broken.png").write_bytes(b"not an image")
+    (data / "broken.txt").write_text("never used")
+    return root
+
+
+def _config(ws, out, **kw):
+    values = {"slab": str(ws / "tiny.slab"), "data": str(ws / "data"), "output": str(out), "resolution": 64,
+              "max_sequence_length": 16, "steps": 20, "lr": 3e-3, "rank": 4, "save_every": 5, "batch_size": 2,
+              "cache_dir": str(ws / "cache")}
+    values.update(kw)
+    return load_config(None, values)
+
+
+def _eval_loss(ws, lora_file, seed=0) -> float:
+    """The flow loss on every cached latent at fixed noise and timesteps, with the LoRA (or without it)."""
+    from squareq.train.cache import EmbeddingCache
+    from squareq.train.objective import flow_loss, flow_match, image_ids, pack_latents, text_ids
+
+    model = runtime.load(ws / "tiny.slab", "cpu", stream=False)
+    if lora_file is not None:
+        lora, info = load_lora(lora_file)
+        runtime.add_lora(model, rank=info["rank"], alpha=info["alpha"], targets=sorted({n.rsplit(".", 2)[0] for n in lora}))
+        with torch.no_grad():
+            for name, p in runtime.lora_parameters(model).items():
+                p.copy_(lora[name])
+    cache = EmbeddingCache(ws / "cache")
+    latents = torch.stack([cache.load("latents", p.stem)["latents"] for p in sorted((ws / "cache" / "latents").iterdir())])
+    text = [cache.load("text", p.stem) for p in sorted((ws / "cache" / "text").iterdir())][: len(latents)]
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(latents.shape, generator=g)
+    t = torch.linspace(0.2, 0.8, len(latents))
+    x_t, target = flow_match(latents, noise, t)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        pred = model(hidden_states=pack_latents(x_t), encoder_hidden_states=torch.stack([e["prompt_embeds"] for e in text]),
+                     pooled_projections=torch.stack([e["pooled_prompt_embeds"] for e in text]), timestep=t,
+                     guidance=torch.ones_like(t), img_ids=image_ids(8, 8), txt_ids=text_ids(16), return_dict=False)[0]
+    return float(flow_loss(pred, pack_latents(target)))
+
+
+def test_training_lowers_the_loss_and_writes_a_lora(workspace, tmp_path, caplog):
+    result = train(_config(workspace, tmp_path / "run", steps=40), echo=lambda s: None)
+    assert result.steps == 40 and result.skipped_steps == 0
+    assert result.lora_file.name == "pytorch_lora_weights.safetensors"
+    assert any("broken.png" in r.getMessage() for r in caplog.records)  # the bad image was reported and skipped
+    before, after = _eval_loss(workspace, None), _eval_loss(workspace, result.lora_file)
+    assert after < 0.97 * before, (before, after)
+
+
+def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path):
+    straight = train(_config(workspace, tmp_path / "straight"), echo=lambda s: None)
+
+    def kill(step):
+        if step == 12:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(workspace, tmp_path / "killed"), echo=lambda s: None, after_step=kill)
+    resumed = train(_config(workspace, tmp_path / "killed", resume="latest"), echo=lambda s: None)
+    a, _ = load_lora(straight.lora_file)
+    b, _ = load_lora(resumed.lora_file)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert resumed.steps == straight.steps == 20
+
+
+def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypatch):
+    import squareq.train.loop as loop
+
+    real = loop.flow_loss
+    calls = {"n": 0}
+
+    def poisoned(pred, target, weighting=None):
+        calls["n"] += 1
+        loss = real(pred, target, weighting)
+        return loss * float("nan") if calls["n"] > 6 else loss
+
+    monkeypatch.setattr(loop, "flow_loss", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(TrainError, match="NaN/Inf") as err:
+        train(_config(workspace, out, nan_patience=3), echo=lambda s: None)
+    assert "--resume latest" in str(err.value)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000005"]
+
+
+def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    runner = CliRunner()
+    out = tmp_path / "cli"
+    args = ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"), "-o", str(out),
+            "--resolution", "64", "--max-sequence-length", "16", "--steps", "3", "--rank", "2",
+            "--cache-dir", str(workspace / "cache")]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert (out / "pytorch_lora_weights.safetensors").is_file() and "done: 3 steps" in result.output
+
+    printed = runner.invoke(main, args + ["--print-config"])
+    assert printed.exit_code == 0 and "rank = 2" in printed.output and "steps = 3" in printed.output
+    (tmp_path / "cfg.toml").write_text(printed.output)
+    again = runner.invoke(main, ["train", "--config", str(tmp_path / "cfg.toml"), "--print-config"])
+    assert again.output == printed.output
+
+    missing = runner.invoke(main, ["train", str(workspace / "tiny.slab"), "-o", str(out)])
+    assert missing.exit_code == 2 and "--data is required" in missing.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad = runner.invoke(main, args[:3] + [str(empty)] + args[4:])
+    assert bad.exit_code == 1 and str(empty) in bad.output and bad.output.startswith("error:")
