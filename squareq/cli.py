@@ -182,6 +182,49 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
 
 @main.command()
 @click.argument("slab", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt (repeat for several images).")
+@click.option("--lora", type=click.Path(path_type=Path), help="A LoRA file or folder (diffusers or kohya layout).")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("samples"), show_default=True,
+              help="Folder for the PNG files.")
+@click.option("--model", help="Pipeline folder with the VAE and text encoders (default: the slab's source).")
+@click.option("--resolution", type=int, default=1024, show_default=True)
+@click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
+@click.option("--guidance", type=float, default=3.5, show_default=True)
+@click.option("--seed", type=int, default=42, show_default=True)
+@click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
+@click.option("--prefetch", type=int, default=2, show_default=True, help="Block slots on the GPU.")
+@click.option("--host", type=click.Choice(["pinned", "disk"]), default="pinned", show_default=True)
+def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch, host):
+    """Generate images with the streamed slab, optionally with a LoRA."""
+    from .train.sample import sample_images
+
+    images = sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps,
+                           guidance=guidance, seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch,
+                           host=host)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(images):
+        path = out / f"sample-{i:03d}.png"
+        image.save(path)
+        click.echo(f"wrote {path}")
+
+
+@main.command("export-lora")
+@click.argument("lora", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True,
+              help="kohya: a .safetensors file; diffusers: a folder for pytorch_lora_weights.safetensors.")
+@click.option("--format", "fmt", type=click.Choice(["kohya", "diffusers"]), default="kohya", show_default=True)
+def export_lora(lora: Path, out: Path, fmt: str) -> None:
+    """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT)."""
+    from .train.lora_files import load_lora, save_diffusers_lora, save_kohya_lora
+
+    factors, info = load_lora(lora)
+    save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
+    path = save(factors, out, info["rank"], info["alpha"], info["targets"])
+    click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
+
+
+@main.command()
+@click.argument("slab", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--verify", is_flag=True, help="Check every block's and resident tensor's sha256 first.")
 def inspect(slab: Path, as_json: bool, verify: bool) -> None:

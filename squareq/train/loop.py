@@ -32,6 +32,7 @@ from .data import BucketBatches, bucket_for, caption_for, load_image, make_bucke
 from .encoders import Encoders, open_encoders
 from .lora_files import save_diffusers_lora
 from .objective import flow_loss, flow_match, image_ids, pack_latents, sample_timesteps, text_ids
+from .sample import draw_image
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -103,9 +104,9 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
 def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
           after_step: Callable[[int], None] | None = None) -> TrainResult:
     """Run the training ``cfg`` describes; ``after_step(step)`` is called after each finished step."""
-    if cfg.sample_every:
-        raise TrainError("sample_every: sampling images during training is not in this SquareQ version yet; set "
-                         "sample_every = 0 (the LoRA file loads into diffusers' FluxPipeline for sampling).")
+    if cfg.sample_every and not cfg.sample_prompts:
+        raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it for "
+                         "several) or set sample_every = 0.")
     if cfg.log != "jsonl":
         raise TrainError(f"log = {cfg.log}: only the JSONL metrics file is written in this SquareQ version; set "
                          "log = jsonl.")
@@ -166,68 +167,84 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
         return path
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
     batch_iter = iter(batches)
     losses: list[float] = []
     metrics = open(out / METRICS_FILE, "a")
     try:
-        while step < total:
-            started = time.perf_counter()
-            step_loss = 0.0
-            for _ in range(cfg.grad_accum):
-                indices = next(batch_iter, None)
-                if indices is None:
-                    batch_iter = iter(batches)
-                    indices = next(batch_iter)
-                latents = torch.stack([cache.load("latents", image_keys[i])["latents"] for i in indices]).to(device)
-                texts = []
-                for i in indices:
-                    drop = cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
-                    texts.append(cache.load("text", text_keys[dropped if drop else plain[i]]))
-                prompt = torch.stack([t["prompt_embeds"] for t in texts]).to(device)
-                pooled = torch.stack([t["pooled_prompt_embeds"] for t in texts]).to(device)
-                noise = torch.randn(latents.shape, generator=generator).to(device)
-                t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift).to(device)
-                x_t, target = flow_match(latents, noise, t)
-                h, w = latents.shape[-2:]
-                with amp:
-                    pred = model(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
-                                 pooled_projections=pooled, timestep=t,
-                                 guidance=torch.full_like(t, cfg.guidance) if _has_guidance(model) else None,
-                                 img_ids=image_ids(h, w, device=device), txt_ids=text_ids(prompt.shape[1]).to(device),
-                                 return_dict=False)[0]
-                loss = flow_loss(pred, pack_latents(target)) / cfg.grad_accum
-                loss.backward()
-                step_loss += float(loss.detach())
-            grads = [p.grad for p in params if p.grad is not None]
-            finite = math.isfinite(step_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
-            if not finite:
+        try:
+            while step < total:
+                started = time.perf_counter()
+                step_loss = 0.0
+                for _ in range(cfg.grad_accum):
+                    indices = next(batch_iter, None)
+                    if indices is None:
+                        batch_iter = iter(batches)
+                        indices = next(batch_iter)
+                    latents = torch.stack([cache.load("latents", image_keys[i])["latents"] for i in indices]).to(device)
+                    texts = []
+                    for i in indices:
+                        drop = cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
+                        texts.append(cache.load("text", text_keys[dropped if drop else plain[i]]))
+                    prompt = torch.stack([t["prompt_embeds"] for t in texts]).to(device)
+                    pooled = torch.stack([t["pooled_prompt_embeds"] for t in texts]).to(device)
+                    noise = torch.randn(latents.shape, generator=generator).to(device)
+                    t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift).to(device)
+                    x_t, target = flow_match(latents, noise, t)
+                    h, w = latents.shape[-2:]
+                    with amp:
+                        pred = model(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
+                                     pooled_projections=pooled, timestep=t,
+                                     guidance=torch.full_like(t, cfg.guidance) if _has_guidance(model) else None,
+                                     img_ids=image_ids(h, w, device=device), txt_ids=text_ids(prompt.shape[1]).to(device),
+                                     return_dict=False)[0]
+                    loss = flow_loss(pred, pack_latents(target)) / cfg.grad_accum
+                    loss.backward()
+                    step_loss += float(loss.detach())
+                grads = [p.grad for p in params if p.grad is not None]
+                finite = math.isfinite(step_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+                if not finite:
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped_in_row, skipped = skipped_in_row + 1, skipped + 1
+                    echo(f"step {step + 1}: the loss or a gradient is NaN/Inf; skipped ({skipped_in_row} in a row)")
+                    if skipped_in_row >= cfg.nan_patience:
+                        raise TrainError(f"{skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
+                                         f"stopped at step {step}; the last good checkpoint in {out / 'checkpoints'} is "
+                                         "untouched. Lower the learning rate or check the data, then --resume latest.")
+                    continue
+                skipped_in_row = 0
+                norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else
+                                                            float("inf")))
+                optimizer.step()
+                scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                skipped_in_row, skipped = skipped_in_row + 1, skipped + 1
-                echo(f"step {step + 1}: the loss or a gradient is NaN/Inf; skipped ({skipped_in_row} in a row)")
-                if skipped_in_row >= cfg.nan_patience:
-                    raise TrainError(f"{skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
-                                     f"stopped at step {step}; the last good checkpoint in {out / 'checkpoints'} is "
-                                     "untouched. Lower the learning rate or check the data, then --resume latest.")
-                continue
-            skipped_in_row = 0
-            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else
-                                                        float("inf")))
-            optimizer.step()
-            scheduler.step()
+                step += 1
+                losses.append(step_loss)
+                record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
+                          "seconds": time.perf_counter() - started, "skipped_total": skipped}
+                if device.type == "cuda":
+                    stats = runtime.runtime_of(model).step_stats()
+                    record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                if step % every == 0 or step == total:
+                    recent = losses[-every:]
+                    vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
+                    echo(f"step {step}/{total}: loss {step_loss:.4f} (avg {sum(recent) / len(recent):.4f}), "
+                         f"lr {record['lr']:.2e}, grad norm {norm:.3f}, {1 / record['seconds']:.2f} it/s{vram}")
+                if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                    checkpoint()
+                if cfg.sample_every and step % cfg.sample_every == 0:
+                    _save_samples(cfg, model, slab, out / "samples", step, device)
+                if after_step is not None:
+                    after_step(step)
+        except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
-            step += 1
-            losses.append(step_loss)
-            record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
-                      "seconds": time.perf_counter() - started, "skipped_total": skipped}
-            if device.type == "cuda":
-                stats = runtime.runtime_of(model).step_stats()
-                record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                checkpoint()
-            if after_step is not None:
-                after_step(step)
+            peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+            path = checkpoint()  # the last finished step; the failed one is simply run again on resume
+            raise TrainError(f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB); "
+                             f"steps up to {step} are saved in {path}. Lower --resolution or --batch-size (raise "
+                             "--grad-accum to keep the effective batch) or use --prefetch 1, then --resume latest.") from None
         checkpoint()
     finally:
         metrics.close()
@@ -236,6 +253,25 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
                                     extra_metadata={"base_model_signature": slab.manifest.model.signature})
     echo(f"LoRA written to {lora_file} after {step} steps ({skipped} skipped)")
     return TrainResult(step, skipped, losses, lora_file)
+
+
+def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device: torch.device) -> None:
+    """PNG samples of ``cfg.sample_prompts`` from the model being trained (streamed forward under no_grad). The
+    training RNG is set aside while sampling, so samples do not change the run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            open_encoders(cfg.model or slab.manifest.model.source, device) as encoders:
+        pipe = encoders.pipeline
+        pipe.transformer = model
+        for i, prompt in enumerate(cfg.sample_prompts):
+            image = draw_image(pipe, prompt, cfg.resolution, cfg.sample_steps, cfg.sample_guidance, cfg.sample_seed,
+                               cfg.max_sequence_length, device)
+            tmp = folder / f".step-{step:08d}-{i}.png.tmp"
+            image.save(tmp, format="PNG")
+            tmp.replace(folder / f"step-{step:08d}-{i}.png")
+        pipe.transformer = None
+    model.train()
 
 
 def _has_guidance(model) -> bool:

@@ -528,3 +528,26 @@ __all__ = [
     "save_kohya_lora",
     "to_kohya",
 ]
+
+
+def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> list[torch.nn.Parameter]:
+    """Give a runtime model (``squareq.runtime.load``) the factors ``load_lora`` read: each layer gets its own rank
+    and the file's alpha, so its scale is alpha / rank as in the file. Returns the factor parameters."""
+    from ..runtime import QuantLinear
+
+    params = []
+    for layer in sorted({k[: -len(_A)] for k in lora if k.endswith(_A)}):
+        try:
+            module = model.get_submodule(layer)
+        except AttributeError:
+            module = None
+        if not isinstance(module, QuantLinear):
+            raise LoraFileError(f"the LoRA names layer {layer}, which is not a quantized layer of this "
+                                f"{type(model).__name__}; it was trained for another model.")
+        a, b = lora[layer + _A], lora[layer + _B]
+        module.add_lora(a.shape[0], float(info["alpha"]), device=module.scratch.buffer.device)
+        with torch.no_grad():
+            module.lora_A.weight.copy_(a)
+            module.lora_B.weight.copy_(b)
+        params += [module.lora_A.weight, module.lora_B.weight]
+    return params

@@ -140,3 +140,69 @@ def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
     empty.mkdir()
     bad = runner.invoke(main, args[:3] + [str(empty)] + args[4:])
     assert bad.exit_code == 1 and str(empty) in bad.output and bad.output.startswith("error:")
+
+
+def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path):
+    plain = train(_config(workspace, tmp_path / "plain", steps=4), echo=lambda s: None)
+    sampled = train(_config(workspace, tmp_path / "sampled", steps=4, sample_every=2,
+                            sample_prompts=["a red square"], sample_steps=2), echo=lambda s: None)
+    assert sorted(p.name for p in (tmp_path / "sampled" / "samples").iterdir()) == [
+        "step-00000002-0.png", "step-00000004-0.png"]
+    a, _ = load_lora(plain.lora_file)
+    b, _ = load_lora(sampled.lora_file)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sample_and_export_commands(workspace, tmp_path):
+    import numpy as np
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+    from squareq.train.lora_files import save_diffusers_lora
+
+    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    params = runtime.add_lora(model, rank=4, seed=3)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.5)
+    save_diffusers_lora(runtime.lora_state_dict(model), tmp_path / "lora", 4, 4.0, ["to_q", "to_k", "to_v", "to_out.0"])
+    runner = CliRunner()
+    base = ["sample", str(workspace / "tiny.slab"), "--prompt", "a red square", "--resolution", "64", "--steps", "2",
+            "--max-sequence-length", "16"]
+    plain = runner.invoke(main, base + ["-o", str(tmp_path / "plain")])
+    with_lora = runner.invoke(main, base + ["-o", str(tmp_path / "lora_img"), "--lora", str(tmp_path / "lora")])
+    assert plain.exit_code == 0 and with_lora.exit_code == 0, plain.output + with_lora.output
+    a = np.asarray(Image.open(tmp_path / "plain" / "sample-000.png")).astype(int)
+    b = np.asarray(Image.open(tmp_path / "lora_img" / "sample-000.png")).astype(int)
+    assert a.shape == (64, 64, 3) and np.abs(a - b).mean() > 1.0  # the LoRA changes the image
+
+    kohya = tmp_path / "lora_kohya.safetensors"
+    exported = runner.invoke(main, ["export-lora", str(tmp_path / "lora"), "-o", str(kohya)])
+    assert exported.exit_code == 0, exported.output
+    back, info = load_lora(kohya)
+    orig, _ = load_lora(tmp_path / "lora")
+    assert info["layout"] == "kohya"
+    for layer in {k.rsplit(".", 2)[0] for k in orig}:  # the same update per layer, even where kohya fuses q, k, v
+        delta = lambda f: f[layer + ".lora_B.weight"].float() @ f[layer + ".lora_A.weight"].float()
+        assert torch.allclose(delta(orig) / orig[layer + ".lora_A.weight"].shape[0],
+                              delta(back) / back[layer + ".lora_A.weight"].shape[0], atol=1e-6), layer
+
+
+def test_out_of_memory_saves_and_says_which_knob_to_turn(workspace, tmp_path, monkeypatch):
+    import squareq.train.loop as loop
+
+    real = loop.flow_loss
+    calls = {"n": 0}
+
+    def exhausted(pred, target, weighting=None):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(pred, target, weighting)
+
+    monkeypatch.setattr(loop, "flow_loss", exhausted)
+    out = tmp_path / "oom"
+    with pytest.raises(TrainError, match="ran out of memory in step 4") as err:
+        train(_config(workspace, out, save_every=0), echo=lambda s: None)
+    assert "--resolution" in str(err.value) and "--resume latest" in str(err.value)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003"]
