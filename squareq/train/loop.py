@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ import torch
 from .. import runtime
 from ..slab import open_slab
 from .cache import EmbeddingCache, content_key, file_digest, module_identity
-from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
+from .distributed import Ranks
 from .data import BucketBatches, bucket_for, caption_for, load_image, make_buckets, scan_dataset
 from .encoders import Encoders, open_encoders
 from .lora_files import save_diffusers_lora
@@ -102,8 +104,10 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
 
 
 def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
-          after_step: Callable[[int], None] | None = None) -> TrainResult:
-    """Run the training ``cfg`` describes; ``after_step(step)`` is called after each finished step."""
+          after_step: Callable[[int], None] | None = None,
+          on_gradients: Callable[[int, list[torch.Tensor]], None] | None = None) -> TrainResult:
+    """Run the training ``cfg`` describes. ``after_step(step)`` is called after each finished step;
+    ``on_gradients(step, grads)`` with the LoRA gradients about to be applied (averaged over ranks)."""
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it for "
                          "several) or set sample_every = 0.")
@@ -113,6 +117,18 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     device = _device()
+    ranks = Ranks.from_env("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _train(cfg, out, device, ranks, echo if ranks.is_main else (lambda s: None), after_step, on_gradients)
+    finally:
+        ranks.close()
+
+
+def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo, after_step,
+           on_gradients) -> TrainResult:
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.local_rank)
+        torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
 
     slab = open_slab(cfg.slab, verify="eager")
@@ -129,16 +145,19 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     plain = [caption_for(item.caption, cfg.trigger) for item in dataset.items]
     dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
     cache = EmbeddingCache(cfg.cache_dir or out / "cache")
-    with open_encoders(cfg.model or slab.manifest.model.source, device) as encoders:
-        image_keys, text_keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(plain) | {dropped}), encoders,
-                                            cache, echo)
+    keys = None
+    if ranks.is_main:
+        with open_encoders(cfg.model or slab.manifest.model.source, device) as encoders:
+            keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(plain) | {dropped}), encoders, cache, echo)
+    image_keys, text_keys = ranks.broadcast(keys)
 
     model = runtime.load(slab, device, prefetch=cfg.prefetch, host=cfg.host, verify="off")
     params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
     names = [n for n, p in runtime.lora_parameters(model).items()]
     model.enable_gradient_checkpointing()
     model.train()
-    batches = BucketBatches(dataset, buckets, cfg.batch_size, cfg.seed)
+    # one global batch per step, shared out to the ranks (equal shares, so the last short batch is dropped)
+    batches = BucketBatches(dataset, buckets, cfg.batch_size * ranks.world, cfg.seed, drop_last=ranks.world > 1)
     total = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, len(batches) // cfg.grad_accum)
     optimizer = _optimizer(cfg, params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total))
@@ -160,17 +179,20 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
             echo(f"resumed from {path} at step {step}")
 
     def checkpoint() -> Path:
-        path = save_checkpoint(out, step, runtime.lora_state_dict(model), optimizer, names, scheduler,
-                               {"batches": batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
-                               extra={"generator": generator.get_state()})
-        prune_checkpoints(out, max(1, cfg.keep_last))
+        path = checkpoint_dir(out, step)
+        if ranks.is_main:
+            path = save_checkpoint(out, step, runtime.lora_state_dict(model), optimizer, names, scheduler,
+                                   {"batches": batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
+                                   extra={"generator": generator.get_state()})
+            prune_checkpoints(out, max(1, cfg.keep_last))
+        ranks.barrier()
         return path
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
     batch_iter = iter(batches)
     losses: list[float] = []
-    metrics = open(out / METRICS_FILE, "a")
+    metrics = open(out / METRICS_FILE, "a") if ranks.is_main else open(os.devnull, "w")
     try:
         try:
             while step < total:
@@ -181,15 +203,20 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
                     if indices is None:
                         batch_iter = iter(batches)
                         indices = next(batch_iter)
+                    # Every rank draws for the whole global batch, then keeps its share: the same numbers as one
+                    # process training the whole batch.
+                    drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
+                             for _ in indices]
+                    shape = (len(indices), *cache.load("latents", image_keys[indices[0]])["latents"].shape)
+                    noise = torch.randn(shape, generator=generator)
+                    t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
+                    mine = ranks.share(len(indices))
+                    indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
                     latents = torch.stack([cache.load("latents", image_keys[i])["latents"] for i in indices]).to(device)
-                    texts = []
-                    for i in indices:
-                        drop = cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
-                        texts.append(cache.load("text", text_keys[dropped if drop else plain[i]]))
-                    prompt = torch.stack([t["prompt_embeds"] for t in texts]).to(device)
-                    pooled = torch.stack([t["pooled_prompt_embeds"] for t in texts]).to(device)
-                    noise = torch.randn(latents.shape, generator=generator).to(device)
-                    t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift).to(device)
+                    texts = [cache.load("text", text_keys[dropped if drop else plain[i]])
+                             for i, drop in zip(indices, drops, strict=True)]
+                    prompt = torch.stack([e["prompt_embeds"] for e in texts]).to(device)
+                    pooled = torch.stack([e["pooled_prompt_embeds"] for e in texts]).to(device)
                     x_t, target = flow_match(latents, noise, t)
                     h, w = latents.shape[-2:]
                     with amp:
@@ -201,6 +228,8 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
                     loss = flow_loss(pred, pack_latents(target)) / cfg.grad_accum
                     loss.backward()
                     step_loss += float(loss.detach())
+                ranks.average_grads(params)
+                step_loss = ranks.mean(step_loss, device)
                 grads = [p.grad for p in params if p.grad is not None]
                 finite = math.isfinite(step_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
                 if not finite:
@@ -213,6 +242,8 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
                                          "untouched. Lower the learning rate or check the data, then --resume latest.")
                     continue
                 skipped_in_row = 0
+                if on_gradients is not None:
+                    on_gradients(step + 1, [p.grad for p in params])
                 norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else
                                                             float("inf")))
                 optimizer.step()
@@ -234,7 +265,7 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
                          f"lr {record['lr']:.2e}, grad norm {norm:.3f}, {1 / record['seconds']:.2f} it/s{vram}")
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
                     checkpoint()
-                if cfg.sample_every and step % cfg.sample_every == 0:
+                if cfg.sample_every and step % cfg.sample_every == 0 and ranks.is_main:
                     _save_samples(cfg, model, slab, out / "samples", step, device)
                 if after_step is not None:
                     after_step(step)
@@ -249,8 +280,11 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     finally:
         metrics.close()
         runtime.runtime_of(model).close()
-    lora_file = save_diffusers_lora(runtime.lora_state_dict(model), out, cfg.rank, cfg.lora_alpha, cfg.targets,
-                                    extra_metadata={"base_model_signature": slab.manifest.model.signature})
+    lora_file = out / "pytorch_lora_weights.safetensors"
+    if ranks.is_main:
+        lora_file = save_diffusers_lora(runtime.lora_state_dict(model), out, cfg.rank, cfg.lora_alpha, cfg.targets,
+                                        extra_metadata={"base_model_signature": slab.manifest.model.signature})
+    ranks.barrier()
     echo(f"LoRA written to {lora_file} after {step} steps ({skipped} skipped)")
     return TrainResult(step, skipped, losses, lora_file)
 

@@ -1,0 +1,77 @@
+"""Data-parallel training across processes (``torchrun --nproc-per-node N -m squareq train ...``).
+
+Every rank streams its own copy of the blocks and holds the same LoRA. A step's global batch (batch size ×
+ranks, one bucket) is drawn identically on every rank, noise and timesteps included, and each rank takes its
+contiguous share; after the backward the LoRA gradients are averaged with one all-reduce. So N ranks with
+batch b take the same steps as one process with batch N·b (tested with gloo on a CPU). Only rank 0 fills the
+cache, writes checkpoints, samples, metrics and the LoRA file; the others wait at a barrier.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, backend: str) -> "Ranks":
+        """The process group torchrun describes in the environment (or a single process without one)."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend)
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, size: int) -> slice:
+        """This rank's contiguous part of a global batch of ``size`` items (sizes are multiples of ``world``)."""
+        per = size // self.world
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def average_grads(self, params: list[torch.Tensor]) -> None:
+        """Replace every gradient by its mean over the ranks (one all-reduce of a flat buffer)."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(params, grads, strict=True):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
+    def mean(self, value: float, device) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
