@@ -180,6 +180,33 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
     click.echo(f"done: {result.steps} steps, LoRA at {result.lora_file}")
 
 
+@main.command("cache")
+@click.argument("slab", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), required=True, help="Folder of images with captions.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), required=True, help="Where the cache goes.")
+@click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
+@click.option("--model", help="Pipeline folder with the VAE and text encoders (default: the slab's source).")
+@click.option("--resolution", type=int, help=HELP["resolution"])
+@click.option("--trigger", help=HELP["trigger"])
+@click.option("--max-sequence-length", type=int, help=HELP["max_sequence_length"])
+def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, max_sequence_length) -> None:
+    """Compute the latents and text embeddings `squareq train` would, without training."""
+    import torch
+
+    from .train.loop import prepare_data
+
+    cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), "model": model,
+                                    "resolution": resolution, "trigger": trigger,
+                                    "max_sequence_length": max_sequence_length})
+    with open_slab(slab, verify="off") as s:
+        source = s.manifest.model.source
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    prepared = prepare_data(cfg, source, device, echo=click.echo)
+    n = prepared.computed
+    click.echo(f"{len(prepared.dataset)} images cached in {cache_dir} ({n} {'entry' if n == 1 else 'entries'} "
+               "computed now)")
+
+
 @main.command()
 @click.argument("slab", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt (repeat for several images).")

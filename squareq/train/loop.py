@@ -103,6 +103,35 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
     return image_keys, text_keys
 
 
+@dataclass
+class PreparedData:
+    """The scanned dataset, its buckets and captions, and the cache keys of every latent and text embedding."""
+
+    dataset: object
+    buckets: list
+    cache: EmbeddingCache
+    captions: list[str]  # per item, with the trigger word
+    dropped: str  # what a dropped caption becomes
+    keys: tuple[list[str], dict[str, str]] | None
+    computed: int = 0
+
+
+def prepare_data(cfg: TrainConfig, source: str, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
+    """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model or source``
+    (what ``squareq cache`` runs on its own)."""
+    dataset = scan_dataset(cfg.data)
+    buckets = make_buckets(cfg.resolution)
+    item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
+    captions = [caption_for(item.caption, cfg.trigger) for item in dataset.items]
+    dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
+    cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
+    keys = None
+    if encode:
+        with open_encoders(cfg.model or source, device) as encoders:
+            keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
+    return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
+
+
 def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
           after_step: Callable[[int], None] | None = None,
           on_gradients: Callable[[int, list[torch.Tensor]], None] | None = None) -> TrainResult:
@@ -139,17 +168,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         echo("expected device memory:\n" + str(plan))
         plan.check(cfg.vram_budget_bytes)
 
-    dataset = scan_dataset(cfg.data)
-    buckets = make_buckets(cfg.resolution)
-    item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
-    plain = [caption_for(item.caption, cfg.trigger) for item in dataset.items]
-    dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
-    cache = EmbeddingCache(cfg.cache_dir or out / "cache")
-    keys = None
-    if ranks.is_main:
-        with open_encoders(cfg.model or slab.manifest.model.source, device) as encoders:
-            keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(plain) | {dropped}), encoders, cache, echo)
-    image_keys, text_keys = ranks.broadcast(keys)
+    data = prepare_data(cfg, slab.manifest.model.source, device, echo, encode=ranks.is_main)
+    dataset, buckets, cache, plain, dropped = data.dataset, data.buckets, data.cache, data.captions, data.dropped
+    image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
 
     model = runtime.load(slab, device, prefetch=cfg.prefetch, host=cfg.host, verify="off")
     params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)

@@ -250,3 +250,25 @@ def test_two_gloo_ranks_train_like_one_process_with_the_whole_batch(workspace, t
     b, _ = load_lora(tmp_path / "ranks")
     assert a.keys() == b.keys()
     assert sorted(p.name for p in (tmp_path / "ranks" / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+
+
+def test_cache_command_recomputes_only_what_changed(workspace, tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(workspace / "data", data)
+    args = ["cache", str(workspace / "tiny.slab"), "--data", str(data), "--cache-dir", str(tmp_path / "cache"),
+            "--resolution", "64", "--max-sequence-length", "16"]
+    runner = CliRunner()
+    first = runner.invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert "4 images cached" in first.output and "(9 entries computed now)" in first.output  # 4 latents, 4 + 1 texts
+    (data / "img1.txt").write_text("a navy square")
+    second = runner.invoke(main, args)
+    assert "(1 entry computed now)" in second.output, second.output
+    third = runner.invoke(main, args)
+    assert "(0 entries computed now)" in third.output
