@@ -99,6 +99,8 @@ def _progress_printer():
               help="The ladder's first rung.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
 @click.option("--calib-samples", type=int, default=4, show_default=True, help="Calibration samples (one batch).")
+@click.option("--calib-cache", type=click.Path(path_type=Path), default=None,
+              help="Calibrate on a training cache (squareq cache / squareq train) instead of built-in prompts.")
 @click.option("--rounding", type=click.Choice(["gptq", "nearest"]), default="gptq", show_default=True,
               help="gptq: error-compensating rounding from input second moments; nearest: plain RTN.")
 @click.option("--group-size", type=int, default=64, show_default=True)
@@ -107,8 +109,8 @@ def _progress_printer():
 @click.option("--device", default="cpu", show_default=True, help="Where calibration runs, e.g. cuda.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks, calib_samples, rounding, group_size,
-                stream_window, max_window_bytes, device, resume, force) -> None:
+def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks, calib_samples, calib_cache, rounding,
+                group_size, stream_window, max_window_bytes, device, resume, force) -> None:
     """Calibrate MODEL, choose W4/W6/W8 per layer under a size budget, write a slab.
 
     MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
@@ -122,6 +124,7 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks
         budget=parse_size(budget), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         min_bits=int(min_bits), rounding=rounding, group_size=group_size, calib_samples=calib_samples,
+        calib_cache=str(calib_cache) if calib_cache else None,
         stream_window=stream_window, max_window_bytes=parse_size(max_window_bytes) if max_window_bytes else None,
         device=device, resume=resume, overwrite=force,
     )

@@ -57,6 +57,7 @@ class CompileOptions:
     rounding: str = "gptq"
     group_size: int = 64
     calib_samples: int = 4
+    calib_cache: str | None = None  # a training cache folder to calibrate on (squareq cache / squareq train)
     max_rows: int = 512
     seed: int = 0
     stream_window: int | None = None
@@ -236,7 +237,8 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
     skeleton = source.skeleton()
-    batch = source.adapter.calibration_batch(skeleton, opts.calib_samples, opts.seed, source.pipeline, opts.device)
+    batch = source.adapter.calibration_batch(skeleton, opts.calib_samples, opts.seed, source.pipeline, opts.device,
+                                             cache=opts.calib_cache)
     inputs_hash = hashlib.sha256(json.dumps(batch.description, sort_keys=True).encode()).hexdigest()[:16]
     fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
                    **opts.fingerprint()}

@@ -47,10 +47,17 @@ class FamilyAdapter:
     # (tokens per sample, hidden width) of the block stream for a config, an image side and a text length;
     # the runtime's memory plan needs it. None: the generic rule (text tokens, config hidden size).
     sequence_shape: Callable[[dict, int, int], tuple[int, int]] | None = field(default=None, compare=False)
+    # Calibration from a training cache (`squareq cache`/`squareq train`); None: the family has no such path.
+    cache_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
 
     def calibration_batch(self, model: nn.Module, samples: int, seed: int, pipeline=None,
-                          device="cpu") -> CalibrationBatch:
-        """Prompts through the pipeline's encoders when it has them, else the documented fallback."""
+                          device="cpu", cache=None) -> CalibrationBatch:
+        """A training cache when given, else prompts through the pipeline's encoders when it has them, else the
+        documented fallback."""
+        if cache is not None:
+            if self.cache_inputs is None:
+                raise ModelError(f"--calib-cache is not supported for the {self.family} family yet; compile without it.")
+            return self.cache_inputs(model, samples, seed, cache, device=device)
         if pipeline is not None and self.prompt_inputs and self.has_text_encoders and self.has_text_encoders(pipeline):
             return self.prompt_inputs(model, samples, seed, pipeline, device=device)
         return self.calibration_inputs(model, samples, seed, device=device)

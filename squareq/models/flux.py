@@ -96,6 +96,53 @@ def flux_prompt_inputs(model, samples: int, seed: int, pipeline: Path, device="c
     return CalibrationBatch(kwargs, description)
 
 
+def flux_cache_inputs(model, samples: int, seed: int, cache_dir, device="cpu",
+                      dtype: torch.dtype = torch.float32) -> CalibrationBatch:
+    """Latents and text embeddings from a training cache (docs/train.md: ``latents/*.safetensors`` with
+    ``latents``, ``text/*.safetensors`` with ``prompt_embeds`` and ``pooled_prompt_embeds``), noised at
+    timesteps spread across the schedule: the images and captions the LoRA will be trained on."""
+    from collections import Counter
+
+    from safetensors.torch import load_file
+
+    from .flux_latents import image_ids, pack_latents, text_ids
+
+    cache_dir = Path(cache_dir)
+    cfg = model.config
+    latent_files = sorted((cache_dir / "latents").glob("*.safetensors"))
+    text_files = sorted((cache_dir / "text").glob("*.safetensors"))
+    if not latent_files or not text_files:
+        raise ModelError(f"{cache_dir} holds no cached latents or text embeddings; fill it first with "
+                         f"`squareq cache SLAB --data DIR --cache-dir {cache_dir}` or a training run.")
+    latents = [load_file(str(f))["latents"] for f in latent_files]
+    shape, _ = Counter(tuple(x.shape) for x in latents).most_common(1)[0]  # one bucket, so they stack
+    used = [f.stem for f, x in zip(latent_files, latents, strict=True) if tuple(x.shape) == shape][:samples]
+    x0 = torch.stack([x for x in latents if tuple(x.shape) == shape][:samples]).float()
+    texts = [load_file(str(f)) for f in text_files]
+    tokens, _ = Counter(t["prompt_embeds"].shape[0] for t in texts).most_common(1)[0]
+    texts = [t for t in texts if t["prompt_embeds"].shape[0] == tokens]
+    texts = [texts[i % len(texts)] for i in range(len(x0))]
+    if 4 * shape[0] != cfg.in_channels or texts[0]["prompt_embeds"].shape[-1] != cfg.joint_attention_dim or \
+            texts[0]["pooled_prompt_embeds"].shape[-1] != cfg.pooled_projection_dim:
+        raise ModelError(f"{cache_dir} was made with other encoders than this model's (latents {list(shape)}, text "
+                         f"width {texts[0]['prompt_embeds'].shape[-1]}); fill a cache with this model's pipeline.")
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0.05, 0.95, len(x0))
+    x_t = (1 - t[:, None, None, None]) * x0 + t[:, None, None, None] * torch.randn(x0.shape, generator=g)
+    kwargs = dict(hidden_states=pack_latents(x_t), timestep=t,
+                  encoder_hidden_states=torch.stack([e["prompt_embeds"] for e in texts]).float(),
+                  pooled_projections=torch.stack([e["pooled_prompt_embeds"] for e in texts]).float(),
+                  img_ids=image_ids(shape[1], shape[2]), txt_ids=text_ids(tokens))
+    if cfg.guidance_embeds:
+        kwargs["guidance"] = torch.full((len(x0),), 3.5)
+    kwargs = {k: v.to(device=device, dtype=dtype if k not in ("img_ids", "txt_ids") else torch.float32)
+              for k, v in kwargs.items()}
+    description = {"kind": "training-cache", "why": "cached training latents and text embeddings, noised",
+                   "cache": str(cache_dir), "samples": len(x0), "entries": used, "latent_shape": list(shape),
+                   "text_tokens": tokens, "timesteps": [round(float(v), 4) for v in t], "seed": seed}
+    return CalibrationBatch(kwargs, description)
+
+
 def has_text_encoders(pipeline: Path) -> bool:
     return all((pipeline / part / "config.json").is_file() for part in ("text_encoder", "text_encoder_2")) and all(
         (pipeline / part).is_dir() for part in ("tokenizer", "tokenizer_2"))
@@ -115,4 +162,5 @@ FLUX = FamilyAdapter(
     prompt_inputs=flux_prompt_inputs,
     has_text_encoders=has_text_encoders,
     sequence_shape=flux_sequence_shape,
+    cache_inputs=flux_cache_inputs,
 )

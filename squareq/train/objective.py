@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.flux_latents import image_ids, pack_latents, text_ids, unpack_latents  # noqa: F401 (re-exported)
+
 # Default static shift for "shift" sampling: 3.0, the default ``--discrete_flow_shift`` of
 # kohya sd-scripts' FLUX trainer (library/flux_train_utils.py) and a common FLUX LoRA setting.
 DEFAULT_SHIFT = 3.0
@@ -39,44 +41,6 @@ TIMESTEP_MODES = ("uniform", "logit_normal", "shift")
 # Samples are kept this far inside (0, 1): torch.rand can return exactly 0 and a sigmoid can
 # round to exactly 1 in float32, and the contract is an open interval.
 _T_EPS = 1e-6
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] latents -> [B, (H/2)(W/2), 4C] tokens (FLUX 2x2 patchify, as FluxPipeline._pack_latents)."""
-    b, c, h, w = latents.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"latent height and width must be even to pack into 2x2 patches, got {h}x{w}.")
-    x = latents.view(b, c, h // 2, 2, w // 2, 2)
-    # Token order is row-major over patches; each token holds (channel, dy, dx) in that order.
-    x = x.permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Inverse of :func:`pack_latents`: [B, (H/2)(W/2), 4C] -> [B, C, H, W] for latent ``height`` x ``width``."""
-    b, n, d = tokens.shape
-    if height % 2 or width % 2 or n != (height // 2) * (width // 2) or d % 4:
-        raise ValueError(
-            f"tokens of shape {tuple(tokens.shape)} do not pack a {height}x{width} latent "
-            f"(expected {(height // 2) * (width // 2)} tokens of a multiple of 4 features)."
-        )
-    x = tokens.view(b, height // 2, width // 2, d // 4, 2, 2)
-    x = x.permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, d // 4, height, width)
-
-
-def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Position ids [(H/2)(W/2), 3] for a ``height`` x ``width`` latent: (0, patch row, patch column)."""
-    rows, cols = height // 2, width // 2
-    ids = torch.zeros(rows, cols, 3, device=device, dtype=dtype)
-    ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
-    ids[..., 2] = torch.arange(cols, device=device, dtype=dtype)[None, :]
-    return ids.reshape(rows * cols, 3)
-
-
-def text_ids(n: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Position ids [n, 3] for ``n`` text tokens: all zeros (FLUX gives text no spatial position)."""
-    return torch.zeros(n, 3, device=device, dtype=dtype)
 
 
 def sample_timesteps(
