@@ -140,9 +140,6 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it for "
                          "several) or set sample_every = 0.")
-    if cfg.log != "jsonl":
-        raise TrainError(f"log = {cfg.log}: only the JSONL metrics file is written in this SquareQ version; set "
-                         "log = jsonl.")
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     device = _device()
@@ -214,6 +211,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     batch_iter = iter(batches)
     losses: list[float] = []
     metrics = open(out / METRICS_FILE, "a") if ranks.is_main else open(os.devnull, "w")
+    board = _tensorboard(out) if cfg.log == "tensorboard" and ranks.is_main else None
     try:
         try:
             while step < total:
@@ -278,6 +276,10 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     stats = runtime.runtime_of(model).step_stats()
                     record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
                 metrics.write(json.dumps(record) + "\n")
+                if board is not None:
+                    for key, value in record.items():
+                        if key != "step":
+                            board.add_scalar(f"train/{key}", value, step)
                 metrics.flush()
                 if step % every == 0 or step == total:
                     recent = losses[-every:]
@@ -300,6 +302,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         checkpoint()
     finally:
         metrics.close()
+        if board is not None:
+            board.close()
         runtime.runtime_of(model).close()
     lora_file = out / "pytorch_lora_weights.safetensors"
     if ranks.is_main:
@@ -327,6 +331,16 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
             tmp.replace(folder / f"step-{step:08d}-{i}.png")
         pipe.transformer = None
     model.train()
+
+
+def _tensorboard(out: Path):
+    """A TensorBoard writer for ``out/tensorboard`` (``--log tensorboard``); the JSONL file is written as well."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard, or use --log "
+                         "jsonl.") from None
+    return SummaryWriter(str(out / "tensorboard"))
 
 
 def _has_guidance(model) -> bool:

@@ -272,3 +272,22 @@ def test_cache_command_recomputes_only_what_changed(workspace, tmp_path):
     assert "(1 entry computed now)" in second.output, second.output
     third = runner.invoke(main, args)
     assert "(0 entries computed now)" in third.output
+
+
+def test_tensorboard_logging_or_a_sentence_when_it_is_missing(workspace, tmp_path, monkeypatch):
+    import builtins
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        train(_config(workspace, tmp_path / "tb", steps=2, log="tensorboard"), echo=lambda s: None)
+        assert any((tmp_path / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(TrainError, match="pip install tensorboard"):
+        train(_config(workspace, tmp_path / "tb2", steps=2, log="tensorboard"), echo=lambda s: None)
