@@ -133,10 +133,10 @@ class TrainConfig:
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")
         for key in ("rank", "batch_size", "grad_accum", "prefetch", "resolution", "nan_patience", "sample_steps",
-                    "max_sequence_length"):
+                    "max_sequence_length", "keep_last"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
-        for key in ("warmup", "save_every", "keep_last", "sample_every", "seed"):
+        for key in ("warmup", "save_every", "sample_every", "seed"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise bad(key, "must be a whole number of at least 0")
         if self.steps is None and self.epochs is None:
@@ -149,6 +149,8 @@ class TrainConfig:
             raise bad("caption_dropout", "must be in [0, 1)")
         if self.lr <= 0:
             raise bad("lr", "must be positive")
+        if self.resolution < 64:
+            raise bad("resolution", "must be at least 64 (aspect-ratio buckets have sides in steps of 64)")
         if self.resolution % 16:
             raise bad("resolution", "must be a multiple of 16 (FLUX packs 2x2 latent patches of an 8x VAE)")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
@@ -235,7 +237,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if unknown:
             raise ConfigError(f"{path}: unknown keys {unknown}; `squareq train --print-config` lists every key.")
         values.update({k: _coerce(k, v, where) for k, v in table.items()})
-    for key, value in (overrides or {}).items():
+    overrides = dict(overrides or {})
+    if overrides.get("steps") is not None and overrides.get("epochs") is None:
+        values.pop("epochs", None)  # a --steps flag decides the length even where the file sets epochs
+    for key, value in overrides.items():
         if key not in _FIELD_TYPES:
             raise ConfigError(f"--{key.replace('_', '-')} is not a training option.")
         if value is not None:

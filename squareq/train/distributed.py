@@ -8,6 +8,7 @@ cache, writes checkpoints, samples, metrics and the LoRA file; the others wait a
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ class Ranks:
         if world <= 1:
             return cls()
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend)
+            # rank 0 alone fills the cache and draws samples while the others wait in a collective: give it time
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=2))
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
     @property

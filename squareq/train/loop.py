@@ -155,6 +155,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     if device.type == "cuda":
         device = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(device)
+    if not cfg.resume and latest_checkpoint(out) is not None:
+        raise TrainError(f"{out} already holds checkpoints of an earlier run; pass --resume latest to continue it, or "
+                         "choose a new -o/--out folder.")
     torch.manual_seed(cfg.seed)
 
     slab = open_slab(cfg.slab, verify="eager")
@@ -176,7 +179,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     model.train()
     # one global batch per step, shared out to the ranks (equal shares, so the last short batch is dropped)
     batches = BucketBatches(dataset, buckets, cfg.batch_size * ranks.world, cfg.seed, drop_last=ranks.world > 1)
-    total = cfg.steps if cfg.epochs is None else cfg.epochs * max(1, len(batches) // cfg.grad_accum)
+    total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(batches) / cfg.grad_accum))
     optimizer = _optimizer(cfg, params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total))
     generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
@@ -191,17 +194,26 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             with torch.no_grad():
                 for name, p in runtime.lora_parameters(model).items():
                     p.copy_(ckpt.lora[name])
-            batches.load_state_dict(ckpt.data_state["batches"])
+            try:
+                batches.load_state_dict(ckpt.data_state["batches"])
+            except ValueError:
+                raise TrainError(f"{path} was saved with another data set, batch size ({ckpt.config.get('batch_size')} "
+                                 f"per rank), seed or number of ranks; resume with the settings it was made with, or "
+                                 "start a new run in a new -o folder.") from None
             generator.set_state(ckpt.extra["generator"])
             step, skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
-            echo(f"resumed from {path} at step {step}")
+            _apply_new_hyperparameters(cfg, optimizer, scheduler)
+            changed = sorted(k for k, v in cfg.to_dict().items() if k != "resume" and ckpt.config.get(k, v) != v)
+            _truncate_metrics(out / METRICS_FILE, step)
+            echo(f"resumed from {path} at step {step}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
 
-    def checkpoint() -> Path:
+    def checkpoint(data_state=None, generator_state=None) -> Path:
         path = checkpoint_dir(out, step)
         if ranks.is_main:
             path = save_checkpoint(out, step, runtime.lora_state_dict(model), optimizer, names, scheduler,
-                                   {"batches": batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
-                                   extra={"generator": generator.get_state()})
+                                   {"batches": data_state or batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
+                                   extra={"generator": generator.get_state() if generator_state is None
+                                          else generator_state})
             prune_checkpoints(out, max(1, cfg.keep_last))
         ranks.barrier()
         return path
@@ -217,6 +229,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             while step < total:
                 started = time.perf_counter()
                 step_loss = 0.0
+                # where this step starts: what an out-of-memory save must record, so that a resume redoes it
+                step_start = (batches.state_dict(), generator.get_state())
+                updating = False
                 for _ in range(cfg.grad_accum):
                     indices = next(batch_iter, None)
                     if indices is None:
@@ -265,6 +280,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     on_gradients(step + 1, [p.grad for p in params])
                 norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else
                                                             float("inf")))
+                updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -295,10 +311,17 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
             peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
-            path = checkpoint()  # the last finished step; the failed one is simply run again on resume
+            knobs = ("Lower --resolution or --batch-size (raise --grad-accum to keep the effective batch) or use "
+                     "--prefetch 1, then --resume latest.")
+            last = latest_checkpoint(out)
+            if ranks.world > 1 or updating or checkpoint_dir(out, step).exists():
+                # Other ranks wait in a collective, or the state is half-updated, or already saved: keep what is on disk.
+                where = f"the last checkpoint is {last}" if last else "no checkpoint was written yet"
+                raise TrainError(f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB); "
+                                 f"{where}. {knobs}") from None
+            path = checkpoint(*step_start)  # the finished steps, with the data and RNG where the failed step began
             raise TrainError(f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB); "
-                             f"steps up to {step} are saved in {path}. Lower --resolution or --batch-size (raise "
-                             "--grad-accum to keep the effective batch) or use --prefetch 1, then --resume latest.") from None
+                             f"steps up to {step} are saved in {path}. {knobs}") from None
         checkpoint()
     finally:
         metrics.close()
@@ -331,6 +354,27 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
             tmp.replace(folder / f"step-{step:08d}-{i}.png")
         pipe.transformer = None
     model.train()
+
+
+def _apply_new_hyperparameters(cfg: TrainConfig, optimizer, scheduler) -> None:
+    """A resumed run trains with the learning rate and weight decay it was given now, not the saved ones."""
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * factor
+        group["weight_decay"] = cfg.weight_decay
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop the metrics of steps after the checkpoint a run resumes from (they are about to be redone)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _tensorboard(out: Path):

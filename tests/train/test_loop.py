@@ -1,4 +1,6 @@
 """`squareq train`'s loop on tiny-flux: it learns, resumes bitwise after a kill, and stops on NaN."""
+import json
+
 import pytest
 import torch
 from PIL import Image
@@ -138,7 +140,7 @@ def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
     assert missing.exit_code == 2 and "--data is required" in missing.output
     empty = tmp_path / "empty"
     empty.mkdir()
-    bad = runner.invoke(main, args[:3] + [str(empty)] + args[4:])
+    bad = runner.invoke(main, args[:3] + [str(empty), "-o", str(tmp_path / "other")] + args[6:])
     assert bad.exit_code == 1 and str(empty) in bad.output and bad.output.startswith("error:")
 
 
@@ -291,3 +293,18 @@ def test_tensorboard_logging_or_a_sentence_when_it_is_missing(workspace, tmp_pat
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(TrainError, match="pip install tensorboard"):
         train(_config(workspace, tmp_path / "tb2", steps=2, log="tensorboard"), echo=lambda s: None)
+
+
+def test_resume_rules(workspace, tmp_path):
+    out = tmp_path / "run"
+    train(_config(workspace, out, steps=4, save_every=2), echo=lambda s: None)
+    with pytest.raises(TrainError, match="already holds checkpoints"):
+        train(_config(workspace, out, steps=4), echo=lambda s: None)
+    lines = []
+    resumed = train(_config(workspace, out, steps=6, save_every=2, lr=1e-3, resume="latest"), echo=lines.append)
+    assert resumed.steps == 6 and any("changed since: lr, steps" in line for line in lines)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # no step twice
+    assert records[-1]["lr"] == pytest.approx(1e-3)  # the new learning rate, not the saved one
+    with pytest.raises(TrainError, match="batch size"):
+        train(_config(workspace, out, steps=8, save_every=2, batch_size=1, resume="latest"), echo=lambda s: None)
