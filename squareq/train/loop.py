@@ -204,7 +204,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             step, skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
             _apply_new_hyperparameters(cfg, optimizer, scheduler)
             changed = sorted(k for k, v in cfg.to_dict().items() if k != "resume" and ckpt.config.get(k, v) != v)
-            _truncate_metrics(out / METRICS_FILE, step)
+            if ranks.is_main:
+                _truncate_metrics(out / METRICS_FILE, step)
             echo(f"resumed from {path} at step {step}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
 
     def checkpoint(data_state=None, generator_state=None) -> Path:
