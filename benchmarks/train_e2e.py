@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""End-to-end `squareq train` on the FLUX.1-dev-shaped 12B slab, next to the bare streamed step (issue 5).
+
+    python benchmarks/train_e2e.py --workdir DIR [--out DIR] [--steps 50] [--res 512] [--tiny]
+
+Phases, each in its own process:
+
+* ``slab``: the slab of ``benchmarks/train_step.py`` (same random weights and W4/W6/W8 mix), reused when present;
+* ``pipeline``: a FLUX-layout pipeline folder with random weights for what the cache needs: the FLUX.1 VAE
+  at full size, a CLIP text encoder and a T5 encoder at FLUX.1's widths (768 pooled, 4096 per token) but
+  with one layer each, and the offline tokenizers of tiny-flux (no hub download is possible on the device);
+* ``data``: ``--images`` noise images at ``--res`` with captions;
+* ``bare``: ``train_step.py``'s SquareQ phase (K=3, pinned) at ``--res``: the bare streamed step;
+* ``train``: ``squareq.train.loop.train`` for ``--steps`` steps (batch 1, 512 T5 tokens, K=3, pinned),
+  the cache filled first; per-step times and peaks are read from its ``metrics.jsonl``.
+
+Prints one JSON line per measurement and a markdown table: median step (after ``--skip`` steps), steps/s,
+peak reserved, and the trainer's overhead over the bare step (target: under 5%).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def emit(rec: dict) -> dict:
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def write_pipeline(folder: Path, tiny: bool) -> None:
+    """VAE, CLIP, T5 and tokenizers with random weights at FLUX.1's widths (one layer per text encoder)."""
+    import torch
+    from diffusers import AutoencoderKL, FluxPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from squareq.models.tiny_pipeline import (build_tiny_flux_pipeline, build_tiny_scheduler,
+                                              build_tiny_tokenizers)
+    from squareq.slab.atomic import atomic_directory
+
+    if (folder / "model_index.json").is_file():
+        return
+    if tiny:
+        pipe = build_tiny_flux_pipeline()
+        pipe.transformer = None
+    else:
+        torch.manual_seed(0)
+        clip_tok, t5_tok = build_tiny_tokenizers()
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                            block_out_channels=(128, 256, 512, 512), layers_per_block=2, scaling_factor=0.3611,
+                            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+        clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=768, intermediate_size=3072,
+                                            num_hidden_layers=1, num_attention_heads=12, max_position_embeddings=77,
+                                            bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+                                            pad_token_id=clip_tok.pad_token_id))
+        t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=4096, d_kv=64, d_ff=10240, num_layers=1,
+                                     num_heads=64, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                                     pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id))
+        pipe = FluxPipeline(scheduler=build_tiny_scheduler(), vae=vae, text_encoder=clip, tokenizer=clip_tok,
+                            text_encoder_2=t5, tokenizer_2=t5_tok, transformer=None)
+    with atomic_directory(folder, overwrite=True) as tmp:
+        pipe.save_pretrained(tmp)
+
+
+def write_data(folder: Path, count: int, res: int) -> None:
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        if not (folder / f"{i:04d}.png").is_file():
+            Image.fromarray(rng.integers(0, 256, (res, res, 3), dtype=np.uint8)).save(folder / f"{i:04d}.png")
+            (folder / f"{i:04d}.txt").write_text(f"a photo of sample {i}, noise texture")
+
+
+def run_train(args) -> dict:
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)  # the cuDNN attention backward fails on the device image
+    from squareq.train.config import load_config
+    from squareq.train.loop import train
+
+    sys.path.insert(0, str(HERE))
+    import train_step
+
+    work = Path(args.workdir)
+    out = work / f"run-{int(time.time())}"
+    cfg = load_config(None, {
+        "slab": str(train_step.slab_path(work, args.tiny)), "data": str(work / "data"), "output": str(out),
+        "model": str(work / "pipeline"), "cache_dir": str(work / "cache"), "resolution": args.res,
+        "max_sequence_length": 16 if args.tiny else 512, "steps": args.steps, "batch_size": 1, "prefetch": 3,
+        "save_every": 0, "seed": 0})
+    start = time.perf_counter()
+    train(cfg, echo=lambda s: print(s, file=sys.stderr, flush=True))
+    wall = time.perf_counter() - start
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = records[args.skip:]
+    step_s = statistics.median(r["seconds"] for r in measured)
+    return {"what": "squareq_train", "res": args.res, "steps": len(records), "wall_s": wall, "step_s": step_s,
+            "steps_per_s": 1 / step_s, "peak_reserved_GB": max((r.get("peak_reserved_GB", 0) for r in measured),
+                                                               default=0),
+            "copy_wait_share": statistics.median(r.get("copy_wait_s", 0) / r["seconds"] for r in measured),
+            "step_times": [round(r["seconds"], 4) for r in records]}
+
+
+def phase(args, name: str) -> list[dict]:
+    """Run a phase in a child process; its JSON lines (or an error record) come back."""
+    cmd = [sys.executable, str(HERE / "train_e2e.py"), "--phase", name] + sys.argv[1:]
+    if name in ("slab", "bare"):
+        cmd = [sys.executable, str(HERE / "train_step.py"), "--workdir", args.workdir, "--steps", "8", "--warmup", "2",
+               "--phase"] + (["slab"] if name == "slab" else ["squareq", str(args.res), "3", "pinned"])
+        cmd += ["--tiny"] if args.tiny else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.phase_timeout, check=False)
+    sys.stderr.write(proc.stderr[-4000:])
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 and not any("error" in r for r in lines):
+        lines.append({"what": name, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up)")
+    ap.add_argument("--res", type=int, default=512)
+    ap.add_argument("--images", type=int, default=60)
+    ap.add_argument("--tiny", action="store_true", help="tiny-flux on a CPU, to check the script")
+    ap.add_argument("--phase-timeout", type=float, default=540)
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    if args.phase == "pipeline":
+        return write_pipeline(work / "pipeline", args.tiny)
+    if args.phase == "data":
+        return write_data(work / "data", args.images, args.res)
+    if args.phase == "train":
+        emit(run_train(args))
+        return
+    records = [emit({"what": "env", "commit": os.environ.get("SQUAREQ_COMMIT", "unknown"),
+                     "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})]
+    for name in ("slab", "pipeline", "data", "bare", "train"):
+        records += [emit(r) for r in phase(args, name)]
+    bare = next((r for r in records if r.get("what") == "squareq" and "step_s" in r), None)
+    run = next((r for r in records if r.get("what") == "squareq_train"), None)
+    if bare and run:
+        records.append(emit({"what": "overhead", "trainer_over_bare": run["step_s"] / bare["step_s"] - 1}))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        tmp = args.out / "train_e2e.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp.replace(args.out / "train_e2e.jsonl")
+    print("\n| setup | res | step s | steps/s | peak reserved GB | copy-wait % | note |\n|---|---|---|---|---|---|---|")
+    for r, label in ((bare, "bare streamed step (train_step.py, K=3)"), (run, f"squareq train, {args.steps} steps")):
+        if r:
+            print(f"| {label} | {args.res}² | {r['step_s']:.3f} | {1 / r['step_s']:.2f} | "
+                  f"{r.get('peak_reserved_GB', 0):.2f} | {100 * r.get('copy_wait_share', 0):.1f} | |")
+    if bare and run:
+        print(f"\ntrainer overhead over the bare step: {100 * (run['step_s'] / bare['step_s'] - 1):+.1f}% (target < 5%)")
+    for r in records:
+        if "error" in r:
+            print(f"error in {r.get('what')}: {r['error'][:300]}")
+
+
+if __name__ == "__main__":
+    main()
