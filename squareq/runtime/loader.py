@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from ..models.skeleton import skeleton_from_record
-from ..quant import QuantizedWeight
 from ..slab import Slab, SlabError, open_slab
-from ..slab.manifest import DTYPES, Manifest
+from ..slab.manifest import Manifest
 from ..slab.signature import model_signature
 from .blocks import BlockRunner
 from .host import DiskStaging, PinnedArena
@@ -72,40 +71,33 @@ class _Binder:
     The views for each (block, buffer) pair are built once and cached, so a rebind is a few attribute stores.
     """
 
-    def __init__(self, model: nn.Module, manifest: Manifest) -> None:
+    def __init__(self, model: nn.Module, slab: Slab) -> None:
         self.model = model
-        self.manifest = manifest
-        self.layers = {rec.name: rec for rec in manifest.layers}
+        self.slab = slab
+        self.manifest = slab.manifest
         # Modules are found by name once, at load: a caller may later reorder a block list, and a block's
         # slab data must follow its module, not the name its position now has.
         self.modules = {name: model.get_submodule(name)
-                        for b in manifest.blocks for name in (b.name, *b.layers)}
+                        for b in self.manifest.blocks for name in (b.name, *b.layers)}
         self._cache: dict[tuple[int, int], list] = {}
 
     def _plan(self, block: int, buffer: torch.Tensor) -> list:
         rec = self.manifest.blocks[block]
         block_module = self.modules[rec.name]
-
-        def view(t):
-            return buffer[t.offset : t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape)
-
         ops = []
         for name in rec.layers:
-            layer = self.layers[name]
-            qw = QuantizedWeight(layer.spec, (layer.shape[0], layer.shape[1]),
-                                 {role: view(t) for role, t in layer.tensors.items()})
+            qw = self.slab.quantized_weight(name, blob=buffer)  # views into the buffer, laid out as the manifest says
             module = self.modules[name]
             ops.append((module, "bind", (qw, module.scratch.prepare(qw))))
-        for p in rec.params:
-            owner_path, _, attr = p.name.rpartition(".")
+        for pname, t in self.slab.block_params(block, blob=buffer).items():
+            owner_path, _, attr = pname.rpartition(".")
             owner = block_module.get_submodule(owner_path) if owner_path else block_module
-            t = view(p)
             if attr in owner._parameters:
                 ops.append((owner._parameters, attr, nn.Parameter(t, requires_grad=False)))
             elif attr in owner._buffers:
                 ops.append((owner._buffers, attr, t))
             else:
-                raise SlabError(f"the slab stores {rec.name}.{p.name}, which {type(self.model).__name__} does not "
+                raise SlabError(f"the slab stores {rec.name}.{pname}, which {type(self.model).__name__} does not "
                                 "have; the slab does not match this model class, recompile it.")
         return ops
 
@@ -209,7 +201,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     scratch = DequantScratch(largest, device)
     _install_quant_linears(model, m, scratch)
     _place_residents(model, s, device)
-    binder = _Binder(model, m)
+    binder = _Binder(model, s)
     telemetry = Telemetry(device, trace if trace is not None else os.environ.get("SQUAREQ_TRACE") or None)
     sizes = [b.nbytes for b in m.blocks]
     streamer, device_blobs = None, []

@@ -17,6 +17,7 @@ docs/benchmarks.md gives the measured and planned figures side by side.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -99,7 +100,7 @@ def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1,
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify="off")
     m = s.manifest
     tokens, hidden = _sequence_shape(s, resolution, text_tokens)
-    resident = sum(itemsize(r.dtype) * _numel(r.shape) for r in m.resident)
+    resident = sum(itemsize(r.dtype) * math.prod(r.shape) for r in m.resident)
     ring = prefetch * max(b.nbytes for b in m.blocks)
     scratch = 2 * max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=0)
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
@@ -112,9 +113,3 @@ def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1,
     return MemoryPlan(resident, ring, scratch, lora, checkpoints, recompute, WORKSPACE_BYTES, allocated,
                       int(allocated * RESERVE_OVERHEAD), tokens, hidden, batch, prefetch)
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
