@@ -19,7 +19,8 @@ def fsync_file(path: Path) -> None:
 def atomic_write_bytes(path: Path, data) -> None:
     """Write ``data`` (bytes or a buffer) to ``path`` through a temporary name, fsynced, then renamed."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    # a name of its own, so that processes writing the same file (ranks, two runs) never share a temporary
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)
         fh.flush()

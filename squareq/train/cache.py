@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
+
+from ..slab.atomic import atomic_write_bytes
 
 KINDS = ("latents", "text")
 
@@ -86,14 +87,7 @@ class EmbeddingCache:
                              "it.") from None
 
     def store(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        path = self.path(kind, key)
-        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(self.path(kind, key), save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}))
         self.computed += 1
 
     def fill(self, kind: str, keys: Iterable[str], compute: Callable[[list[int]], list[dict[str, torch.Tensor]]],

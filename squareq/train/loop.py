@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import torch
 
 from .. import runtime
 from ..slab import open_slab
+from ..slab.atomic import atomic_write_bytes
 from .cache import EmbeddingCache, content_key, file_digest, module_identity
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
@@ -350,9 +352,9 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
         for i, prompt in enumerate(cfg.sample_prompts):
             image = draw_image(pipe, prompt, cfg.resolution, cfg.sample_steps, cfg.sample_guidance, cfg.sample_seed,
                                cfg.max_sequence_length, device)
-            tmp = folder / f".step-{step:08d}-{i}.png.tmp"
-            image.save(tmp, format="PNG")
-            tmp.replace(folder / f"step-{step:08d}-{i}.png")
+            png = io.BytesIO()
+            image.save(png, format="PNG")
+            atomic_write_bytes(folder / f"step-{step:08d}-{i}.png", png.getbuffer())
         pipe.transformer = None
     model.train()
 
@@ -373,9 +375,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
 
 def _tensorboard(out: Path):
