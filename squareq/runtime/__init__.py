@@ -1,8 +1,10 @@
 """The runtime: a slab attached to the family's own model class, blocks streamed through a ring of device
-slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`; docs/runtime.md explains it."""
+slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`; docs/runtime.md explains it.
+:func:`stream_module` streams an in-memory module's blocks the same way, for inference (large text encoders)."""
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .memory_plan import MemoryPlan, PlanError, plan
+from .module_stream import stream_module
 from .qlinear import QuantLinear
 from .streamer import StreamError
 from .telemetry import StepStats
@@ -21,4 +23,5 @@ __all__ = [
     "lora_state_dict",
     "plan",
     "runtime_of",
+    "stream_module",
 ]

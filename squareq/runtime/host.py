@@ -2,6 +2,7 @@
 
 * :class:`PinnedArena` (``host="pinned"``): every blob in one page-locked buffer, copied once at load.
   A slot copy is then a single DMA at full PCIe speed (pageable memory copies at a sixth of it).
+  ``host="shared"`` is the same buffer as one copy the processes of a host share (data-parallel ranks).
 * :class:`DiskStaging` (``host="disk"``): blobs stay in the slab file; a reader thread reads each one
   into a small ring of page-locked staging buffers and issues its copy. Host memory stays at two blocks,
   for machines whose RAM cannot hold the slab.
@@ -10,20 +11,19 @@ Both issue copies through :meth:`start_copy`, which returns a :class:`CopyTicket
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..slab import Slab
-
-
-def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 host buffer, page-locked when the runtime device is a GPU."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+from .host_memory import HostMemory
 
 
 @dataclass
@@ -67,21 +67,35 @@ def enqueue_copy(dst: torch.Tensor, src: torch.Tensor, stream, ready, free, mark
 
 
 class PinnedArena:
-    """Every block blob of a slab in one page-locked host buffer."""
+    """Every block blob in one page-locked host buffer (``shared``: one copy for all processes of the host)."""
 
     kind = "pinned"
 
-    def __init__(self, slab: Slab, device: torch.device) -> None:
-        blocks = slab.manifest.blocks
+    def __init__(self, sizes: list[int], fill: Callable[[int, torch.Tensor], None], device: torch.device,
+                 share_key: str | None = None) -> None:
         self.offsets, total = [], 0
-        for b in blocks:
+        for n in sizes:
             self.offsets.append(total)
-            total += b.nbytes
-        self.sizes = [b.nbytes for b in blocks]
-        self.buffer = pinned_empty(total, device)
-        for b, off in zip(blocks, self.offsets):
-            self.buffer[off : off + b.nbytes].copy_(slab.block_bytes(b.index))
+            total += n
+        self.sizes = list(sizes)
+        self.device = device
+
+        def fill_all(buffer: torch.Tensor) -> None:
+            for i, off in enumerate(self.offsets):
+                fill(i, buffer[off : off + self.sizes[i]])
+
+        self.memory = HostMemory(total, device, fill_all, share_key)
+        self.buffer = self.memory.tensor
         self.host_bytes = total
+
+    @classmethod
+    def for_slab(cls, slab: Slab, device: torch.device, shared: bool = False) -> "PinnedArena":
+        """The blobs of ``slab``; with ``shared``, the one copy the processes of this host share."""
+        blocks = slab.manifest.blocks
+        key = None
+        if shared:
+            key = hashlib.sha256(json.dumps([[b.nbytes, b.sha256] for b in blocks]).encode()).hexdigest()[:24]
+        return cls([b.nbytes for b in blocks], lambda i, dst: dst.copy_(slab.block_bytes(i)), device, key)
 
     def blob(self, index: int) -> torch.Tensor:
         off = self.offsets[index]
@@ -94,7 +108,10 @@ class PinnedArena:
         return ticket
 
     def close(self) -> None:
-        pass
+        """Unlock the buffer (after any copy out of it has finished); the last user removes a shared copy."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.memory.close()
 
 
 class DiskStaging:
@@ -108,7 +125,8 @@ class DiskStaging:
         self.ranges = [slab.blob_file_range(b.index) for b in blocks]
         largest = max(b.nbytes for b in blocks)
         self.device = device
-        self.staging = [pinned_empty(largest, device) for _ in range(stages)]
+        self.memory = [HostMemory(largest, device, lambda t: None) for _ in range(stages)]
+        self.staging = [m.tensor for m in self.memory]
         self.staged = [None] * stages  # event recorded after the last copy out of each staging buffer
         self.host_bytes = largest * stages
         self._fd = os.open(self.path, os.O_RDONLY)
@@ -167,3 +185,7 @@ class DiskStaging:
             self._thread.join()
         os.close(self._fd)
         self._fd = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for m in self.memory:
+            m.close()

@@ -24,7 +24,7 @@ from .qlinear import DequantScratch, QuantLinear
 from .streamer import Streamer
 from .telemetry import StepStats, Telemetry
 
-HOSTS = ("pinned", "disk")
+HOSTS = ("pinned", "shared", "disk")
 RUNTIME_ATTR = "_squareq_runtime"
 
 
@@ -175,8 +175,9 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
-        computing; 1 means no overlap). host: "pinned" keeps every blob in page-locked RAM; "disk" reads
-        them from the slab file through two page-locked staging buffers. stream=False puts every block on
+        computing; 1 means no overlap). host: "pinned" keeps every blob in page-locked RAM; "shared" does
+        too, with one copy for all processes of the host (data-parallel ranks; a file in /dev/shm); "disk"
+        reads them from the slab file through two page-locked staging buffers. stream=False puts every block on
         the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
         returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
         (default: the ``SQUAREQ_TRACE`` environment variable).
@@ -206,7 +207,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     sizes = [b.nbytes for b in m.blocks]
     streamer, device_blobs = None, []
     if stream:
-        source = PinnedArena(s, device) if host == "pinned" else DiskStaging(s, device)
+        source = DiskStaging(s, device) if host == "disk" else PinnedArena.for_slab(s, device, shared=host == "shared")
         try:
             streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, binder.unbind, telemetry)
         except BaseException:

@@ -21,7 +21,7 @@ from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, TIMESTEP_MODES
 OPTIMIZERS = ("adamw", "adamw8bit")
 SCHEDULES = ("constant", "cosine")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
-HOSTS = ("pinned", "disk")
+HOSTS = ("pinned", "shared", "disk")
 LOGGERS = ("jsonl", "tensorboard")
 
 
@@ -61,7 +61,8 @@ HELP = {
     "resume": "Continue from a checkpoint: latest, or a checkpoint folder.",
     "nan_patience": "Stop after this many steps in a row with NaN/Inf losses or gradients.",
     "prefetch": "Block slots on the GPU (the runtime's ring size).",
-    "host": "Where block blobs wait: pinned (RAM) or disk.",
+    "host": "Where block blobs wait: pinned (RAM; shared by the ranks of a host when several run), shared "
+            "(one RAM copy per host, in /dev/shm), or disk.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
 }
 

@@ -3,7 +3,8 @@
 Every rank streams its own copy of the blocks and holds the same LoRA. A step's global batch (batch size ×
 ranks, one bucket) is drawn identically on every rank, noise and timesteps included, and each rank takes its
 contiguous share; after the backward the LoRA gradients are averaged with one all-reduce. So N ranks with
-batch b take the same steps as one process with batch N·b (tested with gloo on a CPU). Only rank 0 fills the
+batch b take the same steps as one process with batch N·b (tested with gloo on a CPU). The ranks of one host
+map one shared host copy of the slab's blobs (``host="shared"``) instead of pinning a copy each. Only rank 0 fills the
 cache, writes checkpoints, samples, metrics and the LoRA file; the others wait at a barrier.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Ranks:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    local_world: int = 1  # ranks on this host
 
     @classmethod
     def from_env(cls, backend: str) -> "Ranks":
@@ -31,7 +33,8 @@ class Ranks:
         if not dist.is_initialized():
             # rank 0 alone fills the cache and draws samples while the others wait in a collective: give it time
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=2))
-        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
     @property
     def is_main(self) -> bool:

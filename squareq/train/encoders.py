@@ -3,6 +3,10 @@
 ``tiny-flux`` uses the built-in toy VAE, CLIP and T5 (squareq.models.tiny_pipeline); a diffusers FLUX
 pipeline folder (or its ``transformer/`` subfolder) supplies its own ``vae``, ``text_encoder`` and
 ``text_encoder_2``. They are held only while the cache is filled, then released.
+
+On a GPU, a T5 encoder larger than :data:`STREAM_TEXT_ENCODER_BYTES` (FLUX.1's T5-XXL is 9.5 GB) stays in
+page-locked host memory and streams through the device block by block (``squareq.runtime.stream_module``),
+so the cache fills on a GPU with a few GB free; the VAE and CLIP are small and load whole.
 """
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ from pathlib import Path
 import torch
 
 from ..models import build_tiny_flux_pipeline
+from ..runtime import stream_module
 from .cache import module_identity
+
+STREAM_TEXT_ENCODER_BYTES = 2 << 30
 
 
 class EncoderError(ValueError):
@@ -27,14 +34,13 @@ class Encoders:
     pipeline: object  # a diffusers FluxPipeline without its transformer
     device: torch.device
     dtype: torch.dtype
+    vae_identity: str  # cache-key parts: which weights computed an entry
+    text_identity: str
+    streamed_text_encoder: bool = False
 
     @property
     def vae(self):
         return self.pipeline.vae
-
-    @property
-    def text_identity(self) -> str:
-        return module_identity(self.pipeline.text_encoder, "clip") + module_identity(self.pipeline.text_encoder_2, "t5")
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
@@ -45,10 +51,12 @@ class Encoders:
         return ((z.float() - vae.config.shift_factor) * vae.config.scaling_factor)[0].cpu()
 
     @torch.no_grad()
-    def encode_prompt(self, text: str, max_sequence_length: int) -> dict[str, torch.Tensor]:
-        prompt, pooled, _ = self.pipeline.encode_prompt(text, prompt_2=None, device=self.device,
+    def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
+        """One cache entry per text: T5 ``prompt_embeds`` [L, D] and CLIP ``pooled_prompt_embeds`` [D] (fp32)."""
+        prompt, pooled, _ = self.pipeline.encode_prompt(list(texts), prompt_2=None, device=self.device,
                                                         max_sequence_length=max_sequence_length)
-        return {"prompt_embeds": prompt[0].float().cpu(), "pooled_prompt_embeds": pooled[0].float().cpu()}
+        return [{"prompt_embeds": p.float().cpu(), "pooled_prompt_embeds": q.float().cpu()}
+                for p, q in zip(prompt, pooled, strict=True)]
 
 
 def _load_folder(source: Path, dtype: torch.dtype):
@@ -74,10 +82,17 @@ def open_encoders(source: str, device: torch.device) -> Iterator[Encoders]:
         pipe.transformer = None
     else:
         pipe = _load_folder(Path(source).expanduser(), dtype)
-    for name in ("vae", "text_encoder", "text_encoder_2"):
+    vae_id = module_identity(pipe.vae, "vae")
+    text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5")
+    t5 = pipe.text_encoder_2
+    stream = device.type == "cuda" and sum(p.numel() * p.element_size() for p in t5.parameters()) > \
+        STREAM_TEXT_ENCODER_BYTES
+    for name in ("vae", "text_encoder") if stream else ("vae", "text_encoder", "text_encoder_2"):
         getattr(pipe, name).to(device=device, dtype=dtype).eval()
+    if stream:
+        stream_module(t5.to(dtype=dtype), device)
     try:
-        yield Encoders(pipe, device, dtype)
+        yield Encoders(pipe, device, dtype, vae_id, text_id, stream)
     finally:
         for name in ("vae", "text_encoder", "text_encoder_2"):
             setattr(pipe, name, None)

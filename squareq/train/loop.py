@@ -28,7 +28,7 @@ import torch
 from .. import runtime
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes
-from .cache import EmbeddingCache, content_key, file_digest, module_identity
+from .cache import EmbeddingCache, content_key, file_digest
 from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig
 from .distributed import Ranks
@@ -83,7 +83,7 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
                 cache: EmbeddingCache, echo) -> tuple[list[str], dict[str, str]]:
     """Cache every image's latents and every caption's embeddings; return the latent keys per item and the
     text key per caption."""
-    vae_id, text_id = module_identity(encoders.vae, "vae"), encoders.text_identity
+    vae_id, text_id = encoders.vae_identity, encoders.text_identity
     image_keys = [content_key("latents", file_digest(item.path), vae_id, list(bucket))
                   for item, bucket in zip(dataset.items, item_buckets, strict=True)]
 
@@ -95,7 +95,7 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
     unique = list(text_keys)
 
     def encode_texts(indices):
-        return [encoders.encode_prompt(unique[i], cfg.max_sequence_length) for i in indices]
+        return encoders.encode_prompts([unique[i] for i in indices], cfg.max_sequence_length)
 
     start = time.perf_counter()
     made = cache.fill("latents", image_keys, encode_images) + cache.fill("text", [text_keys[c] for c in unique],
@@ -174,7 +174,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     dataset, buckets, cache, plain, dropped = data.dataset, data.buckets, data.cache, data.captions, data.dropped
     image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
 
-    model = runtime.load(slab, device, prefetch=cfg.prefetch, host=cfg.host, verify="off")
+    # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
+    host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
+    model = runtime.load(slab, device, prefetch=cfg.prefetch, host=host, verify="off")
     params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
     names = [n for n, p in runtime.lora_parameters(model).items()]
     model.enable_gradient_checkpointing()

@@ -35,7 +35,7 @@ def cuda_reference(tiny_slab):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("host", ["pinned", "disk"])
+@pytest.mark.parametrize("host", ["pinned", "shared", "disk"])
 def test_streamed_equals_resident_on_cuda(tiny_slab, cuda_reference, k, host):
     model = runtime.load(tiny_slab, "cuda", prefetch=k, host=host)
     with_lora(model)
@@ -45,6 +45,8 @@ def test_streamed_equals_resident_on_cuda(tiny_slab, cuda_reference, k, host):
         rt = runtime.runtime_of(model)
         stats = rt.step_stats()
         assert rt.streamer.copy_stream is not None and stats.copies > 0
+        source = rt.streamer.host
+        assert (source.staging[0] if host == "disk" else source.buffer).is_pinned()  # else copies are synchronous
     finally:
         runtime.runtime_of(model).close()
 

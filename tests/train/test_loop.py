@@ -219,11 +219,12 @@ def _first_gradient(out_file):
     return record
 
 
-def _rank_main(rank: int, world: int, port: int, values: dict, grad_file: str) -> None:
+def _rank_main(rank: int, world: int, port: int, values: dict, grad_file: str, shm: str) -> None:
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), SQUAREQ_KERNELS="torch")
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), SQUAREQ_KERNELS="torch",
+                      SQUAREQ_SHM_DIR=shm)
     torch.set_num_threads(1)
     train(load_config(None, values), echo=lambda s: None,
           on_gradients=_first_gradient(grad_file) if rank == 0 else None)
@@ -231,7 +232,8 @@ def _rank_main(rank: int, world: int, port: int, values: dict, grad_file: str) -
 
 def test_two_gloo_ranks_train_like_one_process_with_the_whole_batch(workspace, tmp_path):
     """2 ranks x batch 1 take the step of 1 process x batch 2: the averaged gradient matches up to bf16 compute
-    rounding (the models run batch 1 vs batch 2), and both runs write the same checkpoints and LoRA file."""
+    rounding (the models run batch 1 vs batch 2), and both runs write the same checkpoints and LoRA file. The
+    two ranks of this host stream from one shared host copy of the slab, removed when they finish."""
     import socket
 
     import torch.multiprocessing as mp
@@ -244,7 +246,11 @@ def test_two_gloo_ranks_train_like_one_process_with_the_whole_batch(workspace, t
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     values = _config(workspace, tmp_path / "ranks", batch_size=1, **steps).to_dict()
-    mp.spawn(_rank_main, args=(2, port, values, str(tmp_path / "ranks.safetensors")), nprocs=2, join=True)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mp.spawn(_rank_main, args=(2, port, values, str(tmp_path / "ranks.safetensors"), str(shm)), nprocs=2, join=True)
+    assert any(p.name.endswith(".users.lock") for p in shm.iterdir()), "the ranks did not use a shared host copy"
+    assert not any(p.name.endswith((".blobs", ".part")) for p in shm.iterdir())
     g1 = load_file(str(tmp_path / "single.safetensors"))["g"]
     g2 = load_file(str(tmp_path / "ranks.safetensors"))["g"]
     assert float((g1 - g2).norm() / g1.norm()) < 1e-2

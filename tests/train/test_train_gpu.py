@@ -1,0 +1,59 @@
+"""The trainer's GPU-only paths: 8-bit AdamW (bitsandbytes) and the streamed T5 encoder that fills the cache."""
+import pytest
+import torch
+
+from squareq.train import encoders
+from squareq.train.lora_files import load_lora
+from squareq.train.loop import train
+
+from .test_loop import _config, workspace  # noqa: F401  (the module-scoped tiny slab + data fixture)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def math_attention():
+    """Deterministic attention, so an interrupted and an uninterrupted run can be compared; cuDNN attention off
+    (its backward fails on the device image)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def test_streamed_t5_gives_the_cache_entries_of_the_whole_t5(monkeypatch):
+    texts = ["a red square", "two blue circles on a grey floor", ""]
+    cuda = torch.device("cuda")
+    with encoders.open_encoders("tiny-flux", cuda) as enc:
+        assert not enc.streamed_text_encoder
+        whole = enc.encode_prompts(texts, 16)
+    monkeypatch.setattr(encoders, "STREAM_TEXT_ENCODER_BYTES", 0)
+    with encoders.open_encoders("tiny-flux", cuda) as enc:
+        assert enc.streamed_text_encoder and next(enc.pipeline.text_encoder_2.encoder.block.parameters()).is_pinned()
+        streamed = enc.encode_prompts(texts, 16)
+    for a, b in zip(whole, streamed, strict=True):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_adamw8bit_trains_and_resumes(workspace, tmp_path):  # noqa: F811
+    pytest.importorskip("bitsandbytes")
+    kw = {"optimizer": "adamw8bit", "steps": 6, "save_every": 3, "lr": 1e-2}
+    whole = train(_config(workspace, tmp_path / "whole", **kw), echo=lambda s: None)
+    assert whole.steps == 6 and all(torch.isfinite(torch.tensor(whole.losses)))
+
+    def stop_at_3(step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(workspace, tmp_path / "cut", **kw), echo=lambda s: None, after_step=stop_at_3)
+    resumed = train(_config(workspace, tmp_path / "cut", resume="latest", **kw), echo=lambda s: None)
+    a, _ = load_lora(whole.lora_file)
+    b, _ = load_lora(resumed.lora_file)
+    moved = 0
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+        moved += int("lora_B" in name and bool(a[name].abs().sum() > 0))
+    assert moved > 0, "8-bit AdamW did not move lora_B away from its zero init"
