@@ -12,7 +12,10 @@ Phases, each in its own process:
 * ``data``: ``--images`` noise images at ``--res`` with captions;
 * ``bare``: ``train_step.py``'s SquareQ phase (K=3, pinned) at ``--res``: the bare streamed step;
 * ``train``: ``squareq.train.loop.train`` for ``--steps`` steps (batch 1, 512 T5 tokens, K=3, pinned),
-  the cache filled first; per-step times and peaks are read from its ``metrics.jsonl``.
+  the cache filled first; per-step times and peaks are read from its ``metrics.jsonl``;
+* ``bare`` once more, so drift of the machine during the run is visible (the comparison uses the mean).
+
+``SQUAREQ_PROFILE_DIR=DIR`` adds a torch.profiler table of two late trainer steps (left out of the median).
 
 Prints one JSON line per measurement and a markdown table: median step (after ``--skip`` steps), steps/s,
 peak reserved, and the trainer's overhead over the bare step (target: under 5%).
@@ -104,16 +107,41 @@ def run_train(args) -> dict:
         "model": str(work / "pipeline"), "cache_dir": str(work / "cache"), "resolution": args.res,
         "max_sequence_length": 16 if args.tiny else 512, "steps": args.steps, "batch_size": 1, "prefetch": 3,
         "save_every": 0, "seed": 0})
+    host_busy, last = [], [time.thread_time()]
+    profile_dir = os.environ.get("SQUAREQ_PROFILE_DIR")
+    profiler = None
+
+    def after_step(step: int) -> None:
+        nonlocal profiler
+        now = time.thread_time()
+        host_busy.append(now - last[0])  # the training thread's own CPU time in this step
+        last[0] = now
+        if profile_dir and step == args.steps - 4:
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            profiler.start()
+        elif profiler is not None and step == args.steps - 2:
+            torch.cuda.synchronize()
+            profiler.stop()
+            events = profiler.key_averages()
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            (Path(profile_dir) / "profile_trainer.txt").write_text(
+                "two trainer steps\n" + events.table(sort_by="self_cpu_time_total", row_limit=45) + "\n\n"
+                + events.table(sort_by="self_device_time_total", row_limit=25))
+            profiler = None
+
     start = time.perf_counter()
-    train(cfg, echo=lambda s: print(s, file=sys.stderr, flush=True))
+    train(cfg, echo=lambda s: print(s, file=sys.stderr, flush=True), after_step=after_step)
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    measured = records[args.skip:]
+    measured = [r for r in records[args.skip:] if not (profile_dir and r["step"] > args.steps - 4)]
     step_s = statistics.median(r["seconds"] for r in measured)
     return {"what": "squareq_train", "res": args.res, "steps": len(records), "wall_s": wall, "step_s": step_s,
             "steps_per_s": 1 / step_s, "peak_reserved_GB": max((r.get("peak_reserved_GB", 0) for r in measured),
                                                                default=0),
             "copy_wait_share": statistics.median(r.get("copy_wait_s", 0) / r["seconds"] for r in measured),
+            "host_busy_s": statistics.median(host_busy[args.skip:len(measured) + args.skip]),
             "step_times": [round(r["seconds"], 4) for r in records]}
 
 
@@ -154,19 +182,24 @@ def main() -> None:
         return
     records = [emit({"what": "env", "commit": os.environ.get("SQUAREQ_COMMIT", "unknown"),
                      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})]
-    for name in ("slab", "pipeline", "data", "bare", "train"):
+    # the bare step runs before and after the trainer, so a drift of the machine shows instead of passing as overhead
+    for name in ("slab", "pipeline", "data", "bare", "train", "bare"):
         records += [emit(r) for r in phase(args, name)]
-    bare = next((r for r in records if r.get("what") == "squareq" and "step_s" in r), None)
+    bares = [r for r in records if r.get("what") == "squareq" and "step_s" in r]
+    bare = {**bares[0], "step_s": statistics.mean(r["step_s"] for r in bares),
+            "runs_s": [r["step_s"] for r in bares]} if bares else None
     run = next((r for r in records if r.get("what") == "squareq_train"), None)
     if bare and run:
-        records.append(emit({"what": "overhead", "trainer_over_bare": run["step_s"] / bare["step_s"] - 1}))
+        records.append(emit({"what": "overhead", "trainer_over_bare": run["step_s"] / bare["step_s"] - 1,
+                             "bare_runs_s": bare["runs_s"]}))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         tmp = args.out / "train_e2e.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         tmp.replace(args.out / "train_e2e.jsonl")
     print("\n| setup | res | step s | steps/s | peak reserved GB | copy-wait % | note |\n|---|---|---|---|---|---|---|")
-    for r, label in ((bare, "bare streamed step (train_step.py, K=3)"), (run, f"squareq train, {args.steps} steps")):
+    bare_label = "bare streamed step (train_step.py, K=3; mean of the runs before and after)"
+    for r, label in ((bare, bare_label), (run, f"squareq train, {args.steps} steps")):
         if r:
             print(f"| {label} | {args.res}² | {r['step_s']:.3f} | {1 / r['step_s']:.2f} | "
                   f"{r.get('peak_reserved_GB', 0):.2f} | {100 * r.get('copy_wait_share', 0):.1f} | |")

@@ -156,7 +156,6 @@ def memory_peaks(setup: Setup) -> dict:
 
 def profile_step(one_step, setup: Setup, path: Path) -> float:
     """One more step under torch.profiler: the top host-side ops to ``path``; returns GPU kernel seconds."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     setup.sync()

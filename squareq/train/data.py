@@ -298,6 +298,7 @@ class BucketBatches:
             groups.setdefault(b, []).append(i)
         self._groups = [groups[b] for b in sorted(groups)]
         self.epoch, self.position = 0, 0
+        self._last_epoch: tuple[int, list[list[int]]] | None = None
         # Resuming with other data, buckets or settings would silently train on a different order.
         key = repr((seed, batch_size, drop_last, self.item_buckets)).encode()
         self._fingerprint = hashlib.sha256(key).hexdigest()[:16]
@@ -312,6 +313,8 @@ class BucketBatches:
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """All batches of ``epoch`` in order (a pure function of seed, epoch and the bucket groups)."""
+        if self._last_epoch is not None and self._last_epoch[0] == epoch:
+            return self._last_epoch[1]
         rng = np.random.default_rng([self.seed, epoch])  # SeedSequence mixes both; needs seed >= 0
         batches = []
         for group in self._groups:
@@ -320,7 +323,12 @@ class BucketBatches:
                 batch = order[start:start + self.batch_size]
                 if len(batch) == self.batch_size or not self.drop_last:
                     batches.append(batch)
-        return [batches[i] for i in rng.permutation(len(batches))]
+        self._last_epoch = (epoch, [batches[i] for i in rng.permutation(len(batches))])
+        return self._last_epoch[1]
+
+    def peek(self) -> list[int]:
+        """The batch iteration gives next, without advancing (what a prefetch reads ahead)."""
+        return self.epoch_batches(self.epoch)[self.position]
 
     def __iter__(self):
         batches = self.epoch_batches(self.epoch)

@@ -35,7 +35,8 @@ from .distributed import Ranks
 from .data import BucketBatches, bucket_for, caption_for, load_image, make_buckets, scan_dataset
 from .encoders import Encoders, open_encoders
 from .lora_files import save_diffusers_lora
-from .objective import flow_loss, flow_match, image_ids, pack_latents, sample_timesteps, text_ids
+from .feed import CacheFeed
+from .objective import flow_loss, flow_match, pack_latents, sample_timesteps
 from .sample import draw_image
 
 METRICS_FILE = "metrics.jsonl"
@@ -224,6 +225,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         return path
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    guidance = _has_guidance(model)
+    feed = CacheFeed(cache, image_keys, text_keys, plain, dropped, device)
     every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
     batch_iter = iter(batches)
     losses: list[float] = []
@@ -246,31 +249,28 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     # process training the whole batch.
                     drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
                              for _ in indices]
-                    shape = (len(indices), *cache.load("latents", image_keys[indices[0]])["latents"].shape)
-                    noise = torch.randn(shape, generator=generator)
-                    t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
                     mine = ranks.share(len(indices))
+                    noise = torch.randn((len(indices), *feed.latent_shape(indices[mine][0])), generator=generator)
+                    t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
                     indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
-                    latents = torch.stack([cache.load("latents", image_keys[i])["latents"] for i in indices]).to(device)
-                    texts = [cache.load("text", text_keys[dropped if drop else plain[i]])
-                             for i, drop in zip(indices, drops, strict=True)]
-                    prompt = torch.stack([e["prompt_embeds"] for e in texts]).to(device)
-                    pooled = torch.stack([e["pooled_prompt_embeds"] for e in texts]).to(device)
+                    latents, prompt, pooled = feed.batch(indices, drops)
+                    feed.prefetch(batches.peek()[mine])  # read while this micro-batch computes
                     x_t, target = flow_match(latents, noise, t)
-                    h, w = latents.shape[-2:]
+                    img_ids, txt_ids = feed.position_ids(*latents.shape[-2:], prompt.shape[1])
                     with amp:
                         pred = model(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
                                      pooled_projections=pooled, timestep=t,
-                                     guidance=torch.full_like(t, cfg.guidance) if _has_guidance(model) else None,
-                                     img_ids=image_ids(h, w, device=device), txt_ids=text_ids(prompt.shape[1]).to(device),
-                                     return_dict=False)[0]
+                                     guidance=torch.full_like(t, cfg.guidance) if guidance else None,
+                                     img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
                     loss = flow_loss(pred, pack_latents(target)) / cfg.grad_accum
                     loss.backward()
                     step_loss += float(loss.detach())
                 ranks.average_grads(params)
                 step_loss = ranks.mean(step_loss, device)
                 grads = [p.grad for p in params if p.grad is not None]
-                finite = math.isfinite(step_loss) and all(bool(torch.isfinite(g).all()) for g in grads)
+                # one norm over all gradients (NaN or Inf if any element is): one device sync, not one per tensor
+                norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+                finite = math.isfinite(step_loss) and math.isfinite(float(norm))
                 if not finite:
                     optimizer.zero_grad(set_to_none=True)
                     skipped_in_row, skipped = skipped_in_row + 1, skipped + 1
@@ -283,8 +283,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 skipped_in_row = 0
                 if on_gradients is not None:
                     on_gradients(step + 1, [p.grad for p in params])
-                norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else
-                                                            float("inf")))
+                if cfg.max_grad_norm > 0:
+                    torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, norm)
+                norm = float(norm)
                 updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
                 optimizer.step()
                 scheduler.step()
@@ -329,6 +330,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                              f"steps up to {step} are saved in {path}. {knobs}") from None
         checkpoint()
     finally:
+        feed.close()
         metrics.close()
         if board is not None:
             board.close()

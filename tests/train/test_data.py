@@ -279,3 +279,21 @@ def test_resume_refuses_other_settings():
         BucketBatches(data, buckets, batch_size=2, seed=3).load_state_dict(state)
     with pytest.raises(ValueError, match="drop_last leaves no batch"):
         BucketBatches(data, buckets, batch_size=7, seed=3, drop_last=True)
+
+
+def test_peek_shows_the_next_batch_across_epochs_without_advancing():
+    data, buckets = _dataset(), make_buckets(512)
+    reference = _take(BucketBatches(data, buckets, batch_size=4, seed=5), 20)
+    bb = BucketBatches(data, buckets, batch_size=4, seed=5)
+    seen = []
+    it = iter(bb)
+    while len(seen) < 20:
+        ahead = bb.peek()
+        assert bb.peek() == ahead  # peeking twice changes nothing
+        batch = next(it, None)
+        if batch is None:
+            it = iter(bb)
+            continue
+        assert batch == ahead
+        seen.append(batch)
+    assert seen == reference

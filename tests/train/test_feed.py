@@ -1,0 +1,40 @@
+"""CacheFeed: a step's cached tensors, read one step ahead, are the tensors the cache holds."""
+import torch
+
+from squareq.train.cache import EmbeddingCache
+from squareq.train.feed import CacheFeed
+
+
+def _cache(tmp_path):
+    cache = EmbeddingCache(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    images, texts = [], {}
+    for i in range(4):
+        cache.store("latents", f"img{i}", {"latents": torch.randn(4, 8, 8, generator=g)})
+        images.append(f"img{i}")
+    for caption in ("a", "b", "c", "d", ""):
+        texts[caption] = f"txt-{caption}"
+        cache.store("text", texts[caption], {"prompt_embeds": torch.randn(6, 5, generator=g),
+                                             "pooled_prompt_embeds": torch.randn(3, generator=g)})
+    return cache, images, texts
+
+
+def test_prefetched_batches_equal_direct_reads_and_unused_reads_are_dropped(tmp_path):
+    cache, images, texts = _cache(tmp_path)
+    captions = ["a", "b", "c", "d"]
+    feed = CacheFeed(cache, images, texts, captions, "", torch.device("cpu"))
+    try:
+        assert feed.latent_shape(2) == torch.Size([4, 8, 8])
+        for indices, drops, upcoming in (([2, 0], [False, True], [1, 3]), ([1, 3], [True, False], [0, 2]),
+                                         ([0, 2], [False, False], [3, 1])):
+            latents, prompt, pooled = feed.batch(indices, drops)
+            feed.prefetch(upcoming)
+            assert len(feed._pending) == 2 * len(upcoming)  # only the next batch's reads are held
+            assert torch.equal(latents, torch.stack([cache.load("latents", images[i])["latents"] for i in indices]))
+            want = [cache.load("text", texts["" if d else captions[i]]) for i, d in zip(indices, drops)]
+            assert torch.equal(prompt, torch.stack([w["prompt_embeds"] for w in want]))
+            assert torch.equal(pooled, torch.stack([w["pooled_prompt_embeds"] for w in want]))
+        img, txt = feed.position_ids(8, 8, 6)
+        assert img.shape == (16, 3) and txt.shape == (6, 3) and feed.position_ids(8, 8, 6)[0] is img
+    finally:
+        feed.close()
