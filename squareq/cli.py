@@ -282,7 +282,8 @@ def demo(out: Path, budget: str, force: bool) -> None:
 
     result = run_demo(out, parse_size(budget), overwrite=force, echo=click.echo)
     click.echo(f"slab: {result.slab_path}  (inspect it: squareq inspect {result.slab_path} --verify)")
-    click.echo("not run in this version: squareq train, squareq accept (they are not built yet)")
+    click.echo(f"this demo does not train yet; train a LoRA on the slab with: squareq train {result.slab_path} "
+               "--data DIR -o OUT (squareq accept is not built yet)")
 
 
 if __name__ == "__main__":

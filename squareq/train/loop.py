@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,9 +138,12 @@ def prepare_data(cfg: TrainConfig, source: str, device: torch.device, echo=print
 
 def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
           after_step: Callable[[int], None] | None = None,
-          on_gradients: Callable[[int, list[torch.Tensor]], None] | None = None) -> TrainResult:
+          on_gradients: Callable[[int, list[torch.Tensor]], None] | None = None,
+          progress: bool | None = None) -> TrainResult:
     """Run the training ``cfg`` describes. ``after_step(step)`` is called after each finished step;
-    ``on_gradients(step, grads)`` with the LoRA gradients about to be applied (averaged over ranks)."""
+    ``on_gradients(step, grads)`` with the LoRA gradients about to be applied (averaged over ranks).
+    ``progress``: a progress bar on stderr (default: when stderr is a terminal); without it, about ten
+    progress lines through ``echo``."""
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it for "
                          "several) or set sample_every = 0.")
@@ -148,13 +152,14 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     device = _device()
     ranks = Ranks.from_env("nccl" if device.type == "cuda" else "gloo")
     try:
-        return _train(cfg, out, device, ranks, echo if ranks.is_main else (lambda s: None), after_step, on_gradients)
+        return _train(cfg, out, device, ranks, echo if ranks.is_main else (lambda s: None), after_step, on_gradients,
+                      progress)
     finally:
         ranks.close()
 
 
 def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo, after_step,
-           on_gradients) -> TrainResult:
+           on_gradients, progress) -> TrainResult:
     if device.type == "cuda":
         device = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(device)
@@ -232,6 +237,12 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     losses: list[float] = []
     metrics = open(out / METRICS_FILE, "a") if ranks.is_main else open(os.devnull, "w")
     board = _tensorboard(out) if cfg.log == "tensorboard" and ranks.is_main else None
+    bar = None
+    if ranks.is_main and (sys.stderr.isatty() if progress is None else progress):
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, desc="train")
+        echo = _above_bar(bar, echo)
     try:
         try:
             while step < total:
@@ -303,11 +314,15 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                         if key != "step":
                             board.add_scalar(f"train/{key}", value, step)
                 metrics.flush()
-                if step % every == 0 or step == total:
-                    recent = losses[-every:]
-                    vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
-                    echo(f"step {step}/{total}: loss {step_loss:.4f} (avg {sum(recent) / len(recent):.4f}), "
-                         f"lr {record['lr']:.2e}, grad norm {norm:.3f}, {1 / record['seconds']:.2f} it/s{vram}")
+                recent = losses[-every:]
+                vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
+                status = (f"loss {step_loss:.4f} (avg {sum(recent) / len(recent):.4f}), lr {record['lr']:.2e}, "
+                          f"grad norm {norm:.3f}{vram}")
+                if bar is not None:
+                    bar.set_postfix_str(status, refresh=False)
+                    bar.update(1)
+                elif step % every == 0 or step == total:
+                    echo(f"step {step}/{total}: {status}, {1 / record['seconds']:.2f} it/s")
                 if cfg.save_every and step % cfg.save_every == 0 and step < total:
                     checkpoint()
                 if cfg.sample_every and step % cfg.sample_every == 0 and ranks.is_main:
@@ -330,6 +345,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                              f"steps up to {step} are saved in {path}. {knobs}") from None
         checkpoint()
     finally:
+        if bar is not None:
+            bar.close()
         feed.close()
         metrics.close()
         if board is not None:
@@ -390,6 +407,14 @@ def _tensorboard(out: Path):
         raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard, or use --log "
                          "jsonl.") from None
     return SummaryWriter(str(out / "tensorboard"))
+
+
+def _above_bar(bar, echo):
+    """``echo`` that prints above the progress bar instead of through it."""
+    def write(text: str) -> None:
+        with bar.external_write_mode():
+            echo(text)
+    return write
 
 
 def _has_guidance(model) -> bool:

@@ -79,8 +79,12 @@ def test_training_lowers_the_loss_and_writes_a_lora(workspace, tmp_path, caplog)
     assert after < 0.97 * before, (before, after)
 
 
-def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path):
-    straight = train(_config(workspace, tmp_path / "straight"), echo=lambda s: None)
+def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path, capsys):
+    lines = []
+    straight = train(_config(workspace, tmp_path / "straight"), echo=lines.append)
+    progress = [line for line in lines if line.startswith("step ")]
+    assert len(progress) == 10 and progress[-1].startswith("step 20/20: loss ")  # no terminal: ten progress lines
+    assert all(k in progress[-1] for k in ("(avg ", "lr ", "grad norm ", " it/s"))
 
     def kill(step):
         if step == 12:
@@ -88,7 +92,11 @@ def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         train(_config(workspace, tmp_path / "killed"), echo=lambda s: None, after_step=kill)
-    resumed = train(_config(workspace, tmp_path / "killed", resume="latest"), echo=lambda s: None)
+    capsys.readouterr()
+    resumed = train(_config(workspace, tmp_path / "killed", resume="latest"), echo=lines.append, progress=True)
+    bar = capsys.readouterr().err
+    assert "10/20" in bar and "20/20" in bar and "grad norm" in bar  # the bar resumes at step 10
+    assert "step/s" in bar or "s/step" in bar
     a, _ = load_lora(straight.lora_file)
     b, _ = load_lora(resumed.lora_file)
     assert a.keys() == b.keys()
