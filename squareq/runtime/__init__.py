@@ -4,7 +4,7 @@ slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`;
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .memory_plan import MemoryPlan, PlanError, plan
-from .module_stream import stream_module
+from .module_stream import release_module, stream_module
 from .qlinear import QuantLinear
 from .streamer import StreamError
 from .telemetry import StepStats
@@ -22,6 +22,7 @@ __all__ = [
     "lora_parameters",
     "lora_state_dict",
     "plan",
+    "release_module",
     "runtime_of",
     "stream_module",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import weakref
@@ -61,15 +62,17 @@ class HostMemory:
         self._share: _SharedFile | None = None
         self._undo = None
         if share_key is None:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            self.tensor = _page_aligned(nbytes)
+            # Filled before it is locked: pages appear as they are written, so a caller that moves tensors in one
+            # at a time (a streamed text encoder) never holds two copies.
+            fill(self.tensor)
             if device.type == "cuda":
                 try:
                     self._undo = _register(self.tensor)
                 except HostMemoryError as exc:
                     # torch's pinned allocator locks pages its own way; it rounds up, but the blobs stay page-locked
                     log.warning("%s Using torch's pinned allocator instead.", exc)
-                    self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            fill(self.tensor)
+                    self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).copy_(self.tensor)
         else:
             self._share = _SharedFile(share_key, nbytes, fill)
             self.tensor, self.created = self._share.tensor, self._share.created
@@ -99,6 +102,11 @@ def _release(undo, share, tensor) -> None:
         share.close()
 
 
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    """Anonymous, page-aligned memory, so two small buffers never share a page (each is locked on its own)."""
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
+
+
 def _shm_dir() -> Path:
     return Path(os.environ.get("SQUAREQ_SHM_DIR") or "/dev/shm")
 
@@ -125,6 +133,9 @@ class _SharedFile:
                 fcntl.flock(self._users_fd, fcntl.LOCK_SH)
                 for stale in directory.glob(base.name + ".*.part"):  # a creator that died mid-fill
                     stale.unlink(missing_ok=True)
+                if self.path.is_file() and self.path.stat().st_uid != os.getuid():
+                    raise HostMemoryError(f"{self.path} belongs to another user; remove it or set SQUAREQ_SHM_DIR to a "
+                                          "folder of your own.")
                 if not (self.path.is_file() and self.path.stat().st_size == nbytes):
                     self._create(base, nbytes, fill)
                     self.created = True
@@ -137,13 +148,16 @@ class _SharedFile:
             raise
 
     def _create(self, base: Path, nbytes: int, fill: Callable[[torch.Tensor], None]) -> None:
+        _remove_unused_copies(base)
         free = shutil.disk_usage(base.parent).free
         if free < nbytes:
             raise HostMemoryError(
                 f"{base.parent} has {free / 1e9:.2f} GB free but one shared copy of the slab needs {nbytes / 1e9:.2f} GB; "
-                "enlarge it (docker: --shm-size), point SQUAREQ_SHM_DIR at a larger tmpfs, or run with --host disk.")
+                "enlarge it (docker: --shm-size), point SQUAREQ_SHM_DIR at a larger tmpfs, or run with --host disk "
+                "(copies no job is using any more were already removed).")
         part = base.with_name(f"{base.name}.{os.getpid()}.part")
         try:
+            os.close(os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))  # readable by this user only
             tensor = torch.from_file(str(part), shared=True, size=nbytes, dtype=torch.uint8)
             fill(tensor)
             del tensor
@@ -172,3 +186,21 @@ class _SharedFile:
             fcntl.flock(self._create_fd, fcntl.LOCK_UN)
             os.close(self._create_fd)
             self._users_fd = self._create_fd = None
+
+
+def _remove_unused_copies(keep: Path) -> None:
+    """Delete this user's shared copies of other slabs that no process maps any more (left by killed jobs)."""
+    for lock in keep.parent.glob(f"squareq-{os.getuid()}-*.users.lock"):
+        base = lock.name[: -len(".users.lock")]
+        blobs = lock.with_name(base + ".blobs")
+        if base == keep.name or not blobs.exists():
+            continue
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no process holds the copy
+            blobs.unlink(missing_ok=True)
+            log.info("removed %s, a shared copy no running job uses", blobs)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)

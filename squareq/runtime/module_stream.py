@@ -134,4 +134,25 @@ def stream_module(module: nn.Module, device: str | torch.device, blocks: str | N
     module.requires_grad_(False)
     module.eval()
     weakref.finalize(module, streamer.close)
+    object.__setattr__(module, _HANDLE, (streamer, block_list))
     return module
+
+
+_HANDLE = "_squareq_module_stream"
+
+
+def release_module(module: nn.Module) -> None:
+    """Undo :func:`stream_module` now: unlock and drop its host blobs and device slots (the blocks' tensors go with
+    them, so the module cannot run again). Without it they go when the module is garbage-collected."""
+    handle = module.__dict__.pop(_HANDLE, None)
+    if handle is None:
+        return
+    streamer, block_list = handle
+    streamer.close()
+    for block in block_list:
+        block.__dict__.pop("forward", None)  # the runner refers back to its block: break the cycle
+        for owner in block.modules():
+            for table in (owner._parameters, owner._buffers):
+                for attr in table:
+                    table[attr] = None
+    streamer.slots.clear()

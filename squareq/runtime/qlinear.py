@@ -37,6 +37,9 @@ class DequantScratch:
     def prepare(self, qw: QuantizedWeight):
         """A zero-argument callable returning ``qw``'s bf16 weight (dequantized into the scratch), prepared once
         so that the thousands of calls a training step makes cost little host time."""
+        if qw.spec.is_passthrough:  # used in place; a slab of bf16 layers only has a one-element scratch
+            weight = qw.tensors["weight"]
+            return lambda: weight
         return prepare_dequantize(self.view(qw.shape), qw)
 
 

@@ -92,16 +92,24 @@ class EmbeddingCache:
 
     def fill(self, kind: str, keys: Iterable[str], compute: Callable[[list[int]], list[dict[str, torch.Tensor]]],
              batch_size: int = 8) -> int:
-        """Compute the entries of ``keys`` that are missing, ``batch_size`` at a time: ``compute(indices)``
-        returns one tensor dict per index into ``keys``. Returns how many entries were computed."""
-        keys = list(keys)
-        missing, seen = [], set()
+        """Compute the entries of ``keys`` that are missing: ``compute(indices)`` returns one tensor dict per index
+        into ``keys``. Returns how many entries were computed.
+
+        Batches are fixed runs of ``batch_size`` distinct keys in the given order, and a batch with any entry
+        missing is computed whole: an entry is always computed next to the same neighbours, so a fill that
+        was interrupted and resumed stores the bits an uninterrupted one would (batched kernels may round
+        differently for other batch sizes)."""
+        first: dict[str, int] = {}
         for i, key in enumerate(keys):
-            if key not in seen and not self.has(kind, key):
-                missing.append(i)
-                seen.add(key)
-        for start in range(0, len(missing), batch_size):
-            chunk = missing[start : start + batch_size]
-            for i, tensors in zip(chunk, compute(chunk), strict=True):
-                self.store(kind, keys[i], tensors)
-        return len(missing)
+            first.setdefault(key, i)
+        order = list(first.items())
+        made = 0
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            if all(self.has(kind, key) for key, _ in chunk):
+                continue
+            for (key, _), tensors in zip(chunk, compute([i for _, i in chunk]), strict=True):
+                if not self.has(kind, key):
+                    self.store(kind, key, tensors)
+                    made += 1
+        return made

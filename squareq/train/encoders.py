@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..models import build_tiny_flux_pipeline
-from ..runtime import stream_module
+from ..runtime import release_module, stream_module
 from .cache import module_identity
 
 STREAM_TEXT_ENCODER_BYTES = 2 << 30
@@ -82,8 +82,9 @@ def open_encoders(source: str, device: torch.device) -> Iterator[Encoders]:
         pipe.transformer = None
     else:
         pipe = _load_folder(Path(source).expanduser(), dtype)
-    vae_id = module_identity(pipe.vae, "vae")
-    text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5")
+    where = f":{dtype}".replace("torch.", "")  # entries computed in bf16 on a GPU are not those of fp32 on a CPU
+    vae_id = module_identity(pipe.vae, "vae") + where
+    text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where
     t5 = pipe.text_encoder_2
     stream = device.type == "cuda" and sum(p.numel() * p.element_size() for p in t5.parameters()) > \
         STREAM_TEXT_ENCODER_BYTES
@@ -94,6 +95,9 @@ def open_encoders(source: str, device: torch.device) -> Iterator[Encoders]:
     try:
         yield Encoders(pipe, device, dtype, vae_id, text_id, stream)
     finally:
+        if stream:
+            release_module(t5)  # now, not at some later garbage collection: training needs the memory
+        del t5
         for name in ("vae", "text_encoder", "text_encoder_2"):
             setattr(pipe, name, None)
         del pipe

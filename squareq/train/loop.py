@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .. import runtime
+from ..runtime.host_memory import HostMemoryError
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes
 from .cache import EmbeddingCache, content_key, file_digest
@@ -41,6 +43,7 @@ from .objective import flow_loss, flow_match, pack_latents, sample_timesteps
 from .sample import draw_image
 
 METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger("squareq.train")
 
 
 class TrainError(RuntimeError):
@@ -182,7 +185,13 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
 
     # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
     host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
-    model = runtime.load(slab, device, prefetch=cfg.prefetch, host=host, verify="off")
+    try:
+        model = runtime.load(slab, device, prefetch=cfg.prefetch, host=host, verify="off")
+    except HostMemoryError as exc:
+        if host == cfg.host:
+            raise TrainError(f"--host {cfg.host}: {exc}") from None
+        log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
+        model = runtime.load(slab, device, prefetch=cfg.prefetch, host="pinned", verify="off")
     params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
     names = [n for n, p in runtime.lora_parameters(model).items()]
     model.enable_gradient_checkpointing()
@@ -265,7 +274,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
                     indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
                     latents, prompt, pooled = feed.batch(indices, drops)
-                    feed.prefetch(batches.peek()[mine])  # read while this micro-batch computes
+                    upcoming = batches.peek()
+                    feed.prefetch(upcoming[ranks.share(len(upcoming))])  # read while this micro-batch computes
                     x_t, target = flow_match(latents, noise, t)
                     img_ids, txt_ids = feed.position_ids(*latents.shape[-2:], prompt.shape[1])
                     with amp:

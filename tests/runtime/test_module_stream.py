@@ -65,3 +65,17 @@ def test_block_tensors_move_into_the_blobs_instead_of_doubling(monkeypatch):
         assert start <= p.data_ptr() < end, f"{name} is not in the blob arena"
     assert arena.host_bytes < 1.02 * sum(p.numel() * p.element_size() for p in model.encoder.block.parameters()) + \
         256 * sum(1 for _ in model.encoder.block.parameters())
+
+
+def test_release_frees_the_blobs_now():
+    from squareq.runtime import release_module
+    from squareq.runtime.module_stream import _HANDLE
+
+    model = stream_module(_t5(), "cpu", prefetch=2)
+    streamer, blocks = model.__dict__[_HANDLE]
+    memory = streamer.host.memory
+    release_module(model)
+    assert not memory._finalizer.alive and streamer.closed
+    assert all(p is None for b in blocks for p in b._parameters.values())
+    assert "forward" not in blocks[0].__dict__
+    release_module(model)  # a second call does nothing

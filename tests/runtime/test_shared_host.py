@@ -109,3 +109,22 @@ def test_processes_share_one_copy_filled_once(tiny_slab, shm):
     assert sorted(created for created, _, _ in got) == [False, True]
     assert got[0][1] == got[1][1] and got[0][2] == got[1][2]
     assert [p.name for p in shm.iterdir() if p.name.endswith(".blobs")] == []
+
+
+def test_copies_of_other_slabs_that_no_job_holds_are_removed(tiny_slab, shm):
+    import fcntl
+
+    uid = os.getuid()
+    dead, live = (shm / f"squareq-{uid}-{name}" for name in ("deadbeef", "cafef00d"))
+    for base in (dead, live):
+        base.with_name(base.name + ".blobs").write_bytes(b"x" * 1000)
+        base.with_name(base.name + ".users.lock").touch()
+    holder = os.open(live.with_name(live.name + ".users.lock"), os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_SH)  # a running job still maps this one
+    try:
+        model = runtime.load(tiny_slab, "cpu", host="shared")
+        assert not dead.with_name(dead.name + ".blobs").exists()
+        assert live.with_name(live.name + ".blobs").exists()
+        runtime_of(model).close()
+    finally:
+        os.close(holder)

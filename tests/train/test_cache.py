@@ -12,20 +12,23 @@ def _encode_all(cache, captions, calls):
         calls.extend(captions[i] for i in indices)
         return [{"embeds": torch.full((2, 3), float(len(captions[i])))} for i in indices]
 
-    cache.fill("text", keys, compute, batch_size=2)
-    return keys
+    made = cache.fill("text", keys, compute, batch_size=2)
+    return keys, made
 
 
 def test_only_changed_entries_are_recomputed(tmp_path):
     cache = EmbeddingCache(tmp_path / "cache")
     calls = []
     captions = ["a cat", "a dog", "a fox", "a cat"]
-    keys = _encode_all(cache, captions, calls)
-    assert calls == ["a cat", "a dog", "a fox"]  # the repeated caption is encoded once
+    keys, made = _encode_all(cache, captions, calls)
+    assert calls == ["a cat", "a dog", "a fox"] and made == 3  # the repeated caption is encoded once
     calls.clear()
     captions[1] = "a red dog"
-    _encode_all(EmbeddingCache(tmp_path / "cache"), captions, calls)
-    assert calls == ["a red dog"]
+    _, made = _encode_all(EmbeddingCache(tmp_path / "cache"), captions, calls)
+    # one entry is new; its fixed batch ("a cat", "a red dog") is computed whole so its bits do not depend on
+    # which entries happened to be missing, and the unchanged neighbour is not rewritten
+    assert made == 1 and calls == ["a cat", "a red dog"]
+    assert _encode_all(EmbeddingCache(tmp_path / "cache"), captions, calls)[1] == 0
     assert torch.equal(cache.load("text", keys[2])["embeds"], torch.full((2, 3), 5.0))
 
 
