@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -18,6 +19,7 @@ from .slab.summary import format_summary, summarize
 from .compiler.budget import BudgetError
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
+from .acceptance import AcceptError
 
 from .runtime import PlanError, StreamError
 from .train.cache import CacheError
@@ -26,9 +28,11 @@ from .train.config import HELP, ConfigError, TrainConfig, load_config
 from .train.data import DataError
 from .train.encoders import EncoderError
 from .train.lora_files import LoraFileError
+from .train.loop import TrainError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
-               CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError)
+               CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
+               TrainError)
 
 
 class _Group(click.Group):
@@ -56,21 +60,59 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
 
 
-def _not_yet(name: str, what: str):
-    @main.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-                  help=f"{what} (not in this version yet).", add_help_option=True)
-    def _cmd() -> None:
-        click.echo(
-            f"error: `squareq {name}` is not in SquareQ {__version__} yet. Today `squareq demo` writes and checks a "
-            "slab of the built-in tiny model and `squareq inspect SLAB` shows what a slab holds.",
-            err=True,
-        )
-        sys.exit(2)
+@main.command()
+@click.argument("slab", type=click.Path(path_type=Path))
+@click.option("--model", required=True, help="The source the slab was compiled from: tiny-flux, a diffusers folder or "
+              "a BFL FLUX.1 file (the bf16 reference for every gate).")
+@click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
+              help="The compiler's TOML file; [thresholds] mse (τ_MSE), conv (τ_CONV) and conv_steps (Δ) apply here.")
+@click.option("--budget", help="Largest slab size, e.g. 12GB (default: the budget the compile recorded).")
+@click.option("--vram-budget", help="Largest peak reserved GPU memory of the training steps, e.g. 12GB.")
+@click.option("--steps", type=int, default=30, show_default=True, help="N: training steps of the bf16 reference run.")
+@click.option("--data", type=click.Path(path_type=Path), help="Images with captions for the convergence runs "
+              "(default: the built-in tiny dataset of coloured shapes).")
+@click.option("--train-config", type=click.Path(path_type=Path), help="A squareq train TOML the convergence runs "
+              "start from (this gate sets steps, schedule, data and output).")
+@click.option("--resolution", type=int, help="Training resolution (default: 64 on the built-in dataset, else 512).")
+@click.option("--max-sequence-length", type=int,
+              help="T5 tokens per caption (default: 32 on the built-in dataset, else 512).")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Learning rate of both runs.")
+@click.option("--rank", type=int, default=16, show_default=True, help="LoRA rank of both runs.")
+@click.option("--samples", type=int, default=2, show_default=True, help="Fresh calibration samples for layer MSE.")
+@click.option("--workdir", type=click.Path(path_type=Path),
+              help="Reference slab, training runs and the loss plot (default: SLAB.accept next to the slab).")
+@click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
+@click.option("--junit", type=click.Path(path_type=Path), help="Write a JUnit XML report here (for CI systems).")
+@click.option("--require-gpu", is_flag=True, help="A gate that needs a GPU fails instead of being skipped.")
+def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train_config, resolution,
+           max_sequence_length, lr, rank, samples, workdir, report, junit, require_gpu) -> None:
+    """Gate SLAB before anyone trains on it: layer MSE on fresh inputs, convergence against the bf16 source,
+    peak VRAM and size. Exit status 0 when every gate passes, 3 when one fails, 1 when it cannot run."""
+    from .acceptance import AcceptOptions, accept as run_accept
+    from .acceptance.convergence import ConvergenceSettings
+    from .compiler import Thresholds, parse_size
 
-    return _cmd
-
-
-_not_yet("accept", "Gate a slab: layer MSE, convergence delta, peak VRAM")
+    if steps < 1:
+        raise click.BadParameter("must be at least 1.", param_hint="--steps")
+    builtin = data is None
+    opts = AcceptOptions(
+        slab=slab, model=model, thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
+        budget=parse_size(budget) if budget else None, vram_budget=parse_size(vram_budget) if vram_budget else None,
+        workdir=workdir, require_gpu=require_gpu, samples=samples,
+        training=ConvergenceSettings(steps=steps, data=str(data) if data else "", lr=lr, rank=rank,
+                                     resolution=resolution or (64 if builtin else 512),
+                                     max_sequence_length=max_sequence_length or (32 if builtin else 512),
+                                     base=str(train_config) if train_config else None))
+    result = run_accept(opts, echo=lambda line: click.echo(line, err=True))
+    click.echo(result.table())
+    if report:
+        result.write_json(report)
+        click.echo(f"report: {report}")
+    if junit:
+        result.write_junit(junit)
+        click.echo(f"junit: {junit}")
+    click.echo(f"loss curves: {result.gates[1].details.get('plot')}")
+    sys.exit(0 if result.passed else 3)
 
 
 def _progress_printer():
@@ -94,7 +136,8 @@ def _progress_printer():
 @click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
               help="size: smallest slab meeting every threshold; quality: then spend the rest of the budget.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
-              help="TOML file with a [thresholds] table (mse, act, scale, block); defaults in docs/compiler.md.")
+              help="TOML file with a [thresholds] table (mse, act, scale, block; conv and conv_steps are for "
+              "squareq accept); defaults in docs/compiler.md.")
 @click.option("--min-bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True,
               help="The ladder's first rung.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
@@ -163,7 +206,7 @@ def _config_options(command):
 @_config_options
 def train(slab, data, output, config_file, print_config, **flags) -> None:
     """Train a LoRA on SLAB, streaming its blocks through the GPU (flags override --config)."""
-    from .train.loop import TrainError, train as run_training
+    from .train.loop import train as run_training
 
     flags = {k: (list(v) or None) if k == "sample_prompts" else v for k, v in flags.items()}
     flags.update(slab=str(slab) if slab else None, data=str(data) if data else None,
@@ -175,11 +218,7 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
     for key, flag in (("slab", "SLAB"), ("data", "--data"), ("output", "-o/--out")):
         if not getattr(cfg, key):
             raise click.UsageError(f"{flag} is required (or set {key} in --config).")
-    try:
-        result = run_training(cfg, echo=click.echo)
-    except TrainError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+    result = run_training(cfg, echo=click.echo)
     click.echo(f"done: {result.steps} steps, LoRA at {result.lora_file}")
 
 
@@ -271,19 +310,24 @@ def inspect(slab: Path, as_json: bool, verify: bool) -> None:
 
 
 @main.command()
-@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("squareq-demo/tiny-flux.slab"),
-              show_default=True, help="Where to write the demo slab.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("squareq-demo"), show_default=True,
+              help="Folder for the demo's slab, data, LoRA, sample image and acceptance report.")
 @click.option("--budget", default="2MB", show_default=True, help="Size budget for the tiny model's slab.")
-@click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def demo(out: Path, budget: str, force: bool) -> None:
-    """Run the pipeline on the built-in tiny model (what exists of it in this version)."""
+@click.option("--steps", type=int, default=200, show_default=True, help="LoRA training steps.")
+@click.option("--force", is_flag=True, help="Replace an earlier demo in --out.")
+def demo(out: Path, budget: str, steps: int, force: bool) -> None:
+    """compile → train → sample → accept on the built-in tiny model and dataset (a few minutes on a CPU)."""
     from .compiler import parse_size
     from .demo import run_demo
 
-    result = run_demo(out, parse_size(budget), overwrite=force, echo=click.echo)
-    click.echo(f"slab: {result.slab_path}  (inspect it: squareq inspect {result.slab_path} --verify)")
-    click.echo(f"this demo does not train yet; train a LoRA on the slab with: squareq train {result.slab_path} "
-               "--data DIR -o OUT (squareq accept is not built yet)")
+    started = time.perf_counter()
+    result = run_demo(out, parse_size(budget), overwrite=force, steps=steps, echo=click.echo)
+    click.echo(f"\nslab:   {result.slab}  (squareq inspect {result.slab})\nLoRA:   {result.lora}\n"
+               f"sample: {result.sample}\nreport: {result.report_path}  (loss curves: "
+               f"{result.report.gates[1].details.get('plot')})\n"
+               f"{'all gates passed' if result.report.passed else 'a gate FAILED'} in "
+               f"{time.perf_counter() - started:.0f} s")
+    sys.exit(0 if result.report.passed else 3)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""`squareq demo`: the whole pipeline on the built-in tiny model, as far as it exists in this version.
+"""`squareq demo`: the whole product on the built-in tiny model in a few minutes, offline.
 
-Today that is: build tiny-flux → compile it under a size budget (calibration, smoothing and clip
-search, GPTQ rounding, the W4→W6→W8 ladder) → reopen the slab with every hash verified → rebuild
-the model from the slab and measure its output error on inputs the compile never saw. Every number
-it prints is measured in the run. Training and the acceptance gate join as their commands land.
+compile tiny-flux under a size budget → train a LoRA on the built-in tiny dataset with the streamed
+slab → draw a sample image with it → run the acceptance gates. Everything lands in one folder; every
+number printed is measured in this run. A GPU is used when there is one.
 """
 from __future__ import annotations
 
+import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,57 +15,95 @@ from typing import Callable
 
 import torch
 
+from .acceptance import AcceptOptions, AcceptReport, accept
+from .acceptance.convergence import ConvergenceSettings
 from .compiler import CompileOptions, compile_slab, open_source
-from .models import load_builtin, tiny_flux_inputs
-from .quant import rel_mse, sqnr_db
-from .slab import open_slab
+from .models import load_builtin
+from .slab import SlabError, open_slab
 from .slab.summary import summarize
+from .train.config import load_config
+from .train.loop import train
+from .train.sample import sample_images
+from .train.tiny_dataset import write_tiny_dataset
+
+RESOLUTION, TOKENS = 64, 32  # the built-in images are 64 px; their captions are under 16 tokens
+PROMPT = "a red circle on a blue background"
+PARTS = ("tiny-flux.slab", "data", "lora", "sample.png", "accept", "accept.json", "accept.xml")
 
 
 @dataclass
 class DemoResult:
-    slab_path: Path
-    write_seconds: float
-    bits_per_weight: float
-    slab_bytes: int
-    bf16_bytes: int
-    output_rel_mse: float
-    output_sqnr_db: float
+    folder: Path
+    slab: Path
+    lora: Path
+    sample: Path
+    report: AcceptReport
+    report_path: Path
 
 
-def run_demo(out: Path, budget: int, overwrite: bool, echo: Callable[[str], None] = print) -> DemoResult:
-    """Compile, verify and measure a slab of the tiny model; ``echo`` receives progress lines."""
+def _prepare(folder: Path, overwrite: bool) -> None:
+    taken = [folder / p for p in PARTS if (folder / p).exists()]
+    if taken and not overwrite:
+        raise SlabError(f"{folder} already holds a demo ({taken[0].name}); pass --force to replace it or choose "
+                        "another -o folder.")
+    for path in taken:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 200,
+             echo: Callable[[str], None] = print) -> DemoResult:
+    """Run the demo into ``folder``; ``echo`` receives the progress and result lines."""
+    folder = Path(folder)
+    _prepare(folder, overwrite)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     model, adapter = load_builtin("tiny-flux")
-    params = sum(p.numel() for p in model.parameters())
-    echo(f"[1/4] built tiny-flux: {type(model).__name__}, {params:,} parameters, "
-         f"{len(adapter.blocks(model))} blocks")
+    bf16 = sum(2 * p.numel() for p in model.parameters())
+    echo(f"[1/5] tiny-flux: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "
+         f"{len(adapter.blocks(model))} blocks, on {device}")
 
+    slab_path = folder / "tiny-flux.slab"
     start = time.perf_counter()
-    manifest = compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=budget, overwrite=overwrite))
-    seconds = time.perf_counter() - start
+    manifest = compile_slab(open_source("tiny-flux"), slab_path, CompileOptions(budget=budget, device=device))
     rungs: dict[str, int] = {}
     for layer in manifest.layers:
-        rungs[layer.spec.label().split()[0]] = rungs.get(layer.spec.label().split()[0], 0) + 1
-    echo(f"[2/4] compiled {out} in {seconds:.1f} s under a {budget:,}-byte budget: "
-         + ", ".join(f"{k} x{v}" for k, v in sorted(rungs.items()))
-         + f" ({manifest.calibration['kind']} calibration, {manifest.calibration['samples']} samples)")
-    for layer in manifest.layers:
-        if layer.reason:
-            echo(f"      {layer.name} -> {layer.spec.label().split()[0]}: {'; '.join(layer.reason)}")
-
-    with open_slab(out, verify="eager") as slab:
+        label = layer.spec.label().split()[0]
+        rungs[label] = rungs.get(label, 0) + 1
+    with open_slab(slab_path, verify="eager") as slab:
         totals = summarize(slab)["totals"]
-        bf16 = sum(2 * p.numel() for p in model.parameters())
-        echo(f"[3/4] reopened with every sha256 verified: {totals['bits_per_weight']:.3f} bits per layer weight, "
-             f"{totals['file_bytes']:,} bytes on disk vs {bf16:,} bytes of bf16 parameters")
-        rebuilt, _ = load_builtin("tiny-flux")
-        rebuilt.load_state_dict({k: v.float() for k, v in slab.dequantized_state_dict().items()})
+    echo(f"[2/5] compiled in {time.perf_counter() - start:.1f} s under a {budget:,}-byte budget: "
+         + ", ".join(f"{k} x{v}" for k, v in sorted(rungs.items()))
+         + f"; {totals['bits_per_weight']:.3f} bits per layer weight, {totals['file_bytes']:,} bytes on disk "
+         f"(bf16 parameters: {bf16:,} bytes)")
 
-    inputs = tiny_flux_inputs(seed=1234)
-    with torch.no_grad():
-        ref = model(**inputs).sample
-        got = rebuilt(**inputs).sample
-    err, sqnr = float(rel_mse(ref, got)), sqnr_db(ref, got)
-    echo(f"[4/4] model rebuilt from the slab vs the original on seeded inputs: output rel-MSE {err:.3e}, "
-         f"SQNR {sqnr:.1f} dB")
-    return DemoResult(out, seconds, totals["bits_per_weight"], totals["file_bytes"], bf16, err, sqnr)
+    data = write_tiny_dataset(folder / "data")
+    lora_dir = folder / "lora"
+    cfg = load_config(None, {"slab": str(slab_path), "data": str(data), "output": str(lora_dir), "steps": steps,
+                             "resolution": RESOLUTION, "max_sequence_length": TOKENS, "lr": 5e-3, "rank": 8,
+                             "save_every": steps // 2, "seed": 0})
+    start = time.perf_counter()
+    result = train(cfg, echo=lambda line: None, progress=False)
+    seconds = time.perf_counter() - start
+    losses = result.losses
+    k = max(1, len(losses) // 4)
+    echo(f"[3/5] trained a rank-8 LoRA for {result.steps} steps on {len(list(data.glob('*.png')))} images in "
+         f"{seconds:.1f} s (cache included): loss {statistics.mean(losses[:k]):.4f} over the first {k} steps, "
+         f"{statistics.mean(losses[-k:]):.4f} over the last {k}")
+
+    start = time.perf_counter()
+    image = sample_images(slab_path, [PROMPT], lora=lora_dir, resolution=RESOLUTION, steps=8,
+                          max_sequence_length=TOKENS, seed=0)[0]
+    sample = folder / "sample.png"
+    image.save(sample)
+    echo(f"[4/5] sampled '{PROMPT}' with the LoRA in {time.perf_counter() - start:.1f} s ({image.width}x{image.height})")
+
+    training = ConvergenceSettings(steps=20, data=str(data), resolution=RESOLUTION, max_sequence_length=TOKENS)
+    report = accept(AcceptOptions(slab=slab_path, model="tiny-flux", workdir=folder / "accept", training=training),
+                    echo=lambda line: None)
+    report_path = folder / "accept.json"
+    report.write_json(report_path)
+    report.write_junit(folder / "accept.xml")
+    echo("[5/5] squareq accept:")
+    for gate in report.gates:
+        echo(f"      {gate.name}: {gate.status} ({gate.measured}; limit {gate.limit or 'none'})")
+    return DemoResult(folder, slab_path, result.lora_file, sample, report, report_path)

@@ -18,3 +18,11 @@ def parse_size(text: str) -> int:
     if not m or unit not in _UNITS:
         raise SizeError(f"cannot read the size {text!r}; write it like 12GB, 11.5GiB or 800MB.")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes in decimal units as parse_size reads them: 6636243120 -> '6.64 GB', 2000000 -> '2.00 MB'."""
+    for unit in ("TB", "GB", "MB", "KB"):
+        if abs(nbytes) >= _UNITS[unit]:
+            return f"{nbytes / _UNITS[unit]:.2f} {unit}"
+    return f"{nbytes} B"

@@ -68,7 +68,7 @@ class CompileOptions:
 
     def fingerprint(self) -> dict:
         keep = ("objective", "min_bits", "rounding", "group_size", "calib_samples", "max_rows", "seed")
-        return {k: getattr(self, k) for k in keep} | {"thresholds": self.thresholds.to_dict()}
+        return {k: getattr(self, k) for k in keep} | {"thresholds": self.thresholds.compile_dict()}
 
 
 Progress = Callable[[str], None]
@@ -113,19 +113,6 @@ def _quantized_copy(block: nn.Module, prefix: str, chosen: dict[str, quant.Quant
         with torch.no_grad():
             mod.weight.copy_(quant.dequantize(on_device).to(dtype))
     return q
-
-
-class _BlockCompiler(nn.Module):
-    """Stands in for one streamed block inside the model's own forward."""
-
-    def __init__(self, run: "_Run", index: int, path: str) -> None:
-        super().__init__()
-        self._run = run
-        self.index = index
-        self.path = path
-
-    def forward(self, *args, **kwargs):
-        return self._run.block(self.index, self.path, args, kwargs)
 
 
 class _Run:
@@ -207,30 +194,6 @@ class _Run:
             d.chosen = cand
 
 
-def _install_residents(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    for name, t in state.items():
-        owner, _, attr = name.rpartition(".")
-        mod = model.get_submodule(owner) if owner else model
-        if attr in mod._parameters:
-            mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
-        else:
-            mod._buffers[attr] = t
-
-
-def _shell(source: Source, run: _Run, device: str) -> nn.Module:
-    """The model with resident tensors loaded and each streamed block replaced by a stand-in."""
-    model = source.skeleton()  # a fresh copy: the source keeps its own to copy blocks from
-    _install_residents(model, source.resident_state(device, torch.float32))
-    for i, path in enumerate(source.block_paths):
-        owner, _, idx = path.rpartition(".")
-        model.get_submodule(owner)[int(idx)] = _BlockCompiler(run, i, path)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if left:
-        raise SlabError(f"{source.description}: tensors outside the blocks were not found in the checkpoint "
-                        f"({', '.join(left[:3])}); check the checkpoint and --blocks.")
-    return model.eval()
-
-
 def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress: Progress = lambda s: None):
     """Compile ``source`` into the slab directory ``out`` and return its manifest."""
     out = Path(out)
@@ -243,7 +206,7 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
                    **opts.fingerprint()}
     run = _Run(source, opts, None, progress)
-    shell = _shell(source, run, opts.device)  # checks the checkpoint before any state is written
+    shell = source.shell(run.block, opts.device)  # checks the checkpoint before any state is written
     state = run.state = CompileState(state_folder(out), fingerprint, opts.resume)
     started = time.perf_counter()
     with torch.no_grad():

@@ -18,8 +18,9 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -290,10 +291,45 @@ class Source:
         _materialize(model, self._read(list(self._expected)), device, dtype)
         return model
 
+    def shell(self, run_block: Callable[[int, str, tuple, dict], Any], device="cpu",
+              dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The model with its resident tensors loaded and each streamed block replaced by a stand-in that calls
+        ``run_block(index, path, args, kwargs)``: the model's own forward, one block at a time, with the
+        caller deciding what a block computes (the compiler quantizes it, ``squareq accept`` measures it)."""
+        model = self.skeleton()  # a fresh copy: the source keeps its own to copy blocks from
+        for name, t in self.resident_state(device, dtype).items():
+            owner, _, attr = name.rpartition(".")
+            mod = model.get_submodule(owner) if owner else model
+            if attr in mod._parameters:
+                mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            else:
+                mod._buffers[attr] = t
+        for i, path in enumerate(self.block_paths):
+            owner, _, idx = path.rpartition(".")
+            model.get_submodule(owner)[int(idx)] = _BlockStandIn(run_block, i, path)
+        left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if left:
+            raise ModelError(f"{self.description}: tensors outside the blocks were not found in the checkpoint "
+                             f"({', '.join(left[:3])}); check the checkpoint and --blocks.")
+        return model.eval()
+
     def _read(self, names: Sequence[str], strip: str = "") -> dict[str, torch.Tensor]:
         keys = {n: self._key[n] for n in names}
         tensors = self._tensors.read(sorted(set(keys.values())))
         return {n[len(strip):]: tensors[k] for n, k in keys.items()}
+
+
+class _BlockStandIn(nn.Module):
+    """Stands in for one streamed block inside the model's own forward (see :meth:`Source.shell`)."""
+
+    def __init__(self, run_block, index: int, path: str) -> None:
+        super().__init__()
+        self._run_block = run_block
+        self.index = index
+        self.path = path
+
+    def forward(self, *args, **kwargs):
+        return self._run_block(self.index, self.path, args, kwargs)
 
 
 def _convert(t: torch.Tensor, device, dtype) -> torch.Tensor:

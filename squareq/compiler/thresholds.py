@@ -21,6 +21,9 @@ class Thresholds:
     act: activation outlier score (p99.9 / median of per-channel input absmax, after smoothing) at W4.
     scale: group-scale spread (max / median of the layer's group scales) at W4.
     block: a block's output rel-MSE against the bf16 block, on calibration inputs.
+    conv: ``squareq accept``'s convergence gate: the largest relative gap between the final smoothed training
+        losses of a LoRA on the slab and one on the bf16 source.
+    conv_steps: Δ, how many steps later than the bf16 run the slab's run may reach its final smoothed loss.
 
     ``act`` and ``scale`` describe dynamic range, and a b-bit grid has 2^(b-4) times the levels of
     W4, so their limit at b bits is ``τ · 2^(b-4)``; ``mse`` and ``block`` are the same at every rung.
@@ -30,6 +33,8 @@ class Thresholds:
     act: float = 40.0
     scale: float = 30.0
     block: float = 0.02
+    conv: float = 0.02
+    conv_steps: int = 5
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -43,6 +48,10 @@ class Thresholds:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def compile_dict(self) -> dict:
+        """The values the compiler's decisions depend on (a change to ``conv`` must not void a resumable compile)."""
+        return {k: v for k, v in asdict(self).items() if not k.startswith("conv")}
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "Thresholds":

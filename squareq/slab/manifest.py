@@ -75,7 +75,7 @@ class LayerRecord:
     spec: QuantSpec
     tensors: dict[str, TensorRecord]  # role (qweight/scales/zeros/inv_smooth/weight) -> record
     metrics: dict[str, float] = field(default_factory=dict)
-    rung: int | None = None  # bits the ladder ended on (the compiler fills this)
+    rung: int | None = None  # bits the layer is stored at (the writer sets it from the spec)
     reason: list[str] = field(default_factory=list)  # why each lower rung was rejected
 
 

@@ -1,0 +1,34 @@
+"""What a gate reports: its status, what it measured, the limit it compared against, and why."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+
+
+@dataclass
+class GateResult:
+    """One gate's outcome. ``measured`` and ``limit`` are what the table shows; ``details`` what the JSON adds."""
+
+    name: str
+    status: str
+    measured: str
+    limit: str
+    note: str = ""
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == FAIL
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def skipped(name: str, why: str, require: bool = False, hint: str = "") -> GateResult:
+    """A gate that cannot run here: SKIP with the reason, or FAIL when the caller requires it to run."""
+    status = FAIL if require else SKIP
+    note = why + (f" ({hint})" if require and hint else "")
+    return GateResult(name, status, "not measured", "", note)

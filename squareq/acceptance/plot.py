@@ -1,0 +1,57 @@
+"""A small line plot as PNG (PIL only): the convergence gate's loss curves."""
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+from ..slab.atomic import atomic_write_bytes
+
+WIDTH, HEIGHT, MARGIN = 720, 420, 56
+
+
+def plot_curves(path: str | Path, title: str, curves: dict[str, tuple[list[float], tuple[int, int, int], int]],
+                marks: dict[str, int] | None = None) -> Path:
+    """Draw ``curves`` (label -> (y values for steps 1..n, RGB colour, line width)) and vertical ``marks``
+    (label -> step) into a PNG at ``path``, written atomically."""
+    values = [v for ys, _, _ in curves.values() for v in ys if math.isfinite(v)]
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 0.5, hi + 0.5
+    steps = max((len(ys) for ys, _, _ in curves.values()), default=1)
+    image = Image.new("RGB", (WIDTH, HEIGHT), "white")
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = MARGIN, 30, WIDTH - 20, HEIGHT - MARGIN
+
+    def xy(step: int, value: float) -> tuple[float, float]:
+        x = left + (right - left) * (step - 1) / max(steps - 1, 1)
+        y = bottom - (bottom - top) * (value - lo) / (hi - lo)
+        return x, y
+
+    draw.rectangle((left, top, right, bottom), outline=(90, 90, 90))
+    for i in range(5):
+        v = lo + (hi - lo) * i / 4
+        _, y = xy(1, v)
+        draw.line((left - 4, y, left, y), fill=(90, 90, 90))
+        draw.text((4, y - 6), f"{v:.3g}", fill=(40, 40, 40))
+    draw.text((left, bottom + 8), "step 1", fill=(40, 40, 40))
+    draw.text((right - 60, bottom + 8), f"step {steps}", fill=(40, 40, 40))
+    draw.text((left, 8), title, fill=(0, 0, 0))
+    for label, step in (marks or {}).items():
+        x, _ = xy(step, lo)
+        draw.line((x, top, x, bottom), fill=(160, 160, 160))
+        draw.text((x + 3, top + 3), label, fill=(110, 110, 110))
+    legend_y = top + 6
+    for label, (ys, colour, width) in curves.items():
+        points = [xy(i + 1, v) for i, v in enumerate(ys) if math.isfinite(v)]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=width)
+        draw.line((right - 170, legend_y + 6, right - 150, legend_y + 6), fill=colour, width=max(width, 2))
+        draw.text((right - 145, legend_y), label, fill=(0, 0, 0))
+        legend_y += 16
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    atomic_write_bytes(Path(path), out.getvalue())
+    return Path(path)
