@@ -1,6 +1,7 @@
 """The runtime: a slab attached to the family's own model class, blocks streamed through a ring of device
 slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`; docs/runtime.md explains it.
 :func:`stream_module` streams an in-memory module's blocks the same way, for inference (large text encoders)."""
+from .blocks import disable_cudnn_attention
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .memory_plan import MemoryPlan, PlanError, plan
@@ -18,6 +19,7 @@ __all__ = [
     "StepStats",
     "StreamError",
     "add_lora",
+    "disable_cudnn_attention",
     "load",
     "lora_parameters",
     "lora_state_dict",

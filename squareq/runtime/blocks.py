@@ -126,7 +126,15 @@ class _RngState:
             yield
 
 
-_cudnn_fallback_announced = False
+def disable_cudnn_attention(what: str) -> bool:
+    """Turn torch's cuDNN attention backend off for this process after it failed (``what`` says how), saying so
+    once. Returns whether it was on, i.e. whether redoing the work can now give another result."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    log.warning("the cuDNN attention backward %s on this GPU; SquareQ turned the cuDNN attention backend off for "
+                "this process and redid the work with the flash/efficient kernels, so training goes on.", what)
+    return True
 
 
 def _is_cudnn_attention_failure(exc: BaseException) -> bool:
@@ -175,16 +183,9 @@ class _StreamedCheckpoint(torch.autograd.Function):
         try:
             grads = _recompute_grads(ctx, runner, inputs, params, grad_outs)
         except RuntimeError as exc:
-            if not (torch.backends.cuda.cudnn_sdp_enabled() and _is_cudnn_attention_failure(exc)):
+            if not (_is_cudnn_attention_failure(exc) and
+                    disable_cudnn_attention(f"failed ({str(exc).splitlines()[0][:200]})")):
                 raise
-            global _cudnn_fallback_announced
-            torch.backends.cuda.enable_cudnn_sdp(False)
-            if not _cudnn_fallback_announced:
-                _cudnn_fallback_announced = True
-                log.warning("the cuDNN attention backward failed on this GPU (%s); SquareQ turned the cuDNN "
-                            "attention backend off for this process and recomputed the block, so training goes on "
-                            "with the flash/efficient kernels (this step's gradients come from a recompute that "
-                            "differs from its forward in the last bits).", str(exc).splitlines()[0][:200])
             grads = _recompute_grads(ctx, runner, inputs, params, grad_outs)
         wanted = [t for t in inputs if t.requires_grad]
         input_grads = iter(grads[: len(wanted)])

@@ -294,6 +294,12 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 finite = math.isfinite(step_loss) and math.isfinite(float(norm))
                 if not finite:
                     optimizer.zero_grad(set_to_none=True)
+                    if _retry_without_cudnn(device):
+                        # the same step again (same batch, noise and timesteps) with the cuDNN attention backend off
+                        batches.load_state_dict(step_start[0])
+                        generator.set_state(step_start[1])
+                        batch_iter = iter(batches)
+                        continue
                     skipped_in_row, skipped = skipped_in_row + 1, skipped + 1
                     echo(f"step {step + 1}: the loss or a gradient is NaN/Inf; skipped ({skipped_in_row} in a row)")
                     if skipped_in_row >= cfg.nan_patience:
@@ -417,6 +423,12 @@ def _tensorboard(out: Path):
         raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard, or use --log "
                          "jsonl.") from None
     return SummaryWriter(str(out / "tensorboard"))
+
+
+def _retry_without_cudnn(device: torch.device) -> bool:
+    """Non-finite gradients on a GPU with cuDNN attention on: on some driver/cuDNN builds its backward returns
+    NaN/Inf without raising. Turn it off (said once) and report that the step is worth redoing."""
+    return device.type == "cuda" and runtime.disable_cudnn_attention("returned NaN/Inf gradients")
 
 
 def _above_bar(bar, echo):

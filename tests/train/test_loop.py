@@ -105,6 +105,32 @@ def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path, capsys):
     assert resumed.steps == straight.steps == 20
 
 
+def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeypatch):
+    """On a GPU whose cuDNN attention backward returns NaN without raising, the trainer turns cuDNN off and redoes the
+    step with the same batch, noise and timesteps: the run ends as if nothing happened (simulated on the CPU)."""
+    import squareq.train.loop as loop
+
+    straight = train(_config(workspace, tmp_path / "straight", steps=6, save_every=0), echo=lambda s: None)
+    real = loop.flow_loss
+    calls = {"n": 0}
+
+    def poisoned_once(pred, target, weighting=None):
+        calls["n"] += 1
+        loss = real(pred, target, weighting)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    retries = []
+    monkeypatch.setattr(loop, "flow_loss", poisoned_once)
+    monkeypatch.setattr(loop, "_retry_without_cudnn", lambda device: not retries and not retries.append(device))
+    redone = train(_config(workspace, tmp_path / "redone", steps=6, save_every=0), echo=lambda s: None)
+    assert len(retries) == 1 and calls["n"] == 7 and redone.skipped_steps == 0
+    a, _ = load_lora(straight.lora_file)
+    b, _ = load_lora(redone.lora_file)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert redone.losses == straight.losses
+
+
 def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypatch):
     import squareq.train.loop as loop
 
