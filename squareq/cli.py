@@ -68,17 +68,20 @@ def main(verbose: bool) -> None:
               help="The compiler's TOML file; [thresholds] mse (τ_MSE), conv (τ_CONV) and conv_steps (Δ) apply here.")
 @click.option("--budget", help="Largest slab size, e.g. 12GB (default: the budget the compile recorded).")
 @click.option("--vram-budget", help="Largest peak reserved GPU memory of the training steps, e.g. 12GB.")
-@click.option("--steps", type=int, default=30, show_default=True, help="N: training steps of the bf16 reference run.")
+@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True,
+              help="N: training steps of the bf16 reference run.")
 @click.option("--data", type=click.Path(path_type=Path), help="Images with captions for the convergence runs "
               "(default: the built-in tiny dataset of coloured shapes).")
 @click.option("--train-config", type=click.Path(path_type=Path), help="A squareq train TOML the convergence runs "
               "start from (this gate sets steps, schedule, data and output).")
-@click.option("--resolution", type=int, help="Training resolution (default: 64 on the built-in dataset, else 512).")
-@click.option("--max-sequence-length", type=int,
-              help="T5 tokens per caption (default: 32 on the built-in dataset, else 512).")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Learning rate of both runs.")
-@click.option("--rank", type=int, default=16, show_default=True, help="LoRA rank of both runs.")
-@click.option("--samples", type=int, default=2, show_default=True, help="Fresh calibration samples for layer MSE.")
+@click.option("--resolution", type=click.IntRange(min=64), help="Training resolution (default: --train-config's; "
+              "else 64 on the built-in dataset, 512 otherwise).")
+@click.option("--max-sequence-length", type=click.IntRange(min=1), help="T5 tokens per caption (default: "
+              "--train-config's; else 32 on the built-in dataset, 512 otherwise).")
+@click.option("--lr", type=float, help="Learning rate of both runs (default: --train-config's, else 1e-3).")
+@click.option("--rank", type=click.IntRange(min=1), help="LoRA rank of both runs (default: --train-config's, else 16).")
+@click.option("--samples", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Fresh calibration samples for layer MSE.")
 @click.option("--workdir", type=click.Path(path_type=Path),
               help="Reference slab, training runs and the loss plot (default: SLAB.accept next to the slab).")
 @click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
@@ -92,16 +95,18 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
     from .acceptance.convergence import ConvergenceSettings
     from .compiler import Thresholds, parse_size
 
-    if steps < 1:
-        raise click.BadParameter("must be at least 1.", param_hint="--steps")
-    builtin = data is None
+    for flag, path in (("--report", report), ("--junit", junit)):
+        if path is not None and not Path(path).parent.is_dir():
+            raise click.BadParameter(f"the folder {Path(path).parent} does not exist; create it or write the report "
+                                     "elsewhere.", param_hint=flag)
+    builtin = data is None and train_config is None  # the built-in 64 px images and short captions
     opts = AcceptOptions(
         slab=slab, model=model, thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         budget=parse_size(budget) if budget else None, vram_budget=parse_size(vram_budget) if vram_budget else None,
         workdir=workdir, require_gpu=require_gpu, samples=samples,
         training=ConvergenceSettings(steps=steps, data=str(data) if data else "", lr=lr, rank=rank,
-                                     resolution=resolution or (64 if builtin else 512),
-                                     max_sequence_length=max_sequence_length or (32 if builtin else 512),
+                                     resolution=resolution or (64 if builtin else None),
+                                     max_sequence_length=max_sequence_length or (32 if builtin else None),
                                      base=str(train_config) if train_config else None))
     result = run_accept(opts, echo=lambda line: click.echo(line, err=True))
     click.echo(result.table())
@@ -111,7 +116,8 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
     if junit:
         result.write_junit(junit)
         click.echo(f"junit: {junit}")
-    click.echo(f"loss curves: {result.gates[1].details.get('plot')}")
+    if result.gates[1].details.get("plot"):
+        click.echo(f"loss curves: {result.gates[1].details['plot']}")
     sys.exit(0 if result.passed else 3)
 
 

@@ -28,7 +28,7 @@ from .train.tiny_dataset import write_tiny_dataset
 
 RESOLUTION, TOKENS = 64, 32  # the built-in images are 64 px; their captions are under 16 tokens
 PROMPT = "a red circle on a blue background"
-PARTS = ("tiny-flux.slab", "data", "lora", "sample.png", "accept", "accept.json", "accept.xml")
+PARTS = ("tiny-flux.slab", "tiny-flux.slab.state", "data", "lora", "sample.png", "accept", "accept.json", "accept.xml")
 
 
 @dataclass

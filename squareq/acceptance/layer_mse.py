@@ -17,21 +17,45 @@ from ..slab.writer import block_linears
 from .gates import FAIL, PASS, GateResult
 
 NAME = "layer MSE"
-TIMESTEP_OFFSET = 0.5  # fresh timesteps sit halfway between the compile's grid points
+OFFSETS = (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875)  # where in each grid cell the fresh timesteps may sit
+
+
+def _fresh_timesteps(n: int, used: list[float]) -> torch.Tensor:
+    """``n`` timesteps spread over the schedule, none within 1e-3 of a timestep the compile used."""
+    for offset in OFFSETS:
+        grid = 0.05 + 0.9 * (torch.arange(n, dtype=torch.float32) + offset) / max(n, 1)
+        if all(abs(float(t) - u) > 1e-3 for t in grid for u in used):
+            return grid
+    return grid
+
+
+def _fresh_seed(source: Source, samples: int, recorded: dict) -> int:
+    """A seed other than the compile's; when the family draws prompts from a pool by seed, the one whose prompts
+    overlap the compile's least (none, while the pool has enough)."""
+    base = int(recorded.get("seed", 0)) + max(samples, int(recorded.get("samples", 0))) + 101
+    used = set(recorded.get("prompts") or [])
+    if not used:
+        return base
+    from ..models.prompts import CALIBRATION_PROMPTS
+
+    pool = len(CALIBRATION_PROMPTS)
+    overlap = lambda seed: sum(CALIBRATION_PROMPTS[(seed + i) % pool] in used for i in range(samples))  # noqa: E731
+    return min(range(base, base + pool), key=overlap)
 
 
 def fresh_inputs(source: Source, slab: Slab, samples: int, device):
     """Calibration inputs with another seed, other prompts and other timesteps than the compile recorded."""
     recorded = slab.manifest.calibration or {}
-    seed = int(recorded.get("seed", 0)) + max(samples, int(recorded.get("samples", 0))) + 101
+    seed = _fresh_seed(source, samples, recorded)
     batch = source.adapter.calibration_batch(source.skeleton(), samples, seed, source.pipeline, device)
     kwargs, description = dict(batch.kwargs), dict(batch.description)
     if "timestep" in kwargs:
-        n = kwargs["timestep"].shape[0]
-        grid = 0.05 + 0.9 * (torch.arange(n, dtype=torch.float32) + TIMESTEP_OFFSET) / max(n, 1)
+        grid = _fresh_timesteps(kwargs["timestep"].shape[0], [float(t) for t in recorded.get("timesteps") or []])
         kwargs["timestep"] = grid.to(kwargs["timestep"])
         description["timesteps"] = [round(float(t), 4) for t in grid]
     description["seed"] = seed
+    shared = sorted(set(description.get("prompts") or []) & set(recorded.get("prompts") or []))
+    description["prompts_shared_with_compile"] = len(shared)
     return kwargs, description
 
 

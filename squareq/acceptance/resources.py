@@ -3,7 +3,8 @@
 The gate has two parts. Size is always measurable (the limit is ``--budget``, else the budget the
 compile recorded); peak VRAM needs the training steps to have run on CUDA and a ``--vram-budget``. A
 part that cannot be measured is skipped with its reason (``--require-gpu`` makes a missing GPU
-measurement a failure); the gate fails when a measured part exceeds its limit.
+measurement a failure). The gate fails when a measured part exceeds its limit, and is SKIP when a part
+that was asked for (``--vram-budget``) could not be measured.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def resources_gate(slab: Slab, budget: int | None, records: list[dict], vram_bud
     """Size and peak VRAM (from the quantized run's per-step metrics ``records``) as one gate."""
     parts = {"size": _size(slab, budget), "vram": _vram(records, vram_budget, require_gpu)}
     statuses = [p["status"] for p in parts.values()]
-    status = FAIL if FAIL in statuses else PASS if PASS in statuses else SKIP
+    # a part asked for (a VRAM budget, or a GPU required) that could not be measured makes the gate SKIP, not PASS
+    asked = [parts["size"]] + ([parts["vram"]] if vram_budget is not None or require_gpu else [])
+    status = FAIL if FAIL in statuses else SKIP if any(p["status"] == SKIP for p in asked) else \
+        PASS if PASS in statuses else SKIP
     join = lambda key: "; ".join(p[key] for p in parts.values() if p[key])  # noqa: E731
     return GateResult(NAME, status, join("measured"), join("limit"), join("note"), 0.0, parts)

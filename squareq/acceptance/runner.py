@@ -48,12 +48,17 @@ def _device() -> torch.device:
 
 def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
     """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes."""
-    slab = open_slab(opts.slab, verify="eager")  # a corrupted slab fails here, before any measurement
-    try:
-        source = open_source(opts.model)
+    with open_slab(opts.slab, verify="eager") as slab:  # a corrupted slab fails here, before any measurement
+        return _accept(opts, slab, echo)
+
+
+def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
+    recorded = slab.manifest.model
+    try:  # a generic-mode slab names its block lists; a family's adapter knows its own
+        source = open_source(opts.model, recorded.block_lists if recorded.family == "generic" else None)
     except ModelError as exc:
         raise AcceptError(f"--model {opts.model}: {exc}") from None
-    if model_signature(source.skeleton()) != slab.manifest.model.signature:
+    if model_signature(source.skeleton()) != recorded.signature:
         raise AcceptError(f"{opts.slab} was not compiled from --model {opts.model} (the model class, config or tensor "
                           "shapes differ); pass the model the slab was compiled from.")
     workdir = Path(opts.workdir or f"{opts.slab}.accept")
@@ -72,7 +77,7 @@ def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
     echo(f"[2/3] convergence: LoRA on the bf16 source vs the slab, {settings.steps} steps on {data}")
     conv, records = convergence_gate(source, slab, opts.model, workdir, settings, echo)
     gates.append(conv)
-    echo(f"      {conv.status}: {conv.measured}")
+    echo(f"      {conv.status}: {conv.measured}{'' if conv.status != 'SKIP' else ' (' + conv.note + ')'}")
 
     echo("[3/3] peak VRAM and size")
     gates.append(resources_gate(slab, opts.budget, records, opts.vram_budget, opts.require_gpu))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,7 @@ from torch import nn
 
 from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, load_builtin
 from ..models.skeleton import build_meta
+from ..slab.signature import model_signature
 
 __all__ = ["Source", "open_source"]
 
@@ -94,6 +96,13 @@ class _Tensors:
         """How the checkpoint itself names ``name``."""
         return name
 
+    def identity(self) -> list:
+        """What identifies these weights without reading them all: files with size and modification time."""
+        return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files()]
+
+    def files(self) -> list[Path]:
+        return []
+
     def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
@@ -104,6 +113,13 @@ class _MemoryTensors(_Tensors):
     def __init__(self, state: Mapping[str, torch.Tensor], label: str):
         self.state, self.label = dict(state), label
         self.shapes = {k: tuple(v.shape) for k, v in self.state.items()}
+
+    def identity(self) -> list:
+        h = hashlib.sha256()  # in memory, so small: hash the values themselves
+        for name in sorted(self.state):
+            h.update(name.encode())
+            h.update(self.state[name].detach().float().contiguous().numpy().tobytes())
+        return [h.hexdigest()]
 
     def read(self, names):
         return {n: _check_finite(self.state[n].detach().clone(), n, self.label) for n in names}
@@ -122,6 +138,9 @@ class _SafetensorsFiles(_Tensors):
     def file_of(self, name):
         return str(self._file.get(name, self.label))
 
+    def files(self) -> list[Path]:
+        return sorted(set(self._file.values()))
+
     def read(self, names):
         by_file: dict[Path, list[str]] = defaultdict(list)
         for n in names:
@@ -136,6 +155,9 @@ class _SafetensorsFiles(_Tensors):
 
 class _BFLFile(_Tensors):
     """A BFL single-file FLUX.1 checkpoint mapped to diffusers names, tensor by tensor."""
+
+    def files(self) -> list[Path]:
+        return [self.path]
 
     def __init__(self, path: Path, prefix: str, shapes: Mapping[str, tuple[int, ...]]):
         self.path, self.label = path, str(path)
@@ -254,6 +276,12 @@ class Source:
         return key
 
     # -- the API the compiler uses
+
+    def fingerprint(self) -> str:
+        """Changes when the weights may have: the description, the model signature and each weight file's path, size
+        and modification time (an in-memory built-in model: a hash of its values)."""
+        parts = [self.description, model_signature(self._skeleton), self._tensors.identity()]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
     def skeleton(self) -> nn.Module:
         """The model's own class built from its config on the meta device.

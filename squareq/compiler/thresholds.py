@@ -39,7 +39,10 @@ class Thresholds:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, (int, float)) or not v > 0:
+            if f.name == "conv_steps":
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ThresholdsError(f"threshold conv_steps={v!r} must be a whole number of steps, 0 or more.")
+            elif not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ThresholdsError(f"threshold {f.name}={v!r} must be a positive number.")
 
     def range_limit(self, name: str, bits: int) -> float:

@@ -59,13 +59,23 @@ class Encoders:
                 for p, q in zip(prompt, pooled, strict=True)]
 
 
-def _load_folder(source: Path, dtype: torch.dtype):
-    from diffusers import FluxPipeline
-
+def pipeline_folder(source: str | Path) -> Path | None:
+    """The diffusers pipeline folder holding the VAE and text encoders of ``source`` (None for ``tiny-flux``, whose
+    encoders are built in); raises :class:`EncoderError` naming ``source`` when there is none. Loads nothing."""
+    if str(source) == "tiny-flux":
+        return None
+    source = Path(source).expanduser()
     folder = source.parent if (source.parent / "model_index.json").is_file() else source
     if not (folder / "model_index.json").is_file():
         raise EncoderError(f"{source} is not a diffusers pipeline folder (no model_index.json there or in its parent), "
                            "so SquareQ cannot find the VAE and text encoders; pass the pipeline folder with --model.")
+    return folder
+
+
+def _load_folder(source: Path, dtype: torch.dtype):
+    from diffusers import FluxPipeline
+
+    folder = pipeline_folder(source)
     try:
         return FluxPipeline.from_pretrained(str(folder), transformer=None, torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:

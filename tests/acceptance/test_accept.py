@@ -139,3 +139,91 @@ def test_a_slab_of_another_model_is_refused_in_one_sentence(tmp_path):
     result, _, _ = _accept(out, tmp_path)
     assert result.exit_code == 1
     assert re.search(r"error: .*other\.slab was not compiled from --model tiny-flux", result.output)
+
+
+def test_thresholds_file_sets_tau_conv(good_slab, tmp_path):
+    toml = tmp_path / "strict.toml"
+    toml.write_text("[thresholds]\nconv = 0.00001\nconv_steps = 0\n")
+    result, report, _ = _accept(good_slab, tmp_path, "--thresholds", str(toml))
+    assert result.exit_code == 3, result.output
+    conv = json.loads(report.read_text())["gates"][1]
+    assert conv["status"] == "FAIL" and conv["details"]["tau"] == 0.00001 and conv["details"]["delta"] == 0
+    assert len(conv["details"]["losses"]["quantized"]) == 20  # N + Δ with Δ = 0
+
+
+def test_a_generic_model_is_gated_on_layer_mse_and_size_and_says_why_not_on_training(tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    from squareq.compiler import CompileOptions, compile_slab, open_source
+
+    torch.manual_seed(0)
+    folder = tmp_path / "t5"
+    T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)).save_pretrained(folder)
+    slab = tmp_path / "t5.slab"
+    compile_slab(open_source(folder, ["encoder.block"]), slab, CompileOptions(budget=1_000_000))
+    result = CliRunner().invoke(main, ["accept", str(slab), "--model", str(folder), "--report", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    gates = {g["name"]: g for g in json.loads((tmp_path / "r.json").read_text())["gates"]}
+    layers = len(json.loads((slab / "manifest.json").read_text())["layers"])
+    assert gates["layer MSE"]["status"] == "PASS" and gates["layer MSE"]["details"]["layers"] == layers == 12
+    assert gates["convergence"]["status"] == "SKIP" and "supports the FLUX family" in gates["convergence"]["note"]
+    assert gates["peak VRAM and size"]["details"]["size"]["status"] == "PASS"
+
+
+def test_a_report_into_a_missing_folder_is_refused_before_any_work(good_slab, tmp_path):
+    result = CliRunner().invoke(main, ["accept", str(good_slab), "--model", "tiny-flux",
+                                       "--junit", str(tmp_path / "nope" / "a.xml")])
+    assert result.exit_code == 2 and "--junit" in result.output and "does not exist" in result.output
+    assert not (tmp_path / "good.slab.accept").exists()
+
+
+def test_fresh_inputs_avoid_the_compiles_timesteps_and_prompts(tmp_path):
+    from squareq.acceptance.layer_mse import _fresh_seed, _fresh_timesteps
+    from squareq.compiler.sources import open_source
+    from squareq.models.prompts import CALIBRATION_PROMPTS
+
+    used = [round(0.05 + 0.9 * i / 8, 4) for i in range(9)]  # the grid a 9-sample compile records
+    grid = _fresh_timesteps(2, used)
+    assert all(abs(float(t) - u) > 1e-3 for t in grid for u in used) and len(set(grid.tolist())) == 2
+    recorded = {"seed": 0, "samples": 12, "prompts": list(CALIBRATION_PROMPTS[:12])}
+    seed = _fresh_seed(open_source("tiny-flux"), 4, recorded)
+    fresh = [CALIBRATION_PROMPTS[(seed + i) % len(CALIBRATION_PROMPTS)] for i in range(4)]
+    assert not set(fresh) & set(recorded["prompts"])
+
+
+def test_the_bf16_reference_is_rewritten_when_the_source_weights_change(tmp_path):
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from squareq.acceptance.convergence import reference_slab
+    from squareq.compiler.sources import open_source
+    from squareq.models import write_tiny_flux_pipeline
+
+    folder = write_tiny_flux_pipeline(tmp_path / "pipe")
+    lines = []
+    reference_slab(open_source(folder), tmp_path, lines.append)
+    reference_slab(open_source(folder), tmp_path, lines.append)
+    assert len(lines) == 1  # the second call reused it
+    weights = next((folder / "transformer").glob("*.safetensors"))
+    state = load_file(str(weights))
+    save_file({k: v * 3 for k, v in state.items()}, str(weights))
+    os.utime(weights, ns=(1, 1))  # even with an old timestamp: the size or time differs from what was recorded
+    reference_slab(open_source(folder), tmp_path, lines.append)
+    assert len(lines) == 2
+
+
+def test_train_config_settings_come_below_flags_and_above_the_gates_defaults(tmp_path):
+    from pathlib import Path
+
+    from squareq.acceptance.convergence import ConvergenceSettings, training_config
+
+    base = tmp_path / "train.toml"
+    base.write_text("lr = 0.05\nresolution = 128\nepochs = 3\nsave_every = 7\n")
+    args = (Path("s.slab"), "tiny-flux", tmp_path / "out", tmp_path / "cache", 25)
+    cfg = training_config(ConvergenceSettings(base=str(base), data="d"), *args)
+    assert (cfg.lr, cfg.resolution, cfg.rank, cfg.steps, cfg.epochs, cfg.save_every) == (0.05, 128, 16, 25, None, 0)
+    cfg = training_config(ConvergenceSettings(base=str(base), data="d", lr=0.2, rank=4), *args)
+    assert (cfg.lr, cfg.rank, cfg.resolution) == (0.2, 4, 128)
+    cfg = training_config(ConvergenceSettings(data="d"), *args)
+    assert (cfg.lr, cfg.resolution, cfg.max_sequence_length) == (1e-3, 512, 512)
