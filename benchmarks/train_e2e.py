@@ -13,7 +13,8 @@ Phases, each in its own process:
 * ``bare``: ``train_step.py``'s SquareQ phase (K=3, pinned) at ``--res``: the bare streamed step;
 * ``train``: ``squareq.train.loop.train`` for ``--steps`` steps (batch 1, 512 T5 tokens, K=3, pinned),
   the cache filled first; per-step times and peaks are read from its ``metrics.jsonl``;
-* ``bare`` once more, so drift of the machine during the run is visible (the comparison uses the mean).
+* ``bare`` again after each trainer run (``--rounds`` trainer runs), so drift of the machine shows in both;
+  the comparison is the median of the trainer runs' medians against the median of the bare runs'.
 
 ``SQUAREQ_PROFILE_DIR=DIR`` adds a torch.profiler table of two late trainer steps (left out of the median).
 
@@ -170,6 +171,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=60)
     ap.add_argument("--tiny", action="store_true", help="tiny-flux on a CPU, to check the script")
     ap.add_argument("--phase-timeout", type=float, default=540)
+    ap.add_argument("--rounds", type=int, default=1, help="trainer runs, each followed by a bare run")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
     work = Path(args.workdir)
@@ -182,29 +184,33 @@ def main() -> None:
         return
     records = [emit({"what": "env", "commit": os.environ.get("SQUAREQ_COMMIT", "unknown"),
                      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})]
-    # the bare step runs before and after the trainer, so a drift of the machine shows instead of passing as overhead
-    for name in ("slab", "pipeline", "data", "bare", "train", "bare"):
+    # bare and trainer runs alternate (bare, then --rounds × (trainer, bare)), so drift of the machine shows in
+    # both instead of passing as overhead; the comparison is median against median over the runs
+    for name in ("slab", "pipeline", "data", "bare", *(["train", "bare"] * args.rounds)):
         records += [emit(r) for r in phase(args, name)]
     bares = [r for r in records if r.get("what") == "squareq" and "step_s" in r]
-    bare = {**bares[0], "step_s": statistics.mean(r["step_s"] for r in bares),
+    runs = [r for r in records if r.get("what") == "squareq_train"]
+    bare = {**bares[0], "step_s": statistics.median(r["step_s"] for r in bares),
             "runs_s": [r["step_s"] for r in bares]} if bares else None
-    run = next((r for r in records if r.get("what") == "squareq_train"), None)
+    run = {**runs[0], "step_s": statistics.median(r["step_s"] for r in runs),
+           "runs_s": [r["step_s"] for r in runs]} if runs else None
     if bare and run:
         records.append(emit({"what": "overhead", "trainer_over_bare": run["step_s"] / bare["step_s"] - 1,
-                             "bare_runs_s": bare["runs_s"]}))
+                             "bare_runs_s": bare["runs_s"], "trainer_runs_s": run["runs_s"]}))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         tmp = args.out / "train_e2e.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         tmp.replace(args.out / "train_e2e.jsonl")
     print("\n| setup | res | step s | steps/s | peak reserved GB | copy-wait % | note |\n|---|---|---|---|---|---|---|")
-    bare_label = "bare streamed step (train_step.py, K=3; mean of the runs before and after)"
-    for r, label in ((bare, bare_label), (run, f"squareq train, {args.steps} steps")):
+    for r, label in ((bare, f"bare streamed step (train_step.py, K=3; median of {len(bares)} runs)"),
+                     (run, f"squareq train, {args.steps} steps (median of {len(runs)} runs)")):
         if r:
             print(f"| {label} | {args.res}² | {r['step_s']:.3f} | {1 / r['step_s']:.2f} | "
                   f"{r.get('peak_reserved_GB', 0):.2f} | {100 * r.get('copy_wait_share', 0):.1f} | |")
     if bare and run:
-        print(f"\ntrainer overhead over the bare step: {100 * (run['step_s'] / bare['step_s'] - 1):+.1f}% (target < 5%)")
+        print(f"\ntrainer overhead over the bare step: {100 * (run['step_s'] / bare['step_s'] - 1):+.1f}% (target < 5%); "
+              f"bare runs {[round(x, 3) for x in bare['runs_s']]} s, trainer runs {[round(x, 3) for x in run['runs_s']]} s")
     for r in records:
         if "error" in r:
             print(f"error in {r.get('what')}: {r['error'][:300]}")
