@@ -316,6 +316,14 @@ def inspect(slab: Path, as_json: bool, verify: bool) -> None:
 
 
 @main.command()
+def families() -> None:
+    """The model families SquareQ knows and what it does for each (compile, stream, train, sample)."""
+    from .models import families_table
+
+    click.echo(families_table(), nl=False)
+
+
+@main.command()
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("squareq-demo"), show_default=True,
               help="Folder for the demo's slab, data, LoRA, sample image and acceptance report.")
 @click.option("--budget", default="2MB", show_default=True, help="Size budget for the tiny model's slab.")

@@ -492,7 +492,13 @@ def _open_file(path: Path, blocks) -> Source:
 
 def _open_builtin(name: str, blocks) -> Source:
     model, _ = load_builtin(name)
-    skeleton = copy.deepcopy(model).to("meta").eval()
+    # parameters on meta, buffers real, as build_meta makes them: non-persistent buffers (rotary tables) are
+    # in no checkpoint, so the skeleton must keep their values
+    skeleton = copy.deepcopy(model).eval()
+    for module in skeleton.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                module._parameters[attr] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
     return Source(name, skeleton, _MemoryTensors(model.state_dict(), label=f"built-in {name}"), blocks)
 
 

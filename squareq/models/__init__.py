@@ -7,13 +7,19 @@ from torch import nn
 
 from .base import FamilyAdapter, ModelError
 from .flux import FLUX
+from .qwen_image import QWEN_IMAGE, build_tiny_qwen_image
+from .sd3 import SD3, build_tiny_sd3
 from .tiny import TINY_FLUX_CONFIG, build_tiny_flux, tiny_flux_inputs
 from .tiny_pipeline import build_tiny_flux_pipeline, write_tiny_flux_pipeline
+from .wan import WAN, build_tiny_wan
 
-ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX,)}
+ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX, SD3, QWEN_IMAGE, WAN)}
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-flux": ("flux", build_tiny_flux),
+    "tiny-sd3": ("sd3", build_tiny_sd3),
+    "tiny-qwen-image": ("qwen-image", build_tiny_qwen_image),
+    "tiny-wan": ("wan", build_tiny_wan),
 }
 
 
@@ -24,6 +30,22 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
             return adapter
     known = ", ".join(a.class_name for a in ADAPTERS.values())
     raise ModelError(f"no SquareQ family adapter for {type(model).__name__}; supported classes: {known}.")
+
+
+CAPABILITIES = ("compile", "stream", "train", "sample")
+
+
+def families_table() -> str:
+    """What ``squareq families`` prints: every family adapter, its class, blocks, built-in tiny model and what
+    SquareQ supports for it, rendered from the adapters themselves."""
+    builtin = {family: name for name, (family, _) in BUILTIN_MODELS.items()}
+    rows = ["| family | diffusers class | streamed blocks | built-in | " + " | ".join(CAPABILITIES) + " |",
+            "|---|---|---|---|" + "---|" * len(CAPABILITIES)]
+    for a in ADAPTERS.values():
+        marks = ["yes" if c in a.supports else "not yet" for c in CAPABILITIES]
+        rows.append(f"| {a.family} | `{a.class_name}` | {', '.join(f'`{b}`' for b in a.block_lists)} | "
+                    f"`{builtin.get(a.family, '-')}` | " + " | ".join(marks) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def load_builtin(name: str) -> tuple[nn.Module, FamilyAdapter]:
@@ -45,6 +67,7 @@ __all__ = [
     "adapter_for",
     "build_tiny_flux",
     "build_tiny_flux_pipeline",
+    "families_table",
     "load_builtin",
     "tiny_flux_inputs",
     "write_tiny_flux_pipeline",

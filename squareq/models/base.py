@@ -49,6 +49,8 @@ class FamilyAdapter:
     sequence_shape: Callable[[dict, int, int], tuple[int, int]] | None = field(default=None, compare=False)
     # Calibration from a training cache (`squareq cache`/`squareq train`); None: the family has no such path.
     cache_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
+    # What SquareQ does for the family today (`squareq families` prints it): compile, stream, train, sample.
+    supports: tuple[str, ...] = ("compile", "stream")
 
     def calibration_batch(self, model: nn.Module, samples: int, seed: int, pipeline=None,
                           device="cpu", cache=None) -> CalibrationBatch:
@@ -79,3 +81,13 @@ class FamilyAdapter:
 
     def matches(self, model: nn.Module) -> bool:
         return type(model).__name__ == self.class_name
+
+
+def build_seeded(class_name: str, config: dict, seed: int) -> nn.Module:
+    """The diffusers class ``class_name`` built from ``config`` with seeded initialization, in eval mode (how the
+    built-in tiny models are made: the same weights on every machine)."""
+    import diffusers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return getattr(diffusers, class_name)(**config).eval()

@@ -163,4 +163,5 @@ FLUX = FamilyAdapter(
     has_text_encoders=has_text_encoders,
     sequence_shape=flux_sequence_shape,
     cache_inputs=flux_cache_inputs,
+    supports=("compile", "stream", "train", "sample"),
 )

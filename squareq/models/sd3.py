@@ -1,0 +1,46 @@
+"""Stable Diffusion 3 / 3.5 (diffusers ``SD3Transformer2DModel``): MM-DiT joint blocks over patchified latents."""
+from __future__ import annotations
+
+import torch
+
+from .base import CalibrationBatch, FamilyAdapter, build_seeded
+
+TINY_SD3_CONFIG = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                       pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16)
+
+
+def build_tiny_sd3(seed: int = 0):
+    """``tiny-sd3``: the SD3 architecture at toy size, seeded."""
+    return build_seeded("SD3Transformer2DModel", TINY_SD3_CONFIG, seed)
+
+
+def sd3_synthetic_inputs(model, samples: int, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
+                         side: int | None = None, text_tokens: int | None = None) -> CalibrationBatch:
+    """Noise latents and Gaussian text embeddings (CLIP + T5 widths of the config) at timesteps spread over
+    the schedule (SD3 takes timesteps in [0, 1000])."""
+    cfg = model.config
+    big = cfg.joint_attention_dim >= 1024
+    side = side or (64 if big else cfg.sample_size)  # latent pixels: 512² images at 8x
+    text_tokens = text_tokens or (333 if big else 8)  # 77 CLIP + 256 T5 tokens, as SD3's pipeline
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0.05, 0.95, samples)
+    kwargs = dict(hidden_states=torch.randn(samples, cfg.in_channels, side, side, generator=g),
+                  encoder_hidden_states=torch.randn(samples, text_tokens, cfg.joint_attention_dim, generator=g),
+                  pooled_projections=torch.randn(samples, cfg.pooled_projection_dim, generator=g),
+                  timestep=1000 * t)
+    kwargs = {k: v.to(device=device, dtype=dtype) for k, v in kwargs.items()}
+    return CalibrationBatch(kwargs, {"kind": "synthetic", "why": "noise latents and Gaussian text embeddings",
+                                     "samples": samples, "image_tokens": (side // cfg.patch_size) ** 2,
+                                     "text_tokens": text_tokens, "timesteps": [round(float(v), 4) for v in t],
+                                     "seed": seed})
+
+
+def sd3_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
+    """(resolution / 8 / patch)² image tokens plus the text tokens, at heads x head_dim."""
+    side = resolution // (8 * int(config.get("patch_size", 2)))
+    return side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
+SD3 = FamilyAdapter(family="sd3", class_name="SD3Transformer2DModel", block_lists=("transformer_blocks",),
+                    calibration_inputs=sd3_synthetic_inputs, sequence_shape=sd3_sequence_shape)

@@ -1,0 +1,47 @@
+"""Wan 2.x video (diffusers ``WanTransformer3DModel``): DiT blocks with cross-attention to UMT5 text, over frames."""
+from __future__ import annotations
+
+import torch
+
+from .base import CalibrationBatch, FamilyAdapter, build_seeded
+
+TINY_WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                       out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
+
+
+def build_tiny_wan(seed: int = 0):
+    """``tiny-wan``: the Wan 2.x architecture at toy size, seeded."""
+    return build_seeded("WanTransformer3DModel", TINY_WAN_CONFIG, seed)
+
+
+def wan_synthetic_inputs(model, samples: int, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
+                         frames: int | None = None, side: int | None = None,
+                         text_tokens: int | None = None) -> CalibrationBatch:
+    """Noise video latents [B, C, frames, side, side] and Gaussian text embeddings, at timesteps spread over
+    [0, 1000]."""
+    cfg = model.config
+    big = cfg.text_dim >= 1024
+    frames, side = frames or (21 if big else 3), side or (60 if big else 8)  # 81 frames at 480p, 4x/8x VAE
+    text_tokens = text_tokens or (512 if big else 8)
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0.05, 0.95, samples)
+    kwargs = dict(hidden_states=torch.randn(samples, cfg.in_channels, frames, side, side, generator=g),
+                  encoder_hidden_states=torch.randn(samples, text_tokens, cfg.text_dim, generator=g),
+                  timestep=1000 * t)
+    kwargs = {k: v.to(device=device, dtype=dtype) for k, v in kwargs.items()}
+    p = cfg.patch_size
+    tokens = (frames // p[0]) * (side // p[1]) * (side // p[2])
+    return CalibrationBatch(kwargs, {"kind": "synthetic", "why": "noise video latents and Gaussian text embeddings",
+                                     "samples": samples, "image_tokens": tokens, "text_tokens": text_tokens,
+                                     "frames": frames, "timesteps": [round(float(v), 4) for v in t], "seed": seed})
+
+
+def wan_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
+    """Video tokens for 81 frames (21 latent frames) at ``resolution``² over 2x2 patches; text is cross-attended,
+    so the block stream carries only the video tokens."""
+    side = resolution // 16
+    return 21 * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+
+
+WAN = FamilyAdapter(family="wan", class_name="WanTransformer3DModel", block_lists=("blocks",),
+                    calibration_inputs=wan_synthetic_inputs, sequence_shape=wan_sequence_shape)
