@@ -6,20 +6,29 @@ from typing import Callable
 from torch import nn
 
 from .base import FamilyAdapter, ModelError
+from .chroma import CHROMA, build_tiny_chroma
 from .flux import FLUX
+from .flux2 import FLUX2, build_tiny_flux2
+from .hunyuan_video import HUNYUAN_VIDEO, build_tiny_hunyuan_video
+from .ltx_video import LTX_VIDEO, build_tiny_ltx_video
 from .qwen_image import QWEN_IMAGE, build_tiny_qwen_image
 from .sd3 import SD3, build_tiny_sd3
 from .tiny import TINY_FLUX_CONFIG, build_tiny_flux, tiny_flux_inputs
 from .tiny_pipeline import build_tiny_flux_pipeline, write_tiny_flux_pipeline
 from .wan import WAN, build_tiny_wan
 
-ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX, SD3, QWEN_IMAGE, WAN)}
+ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX, FLUX2, CHROMA, SD3, QWEN_IMAGE, WAN, HUNYUAN_VIDEO,
+                                                              LTX_VIDEO)}
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-flux": ("flux", build_tiny_flux),
     "tiny-sd3": ("sd3", build_tiny_sd3),
     "tiny-qwen-image": ("qwen-image", build_tiny_qwen_image),
     "tiny-wan": ("wan", build_tiny_wan),
+    "tiny-flux2": ("flux2", build_tiny_flux2),
+    "tiny-chroma": ("chroma", build_tiny_chroma),
+    "tiny-hunyuan-video": ("hunyuan-video", build_tiny_hunyuan_video),
+    "tiny-ltx-video": ("ltx-video", build_tiny_ltx_video),
 }
 
 

@@ -91,3 +91,20 @@ def build_seeded(class_name: str, config: dict, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return getattr(diffusers, class_name)(**config).eval()
+
+
+def packed_noise_inputs(cfg, samples: int, seed: int, side: int, text_tokens: int, device, dtype: torch.dtype):
+    """The synthetic inputs the packed-latent families share: noise latents packed 2x2 ((side/2)² tokens of
+    ``cfg.in_channels``), Gaussian text embeddings of ``cfg.joint_attention_dim`` and timesteps spread over
+    (0, 1); returns (forward kwargs, manifest description)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0.05, 0.95, samples)
+    tokens = (side // 2) ** 2
+    kwargs = dict(hidden_states=torch.randn(samples, tokens, cfg.in_channels, generator=g).to(device, dtype),
+                  encoder_hidden_states=torch.randn(samples, text_tokens, cfg.joint_attention_dim,
+                                                    generator=g).to(device, dtype),
+                  timestep=t.to(device, dtype))
+    description = {"kind": "synthetic", "why": "noise latents and Gaussian text embeddings", "samples": samples,
+                   "image_tokens": tokens, "text_tokens": text_tokens, "timesteps": [round(float(v), 4) for v in t],
+                   "seed": seed}
+    return kwargs, description

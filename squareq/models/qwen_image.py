@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
 
 TINY_QWEN_IMAGE_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
@@ -22,17 +22,10 @@ def qwen_image_synthetic_inputs(model, samples: int, seed: int, device="cpu", dt
     big = cfg.joint_attention_dim >= 1024
     side = side or (64 if big else 8)  # latent pixels before 2x2 packing
     text_tokens = text_tokens or (256 if big else 8)
-    g = torch.Generator().manual_seed(seed)
-    t = torch.linspace(0.05, 0.95, samples)
-    tokens = (side // 2) ** 2
-    kwargs = dict(hidden_states=torch.randn(samples, tokens, cfg.in_channels, generator=g).to(device, dtype),
-                  encoder_hidden_states=torch.randn(samples, text_tokens, cfg.joint_attention_dim,
-                                                    generator=g).to(device, dtype),
-                  encoder_hidden_states_mask=torch.ones(samples, text_tokens, dtype=torch.long, device=device),
-                  timestep=t.to(device, dtype), img_shapes=[[(1, side // 2, side // 2)]] * samples)
-    return CalibrationBatch(kwargs, {"kind": "synthetic", "why": "noise latents and Gaussian text embeddings",
-                                     "samples": samples, "image_tokens": tokens, "text_tokens": text_tokens,
-                                     "timesteps": [round(float(v), 4) for v in t], "seed": seed})
+    kwargs, description = packed_noise_inputs(cfg, samples, seed, side, text_tokens, device, dtype)
+    kwargs.update(encoder_hidden_states_mask=torch.ones(samples, text_tokens, dtype=torch.long, device=device),
+                  img_shapes=[[(1, side // 2, side // 2)]] * samples)
+    return CalibrationBatch(kwargs, description)
 
 
 def qwen_image_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:

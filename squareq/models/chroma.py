@@ -1,0 +1,34 @@
+"""Chroma (diffusers ``ChromaTransformer2DModel``): FLUX.1-schnell's blocks without CLIP, modulation from a small
+approximator network, T5 text."""
+from __future__ import annotations
+
+import torch
+
+from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
+from .flux import flux_sequence_shape
+from .flux_latents import image_ids, text_ids
+
+TINY_CHROMA_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+                          num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+                          approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=1)
+
+
+def build_tiny_chroma(seed: int = 0):
+    """``tiny-chroma``: the Chroma architecture at toy size, seeded."""
+    return build_seeded("ChromaTransformer2DModel", TINY_CHROMA_CONFIG, seed)
+
+
+def chroma_synthetic_inputs(model, samples: int, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
+                            side: int | None = None, text_tokens: int | None = None) -> CalibrationBatch:
+    """Packed noise latents ((side/2)² tokens) and Gaussian T5 embeddings at timesteps spread over (0, 1)."""
+    cfg = model.config
+    big = cfg.joint_attention_dim >= 1024
+    side, text_tokens = side or (64 if big else 8), text_tokens or (512 if big else 8)
+    kwargs, description = packed_noise_inputs(cfg, samples, seed, side, text_tokens, device, dtype)
+    kwargs.update(img_ids=image_ids(side, side, device=device), txt_ids=text_ids(text_tokens, device=device))
+    return CalibrationBatch(kwargs, description)
+
+
+CHROMA = FamilyAdapter(family="chroma", class_name="ChromaTransformer2DModel",
+                       block_lists=("transformer_blocks", "single_transformer_blocks"),
+                       calibration_inputs=chroma_synthetic_inputs, sequence_shape=flux_sequence_shape)
