@@ -23,6 +23,7 @@ def generic_token_inputs(model: nn.Module, samples: int, seed: int, tokens: int 
     if not vocab:
         raise ModelError(f"{type(model).__name__} has no vocab_size, so SquareQ cannot make calibration inputs "
                          "for it; compile it from a training cache (--calib-cache).")
+    tokens = min(tokens, getattr(model.config, "max_position_embeddings", None) or tokens)  # CLIP: 77 positions
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (samples, tokens), generator=g).to(device)
     return CalibrationBatch({"input_ids": ids}, {"kind": "synthetic", "why": "random token ids (generic mode)",

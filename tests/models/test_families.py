@@ -77,3 +77,64 @@ def test_the_families_table_lists_every_adapter_and_the_docs_carry_it():
         assert row.count("yes") == len(adapter.supports)
     docs = (Path(__file__).resolve().parents[2] / "docs" / "families.md").read_text()
     assert table in docs, "docs/families.md is out of date: paste the output of `squareq families` into it"
+
+
+def _t5():
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+
+
+def _clip():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=16, bos_token_id=0,
+                                        eos_token_id=1))
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2Model
+
+    return Qwen2Model(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2))
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralModel
+
+    return MistralModel(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+
+
+@pytest.mark.parametrize("build", [_t5, _clip, _qwen2, _mistral], ids=["t5", "clip", "qwen2", "mistral"])
+def test_text_encoders_compile_and_stream_in_generic_mode(build, tmp_path):
+    """T5, CLIP and decoder LMs used as text encoders (FLUX.2's Mistral, Qwen-Image's Qwen): compiled from a
+    transformers folder with their block list, streamed equal to resident, LoRA on their attention."""
+    from squareq.runtime.module_stream import largest_block_list
+
+    torch.manual_seed(0)
+    model = build().eval()
+    model.save_pretrained(tmp_path / "enc")
+    slab = tmp_path / "enc.slab"
+    compile_slab(open_source(tmp_path / "enc", [largest_block_list(model)]), slab, CompileOptions(budget=1_000_000))
+    ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    results = []
+    for loaded in (runtime.load(slab, "cpu", stream=False), runtime.load(slab, "cpu", prefetch=2)):
+        params = runtime.add_lora(loaded, rank=4, seed=0, targets=["q", "k", "v", "o", "q_proj", "k_proj", "v_proj",
+                                                                      "o_proj", "out_proj"])
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+        loaded.gradient_checkpointing_enable()
+        loaded.train()
+        torch.manual_seed(5)  # T5 trains with dropout: both runs draw the same masks
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = loaded(input_ids=ids).last_hidden_state
+        out.float().pow(2).mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in runtime.lora_parameters(loaded).items()}))
+    (out_r, grads_r), (out_s, grads_s) = results
+    assert type(loaded).__name__ == type(model).__name__ and len(grads_r) == 16
+    assert torch.equal(out_s, out_r)
+    for key in grads_r:
+        assert torch.equal(grads_s[key], grads_r[key]), key
