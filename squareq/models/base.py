@@ -72,7 +72,9 @@ class FamilyAdapter:
             try:
                 container = model.get_submodule(attr)
             except AttributeError:
-                raise ModelError(f"{type(model).__name__} has no block list {attr!r} (family {self.family}).") from None
+                lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and n][:6]
+                raise ModelError(f"{type(model).__name__} has no block list {attr!r} (family {self.family}); its "
+                                 f"nn.ModuleLists are: {', '.join(lists) or 'none'}.") from None
             if not isinstance(container, nn.ModuleList):
                 raise ModelError(f"{type(model).__name__}.{attr} is a {type(container).__name__}, not an nn.ModuleList.")
             found += [f"{attr}.{i}" for i in range(len(container))]
