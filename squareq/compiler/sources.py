@@ -334,7 +334,7 @@ class Source:
                 mod._buffers[attr] = t
         for i, path in enumerate(self.block_paths):
             owner, _, idx = path.rpartition(".")
-            model.get_submodule(owner)[int(idx)] = _BlockStandIn(run_block, i, path)
+            model.get_submodule(owner)[int(idx)] = _BlockStandIn(run_block, i, path, model.get_submodule(path))
         left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if left:
             raise ModelError(f"{self.description}: tensors outside the blocks were not found in the checkpoint "
@@ -348,13 +348,23 @@ class Source:
 
 
 class _BlockStandIn(nn.Module):
-    """Stands in for one streamed block inside the model's own forward (see :meth:`Source.shell`)."""
+    """Stands in for one streamed block inside the model's own forward (see :meth:`Source.shell`).
 
-    def __init__(self, run_block, index: int, path: str) -> None:
+    Other attributes read through to the block's skeleton (weights on meta), because some forwards inspect their
+    blocks: a UNet counts ``up_block.resnets`` and asks ``has_cross_attention``."""
+
+    def __init__(self, run_block, index: int, path: str, template: nn.Module) -> None:
         super().__init__()
         self._run_block = run_block
         self.index = index
         self.path = path
+        object.__setattr__(self, "_template", template)  # not a submodule: its meta tensors are no part of the shell
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_template"], name)
 
     def forward(self, *args, **kwargs):
         return self._run_block(self.index, self.path, args, kwargs)

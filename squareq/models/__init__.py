@@ -15,10 +15,11 @@ from .qwen_image import QWEN_IMAGE, build_tiny_qwen_image
 from .sd3 import SD3, build_tiny_sd3
 from .tiny import TINY_FLUX_CONFIG, build_tiny_flux, tiny_flux_inputs
 from .tiny_pipeline import build_tiny_flux_pipeline, write_tiny_flux_pipeline
+from .unet import SD_UNET, build_tiny_sd15, build_tiny_sdxl
 from .wan import WAN, build_tiny_wan
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX, FLUX2, CHROMA, SD3, QWEN_IMAGE, WAN, HUNYUAN_VIDEO,
-                                                              LTX_VIDEO)}
+                                                              LTX_VIDEO, SD_UNET)}
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-flux": ("flux", build_tiny_flux),
@@ -29,6 +30,8 @@ BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-chroma": ("chroma", build_tiny_chroma),
     "tiny-hunyuan-video": ("hunyuan-video", build_tiny_hunyuan_video),
     "tiny-ltx-video": ("ltx-video", build_tiny_ltx_video),
+    "tiny-sd15": ("sd-unet", build_tiny_sd15),
+    "tiny-sdxl": ("sd-unet", build_tiny_sdxl),
 }
 
 
@@ -47,13 +50,15 @@ CAPABILITIES = ("compile", "stream", "train", "sample")
 def families_table() -> str:
     """What ``squareq families`` prints: every family adapter, its class, blocks, built-in tiny model and what
     SquareQ supports for it, rendered from the adapters themselves."""
-    builtin = {family: name for name, (family, _) in BUILTIN_MODELS.items()}
+    builtin: dict[str, list[str]] = {}
+    for name, (family, _) in BUILTIN_MODELS.items():
+        builtin.setdefault(family, []).append(f"`{name}`")
     rows = ["| family | diffusers class | streamed blocks | built-in | " + " | ".join(CAPABILITIES) + " |",
             "|---|---|---|---|" + "---|" * len(CAPABILITIES)]
     for a in ADAPTERS.values():
         marks = ["yes" if c in a.supports else "not yet" for c in CAPABILITIES]
         rows.append(f"| {a.family} | `{a.class_name}` | {', '.join(f'`{b}`' for b in a.block_lists)} | "
-                    f"`{builtin.get(a.family, '-')}` | " + " | ".join(marks) + " |")
+                    f"{', '.join(builtin.get(a.family, ['-']))} | " + " | ".join(marks) + " |")
     return "\n".join(rows) + "\n"
 
 
