@@ -17,9 +17,10 @@ from .tiny import TINY_FLUX_CONFIG, build_tiny_flux, tiny_flux_inputs
 from .tiny_pipeline import build_tiny_flux_pipeline, write_tiny_flux_pipeline
 from .unet import SD_UNET, build_tiny_sd15, build_tiny_sdxl
 from .wan import WAN, build_tiny_wan
+from .z_image import Z_IMAGE, build_tiny_z_image
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX, FLUX2, CHROMA, SD3, QWEN_IMAGE, WAN, HUNYUAN_VIDEO,
-                                                              LTX_VIDEO, SD_UNET)}
+                                                              LTX_VIDEO, Z_IMAGE, SD_UNET)}
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-flux": ("flux", build_tiny_flux),
@@ -30,6 +31,7 @@ BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-chroma": ("chroma", build_tiny_chroma),
     "tiny-hunyuan-video": ("hunyuan-video", build_tiny_hunyuan_video),
     "tiny-ltx-video": ("ltx-video", build_tiny_ltx_video),
+    "tiny-z-image": ("z-image", build_tiny_z_image),
     "tiny-sd15": ("sd-unet", build_tiny_sd15),
     "tiny-sdxl": ("sd-unet", build_tiny_sdxl),
 }

@@ -1,0 +1,44 @@
+"""Z-Image (diffusers ``ZImageTransformer2DModel``): a single-stream DiT with noise and context refiners; its
+forward takes lists of per-image latents and caption features."""
+from __future__ import annotations
+
+import torch
+
+from .base import CalibrationBatch, FamilyAdapter, build_seeded
+
+TINY_Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+                           n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
+                           axes_lens=[64, 32, 32])
+
+
+def build_tiny_z_image(seed: int = 0):
+    """``tiny-z-image``: the Z-Image architecture at toy size, seeded."""
+    return build_seeded("ZImageTransformer2DModel", TINY_Z_IMAGE_CONFIG, seed)
+
+
+def z_image_synthetic_inputs(model, samples: int, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
+                             side: int | None = None, text_tokens: int | None = None) -> CalibrationBatch:
+    """One noise latent [C, 1, side, side] and one Gaussian caption feature [tokens, cap_feat_dim] per sample, at
+    timesteps spread over (0, 1)."""
+    cfg = model.config
+    big = cfg.cap_feat_dim >= 1024
+    side, text_tokens = side or (128 if big else 8), text_tokens or (128 if big else 6)
+    g = torch.Generator().manual_seed(seed)
+    t = torch.linspace(0.05, 0.95, samples)
+    x = [torch.randn(cfg.in_channels, 1, side, side, generator=g).to(device, dtype) for _ in range(samples)]
+    cap = [torch.randn(text_tokens, cfg.cap_feat_dim, generator=g).to(device, dtype) for _ in range(samples)]
+    return CalibrationBatch(dict(x=x, t=t.to(device, dtype), cap_feats=cap),
+                            {"kind": "synthetic", "why": "noise latents and Gaussian caption features",
+                             "samples": samples, "image_tokens": (side // 2) ** 2, "text_tokens": text_tokens,
+                             "timesteps": [round(float(v), 4) for v in t], "seed": seed})
+
+
+def z_image_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
+    """(resolution / 16)² image tokens plus the caption tokens, at the model width."""
+    side = resolution // 16
+    return side * side + text_tokens, int(config["dim"])
+
+
+Z_IMAGE = FamilyAdapter(family="z-image", class_name="ZImageTransformer2DModel",
+                        block_lists=("noise_refiner", "context_refiner", "layers"),
+                        calibration_inputs=z_image_synthetic_inputs, sequence_shape=z_image_sequence_shape)
