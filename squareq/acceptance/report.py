@@ -35,6 +35,13 @@ class AcceptReport:
         rows = [["gate", "status", "measured", "limit", "note"], ["---"] * 5]
         rows += [[g.name, g.status, g.measured, g.limit, g.note] for g in self.gates]
         lines = ["| " + " | ".join(r) + " |" for r in rows]
+        for g in self.gates:  # the layer-MSE gate's worst layers, measured next to what the manifest claims
+            worst = g.details.get("worst") if isinstance(g.details, dict) else None
+            if worst:
+                lines.append(f"\nworst layers ({g.name}; measured here, manifest's own number in brackets):")
+                lines += [f"  {w['layer']}: {w['rel_mse']:.3g}"
+                          + (f" [{w['manifest_rel_mse']:.3g}]" if w.get("manifest_rel_mse") is not None else "")
+                          for w in worst]
         failed = [g.name for g in self.gates if g.failed]
         verdict = f"FAILED: {', '.join(failed)}" if failed else "PASSED"
         return "\n".join(lines) + f"\n\nsquareq accept {self.slab}: {verdict}"

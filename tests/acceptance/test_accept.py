@@ -77,6 +77,8 @@ def test_a_good_slab_passes_and_the_three_reports_agree(good_slab, tmp_path):
     # re-measured on other inputs than the compile's: other seed and timesteps, every layer measured
     assert mse["inputs"]["seed"] != 0 and mse["inputs"]["timesteps"] != [0.05, 0.35, 0.65, 0.95]
     assert mse["layers"] == 40 and max(mse["rel_mse"].values()) <= 0.01
+    worst = mse["worst"][0]
+    assert f"  {worst['layer']}: {worst['rel_mse']:.3g} [{worst['manifest_rel_mse']:.3g}]" in result.output
     conv = data["gates"][1]["details"]
     assert len(conv["losses"]["bf16"]) == 20 and len(conv["losses"]["quantized"]) == 25
     assert conv["relative_gap"] <= 0.02 and (tmp_path / "good.slab.accept" / "convergence.png").stat().st_size > 1000
