@@ -27,8 +27,6 @@ class GateResult:
         return asdict(self)
 
 
-def skipped(name: str, why: str, require: bool = False, hint: str = "") -> GateResult:
-    """A gate that cannot run here: SKIP with the reason, or FAIL when the caller requires it to run."""
-    status = FAIL if require else SKIP
-    note = why + (f" ({hint})" if require and hint else "")
-    return GateResult(name, status, "not measured", "", note)
+def skipped(name: str, why: str) -> GateResult:
+    """A gate that cannot run for this model: SKIP with the reason."""
+    return GateResult(name, SKIP, "not measured", "", why)

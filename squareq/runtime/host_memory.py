@@ -57,7 +57,6 @@ class HostMemory:
     def __init__(self, nbytes: int, device: torch.device, fill: Callable[[torch.Tensor], None],
                  share_key: str | None = None) -> None:
         self.nbytes = nbytes
-        self.shared = share_key is not None
         self.created = True  # whether this process filled the memory
         self._share: _SharedFile | None = None
         self._undo = None

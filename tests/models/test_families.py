@@ -9,6 +9,8 @@ from squareq import runtime
 from squareq.compiler import CompileOptions, compile_slab, open_source
 from squareq.models import ADAPTERS, BUILTIN_MODELS, families_table, load_builtin
 
+from ..runtime.harness import with_lora
+
 FAMILIES = sorted(BUILTIN_MODELS)
 
 
@@ -30,10 +32,7 @@ def _inputs(name):
 
 
 def _step(model, kwargs, seed=0):
-    params = runtime.add_lora(model, rank=4, seed=seed)
-    with torch.no_grad():
-        for p in params:  # B off zero, so every factor gets a gradient
-            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    with_lora(model, seed)
     model.enable_gradient_checkpointing()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = _output(model(**kwargs, return_dict=False))
@@ -133,11 +132,7 @@ def test_text_encoders_compile_and_stream_in_generic_mode(build, tmp_path):
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     results = []
     for loaded in (runtime.load(slab, "cpu", stream=False), runtime.load(slab, "cpu", prefetch=2)):
-        params = runtime.add_lora(loaded, rank=4, seed=0, targets=["q", "k", "v", "o", "q_proj", "k_proj", "v_proj",
-                                                                      "o_proj", "out_proj"])
-        with torch.no_grad():
-            for p in params:
-                p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+        with_lora(loaded, targets=["q", "k", "v", "o", "q_proj", "k_proj", "v_proj", "o_proj", "out_proj"])
         loaded.gradient_checkpointing_enable()
         loaded.train()
         torch.manual_seed(5)  # T5 trains with dropout: both runs draw the same masks

@@ -13,9 +13,9 @@ def inputs(device, batch: int = 2, seed: int = 0) -> dict:
     return {k: v.to(device) for k, v in tiny_flux_inputs(batch=batch, dtype=torch.bfloat16, seed=seed).items()}
 
 
-def with_lora(model, seed: int = 0) -> list[torch.nn.Parameter]:
-    """LoRA on the default targets, with B nudged off zero so every factor gets a gradient."""
-    params = runtime.add_lora(model, rank=4, seed=seed)
+def with_lora(model, seed: int = 0, targets=runtime.DEFAULT_TARGETS) -> list[torch.nn.Parameter]:
+    """LoRA on ``targets``, with B nudged off zero so every factor gets a gradient."""
+    params = runtime.add_lora(model, rank=4, seed=seed, targets=targets)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in params:
