@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""LoRA training step time of a FLUX.1-dev-shaped 12B transformer: SquareQ streaming vs its peers (issue 4).
+"""LoRA training step time of a full-size transformer: SquareQ streaming vs its peers (issues 4 and 7).
 
-    python benchmarks/train_step.py [--out DIR] [--workdir DIR] [--res 512 1024] [--steps 5 --warmup 2]
-                                    [--only slab,squareq,resident,bnb,group_offload] [--phase-timeout S] [--tiny]
+    python benchmarks/train_step.py [--family flux|flux2|qwen-image] [--out DIR] [--workdir DIR] [--res 512 1024]
+                                    [--steps 5 --warmup 2] [--only slab,squareq,resident,bnb,group_offload]
+                                    [--phase-timeout S] [--tiny]
 
-The model is diffusers ``FluxTransformer2DModel`` with FLUX.1-dev's config and seeded random weights
-(normal(0, 0.02) for matrices, norm weights 1, other vectors 0), built directly on the GPU. Every setup
-trains LoRA rank 16 on ``to_q,to_k,to_v,to_out.0`` with AdamW (lr 1e-4), gradient checkpointing, batch 1,
-512 text tokens, bf16 autocast and an MSE loss against a random target; the step time is the median of
-``--steps`` steps after ``--warmup`` steps. Setups, each one a phase in its own subprocess so that GPU
-memory statistics start clean and a crash or timeout costs only that phase:
+The model is the family's diffusers class at its released config with seeded random weights
+(normal(0, 0.02) for matrices, norm weights 1, other vectors 0), built directly on the GPU: ``flux``
+is FLUX.1-dev's ``FluxTransformer2DModel`` (11.9B), ``flux2`` FLUX.2-dev's ``Flux2Transformer2DModel``
+(diffusers' defaults: 8 double + 48 single blocks, 32B), ``qwen-image`` Qwen-Image's
+``QwenImageTransformer2DModel`` (60 blocks, 20B). Every setup trains LoRA rank 16 on
+``to_q,to_k,to_v,to_out.0`` with AdamW (lr 1e-4), gradient checkpointing, batch 1, 512 text tokens, bf16
+autocast and an MSE loss against a random target; the step time is the median of ``--steps`` steps after
+``--warmup`` steps. The FLUX.2 and Qwen-Image inputs come from their family adapters' calibration inputs
+(noise latents packed 2x2, Gaussian text embeddings). Setups, each one a phase in its own subprocess so
+that GPU memory statistics start clean and a crash or timeout costs only that phase:
 
 * ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
   this script already exists in ``--workdir``;
@@ -22,7 +27,7 @@ memory statistics start clean and a crash or timeout costs only that phase:
 Each phase prints one JSON line per measurement; the driver echoes them, adds ``ratio_to_resident``,
 writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last. Set
 ``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
-the 512², K=3 pinned phase. ``--tiny`` swaps in the tiny FLUX config (runs on the CPU when no GPU is
+the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config (runs on the CPU when no GPU is
 present, where memory figures read 0) so the script can be smoke-tested anywhere.
 """
 from __future__ import annotations
@@ -47,6 +52,9 @@ if str(ROOT) not in sys.path:
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
+# family -> (diffusers class, full-size config); {} is the class's defaults, which diffusers sets to the release
+FAMILIES = {"flux": ("FluxTransformer2DModel", FLUX_DEV), "flux2": ("Flux2Transformer2DModel", {}),
+            "qwen-image": ("QwenImageTransformer2DModel", {})}
 LORA_RANK = 16
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this (full config)
@@ -75,19 +83,23 @@ class Setup:
     def __init__(self, args) -> None:
         import torch
 
-        self.tiny = args.tiny
+        from squareq.models import ADAPTERS, BUILTIN_MODELS
+
+        self.tiny, self.family = args.tiny, args.family
+        self.class_name, config = FAMILIES[args.family]
+        self.adapter = ADAPTERS[args.family]
         if args.tiny:
-            from squareq.models import TINY_FLUX_CONFIG
-            self.config, self.text_tokens = dict(TINY_FLUX_CONFIG), 16
+            tiny = next(build for name, (family, build) in BUILTIN_MODELS.items() if family == args.family)
+            self.config, self.text_tokens = dict(tiny().config), 16
         else:
-            self.config, self.text_tokens = dict(FLUX_DEV), 512
+            self.config, self.text_tokens = dict(config), 512
         self.cuda = torch.cuda.is_available()
         if not self.cuda and not args.tiny:
             raise RuntimeError("the full-size benchmark needs a CUDA device; use --tiny on a CPU.")
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.device_name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         self.steps, self.warmup = args.steps, args.warmup
-        self.slab = slab_path(Path(args.workdir), args.tiny)
+        self.slab = Path(args.workdir) / f"{'tiny' if args.tiny else 'full'}-{args.family}.slab"
 
     def sync(self) -> None:
         import torch
@@ -95,17 +107,15 @@ class Setup:
             torch.cuda.synchronize()
 
 
-def slab_path(workdir: Path, tiny: bool) -> Path:
-    return workdir / ("tiny-flux.slab" if tiny else "flux-dev-shaped.slab")
-
-
-def build_flux(setup: Setup):
-    """The FLUX transformer in bf16 on the device, seeded random weights, no host copy of them."""
+def build_model(setup: Setup):
+    """The family's transformer in bf16 on the device, seeded random weights, no host copy of them."""
     import torch
-    from diffusers import FluxTransformer2DModel
 
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(**setup.config)
+    from squareq.models.skeleton import skeleton_from_record
+
+    # parameters on meta, buffers and tensors computed in __init__ (rotary tables) real and in their own dtype
+    model = skeleton_from_record(setup.class_name, {k: v for k, v in setup.config.items() if not k.startswith("_")})
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
     model = model.to(torch.bfloat16).to_empty(device=setup.device)
     g = torch.Generator(device=setup.device).manual_seed(0)
     with torch.no_grad():
@@ -116,15 +126,22 @@ def build_flux(setup: Setup):
                 p.fill_(1.0)
             else:
                 p.zero_()
-        for b in model.buffers():  # to_empty leaves them uninitialized
-            b.zero_()
+        for name, value in buffers.items():  # to_empty left them uninitialized
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = value.to(setup.device)
     return model.requires_grad_(False)
 
 
-def make_batch(setup: Setup, res: int):
+def make_batch(setup: Setup, res: int, model):
     """Forward inputs at ``res``² pixels ((res/16)² image tokens) and a random target, seeded."""
     import torch
 
+    if setup.family != "flux":
+        batch = setup.adapter.calibration_inputs(model, 1, 1, device=setup.device, dtype=torch.bfloat16,
+                                                 side=res // 8, text_tokens=setup.text_tokens).kwargs
+        g = torch.Generator(device=setup.device).manual_seed(1)
+        x = batch["hidden_states"]
+        return batch, torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
     cfg, dev, side = setup.config, setup.device, res // 16
     g = torch.Generator(device=dev).manual_seed(1)
 
@@ -176,7 +193,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
     import torch
 
     opt = torch.optim.AdamW(params, lr=1e-4)
-    batch, target = make_batch(setup, res)
+    batch, target = make_batch(setup, res, model)
     model.train()
     after_step()  # start counting at the first step, not at load
     times, cpu, figures, losses = [], [], [], []
@@ -277,7 +294,6 @@ def existing_slab(setup: Setup):
 
 
 def phase_slab(setup: Setup) -> None:
-    from squareq.models import FLUX
     from squareq.quant import QuantSpec
     from squareq.slab.writer import WriteOptions, block_linears, write_slab
 
@@ -288,10 +304,11 @@ def phase_slab(setup: Setup) -> None:
         rec.update(reused=True)
     else:
         start = time.perf_counter()
-        model = build_flux(setup)
+        model = build_model(setup)
         setup.sync()
         rec["build_s"] = time.perf_counter() - start
-        blocks = FLUX.blocks(model)
+        rec["parameters_B"] = sum(p.numel() for p in model.parameters()) / 1e9
+        blocks = setup.adapter.blocks(model)
         plan = {name: mix_spec(name) for p in blocks for name, _ in block_linears(p, model.get_submodule(p))}
         rec["predicted_bits_per_weight"] = mix_bits(model, plan)
         log(f"slab: model built in {rec['build_s']:.1f} s; mix averages {rec['predicted_bits_per_weight']:.3f} "
@@ -302,7 +319,7 @@ def phase_slab(setup: Setup) -> None:
         setup.slab.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         manifest = write_slab(model, blocks, plan, setup.slab, WriteOptions(
-            default_spec=QuantSpec(bits=4, group_size=128), clip_search=False, family="flux",
+            default_spec=QuantSpec(bits=4, group_size=128), clip_search=False, family=setup.family,
             source=SLAB_SOURCE, overwrite=True))
         rec.update(reused=False, write_s=time.perf_counter() - start)
     totals = manifest.totals or {}
@@ -363,7 +380,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
 def phase_resident(setup: Setup, res: int) -> None:
     rec = {"what": "resident", "res": res, "device": setup.device_name}
     start = time.perf_counter()
-    model = build_flux(setup)
+    model = build_model(setup)
     params = peft_lora(model)
     model.enable_gradient_checkpointing()
     setup.sync()
@@ -381,7 +398,7 @@ def phase_bnb(setup: Setup, res: int) -> None:
     import torch
 
     rec = {"what": "bnb", "res": res, "device": setup.device_name, "bnb": bnb.__version__}
-    model = build_flux(setup)
+    model = build_model(setup)
     start = time.perf_counter()
 
     def swap(module):
@@ -415,7 +432,7 @@ def phase_group_offload(setup: Setup, res: int) -> None:
 
     rec = {"what": "group_offload", "res": res, "device": setup.device_name}
     start = time.perf_counter()
-    model = build_flux(setup)
+    model = build_model(setup)
     params = peft_lora(model)
     model = model.to("cpu")  # the offload hooks own placement from here on
     torch.cuda.empty_cache()
@@ -467,7 +484,8 @@ def run_phase(args) -> None:
 def spawn(phase: list[str], args, timeout: float) -> list[dict]:
     """Run a phase subprocess, echo its output, return its JSON records (an error record if it died)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--workdir", str(args.workdir)] + (["--tiny"] if args.tiny else [])
+           "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family] + \
+        (["--tiny"] if args.tiny else [])
     log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -529,7 +547,7 @@ LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbyte
 
 def table(records: list[dict]) -> str:
     env = records[0]
-    head = (f"device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}"
+    head = (f"{env.get('family', 'flux')}; device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}"
             f"{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after {env['warmup']} warm-up")
     lines = [head, "", "| setup | res | step s | × bf16 resident | peak alloc GB | peak reserved GB | copy-wait % | notes |",
              "|---|---|---|---|---|---|---|---|"]
@@ -584,7 +602,8 @@ def main() -> None:
     ap.add_argument("--only", default="slab,squareq,resident,bnb,group_offload")
     ap.add_argument("--phase-timeout", type=float, default=240, help="seconds per training phase")
     ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
-    ap.add_argument("--tiny", action="store_true", help="tiny FLUX config; runs on the CPU without a GPU")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="which model (default flux)")
+    ap.add_argument("--tiny", action="store_true", help="the family's tiny config; runs on the CPU without a GPU")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
     args = ap.parse_args()
     if args.phase:
@@ -605,7 +624,8 @@ def main() -> None:
 
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
-    env = {"what": "env", "device": None, "torch": torch.__version__, "tiny": args.tiny, "steps": args.steps,
+    env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
+           "steps": args.steps,
            "warmup": args.warmup, "commit": commit,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     emit(env)
