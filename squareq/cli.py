@@ -247,9 +247,9 @@ def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, ma
                                     "resolution": resolution, "trigger": trigger,
                                     "max_sequence_length": max_sequence_length})
     with open_slab(slab, verify="off") as s:
-        source = s.manifest.model.source
+        record = s.manifest.model
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prepared = prepare_data(cfg, source, device, echo=click.echo)
+    prepared = prepare_data(cfg, record, device, echo=click.echo)
     n = prepared.computed
     click.echo(f"{len(prepared.dataset)} images cached in {cache_dir} ({n} {'entry' if n == 1 else 'entries'} "
                "computed now)")
@@ -294,7 +294,9 @@ def export_lora(lora: Path, out: Path, fmt: str) -> None:
 
     factors, info = load_lora(lora)
     save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
-    path = save(factors, out, info["rank"], info["alpha"], info["targets"])
+    provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
+    prefix = {"prefix": info["metadata"]["component"]} if fmt == "diffusers" and "component" in info["metadata"] else {}
+    path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance, **prefix)
     click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
 
 

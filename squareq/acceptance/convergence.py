@@ -26,6 +26,7 @@ import torch
 
 from .. import quant
 from ..compiler.sources import Source
+from ..models import ADAPTERS
 from ..slab import Slab, SlabError, open_slab
 from ..slab.writer import WriteOptions, assemble_slab, block_linears, encode_block
 from ..train.config import TrainConfig, load_config
@@ -73,8 +74,9 @@ def training_config(s: ConvergenceSettings, slab_path: Path, model: str, out: Pa
 
 def cannot_run(source: Source, model: str) -> str | None:
     """Why this gate cannot run for ``source`` (None when it can): the trainer's families and its encoders."""
-    if source.family != "flux":
-        return f"squareq train supports the FLUX family, not {source.family} ({source.description})"
+    adapter = ADAPTERS.get(source.family)
+    if adapter is None or adapter.recipe is None:
+        return f"squareq train cannot train {source.description} (family {source.family})"
     try:
         pipeline_folder(model)
     except EncoderError as exc:

@@ -7,6 +7,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .recipe import TrainingRecipe
+
 
 @dataclass
 class CalibrationBatch:
@@ -50,8 +52,17 @@ class FamilyAdapter:
     sequence_shape: Callable[[dict, int, int], tuple[int, int]] | None = field(default=None, compare=False)
     # Calibration from a training cache (`squareq cache`/`squareq train`); None: the family has no such path.
     cache_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
-    # What SquareQ does for the family today (`squareq families` prints it): compile, stream, train, sample.
-    supports: tuple[str, ...] = ("compile", "stream")
+    # How the trainer feeds the family's denoiser (models/recipe.py); None: the family cannot be trained yet.
+    recipe: TrainingRecipe | None = field(default=None, compare=False)
+    # `squareq sample` and the trainer's sample images work for the family (its diffusers pipeline is wired in)
+    samples: bool = False
+    # the denoiser's attribute in the family's diffusers pipeline, and the key prefix of its diffusers LoRA files
+    component: str = "transformer"
+
+    @property
+    def supports(self) -> tuple[str, ...]:
+        """What SquareQ does for the family today (`squareq families` prints it): compile, stream, train, sample."""
+        return ("compile", "stream") + (("train",) if self.recipe else ()) + (("sample",) if self.samples else ())
 
     def calibration_batch(self, model: nn.Module, samples: int, seed: int, pipeline=None,
                           device="cpu", cache=None) -> CalibrationBatch:

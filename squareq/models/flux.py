@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, ModelError
+from .flux_latents import image_ids, pack_latents, text_ids
 from .prompts import CALIBRATION_PROMPTS
+from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
 
 
 def flux_synthetic_inputs(model, samples: int, seed: int, side: int | None = None, text_tokens: int | None = None,
@@ -105,8 +107,6 @@ def flux_cache_inputs(model, samples: int, seed: int, cache_dir, device="cpu",
 
     from safetensors.torch import load_file
 
-    from .flux_latents import image_ids, pack_latents, text_ids
-
     cache_dir = Path(cache_dir)
     cfg = model.config
     latent_files = sorted((cache_dir / "latents").glob("*.safetensors"))
@@ -154,6 +154,23 @@ def flux_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tupl
     return side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
+def flux_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """2x2-packed latents with (0, row, column) position ids, T5 sequence + CLIP pooled text, t in [0, 1] (the
+    model scales by 1000 itself), the guidance scale as is for guidance-distilled models."""
+    prompt = text["prompt_embeds"]
+    kwargs = dict(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
+                  pooled_projections=text["pooled_prompt_embeds"], timestep=t,
+                  img_ids=image_ids(*x_t.shape[-2:], device=x_t.device), txt_ids=text_ids(prompt.shape[1], device=x_t.device))
+    if cfg.guidance_embeds:
+        kwargs["guidance"] = torch.full_like(t, guidance)
+    return kwargs
+
+
+FLUX_RECIPE = TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
+                             text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, cfg.pooled_projection_dim),
+                             forward=flux_forward, prediction=unpack_2x2_output)
+
+
 FLUX = FamilyAdapter(
     family="flux",
     class_name="FluxTransformer2DModel",
@@ -163,5 +180,6 @@ FLUX = FamilyAdapter(
     has_text_encoders=has_text_encoders,
     sequence_shape=flux_sequence_shape,
     cache_inputs=flux_cache_inputs,
-    supports=("compile", "stream", "train", "sample"),
+    recipe=FLUX_RECIPE,
+    samples=True,
 )

@@ -6,6 +6,8 @@ import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
 from .flux import flux_sequence_shape
+from .flux_latents import pack_latents
+from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
 
 TINY_FLUX2_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16,
@@ -41,6 +43,21 @@ def flux2_synthetic_inputs(model, samples: int, seed: int, device="cpu", dtype: 
     return CalibrationBatch(kwargs, description)
 
 
+def flux2_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """2x2-packed latents (FLUX.2's patchify is the same channel order) with (t, h, w, l) ids, the stacked Mistral
+    hidden states, t in [0, 1] (scaled by the model), the guidance scale as is."""
+    prompt = text["prompt_embeds"]
+    img_ids, txt_ids = _ids(x_t.shape[-2] // 2, x_t.shape[-1] // 2, prompt.shape[1], x_t.device)
+    kwargs = dict(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt, timestep=t, img_ids=img_ids,
+                  txt_ids=txt_ids)
+    if cfg.guidance_embeds:
+        kwargs["guidance"] = torch.full_like(t, guidance)
+    return kwargs
+
+
 FLUX2 = FamilyAdapter(family="flux2", class_name="Flux2Transformer2DModel",
                       block_lists=("transformer_blocks", "single_transformer_blocks"),
-                      calibration_inputs=flux2_synthetic_inputs, sequence_shape=flux_sequence_shape)
+                      calibration_inputs=flux2_synthetic_inputs, sequence_shape=flux_sequence_shape,
+                      recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
+                                            text_fields=lambda cfg: TextFields(cfg.joint_attention_dim),
+                                            forward=flux2_forward, prediction=unpack_2x2_output))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .recipe import TextFields, TrainingRecipe, first_output
 
 TINY_HUNYUAN_VIDEO_CONFIG = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
                                  num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=2,
@@ -47,7 +48,24 @@ def hunyuan_video_sequence_shape(config: dict, resolution: int, text_tokens: int
     return 9 * side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
+def hunyuan_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """Video latents as they are, LLaMA text with its mask plus pooled CLIP, timestep t·1000 and guidance x 1000
+    (the pipeline scales both; the model does not)."""
+    kwargs = dict(hidden_states=x_t, timestep=1000 * t, encoder_hidden_states=text["prompt_embeds"],
+                  encoder_attention_mask=text["prompt_mask"].to(x_t.dtype),
+                  pooled_projections=text["pooled_prompt_embeds"])
+    if cfg.guidance_embeds:
+        kwargs["guidance"] = torch.full_like(t, 1000 * guidance)
+    return kwargs
+
+
 HUNYUAN_VIDEO = FamilyAdapter(family="hunyuan-video", class_name="HunyuanVideoTransformer3DModel",
                               block_lists=("transformer_blocks", "single_transformer_blocks"),
                               calibration_inputs=hunyuan_video_synthetic_inputs,
-                              sequence_shape=hunyuan_video_sequence_shape)
+                              sequence_shape=hunyuan_video_sequence_shape,
+                              recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
+                                                    text_fields=lambda cfg: TextFields(cfg.text_embed_dim,
+                                                                                       cfg.pooled_projection_dim,
+                                                                                       mask=True),
+                                                    forward=hunyuan_video_forward, prediction=first_output,
+                                                    frames=True))

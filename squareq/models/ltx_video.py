@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .recipe import TextFields, TrainingRecipe
 
 TINY_LTX_VIDEO_CONFIG = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
                              cross_attention_dim=32, num_layers=2, caption_channels=16)
@@ -44,6 +45,28 @@ def ltx_video_sequence_shape(config: dict, resolution: int, text_tokens: int) ->
     return 16 * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
+# The pipeline's rope scale for its 8x temporal / 32x spatial VAE at its default 25 frames per second.
+LTX_ROPE_SCALE = (8 / 25, 32, 32)
+
+
+def ltx_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """Video latents [B, C, F, h, w] as tokens in (frame, row, column) order (patch size 1), T5 text with its mask,
+    timestep t·1000."""
+    frames, h, w = x_t.shape[-3:]
+    return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text["prompt_embeds"],
+                timestep=1000 * t, encoder_attention_mask=text["prompt_mask"], num_frames=frames, height=h, width=w,
+                rope_interpolation_scale=LTX_ROPE_SCALE)
+
+
+def ltx_video_prediction(output, x_t: torch.Tensor) -> torch.Tensor:
+    """Tokens [B, F·h·w, C] back to [B, C, F, h, w]."""
+    return output[0].transpose(1, 2).reshape(x_t.shape)
+
+
 LTX_VIDEO = FamilyAdapter(family="ltx-video", class_name="LTXVideoTransformer3DModel",
                           block_lists=("transformer_blocks",), calibration_inputs=ltx_video_synthetic_inputs,
-                          sequence_shape=ltx_video_sequence_shape)
+                          sequence_shape=ltx_video_sequence_shape,
+                          recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
+                                                text_fields=lambda cfg: TextFields(cfg.caption_channels, mask=True),
+                                                forward=ltx_video_forward, prediction=ltx_video_prediction,
+                                                frames=True))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
+from .flux_latents import pack_latents
+from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
 
 TINY_QWEN_IMAGE_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
@@ -34,6 +36,18 @@ def qwen_image_sequence_shape(config: dict, resolution: int, text_tokens: int) -
     return side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
+def qwen_image_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """2x2-packed latents with their token grid, Qwen2.5-VL hidden states with their mask, t in [0, 1] (the
+    model scales by 1000)."""
+    h, w = x_t.shape[-2:]
+    return dict(hidden_states=pack_latents(x_t), encoder_hidden_states=text["prompt_embeds"],
+                encoder_hidden_states_mask=text["prompt_mask"].long(), timestep=t,
+                img_shapes=[[(1, h // 2, w // 2)]] * x_t.shape[0])
+
+
 QWEN_IMAGE = FamilyAdapter(family="qwen-image", class_name="QwenImageTransformer2DModel",
                            block_lists=("transformer_blocks",), calibration_inputs=qwen_image_synthetic_inputs,
-                           sequence_shape=qwen_image_sequence_shape)
+                           sequence_shape=qwen_image_sequence_shape,
+                           recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
+                                                 text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, mask=True),
+                                                 forward=qwen_image_forward, prediction=unpack_2x2_output))

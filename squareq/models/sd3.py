@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .recipe import TextFields, TrainingRecipe, first_output
 
 TINY_SD3_CONFIG = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
                        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
@@ -42,5 +43,15 @@ def sd3_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple
     return side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
+def sd3_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """Latents as they are (the model patchifies), CLIP+T5 sequence and pooled CLIP text, timestep t·1000."""
+    return dict(hidden_states=x_t, encoder_hidden_states=text["prompt_embeds"],
+                pooled_projections=text["pooled_prompt_embeds"], timestep=1000 * t)
+
+
 SD3 = FamilyAdapter(family="sd3", class_name="SD3Transformer2DModel", block_lists=("transformer_blocks",),
-                    calibration_inputs=sd3_synthetic_inputs, sequence_shape=sd3_sequence_shape)
+                    calibration_inputs=sd3_synthetic_inputs, sequence_shape=sd3_sequence_shape,
+                    recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
+                                          text_fields=lambda cfg: TextFields(cfg.joint_attention_dim,
+                                                                             cfg.pooled_projection_dim),
+                                          forward=sd3_forward, prediction=first_output))

@@ -123,13 +123,15 @@ def build_tiny_tokenizers():
     return clip, t5
 
 
-def tiny_clip_config(vocab_size: int) -> dict:
-    """CLIPTextModel kwargs: hidden = pooled_projection_dim, because FLUX feeds ``pooler_output`` as is."""
+def tiny_clip_config(vocab_size: int, width: int | None = None) -> dict:
+    """CLIPTextModel kwargs: hidden = pooled_projection_dim (or ``width``), because FLUX feeds ``pooler_output``
+    as is."""
+    width = width or TINY_FLUX_CONFIG["pooled_projection_dim"]
     return dict(
         vocab_size=vocab_size,
-        hidden_size=TINY_FLUX_CONFIG["pooled_projection_dim"],
+        hidden_size=width,
         intermediate_size=64,
-        projection_dim=TINY_FLUX_CONFIG["pooled_projection_dim"],
+        projection_dim=width,
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=CLIP_MAX_LENGTH,
@@ -144,11 +146,12 @@ def tiny_clip_config(vocab_size: int) -> dict:
     )
 
 
-def tiny_t5_config(vocab_size: int) -> dict:
-    """T5EncoderModel kwargs: T5 v1.1 style (gated-gelu, untied head) with d_model = joint_attention_dim."""
+def tiny_t5_config(vocab_size: int, width: int | None = None) -> dict:
+    """T5EncoderModel kwargs: T5 v1.1 style (gated-gelu, untied head) with d_model = joint_attention_dim (or
+    ``width``)."""
     return dict(
         vocab_size=vocab_size,
-        d_model=TINY_FLUX_CONFIG["joint_attention_dim"],
+        d_model=width or TINY_FLUX_CONFIG["joint_attention_dim"],
         d_kv=12,
         d_ff=96,
         num_layers=2,
@@ -166,26 +169,29 @@ def tiny_t5_config(vocab_size: int) -> dict:
     )
 
 
-def build_tiny_vae(seed: int = 0):
-    """A FLUX-style ``AutoencoderKL`` at toy size: 8x downsampling, 4 latent channels, seeded init."""
+def build_tiny_vae(seed: int = 0, latent_channels: int | None = None):
+    """A FLUX-style ``AutoencoderKL`` at toy size: 8x downsampling, 4 latent channels (or ``latent_channels``),
+    seeded init."""
     from diffusers import AutoencoderKL
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoencoderKL(**TINY_VAE_CONFIG).eval()
+        return AutoencoderKL(**{**TINY_VAE_CONFIG, "latent_channels": latent_channels or
+                                TINY_VAE_CONFIG["latent_channels"]}).eval()
 
 
-def build_tiny_text_encoders(seed: int = 0):
-    """``(clip, clip_tokenizer, t5, t5_tokenizer)``: seeded tiny CLIPTextModel and T5EncoderModel."""
+def build_tiny_text_encoders(seed: int = 0, t5_width: int | None = None, clip_width: int | None = None):
+    """``(clip, clip_tokenizer, t5, t5_tokenizer)``: seeded tiny CLIPTextModel and T5EncoderModel (at tiny-flux's
+    widths unless given)."""
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     clip_tok, t5_tok = build_tiny_tokenizers()
     with torch.random.fork_rng(devices=[]):
         # Separate seeds per encoder so adding a layer to one leaves the other's weights unchanged.
         torch.manual_seed(seed + 2)
-        clip = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(len(clip_tok)))).eval()
+        clip = CLIPTextModel(CLIPTextConfig(**tiny_clip_config(len(clip_tok), clip_width))).eval()
         torch.manual_seed(seed + 3)
-        t5 = T5EncoderModel(T5Config(**tiny_t5_config(len(t5_tok)))).eval()
+        t5 = T5EncoderModel(T5Config(**tiny_t5_config(len(t5_tok), t5_width))).eval()
     return clip, clip_tok, t5, t5_tok
 
 

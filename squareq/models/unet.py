@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .recipe import TextFields, TrainingRecipe, first_output
 
 _TINY_UNET = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
                   cross_attention_dim=32, norm_num_groups=8)
@@ -58,5 +59,27 @@ def unet_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tupl
     return side * side, int(config["block_out_channels"][0])
 
 
+def _pooled_width(cfg) -> int | None:
+    """SDXL's pooled text width (its added embedding takes pooled text plus six size/crop values), else None."""
+    if cfg.addition_embed_type != "text_time":
+        return None
+    return cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+
+
+def unet_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """Latents and the integer DDPM step as they are, CLIP hidden states; SDXL also gets its pooled text and the
+    time ids (original size, crop top-left, target size) of an uncropped image at the latent's size x 8."""
+    kwargs = dict(sample=x_t, timestep=t, encoder_hidden_states=text["prompt_embeds"])
+    if _pooled_width(cfg) is not None:
+        h, w = (8 * s for s in x_t.shape[-2:])
+        time_ids = torch.tensor([h, w, 0, 0, h, w], device=x_t.device, dtype=x_t.dtype).expand(x_t.shape[0], 6)
+        kwargs["added_cond_kwargs"] = {"text_embeds": text["pooled_prompt_embeds"], "time_ids": time_ids}
+    return kwargs
+
+
 SD_UNET = FamilyAdapter(family="sd-unet", class_name="UNet2DConditionModel", block_lists=("down_blocks", "up_blocks"),
-                        calibration_inputs=unet_synthetic_inputs, sequence_shape=unet_sequence_shape)
+                        calibration_inputs=unet_synthetic_inputs, sequence_shape=unet_sequence_shape, component="unet",
+                        recipe=TrainingRecipe(objective="epsilon", latent_channels=lambda cfg: cfg.in_channels,
+                                              text_fields=lambda cfg: TextFields(cfg.cross_attention_dim,
+                                                                                 _pooled_width(cfg)),
+                                              forward=unet_forward, prediction=first_output))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .recipe import TextFields, TrainingRecipe, first_output
 
 TINY_WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
                        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
@@ -43,5 +44,14 @@ def wan_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple
     return 21 * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
+def wan_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """Video latents [B, C, F, h, w] as they are, UMT5 text (zero past its length, as the pipeline pads it, so no
+    mask), timestep t·1000."""
+    return dict(hidden_states=x_t, encoder_hidden_states=text["prompt_embeds"], timestep=1000 * t)
+
+
 WAN = FamilyAdapter(family="wan", class_name="WanTransformer3DModel", block_lists=("blocks",),
-                    calibration_inputs=wan_synthetic_inputs, sequence_shape=wan_sequence_shape)
+                    calibration_inputs=wan_synthetic_inputs, sequence_shape=wan_sequence_shape,
+                    recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
+                                          text_fields=lambda cfg: TextFields(cfg.text_dim), forward=wan_forward,
+                                          prediction=first_output, frames=True))

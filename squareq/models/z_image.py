@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .recipe import TextFields, TrainingRecipe
 
 TINY_Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
                            n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
@@ -39,6 +40,21 @@ def z_image_sequence_shape(config: dict, resolution: int, text_tokens: int) -> t
     return side * side + text_tokens, int(config["dim"])
 
 
+def z_image_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
+    """One [C, 1, h, w] latent and one caption of its own length per sample (padding dropped by the mask), at
+    model time 1 - t: Z-Image's time runs from noise (0) to data (1)."""
+    prompt, mask = text["prompt_embeds"], text["prompt_mask"].bool()
+    return dict(x=list(x_t.unsqueeze(2).unbind(0)), t=1 - t, cap_feats=[p[m] for p, m in zip(prompt, mask, strict=True)])
+
+
+def z_image_prediction(output, x_t: torch.Tensor) -> torch.Tensor:
+    """Z-Image predicts x0 - noise (its pipeline negates the output): negated, it is the flow target."""
+    return -torch.stack(output[0]).squeeze(2)
+
+
 Z_IMAGE = FamilyAdapter(family="z-image", class_name="ZImageTransformer2DModel",
                         block_lists=("noise_refiner", "context_refiner", "layers"),
-                        calibration_inputs=z_image_synthetic_inputs, sequence_shape=z_image_sequence_shape)
+                        calibration_inputs=z_image_synthetic_inputs, sequence_shape=z_image_sequence_shape,
+                        recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
+                                              text_fields=lambda cfg: TextFields(cfg.cap_feat_dim, mask=True),
+                                              forward=z_image_forward, prediction=z_image_prediction))

@@ -2,7 +2,10 @@
 
 ``tiny-flux`` uses the built-in toy VAE, CLIP and T5 (squareq.models.tiny_pipeline); a diffusers FLUX
 pipeline folder (or its ``transformer/`` subfolder) supplies its own ``vae``, ``text_encoder`` and
-``text_encoder_2``. They are held only while the cache is filled, then released.
+``text_encoder_2``. The other families' built-in tiny models (``tiny-sd3``, ``tiny-wan``, ...) get a toy VAE
+with their latent channels and a tiny T5 (and CLIP, where the family takes pooled text) at the widths their
+denoiser expects (:class:`ToyEncoders`); their pipeline folders go through the family's diffusers pipeline
+(``squareq.train.family_encoders``). They are held only while the cache is filled, then released.
 
 On a GPU, a T5 encoder larger than :data:`STREAM_TEXT_ENCODER_BYTES` (FLUX.1's T5-XXL is 9.5 GB) stays in
 page-locked host memory and streams through the device block by block (``squareq.runtime.stream_module``),
@@ -18,7 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ..models import build_tiny_flux_pipeline
+from ..models import ADAPTERS, BUILTIN_MODELS, build_tiny_flux_pipeline
+from ..models.tiny_pipeline import (
+    CLIP_MAX_LENGTH,
+    build_tiny_text_encoders,
+    build_tiny_vae,
+)
 from ..runtime import release_module, stream_module
 from .cache import module_identity
 
@@ -60,9 +68,9 @@ class Encoders:
 
 
 def pipeline_folder(source: str | Path) -> Path | None:
-    """The diffusers pipeline folder holding the VAE and text encoders of ``source`` (None for ``tiny-flux``, whose
-    encoders are built in); raises :class:`EncoderError` naming ``source`` when there is none. Loads nothing."""
-    if str(source) == "tiny-flux":
+    """The diffusers pipeline folder holding the VAE and text encoders of ``source`` (None for a built-in tiny model,
+    whose encoders are built in); raises :class:`EncoderError` naming ``source`` when there is none. Loads nothing."""
+    if str(source) in BUILTIN_MODELS:
         return None
     source = Path(source).expanduser()
     folder = source.parent if (source.parent / "model_index.json").is_file() else source
@@ -83,10 +91,77 @@ def _load_folder(source: Path, dtype: torch.dtype):
                            "pipeline folder with --model.") from None
 
 
+class ToyEncoders:
+    """The built-in encoders of a tiny non-FLUX model: a toy ``AutoencoderKL`` with the family's latent channels
+    (normalized with FLUX's VAE factors; a frame axis for video families) and a tiny T5, plus a tiny CLIP's pooled
+    output where the family takes pooled text. Seeded: the same weights on every machine."""
+
+    def __init__(self, family: str, config, device: torch.device, dtype: torch.dtype) -> None:
+        self.recipe = ADAPTERS[family].recipe
+        self.fields = self.recipe.text_fields(config)
+        self.device, self.dtype = device, dtype
+        self.vae = build_tiny_vae(latent_channels=self.recipe.latent_channels(config))
+        self.clip, self.clip_tok, self.t5, self.t5_tok = build_tiny_text_encoders(
+            t5_width=self.fields.width, clip_width=self.fields.pooled)
+        for module in (self.vae, self.clip, self.t5):  # built in fp32; moved, and cast only where asked
+            module.to(device)
+            if dtype != torch.float32:
+                module.to(dtype=dtype)
+        where = f":{dtype}".replace("torch.", "")
+        self.vae_identity = module_identity(self.vae, "vae") + where
+        self.text_identity = (family + module_identity(self.t5, "t5")
+                              + (module_identity(self.clip, "clip") if self.fields.pooled else "") + where)
+        self.streamed_text_encoder = False
+
+    @torch.no_grad()
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """[3, H, W] in [-1, 1] -> the normalized latent [C, H/8, W/8] ([C, 1, H/8, W/8] for video families)."""
+        z = self.vae.encode(image[None].to(self.device, self.dtype)).latent_dist.mode()
+        z = ((z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor)[0].cpu()
+        return z[:, None] if self.recipe.frames else z
+
+    @torch.no_grad()
+    def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
+        """One entry per text: the T5 sequence padded to ``max_sequence_length`` (with its mask where the family
+        masks padding) and the pooled CLIP output where the family takes one (fp32)."""
+        t5 = self.t5_tok(list(texts), padding="max_length", max_length=max_sequence_length, truncation=True,
+                         return_tensors="pt").to(self.device)
+        mask = t5.attention_mask
+        sequence = self.t5(t5.input_ids, attention_mask=mask).last_hidden_state.float().cpu()
+        entries = [{"prompt_embeds": seq} for seq in sequence]
+        if self.fields.mask:
+            for entry, m in zip(entries, mask.cpu(), strict=True):
+                entry["prompt_mask"] = m.float()
+        if self.fields.pooled:
+            ids = self.clip_tok(list(texts), padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True,
+                                return_tensors="pt").input_ids.to(self.device)
+            for entry, pooled in zip(entries, self.clip(ids).pooler_output.float().cpu(), strict=True):
+                entry["pooled_prompt_embeds"] = pooled
+        return entries
+
+
+def builtin_family(source: str) -> str | None:
+    """The family of a built-in tiny model name (None for anything else)."""
+    return BUILTIN_MODELS[source][0] if source in BUILTIN_MODELS else None
+
+
 @contextlib.contextmanager
-def open_encoders(source: str, device: torch.device) -> Iterator[Encoders]:
-    """The encoders of ``source`` (``tiny-flux`` or a folder) on ``device``, released on exit."""
+def open_encoders(source: str, device: torch.device, family: str = "flux", config=None) -> Iterator[Encoders]:
+    """The encoders of ``source`` (a built-in tiny model or a pipeline folder) for a ``family`` model with
+    ``config`` (the slab's recorded model config) on ``device``, released on exit."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if family != "flux":
+        if builtin_family(source) == family:
+            try:
+                yield ToyEncoders(family, config, device, dtype)
+            finally:
+                gc.collect()
+            return
+        from .family_encoders import open_family_pipeline
+
+        with open_family_pipeline(source, family, device, dtype) as encoders:
+            yield encoders
+        return
     if source == "tiny-flux":
         pipe = build_tiny_flux_pipeline()
         pipe.transformer = None

@@ -11,8 +11,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..models.flux_latents import image_ids, text_ids
 from .cache import EmbeddingCache
+
+TOKEN_FIELDS = ("prompt_embeds", "prompt_mask")  # caption tensors with a token axis (padded to the batch's longest)
 
 
 class CacheFeed:
@@ -26,7 +27,6 @@ class CacheFeed:
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squareq-cache-reader")
         self._pending: dict[tuple[str, str], Future] = {}
-        self._ids: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _entries(self, indices: list[int], drops: list[bool] | None = None) -> list[tuple[str, str]]:
         drops = drops or [False] * len(indices)
@@ -58,24 +58,26 @@ class CacheFeed:
         self._pending[("latents", self.image_keys[index])] = _done(entry)
         return entry["latents"].shape
 
-    def batch(self, indices: list[int], drops: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(latents [B, C, h, w], T5 prompt embeddings [B, L, D], CLIP pooled [B, P]) on the device, fp32."""
+    def batch(self, indices: list[int], drops: list[bool]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(latents [B, C, h, w] or [B, C, 1, h, w], the captions' tensors batched: ``prompt_embeds`` [B, L, D],
+        ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached) on the device, fp32. Captions of
+        different lengths are zero-padded to the longest (their masks mark the padding)."""
         latents = self._stack([self._get("latents", self.image_keys[i])["latents"] for i in indices])
         texts = [self._get("text", key) for kind, key in self._entries(indices, drops) if kind == "text"]
-        prompt = self._stack([e["prompt_embeds"] for e in texts])
-        pooled = self._stack([e["pooled_prompt_embeds"] for e in texts])
-        return latents, prompt, pooled
-
-    def position_ids(self, height: int, width: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FLUX's image and text position ids for a latent size and text length (built once per size)."""
-        key = (height, width, tokens)
-        if key not in self._ids:
-            self._ids[key] = (image_ids(height, width, device=self.device), text_ids(tokens, device=self.device))
-        return self._ids[key]
+        tokens = max(e["prompt_embeds"].shape[0] for e in texts)
+        return latents, {name: self._stack([_pad(e[name], tokens) if name in TOKEN_FIELDS else e[name] for e in texts])
+                         for name in texts[0]}
 
     def close(self) -> None:
         self._pending = {}
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pad(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``tensor`` zero-padded along its first (token) axis to ``tokens``."""
+    if tensor.shape[0] == tokens:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(tokens - tensor.shape[0], *tensor.shape[1:])])
 
 
 def _done(value) -> Future:

@@ -1,11 +1,12 @@
-"""The training loop behind ``squareq train``: cache, then flow-matching LoRA steps on the streamed slab.
+"""The training loop behind ``squareq train``: cache, then LoRA steps on the streamed slab with the family's objective.
 
 1. The slab is loaded through the runtime (blocks streamed, gradient checkpointing on) and LoRA factors
    are attached. With ``vram_budget`` set on a GPU, the memory plan is checked before anything else.
 2. Images and captions are scanned; VAE latents and text embeddings are computed once into the cache
    (only entries that are missing), and the encoders are released before training starts.
 3. Each step draws a batch of one bucket, noise and timesteps from the run's own generator, computes
-   the rectified-flow loss and updates the LoRA with AdamW. A step whose loss or gradients are not
+   the family's loss (rectified flow, or DDPM epsilon / v-prediction for the UNets; the family's recipe in
+   squareq/models turns latents and captions into the denoiser's arguments) and updates the LoRA with AdamW. A step whose loss or gradients are not
    finite is skipped and counted; ``nan_patience`` skips in a row stop the run with the last good
    checkpoint left untouched.
 4. Every ``save_every`` steps a checkpoint (LoRA, optimizer, schedule, RNG states, data position) is
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from diffusers.configuration_utils import FrozenDict
 
 from .. import runtime
 from ..runtime.host_memory import HostMemoryError
@@ -36,10 +38,12 @@ from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prun
 from .config import TrainConfig
 from .distributed import Ranks
 from .data import BucketBatches, bucket_for, caption_for, load_image, make_buckets, scan_dataset
+from ..models import ADAPTERS
 from .encoders import Encoders, open_encoders
+from .family_encoders import training_objective
 from .lora_files import save_diffusers_lora
 from .feed import CacheFeed
-from .objective import flow_loss, flow_match, pack_latents, sample_timesteps
+from .objective import draw_times, flow_loss, noised
 from .sample import draw_image
 
 METRICS_FILE = "metrics.jsonl"
@@ -123,9 +127,9 @@ class PreparedData:
     computed: int = 0
 
 
-def prepare_data(cfg: TrainConfig, source: str, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
-    """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model or source``
-    (what ``squareq cache`` runs on its own)."""
+def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
+    """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
+    source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own)."""
     dataset = scan_dataset(cfg.data)
     buckets = make_buckets(cfg.resolution)
     item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
@@ -134,7 +138,7 @@ def prepare_data(cfg: TrainConfig, source: str, device: torch.device, echo=print
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
     keys = None
     if encode:
-        with open_encoders(cfg.model or source, device) as encoders:
+        with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
             keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
 
@@ -179,7 +183,17 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         echo("expected device memory:\n" + str(plan))
         plan.check(cfg.vram_budget_bytes)
 
-    data = prepare_data(cfg, slab.manifest.model.source, device, echo, encode=ranks.is_main)
+    family = slab.manifest.model.family
+    if family not in ADAPTERS or ADAPTERS[family].recipe is None:
+        raise TrainError(f"{cfg.slab} holds a {family} model, which squareq train cannot train yet; the families it "
+                         f"trains are: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+    if cfg.sample_every and not ADAPTERS[family].samples:
+        raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} family "
+                         "yet; set sample_every = 0 (--sample-every 0).")
+    recipe = ADAPTERS[family].recipe
+    objective = training_objective(cfg.model or slab.manifest.model.source, family)
+    data = prepare_data(cfg, slab.manifest.model, device, echo, encode=ranks.is_main)
+    echo(f"training a {family} LoRA with the {objective} objective")
     dataset, buckets, cache, plain, dropped = data.dataset, data.buckets, data.cache, data.captions, data.dropped
     image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
 
@@ -239,7 +253,6 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         return path
 
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
-    guidance = _has_guidance(model)
     feed = CacheFeed(cache, image_keys, text_keys, plain, dropped, device)
     every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
     batch_iter = iter(batches)
@@ -271,19 +284,16 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                              for _ in indices]
                     mine = ranks.share(len(indices))
                     noise = torch.randn((len(indices), *feed.latent_shape(indices[mine][0])), generator=generator)
-                    t = sample_timesteps(len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
+                    t = draw_times(objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
                     indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
-                    latents, prompt, pooled = feed.batch(indices, drops)
+                    latents, text = feed.batch(indices, drops)
                     upcoming = batches.peek()
                     feed.prefetch(upcoming[ranks.share(len(upcoming))])  # read while this micro-batch computes
-                    x_t, target = flow_match(latents, noise, t)
-                    img_ids, txt_ids = feed.position_ids(*latents.shape[-2:], prompt.shape[1])
+                    x_t, target = noised(objective, latents, noise, t)
                     with amp:
-                        pred = model(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
-                                     pooled_projections=pooled, timestep=t,
-                                     guidance=torch.full_like(t, cfg.guidance) if guidance else None,
-                                     img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]
-                    loss = flow_loss(pred, pack_latents(target)) / cfg.grad_accum
+                        output = model(**recipe.forward(model.config, x_t, t, text, cfg.guidance), return_dict=False)
+                        pred = recipe.prediction(output, x_t)
+                    loss = flow_loss(pred, target) / cfg.grad_accum
                     loss.backward()
                     step_loss += float(loss.detach())
                 ranks.average_grads(params)
@@ -370,8 +380,11 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         runtime.runtime_of(model).close()
     lora_file = out / "pytorch_lora_weights.safetensors"
     if ranks.is_main:
+        component = ADAPTERS[family].component
         lora_file = save_diffusers_lora(runtime.lora_state_dict(model), out, cfg.rank, cfg.lora_alpha, cfg.targets,
-                                        extra_metadata={"base_model_signature": slab.manifest.model.signature})
+                                        extra_metadata={"base_model_signature": slab.manifest.model.signature,
+                                                        "family": family, "component": component},
+                                        prefix=component)
     ranks.barrier()
     echo(f"LoRA written to {lora_file} after {step} steps ({skipped} skipped)")
     return TrainResult(step, skipped, losses, lora_file)
@@ -438,6 +451,3 @@ def _above_bar(bar, echo):
             echo(text)
     return write
 
-
-def _has_guidance(model) -> bool:
-    return bool(getattr(model.config, "guidance_embeds", False))

@@ -46,6 +46,7 @@ from ..slab.atomic import atomic_write_bytes
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 PREFIX = "transformer"
+PREFIXES = ("transformer", "unet")  # the denoiser's component: transformers, or SD 1.5 / SDXL's UNet
 
 FORMAT_NAME = "squareq-lora"
 FORMAT_VERSION = 1
@@ -161,13 +162,17 @@ def _normalize(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]) -
 
 
 def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, alpha: float, targets,
-                        extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``out_dir/pytorch_lora_weights.safetensors`` for ``FluxPipeline.load_lora_weights(out_dir)``.
+                        extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
+                        prefix: str = PREFIX) -> Path:
+    """Write ``out_dir/pytorch_lora_weights.safetensors`` for ``<Family>Pipeline.load_lora_weights(out_dir)``.
 
     ``lora`` is ``runtime.lora_state_dict(model)``; ``rank``/``alpha``/``targets`` are what ``add_lora`` was given
     (scale alpha/rank). ``extra_metadata`` (e.g. ``{"base_model_signature": ...}``) is recorded under
-    ``squareq.<key>``. Returns the file's path.
+    ``squareq.<key>``. ``prefix`` is the denoiser's pipeline component (``unet`` for SD 1.5 / SDXL). Returns the
+    file's path.
     """
+    if prefix not in PREFIXES:
+        raise LoraFileError(f"prefix {prefix!r}: a diffusers LoRA names the denoiser {' or '.join(PREFIXES)}.")
     _check_dtype(dtype)
     layers = _layers(lora, "the LoRA state dict")
     # The LoraConfig arguments diffusers would infer itself (utils/peft_utils.py get_peft_kwargs), with the real
@@ -186,14 +191,14 @@ def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, al
     }
     metadata = {
         "format": "pt",
-        ADAPTER_METADATA_KEY: json.dumps({f"{PREFIX}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True),
+        ADAPTER_METADATA_KEY: json.dumps({f"{prefix}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True),
     }
     metadata.update(_provenance("diffusers", rank, alpha, targets, extra_metadata))
     tensors = {}
     for layer in sorted(layers):
         a, b = layers[layer]
-        tensors[f"{PREFIX}.{layer}{_A}"] = a.detach().to("cpu", dtype).contiguous()
-        tensors[f"{PREFIX}.{layer}{_B}"] = b.detach().to("cpu", dtype).contiguous()
+        tensors[f"{prefix}.{layer}{_A}"] = a.detach().to("cpu", dtype).contiguous()
+        tensors[f"{prefix}.{layer}{_B}"] = b.detach().to("cpu", dtype).contiguous()
     return _write(Path(out_dir) / WEIGHT_NAME, tensors, metadata)
 
 
@@ -207,12 +212,14 @@ def _peft_pattern(patterns: Mapping[str, Any], layer: str):
 
 def _from_diffusers(tensors: Mapping[str, torch.Tensor], header: Mapping[str, str], where: str):
     """{layer: (A, B, alpha)} of a diffusers/PEFT LoRA, alphas from the adapter metadata in its header."""
-    prefix = PREFIX + "."
+    heads = {k.split(".", 1)[0] for k in tensors}
+    prefix = next((p for p in PREFIXES if p in heads), PREFIX) + "."
     prefixed = any(k.startswith(prefix) for k in tensors)
-    other = [k for k in tensors if k.split(".", 1)[0] in ("text_encoder", "text_encoder_2", "unet")]
+    other = [k for k in tensors if k.split(".", 1)[0] in ("text_encoder", "text_encoder_2", "text_encoder_3")
+             or (k.split(".", 1)[0] in PREFIXES and not k.startswith(prefix))]
     if other:
-        raise LoraFileError(f"{where} holds LoRA for another component ({other[0]}); SquareQ loads the FLUX "
-                            "transformer's LoRA only, so save the file without those tensors.")
+        raise LoraFileError(f"{where} holds LoRA for another component ({other[0]}); SquareQ loads the denoiser's "
+                            "LoRA only (transformer or unet), so save the file without those tensors.")
     if prefixed:
         stray = [k for k in tensors if not k.startswith(prefix)]
         if stray:
@@ -328,6 +335,10 @@ def save_kohya_lora(lora: Mapping[str, torch.Tensor], path, rank: int, alpha: fl
     """
     _check_dtype(dtype)
     path = Path(path)
+    family = (extra_metadata or {}).get("family", "flux")
+    if family != "flux":
+        raise LoraFileError(f"{path}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's (BFL block names); this LoRA "
+                            f"is for a {family} model, so export it with --format diffusers.")
     if path.suffix != ".safetensors":
         raise LoraFileError(f"{path}: a kohya LoRA is written as a .safetensors file; give a path ending in .safetensors.")
     tensors = to_kohya(lora, alpha)

@@ -1,12 +1,13 @@
-"""FLUX.1 rectified-flow training objective: latent packing, timestep sampling, noising, loss.
+"""Training objectives: rectified flow (every transformer family) and DDPM epsilon / v-prediction (the UNets).
 
-The training step this module serves (one line per function)::
+The families' recipes (squareq/models/recipe.py) map the time drawn here onto each model's own inputs. For
+FLUX.1, the rectified-flow step reads::
 
     tokens  = pack_latents(latents)                       # [B, C, H, W] -> [B, H/2 * W/2, 4C]
     t       = sample_timesteps(B, generator)              # t in (0, 1), shifted toward noise
     x_t, v  = flow_match(latents, noise, t)               # x_t = (1-t) x0 + t noise, v = noise - x0
     pred    = transformer(hidden_states=pack_latents(x_t), img_ids=image_ids(H, W), txt_ids=text_ids(L),
-                          **transformer_time_inputs(t), ...)
+                          timestep=t, guidance=..., ...)
     loss    = flow_loss(unpack_latents(pred, H, W), v)
 
 Conventions, checked against the installed diffusers:
@@ -103,20 +104,6 @@ def flow_match(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[
     return x_t.to(x0.dtype), nf - x0f
 
 
-def transformer_time_inputs(
-    t: torch.Tensor, guidance: float | None = DEFAULT_GUIDANCE, dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor | None]:
-    """``timestep`` and ``guidance`` keyword arguments for ``FluxTransformer2DModel.forward``.
-
-    The transformer multiplies both by 1000 itself, so ``timestep`` is ``t`` in [0, 1] and ``guidance``
-    is the plain scale, one per sample. Pass ``guidance=None`` for models without guidance
-    embeddings (FLUX.1-schnell, ``guidance_embeds=False``).
-    """
-    dtype = dtype or t.dtype
-    g = None if guidance is None else torch.full_like(t, float(guidance), dtype=dtype)
-    return {"timestep": t.to(dtype), "guidance": g}
-
-
 def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | None = None) -> torch.Tensor:
     """Mean squared error in float32, a scalar.
 
@@ -134,3 +121,46 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
     if w.shape != per_sample.shape:
         raise ValueError(f"weighting must have one value per sample ({per_sample.shape[0]}), got {tuple(w.shape)}.")
     return (w * per_sample).mean()
+
+
+# DDPM noise schedule of Stable Diffusion 1.x/2.x and SDXL (their scheduler_config.json): 1000 steps of
+# "scaled_linear" betas from 0.00085 to 0.012, i.e. linear in sqrt(beta).
+DDPM_STEPS = 1000
+DDPM_BETAS = (0.00085, 0.012)
+
+
+def ddpm_alphas_cumprod(steps: int = DDPM_STEPS, betas: tuple[float, float] = DDPM_BETAS) -> torch.Tensor:
+    """ᾱ_t for t = 0 .. steps - 1 (float64 for the products, returned float32)."""
+    beta = torch.linspace(betas[0] ** 0.5, betas[1] ** 0.5, steps, dtype=torch.float64) ** 2
+    return torch.cumprod(1 - beta, dim=0).float()
+
+
+def noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model input x_t (in ``x0``'s dtype) and the float32 target for ``objective`` (models/recipe.py).
+
+    * ``flow``: :func:`flow_match`, t in (0, 1), target noise - x0.
+    * ``epsilon`` / ``v_prediction``: x_t = sqrt(ᾱ)·x0 + sqrt(1 - ᾱ)·noise at the integer step t; the target is the
+      noise, or v = sqrt(ᾱ)·noise - sqrt(1 - ᾱ)·x0 (diffusers' ``get_velocity``).
+    """
+    if objective == "flow":
+        return flow_match(x0, noise, t)
+    if x0.shape != noise.shape:
+        raise ValueError(f"x0 {tuple(x0.shape)} and noise {tuple(noise.shape)} must have the same shape.")
+    abar = ddpm_alphas_cumprod().to(x0.device)[t.long()]
+    a, s = _per_sample(abar.sqrt(), x0), _per_sample((1 - abar).sqrt(), x0)
+    x0f, nf = x0.float(), noise.float()
+    x_t = (a * x0f + s * nf).to(x0.dtype)
+    if objective == "epsilon":
+        return x_t, nf
+    if objective == "v_prediction":
+        return x_t, a * nf - s * x0f
+    raise ValueError(f"unknown objective {objective!r}.")
+
+
+def draw_times(objective: str, batch: int, generator: torch.Generator, mode: str = "shift",
+               shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+    """One time per sample for ``objective``: a float in (0, 1) by :func:`sample_timesteps` for flow matching, a
+    uniform integer step in [0, 1000) for DDPM (as kohya sd-scripts and diffusers' SD scripts draw them)."""
+    if objective == "flow":
+        return sample_timesteps(batch, generator, mode=mode, shift=shift)
+    return torch.randint(0, DDPM_STEPS, (batch,), generator=generator, device=generator.device)

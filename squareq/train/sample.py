@@ -11,7 +11,8 @@ import torch
 
 from .. import runtime
 from ..slab import open_slab
-from .encoders import open_encoders
+from ..models import ADAPTERS
+from .encoders import EncoderError, open_encoders
 from .lora_files import attach_lora, load_lora
 
 
@@ -31,6 +32,10 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     but for the LoRA's effect)."""
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = open_slab(slab, verify="eager")
+    family = s.manifest.model.family
+    if family not in ADAPTERS or not ADAPTERS[family].samples:
+        sampled = ", ".join(f for f, a in ADAPTERS.items() if a.samples)
+        raise EncoderError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
     transformer = runtime.load(s, device, prefetch=prefetch, host=host, verify="off")
     if lora is not None:
         attach_lora(transformer, *load_lora(lora))

@@ -168,8 +168,19 @@ def test_a_generic_model_is_gated_on_layer_mse_and_size_and_says_why_not_on_trai
     gates = {g["name"]: g for g in json.loads((tmp_path / "r.json").read_text())["gates"]}
     layers = len(json.loads((slab / "manifest.json").read_text())["layers"])
     assert gates["layer MSE"]["status"] == "PASS" and gates["layer MSE"]["details"]["layers"] == layers == 12
-    assert gates["convergence"]["status"] == "SKIP" and "supports the FLUX family" in gates["convergence"]["note"]
+    assert gates["convergence"]["status"] == "SKIP" and "cannot train" in gates["convergence"]["note"]
     assert gates["peak VRAM and size"]["details"]["size"]["status"] == "PASS"
+
+
+def test_another_family_is_gated_on_convergence_with_its_own_objective(tmp_path):
+    from squareq.compiler import CompileOptions, compile_slab, open_source
+
+    slab = tmp_path / "sd3.slab"
+    compile_slab(open_source("tiny-sd3"), slab, CompileOptions(budget=4_000_000))
+    result = CliRunner().invoke(main, ["accept", str(slab), "--model", "tiny-sd3", "--report", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    gates = {g["name"]: g for g in json.loads((tmp_path / "r.json").read_text())["gates"]}
+    assert gates["convergence"]["status"] == "PASS" and "training a sd3 LoRA with the flow objective" in result.output
 
 
 def test_a_report_into_a_missing_folder_is_refused_before_any_work(good_slab, tmp_path):

@@ -1,12 +1,13 @@
 """`squareq compile --calib-cache`: the compiler calibrates on the trainer's cache of real latents and captions."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 
 from squareq.compiler import CompileOptions, compile_slab, open_source
-from squareq.models import ModelError
+from squareq.models import TINY_FLUX_CONFIG, ModelError
 from squareq.slab import open_slab
 from squareq.train.config import load_config
 from squareq.train.loop import prepare_data
@@ -23,7 +24,8 @@ def cache(tmp_path_factory):
         (data / f"{i}.txt").write_text(caption)
     cfg = load_config(None, {"data": str(data), "cache_dir": str(root / "cache"), "resolution": 64,
                              "max_sequence_length": 16})
-    prepare_data(cfg, "tiny-flux", torch.device("cpu"), echo=lambda s: None)
+    record = SimpleNamespace(source="tiny-flux", family="flux", config=TINY_FLUX_CONFIG)
+    prepare_data(cfg, record, torch.device("cpu"), echo=lambda s: None)
     return root / "cache"
 
 

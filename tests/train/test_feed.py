@@ -27,14 +27,27 @@ def test_prefetched_batches_equal_direct_reads_and_unused_reads_are_dropped(tmp_
         assert feed.latent_shape(2) == torch.Size([4, 8, 8])
         for indices, drops, upcoming in (([2, 0], [False, True], [1, 3]), ([1, 3], [True, False], [0, 2]),
                                          ([0, 2], [False, False], [3, 1])):
-            latents, prompt, pooled = feed.batch(indices, drops)
+            latents, text = feed.batch(indices, drops)
+            prompt, pooled = text["prompt_embeds"], text["pooled_prompt_embeds"]
             feed.prefetch(upcoming)
             assert len(feed._pending) == 2 * len(upcoming)  # only the next batch's reads are held
             assert torch.equal(latents, torch.stack([cache.load("latents", images[i])["latents"] for i in indices]))
             want = [cache.load("text", texts["" if d else captions[i]]) for i, d in zip(indices, drops)]
             assert torch.equal(prompt, torch.stack([w["prompt_embeds"] for w in want]))
             assert torch.equal(pooled, torch.stack([w["pooled_prompt_embeds"] for w in want]))
-        img, txt = feed.position_ids(8, 8, 6)
-        assert img.shape == (16, 3) and txt.shape == (6, 3) and feed.position_ids(8, 8, 6)[0] is img
     finally:
         feed.close()
+
+
+def test_captions_of_different_lengths_are_zero_padded_with_their_masks(tmp_path):
+    cache = EmbeddingCache(tmp_path)
+    cache.store("latents", "img", {"latents": torch.ones(4, 2, 2)})
+    for name, n in (("short", 2), ("long", 5)):
+        cache.store("text", name, {"prompt_embeds": torch.full((n, 3), float(n)), "prompt_mask": torch.ones(n)})
+    feed = CacheFeed(cache, ["img", "img"], {"s": "short", "l": "long"}, ["s", "l"], "s", torch.device("cpu"))
+    try:
+        _, text = feed.batch([0, 1], [False, False])
+    finally:
+        feed.close()
+    assert text["prompt_embeds"].shape == (2, 5, 3) and text["prompt_mask"].tolist() == [[1, 1, 0, 0, 0], [1] * 5]
+    assert text["prompt_embeds"][0, 2:].abs().sum() == 0 and torch.equal(text["prompt_embeds"][1], torch.full((5, 3), 5.0))

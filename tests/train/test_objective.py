@@ -10,7 +10,6 @@ from squareq.train.objective import (
     pack_latents,
     sample_timesteps,
     text_ids,
-    transformer_time_inputs,
     unpack_latents,
 )
 
@@ -94,15 +93,6 @@ def test_flow_match_keeps_model_dtype_and_fp32_target():
     x_t, target = flow_match(x0, noise, torch.tensor([0.5, 0.5]))
     assert x_t.dtype == torch.bfloat16 and target.dtype == torch.float32
     assert torch.equal(target, noise.float() - x0.float())
-
-
-def test_transformer_time_inputs():
-    t = torch.tensor([0.1, 0.9])
-    kw = transformer_time_inputs(t, guidance=3.5, dtype=torch.bfloat16)
-    assert torch.equal(kw["timestep"], t.bfloat16())  # the transformer multiplies by 1000 itself
-    assert torch.equal(kw["guidance"], torch.full((2,), 3.5, dtype=torch.bfloat16))
-    assert transformer_time_inputs(t, guidance=None)["guidance"] is None
-    assert torch.equal(transformer_time_inputs(t)["guidance"], torch.ones(2))
 
 
 def test_flow_loss_known_values():

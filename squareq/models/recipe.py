@@ -1,0 +1,62 @@
+"""How the trainer drives a family's denoiser: what a cached latent and caption look like, which forward arguments a
+noised latent becomes, and what the output means.
+
+The trainer (``squareq.train``) owns the objective's arithmetic (noising, targets, loss); a recipe only translates
+between that and one model class. Conventions every recipe follows:
+
+* A cached latent is one image's VAE latent, normalized as the family's pipeline normalizes it: ``[C, h, w]``, or
+  ``[C, 1, h, w]`` for the video families (an image is one latent frame).
+* ``t`` is what the objective draws: for ``"flow"`` a float in (0, 1) with x_t = (1 - t)·x0 + t·noise and the target
+  noise - x0; for ``"epsilon"`` / ``"v_prediction"`` an integer DDPM step in [0, 999]. ``forward`` maps ``t`` onto the
+  model's own timestep scale and direction; ``prediction`` maps the output back onto the target's layout and sign.
+* A caption is a dict of tensors: ``prompt_embeds`` ``[L, D]`` always, ``pooled_prompt_embeds`` ``[P]`` and
+  ``prompt_mask`` ``[L]`` (1 = token, 0 = padding) where the family uses them. Batched, each gains a leading axis.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .flux_latents import unpack_latents
+
+OBJECTIVES = ("flow", "epsilon", "v_prediction")
+
+
+@dataclass(frozen=True)
+class TextFields:
+    """The caption tensors a family's denoiser takes, with their widths for a model config."""
+
+    width: int  # D of prompt_embeds
+    pooled: int | None = None  # P of pooled_prompt_embeds, None: not used
+    mask: bool = False  # prompt_mask is passed to the model
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """A family's training interface (see the module docstring for the conventions)."""
+
+    objective: str
+    latent_channels: Callable[[Any], int]  # config -> VAE latent channels
+    text_fields: Callable[[Any], TextFields]
+    forward: Callable[..., dict]  # (config, x_t, t, text, guidance) -> the denoiser's keyword arguments
+    prediction: Callable[[Any, torch.Tensor], torch.Tensor]  # (denoiser output, x_t) -> prediction shaped like x_t
+    frames: bool = False  # latents carry a frame axis
+    guidance: float | None = None  # the embedded guidance a guidance-distilled model trains with; None: no guidance
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {OBJECTIVES}.")
+
+
+def first_output(output, x_t: torch.Tensor) -> torch.Tensor:
+    """The denoiser's first output as it is (it already has the latent's layout)."""
+    return output[0]
+
+
+def unpack_2x2_output(output, x_t: torch.Tensor) -> torch.Tensor:
+    """The first output of a model that packs 2x2 latent patches into tokens, back in the latent layout."""
+    return unpack_latents(output[0], *x_t.shape[-2:])
+

@@ -1,0 +1,165 @@
+"""`squareq train` on every family's built-in tiny model: the cache holds latents and captions in the family's
+layout, training with the family's objective lowers that objective's loss on the training images, and the LoRA it
+writes loads back onto the slab."""
+import math
+
+import pytest
+import torch
+
+from squareq import runtime
+from squareq.models import ADAPTERS, BUILTIN_MODELS, load_builtin
+from squareq.quant import QuantSpec
+from squareq.slab import WriteOptions, write_slab
+from squareq.train.cache import EmbeddingCache
+from squareq.train.config import load_config
+from squareq.train.loop import TrainError, train
+from squareq.train.lora_files import attach_lora, load_lora
+from squareq.train.objective import noised
+from squareq.train.tiny_dataset import write_tiny_dataset
+
+FAMILIES = sorted(n for n in BUILTIN_MODELS if n != "tiny-flux")  # tiny-flux: tests/train/test_loop.py
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_tiny_dataset(tmp_path_factory.mktemp("data") / "images", count=4, size=64)
+
+
+def _slab(name, folder):
+    model, adapter = load_builtin(name)
+    path = folder / f"{name}.slab"
+    write_slab(model, adapter.blocks(model), {}, path,
+               WriteOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source=name))
+    return path
+
+
+def _config(slab, data, out, **kw):
+    values = {"slab": str(slab), "data": str(data), "output": str(out), "resolution": 64, "max_sequence_length": 16,
+              "steps": 24, "lr": 2e-2, "rank": 4, "save_every": 0, "batch_size": 2, "cache_dir": str(out / "cache"),
+              "caption_dropout": 0.0}
+    values.update(kw)
+    return load_config(None, values)
+
+
+def _eval_loss(slab, cache_dir, family, lora_file=None) -> float:
+    """The family objective's loss over every cached latent/caption pair at fixed noise and times, resident model."""
+    recipe = ADAPTERS[family].recipe
+    model = runtime.load(slab, "cpu", stream=False)
+    if lora_file is not None:
+        attach_lora(model, *load_lora(lora_file))
+    cache = EmbeddingCache(cache_dir)
+    latents = torch.stack([cache.load("latents", p.stem)["latents"] for p in sorted((cache_dir / "latents").iterdir())])
+    texts = [cache.load("text", p.stem) for p in sorted((cache_dir / "text").iterdir())]
+    g = torch.Generator().manual_seed(123)
+    total = 0.0
+    with torch.no_grad():
+        for i, text in enumerate(texts):
+            batch = {k: v[None].expand(len(latents), *v.shape) for k, v in text.items()}
+            noise = torch.randn(latents.shape, generator=g)
+            t = (torch.tensor([0.3, 0.5, 0.7, 0.9])[: len(latents)] if recipe.objective == "flow"
+                 else torch.tensor([100, 400, 700, 900])[: len(latents)])
+            x_t, target = noised(recipe.objective, latents, noise, t)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                pred = recipe.prediction(model(**recipe.forward(model.config, x_t, t, batch, 1.0), return_dict=False), x_t)
+            total += float((pred.float() - target).square().mean())
+    runtime.runtime_of(model).close()
+    return total / len(texts)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_back(name, data, tmp_path):
+    family = BUILTIN_MODELS[name][0]
+    recipe = ADAPTERS[family].recipe
+    slab = _slab(name, tmp_path)
+    out = tmp_path / "out"
+    result = train(_config(slab, data, out), echo=lambda s: None)
+    assert result.steps == 24 and result.skipped_steps == 0 and all(math.isfinite(v) for v in result.losses)
+
+    cache = out / "cache"
+    latent = EmbeddingCache(cache).load("latents", next((cache / "latents").iterdir()).stem)["latents"]
+    cfg = load_builtin(name)[0].config
+    assert latent.shape == ((recipe.latent_channels(cfg), 1, 8, 8) if recipe.frames else (recipe.latent_channels(cfg), 8, 8))
+    text = EmbeddingCache(cache).load("text", next((cache / "text").iterdir()).stem)
+    fields = recipe.text_fields(cfg)
+    assert text["prompt_embeds"].shape[-1] == fields.width and ("prompt_mask" in text) == fields.mask
+    assert ("pooled_prompt_embeds" in text) == bool(fields.pooled)
+
+    before = _eval_loss(slab, cache, family)
+    after = _eval_loss(slab, cache, family, result.lora_file)
+    assert after < 0.95 * before, f"{name}: loss {before:.4f} -> {after:.4f} after training"
+
+
+def test_sample_images_are_refused_for_families_without_a_sampler(data, tmp_path):
+    from squareq.train.encoders import EncoderError
+    from squareq.train.sample import sample_images
+
+    slab = _slab("tiny-wan", tmp_path)
+    with pytest.raises(TrainError, match="sample images are not supported for the wan family"):
+        train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
+    with pytest.raises(EncoderError, match="holds a wan model; squareq sample draws images for flux only"):
+        sample_images(slab, ["a cat"], resolution=64, steps=2)
+
+
+@pytest.mark.parametrize("name,objective", [("tiny-sd15", "v_prediction"), ("tiny-sdxl", "epsilon"),
+                                            ("tiny-sd3", "flow"), ("tiny-chroma", "flow"), ("tiny-wan", "flow")])
+def test_training_from_the_family_pipeline_folder(name, objective, data, tmp_path):
+    from .tiny_folders import build_pipeline, write_pipeline
+
+    folder = write_pipeline(name, tmp_path / "pipeline", prediction_type=objective)
+    pipe = build_pipeline(name, prediction_type=objective)
+    family = BUILTIN_MODELS[name][0]
+    lines = []
+    result = train(_config(_slab(name, tmp_path), data, tmp_path / "out", model=str(folder), steps=2),
+                   echo=lines.append)
+    assert result.steps == 2 and f"training a {family} LoRA with the {objective} objective" in lines
+
+    cache = tmp_path / "out" / "cache"
+    entries = [EmbeddingCache(cache).load("text", p.stem) for p in sorted((cache / "text").iterdir())]
+    latents = [EmbeddingCache(cache).load("latents", p.stem)["latents"] for p in (cache / "latents").iterdir()]
+    recipe = ADAPTERS[family].recipe
+    cfg = load_builtin(name)[0].config
+    fields = recipe.text_fields(cfg)
+    assert all(e["prompt_embeds"].shape[-1] == fields.width and ("pooled_prompt_embeds" in e) == bool(fields.pooled)
+               and ("prompt_mask" in e) == fields.mask for e in entries)
+    assert all(x.shape == ((recipe.latent_channels(cfg), 1, 8, 8) if recipe.frames else (recipe.latent_channels(cfg), 8, 8))
+               for x in latents)
+    # the entries are what the pipeline's own encode_prompt gives for the captions
+    from squareq.train.family_encoders import ENCODE
+
+    with torch.no_grad():
+        caption = min(data.glob("*.txt")).read_text().strip()
+        want = ENCODE[family](pipe, [caption], 16, torch.device("cpu"))[0]
+    assert any(torch.allclose(e["prompt_embeds"], want["prompt_embeds"], atol=1e-5) for e in entries)
+
+
+@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-wan"])
+def test_diffusers_pipeline_load_lora_weights_reproduces_the_trained_model(name, data, tmp_path):
+    from squareq.slab import open_slab
+
+    from .tiny_folders import build_pipeline
+
+    slab = _slab(name, tmp_path)
+    result = train(_config(slab, data, tmp_path / "out", steps=4), echo=lambda s: None)
+    model, adapter = load_builtin(name)
+    kwargs = adapter.calibration_inputs(model, 1, 3).kwargs
+
+    ours = runtime.load(slab, "cpu", stream=False)
+    attach_lora(ours, *load_lora(result.lora_file))
+    pipe = build_pipeline(name)
+    denoiser = getattr(pipe, adapter.component).to(torch.bfloat16)
+    denoiser.load_state_dict(open_slab(slab).dequantized_state_dict())
+
+    def run(m):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(**kwargs, return_dict=False)[0].float()
+
+    expected, plain = run(ours), run(denoiser)
+    runtime.runtime_of(ours).close()
+    assert (plain - expected).pow(2).mean() / expected.pow(2).mean() > 1e-6  # the LoRA changes the output
+    pipe.load_lora_weights(str(tmp_path / "out"))
+    assert (run(denoiser) - expected).pow(2).mean() / expected.pow(2).mean() < 1e-4
