@@ -29,10 +29,11 @@ from .train.data import DataError
 from .train.encoders import EncoderError
 from .train.lora_files import LoraFileError
 from .train.loop import TrainError
+from .train.sample import SampleError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError)
+               TrainError, SampleError)
 
 
 class _Group(click.Group):
@@ -76,7 +77,7 @@ def main(verbose: bool) -> None:
               "start from (this gate sets steps, schedule, data and output).")
 @click.option("--resolution", type=click.IntRange(min=64), help="Training resolution (default: --train-config's; "
               "else 64 on the built-in dataset, 512 otherwise).")
-@click.option("--max-sequence-length", type=click.IntRange(min=1), help="T5 tokens per caption (default: "
+@click.option("--max-sequence-length", type=click.IntRange(min=1), help="Text-encoder tokens per caption (default: "
               "--train-config's; else 32 on the built-in dataset, 512 otherwise).")
 @click.option("--lr", type=float, help="Learning rate of both runs (default: --train-config's, else 1e-3).")
 @click.option("--rank", type=click.IntRange(min=1), help="LoRA rank of both runs (default: --train-config's, else 16).")
@@ -295,7 +296,7 @@ def export_lora(lora: Path, out: Path, fmt: str) -> None:
     factors, info = load_lora(lora)
     save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
     provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
-    prefix = {"prefix": info["metadata"]["component"]} if fmt == "diffusers" and "component" in info["metadata"] else {}
+    prefix = {"prefix": info["component"]} if fmt == "diffusers" else {}
     path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance, **prefix)
     click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
 

@@ -30,7 +30,7 @@ from ..models import ADAPTERS
 from ..slab import Slab, SlabError, open_slab
 from ..slab.writer import WriteOptions, assemble_slab, block_linears, encode_block
 from ..train.config import TrainConfig, load_config
-from ..train.encoders import EncoderError, pipeline_folder
+from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
 from .gates import FAIL, PASS, GateResult, skipped
 from .plot import plot_curves
@@ -78,7 +78,7 @@ def cannot_run(source: Source, model: str) -> str | None:
     if adapter is None or adapter.recipe is None:
         return f"squareq train cannot train {source.description} (family {source.family})"
     try:
-        pipeline_folder(model)
+        check_encoder_source(model, source.family)
     except EncoderError as exc:
         return str(exc)
     return None

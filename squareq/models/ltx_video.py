@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CalibrationBatch, FamilyAdapter, build_seeded
+from .base import CalibrationBatch, FamilyAdapter, ModelError, build_seeded
 from .recipe import TextFields, TrainingRecipe
 
 TINY_LTX_VIDEO_CONFIG = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
@@ -52,6 +52,9 @@ LTX_ROPE_SCALE = (8 / 25, 32, 32)
 def ltx_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
     """Video latents [B, C, F, h, w] as tokens in (frame, row, column) order (patch size 1), T5 text with its mask,
     timestep t·1000."""
+    if cfg.patch_size != 1 or cfg.patch_size_t != 1:
+        raise ModelError(f"LTX-Video with patch size {cfg.patch_size}x{cfg.patch_size_t} packs latents in a way SquareQ's "
+                         "recipe does not; the released models use 1x1.")
     frames, h, w = x_t.shape[-3:]
     return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text["prompt_embeds"],
                 timestep=1000 * t, encoder_attention_mask=text["prompt_mask"], num_frames=frames, height=h, width=w,

@@ -44,7 +44,6 @@ class TrainingRecipe:
     forward: Callable[..., dict]  # (config, x_t, t, text, guidance) -> the denoiser's keyword arguments
     prediction: Callable[[Any, torch.Tensor], torch.Tensor]  # (denoiser output, x_t) -> prediction shaped like x_t
     frames: bool = False  # latents carry a frame axis
-    guidance: float | None = None  # the embedded guidance a guidance-distilled model trains with; None: no guidance
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

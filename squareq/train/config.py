@@ -49,7 +49,7 @@ HELP = {
     "timestep_sampling": "shift, logit_normal or uniform.",
     "shift": "Time shift for timestep_sampling = shift.",
     "guidance": "Embedded guidance value given to guidance-distilled models during training.",
-    "max_sequence_length": "T5 tokens per caption.",
+    "max_sequence_length": "Text-encoder tokens per caption (T5, UMT5, Mistral, Qwen, LLaMA); SD 1.5/SDXL's CLIP always takes 77.",
     "save_every": "Write a checkpoint every N steps (0: only at the end).",
     "keep_last": "Checkpoints to keep.",
     "sample_every": "Sample images every N steps (0: never).",
@@ -104,7 +104,7 @@ class TrainConfig:
     timestep_sampling: str = "shift"
     shift: float = DEFAULT_SHIFT
     guidance: float = DEFAULT_GUIDANCE
-    max_sequence_length: int = 512  # T5 tokens per caption (FLUX.1-dev's maximum)
+    max_sequence_length: int = 512  # text-encoder tokens per caption (FLUX.1-dev's T5 maximum)
     # checkpoints, samples, logs
     save_every: int = 250
     keep_last: int = 3

@@ -39,7 +39,7 @@ class EncoderError(ValueError):
 
 @dataclass
 class Encoders:
-    pipeline: object  # a diffusers FluxPipeline without its transformer
+    pipeline: object  # a diffusers FluxPipeline without its transformer (FLUX.1; other families: family_encoders.py)
     device: torch.device
     dtype: torch.dtype
     vae_identity: str  # cache-key parts: which weights computed an entry
@@ -142,13 +142,27 @@ class ToyEncoders:
 
 def builtin_family(source: str) -> str | None:
     """The family of a built-in tiny model name (None for anything else)."""
-    return BUILTIN_MODELS[source][0] if source in BUILTIN_MODELS else None
+    return BUILTIN_MODELS[str(source)][0] if str(source) in BUILTIN_MODELS else None
+
+
+def check_encoder_source(source: str, family: str) -> None:
+    """Refuse, in one sentence, encoders that cannot serve a ``family`` model: another family's built-in, or a
+    folder that is not a diffusers pipeline. Loads nothing."""
+    if family not in ADAPTERS or ADAPTERS[family].recipe is None:
+        raise EncoderError(f"SquareQ has no VAE and text encoders for the {family} family (it cannot train it); "
+                           f"the families it trains: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+    other = builtin_family(source)
+    if other is not None and other != family:
+        raise EncoderError(f"{source} is the built-in {other} model, so its encoders do not fit a {family} model; pass "
+                           f"the {family} pipeline folder with --model.")
+    pipeline_folder(source)
 
 
 @contextlib.contextmanager
-def open_encoders(source: str, device: torch.device, family: str = "flux", config=None) -> Iterator[Encoders]:
+def open_encoders(source: str, device: torch.device, family: str, config=None) -> Iterator[Encoders]:
     """The encoders of ``source`` (a built-in tiny model or a pipeline folder) for a ``family`` model with
     ``config`` (the slab's recorded model config) on ``device``, released on exit."""
+    check_encoder_source(source, family)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if family != "flux":
         if builtin_family(source) == family:
@@ -156,6 +170,8 @@ def open_encoders(source: str, device: torch.device, family: str = "flux", confi
                 yield ToyEncoders(family, config, device, dtype)
             finally:
                 gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             return
         from .family_encoders import open_family_pipeline
 

@@ -33,6 +33,12 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     "sd-unet": ("StableDiffusionXLPipeline", "StableDiffusionPipeline"),
 }
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo")
+# The DDPM schedule SquareQ trains the UNets with (squareq/train/objective.py); a scheduler config that differs is
+# refused rather than trained against the wrong noise levels.
+DDPM_DEFAULTS = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
+                 "rescale_betas_zero_snr": False}
 
 
 def _entries(embeds: torch.Tensor, pooled: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -151,7 +157,11 @@ class PipelineEncoders:
         self.pipeline, self.family = pipe, family
         self.recipe = ADAPTERS[family].recipe
         self.device, self.dtype = device, dtype
-        self.video_vae = type(pipe.vae).__name__ != "AutoencoderKL" and type(pipe.vae).__name__ != "AutoencoderKLFlux2"
+        vae = type(pipe.vae).__name__
+        if vae not in IMAGE_VAES + VIDEO_VAES:
+            raise EncoderError(f"the pipeline's VAE is a {vae}, whose latent normalization SquareQ does not know; it "
+                               f"knows {', '.join(IMAGE_VAES + VIDEO_VAES)}.")
+        self.video_vae = vae in VIDEO_VAES
         where = f":{dtype}".replace("torch.", "")
         self.vae_identity = module_identity(pipe.vae, "vae") + where
         self.text_identity = family + "".join(module_identity(getattr(pipe, n), n) for n in TEXT_ENCODERS
@@ -191,9 +201,15 @@ def training_objective(source: str | Path, family: str) -> str:
     config = folder / "scheduler" / "scheduler_config.json" if folder is not None else None
     if config is None or not config.is_file():
         return default
-    kind = json.loads(config.read_text()).get("prediction_type", default)
+    settings = json.loads(config.read_text())
+    kind = settings.get("prediction_type", default)
     if kind not in ("epsilon", "v_prediction"):
-        raise EncoderError(f"{config} sets prediction_type = {kind!r}; SquareQ trains epsilon or v_prediction.")
+        raise EncoderError(f"{config} sets prediction_type = {kind!r}; SquareQ trains epsilon or v_prediction, so "
+                           "pass a pipeline folder whose scheduler predicts one of them with --model.")
+    other = {k: settings[k] for k, v in DDPM_DEFAULTS.items() if k in settings and settings[k] != v}
+    if other:
+        raise EncoderError(f"{config} sets {other}; SquareQ trains SD's noise schedule {DDPM_DEFAULTS} only, so pass a "
+                           "pipeline folder with that schedule with --model.")
     return kind
 
 
@@ -209,14 +225,17 @@ def open_family_pipeline(source: str | Path, family: str, device: torch.device,
     if folder is None:
         raise EncoderError(f"{source} is a built-in model of another family than {family}; pass the {family} "
                            "pipeline folder with --model.")
-    classes, denoiser = PIPELINES[family], ADAPTERS[family].component
-    found = json.loads((folder / "model_index.json").read_text()).get("_class_name")
+    classes = PIPELINES[family]
+    index = json.loads((folder / "model_index.json").read_text())
+    found = index.get("_class_name", "pipeline without a _class_name")
     if found not in classes:
         raise EncoderError(f"{folder} holds a {found}, not a {' or '.join(classes)}; pass the {family} pipeline "
                            "folder with --model.")
+    # only the VAE and the text encoders: the denoiser is the slab, and a second expert (Wan 2.2's transformer_2),
+    # a safety checker or an image encoder would only take memory
+    unused = {name: None for name in index if not name.startswith(("_", "vae", "scheduler", "text_encoder", "tokenizer"))}
     try:
-        pipe = DiffusionPipeline.from_pretrained(str(folder), **{denoiser: None}, torch_dtype=dtype,
-                                                 local_files_only=True)
+        pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({exc}); pass a complete {found} "
                            "folder with --model.") from None

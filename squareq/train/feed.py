@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .cache import EmbeddingCache
+from .cache import CacheError, EmbeddingCache
 
 TOKEN_FIELDS = ("prompt_embeds", "prompt_mask")  # caption tensors with a token axis (padded to the batch's longest)
 
@@ -65,6 +65,10 @@ class CacheFeed:
         latents = self._stack([self._get("latents", self.image_keys[i])["latents"] for i in indices])
         texts = [self._get("text", key) for kind, key in self._entries(indices, drops) if kind == "text"]
         tokens = max(e["prompt_embeds"].shape[0] for e in texts)
+        if "prompt_mask" not in texts[0] and any(e["prompt_embeds"].shape[0] != tokens for e in texts):
+            # without a mask, zero padding would be read as tokens
+            raise CacheError(f"captions cached in {self.cache.root} have different lengths and no mask; delete the "
+                             "text entries and fill the cache again with one max_sequence_length.")
         return latents, {name: self._stack([_pad(e[name], tokens) if name in TOKEN_FIELDS else e[name] for e in texts])
                          for name in texts[0]}
 

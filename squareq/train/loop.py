@@ -30,19 +30,32 @@ import torch
 from diffusers.configuration_utils import FrozenDict
 
 from .. import runtime
+from ..models import ADAPTERS
 from ..runtime.host_memory import HostMemoryError
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes
 from .cache import EmbeddingCache, content_key, file_digest
-from .checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from .config import TrainConfig
+from .data import (
+    BucketBatches,
+    bucket_for,
+    caption_for,
+    load_image,
+    make_buckets,
+    scan_dataset,
+)
 from .distributed import Ranks
-from .data import BucketBatches, bucket_for, caption_for, load_image, make_buckets, scan_dataset
-from ..models import ADAPTERS
 from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
-from .lora_files import save_diffusers_lora
 from .feed import CacheFeed
+from .lora_files import save_diffusers_lora
 from .objective import draw_times, flow_loss, noised
 from .sample import draw_image
 
@@ -114,6 +127,12 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
     return image_keys, text_keys
 
 
+def _check_trainable(slab, family: str) -> None:
+    if family not in ADAPTERS or ADAPTERS[family].recipe is None:
+        raise TrainError(f"{slab} holds a {family} model, which squareq train cannot train yet; the families it "
+                         f"trains are: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+
+
 @dataclass
 class PreparedData:
     """The scanned dataset, its buckets and captions, and the cache keys of every latent and text embedding."""
@@ -130,6 +149,7 @@ class PreparedData:
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own)."""
+    _check_trainable(cfg.slab, model.family)
     dataset = scan_dataset(cfg.data)
     buckets = make_buckets(cfg.resolution)
     item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
@@ -184,9 +204,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         plan.check(cfg.vram_budget_bytes)
 
     family = slab.manifest.model.family
-    if family not in ADAPTERS or ADAPTERS[family].recipe is None:
-        raise TrainError(f"{cfg.slab} holds a {family} model, which squareq train cannot train yet; the families it "
-                         f"trains are: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+    _check_trainable(cfg.slab, family)
     if cfg.sample_every and not ADAPTERS[family].samples:
         raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} family "
                          "yet; set sample_every = 0 (--sample-every 0).")
@@ -383,7 +401,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         component = ADAPTERS[family].component
         lora_file = save_diffusers_lora(runtime.lora_state_dict(model), out, cfg.rank, cfg.lora_alpha, cfg.targets,
                                         extra_metadata={"base_model_signature": slab.manifest.model.signature,
-                                                        "family": family, "component": component},
+                                                        "family": family, "component": component,
+                                                        "objective": objective},
                                         prefix=component)
     ranks.barrier()
     echo(f"LoRA written to {lora_file} after {step} steps ({skipped} skipped)")
@@ -396,7 +415,7 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
     folder.mkdir(parents=True, exist_ok=True)
     model.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            open_encoders(cfg.model or slab.manifest.model.source, device) as encoders:
+            open_encoders(cfg.model or slab.manifest.model.source, device, "flux") as encoders:
         pipe = encoders.pipeline
         pipe.transformer = model
         for i, prompt in enumerate(cfg.sample_prompts):

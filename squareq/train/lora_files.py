@@ -509,8 +509,11 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     lora, rank, alpha = _normalize(per_layer)
     provenance = _read_provenance(header)
     targets = provenance.get("targets")
+    heads = {k.split(".", 1)[0] for k in tensors}
     info = {
         "layout": layout,
+        # the denoiser the file names (diffusers layout), e.g. "unet" for SD 1.5 / SDXL
+        "component": next((p for p in PREFIXES if p in heads), PREFIX) if layout == "diffusers" else PREFIX,
         "rank": rank,
         "alpha": alpha,
         "targets": list(targets) if targets is not None else sorted(per_layer),

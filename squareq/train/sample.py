@@ -10,9 +10,13 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from ..slab import open_slab
 from ..models import ADAPTERS
-from .encoders import EncoderError, open_encoders
+from ..slab import open_slab
+from .encoders import open_encoders
+
+
+class SampleError(ValueError):
+    """The slab's family cannot be sampled yet; the message says which can."""
 from .lora_files import attach_lora, load_lora
 
 
@@ -35,13 +39,13 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     family = s.manifest.model.family
     if family not in ADAPTERS or not ADAPTERS[family].samples:
         sampled = ", ".join(f for f, a in ADAPTERS.items() if a.samples)
-        raise EncoderError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
+        raise SampleError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
     transformer = runtime.load(s, device, prefetch=prefetch, host=host, verify="off")
     if lora is not None:
         attach_lora(transformer, *load_lora(lora))
     images = []
     try:
-        with open_encoders(model or s.manifest.model.source, device) as encoders:
+        with open_encoders(model or s.manifest.model.source, device, family) as encoders:
             pipe = encoders.pipeline
             pipe.transformer = transformer
             for prompt in prompts:

@@ -95,13 +95,12 @@ def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_b
 
 
 def test_sample_images_are_refused_for_families_without_a_sampler(data, tmp_path):
-    from squareq.train.encoders import EncoderError
-    from squareq.train.sample import sample_images
+    from squareq.train.sample import SampleError, sample_images
 
     slab = _slab("tiny-wan", tmp_path)
     with pytest.raises(TrainError, match="sample images are not supported for the wan family"):
         train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
-    with pytest.raises(EncoderError, match="holds a wan model; squareq sample draws images for flux only"):
+    with pytest.raises(SampleError, match="holds a wan model; squareq sample draws images for flux only"):
         sample_images(slab, ["a cat"], resolution=64, steps=2)
 
 
@@ -128,13 +127,22 @@ def test_training_from_the_family_pipeline_folder(name, objective, data, tmp_pat
                and ("prompt_mask" in e) == fields.mask for e in entries)
     assert all(x.shape == ((recipe.latent_channels(cfg), 1, 8, 8) if recipe.frames else (recipe.latent_channels(cfg), 8, 8))
                for x in latents)
-    # the entries are what the pipeline's own encode_prompt gives for the captions
-    from squareq.train.family_encoders import ENCODE
-
+    # the entries are what the pipeline's own encode_prompt returns for the caption (its first output: the sequence)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where and how the trainer encoded
+    pipe.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tol = 3e-2 if device.type == "cuda" else 1e-5
+    caption = [min(data.glob("*.txt")).read_text().strip()]
+    calls = {"tiny-sd15": lambda: pipe.encode_prompt(caption, device, 1, False),
+             "tiny-sdxl": lambda: pipe.encode_prompt(caption, device=device, do_classifier_free_guidance=False),
+             "tiny-sd3": lambda: pipe.encode_prompt(caption, None, None, device=device, do_classifier_free_guidance=False,
+                                                    max_sequence_length=16),
+             "tiny-chroma": lambda: pipe.encode_prompt(caption, device=device, do_classifier_free_guidance=False,
+                                                       max_sequence_length=16),
+             "tiny-wan": lambda: pipe.encode_prompt(caption, do_classifier_free_guidance=False, max_sequence_length=16,
+                                                    device=device)}
     with torch.no_grad():
-        caption = min(data.glob("*.txt")).read_text().strip()
-        want = ENCODE[family](pipe, [caption], 16, torch.device("cpu"))[0]
-    assert any(torch.allclose(e["prompt_embeds"], want["prompt_embeds"], atol=1e-5) for e in entries)
+        want = calls[name]()[0][0].float().cpu()
+    assert any(torch.allclose(e["prompt_embeds"], want, rtol=tol, atol=tol) for e in entries)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-wan"])
@@ -163,3 +171,11 @@ def test_diffusers_pipeline_load_lora_weights_reproduces_the_trained_model(name,
     assert (plain - expected).pow(2).mean() / expected.pow(2).mean() > 1e-6  # the LoRA changes the output
     pipe.load_lora_weights(str(tmp_path / "out"))
     assert (run(denoiser) - expected).pow(2).mean() / expected.pow(2).mean() < 1e-4
+
+
+def test_encoders_of_another_family_are_refused_in_one_sentence(data, tmp_path):
+    from squareq.train.encoders import EncoderError
+
+    slab = _slab("tiny-sd3", tmp_path)
+    with pytest.raises(EncoderError, match="tiny-wan is the built-in wan model, so its encoders do not fit a sd3 model"):
+        train(_config(slab, data, tmp_path / "out", model="tiny-wan"), echo=lambda s: None)
