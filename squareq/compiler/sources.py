@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, load_builtin
+from ..models.base import diffusers_class
 from ..models.skeleton import build_meta
 from ..slab.signature import model_signature
 
@@ -351,7 +352,8 @@ class _BlockStandIn(nn.Module):
     """Stands in for one streamed block inside the model's own forward (see :meth:`Source.shell`).
 
     Other attributes read through to the block's skeleton (weights on meta), because some forwards inspect their
-    blocks: a UNet counts ``up_block.resnets`` and asks ``has_cross_attention``."""
+    blocks: a UNet counts ``up_block.resnets`` and asks ``has_cross_attention``; and ``isinstance`` sees the block's
+    class, because Würstchen picks each block's arguments by its class."""
 
     def __init__(self, run_block, index: int, path: str, template: nn.Module) -> None:
         super().__init__()
@@ -365,6 +367,10 @@ class _BlockStandIn(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_template"], name)
+
+    @property
+    def __class__(self):  # noqa: PLE0241 - isinstance() consults __class__ when the real type does not match
+        return type(self.__dict__["_template"])
 
     def forward(self, *args, **kwargs):
         return self._run_block(self.index, self.path, args, kwargs)
@@ -432,7 +438,7 @@ def _diffusers_skeleton(folder: Path, config: dict) -> nn.Module:
     import diffusers
 
     name = config["_class_name"]
-    cls = getattr(diffusers, str(name), None) if isinstance(name, str) and name.isidentifier() else None
+    cls = diffusers_class(name)
     if cls is None or not hasattr(cls, "from_config"):
         raise ModelError(f"{folder / 'config.json'} names the class {name!r}, which diffusers "
                          f"{diffusers.__version__} does not have; upgrade diffusers or {_WHAT_TO_PASS}.")

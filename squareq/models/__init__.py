@@ -17,10 +17,17 @@ from .tiny import TINY_FLUX_CONFIG, build_tiny_flux, tiny_flux_inputs
 from .tiny_pipeline import build_tiny_flux_pipeline, write_tiny_flux_pipeline
 from .unet import SD_UNET, build_tiny_sd15, build_tiny_sdxl
 from .wan import WAN, build_tiny_wan
+from .wuerstchen import (
+    WUERSTCHEN_DECODER,
+    WUERSTCHEN_PRIOR,
+    build_tiny_wuerstchen_decoder,
+    build_tiny_wuerstchen_prior,
+)
 from .z_image import Z_IMAGE, build_tiny_z_image
 
 ADAPTERS: dict[str, FamilyAdapter] = {a.family: a for a in (FLUX, FLUX2, CHROMA, SD3, QWEN_IMAGE, WAN, HUNYUAN_VIDEO,
-                                                              LTX_VIDEO, Z_IMAGE, SD_UNET)}
+                                                              LTX_VIDEO, Z_IMAGE, SD_UNET, WUERSTCHEN_PRIOR,
+                                                              WUERSTCHEN_DECODER)}
 
 BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-flux": ("flux", build_tiny_flux),
@@ -34,6 +41,8 @@ BUILTIN_MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "tiny-z-image": ("z-image", build_tiny_z_image),
     "tiny-sd15": ("sd-unet", build_tiny_sd15),
     "tiny-sdxl": ("sd-unet", build_tiny_sdxl),
+    "tiny-wuerstchen-prior": ("wuerstchen-prior", build_tiny_wuerstchen_prior),
+    "tiny-wuerstchen-decoder": ("wuerstchen-decoder", build_tiny_wuerstchen_decoder),
 }
 
 

@@ -79,7 +79,7 @@ class FamilyAdapter:
     def blocks(self, model: nn.Module) -> list[str]:
         """Module paths of the streamed blocks in definition order, e.g. ``transformer_blocks.0``."""
         found = []
-        for attr in self.block_lists:
+        for attr in self._expand(model):
             try:
                 container = model.get_submodule(attr)
             except AttributeError:
@@ -93,18 +93,55 @@ class FamilyAdapter:
             raise ModelError(f"{type(model).__name__} has no blocks in {', '.join(self.block_lists)}.")
         return found
 
+    def _expand(self, model: nn.Module) -> list[str]:
+        """The block lists with ``name.*`` expanded to each list inside the ``nn.ModuleList`` ``name`` (Würstchen's
+        decoder keeps one list of blocks per resolution level)."""
+        out = []
+        for attr in self.block_lists:
+            if not attr.endswith(".*"):
+                out.append(attr)
+                continue
+            outer = attr[:-2]
+            try:
+                out += [f"{outer}.{i}" for i in range(len(model.get_submodule(outer)))]
+            except AttributeError:
+                raise ModelError(f"{type(model).__name__} has no block list {outer!r} (family {self.family}).") from None
+        return out
+
     def matches(self, model: nn.Module) -> bool:
         return type(model).__name__ == self.class_name
+
+
+# diffusers modules holding model classes the package no longer exports at its top level
+DEPRECATED_MODULES = ("diffusers.pipelines.deprecated.wuerstchen",)
+
+
+def diffusers_class(class_name: str):
+    """The diffusers model class named ``class_name``: exported by the package, or one of the deprecated pipelines'
+    (Würstchen's ``WuerstchenPrior``); None when this diffusers has no such class."""
+    import importlib
+
+    import diffusers
+
+    if not isinstance(class_name, str) or not class_name.isidentifier():
+        return None
+    cls = getattr(diffusers, class_name, None)
+    for module in DEPRECATED_MODULES:
+        if cls is not None:
+            break
+        try:
+            cls = getattr(importlib.import_module(module), class_name, None)
+        except ImportError:
+            continue
+    return cls
 
 
 def build_seeded(class_name: str, config: dict, seed: int) -> nn.Module:
     """The diffusers class ``class_name`` built from ``config`` with seeded initialization, in eval mode (how the
     built-in tiny models are made: the same weights on every machine)."""
-    import diffusers
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return getattr(diffusers, class_name)(**config).eval()
+        return diffusers_class(class_name)(**config).eval()
 
 
 def packed_noise_inputs(cfg, samples: int, seed: int, side: int, text_tokens: int, device, dtype: torch.dtype):

@@ -7,7 +7,8 @@ between that and one model class. Conventions every recipe follows:
 * A cached latent is one image's VAE latent, normalized as the family's pipeline normalizes it: ``[C, h, w]``, or
   ``[C, 1, h, w]`` for the video families (an image is one latent frame).
 * ``t`` is what the objective draws: for ``"flow"`` a float in (0, 1) with x_t = (1 - t)·x0 + t·noise and the target
-  noise - x0; for ``"epsilon"`` / ``"v_prediction"`` an integer DDPM step in [0, 999]. ``forward`` maps ``t`` onto the
+  noise - x0; for ``"epsilon"`` / ``"v_prediction"`` an integer DDPM step in [0, 999]; for ``"cosine_epsilon"``
+  (Würstchen) a float ratio in (0, 1) on a cosine schedule, target the noise. ``forward`` maps ``t`` onto the
   model's own timestep scale and direction; ``prediction`` maps the output back onto the target's layout and sign.
 * A caption is a dict of tensors: ``prompt_embeds`` ``[L, D]`` always, ``pooled_prompt_embeds`` ``[P]`` and
   ``prompt_mask`` ``[L]`` (1 = token, 0 = padding) where the family uses them. Batched, each gains a leading axis.
@@ -22,7 +23,7 @@ import torch
 
 from .flux_latents import unpack_latents
 
-OBJECTIVES = ("flow", "epsilon", "v_prediction")
+OBJECTIVES = ("flow", "epsilon", "v_prediction", "cosine_epsilon")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class TrainingRecipe:
     forward: Callable[..., dict]  # (config, x_t, t, text, guidance) -> the denoiser's keyword arguments
     prediction: Callable[[Any, torch.Tensor], torch.Tensor]  # (denoiser output, x_t) -> prediction shaped like x_t
     frames: bool = False  # latents carry a frame axis
+    # The built-in toy encoders' stand-in for an image embedding the denoiser takes next to its latent (cached with
+    # the latent as ``effnet``; Würstchen's decoder): latent -> embedding. None: the denoiser takes none.
+    image_conditioning: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -51,8 +55,9 @@ class TrainingRecipe:
 
 
 def first_output(output, x_t: torch.Tensor) -> torch.Tensor:
-    """The denoiser's first output as it is (it already has the latent's layout)."""
-    return output[0]
+    """The denoiser's first output as it is (it already has the latent's layout); a model that returns one tensor
+    (Würstchen) returns just that."""
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def unpack_2x2_output(output, x_t: torch.Tensor) -> torch.Tensor:

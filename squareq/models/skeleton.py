@@ -42,7 +42,9 @@ def skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:
     """The diffusers or transformers class ``class_name`` built from a slab's recorded config, on meta."""
     import diffusers
 
-    cls = getattr(diffusers, class_name, None) if class_name.isidentifier() else None
+    from .base import diffusers_class
+
+    cls = diffusers_class(class_name)
     if cls is not None and hasattr(cls, "from_config"):
         return build_meta(lambda: cls.from_config(dict(config)))
     import transformers

@@ -160,9 +160,15 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
     """``enable_gradient_checkpointing()`` (diffusers) and ``gradient_checkpointing_enable()`` (transformers)
     both end in ``_set_gradient_checkpointing``; route it to the streamed blocks' own checkpoint."""
     original = model._set_gradient_checkpointing
+    if hasattr(model, "_supports_gradient_checkpointing"):
+        # streamed blocks checkpoint themselves, so a diffusers class without its own switch (Würstchen's decoder)
+        # can still turn it on
+        model._supports_gradient_checkpointing = True
 
     def set_gradient_checkpointing(enable: bool = True, gradient_checkpointing_func=None, **kwargs):
         rt.checkpointing = bool(enable)
+        if not any(hasattr(m, "gradient_checkpointing") for m in model.modules()):
+            return None  # no checkpointing of its own (Würstchen's decoder): the streamed blocks' is enough
         if enable:
             return original(enable=True, gradient_checkpointing_func=_call_through, **kwargs)
         return original(enable=False, **kwargs)
@@ -227,5 +233,5 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         for b in m.blocks:
             block = model.get_submodule(b.name)
             block.forward = BlockRunner(block, b.index, streamer, rt)
-        _route_checkpointing(model, rt)
+    _route_checkpointing(model, rt)
     return model

@@ -114,10 +114,13 @@ class ToyEncoders:
         self.streamed_text_encoder = False
 
     @torch.no_grad()
-    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
-        """[3, H, W] in [-1, 1] -> the normalized latent [C, H/8, W/8] ([C, 1, H/8, W/8] for video families)."""
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[3, H, W] in [-1, 1] -> the normalized latent [C, H/8, W/8] ([C, 1, H/8, W/8] for video families); with
+        the family's image embedding next to it (``{"latents", "effnet"}``) where its denoiser takes one."""
         z = self.vae.encode(image[None].to(self.device, self.dtype)).latent_dist.mode()
         z = ((z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor)[0].cpu()
+        if self.recipe.image_conditioning is not None:
+            return {"latents": z, "effnet": self.recipe.image_conditioning(z)}
         return z[:, None] if self.recipe.frames else z
 
     @torch.no_grad()

@@ -32,6 +32,9 @@ PIPELINES: dict[str, tuple[str, ...]] = {
     "ltx-video": ("LTXPipeline",),
     "sd-unet": ("StableDiffusionXLPipeline", "StableDiffusionPipeline"),
 }
+# families whose latents a pipeline folder cannot produce, and what is missing
+NO_FOLDER = {"wuerstchen-prior": "Würstchen's EfficientNet image encoder (the prior's latents are its embeddings)",
+             "wuerstchen-decoder": "Würstchen's EfficientNet image encoder (the decoder is conditioned on its embeddings)"}
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo")
@@ -225,6 +228,9 @@ def open_family_pipeline(source: str | Path, family: str, device: torch.device,
     if folder is None:
         raise EncoderError(f"{source} is a built-in model of another family than {family}; pass the {family} "
                            "pipeline folder with --model.")
+    if family not in PIPELINES:
+        raise EncoderError(f"{folder}: training {family} from a pipeline folder needs {NO_FOLDER[family]}, which the "
+                           "folder does not hold; train the built-in tiny model, or fill the cache yourself.")
     classes = PIPELINES[family]
     index = json.loads((folder / "model_index.json").read_text())
     found = index.get("_class_name", "pipeline without a _class_name")

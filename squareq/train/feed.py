@@ -62,15 +62,18 @@ class CacheFeed:
         """(latents [B, C, h, w] or [B, C, 1, h, w], the captions' tensors batched: ``prompt_embeds`` [B, L, D],
         ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached) on the device, fp32. Captions of
         different lengths are zero-padded to the longest (their masks mark the padding)."""
-        latents = self._stack([self._get("latents", self.image_keys[i])["latents"] for i in indices])
+        images = [self._get("latents", self.image_keys[i]) for i in indices]
+        latents = self._stack([e["latents"] for e in images])
+        # an image embedding cached with the latent (Würstchen's decoder) conditions the denoiser like the text
+        extra = {name: self._stack([e[name] for e in images]) for name in images[0] if name != "latents"}
         texts = [self._get("text", key) for kind, key in self._entries(indices, drops) if kind == "text"]
         tokens = max(e["prompt_embeds"].shape[0] for e in texts)
         if "prompt_mask" not in texts[0] and any(e["prompt_embeds"].shape[0] != tokens for e in texts):
             # without a mask, zero padding would be read as tokens
             raise CacheError(f"captions cached in {self.cache.root} have different lengths and no mask; delete the "
                              "text entries and fill the cache again with one max_sequence_length.")
-        return latents, {name: self._stack([_pad(e[name], tokens) if name in TOKEN_FIELDS else e[name] for e in texts])
-                         for name in texts[0]}
+        return latents, {**extra, **{name: self._stack([_pad(e[name], tokens) if name in TOKEN_FIELDS else e[name]
+                                                        for e in texts]) for name in texts[0]}}
 
     def close(self) -> None:
         self._pending = {}

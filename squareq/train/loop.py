@@ -110,8 +110,8 @@ def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], en
                   for item, bucket in zip(dataset.items, item_buckets, strict=True)]
 
     def encode_images(indices):
-        return [{"latents": encoders.encode_image(load_image(dataset.items[i].path, item_buckets[i]))}
-                for i in indices]
+        encoded = [encoders.encode_image(load_image(dataset.items[i].path, item_buckets[i])) for i in indices]
+        return [e if isinstance(e, dict) else {"latents": e} for e in encoded]
 
     text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
     unique = list(text_keys)
@@ -309,7 +309,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     feed.prefetch(upcoming[ranks.share(len(upcoming))])  # read while this micro-batch computes
                     x_t, target = noised(objective, latents, noise, t)
                     with amp:
-                        output = model(**recipe.forward(model.config, x_t, t, text, cfg.guidance), return_dict=False)
+                        output = model(**recipe.forward(model.config, x_t, t, text, cfg.guidance))
                         pred = recipe.prediction(output, x_t)
                     loss = flow_loss(pred, target) / cfg.grad_accum
                     loss.backward()

@@ -46,7 +46,8 @@ from ..slab.atomic import atomic_write_bytes
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"
 PREFIX = "transformer"
-PREFIXES = ("transformer", "unet")  # the denoiser's component: transformers, or SD 1.5 / SDXL's UNet
+# the denoiser's component: transformers, SD 1.5 / SDXL's UNet, Würstchen's prior and decoder
+PREFIXES = ("transformer", "unet", "prior", "decoder")
 
 FORMAT_NAME = "squareq-lora"
 FORMAT_VERSION = 1

@@ -135,22 +135,38 @@ def ddpm_alphas_cumprod(steps: int = DDPM_STEPS, betas: tuple[float, float] = DD
     return torch.cumprod(1 - beta, dim=0).float()
 
 
+# Würstchen's schedule offset (diffusers' DDPMWuerstchenScheduler default s = 0.008, scaler 1)
+COSINE_S = 0.008
+
+
+def cosine_alphas_cumprod(t: torch.Tensor, s: float = COSINE_S) -> torch.Tensor:
+    """ᾱ at ratios ``t`` in [0, 1]: cos²((t + s)/(1 + s)·π/2) / cos²(s/(1 + s)·π/2), kept in [1e-4, 0.9999]."""
+    import math
+
+    start = math.cos(s / (1 + s) * math.pi / 2) ** 2
+    return (torch.cos((t + s) / (1 + s) * math.pi / 2) ** 2 / start).clamp(0.0001, 0.9999)
+
+
 def noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model input x_t (in ``x0``'s dtype) and the float32 target for ``objective`` (models/recipe.py).
 
     * ``flow``: :func:`flow_match`, t in (0, 1), target noise - x0.
     * ``epsilon`` / ``v_prediction``: x_t = sqrt(ᾱ)·x0 + sqrt(1 - ᾱ)·noise at the integer step t; the target is the
       noise, or v = sqrt(ᾱ)·noise - sqrt(1 - ᾱ)·x0 (diffusers' ``get_velocity``).
+    * ``cosine_epsilon``: the same at the ratio t in (0, 1) with ᾱ of :func:`cosine_alphas_cumprod`; target the noise.
     """
     if objective == "flow":
         return flow_match(x0, noise, t)
     if x0.shape != noise.shape:
         raise ValueError(f"x0 {tuple(x0.shape)} and noise {tuple(noise.shape)} must have the same shape.")
-    abar = ddpm_alphas_cumprod().to(x0.device)[t.long()]
+    if objective == "cosine_epsilon":
+        abar = cosine_alphas_cumprod(t.float().to(x0.device))
+    else:
+        abar = ddpm_alphas_cumprod().to(x0.device)[t.long()]
     a, s = _per_sample(abar.sqrt(), x0), _per_sample((1 - abar).sqrt(), x0)
     x0f, nf = x0.float(), noise.float()
     x_t = (a * x0f + s * nf).to(x0.dtype)
-    if objective == "epsilon":
+    if objective in ("epsilon", "cosine_epsilon"):
         return x_t, nf
     if objective == "v_prediction":
         return x_t, a * nf - s * x0f
@@ -160,7 +176,10 @@ def noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tenso
 def draw_times(objective: str, batch: int, generator: torch.Generator, mode: str = "shift",
                shift: float = DEFAULT_SHIFT) -> torch.Tensor:
     """One time per sample for ``objective``: a float in (0, 1) by :func:`sample_timesteps` for flow matching, a
-    uniform integer step in [0, 1000) for DDPM (as kohya sd-scripts and diffusers' SD scripts draw them)."""
+    uniform integer step in [0, 1000) for DDPM (as kohya sd-scripts and diffusers' SD scripts draw them), a
+    uniform ratio in (0, 1) for Würstchen (as its training examples draw it)."""
     if objective == "flow":
         return sample_timesteps(batch, generator, mode=mode, shift=shift)
+    if objective == "cosine_epsilon":
+        return sample_timesteps(batch, generator, mode="uniform")
     return torch.randint(0, DDPM_STEPS, (batch,), generator=generator, device=generator.device)

@@ -149,3 +149,16 @@ def test_sdxl_size_conditioning_is_the_pipeline_s_for_an_uncropped_image():
                                                scheduler=diffusers.EulerDiscreteScheduler())
     want = pipe._get_add_time_ids((96, 64), (0, 0), (96, 64), torch.float32, text_encoder_projection_dim=pooled)
     torch.testing.assert_close(kwargs["added_cond_kwargs"]["time_ids"], want.expand(2, 6))
+
+
+def test_wuerstchen_noising_is_its_scheduler_s():
+    from diffusers import DDPMWuerstchenScheduler
+
+    from squareq.train.objective import noised
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 4, 6, 6, generator=g), torch.randn(3, 4, 6, 6, generator=g)
+    t = torch.tensor([0.02, 0.5, 0.97])
+    x_t, target = noised("cosine_epsilon", x0, noise, t)
+    torch.testing.assert_close(x_t, DDPMWuerstchenScheduler().add_noise(x0, noise, t), rtol=1e-5, atol=1e-5)
+    assert torch.equal(target, noise)

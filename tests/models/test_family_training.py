@@ -53,19 +53,21 @@ def _eval_loss(slab, cache_dir, family, lora_file=None) -> float:
     if lora_file is not None:
         attach_lora(model, *load_lora(lora_file))
     cache = EmbeddingCache(cache_dir)
-    latents = torch.stack([cache.load("latents", p.stem)["latents"] for p in sorted((cache_dir / "latents").iterdir())])
+    images = [cache.load("latents", p.stem) for p in sorted((cache_dir / "latents").iterdir())]
+    latents = torch.stack([e["latents"] for e in images])
+    extra = {k: torch.stack([e[k] for e in images]) for k in images[0] if k != "latents"}  # Würstchen's effnet
     texts = [cache.load("text", p.stem) for p in sorted((cache_dir / "text").iterdir())]
     g = torch.Generator().manual_seed(123)
     total = 0.0
     with torch.no_grad():
         for i, text in enumerate(texts):
-            batch = {k: v[None].expand(len(latents), *v.shape) for k, v in text.items()}
+            batch = {**extra, **{k: v[None].expand(len(latents), *v.shape) for k, v in text.items()}}
             noise = torch.randn(latents.shape, generator=g)
-            t = (torch.tensor([0.3, 0.5, 0.7, 0.9])[: len(latents)] if recipe.objective == "flow"
-                 else torch.tensor([100, 400, 700, 900])[: len(latents)])
+            t = (torch.tensor([100, 400, 700, 900])[: len(latents)] if recipe.objective in ("epsilon", "v_prediction")
+                 else torch.tensor([0.3, 0.5, 0.7, 0.9])[: len(latents)])
             x_t, target = noised(recipe.objective, latents, noise, t)
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                pred = recipe.prediction(model(**recipe.forward(model.config, x_t, t, batch, 1.0), return_dict=False), x_t)
+                pred = recipe.prediction(model(**recipe.forward(model.config, x_t, t, batch, 1.0)), x_t)
             total += float((pred.float() - target).square().mean())
     runtime.runtime_of(model).close()
     return total / len(texts)
@@ -179,3 +181,14 @@ def test_encoders_of_another_family_are_refused_in_one_sentence(data, tmp_path):
     slab = _slab("tiny-sd3", tmp_path)
     with pytest.raises(EncoderError, match="tiny-wan is the built-in wan model, so its encoders do not fit a sd3 model"):
         train(_config(slab, data, tmp_path / "out", model="tiny-wan"), echo=lambda s: None)
+
+
+def test_wuerstchen_from_a_pipeline_folder_is_refused_for_its_missing_image_encoder(data, tmp_path):
+    from squareq.train.encoders import EncoderError
+
+    folder = tmp_path / "wuerstchen-prior"
+    folder.mkdir()
+    (folder / "model_index.json").write_text('{"_class_name": "WuerstchenPriorPipeline"}')
+    slab = _slab("tiny-wuerstchen-prior", tmp_path)
+    with pytest.raises(EncoderError, match="needs Würstchen's EfficientNet image encoder"):
+        train(_config(slab, data, tmp_path / "out", model=str(folder)), echo=lambda s: None)
