@@ -25,11 +25,11 @@ def math_attention():
 def test_streamed_t5_gives_the_cache_entries_of_the_whole_t5(monkeypatch):
     texts = ["a red square", "two blue circles on a grey floor", ""]
     cuda = torch.device("cuda")
-    with encoders.open_encoders("tiny-flux", cuda) as enc:
+    with encoders.open_encoders("tiny-flux", cuda, "flux") as enc:
         assert not enc.streamed_text_encoder
         whole = enc.encode_prompts(texts, 16)
     monkeypatch.setattr(encoders, "STREAM_TEXT_ENCODER_BYTES", 0)
-    with encoders.open_encoders("tiny-flux", cuda) as enc:
+    with encoders.open_encoders("tiny-flux", cuda, "flux") as enc:
         assert enc.streamed_text_encoder and next(enc.pipeline.text_encoder_2.encoder.block.parameters()).is_pinned()
         streamed = enc.encode_prompts(texts, 16)
     for a, b in zip(whole, streamed, strict=True):
