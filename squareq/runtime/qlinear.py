@@ -1,7 +1,8 @@
 """QuantLinear: a frozen linear layer whose weight lives, quantized, in a block slot of the runtime.
 
 Its autograd Function dequantizes the weight into a shared bf16 scratch buffer and calls the vendor
-matmul, in the forward and again in the backward. It returns only the input gradient: the base weight
+matmul, in the forward and again in the backward; for few rows of input (modulation layers run with
+M = batch size) it calls a fused kernel that reads the packed codes directly instead (kernels/dispatch.py). It returns only the input gradient: the base weight
 is frozen, so no weight gradient is ever computed or stored, and nothing of the weight is saved for the
 backward (the backward dequantizes again from the slot, which then holds the same bytes).
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import prepare_dequantize
+from ..kernels.dispatch import use_fused
 from ..quant import QuantizedWeight
 
 
@@ -49,6 +51,12 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
+        qw = layer.qweight
+        ctx.fused = qw is not None and use_fused(x.numel() // max(1, x.shape[-1]), qw, x.device)
+        if ctx.fused:
+            from ..kernels.triton_fused import fused_linear
+
+            return fused_linear(x.to(torch.bfloat16), qw, layer.bias)
         w = layer.dequant()
         bias = layer.bias
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -60,6 +68,10 @@ class _DequantLinear(torch.autograd.Function):
         layer = ctx.layer
         if not ctx.needs_input_grad[0]:
             return None, None
+        if ctx.fused:
+            from ..kernels.triton_fused import fused_input_grad
+
+            return fused_input_grad(grad_out.to(torch.bfloat16), layer.qweight), None
         w = layer.dequant()
         grad_in = grad_out.to(w.dtype).matmul(w)
         return grad_in, None

@@ -1,0 +1,105 @@
+"""The fused quantized matmuls (forward and input gradient) against the torch reference: dequantize, then matmul."""
+import os
+
+import pytest
+import torch
+
+from squareq.quant import QuantSpec, dequantize, quantize
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernels in the Triton interpreter; test_fused_gpu.py covers CUDA",
+)
+
+# (M, N, K, group): odd M, N not a multiple of any tile, K with a partial last group, tiny and one-row layers
+SHAPES = [(1, 96, 256, 64), (5, 37, 200, 64), (17, 64, 128, 128), (3, 129, 16, 16), (2, 1, 64, 32)]
+
+
+def _case(bits, symmetric, smooth, shape, seed, device="cpu"):
+    m, n, k, group = shape
+    g = torch.Generator().manual_seed(seed)
+    spec = QuantSpec(bits=bits, group_size=group, symmetric=symmetric, smooth=smooth)
+    s = torch.rand(k, generator=g) + 0.5 if smooth else None
+    qw = quantize(torch.randn(n, k, generator=g), spec, s)
+    qw = type(qw)(qw.spec, qw.shape, {name: t.to(device) for name, t in qw.tensors.items()})
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(device, torch.bfloat16)
+    return qw, x, dy, bias
+
+
+def check_against_reference(bits, symmetric, smooth, with_bias, device="cpu"):
+    from squareq.kernels.triton_fused import fused_input_grad, fused_linear
+
+    for i, shape in enumerate(SHAPES):
+        qw, x, dy, bias = _case(bits, symmetric, smooth, shape, seed=100 * bits + i, device=device)
+        w = dequantize(qw).float()
+        b = bias if with_bias else None
+        want = x.float() @ w.T + (b.float() if b is not None else 0)
+        got = fused_linear(x, qw, b)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        # fp32 sums of exact bf16 products: only the summation order and the final bf16 rounding differ
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        want_dx = dy.float() @ w
+        got_dx = fused_input_grad(dy, qw)
+        torch.testing.assert_close(got_dx.float(), want_dx, rtol=1e-2, atol=1e-2 * want_dx.abs().max().item())
+
+
+@interpreted
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("symmetric,smooth", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_kernels_match_the_reference(bits, symmetric, smooth, with_bias):
+    check_against_reference(bits, symmetric, smooth, with_bias)
+
+
+@interpreted
+def test_a_batch_of_rows_keeps_its_leading_shape():
+    from squareq.kernels.triton_fused import fused_linear
+
+    qw, x, _, _ = _case(4, False, False, (6, 64, 128, 64), seed=1)
+    y = fused_linear(x.view(2, 3, 128), qw)
+    assert y.shape == (2, 3, 64) and torch.equal(y.view(6, 64), fused_linear(x, qw))
+
+
+def test_the_env_override_and_its_refusal(monkeypatch):
+    from squareq.kernels.dispatch import fused_max_m
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("SQUAREQ_FUSED_MAX_M", "4:64,8:2")
+    assert (fused_max_m(cpu, 4), fused_max_m(cpu, 6), fused_max_m(cpu, 8)) == (64, 0, 2)
+    monkeypatch.setenv("SQUAREQ_FUSED_MAX_M", "32")
+    assert fused_max_m(cpu, 6) == 32
+    monkeypatch.setenv("SQUAREQ_FUSED_MAX_M", "many")
+    with pytest.raises(ValueError, match="SQUAREQ_FUSED_MAX_M='many': give one number"):
+        fused_max_m(cpu, 4)
+
+
+@interpreted
+@pytest.mark.parametrize("max_m,rows,fused", [("0", 2, False), ("16", 2, True), ("16", 40, False), ("4:64", 40, True)])
+def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fused):
+    """A W4 layer of a loaded slab runs fused exactly where the configured largest M allows, in the forward and the
+    backward, and either path gives the reference's output and input gradient."""
+    from squareq import runtime
+    from squareq.kernels import triton_fused
+    from squareq.slab import WriteOptions, write_slab
+
+    monkeypatch.setenv("SQUAREQ_FUSED_MAX_M", max_m)
+    calls = []
+    for name in ("fused_linear", "fused_input_grad"):
+        original = getattr(triton_fused, name)
+        monkeypatch.setattr(triton_fused, name, lambda *a, _f=original, _n=name: calls.append(_n) or _f(*a))
+    from squareq.models import load_builtin
+
+    model, adapter = load_builtin("tiny-flux")
+    write_slab(model, adapter.blocks(model), {}, tmp_path / "s.slab",
+               WriteOptions(default_spec=QuantSpec(bits=4, group_size=16), family="flux", source="tiny-flux"))
+    loaded = runtime.load(tmp_path / "s.slab", "cpu", stream=False)
+    layer = loaded.transformer_blocks[0].norm1.linear  # a modulation layer: M = batch size in a model
+    x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert calls == (["fused_linear", "fused_input_grad"] if fused else [])
+    w = dequantize(layer.qweight).float()
+    torch.testing.assert_close(y.float(), x.detach().float() @ w.T + layer.bias.float(), rtol=1e-2, atol=5e-2)
+    torch.testing.assert_close(x.grad.float(), torch.ones(rows, layer.out_features) @ w, rtol=1e-2, atol=5e-2)
