@@ -54,32 +54,38 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
 
 
 def _configs(kind: str) -> list[triton.Config]:
-    """Autotuning candidates: narrow M tiles (the fused path serves small M), a few N/K tile sizes and warps."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}, num_warps=4)]
+    """Autotuning candidates. The fused path serves few rows, so M tiles are narrow and the reduction axis (K for
+    the forward, N for the input gradient) is split over SPLIT programs that add their fp32 partial sums: without
+    the split a 3072-wide layer gives an H100's 132 SMs a few dozen programs."""
+    if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # one configuration, no tuning (tests)
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT": 2}, num_warps=4)]
     out = []
-    for bm in (16, 32, 64):
-        for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 128, 4, 3), (32, 512, 4, 2), (64, 128, 4, 4),
-                                      (128, 256, 8, 3)):
-            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages))
+    for bm in (16, 64):
+        for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (32, 256, 4), (64, 256, 8)):
+            for split in (1, 4, 16):
+                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split},
+                                         num_warps=warps, num_stages=3))
     return out
 
 
 @triton.autotune(configs=_configs("forward"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
+                 reset_to_zero=["y_ptr"],
                  prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})}, **_CACHE)
 @triton.jit
 def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
                    x_row_stride, q_row_stride, s_row_stride, y_row_stride,
                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                    HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, FP32_DOT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = m < M, n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_row_stride + kk[None, :],
                     mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
@@ -90,27 +96,31 @@ def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M
         else:
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = _bf16_bits_rne(acc).to(tl.bfloat16, bitcast=True)
-    tl.store(y_ptr + m[:, None].to(tl.int64) * y_row_stride + n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+        if pid_s == 0:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.atomic_add(y_ptr + m[:, None].to(tl.int64) * y_row_stride + n[None, :], acc,
+                  mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
 
 
 @triton.autotune(configs=_configs("grad"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
+                 reset_to_zero=["dx_ptr"],
                  prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})}, **_CACHE)
 @triton.jit
 def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
                       dy_row_stride, q_row_stride, s_row_stride, dx_row_stride,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                       VEC6: tl.constexpr, FP32_DOT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k0 = pid_k * BLOCK_K
     kk = k0 + tl.arange(0, BLOCK_K)
     m_mask = m < M
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
+    per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
+    for n0 in range(pid_s * per_split, tl.minimum(N, (pid_s + 1) * per_split), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < N
         dy = tl.load(dy_ptr + m[:, None].to(tl.int64) * dy_row_stride + n[None, :],
@@ -121,9 +131,8 @@ def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_B
             acc += tl.dot(dy.to(tl.float32), w.to(tl.float32))
         else:
             acc += tl.dot(dy, w)
-    out = _bf16_bits_rne(acc).to(tl.bfloat16, bitcast=True)
-    tl.store(dx_ptr + m[:, None].to(tl.int64) * dx_row_stride + kk[None, :], out,
-             mask=m_mask[:, None] & (kk[None, :] < K))
+    tl.atomic_add(dx_ptr + m[:, None].to(tl.int64) * dx_row_stride + kk[None, :], acc,
+                  mask=m_mask[:, None] & (kk[None, :] < K), sem="relaxed")
 
 
 def _prune(configs, named):
@@ -132,7 +141,8 @@ def _prune(configs, named):
     group, m = named["GROUP"], named["M_BUCKET"]
     kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0 and c.kwargs["BLOCK_K"] % 64 == 0
             and c.kwargs["BLOCK_M"] <= max(16, m)]
-    return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64)}, num_warps=configs[0].num_warps)]
+    return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64), "BLOCK_M": 16},
+                                  num_warps=configs[0].num_warps)]
 
 
 def _m_bucket(m: int) -> int:
@@ -161,21 +171,21 @@ def fused_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)  # the programs add their fp32 partial sums
     if m == 0:
-        return y.view(*x.shape[:-1], n)
+        return y.to(torch.bfloat16).view(*x.shape[:-1], n)
     qweight, scales, zeros, inv, row_bytes, vec6 = _common(qw)
     spec = qw.spec
 
     def grid(meta):
-        return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"])
+        return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
 
     _fused_forward[grid](x2, qweight, scales, zeros, inv, bias if bias is not None else scales, y, m, n, k,
                          _m_bucket(m), row_bytes, scales.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0),
                          y.stride(0), BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
                          HAS_SMOOTH="inv_smooth" in qw.tensors, HAS_BIAS=bias is not None, VEC6=vec6,
                          FP32_DOT=_INTERPRET or x.device.type != "cuda")
-    return y.view(*x.shape[:-1], n)
+    return y.to(torch.bfloat16).view(*x.shape[:-1], n)
 
 
 def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -185,18 +195,18 @@ def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
     m = dy2.shape[0]
-    dx = torch.empty(m, k, dtype=torch.bfloat16, device=dy.device)
+    dx = torch.zeros(m, k, dtype=torch.float32, device=dy.device)
     if m == 0:
-        return dx.view(*dy.shape[:-1], k)
+        return dx.to(torch.bfloat16).view(*dy.shape[:-1], k)
     qweight, scales, zeros, inv, row_bytes, vec6 = _common(qw)
     spec = qw.spec
 
     def grid(meta):
-        return triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_M"])
+        return triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
 
     _fused_input_grad[grid](dy2, qweight, scales, zeros, inv, dx, m, n, k, _m_bucket(m), row_bytes, scales.shape[1],
                             dy2.stride(0), qweight.stride(0), scales.stride(0), dx.stride(0), BITS=spec.bits,
                             GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
                             HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6,
                             FP32_DOT=_INTERPRET or dy.device.type != "cuda")
-    return dx.view(*dy.shape[:-1], k)
+    return dx.to(torch.bfloat16).view(*dy.shape[:-1], k)
