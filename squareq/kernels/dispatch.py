@@ -19,8 +19,13 @@ from .dequant import backend_for
 log = logging.getLogger("squareq.kernels")
 
 ENV = "SQUAREQ_FUSED_MAX_M"
-DEFAULT_MAX_M = {4: 16, 6: 16, 8: 16}  # safe everywhere: at M <= 16 a matmul is weight-bound on any GPU
-# device name (torch.cuda.get_device_name) -> {bits: the largest M the fused kernel is faster at}
+# Devices not measured keep the dequantize + vendor matmul path: never slower than before the fused kernels.
+DEFAULT_MAX_M = {4: 0, 6: 0, 8: 0}
+# device name (torch.cuda.get_device_name) -> {bits: the largest M of the benchmark's grid (1, 16, 64, ...) at which
+# the fused kernels beat dequantize + matmul on every FLUX shape, forward and input gradient}
+# Measured on an NVIDIA H100 80GB HBM3 (benchmarks/matmul.py, 2026-11-22, commit ad3e50e, docs/benchmarks.md):
+# {4: 16, 6: 0, 8: 16}. Not entered yet: the kernels add split partial sums with fp32 atomics, whose order varies
+# from run to run, and a training run must resume bit for bit; entries wait for a deterministic reduction.
 CROSSOVERS: dict[str, dict[int, int]] = {}
 _said: set[str] = set()
 
@@ -44,7 +49,8 @@ def fused_max_m(device: torch.device, bits: int) -> int:
         table, where = DEFAULT_MAX_M, "default"
     else:
         name = torch.cuda.get_device_name(device)
-        table, where = (CROSSOVERS[name], name) if name in CROSSOVERS else (DEFAULT_MAX_M, f"default ({name} not measured)")
+        measured = name in CROSSOVERS
+        table, where = (CROSSOVERS[name], name) if measured else (DEFAULT_MAX_M, f"default ({name} not measured)")
         if name not in _said:
             _said.add(name)
             log.info("fused quantized matmuls up to M = %s on %s (%s).", table, name, where)

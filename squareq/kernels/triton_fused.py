@@ -70,7 +70,8 @@ def _configs(kind: str) -> list[triton.Config]:
 
 @triton.autotune(configs=_configs("forward"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
                  reset_to_zero=["y_ptr"],
-                 prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})}, **_CACHE)
+                 prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})},
+                 **_CACHE)
 @triton.jit
 def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
                    x_row_stride, q_row_stride, s_row_stride, y_row_stride,
@@ -104,7 +105,8 @@ def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M
 
 @triton.autotune(configs=_configs("grad"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
                  reset_to_zero=["dx_ptr"],
-                 prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})}, **_CACHE)
+                 prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})},
+                 **_CACHE)
 @triton.jit
 def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
                       dy_row_stride, q_row_stride, s_row_stride, dx_row_stride,
