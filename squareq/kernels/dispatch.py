@@ -57,8 +57,10 @@ def fused_max_m(device: torch.device, bits: int) -> int:
     return table.get(bits, 0)
 
 
-def use_fused(m: int, qw: QuantizedWeight, device: torch.device) -> bool:
-    """Whether a call with ``m`` rows of input on ``qw`` goes to the fused kernel."""
+def fused_limit(qw: QuantizedWeight, device: torch.device) -> int:
+    """The largest number of input rows at which calls on ``qw`` go to the fused kernel (-1: never). A layer asks
+    once and keeps the answer: every layer call of a training step would otherwise pay for the lookup."""
     if qw.spec.is_passthrough or backend_for(device) not in ("triton", "triton-interpret"):
-        return False
-    return m <= fused_max_m(torch.device(device), qw.spec.bits)
+        return -1
+    return fused_max_m(torch.device(device), qw.spec.bits)
+

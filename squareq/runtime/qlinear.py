@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import prepare_dequantize
-from ..kernels.dispatch import use_fused
+from ..kernels.dispatch import fused_limit
 from ..quant import QuantizedWeight
 
 
@@ -52,7 +52,9 @@ class _DequantLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
         qw = layer.qweight
-        ctx.fused = qw is not None and use_fused(x.numel() // max(1, x.shape[-1]), qw, x.device)
+        if layer.fused_limit is None and qw is not None:
+            layer.fused_limit = fused_limit(qw, x.device)  # settled once per layer (kernels/dispatch.py)
+        ctx.fused = qw is not None and x.numel() // max(1, x.shape[-1]) <= layer.fused_limit
         if ctx.fused:
             from ..kernels.triton_fused import fused_linear
 
@@ -95,6 +97,7 @@ class QuantLinear(nn.Module):
         self.lora_A: nn.Linear | None = None
         self.lora_B: nn.Linear | None = None
         self.lora_scale = 0.0
+        self.fused_limit: int | None = None  # most input rows that go to the fused kernel; decided on first use
 
     @staticmethod
     def _unbound() -> torch.Tensor:
