@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Denoising-step time of a FLUX.1-dev-shaped 12B transformer at inference: SquareQ streaming vs its peers (issue 8).
+
+    python benchmarks/sample.py [--out DIR] [--workdir DIR] [--res 1024] [--steps 28] [--only ...] [--tiny]
+
+One denoising step is one transformer forward under ``torch.no_grad`` at ``res``² ((res/16)² image tokens, 512
+text tokens, batch 1, embedded guidance 3.5: FLUX.1-dev samples without CFG), on the seeded random-weight model
+and inputs of ``benchmarks/train_step.py`` (whose slab phase writes, or reuses, the same SquareQ slab). Setups, each
+in its own process so memory statistics start clean:
+
+* ``resident``: the bf16 model on the GPU, the speed to match;
+* ``squareq K``: ``squareq.runtime.load(slab, prefetch=K)``, blocks streamed forward-only through K slots;
+* ``group_offload``: diffusers block-level group offloading with CUDA streams;
+* ``model_offload``: accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload`` applies to the
+  transformer): moved to the GPU at the first step of a sampling run, so its one transfer is counted over the run;
+* ``sequential_offload``: accelerate's ``cpu_offload`` (what ``enable_sequential_cpu_offload`` applies); slow, so
+  it runs ``--sequential-steps`` steps.
+
+Each setup reports seconds per step (a whole run of ``--steps`` steps, first step included, divided by the steps;
+the first step is also reported on its own) and peak reserved memory. Prints one JSON line per setup and a markdown
+table; ``--out DIR`` writes DIR/sample.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+import train_step as ts  # noqa: E402  (the model, inputs and slab of the training benchmark)
+
+SETUPS = ("slab", "resident", "squareq", "group_offload", "model_offload", "sequential_offload")
+
+
+def run_steps(setup, model, batch, steps: int) -> dict:
+    """``steps`` forwards under no_grad, timed as one sampling run (synchronized at its ends)."""
+    import torch
+
+    ts.memory_peaks(setup)  # reset the peaks
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            setup.sync()
+            start = time.perf_counter()
+            model(**batch, return_dict=False)
+            setup.sync()
+            times.append(time.perf_counter() - start)
+    peaks = ts.memory_peaks(setup)
+    return {"step_s": sum(times) / len(times), "first_step_s": times[0],
+            "steady_step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
+            "steps": len(times), "peak_reserved_GB": peaks["peak_reserved"] / 1e9,
+            "peak_alloc_GB": peaks["peak_allocated"] / 1e9}
+
+
+def phase(args) -> None:
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    setup = ts.Setup(args)
+    name = args.phase[0]
+    rec = {"what": name, "res": args.res, "device": setup.device_name}
+    try:
+        if name == "slab":
+            ts.phase_slab(setup)
+            return
+        if name == "squareq":
+            import squareq.runtime as rt
+
+            k = int(args.phase[1])
+            rec["prefetch"] = k
+            model = rt.load(setup.slab, setup.device, prefetch=k, host="pinned", verify="off")
+        else:
+            model = ts.build_model(setup)
+            if name != "resident":
+                model = model.to("cpu")
+                torch.cuda.empty_cache()
+            if name == "group_offload":
+                model.enable_group_offload(onload_device=setup.device, offload_device=torch.device("cpu"),
+                                           offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+            elif name == "model_offload":
+                from accelerate import cpu_offload_with_hook
+
+                model, _ = cpu_offload_with_hook(model, setup.device)
+            elif name == "sequential_offload":
+                from accelerate import cpu_offload
+
+                cpu_offload(model, setup.device)
+        model.eval()
+        batch, _ = ts.make_batch(setup, args.res, model)
+        steps = args.sequential_steps if name == "sequential_offload" else args.steps
+        rec.update(run_steps(setup, model, batch, steps))
+    except Exception as exc:  # a failed setup is a row, not the end of the benchmark
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    ts.emit(rec)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/squareq_bench"))
+    ap.add_argument("--res", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--sequential-steps", type=int, default=2)
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--only", default=",".join(SETUPS))
+    ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
+    ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
+    ap.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per setup")
+    args = ap.parse_args()
+    if args.phase:
+        return phase(args)
+    import torch
+
+    commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    env = {"what": "env", "torch": torch.__version__, "commit": commit, "res": args.res, "steps": args.steps,
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    ts.emit(env)
+    records = [env]
+    only = args.only.split(",")
+    phases = []
+    for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
+        phases += [["squareq", str(k)] for k in args.prefetch] if s == "squareq" else [[s]]
+    for p in phases:
+        cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
+               "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)] + (
+            ["--tiny"] if args.tiny else [])
+        ts.log(f"setup {' '.join(p)}")
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
+        except subprocess.TimeoutExpired:
+            out = json.dumps({"what": p[0], "error": f"timed out after {args.timeout:.0f} s"})
+        for line in out.splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                if rec.get("what") in SETUPS:
+                    records.append(rec)
+                    print(line, flush=True)
+    resident = next((r["step_s"] for r in records if r.get("what") == "resident" and "step_s" in r), None)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tmp = os.path.join(args.out, ".sample.jsonl.tmp")
+        with open(tmp, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(tmp, os.path.join(args.out, "sample.jsonl"))
+    print(f"\n{records[1].get('device') if len(records) > 1 else ''}, {env['date_utc']}, commit {commit}; "
+          f"{args.res}², {args.steps} steps\n")
+    print("| setup | s / step | × bf16 resident | first step s | peak reserved GB | note |\n|---|---|---|---|---|---|")
+    for r in records[1:]:
+        if "step_s" not in r:
+            if r.get("what") != "slab" or "error" in r:
+                print(f"| {r['what']} | | | | | {r.get('error', '')} |")
+            continue
+        label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "")
+        ratio = f"{r['step_s'] / resident:.2f}" if resident else ""
+        print(f"| {label} | {r['step_s']:.3f} | {ratio} | {r['first_step_s']:.3f} | {r['peak_reserved_GB']:.2f} | "
+              f"{r['steps']} steps |")
+
+
+if __name__ == "__main__":
+    main()
