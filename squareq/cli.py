@@ -268,7 +268,8 @@ def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, ma
 @click.option("--guidance", type=float, default=3.5, show_default=True)
 @click.option("--seed", type=int, default=42, show_default=True)
 @click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
-@click.option("--prefetch", type=int, default=2, show_default=True, help="Block slots on the GPU.")
+@click.option("--prefetch", type=int, default=3, show_default=True,
+              help="Block slots on the GPU (3 hides the copies of a forward-only pass at 1024², docs/benchmarks.md).")
 @click.option("--host", type=click.Choice(["pinned", "disk"]), default="pinned", show_default=True)
 def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch, host):
     """Generate images with the streamed slab, optionally with a LoRA."""

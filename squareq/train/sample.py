@@ -31,7 +31,7 @@ def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, 
 
 def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None = None, model: str | None = None,
                   resolution: int = 1024, steps: int = 20, guidance: float = 3.5, seed: int = 42,
-                  max_sequence_length: int = 512, prefetch: int = 2, host: str = "pinned", device=None):
+                  max_sequence_length: int = 512, prefetch: int = 3, host: str = "pinned", device=None):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect)."""
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
