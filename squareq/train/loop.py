@@ -6,9 +6,9 @@
    (only entries that are missing), and the encoders are released before training starts.
 3. Each step draws a batch of one bucket, noise and timesteps from the run's own generator, computes
    the family's loss (rectified flow, or DDPM epsilon / v-prediction for the UNets; the family's recipe in
-   squareq/models turns latents and captions into the denoiser's arguments) and updates the LoRA with AdamW. A step whose loss or gradients are not
-   finite is skipped and counted; ``nan_patience`` skips in a row stop the run with the last good
-   checkpoint left untouched.
+   squareq/models turns latents and captions into the denoiser's arguments) and updates the LoRA with AdamW.
+   A step whose loss or gradients are not finite is skipped and counted; ``nan_patience`` skips in a row
+   stop the run with the last good checkpoint left untouched.
 4. Every ``save_every`` steps a checkpoint (LoRA, optimizer, schedule, RNG states, data position) is
    written atomically; ``resume="latest"`` continues from the newest one exactly (bitwise on a CPU).
    The finished LoRA is written in the diffusers/PEFT layout.
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers.configuration_utils import FrozenDict
 
 from .. import runtime
 from ..models import ADAPTERS
@@ -158,6 +157,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
     keys = None
     if encode:
+        from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
+
         with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
             keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
