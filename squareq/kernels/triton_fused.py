@@ -55,26 +55,26 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
 
 def _configs(kind: str) -> list[triton.Config]:
     """Autotuning candidates. The fused path serves few rows, so M tiles are narrow and the reduction axis (K for
-    the forward, N for the input gradient) is split over SPLIT programs that add their fp32 partial sums: without
-    the split a 3072-wide layer gives an H100's 132 SMs a few dozen programs."""
+    the forward, N for the input gradient) is split over SPLIT programs, each writing its fp32 partial sum to its
+    own plane that the wrapper adds up in a fixed order (deterministic, unlike atomics): without the split a
+    3072-wide layer gives an H100's 132 SMs a few dozen programs."""
     if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # one configuration, no tuning (tests)
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT": 2}, num_warps=4)]
     out = []
     for bm in (16, 64):
         for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (32, 256, 4), (64, 256, 8)):
-            for split in (1, 4, 16):
+            for split in (1, 4, 8):
                 out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split},
                                          num_warps=warps, num_stages=3))
     return out
 
 
 @triton.autotune(configs=_configs("forward"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
-                 reset_to_zero=["y_ptr"],
                  prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})},
                  **_CACHE)
 @triton.jit
 def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
-                   x_row_stride, q_row_stride, s_row_stride, y_row_stride,
+                   x_row_stride, q_row_stride, s_row_stride, y_row_stride, y_plane_stride,
                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                    HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, FP32_DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
@@ -99,17 +99,16 @@ def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M
     if HAS_BIAS:
         if pid_s == 0:
             acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.atomic_add(y_ptr + m[:, None].to(tl.int64) * y_row_stride + n[None, :], acc,
-                  mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+    plane = y_ptr + pid_s.to(tl.int64) * y_plane_stride
+    tl.store(plane + m[:, None].to(tl.int64) * y_row_stride + n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.autotune(configs=_configs("grad"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
-                 reset_to_zero=["dx_ptr"],
                  prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})},
                  **_CACHE)
 @triton.jit
 def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
-                      dy_row_stride, q_row_stride, s_row_stride, dx_row_stride,
+                      dy_row_stride, q_row_stride, s_row_stride, dx_row_stride, dx_plane_stride,
                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                       VEC6: tl.constexpr, FP32_DOT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
@@ -133,8 +132,8 @@ def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_B
             acc += tl.dot(dy.to(tl.float32), w.to(tl.float32))
         else:
             acc += tl.dot(dy, w)
-    tl.atomic_add(dx_ptr + m[:, None].to(tl.int64) * dx_row_stride + kk[None, :], acc,
-                  mask=m_mask[:, None] & (kk[None, :] < K), sem="relaxed")
+    plane = dx_ptr + pid_s.to(tl.int64) * dx_plane_stride
+    tl.store(plane + m[:, None].to(tl.int64) * dx_row_stride + kk[None, :], acc, mask=m_mask[:, None] & (kk[None, :] < K))
 
 
 def _prune(configs, named):
@@ -145,6 +144,17 @@ def _prune(configs, named):
             and c.kwargs["BLOCK_M"] <= max(16, m)]
     return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64), "BLOCK_M": 16},
                                   num_warps=configs[0].num_warps)]
+
+
+MAX_SPLIT = 8  # the largest SPLIT of any configuration
+
+
+def _sum_planes(planes: torch.Tensor, kernel) -> torch.Tensor:
+    """The bf16 sum of the partial-sum planes the last launch of ``kernel`` wrote (its chosen configuration's
+    SPLIT), added in plane order so that a result does not depend on which program finished first."""
+    split = kernel.best_config.kwargs["SPLIT"]
+    total = planes[0] if split == 1 else planes[:split].sum(0)
+    return total.to(torch.bfloat16)
 
 
 def _m_bucket(m: int) -> int:
@@ -173,9 +183,9 @@ def fused_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)  # the programs add their fp32 partial sums
     if m == 0:
-        return y.to(torch.bfloat16).view(*x.shape[:-1], n)
+        return x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16)
+    y = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=x.device)  # one fp32 plane per split
     qweight, scales, zeros, inv, row_bytes, vec6 = _common(qw)
     spec = qw.spec
 
@@ -184,10 +194,10 @@ def fused_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
 
     _fused_forward[grid](x2, qweight, scales, zeros, inv, bias if bias is not None else scales, y, m, n, k,
                          _m_bucket(m), row_bytes, scales.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0),
-                         y.stride(0), BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
+                         y.stride(1), y.stride(0), BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
                          HAS_SMOOTH="inv_smooth" in qw.tensors, HAS_BIAS=bias is not None, VEC6=vec6,
                          FP32_DOT=_INTERPRET or x.device.type != "cuda")
-    return y.to(torch.bfloat16).view(*x.shape[:-1], n)
+    return _sum_planes(y, _fused_forward).view(*x.shape[:-1], n)
 
 
 def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
@@ -197,9 +207,9 @@ def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
     m = dy2.shape[0]
-    dx = torch.zeros(m, k, dtype=torch.float32, device=dy.device)
     if m == 0:
-        return dx.to(torch.bfloat16).view(*dy.shape[:-1], k)
+        return dy.new_empty(*dy.shape[:-1], k, dtype=torch.bfloat16)
+    dx = torch.empty(MAX_SPLIT, m, k, dtype=torch.float32, device=dy.device)
     qweight, scales, zeros, inv, row_bytes, vec6 = _common(qw)
     spec = qw.spec
 
@@ -207,8 +217,9 @@ def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         return triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
 
     _fused_input_grad[grid](dy2, qweight, scales, zeros, inv, dx, m, n, k, _m_bucket(m), row_bytes, scales.shape[1],
-                            dy2.stride(0), qweight.stride(0), scales.stride(0), dx.stride(0), BITS=spec.bits,
+                            dy2.stride(0), qweight.stride(0), scales.stride(0), dx.stride(1), dx.stride(0),
+                            BITS=spec.bits,
                             GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
                             HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6,
                             FP32_DOT=_INTERPRET or dy.device.type != "cuda")
-    return dx.to(torch.bfloat16).view(*dy.shape[:-1], k)
+    return _sum_planes(dx, _fused_input_grad).view(*dy.shape[:-1], k)
