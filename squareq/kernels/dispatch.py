@@ -23,9 +23,10 @@ ENV = "SQUAREQ_FUSED_MAX_M"
 DEFAULT_MAX_M = {4: 0, 6: 0, 8: 0}
 # device name (torch.cuda.get_device_name) -> {bits: the largest M of the benchmark's grid (1, 16, 64, ...) at which
 # the fused kernels beat dequantize + matmul on every FLUX shape, forward and input gradient}
-# Measured on an NVIDIA H100 80GB HBM3 (benchmarks/matmul.py, 2026-11-22, commit ad3e50e, docs/benchmarks.md):
-# {4: 16, 6: 0, 8: 16}. Not entered yet: the kernels add split partial sums with fp32 atomics, whose order varies
-# from run to run, and a training run must resume bit for bit; entries wait for a deterministic reduction.
+# Measured on an NVIDIA H100 80GB HBM3 (benchmarks/matmul.py, 2026-11-22, docs/benchmarks.md): {4: 16, 6: 0, 8: 16}
+# with the kernels' first, atomic reduction (ad3e50e), whose bits varied between runs. The deterministic reduction
+# that replaced it (a5e187d) made the small-M input gradient slower (a quick run: below dequant + matmul on
+# 3072 x 3072), so no entry until a full run measures the crossover again.
 CROSSOVERS: dict[str, dict[int, int]] = {}
 _said: set[str] = set()
 
