@@ -195,7 +195,7 @@ def training_objective(source: str | Path, family: str) -> str:
     import json
 
     default = ADAPTERS[family].recipe.objective
-    if default == "flow":
+    if default not in ("epsilon", "v_prediction"):  # flow matching, Würstchen: the family decides alone
         return default
     try:
         folder = pipeline_folder(source)

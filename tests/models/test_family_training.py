@@ -192,3 +192,14 @@ def test_wuerstchen_from_a_pipeline_folder_is_refused_for_its_missing_image_enco
     slab = _slab("tiny-wuerstchen-prior", tmp_path)
     with pytest.raises(EncoderError, match="needs Würstchen's EfficientNet image encoder"):
         train(_config(slab, data, tmp_path / "out", model=str(folder)), echo=lambda s: None)
+
+
+def test_only_the_unet_families_read_the_scheduler_s_prediction_type(tmp_path):
+    from squareq.train.family_encoders import training_objective
+
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text('{"prediction_type": "v_prediction"}')
+    assert training_objective(tmp_path, "sd-unet") == "v_prediction"
+    assert training_objective(tmp_path, "wuerstchen-prior") == "cosine_epsilon"
+    assert training_objective(tmp_path, "sd3") == "flow"
