@@ -159,22 +159,26 @@ def _vec6_ok(qweight: torch.Tensor) -> bool:
     return (qweight.shape[1] % 48 == 0 and qweight.stride(0) % 16 == 0 and qweight.data_ptr() % 16 == 0)
 
 
+def packed_operands(qw: QuantizedWeight, vec6: bool):
+    """(codes, scales, zeros, inv_smooth) as the kernels read them: W8 codes as int8, vectorized W6 rows as int32
+    words; a tensor the layer lacks is stood in by ``scales`` (its pointer goes unused when the flag says so)."""
+    qweight, scales = qw.tensors["qweight"], qw.tensors["scales"]
+    if qw.spec.bits == 8:
+        qweight = qweight.view(torch.int8)
+    elif vec6:
+        qweight = qweight.view(torch.int32)
+    return qweight, scales, qw.tensors.get("zeros", scales), qw.tensors.get("inv_smooth", scales)
+
+
 def _launch(out: torch.Tensor, qw: QuantizedWeight, tile: tuple[int, int, int] | None):
     """(grid, positional args, keyword args) of the dequant kernel for ``qw`` into ``out``."""
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     block_n, block_k, warps = tile or default_tile(spec.group_size, k, spec.bits, spec.smooth)
     if block_k % spec.group_size:
         raise ValueError(f"BLOCK_K={block_k} must be a multiple of group_size={spec.group_size}.")
-    qweight = t["qweight"]
-    row_bytes = qweight.shape[1]
-    vec6 = spec.bits == 6 and block_k % 64 == 0 and _vec6_ok(qweight)
-    if spec.bits == 8:
-        qweight = qweight.view(torch.int8)
-    elif vec6:
-        qweight = qweight.view(torch.int32)
-    scales = t["scales"]
-    zeros = t.get("zeros", scales)  # any tensor: the pointer is unused when HAS_ZERO is False
-    inv = t.get("inv_smooth", scales)
+    row_bytes = t["qweight"].shape[1]
+    vec6 = spec.bits == 6 and block_k % 64 == 0 and _vec6_ok(t["qweight"])
+    qweight, scales, zeros, inv = packed_operands(qw, vec6)
     # W4/W6 launch programs K-block fastest (measured: up to +12 points of copy bandwidth for W6 on an
     # H200, neutral for W4, slightly worse for W8); grid axis 1 is limited to 65535 programs.
     k_major = spec.bits in (4, 6) and triton.cdiv(n, block_n) <= 65535

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedWeight
-from .triton_dequant import _bf16_bits_rne, _load_codes, _vec6_ok
+from .triton_dequant import _bf16_bits_rne, _load_codes, _vec6_ok, packed_operands
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the winning configuration per key also goes to Triton's on-disk cache, so later processes skip the tuning
@@ -162,64 +162,55 @@ def _m_bucket(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
-def _common(qw: QuantizedWeight):
-    spec, t = qw.spec, qw.tensors
-    qweight = t["qweight"]
-    row_bytes = qweight.shape[1]
-    # vectorized 6-bit reads need whole 48-byte chunks per row and 16-byte alignment
-    vec6 = spec.bits == 6 and _vec6_ok(qweight)
-    if spec.bits == 8:
-        qweight = qweight.view(torch.int8)
-    elif vec6:
-        qweight = qweight.view(torch.int32)
-    scales = t["scales"]
-    return qweight, scales, t.get("zeros", scales), t.get("inv_smooth", scales), row_bytes, vec6
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` [..., width] as a 2-D [rows, width] view with unit column stride."""
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(kernel, grid, qw: QuantizedWeight, rows: torch.Tensor, planes: torch.Tensor, *args, **flags) -> None:
+    """Launch a fused kernel on ``rows`` into ``planes`` (one fp32 plane per split) with ``qw``'s packed operands and
+    format flags; ``args`` / ``flags`` are the kernel's own (bias, its HAS_BIAS)."""
+    spec, m = qw.spec, rows.shape[0]
+    vec6 = spec.bits == 6 and _vec6_ok(qw.tensors["qweight"])  # whole 48-byte chunks per row, 16-byte aligned
+    qweight, scales, zeros, inv = packed_operands(qw, vec6)
+    n, k = qw.shape
+    row_bytes = qw.tensors["qweight"].shape[1]
+    kernel[grid](rows, qweight, scales, zeros, inv, *args, planes, m, n, k, _m_bucket(m), row_bytes, scales.shape[1],
+                 rows.stride(0), qweight.stride(0), scales.stride(0), planes.stride(1),
+                 planes.stride(0), BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
+                 HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6, FP32_DOT=_INTERPRET or rows.device.type != "cuda",
+                 **flags)
 
 
 def fused_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ Wᵀ (+ bias)`` in bf16 for bf16 ``x`` [..., K], reading ``qw``'s packed codes directly."""
     n, k = qw.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, k)
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16)
     y = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=x.device)  # one fp32 plane per split
-    qweight, scales, zeros, inv, row_bytes, vec6 = _common(qw)
-    spec = qw.spec
 
     def grid(meta):
         return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
 
-    _fused_forward[grid](x2, qweight, scales, zeros, inv, bias if bias is not None else scales, y, m, n, k,
-                         _m_bucket(m), row_bytes, scales.shape[1], x2.stride(0), qweight.stride(0), scales.stride(0),
-                         y.stride(1), y.stride(0), BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
-                         HAS_SMOOTH="inv_smooth" in qw.tensors, HAS_BIAS=bias is not None, VEC6=vec6,
-                         FP32_DOT=_INTERPRET or x.device.type != "cuda")
+    _launch(_fused_forward, grid, qw, x2, y, bias if bias is not None else qw.tensors["scales"],
+            HAS_BIAS=bias is not None)
     return _sum_planes(y, _fused_forward).view(*x.shape[:-1], n)
 
 
 def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """``dy @ W`` in bf16 for bf16 ``dy`` [..., N]: the input gradient of :func:`fused_linear`."""
     n, k = qw.shape
-    dy2 = dy.reshape(-1, n)
-    if dy2.stride(-1) != 1:
-        dy2 = dy2.contiguous()
+    dy2 = _rows(dy, n)
     m = dy2.shape[0]
     if m == 0:
         return dy.new_empty(*dy.shape[:-1], k, dtype=torch.bfloat16)
     dx = torch.empty(MAX_SPLIT, m, k, dtype=torch.float32, device=dy.device)
-    qweight, scales, zeros, inv, row_bytes, vec6 = _common(qw)
-    spec = qw.spec
 
     def grid(meta):
         return triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
 
-    _fused_input_grad[grid](dy2, qweight, scales, zeros, inv, dx, m, n, k, _m_bucket(m), row_bytes, scales.shape[1],
-                            dy2.stride(0), qweight.stride(0), scales.stride(0), dx.stride(1), dx.stride(0),
-                            BITS=spec.bits,
-                            GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
-                            HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6,
-                            FP32_DOT=_INTERPRET or dy.device.type != "cuda")
+    _launch(_fused_input_grad, grid, qw, dy2, dx)
     return _sum_planes(dx, _fused_input_grad).view(*dy.shape[:-1], k)

@@ -107,7 +107,7 @@ class ToyEncoders:
             module.to(device)
             if dtype != torch.float32:
                 module.to(dtype=dtype)
-        where = f":{dtype}".replace("torch.", "")
+        where = dtype_tag(dtype)
         self.vae_identity = module_identity(self.vae, "vae") + where
         self.text_identity = (family + module_identity(self.t5, "t5")
                               + (module_identity(self.clip, "clip") if self.fields.pooled else "") + where)
@@ -141,6 +141,12 @@ class ToyEncoders:
             for entry, pooled in zip(entries, self.clip(ids).pooler_output.float().cpu(), strict=True):
                 entry["pooled_prompt_embeds"] = pooled
         return entries
+
+
+def dtype_tag(dtype: torch.dtype) -> str:
+    """The part of an encoder's cache identity that says which precision computed its entries (bf16 on a GPU and
+    fp32 on a CPU give different bits)."""
+    return f":{dtype}".replace("torch.", "")
 
 
 def builtin_family(source: str) -> str | None:
@@ -186,7 +192,7 @@ def open_encoders(source: str, device: torch.device, family: str, config=None) -
         pipe.transformer = None
     else:
         pipe = _load_folder(Path(source).expanduser(), dtype)
-    where = f":{dtype}".replace("torch.", "")  # entries computed in bf16 on a GPU are not those of fp32 on a CPU
+    where = dtype_tag(dtype)
     vae_id = module_identity(pipe.vae, "vae") + where
     text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where
     t5 = pipe.text_encoder_2

@@ -18,7 +18,7 @@ import torch
 
 from ..models import ADAPTERS
 from .cache import module_identity
-from .encoders import EncoderError, pipeline_folder
+from .encoders import EncoderError, dtype_tag, pipeline_folder
 
 # family -> the pipeline classes its folders may hold
 PIPELINES: dict[str, tuple[str, ...]] = {
@@ -165,7 +165,7 @@ class PipelineEncoders:
             raise EncoderError(f"the pipeline's VAE is a {vae}, whose latent normalization SquareQ does not know; it "
                                f"knows {', '.join(IMAGE_VAES + VIDEO_VAES)}.")
         self.video_vae = vae in VIDEO_VAES
-        where = f":{dtype}".replace("torch.", "")
+        where = dtype_tag(dtype)
         self.vae_identity = module_identity(pipe.vae, "vae") + where
         self.text_identity = family + "".join(module_identity(getattr(pipe, n), n) for n in TEXT_ENCODERS
                                               if getattr(pipe, n, None) is not None) + where

@@ -147,8 +147,8 @@ class PreparedData:
 
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
-    source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own)."""
-    _check_trainable(cfg.slab, model.family)
+    source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
+    SquareQ cannot train has no encoders, which ``open_encoders`` says."""
     dataset = scan_dataset(cfg.data)
     buckets = make_buckets(cfg.resolution)
     item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
