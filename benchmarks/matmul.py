@@ -70,12 +70,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="two shapes, three M, W4 only")
+    ap.add_argument("--rows", help="comma-separated M values instead of the grid (e.g. 1,4,16)")
+    ap.add_argument("--formats", help="comma-separated bit widths to measure (e.g. 4,8); default all")
     args = ap.parse_args()
 
     import torch
     import torch.nn.functional as F
 
     from squareq.kernels.dequant import dequantize_into
+    from squareq.kernels import triton_fused
     from squareq.kernels.triton_fused import fused_input_grad, fused_linear
     from squareq.quant import QuantSpec, dequantize, quantize
 
@@ -84,6 +87,10 @@ def main() -> None:
     shapes = dict(list(SHAPES.items())[:2]) if args.quick else SHAPES
     rows = [1, 16, 1024] if args.quick else ROWS
     formats = {"W4 g64": FORMATS["W4 g64"]} if args.quick else FORMATS
+    if args.rows:
+        rows = [int(m) for m in args.rows.split(",")]
+    if args.formats:
+        formats = {f: kw for f, kw in FORMATS.items() if str(kw["bits"]) in args.formats.split(",")}
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -148,6 +155,7 @@ def main() -> None:
                            "TFLOPS": 2 * m * n * k / seconds / 1e12, "copies": len(calls)}
                     if variant == "fused":
                         rec["rel_error"] = fwd_err if direction == "forward" else grad_err
+                        rec["config"], rec["tuning_us"] = chosen_config(triton_fused, direction, m)
                     records.append(rec)
                     emit(rec)
     if args.out:
@@ -157,6 +165,21 @@ def main() -> None:
         os.replace(os.path.join(args.out, ".matmul.jsonl.tmp"), os.path.join(args.out, "matmul.jsonl"))
     print()
     print(report(records))
+
+
+def chosen_config(triton_fused, direction: str, m: int) -> tuple[str, dict]:
+    """The autotuned configuration the last fused call of ``direction`` at ``m`` rows ran, and the µs the tuner
+    measured per candidate when it tuned that kernel last (this shape's key: the check above tuned it)."""
+    gemv = m <= triton_fused.GEMV_MAX_M
+    kernel = {("forward", True): triton_fused._gemv_forward, ("forward", False): triton_fused._mma_forward,
+              ("input grad", True): triton_fused._gemv_input_grad,
+              ("input grad", False): triton_fused._mma_input_grad}[(direction, gemv)]
+    def name(c):
+        return " ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" w{c.num_warps}"
+
+    timings = {name(c): round(float(t[0] if isinstance(t, (list, tuple)) else t) * 1e3, 2)
+               for c, t in (getattr(kernel, "configs_timings", None) or {}).items()}
+    return ("gemv " if gemv else "mma ") + name(kernel.best_config), timings
 
 
 def report(records: list[dict]) -> str:

@@ -4,14 +4,25 @@
 * input gradient: ``dx[M, K] = dy[M, N] @ W[N, K]``
 
 ``W`` is what :func:`squareq.quant.dequantize` defines (codes minus zero point, times the group scale, times the
-folded 1/s of smoothing, rounded to bf16), built tile by tile in registers and never written to memory. Products
-accumulate in fp32; the output is bf16. At small M (modulation layers run with M = batch size) a matmul is bound by
-reading the weight, so reading 4-bit codes instead of a bf16 weight (that dequantization first wrote) saves most of
-the traffic; at large M the dequantize-then-vendor-matmul path wins, and :mod:`.dispatch` picks per layer by M.
+folded 1/s of smoothing), built tile by tile in registers and never written to memory; products accumulate in fp32
+and the output is bf16. At small M (modulation layers run with M = batch size) a matmul is bound by reading the
+weight, so reading 4-bit codes instead of a bf16 weight (that dequantization first wrote) saves most of the
+traffic; at large M the dequantize-then-vendor-matmul path wins, and :mod:`.dispatch` picks per layer by M.
 
-Tile shapes come from a short list of configurations autotuned per (device, shape, format) by Triton, which caches
-the winner per key for the process. Under ``TRITON_INTERPRET=1`` (CI on a CPU) the tile products run in fp32, since
-the interpreter has no bf16 matmul; bf16 operands are exact in fp32, so only the summation order differs.
+Two kernel shapes:
+
+* GEMV (M ≤ :data:`GEMV_MAX_M`): no tensor cores. Codes become fp32 and meet the input in plain fused
+  multiply-adds; scales and zero points are applied once per group, not per weight (``Σ x·s(q − z) =
+  s(Σ x·q − z·Σ x)``), and smoothing's 1/s multiplies the input row instead of every weight. The weight is never
+  rounded to bf16, so results differ from the dequantize path by that rounding only.
+* MMA (larger M): the bf16 weight tile, rounded as the reference rounds it, feeds ``tl.dot``.
+
+For few rows the reduction axis (K for the forward, N for the input gradient) is split over SPLIT programs, each
+writing its fp32 partial sum to its own plane; one small kernel adds the planes in a fixed order (deterministic,
+unlike atomics: a redone training step sees the same bits). Unsplit configurations store bf16 directly.
+Tile shapes come from short lists of configurations autotuned per (device, shape, format) by Triton, which caches
+the winner on disk. Under ``TRITON_INTERPRET=1`` (CI on a CPU) tile products run in fp32, since the interpreter has
+no bf16 matmul, and rounding to bf16 is done in integer arithmetic, since it truncates.
 """
 from __future__ import annotations
 
@@ -29,55 +40,188 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the winning configuration per key also goes to Triton's on-disk cache, so later processes skip the tuning
 _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 _CACHE.update(warmup=5, rep=20)  # milliseconds per candidate: enough to rank tiles of a few-µs kernel
+_KEY = ["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"]
+
+GEMV_MAX_M = 4  # up to this many rows the GEMV kernels run (one FMA per row and weight); MMA kernels above
+MAX_SPLIT = 16  # the largest SPLIT of any configuration
+SPLIT_MAX_M = 64  # configurations for more rows than this do not split the reduction (enough programs without)
+
+
+def _configs(tiles, splits, fixed: dict) -> list[triton.Config]:
+    """One configuration per (tile, split) of the lists, or ``fixed`` alone when tuning is off."""
+    if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # no tuning (interpreter, tests)
+        return [triton.Config(fixed, num_warps=4)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, **extra}, num_warps=warps, num_stages=3)
+            for bn, bk, warps, extra in tiles for split in splits]
+
+
+def _prune(configs, named):
+    """Keep configurations whose K tile holds whole groups (and 64-code chunks for vectorized W6), whose M tile is
+    not far wider than the rows there are, and that split only for few rows."""
+    group, m = named["GROUP"], named["M_BUCKET"]
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0 and c.kwargs["BLOCK_K"] % 64 == 0
+            and c.kwargs.get("BLOCK_M", 16) <= max(16, m) and (m <= SPLIT_MAX_M or c.kwargs["SPLIT"] == 1)]
+    return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64), "SPLIT": 1,
+                                   **({"BLOCK_M": 16} if "BLOCK_M" in configs[0].kwargs else {})},
+                                  num_warps=configs[0].num_warps)]
+
+
+def _tuned(configs):
+    return triton.autotune(configs=configs, key=_KEY, **_CACHE, prune_configs_by={
+        "early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})})
+
+
+@triton.jit
+def _group_operands(s_ptr, z_ptr, rows, row_mask, k0, n_groups, s_row_stride,
+                    GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 scales and zero points [rows, groups] of columns [k0, k0 + BLOCK_K); 0 outside the matrix, so padded
+    rows and columns weigh nothing."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    g = k0 // GROUP + tl.arange(0, NG)
+    gm = row_mask[:, None] & (g[None, :] < n_groups)
+    g_off = rows[:, None].to(tl.int64) * s_row_stride + g[None, :]
+    s = tl.load(s_ptr + g_off, mask=gm, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g_off, mask=gm, other=0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s)
+    return s, z
 
 
 @triton.jit
 def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
                  s_row_stride, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+                 HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """The bf16 weight tile W[rows, k0:k0 + BLOCK_K] (zeros outside the matrix), as the reference rounds it."""
     q = _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
+    s, z = _group_operands(s_ptr, z_ptr, rows, row_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
     NG: tl.constexpr = BLOCK_K // GROUP
-    g = k0 // GROUP + tl.arange(0, NG)
-    gm = row_mask[:, None] & (g[None, :] < n_groups)
-    g_off = rows[:, None].to(tl.int64) * s_row_stride + g[None, :]
-    s = tl.load(s_ptr + g_off, mask=gm, other=0.0).to(tl.float32)  # 0 outside: padded rows/columns weigh nothing
-    q3 = tl.reshape(q, (BLOCK_N, NG, GROUP))
-    if HAS_ZERO:
-        z = tl.load(z_ptr + g_off, mask=gm, other=0).to(tl.int32)
-        q3 = q3 - z[:, :, None]
-    w = tl.reshape(q3.to(tl.float32) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    w = tl.reshape((tl.reshape(q, (BLOCK_N, NG, GROUP)).to(tl.float32) - z[:, :, None]) * s[:, :, None],
+                   (BLOCK_N, BLOCK_K))
     if HAS_SMOOTH:
         cols = k0 + tl.arange(0, BLOCK_K)
         w = w * tl.load(inv_ptr + cols, mask=cols < K, other=0.0)[None, :]
-    return _bf16_bits_rne(w).to(tl.bfloat16, bitcast=True)
+    if INTERPRETED:
+        return _bf16_bits_rne(w).to(tl.bfloat16, bitcast=True)
+    return w.to(tl.bfloat16)  # round to nearest even, as torch rounds
 
 
-def _configs(kind: str) -> list[triton.Config]:
-    """Autotuning candidates. The fused path serves few rows, so M tiles are narrow and the reduction axis (K for
-    the forward, N for the input gradient) is split over SPLIT programs, each writing its fp32 partial sum to its
-    own plane that the wrapper adds up in a fixed order (deterministic, unlike atomics): without the split a
-    3072-wide layer gives an H100's 132 SMs a few dozen programs."""
-    if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # one configuration, no tuning (tests)
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT": 2}, num_warps=4)]
-    out = []
-    for bm in (16, 64):
-        for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (32, 256, 4), (64, 256, 8)):
-            for split in (1, 4, 8):
-                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split},
-                                         num_warps=warps, num_stages=3))
-    return out
-
-
-@triton.autotune(configs=_configs("forward"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
-                 prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})},
-                 **_CACHE)
 @triton.jit
-def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
-                   x_row_stride, q_row_stride, s_row_stride, y_row_stride, y_plane_stride,
-                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, FP32_DOT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+def _store_result(acc, out_ptr, plane_ptr, m, cols, mask, row_stride, plane_stride, pid_s, SPLIT: tl.constexpr):
+    """An fp32 result tile [m, cols]: bf16 into the output (an int16 view) when the reduction is not split, else
+    split ``pid_s``'s fp32 partial sums into its plane."""
+    off = m[:, None].to(tl.int64) * row_stride + cols[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + off, _bf16_bits_rne(acc), mask=mask)
+    else:
+        tl.store(plane_ptr + pid_s.to(tl.int64) * plane_stride + off, acc, mask=mask)
+
+
+@triton.jit
+def _sum_planes(plane_ptr, out_ptr, numel, plane_stride, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out (int16 view of bf16) = the planes' sum, added in plane order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.load(plane_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        total += tl.load(plane_ptr + s * plane_stride + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, _bf16_bits_rne(total), mask=mask)
+
+
+# ---- GEMV: few rows, plain FMAs ------------------------------------------------------------------------------
+
+@_tuned(_configs(((8, 256, 4, {}), (16, 256, 4, {}), (32, 256, 4, {}), (8, 512, 4, {}), (16, 512, 8, {})),
+                 (1, 2, 4), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1}))
+@triton.jit
+def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
+                  n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = m < M, n < N
+    NG: tl.constexpr = BLOCK_K // GROUP
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * x_row_stride + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        if HAS_SMOOTH:
+            x = x * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :]
+        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
+        s, z = _group_operands(s_ptr, z_ptr, n, n_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
+        x3 = tl.reshape(x, (BLOCK_M, NG, GROUP))
+        xq = tl.sum(x3[:, None, :, :] * tl.reshape(q.to(tl.float32), (BLOCK_N, NG, GROUP))[None, :, :, :], axis=3)
+        if HAS_ZERO:
+            xq = xq - z[None, :, :] * tl.sum(x3, axis=2)[:, None, :]
+        acc += tl.sum(xq * s[None, :, :], axis=2)
+    if HAS_BIAS:
+        if pid_s == 0:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_result(acc, out_ptr, plane_ptr, m, n, m_mask[:, None] & n_mask[None, :], out_row_stride, plane_stride,
+                  pid_s, SPLIT)
+
+
+@_tuned(_configs(((32, 64, 4, {}), (64, 64, 4, {}), (16, 128, 4, {}), (32, 128, 4, {}), (16, 256, 4, {})),
+                 (4, 8, 16), {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT": 4}))
+@triton.jit
+def _gemv_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
+                     n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                     VEC6: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    # dx[m, k] = inv[k] · Σ_n a[m, n, g(k)] · q[n, k] − Σ_n a[m, n, g(k)] · z[n, g(k)] with a = dy · scale: the
+    # elementwise sums run over the whole split, the sum over n once at the end
+    pid_k = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    k0 = pid_k * BLOCK_K
+    kk = k0 + tl.arange(0, BLOCK_K)
+    m_mask = m < M
+    NG: tl.constexpr = BLOCK_K // GROUP
+    acc = tl.zeros((BLOCK_M, BLOCK_N, NG, GROUP), dtype=tl.float32)
+    zacc = tl.zeros((BLOCK_M, BLOCK_N, NG), dtype=tl.float32)
+    per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
+    for n0 in range(pid_s * per_split, tl.minimum(N, (pid_s + 1) * per_split), BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        dy = tl.load(dy_ptr + m[:, None] * dy_row_stride + n[None, :], mask=m_mask[:, None] & n_mask[None, :],
+                     other=0.0).to(tl.float32)
+        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
+        s, z = _group_operands(s_ptr, z_ptr, n, n_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
+        a = dy[:, :, None] * s[None, :, :]
+        acc += a[:, :, :, None] * tl.reshape(q.to(tl.float32), (BLOCK_N, NG, GROUP))[None, :, :, :]
+        if HAS_ZERO:
+            zacc += a * z[None, :, :]
+    dx = tl.reshape(tl.sum(acc, axis=1) - tl.sum(zacc, axis=1)[:, :, None], (BLOCK_M, BLOCK_K))
+    if HAS_SMOOTH:
+        dx = dx * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :]
+    _store_result(dx, out_ptr, plane_ptr, m, kk, m_mask[:, None] & (kk[None, :] < K), out_row_stride, plane_stride,
+                  pid_s, SPLIT)
+
+
+# ---- MMA: more rows, tensor cores ----------------------------------------------------------------------------
+
+def _mma_configs(fixed_split: int):
+    tiles = [(bn, bk, warps, {"BLOCK_M": bm}) for bm in (16, 64)
+             for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (32, 256, 4), (64, 256, 8))]
+    return _configs(tiles, (1, 4, 8), {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT": fixed_split})
+
+
+# the untuned configurations (tests) store both ways: directly for the GEMV forward and the MMA input gradient,
+# through split planes for the other two
+@_tuned(_mma_configs(2))
+@triton.jit
+def _mma_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
+                 n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -91,27 +235,25 @@ def _fused_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, y_ptr, M, N, K, M
         x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_row_stride + kk[None, :],
                     mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
         w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, n, n_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
-        if FP32_DOT:
+                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, INTERPRETED)
+        if INTERPRETED:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         if pid_s == 0:
             acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    plane = y_ptr + pid_s.to(tl.int64) * y_plane_stride
-    tl.store(plane + m[:, None].to(tl.int64) * y_row_stride + n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+    _store_result(acc, out_ptr, plane_ptr, m, n, m_mask[:, None] & n_mask[None, :], out_row_stride, plane_stride,
+                  pid_s, SPLIT)
 
 
-@triton.autotune(configs=_configs("grad"), key=["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"],
-                 prune_configs_by={"early_config_prune": lambda configs, named, **kw: _prune(configs, {**named, **kw})},
-                 **_CACHE)
+@_tuned(_mma_configs(1))
 @triton.jit
-def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_BUCKET, row_bytes, n_groups,
-                      dy_row_stride, q_row_stride, s_row_stride, dx_row_stride, dx_plane_stride,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                      VEC6: tl.constexpr, FP32_DOT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+def _mma_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
+                    n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                    VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -127,35 +269,16 @@ def _fused_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, dx_ptr, M, N, K, M_B
         dy = tl.load(dy_ptr + m[:, None].to(tl.int64) * dy_row_stride + n[None, :],
                      mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, n, n_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
-        if FP32_DOT:
+                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, INTERPRETED)
+        if INTERPRETED:
             acc += tl.dot(dy.to(tl.float32), w.to(tl.float32))
         else:
             acc += tl.dot(dy, w)
-    plane = dx_ptr + pid_s.to(tl.int64) * dx_plane_stride
-    tl.store(plane + m[:, None].to(tl.int64) * dx_row_stride + kk[None, :], acc, mask=m_mask[:, None] & (kk[None, :] < K))
+    _store_result(acc, out_ptr, plane_ptr, m, kk, m_mask[:, None] & (kk[None, :] < K), out_row_stride, plane_stride,
+                  pid_s, SPLIT)
 
 
-def _prune(configs, named):
-    """Keep configurations whose K tile holds whole groups (and 64-code chunks for vectorized W6) and whose M tile
-    is not far wider than the rows there are."""
-    group, m = named["GROUP"], named["M_BUCKET"]
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0 and c.kwargs["BLOCK_K"] % 64 == 0
-            and c.kwargs["BLOCK_M"] <= max(16, m)]
-    return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64), "BLOCK_M": 16},
-                                  num_warps=configs[0].num_warps)]
-
-
-MAX_SPLIT = 8  # the largest SPLIT of any configuration
-
-
-def _sum_planes(planes: torch.Tensor, kernel) -> torch.Tensor:
-    """The bf16 sum of the partial-sum planes the last launch of ``kernel`` wrote (its chosen configuration's
-    SPLIT), added in plane order so that a result does not depend on which program finished first."""
-    split = kernel.best_config.kwargs["SPLIT"]
-    total = planes[0] if split == 1 else planes[:split].sum(0)
-    return total.to(torch.bfloat16)
-
+# ---- launching ------------------------------------------------------------------------------------------------
 
 def _m_bucket(m: int) -> int:
     """Autotune once per power of two of M, not per M."""
@@ -168,49 +291,56 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(kernel, grid, qw: QuantizedWeight, rows: torch.Tensor, planes: torch.Tensor, *args, **flags) -> None:
-    """Launch a fused kernel on ``rows`` into ``planes`` (one fp32 plane per split) with ``qw``'s packed operands and
-    format flags; ``args`` / ``flags`` are the kernel's own (bias, its HAS_BIAS)."""
+def _run(kernels, grid_of, qw: QuantizedWeight, rows: torch.Tensor, width: int, *args, **flags) -> torch.Tensor:
+    """Launch the GEMV or MMA kernel of ``kernels`` (by the number of rows) on ``rows`` with ``qw``'s packed
+    operands; returns the bf16 result [rows, width], adding the split planes in order when the chosen
+    configuration split the reduction. ``args`` / ``flags`` are the kernel's own (bias, HAS_BIAS)."""
     spec, m = qw.spec, rows.shape[0]
+    gemv = m <= GEMV_MAX_M
+    kernel = kernels[0] if gemv else kernels[1]
+    out = torch.empty(m, width, dtype=torch.bfloat16, device=rows.device)
+    planes = torch.empty(MAX_SPLIT, m, width, dtype=torch.float32, device=rows.device) if m <= SPLIT_MAX_M else out
     vec6 = spec.bits == 6 and _vec6_ok(qw.tensors["qweight"])  # whole 48-byte chunks per row, 16-byte aligned
     qweight, scales, zeros, inv = packed_operands(qw, vec6)
     n, k = qw.shape
     row_bytes = qw.tensors["qweight"].shape[1]
-    kernel[grid](rows, qweight, scales, zeros, inv, *args, planes, m, n, k, _m_bucket(m), row_bytes, scales.shape[1],
-                 rows.stride(0), qweight.stride(0), scales.stride(0), planes.stride(1),
-                 planes.stride(0), BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
-                 HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6, FP32_DOT=_INTERPRET or rows.device.type != "cuda",
+    if gemv:
+        flags["BLOCK_M"] = _m_bucket(m)
+
+        def grid(meta):
+            return grid_of(meta)[0], meta["SPLIT"]
+    else:
+        def grid(meta):
+            return grid_of(meta)[0], triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
+    kernel[grid](rows, qweight, scales, zeros, inv, *args, out.view(torch.int16), planes, m, n, k, _m_bucket(m),
+                 row_bytes, scales.shape[1], rows.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+                 m * width, BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
+                 HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6, INTERPRETED=_INTERPRET or rows.device.type != "cuda",
                  **flags)
+    split = kernel.best_config.kwargs["SPLIT"]
+    if split > 1:
+        block = 1024
+        _sum_planes[(triton.cdiv(m * width, block),)](planes, out.view(torch.int16), m * width, m * width,
+                                                      SPLIT=split, BLOCK=block)
+    return out
 
 
 def fused_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ Wᵀ (+ bias)`` in bf16 for bf16 ``x`` [..., K], reading ``qw``'s packed codes directly."""
     n, k = qw.shape
     x2 = _rows(x, k)
-    m = x2.shape[0]
-    if m == 0:
+    if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    y = torch.empty(MAX_SPLIT, m, n, dtype=torch.float32, device=x.device)  # one fp32 plane per split
-
-    def grid(meta):
-        return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
-
-    _launch(_fused_forward, grid, qw, x2, y, bias if bias is not None else qw.tensors["scales"],
-            HAS_BIAS=bias is not None)
-    return _sum_planes(y, _fused_forward).view(*x.shape[:-1], n)
+    y = _run((_gemv_forward, _mma_forward), lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),), qw, x2, n,
+             bias if bias is not None else qw.tensors["scales"], HAS_BIAS=bias is not None)
+    return y.view(*x.shape[:-1], n)
 
 
 def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """``dy @ W`` in bf16 for bf16 ``dy`` [..., N]: the input gradient of :func:`fused_linear`."""
     n, k = qw.shape
     dy2 = _rows(dy, n)
-    m = dy2.shape[0]
-    if m == 0:
+    if dy2.shape[0] == 0:
         return dy.new_empty(*dy.shape[:-1], k, dtype=torch.bfloat16)
-    dx = torch.empty(MAX_SPLIT, m, k, dtype=torch.float32, device=dy.device)
-
-    def grid(meta):
-        return triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
-
-    _launch(_fused_input_grad, grid, qw, dy2, dx)
-    return _sum_planes(dx, _fused_input_grad).view(*dy.shape[:-1], k)
+    dx = _run((_gemv_input_grad, _mma_input_grad), lambda meta: (triton.cdiv(k, meta["BLOCK_K"]),), qw, dy2, k)
+    return dx.view(*dy.shape[:-1], k)
