@@ -155,7 +155,7 @@ def main() -> None:
                            "TFLOPS": 2 * m * n * k / seconds / 1e12, "copies": len(calls)}
                     if variant == "fused":
                         rec["rel_error"] = fwd_err if direction == "forward" else grad_err
-                        rec["config"], rec["tuning_us"] = chosen_config(triton_fused, direction, m)
+                        rec["config"], rec["tuning_us"] = chosen_config(triton_fused, qw, direction, m)
                     records.append(rec)
                     emit(rec)
     if args.out:
@@ -167,19 +167,17 @@ def main() -> None:
     print(report(records))
 
 
-def chosen_config(triton_fused, direction: str, m: int) -> tuple[str, dict]:
+def chosen_config(triton_fused, qw, direction: str, m: int) -> tuple[str, dict]:
     """The autotuned configuration the last fused call of ``direction`` at ``m`` rows ran, and the µs the tuner
     measured per candidate when it tuned that kernel last (this shape's key: the check above tuned it)."""
-    gemv = m <= triton_fused.GEMV_MAX_M
-    kernel = {("forward", True): triton_fused._gemv_forward, ("forward", False): triton_fused._mma_forward,
-              ("input grad", True): triton_fused._gemv_input_grad,
-              ("input grad", False): triton_fused._mma_input_grad}[(direction, gemv)]
+    variant = triton_fused._variant(m, qw, direction)
+    kernel = triton_fused._KERNELS[(variant, direction)]
     def name(c):
         return " ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" w{c.num_warps}"
 
     timings = {name(c): round(float(t[0] if isinstance(t, (list, tuple)) else t) * 1e3, 2)
                for c, t in (getattr(kernel, "configs_timings", None) or {}).items()}
-    return ("gemv " if gemv else "mma ") + name(kernel.best_config), timings
+    return f"{variant} " + name(kernel.best_config), timings
 
 
 def report(records: list[dict]) -> str:

@@ -42,7 +42,6 @@ _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.
 _CACHE.update(warmup=5, rep=20)  # milliseconds per candidate: enough to rank tiles of a few-µs kernel
 _KEY = ["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"]
 
-GEMV_MAX_M = 4  # up to this many rows the GEMV kernels run (one FMA per row and weight); MMA kernels above
 MAX_SPLIT = 16  # the largest SPLIT of any configuration
 SPLIT_MAX_M = 64  # configurations for more rows than this do not split the reduction (enough programs without)
 
@@ -51,7 +50,8 @@ def _configs(tiles, splits, fixed: dict) -> list[triton.Config]:
     """One configuration per (tile, split) of the lists, or ``fixed`` alone when tuning is off."""
     if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # no tuning (interpreter, tests)
         return [triton.Config(fixed, num_warps=4)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, **extra}, num_warps=warps, num_stages=3)
+    return [triton.Config({"BLOCK_N": bn, **({} if bk is None else {"BLOCK_K": bk}), "SPLIT": split, **extra},
+                          num_warps=warps, num_stages=3)
             for bn, bk, warps, extra in tiles for split in splits]
 
 
@@ -59,11 +59,14 @@ def _prune(configs, named):
     """Keep configurations whose K tile holds whole groups (and 64-code chunks for vectorized W6), whose M tile is
     not far wider than the rows there are, and that split only for few rows."""
     group, m = named["GROUP"], named["M_BUCKET"]
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0 and c.kwargs["BLOCK_K"] % 64 == 0
+    kept = [c for c in configs if c.kwargs.get("BLOCK_K", 64) % group == 0 and c.kwargs.get("BLOCK_K", 64) % 64 == 0
             and c.kwargs.get("BLOCK_M", 16) <= max(16, m) and (m <= SPLIT_MAX_M or c.kwargs["SPLIT"] == 1)]
-    return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64), "SPLIT": 1,
-                                   **({"BLOCK_M": 16} if "BLOCK_M" in configs[0].kwargs else {})},
-                                  num_warps=configs[0].num_warps)]
+    if kept:
+        return kept
+    fallback = {**configs[0].kwargs, "SPLIT": 1, **({"BLOCK_M": 16} if "BLOCK_M" in configs[0].kwargs else {})}
+    if "BLOCK_K" in fallback:
+        fallback["BLOCK_K"] = max(group, 64)
+    return [triton.Config(fallback, num_warps=configs[0].num_warps)]
 
 
 def _tuned(configs):
@@ -102,9 +105,7 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
     if HAS_SMOOTH:
         cols = k0 + tl.arange(0, BLOCK_K)
         w = w * tl.load(inv_ptr + cols, mask=cols < K, other=0.0)[None, :]
-    if INTERPRETED:
-        return _bf16_bits_rne(w).to(tl.bfloat16, bitcast=True)
-    return w.to(tl.bfloat16)  # round to nearest even, as torch rounds
+    return _to_bf16(w, INTERPRETED)
 
 
 @triton.jit
@@ -119,6 +120,14 @@ def _store_result(acc, out_ptr, plane_ptr, m, cols, mask, row_stride, plane_stri
 
 
 @triton.jit
+def _to_bf16(x, INTERPRETED: tl.constexpr):
+    """fp32 -> bf16, nearest even (the interpreter's own cast truncates)."""
+    if INTERPRETED:
+        return _bf16_bits_rne(x).to(tl.bfloat16, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _sum_planes(plane_ptr, out_ptr, numel, plane_stride, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """out (int16 view of bf16) = the planes' sum, added in plane order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -129,42 +138,39 @@ def _sum_planes(plane_ptr, out_ptr, numel, plane_stride, SPLIT: tl.constexpr, BL
     tl.store(out_ptr + offs, _bf16_bits_rne(total), mask=mask)
 
 
-# ---- GEMV: few rows, plain FMAs ------------------------------------------------------------------------------
+# ---- GEMV: one row, plain FMAs -------------------------------------------------------------------------------
 
-@_tuned(_configs(((8, 256, 4, {}), (16, 256, 4, {}), (32, 256, 4, {}), (8, 512, 4, {}), (16, 512, 8, {})),
-                 (1, 2, 4), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1}))
+@_tuned(_configs(((8, 256, 4, {}), (16, 256, 4, {}), (32, 256, 4, {}), (16, 128, 4, {}), (32, 128, 4, {})),
+                 (1, 2, 4, 8), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1}))
 @triton.jit
 def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
                   n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    # products accumulate elementwise over the split; the sum over K happens once, at the end
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = m < M, n < N
+    n_mask = n < N
     NG: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, NG, GROUP), dtype=tl.float32)
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * x_row_stride + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         if HAS_SMOOTH:
-            x = x * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :]
+            x = x * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
         q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
         s, z = _group_operands(s_ptr, z_ptr, n, n_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
-        x3 = tl.reshape(x, (BLOCK_M, NG, GROUP))
-        xq = tl.sum(x3[:, None, :, :] * tl.reshape(q.to(tl.float32), (BLOCK_N, NG, GROUP))[None, :, :, :], axis=3)
-        if HAS_ZERO:
-            xq = xq - z[None, :, :] * tl.sum(x3, axis=2)[:, None, :]
-        acc += tl.sum(xq * s[None, :, :], axis=2)
+        w = (tl.reshape(q, (BLOCK_N, NG, GROUP)).to(tl.float32) - z[:, :, None]) * s[:, :, None]
+        acc += w * tl.reshape(x, (NG, GROUP))[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         if pid_s == 0:
-            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _store_result(acc, out_ptr, plane_ptr, m, n, m_mask[:, None] & n_mask[None, :], out_row_stride, plane_stride,
-                  pid_s, SPLIT)
+            y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    _store_result(y[None, :], out_ptr, plane_ptr, tl.arange(0, 1), n, n_mask[None, :], out_row_stride,
+                  plane_stride, pid_s, SPLIT)
 
 
 @_tuned(_configs(((32, 64, 4, {}), (64, 64, 4, {}), (16, 128, 4, {}), (32, 128, 4, {}), (16, 256, 4, {})),
@@ -173,32 +179,117 @@ def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr
 def _gemv_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
                      n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                     VEC6: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    # dx[m, k] = inv[k] · Σ_n a[m, n, g(k)] · q[n, k] − Σ_n a[m, n, g(k)] · z[n, g(k)] with a = dy · scale: the
+    # dx[k] = inv[k] · Σ_n a[n, g(k)] · q[n, k] − Σ_n a[n, g(k)] · z[n, g(k)] with a = dy · scale: the
     # elementwise sums run over the whole split, the sum over n once at the end
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
     k0 = pid_k * BLOCK_K
     kk = k0 + tl.arange(0, BLOCK_K)
-    m_mask = m < M
     NG: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros((BLOCK_M, BLOCK_N, NG, GROUP), dtype=tl.float32)
-    zacc = tl.zeros((BLOCK_M, BLOCK_N, NG), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, NG, GROUP), dtype=tl.float32)
+    zacc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
     for n0 in range(pid_s * per_split, tl.minimum(N, (pid_s + 1) * per_split), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < N
-        dy = tl.load(dy_ptr + m[:, None] * dy_row_stride + n[None, :], mask=m_mask[:, None] & n_mask[None, :],
-                     other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
         q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
         s, z = _group_operands(s_ptr, z_ptr, n, n_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
-        a = dy[:, :, None] * s[None, :, :]
-        acc += a[:, :, :, None] * tl.reshape(q.to(tl.float32), (BLOCK_N, NG, GROUP))[None, :, :, :]
+        a = dy[:, None] * s
+        acc += a[:, :, None] * tl.reshape(q.to(tl.float32), (BLOCK_N, NG, GROUP))
         if HAS_ZERO:
-            zacc += a * z[None, :, :]
-    dx = tl.reshape(tl.sum(acc, axis=1) - tl.sum(zacc, axis=1)[:, :, None], (BLOCK_M, BLOCK_K))
+            zacc += a * z
+    dx = tl.reshape(tl.sum(acc, axis=0) - tl.sum(zacc, axis=0)[:, None], (BLOCK_K,))
+    if HAS_SMOOTH:
+        dx = dx * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
+    _store_result(dx[None, :], out_ptr, plane_ptr, tl.arange(0, 1), kk, (kk < K)[None, :], out_row_stride,
+                  plane_stride, pid_s, SPLIT)
+
+
+# ---- grouped MMA: few rows, tensor cores on the raw codes --------------------------------------------------
+
+def _grouped_configs(splits, fixed_split: int):
+    # no BLOCK_K: these kernels step one group at a time
+    tiles = [(bn, None, warps, {"BLOCK_M": bm}) for bm in (16, 64) for bn, warps in ((64, 4), (128, 4), (256, 8))]
+    return _configs(tiles, splits, {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT": fixed_split})
+
+
+@_tuned(_grouped_configs((1, 2, 4, 8), 2))
+@triton.jit
+def _grouped_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
+                     n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # one group per step: y += s[n] · (x · q[n]ᵀ − z[n] · Σx), the dot on the codes themselves (exact in bf16)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = m < M, n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    per_split = tl.cdiv(n_groups, SPLIT) * GROUP
+    for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), GROUP):
+        kk = k0 + tl.arange(0, GROUP)
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_row_stride + kk[None, :],
+                    mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
+        if HAS_SMOOTH:
+            x = _to_bf16(x.to(tl.float32) * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :], INTERPRETED)
+        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, GROUP, VEC6)
+        g_off = n.to(tl.int64) * s_row_stride + k0 // GROUP
+        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
+        if INTERPRETED:
+            part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)))
+        else:
+            part = tl.dot(x, tl.trans(q.to(tl.bfloat16)))
+        if HAS_ZERO:
+            z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.float32)
+            part = part - tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
+        acc += part * s[None, :]
+    if HAS_BIAS:
+        if pid_s == 0:
+            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_result(acc, out_ptr, plane_ptr, m, n, m_mask[:, None] & n_mask[None, :], out_row_stride, plane_stride,
+                  pid_s, SPLIT)
+
+
+@_tuned(_grouped_configs((2, 4, 8, 16), 4))
+@triton.jit
+def _grouped_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
+                        n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                        HAS_SMOOTH: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    # a program owns one group of columns: dx = (dy·s) · q − Σ_n (dy·s)·z, the dot on the codes themselves
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k0 = pid_k * GROUP
+    kk = k0 + tl.arange(0, GROUP)
+    m_mask = m < M
+    acc = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+    zacc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
+    for n0 in range(pid_s * per_split, tl.minimum(N, (pid_s + 1) * per_split), BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        dy = tl.load(dy_ptr + m[:, None].to(tl.int64) * dy_row_stride + n[None, :],
+                     mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+        g_off = n.to(tl.int64) * s_row_stride + pid_k
+        a = _to_bf16(dy * tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[None, :], INTERPRETED)
+        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, GROUP, VEC6)
+        if INTERPRETED:
+            acc += tl.dot(a.to(tl.float32), q.to(tl.float32))
+        else:
+            acc += tl.dot(a, q.to(tl.bfloat16))
+        if HAS_ZERO:
+            z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.float32)
+            zacc += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
+    dx = acc - zacc[:, None]
     if HAS_SMOOTH:
         dx = dx * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :]
     _store_result(dx, out_ptr, plane_ptr, m, kk, m_mask[:, None] & (kk[None, :] < K), out_row_stride, plane_stride,
@@ -291,27 +382,50 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _run(kernels, grid_of, qw: QuantizedWeight, rows: torch.Tensor, width: int, *args, **flags) -> torch.Tensor:
-    """Launch the GEMV or MMA kernel of ``kernels`` (by the number of rows) on ``rows`` with ``qw``'s packed
-    operands; returns the bf16 result [rows, width], adding the split planes in order when the chosen
-    configuration split the reduction. ``args`` / ``flags`` are the kernel's own (bias, HAS_BIAS)."""
+VARIANT_ENV = "SQUAREQ_FUSED_VARIANT"  # gemv | grouped | mma: force one kernel shape where it applies (experiments)
+_KERNELS = {("gemv", "forward"): _gemv_forward, ("gemv", "input grad"): _gemv_input_grad,
+            ("grouped", "forward"): _grouped_forward, ("grouped", "input grad"): _grouped_input_grad,
+            ("mma", "forward"): _mma_forward, ("mma", "input grad"): _mma_input_grad}
+
+
+def _variant(m: int, qw: QuantizedWeight, direction: str) -> str:
+    """The kernel shape for ``m`` rows of ``qw``: GEMV for one row, grouped MMA for few, MMA otherwise; a shape
+    that cannot serve the call (GEMV for several rows, grouped steps for groups that are not whole 64-code W6
+    chunks or shorter than a tensor-core step) gives way to the next."""
+    spec = qw.spec
+    grouped_ok = spec.group_size >= 16 and (spec.bits != 6 or spec.group_size % 64 == 0)
+    wanted = os.environ.get(VARIANT_ENV) or ("gemv" if m == 1 else "grouped" if m <= SPLIT_MAX_M else "mma")
+    if wanted not in ("gemv", "grouped", "mma"):
+        raise ValueError(f"{VARIANT_ENV}={wanted!r}: use gemv, grouped or mma (or leave it unset).")
+    if wanted == "gemv" and m > 1:
+        wanted = "grouped"
+    if wanted == "grouped" and not grouped_ok:
+        wanted = "mma"
+    return wanted
+
+
+def _run(direction: str, qw: QuantizedWeight, rows: torch.Tensor, *args, **flags) -> torch.Tensor:
+    """Launch the chosen kernel of ``direction`` on ``rows`` with ``qw``'s packed operands; returns the bf16 result
+    [rows, N or K], adding the split planes in order when the chosen configuration split the reduction.
+    ``args`` / ``flags`` are the kernel's own (bias, HAS_BIAS)."""
     spec, m = qw.spec, rows.shape[0]
-    gemv = m <= GEMV_MAX_M
-    kernel = kernels[0] if gemv else kernels[1]
+    n, k = qw.shape
+    variant = _variant(m, qw, direction)
+    kernel = _KERNELS[(variant, direction)]
+    width = n if direction == "forward" else k
+
+    def grid(meta):
+        tile = (meta["BLOCK_N"] if direction == "forward" else
+                spec.group_size if variant == "grouped" else meta["BLOCK_K"])
+        if variant == "gemv":
+            return triton.cdiv(width, tile), meta["SPLIT"]
+        return triton.cdiv(width, tile), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
+
     out = torch.empty(m, width, dtype=torch.bfloat16, device=rows.device)
     planes = torch.empty(MAX_SPLIT, m, width, dtype=torch.float32, device=rows.device) if m <= SPLIT_MAX_M else out
     vec6 = spec.bits == 6 and _vec6_ok(qw.tensors["qweight"])  # whole 48-byte chunks per row, 16-byte aligned
     qweight, scales, zeros, inv = packed_operands(qw, vec6)
-    n, k = qw.shape
     row_bytes = qw.tensors["qweight"].shape[1]
-    if gemv:
-        flags["BLOCK_M"] = _m_bucket(m)
-
-        def grid(meta):
-            return grid_of(meta)[0], meta["SPLIT"]
-    else:
-        def grid(meta):
-            return grid_of(meta)[0], triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
     kernel[grid](rows, qweight, scales, zeros, inv, *args, out.view(torch.int16), planes, m, n, k, _m_bucket(m),
                  row_bytes, scales.shape[1], rows.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
                  m * width, BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
@@ -331,8 +445,7 @@ def fused_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     x2 = _rows(x, k)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16)
-    y = _run((_gemv_forward, _mma_forward), lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),), qw, x2, n,
-             bias if bias is not None else qw.tensors["scales"], HAS_BIAS=bias is not None)
+    y = _run("forward", qw, x2, bias if bias is not None else qw.tensors["scales"], HAS_BIAS=bias is not None)
     return y.view(*x.shape[:-1], n)
 
 
@@ -342,5 +455,5 @@ def fused_input_grad(dy: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     dy2 = _rows(dy, n)
     if dy2.shape[0] == 0:
         return dy.new_empty(*dy.shape[:-1], k, dtype=torch.bfloat16)
-    dx = _run((_gemv_input_grad, _mma_input_grad), lambda meta: (triton.cdiv(k, meta["BLOCK_K"]),), qw, dy2, k)
+    dx = _run("input grad", qw, dy2)
     return dx.view(*dy.shape[:-1], k)

@@ -28,9 +28,13 @@ def _case(bits, symmetric, smooth, shape, seed, device="cpu"):
     return qw, x, dy, bias
 
 
-def check_against_reference(bits, symmetric, smooth, with_bias, device="cpu"):
+VARIANTS = ["gemv", "grouped", "mma"]  # each kernel shape where it applies; the others give way (triton_fused._variant)
+
+
+def check_against_reference(bits, symmetric, smooth, with_bias, variant, monkeypatch, device="cpu"):
     from squareq.kernels.triton_fused import fused_input_grad, fused_linear
 
+    monkeypatch.setenv("SQUAREQ_FUSED_VARIANT", variant)
     for i, shape in enumerate(SHAPES):
         qw, x, dy, bias = _case(bits, symmetric, smooth, shape, seed=100 * bits + i, device=device)
         w = dequantize(qw).float()
@@ -38,7 +42,8 @@ def check_against_reference(bits, symmetric, smooth, with_bias, device="cpu"):
         want = x.float() @ w.T + (b.float() if b is not None else 0)
         got = fused_linear(x, qw, b)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
-        # fp32 sums of exact bf16 products: only the summation order and the final bf16 rounding differ
+        # fp32 sums; besides the summation order, the kernels round the weight (mma), the scaled input (grouped)
+        # or nothing (gemv) to bf16 where the reference rounds the weight
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
         want_dx = dy.float() @ w
         got_dx = fused_input_grad(dy, qw)
@@ -49,8 +54,9 @@ def check_against_reference(bits, symmetric, smooth, with_bias, device="cpu"):
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("symmetric,smooth", [(True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_kernels_match_the_reference(bits, symmetric, smooth, with_bias):
-    check_against_reference(bits, symmetric, smooth, with_bias)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_kernels_match_the_reference(bits, symmetric, smooth, with_bias, variant, monkeypatch):
+    check_against_reference(bits, symmetric, smooth, with_bias, variant, monkeypatch)
 
 
 @interpreted

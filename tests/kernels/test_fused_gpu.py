@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from .test_fused import check_against_reference
+from .test_fused import VARIANTS, check_against_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -10,8 +10,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("symmetric,smooth", [(True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_fused_kernels_match_the_reference_on_cuda(bits, symmetric, smooth, with_bias):
-    check_against_reference(bits, symmetric, smooth, with_bias, device="cuda")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_kernels_match_the_reference_on_cuda(bits, symmetric, smooth, with_bias, variant, monkeypatch):
+    check_against_reference(bits, symmetric, smooth, with_bias, variant, monkeypatch, device="cuda")
 
 
 def test_fused_results_repeat_bit_for_bit_on_cuda():
@@ -21,7 +22,7 @@ def test_fused_results_repeat_bit_for_bit_on_cuda():
 
     from .test_fused import _case
 
-    for rows in (1, 8):  # the GEMV and the MMA kernels
+    for rows in (1, 8, 128):  # the GEMV, grouped and MMA kernels
         qw, x, dy, bias = _case(4, False, False, (rows, 3072, 3072, 64), seed=5, device="cuda")
         ys = [fused_linear(x, qw, bias) for _ in range(5)]
         dxs = [fused_input_grad(dy, qw) for _ in range(5)]
