@@ -37,9 +37,10 @@ def _join16(g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11, g12, g13, g14, g15
 
 
 @triton.jit
-def _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes,
-                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
-    """Signed int32 codes for columns [k0, k0 + BLOCK_K) of ``rows``; out-of-row bytes read as 0.
+def _biased_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes,
+                  BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    """int32 codes + 2^(BITS-1) (so 0 ≤ value < 2^BITS) for columns [k0, k0 + BLOCK_K) of ``rows``; out-of-row
+    bytes read as 0.
 
     Packed bytes are read once and not reused, so they are loaded with evict_first.
     """
@@ -47,12 +48,12 @@ def _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes,
     if BITS == 8:
         cols = k0 + tl.arange(0, BLOCK_K)
         m = row_mask[:, None] & (cols[None, :] < row_bytes)
-        q = tl.load(base + cols[None, :], mask=m, other=0, eviction_policy="evict_first").to(tl.int32)
+        q = tl.load(base + cols[None, :], mask=m, other=0, eviction_policy="evict_first").to(tl.int32) + 128
     elif BITS == 4:
         cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         m = row_mask[:, None] & (cols[None, :] < row_bytes)
         b = tl.load(base + cols[None, :], mask=m, other=0, eviction_policy="evict_first").to(tl.int32)
-        q = tl.reshape(tl.join((b & 0xF) - 8, (b >> 4) - 8), (BLOCK_N, BLOCK_K))
+        q = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))
     elif VEC6:
         # 6-bit, vectorised: 64 codes = 48 bytes = three 16-byte vectors of int32 words per chunk.
         # q_ptr is an int32 view here (the wrapper checks rows are whole 48-byte chunks, 16-byte aligned)
@@ -73,7 +74,7 @@ def _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes,
                     a6, ((a6 >> 24) & 0xFF) | (a7 << 8), ((a7 >> 16) & 0xFFFF) | (a8 << 16), a8 >> 8,
                     a9, ((a9 >> 24) & 0xFF) | (a10 << 8), ((a10 >> 16) & 0xFFFF) | (a11 << 16), a11 >> 8)
         v = tl.join(tl.join(g & 0x3F, (g >> 12) & 0x3F), tl.join((g >> 6) & 0x3F, (g >> 18) & 0x3F))
-        q = tl.reshape(v, (BLOCK_N, BLOCK_K)) - 32
+        q = tl.reshape(v, (BLOCK_N, BLOCK_K))
     else:  # 6-bit, any layout: 4 codes in 3 bytes, little-endian 24-bit word
         cols = (k0 // 4) * 3 + 3 * tl.arange(0, BLOCK_K // 4)
         m = row_mask[:, None] & (cols[None, :] < row_bytes)
@@ -81,13 +82,22 @@ def _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes,
         word = (tl.load(p, mask=m, other=0).to(tl.int32)
                 | (tl.load(p + 1, mask=m, other=0).to(tl.int32) << 8)
                 | (tl.load(p + 2, mask=m, other=0).to(tl.int32) << 16))
-        v0 = (word & 0x3F) - 32
-        v1 = ((word >> 6) & 0x3F) - 32
-        v2 = ((word >> 12) & 0x3F) - 32
-        v3 = ((word >> 18) & 0x3F) - 32
+        v0 = word & 0x3F
+        v1 = (word >> 6) & 0x3F
+        v2 = (word >> 12) & 0x3F
+        v3 = (word >> 18) & 0x3F
         # join stacks on a new last axis, so the outer join must pair (v0, v1) and (v2, v3).
         q = tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_N, BLOCK_K))
     return q
+
+
+@triton.jit
+def _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes,
+                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    """Signed int32 codes for columns [k0, k0 + BLOCK_K) of ``rows`` (out-of-row bytes read as byte 0; their
+    scales are masked)."""
+    u = _biased_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
+    return u - (1 << (BITS - 1))
 
 
 @triton.jit

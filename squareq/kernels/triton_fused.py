@@ -9,13 +9,13 @@ and the output is bf16. At small M (modulation layers run with M = batch size) a
 weight, so reading 4-bit codes instead of a bf16 weight (that dequantization first wrote) saves most of the
 traffic; at large M the dequantize-then-vendor-matmul path wins, and :mod:`.dispatch` picks per layer by M.
 
-Two kernel shapes:
+Two kernel shapes, both turning codes into floats with one exact subtraction instead of an int-to-float
+conversion (see :func:`_centered_codes`):
 
-* GEMV (M ≤ :data:`GEMV_MAX_M`): no tensor cores. Codes become fp32 and meet the input in plain fused
-  multiply-adds; scales and zero points are applied once per group, not per weight (``Σ x·s(q − z) =
-  s(Σ x·q − z·Σ x)``), and smoothing's 1/s multiplies the input row instead of every weight. The weight is never
-  rounded to bf16, so results differ from the dequantize path by that rounding only.
-* MMA (larger M): the bf16 weight tile, rounded as the reference rounds it, feeds ``tl.dot``.
+* GEMV (one row): no tensor cores; every product accumulates in its own fp32 lane and the sums happen once at
+  the end. Smoothing's 1/s multiplies the input row instead of every weight, and the weight is never rounded to
+  bf16, so results differ from the dequantize path by that rounding only.
+* MMA (more rows): the bf16 weight tile, rounded as the reference rounds it, feeds ``tl.dot``.
 
 For few rows the reduction axis (K for the forward, N for the input gradient) is split over SPLIT programs, each
 writing its fp32 partial sum to its own plane; one small kernel adds the planes in a fixed order (deterministic,
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedWeight
-from .triton_dequant import _bf16_bits_rne, _load_codes, _vec6_ok, packed_operands
+from .triton_dequant import _bf16_bits_rne, _biased_codes, _vec6_ok, packed_operands
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the winning configuration per key also goes to Triton's on-disk cache, so later processes skip the tuning
@@ -50,8 +50,7 @@ def _configs(tiles, splits, fixed: dict) -> list[triton.Config]:
     """One configuration per (tile, split) of the lists, or ``fixed`` alone when tuning is off."""
     if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # no tuning (interpreter, tests)
         return [triton.Config(fixed, num_warps=4)]
-    return [triton.Config({"BLOCK_N": bn, **({} if bk is None else {"BLOCK_K": bk}), "SPLIT": split, **extra},
-                          num_warps=warps, num_stages=3)
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, **extra}, num_warps=warps, num_stages=3)
             for bn, bk, warps, extra in tiles for split in splits]
 
 
@@ -59,14 +58,11 @@ def _prune(configs, named):
     """Keep configurations whose K tile holds whole groups (and 64-code chunks for vectorized W6), whose M tile is
     not far wider than the rows there are, and that split only for few rows."""
     group, m = named["GROUP"], named["M_BUCKET"]
-    kept = [c for c in configs if c.kwargs.get("BLOCK_K", 64) % group == 0 and c.kwargs.get("BLOCK_K", 64) % 64 == 0
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0 and c.kwargs["BLOCK_K"] % 64 == 0
             and c.kwargs.get("BLOCK_M", 16) <= max(16, m) and (m <= SPLIT_MAX_M or c.kwargs["SPLIT"] == 1)]
-    if kept:
-        return kept
-    fallback = {**configs[0].kwargs, "SPLIT": 1, **({"BLOCK_M": 16} if "BLOCK_M" in configs[0].kwargs else {})}
-    if "BLOCK_K" in fallback:
-        fallback["BLOCK_K"] = max(group, 64)
-    return [triton.Config(fallback, num_warps=configs[0].num_warps)]
+    return kept or [triton.Config({**configs[0].kwargs, "BLOCK_K": max(group, 64), "SPLIT": 1,
+                                   **({"BLOCK_M": 16} if "BLOCK_M" in configs[0].kwargs else {})},
+                                  num_warps=configs[0].num_warps)]
 
 
 def _tuned(configs):
@@ -75,20 +71,27 @@ def _tuned(configs):
 
 
 @triton.jit
-def _group_operands(s_ptr, z_ptr, rows, row_mask, k0, n_groups, s_row_stride,
-                    GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 scales and zero points [rows, groups] of columns [k0, k0 + BLOCK_K); 0 outside the matrix, so padded
-    rows and columns weigh nothing."""
+def _centered_codes(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, row_bytes, n_groups, q_row_stride, s_row_stride,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    """(code − zero point as fp32 [rows, groups, GROUP], fp32 scales [rows, groups]) of columns [k0, k0 + BLOCK_K);
+    scales are 0 outside the matrix, so padded rows and columns weigh nothing.
+
+    The codes become floats without an int-to-float conversion (a quarter-rate instruction that bounded these
+    kernels): a biased code u < 2^23 OR-ed into the exponent of 2^23 reads as the float 2^23 + u, and one
+    subtraction of 2^23 + bias + zero point, exact in fp32, leaves q − z.
+    """
+    u = _biased_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
     NG: tl.constexpr = BLOCK_K // GROUP
     g = k0 // GROUP + tl.arange(0, NG)
     gm = row_mask[:, None] & (g[None, :] < n_groups)
     g_off = rows[:, None].to(tl.int64) * s_row_stride + g[None, :]
     s = tl.load(s_ptr + g_off, mask=gm, other=0.0).to(tl.float32)
+    c = tl.full((BLOCK_N, NG), 8388608.0 + (1 << (BITS - 1)), tl.float32)
     if HAS_ZERO:
-        z = tl.load(z_ptr + g_off, mask=gm, other=0).to(tl.float32)
-    else:
-        z = tl.zeros_like(s)
-    return s, z
+        c += tl.load(z_ptr + g_off, mask=gm, other=0).to(tl.float32)
+    f = (tl.reshape(u, (BLOCK_N, NG, GROUP)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return f - c[:, :, None], s
 
 
 @triton.jit
@@ -97,11 +100,9 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
                  HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr,
                  INTERPRETED: tl.constexpr):
     """The bf16 weight tile W[rows, k0:k0 + BLOCK_K] (zeros outside the matrix), as the reference rounds it."""
-    q = _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
-    s, z = _group_operands(s_ptr, z_ptr, rows, row_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
-    NG: tl.constexpr = BLOCK_K // GROUP
-    w = tl.reshape((tl.reshape(q, (BLOCK_N, NG, GROUP)).to(tl.float32) - z[:, :, None]) * s[:, :, None],
-                   (BLOCK_N, BLOCK_K))
+    qz, s = _centered_codes(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, row_bytes, n_groups, q_row_stride,
+                            s_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, VEC6)
+    w = tl.reshape(qz * s[:, :, None], (BLOCK_N, BLOCK_K))
     if HAS_SMOOTH:
         cols = k0 + tl.arange(0, BLOCK_K)
         w = w * tl.load(inv_ptr + cols, mask=cols < K, other=0.0)[None, :]
@@ -140,32 +141,46 @@ def _sum_planes(plane_ptr, out_ptr, numel, plane_stride, SPLIT: tl.constexpr, BL
 
 # ---- GEMV: one row, plain FMAs -------------------------------------------------------------------------------
 
-@_tuned(_configs(((8, 256, 4, {}), (16, 256, 4, {}), (32, 256, 4, {}), (16, 128, 4, {}), (32, 128, 4, {})),
-                 (1, 2, 4, 8), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1}))
+def _gemv_forward_configs():
+    tiles = [(bn, bk, 4, {"REDUCE_EACH": each}) for each in (False, True)
+             for bn, bk in ((8, 256), (16, 256), (32, 256), (16, 128), (32, 128))]
+    return _configs(tiles, (1, 2, 4, 8), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1, "REDUCE_EACH": False})
+
+
+@_tuned(_gemv_forward_configs())
 @triton.jit
 def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
                   n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                   HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    # products accumulate elementwise over the split; the sum over K happens once, at the end
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE_EACH: tl.constexpr):
+    # Either every product accumulates in its own lane over the split and the sum over K happens once at the end,
+    # or each step sums its groups first and scales the group sums (fewer multiplies, more reductions); the
+    # tuner picks per shape.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     NG: tl.constexpr = BLOCK_K // GROUP
     acc = tl.zeros((BLOCK_N, NG, GROUP), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         if HAS_SMOOTH:
             x = x * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
-        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
-        s, z = _group_operands(s_ptr, z_ptr, n, n_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
-        w = (tl.reshape(q, (BLOCK_N, NG, GROUP)).to(tl.float32) - z[:, :, None]) * s[:, :, None]
-        acc += w * tl.reshape(x, (NG, GROUP))[None, :, :]
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        qz, s = _centered_codes(q_ptr, s_ptr, z_ptr, n, n_mask, k0, row_bytes, n_groups, q_row_stride,
+                                s_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, VEC6)
+        x3 = tl.reshape(x, (NG, GROUP))[None, :, :]
+        if REDUCE_EACH:
+            acc_g += tl.sum(qz * x3, axis=2) * s
+        else:
+            acc += qz * s[:, :, None] * x3
+    if REDUCE_EACH:
+        y = tl.sum(acc_g, axis=1)
+    else:
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         if pid_s == 0:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -181,119 +196,27 @@ def _gemv_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                      VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    # dx[k] = inv[k] · Σ_n a[n, g(k)] · q[n, k] − Σ_n a[n, g(k)] · z[n, g(k)] with a = dy · scale: the
-    # elementwise sums run over the whole split, the sum over n once at the end
+    # dx[k] = inv[k] · Σ_n dy[n] · s[n, g(k)] · (q[n, k] − z[n, g(k)]): the products accumulate in their own lanes
+    # over the split, the sum over n happens once at the end
     pid_k = tl.program_id(0)
     pid_s = tl.program_id(1)
     k0 = pid_k * BLOCK_K
     kk = k0 + tl.arange(0, BLOCK_K)
     NG: tl.constexpr = BLOCK_K // GROUP
     acc = tl.zeros((BLOCK_N, NG, GROUP), dtype=tl.float32)
-    zacc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
     for n0 in range(pid_s * per_split, tl.minimum(N, (pid_s + 1) * per_split), BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < N
         dy = tl.load(dy_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
-        s, z = _group_operands(s_ptr, z_ptr, n, n_mask, k0, n_groups, s_row_stride, GROUP, HAS_ZERO, BLOCK_K)
-        a = dy[:, None] * s
-        acc += a[:, :, None] * tl.reshape(q.to(tl.float32), (BLOCK_N, NG, GROUP))
-        if HAS_ZERO:
-            zacc += a * z
-    dx = tl.reshape(tl.sum(acc, axis=0) - tl.sum(zacc, axis=0)[:, None], (BLOCK_K,))
+        qz, s = _centered_codes(q_ptr, s_ptr, z_ptr, n, n_mask, k0, row_bytes, n_groups, q_row_stride,
+                                s_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, VEC6)
+        acc += (dy[:, None] * s)[:, :, None] * qz
+    dx = tl.reshape(tl.sum(acc, axis=0), (BLOCK_K,))
     if HAS_SMOOTH:
         dx = dx * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
     _store_result(dx[None, :], out_ptr, plane_ptr, tl.arange(0, 1), kk, (kk < K)[None, :], out_row_stride,
                   plane_stride, pid_s, SPLIT)
-
-
-# ---- grouped MMA: few rows, tensor cores on the raw codes --------------------------------------------------
-
-def _grouped_configs(splits, fixed_split: int):
-    # no BLOCK_K: these kernels step one group at a time
-    tiles = [(bn, None, warps, {"BLOCK_M": bm}) for bm in (16, 64) for bn, warps in ((64, 4), (128, 4), (256, 8))]
-    return _configs(tiles, splits, {"BLOCK_M": 16, "BLOCK_N": 32, "SPLIT": fixed_split})
-
-
-@_tuned(_grouped_configs((1, 2, 4, 8), 2))
-@triton.jit
-def _grouped_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
-                     n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    # one group per step: y += s[n] · (x · q[n]ᵀ − z[n] · Σx), the dot on the codes themselves (exact in bf16)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = m < M, n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    per_split = tl.cdiv(n_groups, SPLIT) * GROUP
-    for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), GROUP):
-        kk = k0 + tl.arange(0, GROUP)
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_row_stride + kk[None, :],
-                    mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
-        if HAS_SMOOTH:
-            x = _to_bf16(x.to(tl.float32) * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :], INTERPRETED)
-        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, GROUP, VEC6)
-        g_off = n.to(tl.int64) * s_row_stride + k0 // GROUP
-        s = tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)
-        if INTERPRETED:
-            part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)))
-        else:
-            part = tl.dot(x, tl.trans(q.to(tl.bfloat16)))
-        if HAS_ZERO:
-            z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.float32)
-            part = part - tl.sum(x.to(tl.float32), axis=1)[:, None] * z[None, :]
-        acc += part * s[None, :]
-    if HAS_BIAS:
-        if pid_s == 0:
-            acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    _store_result(acc, out_ptr, plane_ptr, m, n, m_mask[:, None] & n_mask[None, :], out_row_stride, plane_stride,
-                  pid_s, SPLIT)
-
-
-@_tuned(_grouped_configs((2, 4, 8, 16), 4))
-@triton.jit
-def _grouped_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
-                        n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                        HAS_SMOOTH: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    # a program owns one group of columns: dx = (dy·s) · q − Σ_n (dy·s)·z, the dot on the codes themselves
-    pid_k = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    k0 = pid_k * GROUP
-    kk = k0 + tl.arange(0, GROUP)
-    m_mask = m < M
-    acc = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
-    zacc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    per_split = tl.cdiv(tl.cdiv(N, BLOCK_N), SPLIT) * BLOCK_N
-    for n0 in range(pid_s * per_split, tl.minimum(N, (pid_s + 1) * per_split), BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < N
-        dy = tl.load(dy_ptr + m[:, None].to(tl.int64) * dy_row_stride + n[None, :],
-                     mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
-        g_off = n.to(tl.int64) * s_row_stride + pid_k
-        a = _to_bf16(dy * tl.load(s_ptr + g_off, mask=n_mask, other=0.0).to(tl.float32)[None, :], INTERPRETED)
-        q = _load_codes(q_ptr, n, n_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, GROUP, VEC6)
-        if INTERPRETED:
-            acc += tl.dot(a.to(tl.float32), q.to(tl.float32))
-        else:
-            acc += tl.dot(a, q.to(tl.bfloat16))
-        if HAS_ZERO:
-            z = tl.load(z_ptr + g_off, mask=n_mask, other=0).to(tl.float32)
-            zacc += tl.sum(a.to(tl.float32) * z[None, :], axis=1)
-    dx = acc - zacc[:, None]
-    if HAS_SMOOTH:
-        dx = dx * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)[None, :]
-    _store_result(dx, out_ptr, plane_ptr, m, kk, m_mask[:, None] & (kk[None, :] < K), out_row_stride, plane_stride,
-                  pid_s, SPLIT)
 
 
 # ---- MMA: more rows, tensor cores ----------------------------------------------------------------------------
@@ -382,26 +305,18 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-VARIANT_ENV = "SQUAREQ_FUSED_VARIANT"  # gemv | grouped | mma: force one kernel shape where it applies (experiments)
+VARIANT_ENV = "SQUAREQ_FUSED_VARIANT"  # gemv | mma: force one kernel shape where it applies (experiments)
 _KERNELS = {("gemv", "forward"): _gemv_forward, ("gemv", "input grad"): _gemv_input_grad,
-            ("grouped", "forward"): _grouped_forward, ("grouped", "input grad"): _grouped_input_grad,
             ("mma", "forward"): _mma_forward, ("mma", "input grad"): _mma_input_grad}
 
 
-def _variant(m: int, qw: QuantizedWeight, direction: str) -> str:
-    """The kernel shape for ``m`` rows of ``qw``: GEMV for one row, grouped MMA for few, MMA otherwise; a shape
-    that cannot serve the call (GEMV for several rows, grouped steps for groups that are not whole 64-code W6
-    chunks or shorter than a tensor-core step) gives way to the next."""
-    spec = qw.spec
-    grouped_ok = spec.group_size >= 16 and (spec.bits != 6 or spec.group_size % 64 == 0)
-    wanted = os.environ.get(VARIANT_ENV) or ("gemv" if m == 1 else "grouped" if m <= SPLIT_MAX_M else "mma")
-    if wanted not in ("gemv", "grouped", "mma"):
-        raise ValueError(f"{VARIANT_ENV}={wanted!r}: use gemv, grouped or mma (or leave it unset).")
-    if wanted == "gemv" and m > 1:
-        wanted = "grouped"
-    if wanted == "grouped" and not grouped_ok:
-        wanted = "mma"
-    return wanted
+def _variant(m: int) -> str:
+    """The kernel shape for ``m`` rows: GEMV for one row, MMA otherwise (``SQUAREQ_FUSED_VARIANT=mma`` for one
+    row too)."""
+    wanted = os.environ.get(VARIANT_ENV) or "gemv"
+    if wanted not in ("gemv", "mma"):
+        raise ValueError(f"{VARIANT_ENV}={wanted!r}: use gemv or mma (or leave it unset).")
+    return wanted if m == 1 else "mma"
 
 
 def _run(direction: str, qw: QuantizedWeight, rows: torch.Tensor, *args, **flags) -> torch.Tensor:
@@ -410,13 +325,12 @@ def _run(direction: str, qw: QuantizedWeight, rows: torch.Tensor, *args, **flags
     ``args`` / ``flags`` are the kernel's own (bias, HAS_BIAS)."""
     spec, m = qw.spec, rows.shape[0]
     n, k = qw.shape
-    variant = _variant(m, qw, direction)
+    variant = _variant(m)
     kernel = _KERNELS[(variant, direction)]
     width = n if direction == "forward" else k
 
     def grid(meta):
-        tile = (meta["BLOCK_N"] if direction == "forward" else
-                spec.group_size if variant == "grouped" else meta["BLOCK_K"])
+        tile = meta["BLOCK_N"] if direction == "forward" else meta["BLOCK_K"]
         if variant == "gemv":
             return triton.cdiv(width, tile), meta["SPLIT"]
         return triton.cdiv(width, tile), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]

@@ -22,7 +22,7 @@ def test_fused_results_repeat_bit_for_bit_on_cuda():
 
     from .test_fused import _case
 
-    for rows in (1, 8, 128):  # the GEMV, grouped and MMA kernels
+    for rows in (1, 8):  # the GEMV and the MMA kernels
         qw, x, dy, bias = _case(4, False, False, (rows, 3072, 3072, 64), seed=5, device="cuda")
         ys = [fused_linear(x, qw, bias) for _ in range(5)]
         dxs = [fused_input_grad(dy, qw) for _ in range(5)]
