@@ -155,7 +155,7 @@ def main() -> None:
                            "TFLOPS": 2 * m * n * k / seconds / 1e12, "copies": len(calls)}
                     if variant == "fused":
                         rec["rel_error"] = fwd_err if direction == "forward" else grad_err
-                        rec["config"], rec["tuning_us"] = chosen_config(triton_fused, direction, m)
+                        rec["config"], rec["tuning_us"] = chosen_config(triton_fused, spec_kw["bits"], direction, m)
                     records.append(rec)
                     emit(rec)
     if args.out:
@@ -167,10 +167,10 @@ def main() -> None:
     print(report(records))
 
 
-def chosen_config(triton_fused, direction: str, m: int) -> tuple[str, dict]:
+def chosen_config(triton_fused, bits: int, direction: str, m: int) -> tuple[str, dict]:
     """The autotuned configuration the last fused call of ``direction`` at ``m`` rows ran, and the µs the tuner
     measured per candidate when it tuned that kernel last (this shape's key: the check above tuned it)."""
-    variant = triton_fused._variant(m)
+    variant = triton_fused._variant(m, bits, direction)
     kernel = triton_fused._KERNELS[(variant, direction)]
     def name(c):
         return " ".join(f"{k}={v}" for k, v in c.kwargs.items()) + f" w{c.num_warps}"

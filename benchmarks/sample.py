@@ -10,6 +10,9 @@ in its own process so memory statistics start clean:
 
 * ``resident``: the bf16 model on the GPU, the speed to match;
 * ``squareq K``: ``squareq.runtime.load(slab, prefetch=K)``, blocks streamed forward-only through K slots;
+* ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
+  does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
+  ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
 * ``group_offload``: diffusers block-level group offloading with CUDA streams;
 * ``model_offload``: accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload`` applies to the
   transformer): moved to the GPU at the first step of a sampling run, so its one transfer is counted over the run;
@@ -40,17 +43,22 @@ import train_step as ts  # noqa: E402  (the model, inputs and slab of the traini
 SETUPS = ("slab", "resident", "squareq", "group_offload", "model_offload", "sequential_offload")
 
 
-def run_steps(setup, model, batch, steps: int) -> dict:
-    """``steps`` forwards under no_grad, timed as one sampling run (synchronized at its ends)."""
+def run_steps(setup, model, batch, steps: int, tuner=None) -> dict:
+    """``steps`` forwards under no_grad, timed as one sampling run (synchronized at its ends); ``tuner``: a
+    StreamTuner told where each step begins and ends (its probe and plan count in the steps' time)."""
     import torch
 
     ts.memory_peaks(setup)  # reset the peaks
     times = []
     with torch.no_grad():
-        for _ in range(steps):
+        for i in range(steps):
             setup.sync()
             start = time.perf_counter()
+            if tuner is not None:
+                tuner.before_step(i)
             model(**batch, return_dict=False)
+            if tuner is not None:
+                tuner.after_step(i)
             setup.sync()
             times.append(time.perf_counter() - start)
     peaks = ts.memory_peaks(setup)
@@ -67,6 +75,7 @@ def phase(args) -> None:
     setup = ts.Setup(args)
     name = args.phase[0]
     rec = {"what": name, "res": args.res, "device": setup.device_name}
+    tuner = None
     try:
         if name == "slab":
             ts.phase_slab(setup)
@@ -74,9 +83,17 @@ def phase(args) -> None:
         if name == "squareq":
             import squareq.runtime as rt
 
-            k = int(args.phase[1])
-            rec["prefetch"] = k
-            model = rt.load(setup.slab, setup.device, prefetch=k, host="pinned", verify="off")
+            from squareq.runtime.residency import StreamTuner
+            from squareq.train.sample import FORWARD_SLOTS
+
+            k = args.phase[1]
+            rec["prefetch"] = k if k == "auto" else int(k)
+            model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
+                            host="pinned", verify="off")
+            if k == "auto":
+                resident = "auto" if args.phase[2:] == ["resident"] else 0
+                rec["resident_blocks"] = resident
+                tuner = StreamTuner(model, prefetch="auto", resident=resident)
         else:
             model = ts.build_model(setup)
             if name != "resident":
@@ -96,7 +113,10 @@ def phase(args) -> None:
         model.eval()
         batch, _ = ts.make_batch(setup, args.res, model)
         steps = args.sequential_steps if name == "sequential_offload" else args.steps
-        rec.update(run_steps(setup, model, batch, steps))
+        rec.update(run_steps(setup, model, batch, steps, tuner))
+        if tuner is not None and tuner.plan is not None:
+            p = tuner.plan
+            rec.update(plan_slots=p.slots, plan_resident=len(p.resident), plan=p.describe())
     except Exception as exc:  # a failed setup is a row, not the end of the benchmark
         rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
     ts.emit(rec)
@@ -109,7 +129,8 @@ def main() -> None:
     ap.add_argument("--res", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--sequential-steps", type=int, default=2)
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--prefetch", nargs="+", default=["2", "3", "auto", "auto+resident"],
+                    help="ring sizes K, auto, auto+resident")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
@@ -130,7 +151,7 @@ def main() -> None:
     only = args.only.split(",")
     phases = []
     for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
-        phases += [["squareq", str(k)] for k in args.prefetch] if s == "squareq" else [[s]]
+        phases += [["squareq", *str(k).split("+")] for k in args.prefetch] if s == "squareq" else [[s]]
     for p in phases:
         cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
                "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)] + (
@@ -155,16 +176,20 @@ def main() -> None:
         os.replace(tmp, os.path.join(args.out, "sample.jsonl"))
     print(f"\n{records[1].get('device') if len(records) > 1 else ''}, {env['date_utc']}, commit {commit}; "
           f"{args.res}², {args.steps} steps\n")
-    print("| setup | s / step | × bf16 resident | first step s | peak reserved GB | note |\n|---|---|---|---|---|---|")
+    print("| setup | run s / step | steady s / step | × bf16 resident (run) | first step s | peak reserved GB | note |"
+          "\n|---|---|---|---|---|---|---|")
     for r in records[1:]:
         if "step_s" not in r:
             if r.get("what") != "slab" or "error" in r:
-                print(f"| {r['what']} | | | | | {r.get('error', '')} |")
+                print(f"| {r['what']} | | | | | | {r.get('error', '')} |")
             continue
-        label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "")
+        label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
+            " +resident" if r.get("resident_blocks") == "auto" else "")
         ratio = f"{r['step_s'] / resident:.2f}" if resident else ""
-        print(f"| {label} | {r['step_s']:.3f} | {ratio} | {r['first_step_s']:.3f} | {r['peak_reserved_GB']:.2f} | "
-              f"{r['steps']} steps |")
+        steady = f"{r['steady_step_s']:.3f}"
+        note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "")
+        print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratio} | {r['first_step_s']:.3f} | "
+              f"{r['peak_reserved_GB']:.2f} | {note} |")
 
 
 if __name__ == "__main__":

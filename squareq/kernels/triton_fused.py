@@ -12,9 +12,9 @@ traffic; at large M the dequantize-then-vendor-matmul path wins, and :mod:`.disp
 Two kernel shapes, both turning codes into floats with one exact subtraction instead of an int-to-float
 conversion (see :func:`_centered_codes`):
 
-* GEMV (one row): no tensor cores; every product accumulates in its own fp32 lane and the sums happen once at
-  the end. Smoothing's 1/s multiplies the input row instead of every weight, and the weight is never rounded to
-  bf16, so results differ from the dequantize path by that rounding only.
+* GEMV (one row): no tensor cores, plain fp32 FMAs; scales apply once per group, smoothing's 1/s to the input row
+  (forward) or the result (gradient) instead of every weight, and the weight is never rounded to bf16, so results
+  differ from the dequantize path by that rounding only.
 * MMA (more rows): the bf16 weight tile, rounded as the reference rounds it, feeds ``tl.dot``.
 
 For few rows the reduction axis (K for the forward, N for the input gradient) is split over SPLIT programs, each
@@ -141,29 +141,23 @@ def _sum_planes(plane_ptr, out_ptr, numel, plane_stride, SPLIT: tl.constexpr, BL
 
 # ---- GEMV: one row, plain FMAs -------------------------------------------------------------------------------
 
-def _gemv_forward_configs():
-    tiles = [(bn, bk, 4, {"REDUCE_EACH": each}) for each in (False, True)
-             for bn, bk in ((8, 256), (16, 256), (32, 256), (16, 128), (32, 128))]
-    return _configs(tiles, (1, 2, 4, 8), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1, "REDUCE_EACH": False})
-
-
-@_tuned(_gemv_forward_configs())
+@_tuned(_configs(((8, 256, 2, {}), (16, 256, 4, {}), (32, 256, 4, {}), (32, 256, 8, {}), (64, 256, 8, {}),
+                  (16, 512, 4, {}), (32, 512, 8, {})),
+                 (1, 2, 4, 8), {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 1}))
 @triton.jit
 def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
                   n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                   HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE_EACH: tl.constexpr):
-    # Either every product accumulates in its own lane over the split and the sum over K happens once at the end,
-    # or each step sums its groups first and scales the group sums (fewer multiplies, more reductions); the
-    # tuner picks per shape.
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    # each step sums its groups, then scales the group sums (one multiply per group, not per weight; measured
+    # faster on an H100 than accumulating every product in its own lane, on every FLUX shape and format)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     NG: tl.constexpr = BLOCK_K // GROUP
-    acc = tl.zeros((BLOCK_N, NG, GROUP), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
     for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -172,15 +166,8 @@ def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr
             x = x * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
         qz, s = _centered_codes(q_ptr, s_ptr, z_ptr, n, n_mask, k0, row_bytes, n_groups, q_row_stride,
                                 s_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, VEC6)
-        x3 = tl.reshape(x, (NG, GROUP))[None, :, :]
-        if REDUCE_EACH:
-            acc_g += tl.sum(qz * x3, axis=2) * s
-        else:
-            acc += qz * s[:, :, None] * x3
-    if REDUCE_EACH:
-        y = tl.sum(acc_g, axis=1)
-    else:
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        acc += tl.sum(qz * tl.reshape(x, (NG, GROUP))[None, :, :], axis=2) * s
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         if pid_s == 0:
             y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -188,7 +175,8 @@ def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr
                   plane_stride, pid_s, SPLIT)
 
 
-@_tuned(_configs(((32, 64, 4, {}), (64, 64, 4, {}), (16, 128, 4, {}), (32, 128, 4, {}), (16, 256, 4, {})),
+@_tuned(_configs(((32, 64, 4, {}), (64, 64, 4, {}), (64, 64, 8, {}), (128, 64, 8, {}), (32, 128, 4, {}),
+                  (32, 128, 8, {}), (16, 256, 4, {})),
                  (4, 8, 16), {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT": 4}))
 @triton.jit
 def _gemv_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
@@ -310,10 +298,11 @@ _KERNELS = {("gemv", "forward"): _gemv_forward, ("gemv", "input grad"): _gemv_in
             ("mma", "forward"): _mma_forward, ("mma", "input grad"): _mma_input_grad}
 
 
-def _variant(m: int) -> str:
+def _variant(m: int, bits: int, direction: str) -> str:
     """The kernel shape for ``m`` rows: GEMV for one row, MMA otherwise (``SQUAREQ_FUSED_VARIANT=mma`` for one
-    row too)."""
-    wanted = os.environ.get(VARIANT_ENV) or "gemv"
+    row too). The W6 input gradient stays on MMA: its GEMV ran at a third of bf16 speed on an H100 (the 48-byte
+    chunks of W6 rows fit the narrow K tiles this kernel needs badly), where MMA reached two thirds."""
+    wanted = os.environ.get(VARIANT_ENV) or ("mma" if bits == 6 and direction == "input grad" else "gemv")
     if wanted not in ("gemv", "mma"):
         raise ValueError(f"{VARIANT_ENV}={wanted!r}: use gemv or mma (or leave it unset).")
     return wanted if m == 1 else "mma"
@@ -325,7 +314,7 @@ def _run(direction: str, qw: QuantizedWeight, rows: torch.Tensor, *args, **flags
     ``args`` / ``flags`` are the kernel's own (bias, HAS_BIAS)."""
     spec, m = qw.spec, rows.shape[0]
     n, k = qw.shape
-    variant = _variant(m)
+    variant = _variant(m, spec.bits, direction)
     kernel = _KERNELS[(variant, direction)]
     width = n if direction == "forward" else k
 

@@ -55,11 +55,20 @@ class BlockRunner:
 
     @contextlib.contextmanager
     def resident(self, phase: str, training: bool):
-        slot = self.streamer.acquire(self.index, phase, training)
+        timer = self.runtime.block_timer
+        if self.index in self.runtime.resident_blocks:  # kept on the device (runtime/residency.py)
+            slot = None
+        else:
+            slot = self.streamer.acquire(self.index, phase, training)
         try:
+            if timer is not None:
+                timer.start(self.index)
             yield
+            if timer is not None:
+                timer.stop(self.index)
         finally:
-            self.streamer.release(slot, phase)
+            if slot is not None:
+                self.streamer.release(slot, phase)
 
     def __call__(self, *args, **kwargs):
         params = self.trainable() if torch.is_grad_enabled() else []

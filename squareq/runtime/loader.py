@@ -9,6 +9,7 @@ reference the streamed one must equal, and the fastest choice when the whole sla
 from __future__ import annotations
 
 import os
+import time
 import weakref
 
 import torch
@@ -41,6 +42,41 @@ class Runtime:
         self.scratch = scratch
         self.device_blobs = device_blobs  # stream=False: every block's blob on the device
         self.checkpointing = False
+        self.binder: _Binder | None = None
+        self.resident_blocks: dict[int, torch.Tensor] = {}  # streamed model: blocks kept on the device, their blob
+        self.block_timer = None  # a residency.BlockTimer while a step is measured
+
+    def measure_copy_bandwidth(self, blocks: int = 3) -> float:
+        """Host-to-device bytes per second of this model's block copies (the largest ``blocks`` blocks, each
+        copied into a free ring slot once; the slot is left empty)."""
+        streamer = self.streamer
+        slot = next((s for s in streamer.slots if s.users == 0), None)
+        if slot is None:
+            raise RuntimeError("every ring slot is in use; measure the copy bandwidth between steps.")
+        if slot.block is not None:
+            self.binder.unbind(slot.block)
+            slot.block = slot.ticket = None
+        largest = sorted((b for b in streamer.order), key=lambda b: streamer.block_sizes[b], reverse=True)[:blocks]
+        copied, seconds = 0, 0.0
+        for b in largest:
+            _sync(self.device)
+            start = time.perf_counter()
+            ticket = streamer.host.start_copy(b, slot.buffer, streamer.copy_stream, slot.ready, slot.free)
+            ticket.wait_issued()
+            _sync(self.device)
+            seconds += time.perf_counter() - start
+            copied += streamer.block_sizes[b]
+        return copied / max(seconds, 1e-9)
+
+    def apply_stream_plan(self, plan) -> None:
+        """Grow the ring to ``plan.slots`` and keep ``plan.resident`` blocks on the device (a residency.StreamPlan)."""
+        streamer = self.streamer
+        streamer.exclude(plan.resident)
+        for b in plan.resident:
+            blob = self.binder.slab.block_bytes(b).to(self.device, copy=True)
+            self.resident_blocks[b] = blob
+            self.binder.bind(b, -1, blob)
+        streamer.add_slots(plan.slots - len(streamer.slots))
 
     @property
     def streamed(self) -> bool:
@@ -55,6 +91,11 @@ class Runtime:
             self.streamer.close()
         if self.telemetry.tracing:
             self.telemetry.write_trace()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def runtime_of(model: nn.Module) -> Runtime:
@@ -227,6 +268,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     model.requires_grad_(False)
     model.eval()
     rt = Runtime(model, m, device, streamer, telemetry, scratch, device_blobs)
+    rt.binder = binder
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if streamer is not None:
         weakref.finalize(model, streamer.close)  # the disk reader thread and its file go with the model

@@ -132,6 +132,45 @@ class Streamer:
                     return
                 self._fill(victim, b, demand=False)
 
+    def exclude(self, blocks) -> None:
+        """Stop streaming ``blocks`` (they are kept on the device elsewhere): out of the order, out of idle slots."""
+        gone = set(blocks)
+        if not gone:
+            return
+        for slot in self.slots:
+            if slot.block in gone:
+                if slot.users:
+                    raise StreamError(f"block {slot.block} is running; change what streams between steps.")
+                self.unbind(slot.block)
+                slot.block = slot.ticket = None
+        self.order = [b for b in self.order if b not in gone]
+        self._pos = {b: i for i, b in enumerate(self.order)}
+        self._seen = [b for b in self._seen if b not in gone]
+
+    def add_slots(self, n: int) -> None:
+        """``n`` more device slots for the ring (sized like the others)."""
+        for _ in range(max(0, n)):
+            slot = Slot(len(self.slots), torch.empty_like(self.slots[0].buffer))
+            if self.cuda:
+                slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
+                slot.free.record(torch.cuda.current_stream(self.device))
+            self.slots.append(slot)
+
+    def remove_slots(self, n: int) -> None:
+        """Give the last ``n`` slots back (between steps: they must be idle), keeping at least one."""
+        for _ in range(min(max(0, n), len(self.slots) - 1)):
+            slot = self.slots[-1]
+            if slot.users:
+                raise StreamError(f"slot {slot.index} is in use; remove slots between steps.")
+            if self.cuda:  # the copy into it and every kernel reading it must be done before its memory is reused
+                slot.ready.synchronize()
+                slot.free.synchronize()
+            if slot.ticket is not None:
+                slot.ticket.wait_issued()
+            if slot.block is not None:
+                self.unbind(slot.block)
+            self.slots.pop()
+
     # ------------------------------------------------------------------ API
 
     def acquire(self, block: int, phase: str, training: bool) -> Slot:

@@ -56,7 +56,7 @@ from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import save_diffusers_lora
 from .objective import draw_times, flow_loss, noised
-from .sample import draw_image
+from .sample import FORWARD_SLOTS, draw_image
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("squareq.train")
@@ -415,17 +415,27 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
     training RNG is set aside while sampling, so samples do not change the run."""
     folder.mkdir(parents=True, exist_ok=True)
     model.eval()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            open_encoders(cfg.model or slab.manifest.model.source, device, "flux") as encoders:
-        pipe = encoders.pipeline
-        pipe.transformer = model
-        for i, prompt in enumerate(cfg.sample_prompts):
-            image = draw_image(pipe, prompt, cfg.resolution, cfg.sample_steps, cfg.sample_guidance, cfg.sample_seed,
-                               cfg.max_sequence_length, device)
-            png = io.BytesIO()
-            image.save(png, format="PNG")
-            atomic_write_bytes(folder / f"step-{step:08d}-{i}.png", png.getbuffer())
-        pipe.transformer = None
+    # a forward-only pass needs more slots in flight than a training step to hide its copies: lend the ring
+    # FORWARD_SLOTS while sampling, and give the extra slots back before training goes on
+    streamer = runtime.runtime_of(model).streamer
+    extra = max(0, FORWARD_SLOTS - len(streamer.slots)) if streamer is not None else 0
+    if extra:
+        streamer.add_slots(extra)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                open_encoders(cfg.model or slab.manifest.model.source, device, "flux") as encoders:
+            pipe = encoders.pipeline
+            pipe.transformer = model
+            for i, prompt in enumerate(cfg.sample_prompts):
+                image = draw_image(pipe, prompt, cfg.resolution, cfg.sample_steps, cfg.sample_guidance,
+                                   cfg.sample_seed, cfg.max_sequence_length, device)
+                png = io.BytesIO()
+                image.save(png, format="PNG")
+                atomic_write_bytes(folder / f"step-{step:08d}-{i}.png", png.getbuffer())
+            pipe.transformer = None
+    finally:
+        if extra:
+            streamer.remove_slots(extra)
     model.train()
 
 

@@ -108,3 +108,16 @@ def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fus
     w = dequantize(layer.qweight).float()
     torch.testing.assert_close(y.float(), x.detach().float() @ w.T + layer.bias.float(), rtol=1e-2, atol=5e-2)
     torch.testing.assert_close(x.grad.float(), torch.ones(rows, layer.out_features) @ w, rtol=1e-2, atol=5e-2)
+
+
+def test_the_crossover_is_looked_up_by_device_name(monkeypatch):
+    """A measured device gets its table; any other device keeps dequantize + matmul (0)."""
+    from squareq.kernels import dispatch
+
+    monkeypatch.delenv("SQUAREQ_FUSED_MAX_M", raising=False)
+    monkeypatch.setattr(dispatch, "CROSSOVERS", {"Measured GPU": {4: 64, 6: 16, 8: 32}})
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Measured GPU")
+    assert [dispatch.fused_max_m(cuda, b) for b in (4, 6, 8)] == [64, 16, 32]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some other GPU")
+    assert [dispatch.fused_max_m(cuda, b) for b in (4, 6, 8)] == [0, 0, 0]

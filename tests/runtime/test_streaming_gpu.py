@@ -101,3 +101,28 @@ def test_step_stats_measure_copy_wait_on_cuda(tiny_slab):
     step(model, inputs("cuda"), checkpointing=True, autocast=True)
     stats = rt.step_stats()
     assert stats.copy_wait_s > 0 and stats.peak_allocated > 0 and stats.peak_reserved >= stats.peak_allocated
+
+
+@pytest.mark.parametrize("host", ["pinned", "disk"])
+def test_a_tuned_ring_with_resident_blocks_equals_resident_on_cuda(tiny_slab, cuda_reference, host):
+    """StreamTuner on CUDA (event-timed blocks, timed copies): after it adds slots and keeps blocks on the GPU,
+    a training step still equals the resident model's, and the kept blocks are no longer copied."""
+    from squareq.runtime.residency import StreamTuner
+
+    model = runtime.load(tiny_slab, "cuda", prefetch=2, host=host)
+    with_lora(model)
+    rt = runtime.runtime_of(model)
+    tuner = StreamTuner(model, prefetch=4, resident=2, budget_bytes=1 << 34)
+    batch = inputs("cuda")
+    with torch.no_grad():
+        for i in range(2):
+            tuner.before_step(i)
+            model(**batch, return_dict=False)
+            tuner.after_step(i)
+    assert len(rt.resident_blocks) == 2 and tuner.plan.compute_s > 0
+    rt.apply_stream_plan(type(tuner.plan)(slots=4, resident=(), copy_s=0.0, compute_s=0.0))
+    rt.step_stats()
+    assert_same(step(model, batch, checkpointing=True, autocast=True), cuda_reference)
+    copied = rt.step_stats().bytes_copied
+    assert 0 < copied <= 2 * sum(rt.streamer.block_sizes[b] for b in rt.streamer.order)
+    rt.close()

@@ -1,0 +1,170 @@
+"""Sizing the block ring and choosing resident blocks from measured copy and compute times (``squareq sample``).
+
+A streamed forward hides a block's copy while the K-1 blocks ahead of it compute. Whether that holds depends on
+the device, the resolution and the slab, so :class:`StreamTuner` measures one step (compute per block from events
+on the compute stream, host-to-device bandwidth from timed copies of the largest blocks) and then
+
+* adds ring slots until the longest copy fits in the compute of the blocks ahead of it (``prefetch="auto"``),
+* keeps blocks on the GPU, those whose copy outweighs their compute first, while the copies of the blocks still
+  streamed exceed the compute of a whole step and free VRAM allows (``resident="auto"``; an integer keeps that
+  many).
+
+:func:`plan_stream` is the pure decision, :class:`StreamTuner` the measuring and applying around it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger("squareq.runtime")
+
+MAX_SLOTS = 8
+COPY_SLACK = 0.85  # streamed copies may take this share of a step's compute: the copy stream needs headroom
+MIN_MARGIN_BYTES = 3 << 29  # VRAM left free for activations and the allocator beyond what a step used (1.5 GiB)
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Per streamed block (by slab block index): its bytes, copy seconds and compute seconds in one step."""
+
+    nbytes: dict[int, int]
+    copy_s: dict[int, float]
+    compute_s: dict[int, float]
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    slots: int
+    resident: tuple[int, ...]
+    copy_s: float  # copies per step of the blocks still streamed
+    compute_s: float  # compute per step of every block
+
+    def describe(self) -> str:
+        state = "hidden" if self.copy_s <= self.compute_s else "not hidden (copy-bound)"
+        return (f"{self.slots} slots, {len(self.resident)} blocks kept on the GPU; per step the streamed copies take "
+                f"{self.copy_s * 1e3:.0f} ms against {self.compute_s * 1e3:.0f} ms of block compute: {state}")
+
+
+def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: int, resident: int | str = 0,
+                prefetch: int | str = "auto") -> StreamPlan:
+    """The ring size and resident blocks for ``times`` within ``budget_bytes`` of free device memory.
+
+    resident: "auto" (as many as help, see the module docstring), a count (the most copy-heavy blocks first, as
+    the budget allows) or 0. prefetch: "auto" (enough slots that the longest streamed copy fits in the compute of
+    the slots ahead of it, as the budget allows, at most :data:`MAX_SLOTS`) or a fixed K, which is kept.
+    """
+    total_compute = sum(times.compute_s.values())
+    streamed = dict(times.copy_s)
+    chosen: list[int] = []
+    if resident:
+        # the blocks whose copy is least covered by their own compute first; ties: the larger first
+        order = sorted(streamed, key=lambda b: (times.copy_s[b] - times.compute_s.get(b, 0.0), times.nbytes[b]),
+                       reverse=True)
+        for b in order:
+            if resident == "auto" and sum(streamed.values()) <= COPY_SLACK * total_compute:
+                break
+            if resident != "auto" and len(chosen) >= int(resident):
+                break
+            if len(streamed) <= 1 or times.nbytes[b] > budget_bytes:
+                continue
+            budget_bytes -= times.nbytes[b]
+            chosen.append(b)
+            del streamed[b]
+    want = slots
+    if prefetch == "auto" and streamed:
+        per_block = total_compute / max(1, len(times.compute_s))
+        want = 1 + math.ceil(max(streamed.values()) / per_block) if per_block > 0 else MAX_SLOTS
+        want = max(slots, min(MAX_SLOTS, want, slots + budget_bytes // max(1, slot_bytes)))
+    return StreamPlan(int(want), tuple(sorted(chosen)), sum(streamed.values()), total_compute)
+
+
+class BlockTimer:
+    """Compute time per block over one step: events around each streamed block's forward on the compute stream
+    (wall clock on a CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.marks: list[tuple[int, object, object]] = []
+        self._open: dict[int, object] = {}
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def start(self, block: int) -> None:
+        self._open[block] = self._mark()
+
+    def stop(self, block: int) -> None:
+        start = self._open.pop(block, None)
+        if start is not None:
+            self.marks.append((block, start, self._mark()))
+
+    def seconds(self) -> dict[int, float]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        out: dict[int, float] = {}
+        for block, a, b in self.marks:
+            out[block] = out.get(block, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        return out
+
+
+class StreamTuner:
+    """Measures step ``probe_step`` of a streamed model and applies :func:`plan_stream` after it.
+
+    Call :meth:`before_step` / :meth:`after_step` around each step (a diffusers pipeline: pass
+    :meth:`pipeline_callback` as ``callback_on_step_end``). ``budget_bytes``: free device memory to plan with
+    (default: what the device reports free after the probe step, less a margin for activations).
+    """
+
+    def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
+                 probe_step: int = 1, budget_bytes: int | None = None) -> None:
+        from .loader import runtime_of
+
+        self.rt = runtime_of(model)
+        if not self.rt.streamed:
+            raise ValueError("StreamTuner sizes a streamed model's ring; this model was loaded with stream=False.")
+        self.prefetch, self.resident = prefetch, resident
+        self.probe_step, self.budget_bytes = probe_step, budget_bytes
+        self.plan: StreamPlan | None = None
+
+    def before_step(self, step: int) -> None:
+        if step == self.probe_step and self.plan is None:
+            self.rt.block_timer = BlockTimer(self.rt.device)
+
+    def after_step(self, step: int) -> None:
+        if step != self.probe_step or self.rt.block_timer is None:
+            return
+        compute = self.rt.block_timer.seconds()
+        self.rt.block_timer = None
+        streamer = self.rt.streamer
+        nbytes = {b: streamer.block_sizes[b] for b in compute}
+        bandwidth = self.rt.measure_copy_bandwidth()
+        times = BlockTimes(nbytes, {b: n / bandwidth for b, n in nbytes.items()}, compute)
+        self.plan = plan_stream(times, len(streamer.slots), max(streamer.block_sizes), self._budget(),
+                                self.resident, self.prefetch)
+        self.rt.apply_stream_plan(self.plan)
+        log.info("streaming tuned after step %d: %s (host-to-device copies at %.1f GB/s).", step,
+                 self.plan.describe(), bandwidth / 1e9)
+
+    def _budget(self) -> int:
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if self.rt.device.type != "cuda":
+            return 0
+        free, total = torch.cuda.mem_get_info(self.rt.device)
+        return max(0, free - max(MIN_MARGIN_BYTES, total // 20))
+
+    def pipeline_callback(self, pipe, step: int, timestep, callback_kwargs: dict) -> dict:
+        """diffusers' ``callback_on_step_end``: ``step`` has just finished."""
+        self.after_step(step)
+        self.before_step(step + 1)
+        return {}

@@ -1,0 +1,76 @@
+"""Ring sizing and resident blocks from measured times: the pure plan, and applying it to a streamed model."""
+import pytest
+import torch
+
+from squareq import runtime
+from squareq.runtime.residency import MAX_SLOTS, BlockTimes, StreamTuner, plan_stream
+
+from .harness import assert_same, inputs, step, with_lora
+
+MB = 1 << 20
+
+
+def _times(copy_ms, compute_ms, mb=None):
+    n = len(copy_ms)
+    mb = mb or [100] * n
+    return BlockTimes({b: mb[b] * MB for b in range(n)}, {b: copy_ms[b] / 1e3 for b in range(n)},
+                      {b: compute_ms[b] / 1e3 for b in range(n)})
+
+
+def test_copy_bound_blocks_go_resident_heaviest_first_until_copies_hide():
+    # copies 40 ms against 24 ms of compute: keeping blocks 3 and 1 (the copies least covered by their own
+    # compute) leaves 18 ms of copies <= 0.85 * 24 ms
+    times = _times([10, 11, 8, 12], [6, 6, 6, 6])
+    plan = plan_stream(times, slots=2, slot_bytes=100 * MB, budget_bytes=10_000 * MB, resident="auto", prefetch=2)
+    assert plan.resident == (1, 3) and plan.slots == 2
+    assert plan.copy_s == pytest.approx(0.018) and plan.compute_s == pytest.approx(0.024)
+
+
+def test_hidden_copies_keep_nothing_resident_and_the_budget_is_never_exceeded():
+    hidden = _times([4, 4, 4], [6, 6, 6])
+    assert plan_stream(hidden, 3, 100 * MB, 10_000 * MB, resident="auto", prefetch=3).resident == ()
+    heavy = _times([10, 11, 8, 12], [6, 6, 6, 6], mb=[100, 300, 100, 300])
+    plan = plan_stream(heavy, 2, 300 * MB, 350 * MB, resident="auto", prefetch=2)
+    assert plan.resident == (3,)  # block 1 (300 MB) no longer fits once block 3 is kept; blocks 0/2 do not help
+    assert plan_stream(heavy, 2, 300 * MB, 10_000 * MB, resident=1, prefetch=2).resident == (3,)
+
+
+def test_auto_prefetch_covers_the_longest_streamed_copy_within_the_budget():
+    times = _times([20, 5, 5, 5], [5, 5, 5, 5])  # a 20 ms copy needs 4 blocks of 5 ms ahead of it: 5 slots
+    assert plan_stream(times, 2, 100 * MB, 10_000 * MB, prefetch="auto").slots == 5
+    assert plan_stream(times, 2, 100 * MB, 150 * MB, prefetch="auto").slots == 3  # room for one more slot only
+    assert plan_stream(times, 6, 100 * MB, 10_000 * MB, prefetch="auto").slots == 6  # never shrinks
+    assert plan_stream(_times([500, 5], [1, 1]), 2, MB, 10_000 * MB, prefetch="auto").slots == MAX_SLOTS
+    assert plan_stream(times, 2, 100 * MB, 10_000 * MB, prefetch=2).slots == 2
+
+
+def test_a_tuned_streamed_model_computes_the_same_and_copies_only_what_streams(tiny_slab):
+    """Two resident blocks and a larger ring, applied after the probe step: the same outputs and LoRA gradients
+    bit for bit, forward-only and training, and the resident blocks are not copied any more."""
+    resident = runtime.load(tiny_slab, "cpu", stream=False)
+    streamed = runtime.load(tiny_slab, "cpu", prefetch=2)
+    for m in (resident, streamed):
+        with_lora(m)
+    rt = runtime.runtime_of(streamed)
+    n = len(rt.manifest.blocks)
+    tuner = StreamTuner(streamed, prefetch=4, resident=2, budget_bytes=1 << 40)
+    batch = inputs("cpu")
+    with torch.no_grad():
+        expected = resident(**batch, return_dict=False)[0]
+        for i in range(3):
+            tuner.before_step(i)
+            assert torch.equal(streamed(**batch, return_dict=False)[0], expected)
+            tuner.after_step(i)
+            if i == 1:
+                assert len(tuner.plan.resident) == 2 and sorted(rt.resident_blocks) == list(tuner.plan.resident)
+                assert len(rt.streamer.slots) == 2  # a fixed prefetch is kept
+                rt.step_stats()
+    stats = rt.step_stats()
+    assert stats.bytes_copied <= sum(rt.streamer.block_sizes[b] for b in range(n) if b not in rt.resident_blocks)
+    assert_same(step(streamed, batch, checkpointing=True), step(resident, batch, checkpointing=True))
+    rt.apply_stream_plan(type(tuner.plan)(slots=4, resident=(), copy_s=0.0, compute_s=0.0))
+    assert len(rt.streamer.slots) == 4
+    assert_same(step(streamed, batch, checkpointing=True), step(resident, batch, checkpointing=True))
+    rt.streamer.remove_slots(2)  # the trainer lends sampling extra slots and takes them back
+    assert [s.index for s in rt.streamer.slots] == [0, 1]
+    assert_same(step(streamed, batch, checkpointing=True), step(resident, batch, checkpointing=True))
