@@ -53,6 +53,8 @@ class _InferenceOnly:
 
     class_name: str
     checkpointing: bool = False
+    resident_blocks: tuple = ()  # nothing is kept on the device and nothing is timed (runtime/residency.py)
+    block_timer: None = None
 
 
 def largest_block_list(module: nn.Module) -> str:
