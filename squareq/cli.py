@@ -265,10 +265,11 @@ class AutoOrInt(click.ParamType):
         self.minimum = minimum
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
+        """``auto`` as is, a number as an int; anything else fails with one sentence naming the flag."""
+        if value == "auto":
             return value
         try:
-            number = int(value)
+            number = int(value) if not isinstance(value, bool) else None
         except ValueError:
             number = None
         if number is None or number < self.minimum:

@@ -325,7 +325,10 @@ def _run(direction: str, qw: QuantizedWeight, rows: torch.Tensor, *args, **flags
         return triton.cdiv(width, tile), triton.cdiv(m, meta["BLOCK_M"]), meta["SPLIT"]
 
     out = torch.empty(m, width, dtype=torch.bfloat16, device=rows.device)
-    planes = torch.empty(MAX_SPLIT, m, width, dtype=torch.float32, device=rows.device) if m <= SPLIT_MAX_M else out
+    # planes for every split the launch may use: pruning keeps more rows than SPLIT_MAX_M unsplit, but the
+    # autotuner skips pruning when it has one configuration (tuning off), so that one's split counts then
+    splits = kernel.configs[0].kwargs["SPLIT"] if len(kernel.configs) == 1 else MAX_SPLIT if m <= SPLIT_MAX_M else 1
+    planes = torch.empty(splits, m, width, dtype=torch.float32, device=rows.device) if splits > 1 else out
     vec6 = spec.bits == 6 and _vec6_ok(qw.tensors["qweight"])  # whole 48-byte chunks per row, 16-byte aligned
     qweight, scales, zeros, inv = packed_operands(qw, vec6)
     row_bytes = qw.tensors["qweight"].shape[1]

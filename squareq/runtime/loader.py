@@ -53,6 +53,7 @@ class Runtime:
         slot = next((s for s in streamer.slots if s.users == 0), None)
         if slot is None:
             raise RuntimeError("every ring slot is in use; measure the copy bandwidth between steps.")
+        streamer.settle()  # pending prefetches must not share the link with the timed copies
         if slot.block is not None:
             self.binder.unbind(slot.block)
             slot.block = slot.ticket = None
@@ -69,10 +70,12 @@ class Runtime:
         return copied / max(seconds, 1e-9)
 
     def apply_stream_plan(self, plan) -> None:
-        """Grow the ring to ``plan.slots`` and keep ``plan.resident`` blocks on the device (a residency.StreamPlan)."""
+        """Grow the ring to ``plan.slots`` and keep ``plan.resident`` blocks on the device (a residency.StreamPlan).
+        Only grows: blocks kept by an earlier plan stay on the device, and the ring never shrinks."""
         streamer = self.streamer
-        streamer.exclude(plan.resident)
-        for b in plan.resident:
+        new = [b for b in plan.resident if b not in self.resident_blocks]
+        streamer.exclude(new)
+        for b in new:
             blob = self.binder.slab.block_bytes(b).to(self.device, copy=True)
             self.resident_blocks[b] = blob
             self.binder.bind(b, -1, blob)
@@ -154,6 +157,11 @@ class _Binder:
                 target[attr] = value
             else:
                 target.bind(*value)
+
+    def forget(self, key: int) -> None:
+        """The buffer of slot ``key`` is gone: drop the views into it (they would keep it alive and be stale)."""
+        for cached in [c for c in self._cache if c[1] == key]:
+            del self._cache[cached]
 
     def unbind(self, block: int) -> None:
         """The block left its slot: its QuantLinear layers refuse to run (and to report a weight) until rebound."""
@@ -256,7 +264,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     if stream:
         source = DiskStaging(s, device) if host == "disk" else PinnedArena.for_slab(s, device, shared=host == "shared")
         try:
-            streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, binder.unbind, telemetry)
+            streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, binder.unbind, telemetry,
+                                binder.forget)
         except BaseException:
             source.close()
             raise

@@ -4,10 +4,11 @@ A streamed forward hides a block's copy while the K-1 blocks ahead of it compute
 the device, the resolution and the slab, so :class:`StreamTuner` measures one step (compute per block from events
 on the compute stream, host-to-device bandwidth from timed copies of the largest blocks) and then
 
-* adds ring slots until the longest copy fits in the compute of the blocks ahead of it (``prefetch="auto"``),
-* keeps blocks on the GPU, those whose copy outweighs their compute first, while the copies of the blocks still
-  streamed exceed the compute of a whole step and free VRAM allows (``resident="auto"``; an integer keeps that
-  many).
+* adds ring slots until the longest copy fits in the compute of the blocks ahead of it (``prefetch="auto"``; an
+  integer grows the ring to that many),
+* keeps blocks on the GPU, those whose copy most exceeds their own compute first, while the copies of the blocks
+  still streamed take more than :data:`COPY_SLACK` of a whole step's block compute and free VRAM allows
+  (``resident="auto"``; an integer keeps that many). At least one block keeps streaming.
 
 :func:`plan_stream` is the pure decision, :class:`StreamTuner` the measuring and applying around it.
 """
@@ -39,12 +40,16 @@ class BlockTimes:
 
 @dataclass(frozen=True)
 class StreamPlan:
+    """What :func:`plan_stream` decided: ring slots, blocks kept on the device, and the step's copy and compute
+    seconds it expects."""
+
     slots: int
     resident: tuple[int, ...]
     copy_s: float  # copies per step of the blocks still streamed
     compute_s: float  # compute per step of every block
 
     def describe(self) -> str:
+        """One line for a log."""
         state = "hidden" if self.copy_s <= self.compute_s else "not hidden (copy-bound)"
         return (f"{self.slots} slots, {len(self.resident)} blocks kept on the GPU; per step the streamed copies take "
                 f"{self.copy_s * 1e3:.0f} ms against {self.compute_s * 1e3:.0f} ms of block compute: {state}")
@@ -54,9 +59,10 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
                 prefetch: int | str = "auto") -> StreamPlan:
     """The ring size and resident blocks for ``times`` within ``budget_bytes`` of free device memory.
 
-    resident: "auto" (as many as help, see the module docstring), a count (the most copy-heavy blocks first, as
-    the budget allows) or 0. prefetch: "auto" (enough slots that the longest streamed copy fits in the compute of
-    the slots ahead of it, as the budget allows, at most :data:`MAX_SLOTS`) or a fixed K, which is kept.
+    resident: "auto" (as many as help, see the module docstring), a count (the blocks whose copy most exceeds
+    their compute first, as the budget allows) or 0. prefetch: "auto" (enough slots that the longest streamed copy
+    fits in the compute of the slots ahead of it, as the budget allows, at most :data:`MAX_SLOTS`) or a K to grow
+    the ring to. The ring never shrinks.
     """
     total_compute = sum(times.compute_s.values())
     streamed = dict(times.copy_s)
@@ -75,7 +81,7 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
             budget_bytes -= times.nbytes[b]
             chosen.append(b)
             del streamed[b]
-    want = slots
+    want = slots if prefetch == "auto" else max(slots, int(prefetch))
     if prefetch == "auto" and streamed:
         per_block = total_compute / max(1, len(times.compute_s))
         want = 1 + math.ceil(max(streamed.values()) / per_block) if per_block > 0 else MAX_SLOTS
@@ -101,14 +107,17 @@ class BlockTimer:
         return time.perf_counter()
 
     def start(self, block: int) -> None:
+        """``block``'s forward begins (in stream order)."""
         self._open[block] = self._mark()
 
     def stop(self, block: int) -> None:
+        """``block``'s forward has been enqueued to its end."""
         start = self._open.pop(block, None)
         if start is not None:
             self.marks.append((block, start, self._mark()))
 
     def seconds(self) -> dict[int, float]:
+        """Compute seconds per block over the marks so far (waits for the device)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
         out: dict[int, float] = {}
@@ -137,10 +146,12 @@ class StreamTuner:
         self.plan: StreamPlan | None = None
 
     def before_step(self, step: int) -> None:
+        """Step ``step`` is about to run: start timing its blocks if it is the probe step."""
         if step == self.probe_step and self.plan is None:
             self.rt.block_timer = BlockTimer(self.rt.device)
 
     def after_step(self, step: int) -> None:
+        """Step ``step`` has been enqueued: after the probe step, measure the copies, plan, and apply the plan."""
         if step != self.probe_step or self.rt.block_timer is None:
             return
         compute = self.rt.block_timer.seconds()

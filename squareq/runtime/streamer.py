@@ -48,7 +48,7 @@ class Streamer:
 
     def __init__(self, host, device: torch.device, slots: int, slot_bytes: int, block_sizes: list[int],
                  bind: Callable[[int, int, torch.Tensor], None], unbind: Callable[[int], None],
-                 telemetry: Telemetry) -> None:
+                 telemetry: Telemetry, forget: Callable[[int], None] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"prefetch={slots}: the ring needs at least one slot.")
         self.host = host
@@ -57,14 +57,14 @@ class Streamer:
         self.block_sizes = block_sizes
         self.bind = bind  # bind(block, slot index, slot buffer): point the block's modules at the slot
         self.unbind = unbind  # unbind(block): the block left its slot
+        self.forget = forget  # forget(slot index): a removed slot's buffer must not be bound again
         self.closed = False
         self.telemetry = telemetry
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.slots = [Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=device)) for i in range(slots)]
-        for slot in self.slots:
-            if self.cuda:
-                slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
-                slot.free.record(torch.cuda.current_stream(device))
+        self.slot_bytes = slot_bytes
+        self.slots: list[Slot] = []
+        self._next_index = 0  # slot indices are never reused: bindings are cached per (block, slot index)
+        self.add_slots(slots)
         self.order: list[int] = list(range(len(block_sizes)))  # guess until a pass is observed
         self._pos = {b: i for i, b in enumerate(self.order)}
         self._seen: list[int] = []
@@ -132,11 +132,23 @@ class Streamer:
                     return
                 self._fill(victim, b, demand=False)
 
+    def settle(self) -> None:
+        """Wait until every copy into the ring has been issued (the disk reader's queue drained) and has finished,
+        and every kernel reading a slot has finished; raises a failed copy's error."""
+        for slot in self.slots:
+            if slot.ticket is not None:
+                slot.ticket.wait_issued()
+        if self.cuda:
+            for slot in self.slots:
+                slot.ready.synchronize()
+                slot.free.synchronize()
+
     def exclude(self, blocks) -> None:
         """Stop streaming ``blocks`` (they are kept on the device elsewhere): out of the order, out of idle slots."""
         gone = set(blocks)
         if not gone:
             return
+        self.settle()
         for slot in self.slots:
             if slot.block in gone:
                 if slot.users:
@@ -148,9 +160,10 @@ class Streamer:
         self._seen = [b for b in self._seen if b not in gone]
 
     def add_slots(self, n: int) -> None:
-        """``n`` more device slots for the ring (sized like the others)."""
+        """``n`` more device slots for the ring, each ``slot_bytes`` large."""
         for _ in range(max(0, n)):
-            slot = Slot(len(self.slots), torch.empty_like(self.slots[0].buffer))
+            slot = Slot(self._next_index, torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
+            self._next_index += 1
             if self.cuda:
                 slot.ready, slot.free = torch.cuda.Event(), torch.cuda.Event()
                 slot.free.record(torch.cuda.current_stream(self.device))
@@ -158,18 +171,18 @@ class Streamer:
 
     def remove_slots(self, n: int) -> None:
         """Give the last ``n`` slots back (between steps: they must be idle), keeping at least one."""
-        for _ in range(min(max(0, n), len(self.slots) - 1)):
-            slot = self.slots[-1]
-            if slot.users:
-                raise StreamError(f"slot {slot.index} is in use; remove slots between steps.")
-            if self.cuda:  # the copy into it and every kernel reading it must be done before its memory is reused
-                slot.ready.synchronize()
-                slot.free.synchronize()
-            if slot.ticket is not None:
-                slot.ticket.wait_issued()
+        n = min(max(0, n), len(self.slots) - 1)
+        if n == 0:
+            return
+        if any(slot.users for slot in self.slots[-n:]):
+            raise StreamError("a slot to remove is in use; remove slots between steps.")
+        self.settle()  # the copies into them and the kernels reading them are done before their memory is reused
+        for _ in range(n):
+            slot = self.slots.pop()
             if slot.block is not None:
                 self.unbind(slot.block)
-            self.slots.pop()
+            if self.forget is not None:
+                self.forget(slot.index)  # drop the cached views, which would keep the buffer alive
 
     # ------------------------------------------------------------------ API
 

@@ -418,10 +418,10 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
     # a forward-only pass needs more slots in flight than a training step to hide its copies: lend the ring
     # FORWARD_SLOTS while sampling, and give the extra slots back before training goes on
     streamer = runtime.runtime_of(model).streamer
-    extra = max(0, FORWARD_SLOTS - len(streamer.slots)) if streamer is not None else 0
-    if extra:
-        streamer.add_slots(extra)
+    before = len(streamer.slots) if streamer is not None else 0
     try:
+        if streamer is not None:
+            streamer.add_slots(FORWARD_SLOTS - before)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 open_encoders(cfg.model or slab.manifest.model.source, device, "flux") as encoders:
             pipe = encoders.pipeline
@@ -434,8 +434,8 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
                 atomic_write_bytes(folder / f"step-{step:08d}-{i}.png", png.getbuffer())
             pipe.transformer = None
     finally:
-        if extra:
-            streamer.remove_slots(extra)
+        if streamer is not None:  # also the slots an add_slots that ran out of memory did add
+            streamer.remove_slots(len(streamer.slots) - before)
     model.train()
 
 

@@ -59,6 +59,20 @@ def test_fused_kernels_match_the_reference(bits, symmetric, smooth, with_bias, v
 
 
 @interpreted
+def test_more_rows_than_split_configurations_serve(monkeypatch):
+    """Past SPLIT_MAX_M rows the tuned configurations do not split, but the one untuned configuration (tests,
+    SQUAREQ_FUSED_AUTOTUNE=0) may: its planes must still be there."""
+    from squareq.kernels.triton_fused import SPLIT_MAX_M, fused_input_grad, fused_linear
+
+    qw, x, dy, _ = _case(4, False, False, (SPLIT_MAX_M + 16, 24, 64, 32), seed=3)
+    w = dequantize(qw).float()
+    want, want_dx = x.float() @ w.T, dy.float() @ w
+    torch.testing.assert_close(fused_linear(x, qw).float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    torch.testing.assert_close(fused_input_grad(dy, qw).float(), want_dx, rtol=1e-2,
+                               atol=1e-2 * want_dx.abs().max().item())
+
+
+@interpreted
 def test_a_batch_of_rows_keeps_its_leading_shape():
     from squareq.kernels.triton_fused import fused_linear
 

@@ -63,14 +63,34 @@ def test_a_tuned_streamed_model_computes_the_same_and_copies_only_what_streams(t
             tuner.after_step(i)
             if i == 1:
                 assert len(tuner.plan.resident) == 2 and sorted(rt.resident_blocks) == list(tuner.plan.resident)
-                assert len(rt.streamer.slots) == 2  # a fixed prefetch is kept
+                assert len(rt.streamer.slots) == 4  # an integer prefetch grows the ring to it
                 rt.step_stats()
     stats = rt.step_stats()
     assert stats.bytes_copied <= sum(rt.streamer.block_sizes[b] for b in range(n) if b not in rt.resident_blocks)
     assert_same(step(streamed, batch, checkpointing=True), step(resident, batch, checkpointing=True))
-    rt.apply_stream_plan(type(tuner.plan)(slots=4, resident=(), copy_s=0.0, compute_s=0.0))
-    assert len(rt.streamer.slots) == 4
+    rt.apply_stream_plan(type(tuner.plan)(slots=4, resident=tuner.plan.resident, copy_s=0.0, compute_s=0.0))
+    assert len(rt.streamer.slots) == 4 and len(rt.resident_blocks) == 2  # applying again changes nothing
     assert_same(step(streamed, batch, checkpointing=True), step(resident, batch, checkpointing=True))
-    rt.streamer.remove_slots(2)  # the trainer lends sampling extra slots and takes them back
-    assert [s.index for s in rt.streamer.slots] == [0, 1]
-    assert_same(step(streamed, batch, checkpointing=True), step(resident, batch, checkpointing=True))
+
+
+def test_slots_lent_and_taken_back_leave_no_stale_views(tiny_slab):
+    """The trainer lends its ring extra slots for sample images and takes them back at every sampling interval:
+    a removed slot's cached views go with it (they would keep its memory and could be bound again), and the
+    model computes as before after each round."""
+    resident = runtime.load(tiny_slab, "cpu", stream=False)
+    streamed = runtime.load(tiny_slab, "cpu", prefetch=2)
+    for m in (resident, streamed):
+        with_lora(m)
+    rt = runtime.runtime_of(streamed)
+    batch = inputs("cpu")
+    expected = step(resident, batch, checkpointing=True)
+    for _ in range(2):
+        rt.streamer.add_slots(2)
+        with torch.no_grad():
+            streamed(**batch, return_dict=False)  # every block in a slot: all four slots bound
+        assert {key[1] for key in rt.binder._cache} >= {s.index for s in rt.streamer.slots[2:]}
+        assert_same(step(streamed, batch, checkpointing=True), expected)
+        removed = [s.index for s in rt.streamer.slots[2:]]
+        rt.streamer.remove_slots(2)
+        assert len(rt.streamer.slots) == 2 and not {key[1] for key in rt.binder._cache} & set(removed)
+        assert_same(step(streamed, batch, checkpointing=True), expected)
