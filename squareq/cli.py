@@ -291,7 +291,7 @@ class AutoOrInt(click.ParamType):
 @click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
 @click.option("--prefetch", type=AutoOrInt(minimum=1), default="auto", show_default=True,
               help="Block slots on the GPU: a number, or auto (start at 3, add slots after the second step until "
-                   "the measured copies hide behind the measured compute, as free VRAM allows).")
+                   "the measured copies hide behind the measured compute, as free VRAM allows, at most 8).")
 @click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
               help="Blocks kept on the GPU after the second step, those whose copy outweighs their compute "
                    "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")

@@ -47,7 +47,8 @@ SPLIT_MAX_M = 64  # configurations for more rows than this do not split the redu
 
 
 def _configs(tiles, splits, fixed: dict) -> list[triton.Config]:
-    """One configuration per (tile, split) of the lists, or ``fixed`` alone when tuning is off."""
+    """One configuration per (tile, split) of the lists, or ``fixed`` alone when tuning is off. The tuner times a
+    kernel alone, so a split configuration's plane sum (one small extra launch) is not in its time."""
     if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # no tuning (interpreter, tests)
         return [triton.Config(fixed, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, **extra}, num_warps=warps, num_stages=3)

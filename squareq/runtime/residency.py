@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -131,7 +132,8 @@ class StreamTuner:
 
     Call :meth:`before_step` / :meth:`after_step` around each step (a diffusers pipeline: pass
     :meth:`pipeline_callback` as ``callback_on_step_end``). ``budget_bytes``: free device memory to plan with
-    (default: what the device reports free after the probe step, less a margin for activations).
+    (default: what the device, or for a CPU model the host, reports free after the probe step, less a margin for
+    activations).
     """
 
     def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
@@ -169,9 +171,14 @@ class StreamTuner:
     def _budget(self) -> int:
         if self.budget_bytes is not None:
             return self.budget_bytes
-        if self.rt.device.type != "cuda":
-            return 0
-        free, total = torch.cuda.mem_get_info(self.rt.device)
+        if self.rt.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.rt.device)
+        else:  # the "device" is host memory
+            try:
+                page = os.sysconf("SC_PAGE_SIZE")
+                free, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+            except (AttributeError, ValueError, OSError):
+                return 0
         return max(0, free - max(MIN_MARGIN_BYTES, total // 20))
 
     def pipeline_callback(self, pipe, step: int, timestep, callback_kwargs: dict) -> dict:

@@ -14,6 +14,7 @@ from ..runtime.residency import StreamTuner
 from ..models import ADAPTERS
 from ..slab import open_slab
 from .encoders import open_encoders
+from .lora_files import attach_lora, load_lora
 
 
 # ring slots that hide a forward-only pass's copies of FLUX.1-dev at 1024² on an H100 (two do not: docs/benchmarks.md);
@@ -23,7 +24,6 @@ FORWARD_SLOTS = 3
 
 class SampleError(ValueError):
     """The slab's family cannot be sampled yet; the message says which can."""
-from .lora_files import attach_lora, load_lora
 
 
 def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, seed: int, max_sequence_length: int,
@@ -53,7 +53,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     transformer = runtime.load(s, device, prefetch=start, host=host, verify="off")
     tuner = None
-    if (prefetch == "auto" or resident_blocks) and device.type == "cuda":
+    if prefetch == "auto" or resident_blocks:
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)
     if lora is not None:
         attach_lora(transformer, *load_lora(lora))

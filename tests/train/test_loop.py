@@ -189,7 +189,7 @@ def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sample_and_export_commands(workspace, tmp_path):
+def test_sample_and_export_commands(workspace, tmp_path, caplog):
     import numpy as np
     from click.testing import CliRunner
 
@@ -211,6 +211,17 @@ def test_sample_and_export_commands(workspace, tmp_path):
     a = np.asarray(Image.open(tmp_path / "plain" / "sample-000.png")).astype(int)
     b = np.asarray(Image.open(tmp_path / "lora_img" / "sample-000.png")).astype(int)
     assert a.shape == (64, 64, 3) and np.abs(a - b).mean() > 1.0  # the LoRA changes the image
+    # a ring grown and blocks kept on the device after the second step draw the same image
+    caplog.set_level("INFO", logger="squareq.runtime")
+    tuned = runner.invoke(main, base + ["-o", str(tmp_path / "tuned"), "--steps", "3", "--prefetch", "4",
+                                        "--resident-blocks", "2"])
+    streamed3 = runner.invoke(main, base + ["-o", str(tmp_path / "streamed3"), "--steps", "3", "--prefetch", "2"])
+    assert tuned.exit_code == 0 and streamed3.exit_code == 0, tuned.output + streamed3.output
+    assert "4 slots, 2 blocks kept on the GPU" in caplog.text
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "tuned" / "sample-000.png")),
+                          np.asarray(Image.open(tmp_path / "streamed3" / "sample-000.png")))
+    refused = runner.invoke(main, base + ["--prefetch", "0"])
+    assert refused.exit_code == 2 and "'0': give auto or a whole number of at least 1" in refused.output
 
     kohya = tmp_path / "lora_kohya.safetensors"
     exported = runner.invoke(main, ["export-lora", str(tmp_path / "lora"), "-o", str(kohya)])
