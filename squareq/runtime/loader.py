@@ -57,7 +57,7 @@ class Runtime:
         if slot.block is not None:
             self.binder.unbind(slot.block)
             slot.block = slot.ticket = None
-        largest = sorted((b for b in streamer.order), key=lambda b: streamer.block_sizes[b], reverse=True)[:blocks]
+        largest = sorted(streamer.order, key=lambda b: streamer.block_sizes[b], reverse=True)[:blocks]
         copied, seconds = 0, 0.0
         for b in largest:
             _sync(self.device)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -91,39 +90,31 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
 
 
 class BlockTimer:
-    """Compute time per block over one step: events around each streamed block's forward on the compute stream
-    (wall clock on a CPU)."""
+    """Compute time per block over one step, from marks on the runtime's clock (telemetry's: CUDA events on the
+    compute stream, the host clock on a CPU) around each streamed block's forward."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
+    def __init__(self, clock) -> None:
+        self.clock = clock
         self.marks: list[tuple[int, object, object]] = []
         self._open: dict[int, object] = {}
 
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return time.perf_counter()
-
     def start(self, block: int) -> None:
         """``block``'s forward begins (in stream order)."""
-        self._open[block] = self._mark()
+        self._open[block] = self.clock.mark()
 
     def stop(self, block: int) -> None:
         """``block``'s forward has been enqueued to its end."""
         start = self._open.pop(block, None)
         if start is not None:
-            self.marks.append((block, start, self._mark()))
+            self.marks.append((block, start, self.clock.mark()))
 
     def seconds(self) -> dict[int, float]:
-        """Compute seconds per block over the marks so far (waits for the device)."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        """Compute seconds per block over the marks so far (waits for the last one)."""
+        if self.marks:
+            self.clock.settle(self.marks[-1][2])
         out: dict[int, float] = {}
         for block, a, b in self.marks:
-            out[block] = out.get(block, 0.0) + (a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+            out[block] = out.get(block, 0.0) + self.clock.seconds(a, b)
         return out
 
 
@@ -150,7 +141,7 @@ class StreamTuner:
     def before_step(self, step: int) -> None:
         """Step ``step`` is about to run: start timing its blocks if it is the probe step."""
         if step == self.probe_step and self.plan is None:
-            self.rt.block_timer = BlockTimer(self.rt.device)
+            self.rt.block_timer = BlockTimer(self.rt.telemetry.clock)
 
     def after_step(self, step: int) -> None:
         """Step ``step`` has been enqueued: after the probe step, measure the copies, plan, and apply the plan."""
