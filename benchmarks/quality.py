@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Quantization quality at equal slab size, on held-out inputs (issue 3).
+"""Quantization quality at equal slab size, on held-out real images (issues 3 and 15).
 
     PYTHONPATH=. python benchmarks/quality.py [--model tiny --model medium] [--device cpu|cuda]
-        [--out DIR] [--rounding gptq|nearest] [--calib-samples N]
+        [--out DIR] [--rounding gptq|nearest] [--calib-samples N] [--calibration images synthetic]
 
 For each model it writes real slabs and measures each one by rebuilding the model from
 ``open_slab(...).dequantized_state_dict()``:
@@ -12,8 +12,10 @@ For each model it writes real slabs and measures each one by rebuilding the mode
   clip search on);
 * ``squareq-size``: ``compile_slab`` with ``--objective size`` and the default thresholds (no budget
   pressure: the size the thresholds ask for);
-* ``rtn-mixed@squareq-size-plan``: round-to-nearest with exactly squareq-size's per-layer bit widths,
-  so the rounding/search is compared at (nearly) the same size as squareq-size;
+* ``rtn-mixed@squareq-size-plan``: round-to-nearest with exactly squareq-size's per-layer bit widths and the
+  writer's weight-MSE clip search, so the rounding/search is compared at (nearly) the same size as squareq-size;
+* ``rtn-plain@squareq-size-plan``: the same without any clip search: plain rounding at squareq's formats, the
+  baseline every transform the compiler keeps must beat on its held-out rows;
 * ``squareq-quality@rtn-w4``: ``--objective quality`` with ``--budget`` = the rtn-w4-g64 slab's bytes on
   disk (slab.safetensors + manifest.json). When the compiler refuses that budget (it reserves room for
   its own manifest, and the default thresholds may need more than W4 everywhere), the refusal is
@@ -31,8 +33,14 @@ The quality compiles for several budgets share one calibration: a probe compile 
 byte measures every block and is refused, leaving its state folder; each budget then resumes from a
 copy of it (the compiler's documented ``--resume`` path). compile_s = probe seconds + resume seconds.
 
-Metrics, all on HELD-OUT inputs (other seeds, so other latents and text embeddings, and other
-timesteps than the compiler's calibration, which uses seed 0 and timesteps linspace(0.05, 0.95)):
+Calibration (``--calibration``, each given kind runs every squareq variant, tagged in the variant name):
+``images`` (default) is what ``squareq compile`` does: the built-in photographs with their captions through the
+model's own VAE and text encoders (toy ones here, 128 px, 32 caption tokens), noised as FLUX trains;
+``synthetic`` is what the compiler did before (noise latents, Gaussian text: ``--calib-synthetic``).
+
+Metrics, all on HELD-OUT inputs: real photographs that are not among the calibration ones (scikit-image's
+motorcycle stereo pair, its ``text`` and ``microaneurysms`` images, with their docstring captions), through the
+same encoders, at timesteps 0.2/0.5/0.8 with noise seeds 1000-1003 (12 batches of 4):
 
 * per-layer output rel-MSE ``‖XWᵀ − XŴᵀ‖² / ‖XWᵀ‖²`` with X each block linear's inputs captured by
   forward pre-hooks on the original fp32 model; mean over layers and the worst layer (named);
@@ -41,8 +49,9 @@ timesteps than the compiler's calibration, which uses seed 0 and timesteps linsp
 * the same two on the calibration batch itself (``calib_*``: in-sample), to show overfitting;
 * slab bytes, streamed-block bytes, bits per block-linear weight (stored linear tensors only).
 
-Models: ``tiny`` is the built-in tiny-flux; ``medium`` is MEDIUM_FLUX_CONFIG below (hidden 256 = 4 x 64,
-4 double + 8 single blocks), saved with ``save_pretrained`` to a temporary folder and compiled from it.
+Models: ``tiny`` is the built-in tiny-flux (with its built-in toy VAE and text encoders); ``medium`` is
+MEDIUM_FLUX_CONFIG below (hidden 256 = 4 x 64, 4 double + 8 single blocks), saved with ``save_pretrained`` into a
+FLUX pipeline folder with toy VAE, CLIP and T5 of its widths, and compiled from it.
 Weights are random (seeded init with tiny-flux's planted outlier channels), not trained: the numbers
 describe the method on this structure, not on a real FLUX checkpoint. tiny-flux keeps diffusers'
 uniform init; medium redraws its linear weights Gaussian, since a uniform weight distribution favours
@@ -62,7 +71,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +81,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch
+from common import RECORDS, emit, git_commit, log
 
 from squareq import quant
 from squareq.compiler import (
@@ -85,6 +94,10 @@ from squareq.compiler import (
 )
 from squareq.models import FLUX, load_builtin
 from squareq.models import tiny as tiny_mod
+from squareq.models.calibration import CalibrationSet, image_batch
+from squareq.models.noising import DEFAULT_GUIDANCE, noised
+from squareq.models.recipe import stack_captions
+from squareq.train.calibration import calibration_images
 from squareq.quant import QuantSpec
 from squareq.slab import WriteOptions
 from squareq.slab.manifest import MANIFEST_FILE, align_up
@@ -109,30 +122,16 @@ WEIGHTS_NOTE = {"tiny": "random seeded init (diffusers default: uniform linear w
                         "channels; not trained",
                 "medium": "random seeded init, linear weights Gaussian, with planted outlier channels; not trained"}
 
-HELDOUT_SEEDS = tuple(range(1000, 1008))  # calibration uses seed 0; 8 batches: the model output varies by batch
-HELDOUT_TIMESTEPS = (0.2, 0.5, 0.8)  # calibration uses linspace(0.05, 0.95, samples)
+HELDOUT_SEEDS = tuple(range(1000, 1004))  # noise seeds of the evaluation batches (calibration uses seed 0)
+HELDOUT_TIMESTEPS = (0.2, 0.5, 0.8)  # one batch per seed and time: the model output varies by batch
+# scikit-image photographs outside the calibration set (models/builtin_data.py PHOTOGRAPHS), with their captions
+EVAL_PHOTOS = {"motorcycle_left.png": "Rectified stereo image pair, left image: a motorcycle.",
+               "motorcycle_right.png": "Rectified stereo image pair, right image: a motorcycle.",
+               "text.png": "Gray-level \"text\" image used for corner detection.",
+               "microaneurysms.png": "Gray-level \"microaneurysms\" image: detail from an image of the retina."}
+RESOLUTION, TEXT_TOKENS = 128, 32  # the synthetic calibration's 64 image tokens; captions of up to 32 tokens
+CALIBRATIONS = ("images", "synthetic")
 RELAXED = Thresholds(mse=1e9, act=1e9, scale=1e9, block=1e9)
-
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> dict:
-    RECORDS.append(rec)
-    print(json.dumps(rec, sort_keys=True), flush=True)
-    return rec
-
-
-def log(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
 
 # ----------------------------------------------------------------------------------------- models
 
@@ -177,6 +176,22 @@ def build_medium(seed: int = 0):
     return model.eval()
 
 
+def write_medium_pipeline(model, folder: Path) -> Path:
+    """``model`` in a FluxPipeline folder with the built-in toy VAE, CLIP and T5 at its widths (16 latent channels,
+    pooled 128, text 256), so that its calibration images go through encoders of its own."""
+    from diffusers import FluxPipeline
+
+    from squareq.models.tiny_pipeline import build_tiny_scheduler, build_tiny_text_encoders, build_tiny_vae
+
+    cfg = MEDIUM_FLUX_CONFIG
+    clip, clip_tok, t5, t5_tok = build_tiny_text_encoders(t5_width=cfg["joint_attention_dim"],
+                                                         clip_width=cfg["pooled_projection_dim"])
+    FluxPipeline(scheduler=build_tiny_scheduler(), vae=build_tiny_vae(latent_channels=cfg["in_channels"] // 4),
+                 text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5, tokenizer_2=t5_tok,
+                 transformer=model).save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
 def prepare_model(name: str, work: Path):
     """(fp32 model, compile source, description) for ``tiny`` or ``medium``."""
     if name == "tiny":
@@ -185,22 +200,42 @@ def prepare_model(name: str, work: Path):
         return model.eval(), open_source("tiny-flux"), info
     if name == "medium":
         model = build_medium(0)
-        folder = work / "medium-src"
-        model.save_pretrained(str(folder), safe_serialization=True)
-        return model, open_source(str(folder)), {"source": "diffusers folder (save_pretrained)",
-                                                 "config": MEDIUM_FLUX_CONFIG}
+        folder = write_medium_pipeline(model, work / "medium-src")
+        return model, open_source(str(folder)), {"source": "FLUX pipeline folder (save_pretrained) with toy VAE, "
+                                                           "CLIP and T5", "config": MEDIUM_FLUX_CONFIG}
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
 # ----------------------------------------------------------------------------------------- inputs
 
 
-def heldout_batches(model, device) -> list[dict]:
-    out = []
+def eval_images(source, work: Path) -> CalibrationSet:
+    """The evaluation photographs (EVAL_PHOTOS) encoded by the model's own encoders, as a calibration set."""
+    import shutil as sh
+
+    from squareq.models.builtin_data import builtin_photos
+
+    root = builtin_photos()[0].path.parent
+    assert not set(EVAL_PHOTOS) & {p.path.name for p in builtin_photos()}, "evaluation images must be held out"
+    folder = work / "eval-images"
+    folder.mkdir(exist_ok=True)
+    for name, caption in EVAL_PHOTOS.items():
+        sh.copy(root / name, folder / name)
+        (folder / name).with_suffix(".txt").write_text(caption)
+    return calibration_images(source, data=folder, resolution=RESOLUTION, max_sequence_length=TEXT_TOKENS)
+
+
+def heldout_batches(model, images: CalibrationSet, device) -> list[dict]:
+    """One batch of every evaluation image per (noise seed, time): x_t = (1 - t)·x0 + t·noise, FLUX's forward."""
+    recipe, out = FLUX.recipe, []
+    x0 = torch.stack([e["latents"] for e in images.latents]).float()
+    text = {k: v.to(device) for k, v in stack_captions(images.texts).items()}
     for seed in HELDOUT_SEEDS:
-        kw = FLUX.calibration_inputs(model, len(HELDOUT_TIMESTEPS), seed, device=device).kwargs
-        kw["timestep"] = torch.tensor(HELDOUT_TIMESTEPS, dtype=kw["timestep"].dtype, device=device)
-        out.append(kw)
+        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
+        for t in HELDOUT_TIMESTEPS:
+            times = torch.full((x0.shape[0],), t)
+            x_t, _ = noised("flow", x0, noise, times)
+            out.append(recipe.forward(model.config, x_t.to(device), times.to(device), text, DEFAULT_GUIDANCE))
     return out
 
 
@@ -280,17 +315,29 @@ class Bench:
     def __init__(self, name: str, model, source, info: dict, args, work: Path) -> None:
         self.name, self.model, self.source, self.info, self.args, self.work = name, model, source, info, args, work
         self.device = args.device
-        self.model.to(self.device)
         self.blocks = FLUX.blocks(model)
         self.names = block_linear_names(model)
         self.ref_w = {n: model.get_submodule(n).weight.detach().float() for n in self.names}
-        self.heldout = heldout_batches(model, self.device)
-        calib = FLUX.calibration_inputs(model, args.calib_samples, 0, device=self.device)
-        self.calib = [calib.kwargs]
-        self.calib_desc = calib.description
+        self.images = calibration_images(source, resolution=RESOLUTION, max_sequence_length=TEXT_TOKENS)
+        self.heldout = heldout_batches(model, eval_images(source, work), self.device)
+        self.calibration = "images"
+        self.model.to(self.device)
         self.rows, self.outs = capture(model, self.names, self.heldout)
-        self.calib_rows, self.calib_outs = capture(model, self.names, self.calib)
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.use("images")
+
+    def use(self, calibration: str) -> None:
+        """Compile the squareq variants that follow with ``calibration`` (images or synthetic); its batch is the
+        in-sample reference of the calib_* metrics."""
+        self.calibration = calibration
+        opts = self.opts(1, "size", Thresholds())
+        if calibration == "images":
+            calib = image_batch(FLUX.recipe, self.model.config, self.images, opts.calib_samples or 32, opts.seed,
+                                self.device)
+        else:
+            calib = FLUX.calibration_inputs(self.model, opts.calib_samples or 4, opts.seed, device=self.device)
+        self.calib, self.calib_desc = [calib.kwargs], calib.description
+        self.calib_rows, self.calib_outs = capture(self.model, self.names, self.calib)
 
     def base(self, variant: str) -> dict:
         a = self.args
@@ -299,12 +346,13 @@ class Bench:
             "device_name": torch.cuda.get_device_name() if self.device == "cuda" else "cpu",
             "date": datetime.date.today().isoformat(), "commit": a.commit, "torch": torch.__version__,
             "weights": WEIGHTS_NOTE[self.name], "model_params": self.n_params, "block_linears": len(self.names),
-            "rounding": a.rounding, "calib_samples": a.calib_samples,
-            "heldout": {"seeds": list(HELDOUT_SEEDS), "timesteps": list(HELDOUT_TIMESTEPS),
-                        "samples": len(HELDOUT_SEEDS) * len(HELDOUT_TIMESTEPS),
+            "rounding": a.rounding, "calib_samples": a.calib_samples, "calibration_kind": self.calibration,
+            "heldout": {"images": list(EVAL_PHOTOS), "seeds": list(HELDOUT_SEEDS), "timesteps": list(HELDOUT_TIMESTEPS),
+                        "samples": len(EVAL_PHOTOS) * len(HELDOUT_SEEDS) * len(HELDOUT_TIMESTEPS),
                         "image_tokens": int(self.heldout[0]["hidden_states"].shape[1]),
                         "text_tokens": int(self.heldout[0]["encoder_hidden_states"].shape[1])},
-            "calibration": {k: self.calib_desc[k] for k in ("samples", "timesteps", "seed")},
+            "calibration": {k: self.calib_desc.get(k) for k in ("kind", "source", "samples", "heldout_samples",
+                                                                "timesteps", "seed")},
         }
 
     @torch.no_grad()
@@ -359,36 +407,40 @@ class Bench:
         self.model.to(self.device)
         return self.measure_slab(variant, out, {"write_s": round(time.perf_counter() - t, 3), "spec": spec.label()})
 
-    def rtn_plan(self, variant: str, like: Path) -> dict:
-        """Round-to-nearest with the per-layer bit widths of the slab ``like``."""
+    def rtn_plan(self, variant: str, like: Path, clip_search: bool = True) -> dict:
+        """Round-to-nearest with the per-layer bit widths of the slab ``like`` (and weight-MSE clip search)."""
         with open_slab(like, verify="off") as slab:
             plan = {layer.name: QuantSpec(bits=layer.spec.bits, group_size=self.args.group_size)
                     for layer in slab.manifest.layers}
-        out = self.work / variant
+        out = self.work / variant.replace(" ", "_")
         t = time.perf_counter()
-        write_slab(self.model.to("cpu"), self.blocks, plan, out, WriteOptions())
+        write_slab(self.model.to("cpu"), self.blocks, plan, out, WriteOptions(clip_search=clip_search))
         self.model.to(self.device)
         return self.measure_slab(variant, out, {"write_s": round(time.perf_counter() - t, 3),
                                                 "plan_from": like.name})
 
     def opts(self, budget: int, objective: str, thresholds: Thresholds, resume: bool = False) -> CompileOptions:
         a = self.args
+        images = self.calibration == "images"
         return CompileOptions(budget=budget, objective=objective, thresholds=thresholds, rounding=a.rounding,
                               group_size=a.group_size, calib_samples=a.calib_samples, device=self.device,
-                              resume=resume)
+                              resume=resume, calib_images=self.images if images else None, calib_synthetic=not images)
+
+    def tag(self, variant: str) -> str:
+        return f"{variant} [{self.calibration}]"
 
     def compile_size(self) -> tuple[dict, Path]:
-        out = self.work / "squareq-size"
+        out = self.work / f"squareq-size-{self.calibration}"
         t = time.perf_counter()
         compile_slab(self.source, out, self.opts(1 << 50, "size", Thresholds()))
         secs = time.perf_counter() - t
-        return self.measure_slab("squareq-size", out, {"compile_s": round(secs, 3), "objective": "size",
-                                                       "thresholds": Thresholds().to_dict(),
-                                                       "budget_rule": "none (size objective)"}), out
+        return self.measure_slab(self.tag("squareq-size"), out, {"compile_s": round(secs, 3), "objective": "size",
+                                                                 "thresholds": Thresholds().to_dict(),
+                                                                 "budget_rule": "none (size objective)"}), out
 
     def probe(self, thresholds: Thresholds, tag: str) -> tuple[Path, float]:
         """Calibrate and measure every block once (quality objective); the refused compile leaves its state."""
-        out = self.work / f"probe-{tag}"
+        out = self.work / f"probe-{tag}-{self.calibration}"
         t = time.perf_counter()
         try:
             compile_slab(self.source, out, self.opts(1, "quality", thresholds))
@@ -409,8 +461,8 @@ class Bench:
                 probes[tag] = self.probe(thresholds, tag)
             state, probe_s = probes[tag]
             for rule, budget in budgets:
-                variant = f"squareq-quality@{label}" + ("" if tag == "default" else "-relaxed")
-                out = self.work / f"{variant}-{rule}"
+                variant = self.tag(f"squareq-quality@{label}" + ("" if tag == "default" else "-relaxed"))
+                out = self.work / f"{variant}-{rule}".replace(" ", "_")
                 shutil.copytree(state, driver.state_folder(out))
                 t = time.perf_counter()
                 extra = {"objective": "quality", "thresholds": thresholds.to_dict(), "thresholds_tag": tag,
@@ -468,21 +520,8 @@ def run_model(name: str, args) -> None:
         rtn4 = b.uniform("rtn-w4-g64", QuantSpec(bits=4, group_size=args.group_size))
         b.uniform("rtn-w8-g64", QuantSpec(bits=8, group_size=args.group_size))
 
-        log(f"{name}: squareq --objective size")
-        size_rec, size_path = b.compile_size()
-        rtn_mixed = b.rtn_plan("rtn-mixed@squareq-size-plan", size_path)
-
-        # The compiler's own non-block bytes (header, manifest, resident tensors), as its size slab has them.
-        reserve = size_rec["slab_bytes"] - size_rec["block_bytes"]
-        probes: dict = {}
-        log(f"{name}: squareq --objective quality at rtn-w4-g64's size")
-        sq4 = b.compile_quality("rtn-w4", [("slab bytes = rtn-w4-g64 slab bytes", rtn4["slab_bytes"]),
-                                           ("block bytes = rtn-w4-g64 block bytes", reserve + rtn4["block_bytes"])],
-                                probes)
-        emit_comparison(name, "squareq-quality@rtn-w4 vs rtn-w4-g64", sq4, rtn4, b)
-        emit_comparison(name, "squareq-size vs rtn-mixed (same per-layer bits)", size_rec, rtn_mixed, b)
-
         usable, why = bnb_usable(args.device)
+        nf4 = nf4_slab = nf4_block = None
         if usable:
             log(f"{name}: bitsandbytes NF4")
             r = b.nf4()
@@ -497,11 +536,30 @@ def run_model(name: str, args) -> None:
                      "size_rule": "nf4 packed codes + absmax (+ nested stats), each 256-aligned as in a slab blob, "
                                   "+ rtn-w4-g64 slab's non-linear bytes (norms, biases, residents, header, manifest)"}
             nf4 = emit({**b.base("nf4"), "status": "ok", **extra, **b.measure_state(r["state"])})
-            sqn = b.compile_quality("nf4", [("slab bytes = nf4-equivalent slab bytes", nf4_slab),
-                                            ("block bytes = nf4-equivalent block bytes", reserve + nf4_block)], probes)
-            emit_comparison(name, "squareq-quality@nf4 vs nf4", sqn, nf4, b, target=0.5)
         else:
             log(f"{name}: nf4 rows skipped ({why})")
+
+        for calibration in args.calibration:
+            b.use(calibration)
+            log(f"{name} [{calibration}]: squareq --objective size")
+            size_rec, size_path = b.compile_size()
+            rtn_mixed = b.rtn_plan(b.tag("rtn-mixed@squareq-size-plan"), size_path)
+            rtn_plain = b.rtn_plan(b.tag("rtn-plain@squareq-size-plan"), size_path, clip_search=False)
+            # The compiler's own non-block bytes (header, manifest, resident tensors), as its size slab has them.
+            reserve = size_rec["slab_bytes"] - size_rec["block_bytes"]
+            probes: dict = {}
+            log(f"{name} [{calibration}]: squareq --objective quality at rtn-w4-g64's size")
+            sq4 = b.compile_quality("rtn-w4", [("slab bytes = rtn-w4-g64 slab bytes", rtn4["slab_bytes"]),
+                                               ("block bytes = rtn-w4-g64 block bytes",
+                                                reserve + rtn4["block_bytes"])], probes)
+            emit_comparison(name, b.tag("squareq-quality@rtn-w4 vs rtn-w4-g64"), sq4, rtn4, b)
+            emit_comparison(name, b.tag("squareq-size vs rtn-mixed (same per-layer bits)"), size_rec, rtn_mixed, b)
+            emit_comparison(name, b.tag("squareq-size vs rtn-plain (same per-layer bits)"), size_rec, rtn_plain, b)
+            if nf4 is not None:
+                sqn = b.compile_quality("nf4", [("slab bytes = nf4-equivalent slab bytes", nf4_slab),
+                                                ("block bytes = nf4-equivalent block bytes", reserve + nf4_block)],
+                                        probes)
+                emit_comparison(name, b.tag("squareq-quality@nf4 vs nf4"), sqn, nf4, b, target=0.5)
         log(f"{name}: done in {time.perf_counter() - started:.1f}s")
         emit({**b.base("(model total)"), "status": "timing", "total_s": round(time.perf_counter() - started, 3)})
 
@@ -592,7 +650,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--out", default=None, help="also write the JSON lines to DIR/quality.jsonl")
     p.add_argument("--rounding", choices=("gptq", "nearest"), default="gptq")
-    p.add_argument("--calib-samples", type=int, default=CompileOptions.calib_samples)
+    p.add_argument("--calib-samples", type=int, default=None, help="default: the compiler's (32 images; 4 synthetic)")
+    p.add_argument("--calibration", nargs="+", choices=CALIBRATIONS, default=list(CALIBRATIONS),
+                   help="calibration data of the squareq variants (default: both, compared)")
     p.add_argument("--group-size", type=int, default=64)
     args = p.parse_args(argv)
     models = [m.strip() for v in (args.model or ["tiny,medium"]) for m in v.split(",") if m.strip()]

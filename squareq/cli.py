@@ -148,9 +148,23 @@ def _progress_printer():
 @click.option("--min-bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True,
               help="The ladder's first rung.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
-@click.option("--calib-samples", type=int, default=4, show_default=True, help="Calibration samples (one batch).")
+@click.option("--calib-data", type=click.Path(path_type=Path), default=None,
+              help="Calibrate on these captioned images (the trainer's layouts), encoded by the model's own VAE and "
+              "text encoders (default: the built-in photographs).")
 @click.option("--calib-cache", type=click.Path(path_type=Path), default=None,
-              help="Calibrate on a training cache (squareq cache / squareq train) instead of built-in prompts.")
+              help="Calibrate on a training cache (squareq cache / squareq train).")
+@click.option("--calib-text", type=click.Path(path_type=Path), default=None,
+              help="Text models: calibrate on this UTF-8 file, one sample per line (default: built-in English text).")
+@click.option("--encoders", default=None, help="Pipeline folder with the VAE and text encoders for --calib-data and the "
+              "built-in photographs (default: the pipeline folder MODEL is in).")
+@click.option("--calib-samples", type=click.IntRange(min=2), default=None,
+              help="Calibration samples, a quarter held out (default: 32 for images, 512 for text).")
+@click.option("--calib-resolution", type=click.IntRange(min=64), default=512, show_default=True,
+              help="Side of the square calibration images, in pixels.")
+@click.option("--calib-tokens", type=click.IntRange(min=2), default=None,
+              help="Text models: most tokens per calibration sample (default: 128).")
+@click.option("--calib-synthetic", is_flag=True, help="Calibrate on noise and Gaussian text instead of data: for speed "
+              "tests only, the compiler's choices are then not to be trusted.")
 @click.option("--rounding", type=click.Choice(["gptq", "nearest"]), default="gptq", show_default=True,
               help="gptq: error-compensating rounding from input second moments; nearest: plain RTN.")
 @click.option("--group-size", type=int, default=64, show_default=True)
@@ -159,27 +173,45 @@ def _progress_printer():
 @click.option("--device", default="cpu", show_default=True, help="Where calibration runs, e.g. cuda.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks, calib_samples, calib_cache, rounding,
-                group_size, stream_window, max_window_bytes, device, resume, force) -> None:
-    """Calibrate MODEL, choose W4/W6/W8 per layer under a size budget, write a slab.
+def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks, calib_data, calib_cache, calib_text,
+                encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding, group_size,
+                stream_window, max_window_bytes, device, resume, force) -> None:
+    """Calibrate MODEL on real data, choose W4/W6/W8 per layer under a size budget, write a slab.
 
     MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
     or, with --blocks, any diffusers/transformers model folder.
     """
     from .compiler import CompileOptions, Thresholds, compile_slab, open_source, parse_size
+    from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
 
     if (stream_window is None) != (max_window_bytes is None):
         raise click.UsageError("--stream-window and --max-window-bytes go together; give both or neither.")
+    given = [flag for flag, v in (("--calib-data", calib_data), ("--calib-cache", calib_cache),
+                                  ("--calib-text", calib_text), ("--calib-synthetic", calib_synthetic)) if v]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} each name the calibration data; give one of them.")
     opts = CompileOptions(
         budget=parse_size(budget), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         min_bits=int(min_bits), rounding=rounding, group_size=group_size, calib_samples=calib_samples,
-        calib_cache=str(calib_cache) if calib_cache else None,
+        calib_cache=str(calib_cache) if calib_cache else None, calib_text=str(calib_text) if calib_text else None,
+        calib_tokens=calib_tokens, calib_synthetic=calib_synthetic,
         stream_window=stream_window, max_window_bytes=parse_size(max_window_bytes) if max_window_bytes else None,
         device=device, resume=resume, overwrite=force,
     )
     source = open_source(model, list(blocks) or None)
-    manifest = compile_slab(source, out, opts, progress=_progress_printer())
+    progress = _progress_printer()
+    trains = source.family_adapter is not None and source.family_adapter.recipe is not None
+    if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
+        from .train.calibration import calibration_images
+
+        opts.calib_images = calibration_images(source, data=calib_data, encoders=encoders, resolution=calib_resolution,
+                                               device=device, limit=calib_samples or DEFAULT_IMAGE_SAMPLES,
+                                               seed=opts.seed, echo=progress)
+    elif calib_data:
+        raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
+                               "--calib-text FILE instead.")
+    manifest = compile_slab(source, out, opts, progress=progress)
     counts = {}
     for layer in manifest.layers:
         counts[layer.spec.label().split()[0]] = counts.get(layer.spec.label().split()[0], 0) + 1

@@ -1,6 +1,6 @@
 """`squareq demo`: the whole product on the built-in tiny model in a few minutes, offline.
 
-compile tiny-flux under a size budget → train a LoRA on the built-in tiny dataset with the streamed
+compile tiny-flux under a size budget (calibrated on the built-in photographs) → train a LoRA on the built-in tiny dataset with the streamed
 slab → draw a sample image with it → run the acceptance gates. Everything lands in one folder; every
 number printed is measured in this run. A GPU is used when there is one.
 """
@@ -21,6 +21,7 @@ from .compiler import CompileOptions, compile_slab, open_source
 from .models import load_builtin
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
+from .train.calibration import calibration_images
 from .train.config import load_config
 from .train.loop import train
 from .train.sample import sample_images
@@ -28,6 +29,7 @@ from .train.tiny_dataset import write_tiny_dataset
 
 RESOLUTION, TOKENS = 64, 32  # the built-in images are 64 px; their captions are under 16 tokens
 PROMPT = "a red circle on a blue background"
+DEMO_RESOLUTION = 128  # calibration image side: tiny-flux's latents at 128 px are 16 x 16 (the CLI default is 512)
 PARTS = ("tiny-flux.slab", "tiny-flux.slab.state", "data", "lora", "sample.png", "accept", "accept.json", "accept.xml")
 
 
@@ -64,7 +66,10 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
 
     slab_path = folder / "tiny-flux.slab"
     start = time.perf_counter()
-    manifest = compile_slab(open_source("tiny-flux"), slab_path, CompileOptions(budget=budget, device=device))
+    source = open_source("tiny-flux")
+    # the built-in photographs through tiny-flux's own toy VAE and text encoders, at the demo's small size
+    images = calibration_images(source, resolution=DEMO_RESOLUTION, device=device)
+    manifest = compile_slab(source, slab_path, CompileOptions(budget=budget, device=device, calib_images=images))
     rungs: dict[str, int] = {}
     for layer in manifest.layers:
         label = layer.spec.label().split()[0]

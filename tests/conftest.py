@@ -41,3 +41,13 @@ def tiny_slab(tmp_path_factory, tiny_flux):
     out = tmp_path_factory.mktemp("slab") / "tiny.slab"
     write_slab(model, blocks, plan, out, WriteOptions(default_spec=QuantSpec(bits=4), family="flux", source="tiny-flux"))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_images():
+    """The built-in calibration photographs encoded by tiny-flux's own toy VAE and text encoders at 64 px (what
+    `squareq compile tiny-flux` calibrates on, smaller)."""
+    from squareq.compiler import open_source
+    from squareq.train.calibration import calibration_images
+
+    return calibration_images(open_source("tiny-flux"), resolution=64, max_sequence_length=32)

@@ -100,13 +100,13 @@ def test_every_threshold_is_documented_in_compiler_md():
 
 
 @pytest.fixture(scope="module")
-def compiled_manifest(tmp_path_factory) -> dict:
-    """manifest.json of a real (fast) compile of tiny-flux."""
+def compiled_manifest(tmp_path_factory, tiny_flux_images) -> dict:
+    """manifest.json of a real (fast) compile of tiny-flux on the built-in photographs."""
     from squareq.compiler import CompileOptions, compile_slab, open_source
 
     out = tmp_path_factory.mktemp("docs") / "tiny.slab"
-    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, rounding="nearest",
-                                                                calib_samples=2, max_rows=128))
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, rounding="nearest", calib_samples=4,
+                                                                max_rows=128, calib_images=tiny_flux_images))
     return json.loads((out / slab_manifest.MANIFEST_FILE).read_text())
 
 

@@ -8,16 +8,21 @@ only shown next to the measurement, never used for the verdict.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
+from ..compiler import CompileOptions
+from ..compiler.inputs import calibration_batch
 from ..compiler.sources import Source
+from ..models import BUILTIN_MODELS
 from ..slab import Slab
 from ..slab.writer import block_linears
 from .gates import FAIL, PASS, GateResult
 
 NAME = "layer MSE"
 OFFSETS = (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875)  # where in each grid cell the fresh timesteps may sit
+FRESH_PHASE = 0.25  # the compile stratifies its times at (i + 0.5)/n; fresh ones at (i + 0.25)/n
 
 
 def _fresh_timesteps(n: int, used: list[float]) -> torch.Tensor:
@@ -29,33 +34,37 @@ def _fresh_timesteps(n: int, used: list[float]) -> torch.Tensor:
     return grid
 
 
-def _fresh_seed(source: Source, samples: int, recorded: dict) -> int:
-    """A seed other than the compile's; when the family draws prompts from a pool by seed, the one whose prompts
-    overlap the compile's least (none, while the pool has enough)."""
-    base = int(recorded.get("seed", 0)) + max(samples, int(recorded.get("samples", 0))) + 101
-    used = set(recorded.get("prompts") or [])
-    if not used:
-        return base
-    from ..models.prompts import CALIBRATION_PROMPTS
-
-    pool = len(CALIBRATION_PROMPTS)
-    overlap = lambda seed: sum(CALIBRATION_PROMPTS[(seed + i) % pool] in used for i in range(samples))  # noqa: E731
-    return min(range(base, base + pool), key=overlap)
+def _existing(path) -> str | None:
+    return str(path) if path and (str(path) in BUILTIN_MODELS or Path(str(path)).exists()) else None
 
 
 def fresh_inputs(source: Source, slab: Slab, samples: int, device):
-    """Calibration inputs with another seed, other prompts and other timesteps than the compile recorded."""
+    """Inputs of the kind the compile calibrated on (real images, real text; synthetic only for a synthetic
+    calibration), with another seed: other noise, other times and, where there are more than the compile used,
+    other sentences."""
     recorded = slab.manifest.calibration or {}
-    seed = _fresh_seed(source, samples, recorded)
-    batch = source.adapter.calibration_batch(source.skeleton(), samples, seed, source.pipeline, device)
+    seed = int(recorded.get("seed", 0)) + max(samples, int(recorded.get("samples", 0))) + 101
+    kind = recorded.get("kind")
+    opts = CompileOptions(budget=0, calib_samples=samples, seed=seed, device=str(device),
+                          calib_tokens=recorded.get("max_tokens"), calib_text=_existing(recorded.get("text_file")))
+    if kind == "images" and _existing(recorded.get("cache")):
+        opts.calib_cache = recorded["cache"]
+    elif kind == "images":
+        from ..train.calibration import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_RESOLUTION, calibration_images
+
+        opts.calib_images = calibration_images(
+            source, data=_existing(recorded.get("data")), encoders=_existing(recorded.get("encoders")),
+            resolution=int(recorded.get("resolution", DEFAULT_RESOLUTION)),
+            max_sequence_length=int(recorded.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)), device=device,
+            limit=samples, seed=seed)
+    elif kind != "text":
+        opts.calib_synthetic = True
+    batch = calibration_batch(source, source.skeleton(), opts, phase=FRESH_PHASE)
     kwargs, description = dict(batch.kwargs), dict(batch.description)
-    if "timestep" in kwargs:
+    if opts.calib_synthetic and "timestep" in kwargs:
         grid = _fresh_timesteps(kwargs["timestep"].shape[0], [float(t) for t in recorded.get("timesteps") or []])
         kwargs["timestep"] = grid.to(kwargs["timestep"])
         description["timesteps"] = [round(float(t), 4) for t in grid]
-    description["seed"] = seed
-    shared = sorted(set(description.get("prompts") or []) & set(recorded.get("prompts") or []))
-    description["prompts_shared_with_compile"] = len(shared)
     return kwargs, description
 
 

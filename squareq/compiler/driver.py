@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import quant
+from ..models.calibration import CalibrationSet
 from ..slab import SlabError, WriteOptions
 from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
@@ -35,6 +36,7 @@ from ..slab.writer import (
 )
 from .budget import BlockLayers, BudgetError, candidate_bytes, solve
 from .calibration import StatsCollector
+from .inputs import calibration_batch
 from .ladder import RUNGS, LayerDecision, climb
 from .layer_search import Candidate, search_layer
 from .sources import Source
@@ -56,8 +58,12 @@ class CompileOptions:
     min_bits: int = 4
     rounding: str = "gptq"
     group_size: int = 64
-    calib_samples: int = 4
+    calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
+    calib_images: CalibrationSet | None = None  # encoded images + captions (squareq.train.calibration)
     calib_cache: str | None = None  # a training cache folder to calibrate on (squareq cache / squareq train)
+    calib_text: str | None = None  # a text file, one sample per line (text models)
+    calib_tokens: int | None = None  # most tokens per text sample (None: the default)
+    calib_synthetic: bool = False  # noise and Gaussian text instead of data: for speed runs only
     max_rows: int = 512
     seed: int = 0
     stream_window: int | None = None
@@ -67,7 +73,8 @@ class CompileOptions:
     overwrite: bool = False
 
     def fingerprint(self) -> dict:
-        keep = ("objective", "min_bits", "rounding", "group_size", "calib_samples", "max_rows", "seed")
+        keep = ("objective", "min_bits", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic",
+                "max_rows", "seed")
         return {k: getattr(self, k) for k in keep} | {"thresholds": self.thresholds.compile_dict()}
 
 
@@ -100,8 +107,8 @@ def outputs_rel_mse(ref, got) -> float:
 def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
     """A linear the calibration never called (a branch the inputs did not take): kept at bf16."""
     c = Candidate(quant.quantize(w.detach().float(), quant.QuantSpec(bits=16)), 0.0,
-                  {"output_rel_mse": 0.0, "act_outlier_score": 0.0, "scale_ratio": 1.0, "alpha": 0.0,
-                   "clip_ratio": 1.0, "gptq": 0.0})
+                  {"output_rel_mse": 0.0, "heldout_rel_mse": 0.0, "heldout_rtn_rel_mse": 0.0, "calib_rel_mse": 0.0,
+                   "act_outlier_score": 0.0, "scale_ratio": 1.0, "alpha": 0.0, "clip_ratio": 1.0, "gptq": 0.0})
     return LayerDecision(name, c, [c], ["not called during calibration, so it has no measurements: kept at bf16"])
 
 
@@ -116,8 +123,10 @@ def _quantized_copy(block: nn.Module, prefix: str, chosen: dict[str, quant.Quant
 
 
 class _Run:
-    def __init__(self, source: Source, opts: CompileOptions, state: CompileState | None, progress: Progress) -> None:
+    def __init__(self, source: Source, opts: CompileOptions, state: CompileState | None, progress: Progress,
+                 batch) -> None:
         self.source, self.opts, self.state, self.progress = source, opts, state, progress
+        self.batch = batch
         self.started = time.perf_counter()
         self.done_blocks = 0
 
@@ -144,8 +153,10 @@ class _Run:
     @torch.no_grad()
     def _decide(self, index: int, path: str, real: nn.Module, args, kwargs):
         """Measure and decide every layer of the block, save them, and return the quantized block's output."""
-        o = self.opts
-        with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index) as col:
+        o, b = self.opts, self.batch
+        with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index,
+                            samples=b.description.get("samples"), heldout_samples=b.heldout,
+                            row_mask=b.row_mask) as col:
             ref = real(*args, **kwargs)
         decisions: dict[str, LayerDecision] = {}
         for name, mod in block_linears(path, real):
@@ -200,12 +211,12 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
     skeleton = source.skeleton()
-    batch = source.adapter.calibration_batch(skeleton, opts.calib_samples, opts.seed, source.pipeline, opts.device,
-                                             cache=opts.calib_cache)
+    batch = calibration_batch(source, skeleton, opts)
+    progress(_calibration_line(batch.description))
     inputs_hash = hashlib.sha256(json.dumps(batch.description, sort_keys=True).encode()).hexdigest()[:16]
     fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
                    **opts.fingerprint()}
-    run = _Run(source, opts, None, progress)
+    run = _Run(source, opts, None, progress, batch)
     shell = source.shell(run.block, opts.device)  # checks the checkpoint before any state is written
     state = run.state = CompileState(state_folder(out), fingerprint, opts.resume)
     started = time.perf_counter()
@@ -251,6 +262,12 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
         manifest = assemble_slab(out, skeleton, encoded, residents, write_opts, max_bytes=opts.budget)
     state.remove()
     return manifest
+
+
+def _calibration_line(d: dict) -> str:
+    what = d.get("source") or d.get("why") or d.get("kind")
+    held = f", {d['heldout_samples']} held out to judge the transforms" if d.get("heldout_samples") else ""
+    return f"calibrating on {d.get('samples')} samples of {what}{held}"
 
 
 def _annotations(b: BlockLayers, info: dict, choice: dict[str, int]):

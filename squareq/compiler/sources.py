@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import logging
+
 import torch
 from torch import nn
 
@@ -32,6 +34,8 @@ from ..models.skeleton import build_meta
 from ..slab.signature import model_signature
 
 __all__ = ["Source", "open_source"]
+
+log = logging.getLogger("squareq.compiler")
 
 _WHAT_TO_PASS = "pass a diffusers folder, a BFL .safetensors file or tiny-flux"
 _MISMATCH = "the checkpoint does not match its config"
@@ -233,10 +237,13 @@ class Source:
                  blocks: Sequence[str] | None = None):
         self.description = description
         self.pipeline: Path | None = None  # the diffusers pipeline folder around the model, if any
+        self.folder: Path | None = None  # the model's own folder (config.json, tokenizer files), if it has one
         self._skeleton = skeleton
         self._tensors = tensors
         self.adapter = _adapter(skeleton, blocks, description)
         self.family = self.adapter.family
+        self.family_adapter = _family_of(skeleton)  # the model class's family, in generic mode too (None: unknown)
+        self.ignored: list[str] = []  # checkpoint tensors the model's class does not have, left out as it would
         self.block_paths = self.adapter.blocks(skeleton)
         for a in self.block_paths:
             for b in self.block_paths:
@@ -249,17 +256,30 @@ class Source:
     def __repr__(self) -> str:
         return f"Source({self.description!r}, family={self.family!r}, blocks={len(self.block_paths)})"
 
+    @property
+    def encoder_source(self) -> str | None:
+        """Where the family's VAE and text encoders are: the built-in model's name, the pipeline folder, or None."""
+        if self.description in BUILTIN_MODELS:
+            return self.description
+        return str(self.pipeline) if self.pipeline is not None else None
+
     # -- checks, at open time, from headers only
 
     def _bind(self) -> dict[str, str]:
-        """Map each skeleton tensor to its checkpoint tensor, refusing missing, misshapen and extra ones."""
+        """Map each skeleton tensor to its checkpoint tensor the way the model's library loads it: a misshapen tensor
+        is refused; a tensor the class declares ignorable, or a legacy copy of one of its buffers, is left out
+        quietly; any other extra tensor is left out with a warning (``self.ignored``), as ``from_pretrained`` does.
+        A missing tensor is refused unless the class declares it optional or it is tied to one that is there:
+        ``from_pretrained`` would initialize it randomly, which a quantized slab must not silently keep."""
         t, cls = self._tensors, type(self._skeleton).__name__
+        optional = _patterns(self._skeleton, "_keys_to_ignore_on_load_missing")
         key, missing = {}, []
         for name, shape in self._expected.items():
             candidates = [name] + [a for a in self._aliases.get(name, ()) if a != name]
             found = next((c for c in candidates if c in t.shapes), None)
             if found is None:
-                missing.append(name)
+                if not any(p.search(name) for p in optional):
+                    missing.append(name)
                 continue
             if t.shapes[found] != shape:
                 raise ModelError(f"tensor {t.display(found)} in {t.file_of(found)} has shape {list(t.shapes[found])}, "
@@ -267,13 +287,15 @@ class Source:
             key[name] = found
         if missing:
             raise ModelError(f"{t.label} has no tensor {t.display(missing[0])}, which {cls} with this config expects "
-                             f"({len(missing)} missing in all); {_MISMATCH}.")
-        ignore = [re.compile(p) for p in getattr(self._skeleton, "_keys_to_ignore_on_load_unexpected", None) or ()]
+                             f"({len(missing)} missing in all); {_MISMATCH} (from_pretrained would initialize it "
+                             "randomly).")
+        ignore = _patterns(self._skeleton, "_keys_to_ignore_on_load_unexpected") + _legacy_buffers(self._skeleton)
         extra = [n for n in set(t.shapes) - set(key.values()) if not any(p.search(n) for p in ignore)]
+        self.ignored = sorted(t.display(n) for n in extra)
         if extra:
-            shown = _few(t.display(n) for n in extra)
-            raise ModelError(f"{t.label} has {len(extra)} tensors that {cls} with this config does not have ({shown}); "
-                             f"{_MISMATCH}.")
+            log.warning("%s has %d tensors that %s with this config does not have (%s); they are left out, as "
+                        "from_pretrained leaves them out. If the checkpoint should match, check its config.json.",
+                        t.label, len(extra), cls, _few(self.ignored))
         return key
 
     # -- the API the compiler uses
@@ -374,6 +396,31 @@ class _BlockStandIn(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._run_block(self.index, self.path, args, kwargs)
+
+
+def _patterns(model: nn.Module, attr: str) -> list[re.Pattern]:
+    """The regular expressions a model class (and, as transformers collects them, its submodules) declares in
+    ``attr`` (``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing``)."""
+    found = set()
+    for module in model.modules():
+        found.update(getattr(module, attr, None) or ())
+    return [re.compile(p) for p in sorted(found)]
+
+
+def _legacy_buffers(model: nn.Module) -> list[re.Pattern]:
+    """Checkpoint names of buffers the model class keeps out of its state dict (``position_ids``, rotary
+    ``inv_freq``): older checkpoints saved them, and the libraries skip them on load (transformers by name wherever
+    such a buffer now lives, since it may have moved)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_buffers() if n not in persistent}
+    return [re.compile(rf"(^|\.){re.escape(n)}$") for n in sorted(names)]
+
+
+def _family_of(skeleton: nn.Module) -> FamilyAdapter | None:
+    try:
+        return adapter_for(skeleton)
+    except ModelError:
+        return None
 
 
 def _convert(t: torch.Tensor, device, dtype) -> torch.Tensor:
@@ -486,7 +533,7 @@ def _open_folder(folder: Path, blocks) -> Source:
                          f"(transformers); {_WHAT_TO_PASS}.")
     tensors = _SafetensorsFiles(_folder_weights(folder), label=str(folder))
     source = Source(str(folder), skeleton, tensors, blocks)
-    source.pipeline = pipeline
+    source.pipeline, source.folder = pipeline, folder
     return source
 
 

@@ -12,19 +12,28 @@ from .recipe import TrainingRecipe
 
 @dataclass
 class CalibrationBatch:
-    """Keyword arguments for the model's forward (batch = calibration samples) and how they were made."""
+    """Keyword arguments for the model's forward (batch = calibration samples) and how they were made.
+
+    ``heldout``: indices of the samples whose inputs the compiler keeps out of every fit and choice, to judge them
+    (empty: the compiler holds out a share of rows instead). ``row_mask``: ``[samples, tokens]``, 1 where a token is
+    real and 0 where it is padding, for inputs whose padding the model ignores (text models): padded rows are not
+    statistics of the data.
+    """
 
     kwargs: dict[str, Any]
     description: dict[str, Any]
+    heldout: tuple[int, ...] = ()
+    row_mask: torch.Tensor | None = None
 
 
 def generic_token_inputs(model: nn.Module, samples: int, seed: int, tokens: int = 32, device="cpu",
                          dtype: torch.dtype = torch.float32) -> CalibrationBatch:
-    """Random token ids for a transformers model with a vocabulary (text encoders in generic mode)."""
+    """Random token ids for a transformers model with a vocabulary (text encoders in generic mode): the synthetic
+    inputs of ``--calib-synthetic``; real text goes through the model's tokenizer (models/calibration.py)."""
     vocab = getattr(model.config, "vocab_size", None)
     if not vocab:
-        raise ModelError(f"{type(model).__name__} has no vocab_size, so SquareQ cannot make calibration inputs "
-                         "for it; compile it from a training cache (--calib-cache).")
+        raise ModelError(f"{type(model).__name__} has no vocab_size, so SquareQ cannot make synthetic inputs for "
+                         "it; calibrate it on real data instead of --calib-synthetic.")
     tokens = min(tokens, getattr(model.config, "max_position_embeddings", None) or tokens)  # CLIP: 77 positions
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (samples, tokens), generator=g).to(device)
@@ -43,15 +52,12 @@ class FamilyAdapter:
     family: str
     class_name: str
     block_lists: tuple[str, ...]
+    # Synthetic inputs of the right shapes (noise latents, Gaussian text; random token ids for text models): for speed
+    # runs and streaming tests, never for the compiler's choices (models/calibration.py makes the real ones).
     calibration_inputs: Callable[..., CalibrationBatch] = field(default=generic_token_inputs, compare=False)
-    # Calibration through a pipeline's own text encoders (None: the family has no such path yet).
-    prompt_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
-    has_text_encoders: Callable[..., bool] | None = field(default=None, compare=False)
     # (tokens per sample, hidden width) of the block stream for a config, an image side and a text length;
     # the runtime's memory plan needs it. None: the generic rule (text tokens, config hidden size).
     sequence_shape: Callable[[dict, int, int], tuple[int, int]] | None = field(default=None, compare=False)
-    # Calibration from a training cache (`squareq cache`/`squareq train`); None: the family has no such path.
-    cache_inputs: Callable[..., CalibrationBatch] | None = field(default=None, compare=False)
     # How the trainer feeds the family's denoiser (models/recipe.py); None: the family cannot be trained yet.
     recipe: TrainingRecipe | None = field(default=None, compare=False)
     # `squareq sample` and the trainer's sample images work for the family (its diffusers pipeline is wired in)
@@ -63,18 +69,6 @@ class FamilyAdapter:
     def supports(self) -> tuple[str, ...]:
         """What SquareQ does for the family today (`squareq families` prints it): compile, stream, train, sample."""
         return ("compile", "stream") + (("train",) if self.recipe else ()) + (("sample",) if self.samples else ())
-
-    def calibration_batch(self, model: nn.Module, samples: int, seed: int, pipeline=None,
-                          device="cpu", cache=None) -> CalibrationBatch:
-        """A training cache when given, else prompts through the pipeline's encoders when it has them, else the
-        documented fallback."""
-        if cache is not None:
-            if self.cache_inputs is None:
-                raise ModelError(f"--calib-cache is not supported for the {self.family} family yet; compile without it.")
-            return self.cache_inputs(model, samples, seed, cache, device=device)
-        if pipeline is not None and self.prompt_inputs and self.has_text_encoders and self.has_text_encoders(pipeline):
-            return self.prompt_inputs(model, samples, seed, pipeline, device=device)
-        return self.calibration_inputs(model, samples, seed, device=device)
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Module paths of the streamed blocks in definition order, e.g. ``transformer_blocks.0``."""

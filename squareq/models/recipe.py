@@ -54,6 +54,28 @@ class TrainingRecipe:
             raise ValueError(f"objective {self.objective!r} is not one of {OBJECTIVES}.")
 
 
+# caption tensors with a token axis: padded to the batch's longest caption
+TOKEN_FIELDS = ("prompt_embeds", "prompt_mask")
+
+
+def pad_tokens(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``tensor`` zero-padded along its first (token) axis to ``tokens``."""
+    if tensor.shape[0] == tokens:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(tokens - tensor.shape[0], *tensor.shape[1:])])
+
+
+def stack_captions(texts: list[dict[str, torch.Tensor]], place=lambda t: t) -> dict[str, torch.Tensor]:
+    """Caption entries batched: each field stacked on a new leading axis (after ``place`` moved each entry's tensor,
+    e.g. onto the GPU), token fields zero-padded to the longest (their masks mark the padding). Entries of different
+    lengths need a ``prompt_mask``: without one, zero padding would be read as tokens, so a ``ValueError`` says so."""
+    tokens = max(e["prompt_embeds"].shape[0] for e in texts)
+    if "prompt_mask" not in texts[0] and any(e["prompt_embeds"].shape[0] != tokens for e in texts):
+        raise ValueError("the captions have different lengths and no prompt_mask, so they cannot be batched")
+    return {name: torch.stack([place(pad_tokens(e[name], tokens) if name in TOKEN_FIELDS else e[name]) for e in texts])
+            for name in texts[0]}
+
+
 def first_output(output, x_t: torch.Tensor) -> torch.Tensor:
     """The denoiser's first output as it is (it already has the latent's layout); a model that returns one tensor
     (Würstchen) returns just that."""

@@ -48,6 +48,7 @@ def summarize(slab: Slab) -> dict:
         "format_version": m.format_version,
         "model": {"family": m.model.family, "class": m.model.class_name, "source": m.model.source,
                   "signature": m.model.signature},
+        "calibration": m.calibration,
         "layers": layers,
         "blocks": blocks,
         "totals": {
@@ -79,13 +80,26 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-# The table shows these metrics when present (all of them are in --json).
-TABLE_METRICS = {"output_rel_mse": "out_mse", "weight_rel_mse": "w_mse", "alpha": "alpha"}
+# The table shows these metrics when present (all of them are in --json): the layer's output error on held-out
+# calibration rows, plain rounding's on the same rows, and the transforms kept (α 0: no smoothing, clip 1: none).
+TABLE_METRICS = {"heldout_rel_mse": "heldout", "heldout_rtn_rel_mse": "rtn_heldout", "weight_rel_mse": "w_mse",
+                 "alpha": "alpha", "clip_ratio": "clip", "gptq": "gptq"}
+OLD_METRICS = {"output_rel_mse": "out_mse"}  # slabs compiled before held-out selection
 
 
 def _metric_text(metrics: dict) -> str:
-    shown = [f"{short}={metrics[k]:.3g}" for k, short in TABLE_METRICS.items() if k in metrics]
+    names = TABLE_METRICS if "heldout_rel_mse" in metrics else {**OLD_METRICS, **TABLE_METRICS}
+    shown = [f"{short}={metrics[k]:.3g}" for k, short in names.items() if k in metrics]
     return " ".join(shown) if shown else "-"
+
+
+def _calibration_text(cal: dict | None) -> str:
+    """One line on what the compile calibrated on (the manifest's calibration record)."""
+    if not cal:
+        return "calibration: not recorded"
+    what = cal.get("source") or cal.get("why") or cal.get("kind")
+    held = f", {cal['heldout_samples']} held out" if cal.get("heldout_samples") else ""
+    return f"calibration: {cal.get('kind')}, {cal.get('samples')} samples of {what}{held}"
 
 
 def format_summary(s: dict) -> str:
@@ -101,6 +115,7 @@ def format_summary(s: dict) -> str:
     why = [f"  {r['layer']} ({r['format'].split()[0]}): " + "; ".join(r["reason"]) for r in s["layers"] if r["reason"]]
     lines = [
         f"slab {s['path']}  (format v{s['format_version']}, {m['class']} family={m['family']} source={m['source']})",
+        _calibration_text(s.get("calibration")),
         "",
         _table(["layer", "block", "bits", "group", "size", "bits/w", "metrics"], layer_rows),
         "",

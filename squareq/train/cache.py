@@ -90,6 +90,13 @@ class EmbeddingCache:
         atomic_write_bytes(self.path(kind, key), save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}))
         self.computed += 1
 
+    def record_pairs(self, pairs: list[tuple[str, str]]) -> None:
+        """Write which text entry captions which latent entry (``pairs.json``), so that the compiler's
+        ``--calib-cache`` calibrates each image with its own caption. The last fill's pairs win."""
+        from ..models.calibration import PAIRS_FILE
+
+        atomic_write_bytes(self.root / PAIRS_FILE, json.dumps([list(p) for p in pairs]).encode())
+
     def fill(self, kind: str, keys: Iterable[str], compute: Callable[[list[int]], list[dict[str, torch.Tensor]]],
              batch_size: int = 8) -> int:
         """Compute the entries of ``keys`` that are missing: ``compute(indices)`` returns one tensor dict per index

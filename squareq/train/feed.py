@@ -11,9 +11,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..models.recipe import stack_captions
 from .cache import CacheError, EmbeddingCache
-
-TOKEN_FIELDS = ("prompt_embeds", "prompt_mask")  # caption tensors with a token axis (padded to the batch's longest)
 
 
 class CacheFeed:
@@ -67,24 +66,16 @@ class CacheFeed:
         # an image embedding cached with the latent (Würstchen's decoder) conditions the denoiser like the text
         extra = {name: self._stack([e[name] for e in images]) for name in images[0] if name != "latents"}
         texts = [self._get("text", key) for kind, key in self._entries(indices, drops) if kind == "text"]
-        tokens = max(e["prompt_embeds"].shape[0] for e in texts)
-        if "prompt_mask" not in texts[0] and any(e["prompt_embeds"].shape[0] != tokens for e in texts):
-            # without a mask, zero padding would be read as tokens
+        try:
+            captions = stack_captions(texts, place=lambda t: t.to(self.device, non_blocking=True))
+        except ValueError:
             raise CacheError(f"captions cached in {self.cache.root} have different lengths and no mask; delete the "
-                             "text entries and fill the cache again with one max_sequence_length.")
-        return latents, {**extra, **{name: self._stack([_pad(e[name], tokens) if name in TOKEN_FIELDS else e[name]
-                                                        for e in texts]) for name in texts[0]}}
+                             "text entries and fill the cache again with one max_sequence_length.") from None
+        return latents, {**extra, **captions}
 
     def close(self) -> None:
         self._pending = {}
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _pad(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``tensor`` zero-padded along its first (token) axis to ``tokens``."""
-    if tensor.shape[0] == tokens:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros(tokens - tensor.shape[0], *tensor.shape[1:])])
 
 
 def _done(value) -> Future:

@@ -161,6 +161,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
 
         with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
             keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
+        image_keys, text_keys = keys
+        cache.record_pairs([(image_keys[i], text_keys[c]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
 
 

@@ -12,7 +12,8 @@ from squareq.cli import main
 from squareq.models import load_builtin
 from squareq.quant import QuantSpec
 from squareq.slab import WriteOptions, write_slab
-from squareq.slab.writer import block_linears
+
+from ..text_models import save_text_model
 
 
 @pytest.fixture(autouse=True)
@@ -21,11 +22,11 @@ def torch_kernels(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def good_slab(tmp_path_factory):
+def good_slab(tmp_path_factory, tiny_flux_images):
     from squareq.compiler import CompileOptions, compile_slab, open_source
 
     out = tmp_path_factory.mktemp("accept") / "good.slab"
-    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000))
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, calib_images=tiny_flux_images))
     return out
 
 
@@ -159,15 +160,16 @@ def test_a_generic_model_is_gated_on_layer_mse_and_size_and_says_why_not_on_trai
     from squareq.compiler import CompileOptions, compile_slab, open_source
 
     torch.manual_seed(0)
-    folder = tmp_path / "t5"
-    T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)).save_pretrained(folder)
+    folder = save_text_model(T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                     num_heads=4)), tmp_path / "t5")
     slab = tmp_path / "t5.slab"
-    compile_slab(open_source(folder, ["encoder.block"]), slab, CompileOptions(budget=1_000_000))
+    compile_slab(open_source(folder, ["encoder.block"]), slab, CompileOptions(budget=1_000_000, calib_samples=16))
     result = CliRunner().invoke(main, ["accept", str(slab), "--model", str(folder), "--report", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
     gates = {g["name"]: g for g in json.loads((tmp_path / "r.json").read_text())["gates"]}
     layers = len(json.loads((slab / "manifest.json").read_text())["layers"])
     assert gates["layer MSE"]["status"] == "PASS" and gates["layer MSE"]["details"]["layers"] == layers == 12
+    assert gates["layer MSE"]["details"]["inputs"]["kind"] == "text"  # real sentences, as the compile used
     assert gates["convergence"]["status"] == "SKIP" and "cannot train" in gates["convergence"]["note"]
     assert gates["peak VRAM and size"]["details"]["size"]["status"] == "PASS"
 
@@ -175,8 +177,12 @@ def test_a_generic_model_is_gated_on_layer_mse_and_size_and_says_why_not_on_trai
 def test_another_family_is_gated_on_convergence_with_its_own_objective(tmp_path):
     from squareq.compiler import CompileOptions, compile_slab, open_source
 
+    from squareq.train.calibration import calibration_images
+
     slab = tmp_path / "sd3.slab"
-    compile_slab(open_source("tiny-sd3"), slab, CompileOptions(budget=4_000_000))
+    source = open_source("tiny-sd3")
+    compile_slab(source, slab, CompileOptions(budget=4_000_000, calib_samples=8,
+                                              calib_images=calibration_images(source, resolution=64)))
     result = CliRunner().invoke(main, ["accept", str(slab), "--model", "tiny-sd3", "--report", str(tmp_path / "r.json")])
     assert result.exit_code == 0, result.output
     gates = {g["name"]: g for g in json.loads((tmp_path / "r.json").read_text())["gates"]}
@@ -190,18 +196,20 @@ def test_a_report_into_a_missing_folder_is_refused_before_any_work(good_slab, tm
     assert not (tmp_path / "good.slab.accept").exists()
 
 
-def test_fresh_inputs_avoid_the_compiles_timesteps_and_prompts(tmp_path):
-    from squareq.acceptance.layer_mse import _fresh_seed, _fresh_timesteps
+def test_fresh_inputs_are_real_images_at_other_noise_levels_than_the_compiles(good_slab):
+    from squareq.acceptance.layer_mse import _fresh_timesteps, fresh_inputs
     from squareq.compiler.sources import open_source
-    from squareq.models.prompts import CALIBRATION_PROMPTS
+    from squareq.slab import open_slab
 
-    used = [round(0.05 + 0.9 * i / 8, 4) for i in range(9)]  # the grid a 9-sample compile records
+    used = [round(0.05 + 0.9 * i / 8, 4) for i in range(9)]  # the grid of a synthetic 9-sample compile
     grid = _fresh_timesteps(2, used)
     assert all(abs(float(t) - u) > 1e-3 for t in grid for u in used) and len(set(grid.tolist())) == 2
-    recorded = {"seed": 0, "samples": 12, "prompts": list(CALIBRATION_PROMPTS[:12])}
-    seed = _fresh_seed(open_source("tiny-flux"), 4, recorded)
-    fresh = [CALIBRATION_PROMPTS[(seed + i) % len(CALIBRATION_PROMPTS)] for i in range(4)]
-    assert not set(fresh) & set(recorded["prompts"])
+    with open_slab(good_slab) as slab:
+        recorded = slab.manifest.calibration
+        _, description = fresh_inputs(open_source("tiny-flux"), slab, 4, "cpu")
+    assert description["kind"] == "images" and description["source"] == recorded["source"]
+    assert description["seed"] != recorded["seed"] and description["resolution"] == recorded["resolution"]
+    assert not set(description["timesteps"]) & set(recorded["timesteps"])
 
 
 def test_the_bf16_reference_is_rewritten_when_the_source_weights_change(tmp_path):

@@ -1,4 +1,5 @@
-"""`squareq compile --calib-cache`: the compiler calibrates on the trainer's cache of real latents and captions."""
+"""`squareq compile --calib-cache`: the compiler calibrates on the trainer's cache of real latents and captions, each
+image with its own caption, noised as the family trains."""
 import json
 from types import SimpleNamespace
 
@@ -32,13 +33,29 @@ def cache(tmp_path_factory):
 def test_compile_calibrates_on_a_training_cache(cache, tmp_path):
     out = tmp_path / "cached.slab"
     manifest = compile_slab(open_source("tiny-flux"), out,
-                            CompileOptions(budget=2_000_000, calib_cache=str(cache), calib_samples=3))
+                            CompileOptions(budget=2_000_000, calib_cache=str(cache), calib_samples=6))
     cal = manifest.calibration
-    assert cal["kind"] == "training-cache" and cal["samples"] == 3 and cal["latent_shape"] == [4, 8, 8]
-    assert cal["text_tokens"] == 16 and len(cal["entries"]) == 3
+    assert cal["kind"] == "images" and cal["source"] == f"training cache {cache}" and cal["images"] == 3
+    assert cal["samples"] == 6 and cal["latent_shape"] == [4, 8, 8] and cal["text_tokens"] == 16
+    assert cal["pairing"] == "each image with its caption" and len(cal["entries"]) == 3
+    assert cal["heldout_samples"] == 2 and len(cal["heldout_images"]) == 1  # both noisy copies of one image
+    assert cal["noise_schedule"] == "flow" and len(set(cal["timesteps"])) == 6
     with open_slab(out, verify=True):
         pass
     assert json.loads((out / "manifest.json").read_text())["calibration"]["cache"] == str(cache)
+
+
+def test_each_image_is_calibrated_with_its_own_caption(cache):
+    from squareq.models import FLUX
+    from squareq.models.calibration import read_training_cache
+
+    source = open_source("tiny-flux")
+    images = read_training_cache(cache, FLUX.recipe, source.skeleton().config, "flux")
+    pairs = json.loads((cache / "pairs.json").read_text())
+    assert [e for e in images.description["entries"]] == [a for a, _ in pairs]
+    from safetensors.torch import load_file
+    for (_, text_key), text in zip(pairs, images.texts):
+        assert torch.equal(text["prompt_embeds"], load_file(str(cache / "text" / f"{text_key}.safetensors"))["prompt_embeds"])
 
 
 def test_an_empty_cache_is_refused_with_the_command_to_fill_it(tmp_path):

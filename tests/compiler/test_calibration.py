@@ -48,7 +48,7 @@ def test_row_sample_is_bounded_uniform_and_seeded():
     assert col_hooks_removed(block)
 
 
-def test_measurement_rows_are_held_out_of_the_gram_matrix():
+def test_without_held_out_samples_a_share_of_rows_is_held_out_of_every_fit():
     torch.manual_seed(1)
     block = TwoLinears()
     x = torch.randn(400, 6)
@@ -56,12 +56,13 @@ def test_measurement_rows_are_held_out_of_the_gram_matrix():
         for chunk in x.split(100):
             block(chunk)
     st = col.stats["blk.a"]
-    held = st.rows
-    assert 50 < held.shape[0] < 150 and st.gram_count == 400 - held.shape[0]
-    # every held-out row is one of the inputs, and the Gram matrix is exactly the other rows'
+    held, fit = st.heldout_rows, st.rows
+    assert 50 < held.shape[0] < 150 and st.gram_count == 400 - held.shape[0] == fit.shape[0]
+    # every held-out row is one of the inputs, and the Gram matrix and moments are exactly the other rows'
     assert all(any(torch.equal(r, y) for y in x) for r in held[:5])
     assert torch.allclose(st.gram.float(), x.T @ x - held.T @ held, atol=1e-3)
-    assert st.count == 400 and torch.allclose(st.second_moment, x.pow(2).mean(0))
+    assert st.count == fit.shape[0] and torch.allclose(st.second_moment, fit.pow(2).mean(0))
+    assert torch.equal(st.absmax, fit.abs().amax(0)) and torch.equal(st.judging_rows, held)
 
 
 def test_a_layer_with_few_rows_still_holds_one_out():
@@ -69,7 +70,33 @@ def test_a_layer_with_few_rows_still_holds_one_out():
     with StatsCollector("blk", block, holdout=0.25, seed=0) as col:
         block(torch.randn(2, 6))
     st = col.stats["blk.a"]
-    assert st.rows.shape[0] >= 1 and st.gram_count + st.rows.shape[0] == 2
+    assert st.heldout_rows.shape[0] >= 1 and st.gram_count + st.heldout_rows.shape[0] == 2
+
+
+def test_held_out_samples_are_whole_samples_and_padding_is_no_row():
+    """Samples 1 and 3 held out: their real rows, and only theirs, are judged on; samples 0 and 2 are fitted; the
+    padding the mask marks is in neither."""
+    torch.manual_seed(2)
+    block = TwoLinears()
+    x = torch.randn(4, 5, 6)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    with StatsCollector("blk", block, max_rows=100, seed=0, samples=4, heldout_samples=(1, 3), row_mask=mask) as col:
+        block(x)
+    st = col.stats["blk.a"]
+    real = mask.bool()
+    fit = torch.cat([x[0][real[0]], x[2][real[2]]])
+    held = torch.cat([x[1][real[1]], x[3][real[3]]])
+    assert torch.equal(st.rows, fit) and torch.equal(st.heldout_rows, held)
+    assert st.gram_count == 8 and torch.allclose(st.gram.float(), fit.T @ fit, atol=1e-5)
+    assert torch.equal(st.absmax, fit.abs().amax(0))
+
+
+def test_an_input_without_the_batch_axis_first_holds_out_a_share_of_rows():
+    block = TwoLinears()
+    with StatsCollector("blk", block, max_rows=1000, seed=0, samples=4, heldout_samples=(0,)) as col:
+        block(torch.randn(40, 6))  # 40 rows, not 4 samples
+    st = col.stats["blk.a"]
+    assert 0 < st.heldout_rows.shape[0] < 40 and st.rows.shape[0] + st.heldout_rows.shape[0] == 40
 
 
 def col_hooks_removed(block):

@@ -13,7 +13,9 @@ from squareq.models.flux_bfl import diffusers_to_bfl
 from squareq.models.tiny import MLP_OUTLIER_LAYER, ROW_OUTLIER_LAYER
 from squareq.slab import open_slab
 
-FAST = dict(rounding="nearest", calib_samples=2, max_rows=128)
+from ..text_models import save_text_model
+
+FAST = dict(rounding="nearest", calib_samples=4, max_rows=128)
 
 
 def manifest(slab):
@@ -25,11 +27,16 @@ def without_timings(m):
     return m
 
 
+@pytest.fixture
+def fast(tiny_flux_images):
+    return dict(FAST, calib_images=tiny_flux_images)
+
+
 @pytest.fixture(scope="module")
 def size_slab(tmp_path_factory):
     out = tmp_path_factory.mktemp("compile") / "tiny.slab"
-    result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB",
-                                       "--calib-samples", "2", "--rounding", "nearest"])
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples",
+                                       "8", "--calib-resolution", "64", "--rounding", "nearest"])
     assert result.exit_code == 0, result.output
     assert "wrote" in result.output and "W8 x1" in result.output
     return out
@@ -49,29 +56,32 @@ def test_mixed_rung_slab_explains_every_decision(size_slab):
     # the planted activation outliers are handled by smoothing rather than by more bits
     mlp_reader = layers[MLP_OUTLIER_LAYER.replace("net.0.proj", "net.2")]
     assert mlp_reader["spec"]["smooth"] and mlp_reader["metrics"]["alpha"] > 0
-    assert m["calibration"]["kind"] == "synthetic" and m["thresholds"]["mse"] > 0
+    assert m["calibration"]["kind"] == "images" and m["calibration"]["source"].startswith("built-in: 16 photographs")
+    assert m["thresholds"]["mse"] > 0
     with open_slab(size_slab, verify=True):
         pass
     shown = CliRunner().invoke(main, ["inspect", str(size_slab)]).output
     assert "group-scale ratio" in shown
 
 
-def test_impossible_budget_states_the_minimum(tmp_path):
+def test_impossible_budget_states_the_minimum(tmp_path, fast):
     out = tmp_path / "small.slab"
     with pytest.raises(BudgetError, match=r"at least [\d,]+ bytes") as info:
-        compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=100_000, **FAST))
+        compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=100_000, **fast))
     assert not out.exists() and driver.state_folder(out).exists() and "--resume" in str(info.value)
     minimum = int(str(info.value).split("at least ")[1].split(" bytes")[0].replace(",", ""))
-    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=minimum, resume=True, **FAST))
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=minimum, resume=True, **fast))
     assert sum(p.stat().st_size for p in out.iterdir()) <= minimum
     assert not driver.state_folder(out).exists()
 
 
-def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, size_slab):
-    base = {layer["name"]: layer for layer in manifest(size_slab)["layers"]}
-    budget = int(1.25 * sum(p.stat().st_size for p in size_slab.iterdir()))
+def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, fast):
+    size = tmp_path / "size.slab"
+    compile_slab(open_source("tiny-flux"), size, CompileOptions(budget=2_000_000, **fast))
+    base = {layer["name"]: layer for layer in manifest(size)["layers"]}
+    budget = int(1.25 * sum(p.stat().st_size for p in size.iterdir()))
     out = tmp_path / "quality.slab"
-    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=budget, objective="quality", **FAST))
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=budget, objective="quality", **fast))
     assert sum(p.stat().st_size for p in out.iterdir()) <= budget
     m = manifest(out)
     upgraded = [layer for layer in m["layers"] if layer["spec"]["bits"] > base[layer["name"]]["spec"]["bits"]]
@@ -80,8 +90,8 @@ def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, si
         assert layer["metrics"]["output_rel_mse"] <= base[layer["name"]]["metrics"]["output_rel_mse"] * (1 + 1e-9)
 
 
-def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch):
-    opts = CompileOptions(budget=2_000_000, **FAST)
+def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
+    opts = CompileOptions(budget=2_000_000, **fast)
     whole = tmp_path / "whole.slab"
     compile_slab(open_source("tiny-flux"), whole, opts)
 
@@ -103,18 +113,18 @@ def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch):
         compile_slab(open_source("tiny-flux"), out, opts)
     monkeypatch.setattr(driver._Run, "_decide", original)
     calls.clear()
-    resumed = CompileOptions(budget=2_000_000, resume=True, **FAST)
+    resumed = CompileOptions(budget=2_000_000, resume=True, **fast)
     compile_slab(open_source("tiny-flux"), out, resumed)
     assert (out / "slab.safetensors").read_bytes() == (whole / "slab.safetensors").read_bytes()
     assert without_timings(manifest(out)) == without_timings(manifest(whole))
 
 
-def test_bfl_and_diffusers_sources_give_identical_slabs(tmp_path, tiny_flux):
+def test_bfl_and_diffusers_sources_give_identical_slabs(tmp_path, tiny_flux, fast):
     model, _ = tiny_flux
     model.save_pretrained(tmp_path / "diffusers", safe_serialization=True)
     bfl = tmp_path / "tiny-flux1.safetensors"
     save_file({k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()}, str(bfl))
-    opts = CompileOptions(budget=2_000_000, **FAST)
+    opts = CompileOptions(budget=2_000_000, **fast)
     compile_slab(open_source(str(tmp_path / "diffusers")), tmp_path / "a.slab", opts)
     compile_slab(open_source(str(bfl)), tmp_path / "b.slab", opts)
     assert (tmp_path / "a.slab/slab.safetensors").read_bytes() == (tmp_path / "b.slab/slab.safetensors").read_bytes()
@@ -127,15 +137,17 @@ def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
 
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
-    T5EncoderModel(cfg).save_pretrained(tmp_path / "t5", safe_serialization=True)
+    save_text_model(T5EncoderModel(cfg), tmp_path / "t5")
     result = CliRunner().invoke(main, ["compile", str(tmp_path / "t5"), "--blocks", "encoder.block", "-o",
-                                       str(tmp_path / "t5.slab"), "--budget", "1MB", "--calib-samples", "2",
+                                       str(tmp_path / "t5.slab"), "--budget", "1MB", "--calib-samples", "8",
                                        "--rounding", "gptq"])
     assert result.exit_code == 0, result.output
     m = manifest(tmp_path / "t5.slab")
     assert m["model"]["class_name"] == "T5EncoderModel" and m["model"]["family"] == "generic"
     assert [b["name"] for b in m["blocks"]] == ["encoder.block.0", "encoder.block.1"]
-    assert m["calibration"]["why"].startswith("random token ids")
+    cal = m["calibration"]
+    assert cal["kind"] == "text" and "CPython" in cal["source"] and cal["samples"] == 8 and cal["heldout_samples"] == 2
+    assert all(len(example) > 20 for example in cal["examples"])  # real sentences, not token ids
 
 
 @pytest.mark.parametrize("args, message", [
@@ -154,7 +166,7 @@ def test_a_linear_the_calibration_never_calls_stays_bf16_with_a_reason(tmp_path,
 
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0)
-    T5EncoderModel(cfg).save_pretrained(tmp_path / "t5", safe_serialization=True)
+    save_text_model(T5EncoderModel(cfg), tmp_path / "t5")
     # the feed-forward branch is skipped, as a branch the calibration inputs do not take would be
     monkeypatch.setattr(modeling_t5.T5LayerFF, "forward", lambda self, hidden_states: hidden_states)
     m = compile_slab(open_source(str(tmp_path / "t5"), ["encoder.block"]), tmp_path / "t5.slab",

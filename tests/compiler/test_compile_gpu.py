@@ -9,12 +9,13 @@ from squareq.slab import open_slab
 
 
 @pytest.mark.gpu
-def test_compile_on_cuda_matches_the_cpu_decisions(tmp_path):
+def test_compile_on_cuda_matches_the_cpu_decisions(tmp_path, tiny_flux_images):
     torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN SDPA backward fails on the device image
     slabs = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"{device}.slab"
-        compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, device=device, calib_samples=2))
+        compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, device=device, calib_samples=8,
+                                                                    calib_images=tiny_flux_images))
         with open_slab(out, verify=True):
             pass
         slabs[device] = {layer["name"]: layer for layer in json.loads((out / "manifest.json").read_text())["layers"]}

@@ -8,7 +8,10 @@ from squareq.compiler import sources
 from squareq.compiler.sources import open_source
 from squareq.models import FLUX, ModelError, tiny_flux_inputs
 from squareq.models.flux_bfl import bfl_name, bfl_to_diffusers, diffusers_to_bfl, infer_bfl_config
+from squareq.models.calibration import tokenizer_folder
 from squareq.slab.signature import jsonable_config, model_signature
+
+from ..text_models import save_text_model
 
 
 def assert_block_equal(source, path, state):
@@ -232,18 +235,47 @@ def _copy_folder(src, dst, edit):
     return dst
 
 
-def test_wrong_shape_missing_and_extra_tensors(folders, tmp_path):
+def test_wrong_shapes_and_missing_tensors_are_refused(folders, tmp_path):
     name = "transformer_blocks.1.attn.to_k.weight"
     bad = _copy_folder(folders / "single", tmp_path / "shape", lambda w: w.__setitem__(name, w[name][:, :-1].contiguous()))
     with pytest.raises(ModelError, match=rf"{name} in .*diffusion_pytorch_model.safetensors has shape \[64, 63\], "
                                          r"but FluxTransformer2DModel with this config expects \[64, 64\]"):
         open_source(str(bad))
     gone = _copy_folder(folders / "single", tmp_path / "missing", lambda w: w.pop("proj_out.bias"))
-    with pytest.raises(ModelError, match="has no tensor proj_out.bias"):
+    with pytest.raises(ModelError, match="has no tensor proj_out.bias.*from_pretrained would initialize it randomly"):
         open_source(str(gone))
+
+
+def test_an_extra_tensor_is_left_out_with_a_warning_as_from_pretrained_leaves_it_out(folders, tmp_path, caplog):
+    from diffusers import FluxTransformer2DModel
+
     extra = _copy_folder(folders / "single", tmp_path / "extra", lambda w: w.__setitem__("lora.up", torch.zeros(2)))
-    with pytest.raises(ModelError, match="1 tensors that FluxTransformer2DModel with this config does not have .lora.up"):
-        open_source(str(extra))
+    FluxTransformer2DModel.from_pretrained(str(extra))  # diffusers loads it (and warns)
+    with caplog.at_level("WARNING", logger="squareq.compiler"):
+        source = open_source(str(extra))
+    assert source.ignored == ["lora.up"]
+    assert "1 tensors that FluxTransformer2DModel with this config does not have (lora.up)" in caplog.text
+    assert "left out" in caplog.text
+    assert torch.equal(source.load_block("transformer_blocks.0", "cpu").attn.to_q.weight,
+                       open_source(str(folders / "single")).load_block("transformer_blocks.0", "cpu").attn.to_q.weight)
+
+
+def test_a_legacy_buffer_in_the_checkpoint_is_skipped_quietly_as_transformers_skips_it(tmp_path, caplog):
+    """Older transformers saved BERT's ``embeddings.position_ids`` (now a non-persistent buffer); checkpoints that
+    ship in packages still carry it, and ``from_pretrained`` skips it without a word."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    folder = save_text_model(BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=2, intermediate_size=64)), tmp_path / "bert")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["embeddings.position_ids"] = torch.arange(512)[None]
+    save_file(weights, str(folder / "model.safetensors"))
+    BertModel.from_pretrained(str(folder))
+    with caplog.at_level("WARNING", logger="squareq.compiler"):
+        source = open_source(str(folder), ["encoder.layer"])
+    assert source.ignored == [] and "left out" not in caplog.text
+    assert tokenizer_folder(source.folder) == folder
 
 
 def test_nan_weight_is_named(folders, tmp_path, tiny_state):

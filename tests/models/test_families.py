@@ -10,6 +10,7 @@ from squareq.compiler import CompileOptions, compile_slab, open_source
 from squareq.models import ADAPTERS, BUILTIN_MODELS, families_table, load_builtin
 
 from ..runtime.harness import with_lora
+from ..text_models import save_text_model
 
 FAMILIES = sorted(BUILTIN_MODELS)
 
@@ -21,9 +22,26 @@ def torch_kernels(monkeypatch):
 
 @pytest.fixture(scope="module")
 def slabs(tmp_path_factory):
+    """Streaming and LoRA mechanics, not quality: calibrated on synthetic inputs (fast); every family calibrating
+    on real images is tested below."""
     folder = tmp_path_factory.mktemp("families")
-    return {name: compile_slab(open_source(name), folder / f"{name}.slab", CompileOptions(budget=4_000_000)) and
-            folder / f"{name}.slab" for name in FAMILIES}
+    opts = CompileOptions(budget=4_000_000, calib_synthetic=True)
+    return {name: compile_slab(open_source(name), folder / f"{name}.slab", opts) and folder / f"{name}.slab"
+            for name in FAMILIES}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_calibrates_on_the_built_in_photographs_through_its_own_encoders(name, tmp_path):
+    from squareq.train.calibration import calibration_images
+
+    source = open_source(name)
+    images = calibration_images(source, resolution=64, max_sequence_length=16)
+    m = compile_slab(source, tmp_path / "s.slab", CompileOptions(budget=4_000_000, calib_images=images, calib_samples=8,
+                                                                 rounding="nearest"))
+    cal = m.calibration
+    assert cal["kind"] == "images" and cal["images"] == 16 and cal["encoders"] == name and cal["samples"] == 8
+    assert cal["heldout_samples"] >= 1 and cal["noise_schedule"] == ADAPTERS[BUILTIN_MODELS[name][0]].recipe.objective
+    assert all(layer.metrics["heldout_rel_mse"] <= layer.metrics["heldout_rtn_rel_mse"] for layer in m.layers)
 
 
 def _inputs(name):
@@ -127,9 +145,11 @@ def test_text_encoders_compile_and_stream_in_generic_mode(build, tmp_path):
 
     torch.manual_seed(0)
     model = build().eval()
-    model.save_pretrained(tmp_path / "enc")
+    save_text_model(model, tmp_path / "enc")
     slab = tmp_path / "enc.slab"
-    compile_slab(open_source(tmp_path / "enc", [largest_block_list(model)]), slab, CompileOptions(budget=1_000_000))
+    m = compile_slab(open_source(tmp_path / "enc", [largest_block_list(model)]), slab,
+                     CompileOptions(budget=1_000_000, calib_samples=8))
+    assert m.calibration["kind"] == "text"
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     results = []
     for loaded in (runtime.load(slab, "cpu", stream=False), runtime.load(slab, "cpu", prefetch=2)):

@@ -134,6 +134,11 @@ def test_saved_folder_reloads_offline_with_identical_outputs(pipe, saved):
 
     reloaded = FluxPipeline.from_pretrained(saved, local_files_only=True)
     reloaded.set_progress_bar_config(disable=True)
+    # Loaded tensors view memory-mapped files, whose alignment can send CPU kernels down other SIMD paths (the
+    # sampled image differed by 1.5e-6 on torch 2.13); in fresh memory the same weights give the same bits.
+    for name in ("vae", "text_encoder", "text_encoder_2", "transformer"):
+        for tensor in getattr(reloaded, name).state_dict(keep_vars=True).values():
+            tensor.data = tensor.data.clone()
     assert torch.equal(_sample(reloaded), _sample(pipe))
 
     assert _same_weights(AutoencoderKL.from_pretrained(saved / "vae", local_files_only=True), pipe.vae)

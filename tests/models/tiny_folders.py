@@ -12,6 +12,8 @@ from squareq.models.tiny_pipeline import (
     tiny_t5_config,
 )
 
+from ..text_models import char_tokenizer
+
 
 def _clip(tokenizer, width: int, projection: bool = False):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -35,11 +37,53 @@ def _wan_vae():
                             latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 0.5, 1.0]).eval()
 
 
+def _flux2_parts():
+    """FLUX.2's pipeline parts at toy size: a Mistral-3 text encoder (31 layers, since the pipeline reads the hidden
+    states of layers 10, 20 and 30), a character tokenizer whose chat template keeps the user's text, the FLUX.2 VAE,
+    and a transformer whose text width is the three stacked layers' (3 x 16)."""
+    import diffusers
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{% for c in m['content'] %}"
+                               "{{ c['text'] }}{% endfor %}{% endif %}{% endfor %}")
+    text = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=31, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=32, patch_size=16, head_dim=8)
+    encoder = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision)).eval()
+    vae = diffusers.AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
+                                       norm_num_groups=4).eval()
+    transformer = diffusers.Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                                    timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4)).eval()
+    return dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+def _qwen_image_parts(denoiser):
+    """Qwen-Image's pipeline parts at toy size: a Qwen2.5-VL text encoder as wide as the transformer's text input, a
+    character tokenizer and the Qwen-Image (video-style) VAE."""
+    import diffusers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, bos_token_id=2, eos_token_id=3, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
+    vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 2.0, 0.5, 1.0]).eval()
+    return dict(vae=vae, text_encoder=encoder, tokenizer=char_tokenizer(), transformer=denoiser)
+
+
 def build_pipeline(name: str, prediction_type: str = "epsilon"):
-    """The diffusers pipeline of built-in model ``name`` (tiny-sd15, tiny-sdxl, tiny-sd3, tiny-chroma, tiny-wan)."""
+    """The diffusers pipeline of built-in model ``name`` (tiny-sd15, tiny-sdxl, tiny-sd3, tiny-chroma, tiny-wan,
+    tiny-qwen-image) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder)."""
     import diffusers
 
     torch.manual_seed(11)
+    if name == "tiny-flux2":
+        return diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), **_flux2_parts())
     denoiser, _ = load_builtin(name)
     clip_tok, t5_tok = build_tiny_tokenizers()
     flow = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -63,6 +107,8 @@ def build_pipeline(name: str, prediction_type: str = "epsilon"):
     if name == "tiny-chroma":
         return diffusers.ChromaPipeline(scheduler=flow, vae=build_tiny_vae(), text_encoder=_t5(t5_tok, 32),
                                         tokenizer=t5_tok, transformer=denoiser)
+    if name == "tiny-qwen-image":
+        return diffusers.QwenImagePipeline(scheduler=flow, **_qwen_image_parts(denoiser))
     if name == "tiny-wan":
         return diffusers.WanPipeline(tokenizer=t5_tok, text_encoder=_t5(t5_tok, 32, umt5=True), transformer=denoiser,
                                      vae=_wan_vae(), scheduler=flow)

@@ -1,0 +1,31 @@
+"""What the benchmark scripts share: one JSON line per measurement (kept for the final table and the --out file),
+progress on stderr, and the commit measured."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDS: list[dict] = []
+
+
+def emit(rec: dict) -> dict:
+    """Print ``rec`` as one JSON line and keep it."""
+    RECORDS.append(rec)
+    print(json.dumps(rec, sort_keys=True), flush=True)
+    return rec
+
+
+def log(msg: str) -> None:
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+def git_commit() -> str:
+    """The checkout's short commit; on the device, which receives no git history, ``SQUAREQ_COMMIT``."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("SQUAREQ_COMMIT", "unknown")

