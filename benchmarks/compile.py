@@ -175,6 +175,7 @@ def main() -> None:
            "vram_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
            "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
            "encode_s": encode_s, "calibrate_s": manifest.calibration["calibrate_seconds"],
+           "write_s": wall - encode_s - manifest.calibration["calibrate_seconds"],
            "calibration": {k: manifest.calibration.get(k) for k in ("kind", "source", "samples", "heldout_samples",
                                                                     "resolution", "text_tokens", "latent_shape")},
            "resumed": opts.resume, "target_s": 900}

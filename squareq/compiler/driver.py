@@ -38,7 +38,7 @@ from .budget import BlockLayers, BudgetError, candidate_bytes, solve
 from .calibration import StatsCollector
 from .inputs import calibration_batch
 from .ladder import RUNGS, LayerDecision, climb
-from .layer_search import Candidate, search_layer
+from .layer_search import Candidate, search_layer, weight_metrics
 from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
@@ -106,9 +106,10 @@ def outputs_rel_mse(ref, got) -> float:
 
 def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
     """A linear the calibration never called (a branch the inputs did not take): kept at bf16."""
-    c = Candidate(quant.quantize(w.detach().float(), quant.QuantSpec(bits=16)), 0.0,
-                  {"output_rel_mse": 0.0, "heldout_rel_mse": 0.0, "heldout_rtn_rel_mse": 0.0, "calib_rel_mse": 0.0,
-                   "act_outlier_score": 0.0, "scale_ratio": 1.0, "alpha": 0.0, "clip_ratio": 1.0, "gptq": 0.0})
+    qw = quant.quantize(w.detach().float(), quant.QuantSpec(bits=16))
+    c = Candidate(qw, 0.0, {**weight_metrics(w.detach().float(), quant.dequantize(qw)), "output_rel_mse": 0.0,
+                            "heldout_rel_mse": 0.0, "heldout_rtn_rel_mse": 0.0, "calib_rel_mse": 0.0,
+                            "act_outlier_score": 0.0, "scale_ratio": 1.0, "alpha": 0.0, "clip_ratio": 1.0, "gptq": 0.0})
     return LayerDecision(name, c, [c], ["not called during calibration, so it has no measurements: kept at bf16"])
 
 
@@ -251,11 +252,15 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.blobs-", dir=out.parent) as work:
         encoded = []
         for i, (b, info) in enumerate(zip(blocks, records)):
-            real = source.load_block(b.name, "cpu", torch.float32)
             loaded, _ = state.load_block(i)
             qws, metrics, reasons = _annotations(BlockLayers(b.name, loaded, b.fixed_bytes), info, choice)
+            # the search measured each candidate's weight error, so the original weights need not be read again
+            # (at 12B, reading and measuring them took most of this pass); a state folder without those metrics
+            # (an older compile's) is measured here
+            measured = all("weight_rel_mse" in m for m in metrics.values())
+            real = source.load_block(b.name, "cpu", torch.float32, linear_weights=not measured)
             encoded.append(encode_block(i, b.name, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
-                                        reasons=reasons))
+                                        reasons=reasons, measure=not measured))
         write_opts.calibration["budget_bytes"] = opts.budget
         write_opts.calibration["calibrate_seconds"] = round(calibrate_s, 3)
         write_opts.calibration["compile_seconds"] = round(time.perf_counter() - started, 3)

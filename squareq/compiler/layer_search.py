@@ -44,6 +44,12 @@ class Candidate:
         return self.qweight.nbytes
 
 
+def weight_metrics(w: torch.Tensor, deq: torch.Tensor) -> dict[str, float]:
+    """The stored weight against the original: rel-MSE and SQNR (dB), measured here on the compile device so that
+    writing the slab need not read the original weights again."""
+    return {"weight_rel_mse": float(quant.rel_mse(w, deq)), "weight_sqnr_db": quant.sqnr_db(w, deq)}
+
+
 def group_scale_ratio(qw: QuantizedWeight, w: torch.Tensor, smooth: torch.Tensor | None) -> float:
     """max / median of the layer's unclipped group scales (1.0 for bf16).
 
@@ -107,6 +113,7 @@ def _measure(w, qw, fit, held, stats: LayerStats, alpha: float, rtn_heldout: flo
     deq = quant.dequantize(qw)
     heldout = quant.output_rel_mse(w, deq, held) if heldout is None else heldout
     return {
+        **weight_metrics(w, deq),
         "output_rel_mse": heldout,
         "heldout_rel_mse": heldout,
         "heldout_rtn_rel_mse": rtn_heldout if qw.spec.bits < 16 else heldout,

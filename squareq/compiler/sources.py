@@ -314,10 +314,12 @@ class Source:
         """
         return copy.deepcopy(self._skeleton)
 
-    def load_block(self, path: str, device="cpu", dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    def load_block(self, path: str, device="cpu", dtype: torch.dtype | None = torch.float32,
+                   linear_weights: bool = True) -> nn.Module:
         """A real copy of the module at ``path`` with weights read from the checkpoint (only its tensors).
 
-        Floating tensors are cast to ``dtype`` (None keeps the checkpoint's dtype).
+        Floating tensors are cast to ``dtype`` (None keeps the checkpoint's dtype). ``linear_weights=False`` leaves
+        the weights of its ``nn.Linear`` layers unread, on the meta device (the slab writer needs only the rest).
         """
         try:
             template = self._skeleton.get_submodule(path)
@@ -327,7 +329,10 @@ class Source:
         prefix = path + "."
         names = [n for n in self._expected if n.startswith(prefix)]
         module = copy.deepcopy(template)
-        _materialize(module, self._read(names, strip=prefix), device, dtype)
+        unread = set() if linear_weights else {f"{prefix}{rel}.weight" for rel, m in template.named_modules()
+                                               if isinstance(m, nn.Linear)}
+        _materialize(module, self._read([n for n in names if n not in unread], strip=prefix), device, dtype,
+                     unread={n[len(prefix):] for n in unread})
         return module
 
     def resident_state(self, device="cpu", dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
@@ -428,10 +433,15 @@ def _convert(t: torch.Tensor, device, dtype) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, dtype) -> None:
-    """Give a meta-device module real tensors: ``state`` for its state dict, moved non-persistent buffers."""
+def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, dtype, unread=frozenset()) -> None:
+    """Give a meta-device module real tensors: ``state`` for its state dict (all of it but ``unread``, which stays on
+    the meta device), moved non-persistent buffers."""
     aliases = _alias_groups(module)
-    module.load_state_dict({n: _convert(t, device, dtype) for n, t in state.items()}, strict=True, assign=True)
+    result = module.load_state_dict({n: _convert(t, device, dtype) for n, t in state.items()}, strict=False,
+                                    assign=True)
+    if set(result.missing_keys) != set(unread) or result.unexpected_keys:
+        raise ModelError(f"{type(module).__name__}: the tensors read do not match its state dict (missing "
+                         f"{_few(set(result.missing_keys) - set(unread))}, unexpected {_few(result.unexpected_keys)}).")
     for names in {tuple(g) for g in aliases.values()}:  # assign=True unties shared parameters; tie them again
         shared = module.get_parameter(names[0])
         for name in names[1:]:
@@ -441,7 +451,7 @@ def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, d
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta:
                 sub._buffers[name] = _convert(buf, device, dtype)
-    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta and n not in unread]
     if left:
         raise ModelError(f"{type(module).__name__} still has tensors on the meta device after loading ({_few(left)}).")
 

@@ -147,9 +147,12 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
 
 def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
                  blob_path: Path, param_dtype: torch.dtype = torch.bfloat16,
-                 metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None) -> EncodedBlock:
-    """Lay out one block and write its blob to ``blob_path`` (temporary name, then rename)."""
-    record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons)
+                 metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None,
+                 measure: bool = True) -> EncodedBlock:
+    """Lay out one block and write its blob to ``blob_path`` (temporary name, then rename). ``measure=False``: the
+    caller's ``metrics`` already hold every layer's weight metrics, and the block's linear weights are not read
+    (they may be on the meta device)."""
+    record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons, measure)
     blob = packer.blob()
     record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
     atomic_write_bytes(Path(blob_path), blob.numpy().data)

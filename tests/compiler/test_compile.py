@@ -11,7 +11,9 @@ from squareq.compiler import BudgetError, CompileOptions, compile_slab, open_sou
 from squareq.compiler import driver
 from squareq.models.flux_bfl import diffusers_to_bfl
 from squareq.models.tiny import MLP_OUTLIER_LAYER, ROW_OUTLIER_LAYER
+from squareq.models import load_builtin
 from squareq.slab import open_slab
+from squareq.slab.writer import block_linears
 
 from ..text_models import save_text_model
 
@@ -175,3 +177,33 @@ def test_a_linear_the_calibration_never_calls_stays_bf16_with_a_reason(tmp_path,
     assert skipped and all(layer.spec.bits == 16 and "not called during calibration" in layer.reason[0]
                            for layer in skipped.values())
     assert all(layer.spec.bits == 4 for layer in m.layers if layer.name not in skipped)
+
+
+def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_metrics(tmp_path, fast, monkeypatch):
+    from squareq.compiler.sources import Source
+    from squareq.slab.writer import weight_metrics
+
+    source = open_source("tiny-flux")
+    linear_weights = {f"{name}.weight" for path in source.block_paths
+                      for name, _ in block_linears(path, source.skeleton().get_submodule(path))}
+    read, original = [], Source._read
+
+    def spy(self, names, strip=""):
+        read.extend(names)
+        return original(self, names, strip)
+
+    def record_from_now(*args, **kwargs):  # the final pass starts after the budget is solved
+        read.clear()
+        return solve(*args, **kwargs)
+
+    from squareq.compiler.budget import solve
+
+    monkeypatch.setattr(Source, "_read", spy)
+    monkeypatch.setattr(driver, "solve", record_from_now)
+    m = compile_slab(source, tmp_path / "s.slab", CompileOptions(budget=2_000_000, **fast))
+    assert read and not set(read) & linear_weights  # norms and biases only
+    model, _ = load_builtin("tiny-flux")
+    with open_slab(tmp_path / "s.slab") as slab:
+        for layer in m.layers:
+            want = weight_metrics(model.get_submodule(layer.name).weight, slab.quantized_weight(layer.name))
+            assert layer.metrics["weight_rel_mse"] == pytest.approx(want["weight_rel_mse"], rel=1e-4)
