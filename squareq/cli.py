@@ -66,11 +66,12 @@ def main(verbose: bool) -> None:
 @click.option("--model", required=True, help="The source the slab was compiled from: tiny-flux, a diffusers folder or "
               "a BFL FLUX.1 file (the bf16 reference for every gate).")
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
-              help="The compiler's TOML file; [thresholds] mse (τ_MSE), conv (τ_CONV) and conv_steps (Δ) apply here.")
+              help="The compiler's TOML file; [thresholds] mse, drift, psnr, ssim, grad_cos, grad_norm and conv "
+              "apply here (docs/accept.md).")
 @click.option("--budget", help="Largest slab size, e.g. 12GB (default: the budget the compile recorded).")
 @click.option("--vram-budget", help="Largest peak reserved GPU memory of the training steps, e.g. 12GB.")
-@click.option("--steps", type=click.IntRange(min=1), default=30, show_default=True,
-              help="N: training steps of the bf16 reference run.")
+@click.option("--steps", type=click.IntRange(min=4), default=40, show_default=True,
+              help="Training steps of each convergence run (frozen bf16, bf16, slab).")
 @click.option("--data", type=click.Path(path_type=Path), help="Images with captions for the convergence runs "
               "(default: the built-in tiny dataset of coloured shapes).")
 @click.option("--train-config", type=click.Path(path_type=Path), help="A squareq train TOML the convergence runs "
@@ -79,19 +80,29 @@ def main(verbose: bool) -> None:
               "else 64 on the built-in dataset, 512 otherwise).")
 @click.option("--max-sequence-length", type=click.IntRange(min=1), help="Text-encoder tokens per caption (default: "
               "--train-config's; else 32 on the built-in dataset, 512 otherwise).")
-@click.option("--lr", type=float, help="Learning rate of both runs (default: --train-config's, else 1e-3).")
+@click.option("--lr", type=float, help="Learning rate of the convergence runs (default: --train-config's; else 5e-3 "
+              "on the built-in dataset, 1e-3 otherwise).")
 @click.option("--rank", type=click.IntRange(min=1), help="LoRA rank of both runs (default: --train-config's, else 16).")
 @click.option("--samples", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Fresh calibration samples for layer MSE.")
+              help="Fresh calibration samples for layer MSE and block drift.")
+@click.option("--images", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+              help="Image drift: how many of the built-in prompts to draw, from the bf16 source and from the slab.")
+@click.option("--sample-steps", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Image drift: sampling steps per image.")
+@click.option("--clip-model", type=click.Path(path_type=Path), help="Image drift: a local CLIP model folder; adds "
+              "each image's CLIP score to the report (nothing is downloaded).")
 @click.option("--workdir", type=click.Path(path_type=Path),
               help="Reference slab, training runs and the loss plot (default: SLAB.accept next to the slab).")
 @click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--junit", type=click.Path(path_type=Path), help="Write a JUnit XML report here (for CI systems).")
 @click.option("--require-gpu", is_flag=True, help="A gate that needs a GPU fails instead of being skipped.")
 def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train_config, resolution,
-           max_sequence_length, lr, rank, samples, workdir, report, junit, require_gpu) -> None:
-    """Gate SLAB before anyone trains on it: layer MSE on fresh inputs, convergence against the bf16 source,
-    peak VRAM and size. Exit status 0 when every gate passes, 3 when one fails, 1 when it cannot run."""
+           max_sequence_length, lr, rank, samples, images, sample_steps, clip_model, workdir, report, junit,
+           require_gpu) -> None:
+    """Gate SLAB before anyone trains on it: layer MSE and block drift on fresh inputs, image drift and LoRA
+    gradient agreement against the bf16 source, convergence decided by paired tests, peak VRAM and size. Exit
+    status 0 when every gate passes, 3 when one fails, 4 when none fails but one cannot decide (INCONCLUSIVE),
+    1 when it cannot run."""
     from .acceptance import AcceptOptions, accept as run_accept
     from .acceptance.convergence import ConvergenceSettings
     from .compiler import Thresholds, parse_size
@@ -104,8 +115,10 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
     opts = AcceptOptions(
         slab=slab, model=model, thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         budget=parse_size(budget) if budget else None, vram_budget=parse_size(vram_budget) if vram_budget else None,
-        workdir=workdir, require_gpu=require_gpu, samples=samples,
-        training=ConvergenceSettings(steps=steps, data=str(data) if data else "", lr=lr, rank=rank,
+        workdir=workdir, require_gpu=require_gpu, samples=samples, images=images, sample_steps=sample_steps,
+        clip_model=str(clip_model) if clip_model else None,
+        training=ConvergenceSettings(steps=steps, data=str(data) if data else "", lr=lr or (5e-3 if builtin else None),
+                                     rank=rank,
                                      resolution=resolution or (64 if builtin else None),
                                      max_sequence_length=max_sequence_length or (32 if builtin else None),
                                      base=str(train_config) if train_config else None))
@@ -117,9 +130,11 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
     if junit:
         result.write_junit(junit)
         click.echo(f"junit: {junit}")
-    if result.gates[1].details.get("plot"):
-        click.echo(f"loss curves: {result.gates[1].details['plot']}")
-    sys.exit(0 if result.passed else 3)
+    for gate in result.gates:
+        for key, what in (("grid", "images"), ("plot", "loss curves")):
+            if gate.details.get(key):
+                click.echo(f"{what}: {gate.details[key]}")
+    sys.exit({"PASSED": 0, "FAILED": 3, "INCONCLUSIVE": 4}[result.verdict])
 
 
 def _progress_printer():
@@ -143,8 +158,8 @@ def _progress_printer():
 @click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
               help="size: smallest slab meeting every threshold; quality: then spend the rest of the budget.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
-              help="TOML file with a [thresholds] table (mse, act, scale, block; conv and conv_steps are for "
-              "squareq accept); defaults in docs/compiler.md.")
+              help="TOML file with a [thresholds] table (mse, act, scale, block; drift, psnr, ssim, grad_cos, "
+              "grad_norm and conv are for squareq accept); defaults in docs/compiler.md.")
 @click.option("--min-bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True,
               help="The ladder's first rung.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
@@ -398,12 +413,14 @@ def demo(out: Path, budget: str, steps: int, force: bool) -> None:
 
     started = time.perf_counter()
     result = run_demo(out, parse_size(budget), overwrite=force, steps=steps, echo=click.echo)
+    details = {g.name: g.details for g in result.report.gates}
+    verdict = {"PASSED": "all gates passed", "FAILED": "a gate FAILED", "INCONCLUSIVE": "a gate was INCONCLUSIVE"}
     click.echo(f"\nslab:   {result.slab}  (squareq inspect {result.slab})\nLoRA:   {result.lora}\n"
-               f"sample: {result.sample}\nreport: {result.report_path}  (loss curves: "
-               f"{result.report.gates[1].details.get('plot')})\n"
-               f"{'all gates passed' if result.report.passed else 'a gate FAILED'} in "
-               f"{time.perf_counter() - started:.0f} s")
-    sys.exit(0 if result.report.passed else 3)
+               f"sample: {result.sample}\nreport: {result.report_path}\n"
+               f"images: {details['image drift'].get('grid')}  (bf16 | slab | difference)\n"
+               f"loss curves: {details['convergence'].get('plot')}\n"
+               f"{verdict[result.report.verdict]} in {time.perf_counter() - started:.0f} s")
+    sys.exit({"PASSED": 0, "FAILED": 3, "INCONCLUSIVE": 4}[result.report.verdict])
 
 
 if __name__ == "__main__":

@@ -102,7 +102,9 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
     image.save(sample)
     echo(f"[4/5] sampled '{PROMPT}' with the LoRA in {time.perf_counter() - start:.1f} s ({image.width}x{image.height})")
 
-    training = ConvergenceSettings(steps=20, data=str(data), resolution=RESOLUTION, max_sequence_length=TOKENS)
+    # the built-in dataset's gate settings (what `squareq accept` uses on it): 40 steps at lr 5e-3 learn enough
+    # for the convergence gate to decide (docs/accept.md)
+    training = ConvergenceSettings(steps=40, data=str(data), resolution=RESOLUTION, max_sequence_length=TOKENS, lr=5e-3)
     report = accept(AcceptOptions(slab=slab_path, model="tiny-flux", workdir=folder / "accept", training=training),
                     echo=lambda line: None)
     report_path = folder / "accept.json"

@@ -70,8 +70,11 @@ def test_demo_runs_compile_train_sample_accept(runner, tmp_path, monkeypatch):
     assert (out / "tiny-flux.slab" / "manifest.json").is_file() and (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (out / "sample.png").stat().st_size > 0 and "all gates passed" in result.output
     report = json.loads((out / "accept.json").read_text())
+    assert [g["name"] for g in report["gates"]] == ["layer MSE", "block drift", "image drift", "gradient agreement",
+                                                    "convergence", "peak VRAM and size"]
     for gate in report["gates"]:  # the printed gate lines are the report's
         assert f"{gate['name']}: {gate['status']} ({gate['measured']};" in result.output
+    assert (out / "accept" / "image-drift.png").stat().st_size > 0 and "images: " in result.output
     assert "trained a rank-8 LoRA for 12 steps" in result.output
     again = runner.invoke(main, ["demo", "-o", str(out)])
     assert again.exit_code == 1 and "already holds a demo" in again.output and "--force" in again.output

@@ -1,16 +1,18 @@
-"""Gate 2: a LoRA trained on the slab learns like one trained on the bf16 source.
+"""Gate: a LoRA trained on the slab learns like one trained on the bf16 source, decided with statistics.
 
-Both runs are ``squareq train`` itself, with the same configuration and seed, so they see the same
-images, captions, noise and timesteps in the same order; the only difference is the slab. The bf16
-reference is a slab of the source with every layer stored as bf16 (written here, block by block, and
-reused while the source is unchanged). The reference trains N steps, the quantized slab N + Δ. The gate
-passes when
+Three runs of ``squareq train`` itself, with the same configuration and seed, so they see the same images,
+captions, noise and timesteps in the same order: the bf16 reference (a slab of the source with every layer stored
+as bf16, written here block by block and reused while the source is unchanged), the same with every LoRA update
+zeroed (``frozen``: the loss the model has without learning), and the slab. The schedule is constant (no
+warm-up), so every step of every run has the same learning rate.
 
-* the quantized run's smoothed loss reaches the reference's final smoothed loss by step N + Δ, and
-* at step N the two smoothed losses differ by at most τ_CONV (relative to the reference).
-
-Smoothing is a trailing mean over ``window`` steps, as the trainer's running average. The schedule is
-constant (no warm-up), so the first N steps of both runs have the same learning rates.
+* **Power.** Over the second half of the steps, the bf16 run must have learned more than the margin: the one-sided
+  t-test of the per-step relative improvement ``(frozen − bf16) / frozen`` against τ_CONV must reject at α. When it
+  does not, the gate is INCONCLUSIVE (never PASS): a short run on data it cannot learn shows nothing about the slab.
+* **Equivalence.** Per step, the relative difference ``(slab − bf16) / bf16`` of the two losses on the same batch,
+  noise and time. Two one-sided paired t-tests (TOST) against ±τ_CONV: PASS when both reject at α, that is when the
+  90% confidence interval of the mean difference lies inside (−τ_CONV, τ_CONV); FAIL otherwise. A slab whose loss is
+  different in either direction trains a different model, so a lower loss fails as well as a higher one.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from scipy import stats
 
 from .. import quant
 from ..compiler.sources import Source
@@ -32,7 +35,7 @@ from ..slab.writer import WriteOptions, assemble_slab, block_linears, encode_blo
 from ..train.config import TrainConfig, load_config
 from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
-from .gates import FAIL, PASS, GateResult, skipped
+from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
 from .plot import plot_curves
 
 NAME = "convergence"
@@ -43,9 +46,8 @@ class ConvergenceSettings:
     """What the two training runs share. ``base`` is an optional trainer TOML (``--train-config``); a setting left
     None comes from it, else from :data:`GATE_DEFAULTS`."""
 
-    steps: int = 30
-    delta: int = 5
-    tau: float = 0.02
+    steps: int = 40
+    tau: float = 0.03
     data: str = ""
     resolution: int | None = None
     max_sequence_length: int | None = None
@@ -57,6 +59,7 @@ class ConvergenceSettings:
 
 # Below the base TOML: a short run needs a higher learning rate than a long one for its loss to move.
 GATE_DEFAULTS = {"resolution": 512, "max_sequence_length": 512, "lr": 1e-3, "rank": 16}
+ALPHA = 0.05  # the tests' significance level
 
 
 def training_config(s: ConvergenceSettings, slab_path: Path, model: str, out: Path, cache: Path, steps: int):
@@ -121,17 +124,49 @@ def reference_slab(source: Source, folder: Path, echo) -> Path:
     return path
 
 
-def _run(slab_path: Path, model: str, out: Path, cache: Path, steps: int, s: ConvergenceSettings, echo):
+def _run(slab_path: Path, model: str, out: Path, cache: Path, steps: int, s: ConvergenceSettings, echo,
+         frozen: bool = False):
     if out.exists():
         shutil.rmtree(out)  # this gate's own folder: every run starts from step 0
     cfg = training_config(s, slab_path, model, out, cache, steps)
-    train(cfg, echo=echo, progress=False)
+    # frozen: every LoRA gradient zeroed before AdamW sees it, so B stays 0 and the LoRA adds nothing
+    zero = (lambda step, grads: [g.zero_() for g in grads if g is not None]) if frozen else None
+    train(cfg, echo=echo, progress=False, on_gradients=zero)
     return cfg, [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+
+
+def mean_interval(values: list[float], confidence: float) -> tuple[float, float, float]:
+    """Mean of ``values`` and its two-sided ``confidence`` interval (Student's t)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("-inf"), float("inf")
+    se = float(stats.sem(values))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * se
+    return mean, mean - half, mean + half
+
+
+def decide(frozen: list[float], ref: list[float], got: list[float], tau: float, alpha: float = ALPHA) -> dict:
+    """The gate's statistics from the three runs' per-step losses (see the module docstring)."""
+    late = len(ref) // 2
+    learned = [(f - r) / f for f, r in zip(frozen[late:], ref[late:], strict=True)]
+    p_learned = float(stats.ttest_1samp(learned, tau, alternative="greater").pvalue) if len(learned) > 1 else 1.0
+    diff = [(g - r) / r for g, r in zip(got, ref, strict=True)]
+    mean, low, high = mean_interval(diff, 1 - 2 * alpha)
+    if len(diff) > 1 and float(stats.tstd(diff)) > 0:
+        p_equiv = max(float(stats.ttest_1samp(diff, -tau, alternative="greater").pvalue),
+                      float(stats.ttest_1samp(diff, tau, alternative="less").pvalue))
+    else:  # identical runs (a bf16 slab): no spread, the difference is exactly the mean
+        p_equiv = 0.0 if abs(mean) < tau else 1.0
+    learned_mean = sum(learned) / max(len(learned), 1)
+    status = INCONCLUSIVE if not p_learned < alpha else PASS if p_equiv < alpha else FAIL
+    return {"status": status, "alpha": alpha, "learned_mean": learned_mean, "p_learned": p_learned,
+            "relative_difference": diff, "mean_difference": mean, "interval": [low, high], "p_equivalence": p_equiv}
 
 
 def convergence_gate(source: Source, slab: Slab, model: str, workdir: Path, settings: ConvergenceSettings,
                      echo=print) -> tuple[GateResult, list[dict]]:
-    """Train the reference and the slab; returns the gate result and the quantized run's metric records."""
+    """Train the frozen and bf16 references and the slab; returns the gate result and the slab run's metric records."""
     started = time.perf_counter()
     why_not = cannot_run(source, model)
     if why_not:
@@ -140,34 +175,36 @@ def convergence_gate(source: Source, slab: Slab, model: str, workdir: Path, sett
     s = settings
     ref_path = reference_slab(source, workdir, echo)
     runs, config = {}, None
-    for label, path, steps in (("bf16", ref_path, s.steps), ("quantized", slab.path, s.steps + s.delta)):
-        echo(f"convergence: training the {label} {'reference' if label == 'bf16' else 'slab'} for {steps} steps")
-        config, runs[label] = _run(Path(path), model, workdir / f"{label}-run", workdir / "cache", steps, s,
-                                   lambda line, label=label: echo(f"  [{label}] {line}"))
-    ref = [r["loss"] for r in runs["bf16"]]
-    got = [r["loss"] for r in runs["quantized"]]
+    for label, path, what in (("frozen", ref_path, "bf16 reference with its LoRA held at zero"),
+                              ("bf16", ref_path, "bf16 reference"), ("quantized", slab.path, "slab")):
+        echo(f"convergence: training the {what} for {s.steps} steps")
+        config, runs[label] = _run(Path(path), model, workdir / f"{label}-run", workdir / "cache", s.steps, s,
+                                   lambda line, label=label: echo(f"  [{label}] {line}"), frozen=label == "frozen")
+    frozen, ref, got = ([r["loss"] for r in runs[k]] for k in ("frozen", "bf16", "quantized"))
+    verdict = decide(frozen, ref, got, s.tau)
     window = max(1, min(10, s.steps // 3))
-    ref_s, got_s = smooth(ref, window), smooth(got, window)
-    target = ref_s[s.steps - 1]
-    # from the first full window on: a mean of fewer steps is too noisy to count as having reached anything
-    reached = next((i + 1 for i, v in enumerate(got_s) if i + 1 >= window and v <= target), None)
-    gap = abs(got_s[s.steps - 1] - target) / max(abs(target), 1e-12)
-    on_time = reached is not None and reached <= s.steps + s.delta
-    status = PASS if on_time and gap <= s.tau else FAIL
-    plot = plot_curves(workdir / "convergence.png", f"LoRA loss, bf16 source vs slab (trailing mean of {window})", {
-        "bf16 loss": (ref, (150, 180, 230), 1), "slab loss": (got, (240, 180, 140), 1),
-        "bf16 smoothed": (ref_s, (30, 80, 200), 3), "slab smoothed": (got_s, (220, 90, 20), 3)},
-        marks={f"N={s.steps}": s.steps})
-    reach_text = f"reached at step {reached}" if on_time else f"not reached by step {s.steps + s.delta}"
-    note = (f"the slab's smoothed loss reached the bf16 run's final {target:.4g} at step {reached}" if on_time else
-            f"the slab's smoothed loss never reached the bf16 run's final {target:.4g} by step {s.steps + s.delta}")
+    plot = plot_curves(workdir / "convergence.png", f"LoRA loss: frozen, bf16 source and slab (trailing mean of {window})",
+                       {"bf16 loss": (ref, (150, 180, 230), 1), "slab loss": (got, (240, 180, 140), 1),
+                        "frozen (no LoRA) smoothed": (smooth(frozen, window), (120, 120, 120), 2),
+                        "bf16 smoothed": (smooth(ref, window), (30, 80, 200), 3),
+                        "slab smoothed": (smooth(got, window), (220, 90, 20), 3)},
+                       marks={"second half": s.steps // 2 + 1})
+    low, high = verdict["interval"]
+    status = verdict["status"]
+    if status == INCONCLUSIVE:
+        note = (f"the bf16 run did not learn more than {100 * s.tau:g}% over its frozen copy "
+                f"(learned {100 * verdict['learned_mean']:.2f}%, p = {verdict['p_learned']:.2g}): the gate cannot tell "
+                "a good slab from a bad one here; raise --steps or --lr, or give --data that a LoRA can learn")
+    else:
+        note = (f"90% interval of the mean difference [{100 * low:+.2f}%, {100 * high:+.2f}%] "
+                f"{'inside' if status == PASS else 'not inside'} ±{100 * s.tau:g}%; the bf16 run learned "
+                f"{100 * verdict['learned_mean']:.1f}% (p = {verdict['p_learned']:.2g})")
     result = GateResult(
-        NAME, status, f"final gap {100 * gap:.2f}%, {reach_text}",
-        f"τ_CONV {100 * s.tau:g}%, by step N+Δ = {s.steps}+{s.delta}", note, time.perf_counter() - started,
-        {"steps": s.steps, "delta": s.delta, "tau": s.tau, "window": window, "target": target,
-         "final_smoothed": {"bf16": target, "quantized": got_s[s.steps - 1]}, "relative_gap": gap,
-         "reached_step": reached, "plot": str(plot), "reference_slab": str(ref_path),
+        NAME, status, f"mean loss difference {100 * verdict['mean_difference']:+.2f}% "
+        f"(p = {verdict['p_equivalence']:.2g})", f"±{100 * s.tau:g}% at α = {ALPHA:g}; bf16 must learn > "
+        f"{100 * s.tau:g}%", note, time.perf_counter() - started,
+        {**verdict, "steps": s.steps, "tau": s.tau, "plot": str(plot), "reference_slab": str(ref_path),
          "training": {k: getattr(config, k) for k in ("resolution", "max_sequence_length", "lr", "rank", "batch_size",
                                                        "targets", "seed", "data")},
-         "losses": {"bf16": ref, "quantized": got}, "smoothed": {"bf16": ref_s, "quantized": got_s}})
+         "losses": {"frozen": frozen, "bf16": ref, "quantized": got}})
     return result, runs["quantized"]

@@ -5,6 +5,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# measured, but the measurement cannot decide (a convergence run that did not learn): never a PASS
+INCONCLUSIVE = "INCONCLUSIVE"
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..slab.atomic import atomic_write_bytes
-from .gates import FAIL, SKIP, GateResult
+from .gates import FAIL, INCONCLUSIVE, SKIP, GateResult
 
 
 @dataclass
@@ -23,12 +23,20 @@ class AcceptReport:
 
     @property
     def passed(self) -> bool:
-        """True when no gate failed (a SKIP is not a failure unless the caller required the gate)."""
-        return not any(g.failed for g in self.gates)
+        """True when no gate failed or was inconclusive (a SKIP is not a failure unless the caller required the
+        gate)."""
+        return self.verdict == "PASSED"
+
+    @property
+    def verdict(self) -> str:
+        """FAILED when a gate failed, else INCONCLUSIVE when a gate could not decide, else PASSED."""
+        if any(g.failed for g in self.gates):
+            return "FAILED"
+        return "INCONCLUSIVE" if any(g.status == INCONCLUSIVE for g in self.gates) else "PASSED"
 
     def to_dict(self) -> dict:
-        return {"slab": self.slab, "model": self.model, "passed": self.passed, **self.context,
-                "gates": [g.to_dict() for g in self.gates]}
+        return {"slab": self.slab, "model": self.model, "passed": self.passed, "verdict": self.verdict,
+                **self.context, "gates": [g.to_dict() for g in self.gates]}
 
     def table(self) -> str:
         """The gates as a markdown table, then the verdict."""
@@ -42,19 +50,20 @@ class AcceptReport:
                 lines += [f"  {w['layer']}: {w['rel_mse']:.3g}"
                           + (f" [{w['manifest_rel_mse']:.3g}]" if w.get("manifest_rel_mse") is not None else "")
                           for w in worst]
-        failed = [g.name for g in self.gates if g.failed]
-        verdict = f"FAILED: {', '.join(failed)}" if failed else "PASSED"
+        named = {"FAILED": FAIL, "INCONCLUSIVE": INCONCLUSIVE}.get(self.verdict)
+        verdict = self.verdict + (": " + ", ".join(g.name for g in self.gates if g.status == named) if named else "")
         return "\n".join(lines) + f"\n\nsquareq accept {self.slab}: {verdict}"
 
     def write_json(self, path: str | Path) -> None:
         atomic_write_bytes(Path(path), (json.dumps(self.to_dict(), indent=2, default=str) + "\n").encode())
 
     def write_junit(self, path: str | Path) -> None:
-        """One testcase per gate: ``<failure>`` for FAIL, ``<skipped>`` for SKIP."""
+        """One testcase per gate: ``<failure>`` for FAIL, ``<skipped>`` for SKIP, ``<error>`` for INCONCLUSIVE."""
         suites = ET.Element("testsuites")
         suite = ET.SubElement(suites, "testsuite", name="squareq accept", tests=str(len(self.gates)),
                               failures=str(sum(g.status == FAIL for g in self.gates)),
-                              skipped=str(sum(g.status == SKIP for g in self.gates)), errors="0",
+                              skipped=str(sum(g.status == SKIP for g in self.gates)),
+                              errors=str(sum(g.status == INCONCLUSIVE for g in self.gates)),
                               time=f"{sum(g.seconds for g in self.gates):.3f}")
         props = ET.SubElement(suite, "properties")
         for key in ("slab", "model"):
@@ -66,5 +75,7 @@ class AcceptReport:
                 ET.SubElement(case, "failure", message=g.note or "gate failed").text = text
             elif g.status == SKIP:
                 ET.SubElement(case, "skipped", message=g.note)
+            elif g.status == INCONCLUSIVE:  # the gate ran but could not decide: an error, not a pass
+                ET.SubElement(case, "error", message="INCONCLUSIVE: " + g.note, type="inconclusive").text = text
             ET.SubElement(case, "system-out").text = text
         atomic_write_bytes(Path(path), ET.tostring(suites, encoding="utf-8", xml_declaration=True))

@@ -1,4 +1,4 @@
-"""``squareq accept``: open the slab and its source, run the three gates, assemble the report."""
+"""``squareq accept``: open the slab and its source, run the gates, assemble the report."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,11 @@ from ..models import ModelError
 from ..slab import SlabError, open_slab
 from ..slab.signature import model_signature
 from ..train.tiny_dataset import write_tiny_dataset
-from .convergence import ConvergenceSettings, convergence_gate
+from .block_drift import block_drift_gate
+from .convergence import GATE_DEFAULTS, ConvergenceSettings, convergence_gate
+from .gates import INCONCLUSIVE, SKIP
+from .gradients import gradient_gate
+from .image_drift import DriftError, check_clip_folder, image_drift_gate
 from .layer_mse import layer_mse_gate
 from .report import AcceptReport
 from .resources import resources_gate
@@ -28,8 +32,10 @@ class AcceptError(ValueError):
 
 @dataclass(frozen=True)
 class AcceptOptions:
-    """What to gate and against what. ``training`` describes the convergence runs; its ``tau`` and ``delta`` are
-    taken from ``thresholds`` and its ``data`` defaults to the built-in tiny dataset (in the work folder)."""
+    """What to gate and against what. ``training`` describes the convergence runs; its ``tau`` is taken from
+    ``thresholds`` and its ``data`` defaults to the built-in tiny dataset (in the work folder). ``images``,
+    ``sample_steps`` and ``clip_model`` describe the image-drift gate's drawings, ``gradient_steps`` × ``gradient_times``
+    the gradient-agreement gate's batches, ``drift_blocks`` how many blocks the block-drift gate measures."""
 
     slab: Path
     model: str
@@ -38,8 +44,14 @@ class AcceptOptions:
     vram_budget: int | None = None
     workdir: Path | None = None  # default: <slab>.accept next to the slab
     require_gpu: bool = False
-    samples: int = 2  # calibration samples for the layer MSE gate
+    samples: int = 2  # fresh calibration samples for the layer MSE and block drift gates
     training: ConvergenceSettings = field(default_factory=ConvergenceSettings)
+    images: int = 4
+    sample_steps: int = 20
+    clip_model: str | None = None
+    gradient_steps: int = 4
+    gradient_times: int = 4
+    drift_blocks: int = 8
 
 
 def _device() -> torch.device:
@@ -61,25 +73,46 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
     if model_signature(source.skeleton()) != recorded.signature:
         raise AcceptError(f"{opts.slab} was not compiled from --model {opts.model} (the model class, config or tensor "
                           "shapes differ); pass the model the slab was compiled from.")
+    if opts.clip_model:
+        try:
+            check_clip_folder(opts.clip_model)
+        except DriftError as exc:
+            raise AcceptError(str(exc)) from None
     workdir = Path(opts.workdir or f"{opts.slab}.accept")
     workdir.mkdir(parents=True, exist_ok=True)
     device = _device()
     if opts.require_gpu and device.type != "cuda":
         echo("no CUDA device: the GPU measurements will fail (--require-gpu)")
 
-    echo(f"[1/3] layer MSE: every layer of {opts.slab} on fresh inputs through {source.description}")
-    gates = [layer_mse_gate(source, slab, opts.thresholds.mse, opts.samples, device)]
-    echo(f"      {gates[-1].status}: {gates[-1].measured}")
-
+    thresholds = opts.thresholds
     data = Path(opts.training.data) if opts.training.data else write_tiny_dataset(workdir / "data")
-    settings = dataclasses.replace(opts.training, delta=opts.thresholds.conv_steps, tau=opts.thresholds.conv,
-                                   data=str(data))
-    echo(f"[2/3] convergence: LoRA on the bf16 source vs the slab, {settings.steps} steps on {data}")
+    settings = dataclasses.replace(opts.training, tau=thresholds.conv, data=str(data))
+    resolution = settings.resolution or GATE_DEFAULTS["resolution"]
+    tokens = settings.max_sequence_length or GATE_DEFAULTS["max_sequence_length"]
+    steps = [
+        ("layer MSE", f"every layer of {opts.slab} on fresh inputs through {source.description}",
+         lambda: layer_mse_gate(source, slab, thresholds.mse, opts.samples, device)),
+        ("block drift", f"the model's output with one block quantized, up to {opts.drift_blocks} blocks",
+         lambda: block_drift_gate(source, slab, thresholds.drift, opts.samples, opts.drift_blocks, device)),
+        ("image drift", f"{opts.images} images from the bf16 source and from the slab, same prompts and seeds",
+         lambda: image_drift_gate(source, slab, opts.model, workdir, thresholds.psnr, thresholds.ssim, opts.images,
+                                  resolution, opts.sample_steps, tokens, settings.seed, opts.clip_model, echo)),
+        ("gradient agreement", f"LoRA gradients on {opts.gradient_steps} batches × {opts.gradient_times} times",
+         lambda: gradient_gate(source, slab, opts.model, workdir, settings, thresholds.grad_cos, thresholds.grad_norm,
+                               opts.gradient_steps, opts.gradient_times, device, echo)),
+    ]
+    total = len(steps) + 2
+    gates = []
+    for i, (name, what, run) in enumerate(steps, 1):
+        echo(f"[{i}/{total}] {name}: {what}")
+        gates.append(run())
+        echo(f"      {_summary(gates[-1])}")
+    echo(f"[{total - 1}/{total}] convergence: LoRA on a frozen and a trained bf16 source vs the slab, "
+         f"{settings.steps} steps on {data}")
     conv, records = convergence_gate(source, slab, opts.model, workdir, settings, echo)
     gates.append(conv)
-    echo(f"      {conv.status}: {conv.measured}{'' if conv.status != 'SKIP' else ' (' + conv.note + ')'}")
-
-    echo("[3/3] peak VRAM and size")
+    echo(f"      {_summary(conv)}")
+    echo(f"[{total}/{total}] peak VRAM and size")
     gates.append(resources_gate(slab, opts.budget, records, opts.vram_budget, opts.require_gpu))
     context = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -87,6 +120,10 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
         "squareq": __version__, "torch": torch.__version__, "thresholds": opts.thresholds.to_dict(),
         "workdir": str(workdir), "data": str(data)}
     return AcceptReport(str(opts.slab), opts.model, gates, context)
+
+
+def _summary(gate) -> str:
+    return f"{gate.status}: {gate.measured}" + (f" ({gate.note})" if gate.status in (SKIP, INCONCLUSIVE) else "")
 
 
 __all__ = ["AcceptError", "AcceptOptions", "SlabError", "accept"]

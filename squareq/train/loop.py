@@ -55,7 +55,7 @@ from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import save_diffusers_lora
-from .objective import draw_times, flow_loss, noised
+from .objective import denoising_loss, draw_times
 from .sample import FORWARD_SLOTS, draw_image
 
 METRICS_FILE = "metrics.jsonl"
@@ -273,7 +273,6 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         ranks.barrier()
         return path
 
-    amp = torch.autocast(device.type, dtype=torch.bfloat16)
     feed = CacheFeed(cache, image_keys, text_keys, plain, dropped, device)
     every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
     batch_iter = iter(batches)
@@ -310,11 +309,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     latents, text = feed.batch(indices, drops)
                     upcoming = batches.peek()
                     feed.prefetch(upcoming[ranks.share(len(upcoming))])  # read while this micro-batch computes
-                    x_t, target = noised(objective, latents, noise, t)
-                    with amp:
-                        output = model(**recipe.forward(model.config, x_t, t, text, cfg.guidance))
-                        pred = recipe.prediction(output, x_t)
-                    loss = flow_loss(pred, target) / cfg.grad_accum
+                    loss = denoising_loss(model, recipe, objective, latents, noise, t, text, cfg.guidance) / cfg.grad_accum
                     loss.backward()
                     step_loss += float(loss.detach())
                 ranks.average_grads(params)

@@ -59,3 +59,14 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
     if w.shape != per_sample.shape:
         raise ValueError(f"weighting must have one value per sample ({per_sample.shape[0]}), got {tuple(w.shape)}.")
     return (w * per_sample).mean()
+
+
+def denoising_loss(model, recipe, objective: str, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+                   text: dict, guidance: float) -> torch.Tensor:
+    """The family's training loss of ``model`` on one batch: ``latents`` noised to x_t at times ``t``, the denoiser's
+    prediction (bf16 autocast, as the trainer runs it) against the objective's target, mean squared error."""
+    x_t, target = noised(objective, latents, noise, t)
+    with torch.autocast(latents.device.type, dtype=torch.bfloat16):
+        output = model(**recipe.forward(model.config, x_t, t, text, guidance))
+        pred = recipe.prediction(output, x_t)
+    return flow_loss(pred, target)

@@ -109,9 +109,10 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
     """On a GPU whose cuDNN attention backward returns NaN without raising, the trainer turns cuDNN off and redoes the
     step with the same batch, noise and timesteps: the run ends as if nothing happened (simulated on the CPU)."""
     import squareq.train.loop as loop
+    import squareq.train.objective as objective
 
     straight = train(_config(workspace, tmp_path / "straight", steps=6, save_every=0), echo=lambda s: None)
-    real = loop.flow_loss
+    real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
     calls = {"n": 0}
 
     def poisoned_once(pred, target, weighting=None):
@@ -120,7 +121,7 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
         return loss * float("nan") if calls["n"] == 3 else loss
 
     retries = []
-    monkeypatch.setattr(loop, "flow_loss", poisoned_once)
+    monkeypatch.setattr(objective, "flow_loss", poisoned_once)
     monkeypatch.setattr(loop, "_retry_without_cudnn", lambda device: not retries and not retries.append(device))
     redone = train(_config(workspace, tmp_path / "redone", steps=6, save_every=0), echo=lambda s: None)
     assert len(retries) == 1 and calls["n"] == 7 and redone.skipped_steps == 0
@@ -133,8 +134,9 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
 
 def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypatch):
     import squareq.train.loop as loop
+    import squareq.train.objective as objective
 
-    real = loop.flow_loss
+    real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
     calls = {"n": 0}
 
     def poisoned(pred, target, weighting=None):
@@ -142,7 +144,7 @@ def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypat
         loss = real(pred, target, weighting)
         return loss * float("nan") if calls["n"] > 6 else loss
 
-    monkeypatch.setattr(loop, "flow_loss", poisoned)
+    monkeypatch.setattr(objective, "flow_loss", poisoned)
     out = tmp_path / "nan"
     with pytest.raises(TrainError, match="NaN/Inf") as err:
         train(_config(workspace, out, nan_patience=3), echo=lambda s: None)
@@ -237,8 +239,9 @@ def test_sample_and_export_commands(workspace, tmp_path, caplog):
 
 def test_out_of_memory_saves_and_says_which_knob_to_turn(workspace, tmp_path, monkeypatch):
     import squareq.train.loop as loop
+    import squareq.train.objective as objective
 
-    real = loop.flow_loss
+    real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
     calls = {"n": 0}
 
     def exhausted(pred, target, weighting=None):
@@ -247,7 +250,7 @@ def test_out_of_memory_saves_and_says_which_knob_to_turn(workspace, tmp_path, mo
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(pred, target, weighting)
 
-    monkeypatch.setattr(loop, "flow_loss", exhausted)
+    monkeypatch.setattr(objective, "flow_loss", exhausted)
     out = tmp_path / "oom"
     with pytest.raises(TrainError, match="ran out of memory in step 4") as err:
         train(_config(workspace, out, save_every=0), echo=lambda s: None)

@@ -1,0 +1,120 @@
+"""Gate: the LoRA gradient on the slab points where the one on the bf16 source points, and is as long.
+
+What training sees is the gradient of its loss with respect to the LoRA factors. Both models (the bf16 reference
+slab and the slab under test, streamed through the runtime as ``squareq train`` runs them) get the same LoRA
+factors, and for each of ``steps`` batches, the same noise and each of ``timesteps`` times spread over the
+family's training distribution, the gradient of the family's loss. Per (step, time) the gate records their
+cosine and the norm ratio ``‖g_slab‖ / ‖g_bf16‖``. Between steps the factors follow the bf16 run (AdamW on the
+reference's gradient, copied into both), so the later steps measure along a training trajectory, not only at
+the initial factors (where LoRA's B = 0 and only half the gradient is non-zero).
+
+PASS when the mean cosine is at least τ_cos and the mean norm ratio lies within [1 − τ_norm, 1 + τ_norm].
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import runtime
+from ..compiler.sources import Source
+from ..models import ADAPTERS
+from ..models.noising import calibration_times
+from ..slab import Slab, open_slab
+from ..train.data import BucketBatches
+from ..train.family_encoders import training_objective
+from ..train.feed import CacheFeed
+from ..train.loop import prepare_data
+from ..train.objective import denoising_loss
+from .convergence import ConvergenceSettings, cannot_run, reference_slab, training_config
+from .gates import FAIL, PASS, GateResult, skipped
+
+NAME = "gradient agreement"
+
+
+def _flat(params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([params[n].grad.detach().float().flatten() if params[n].grad is not None
+                      else torch.zeros(params[n].numel(), device=params[n].device) for n in sorted(params)])
+
+
+def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: ConvergenceSettings, tau_cos: float,
+                  tau_norm: float, steps: int = 4, timesteps: int = 4, device=None, echo=print) -> GateResult:
+    """Compare the slab's LoRA gradients with the bf16 reference's over ``steps`` × ``timesteps`` shared batches."""
+    started = time.perf_counter()
+    why_not = cannot_run(source, model)
+    if why_not:
+        return skipped(NAME, why_not)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ref_path = reference_slab(source, workdir, echo)
+    cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache", steps)
+    family = slab.manifest.model.family
+    recipe = ADAPTERS[family].recipe
+    objective = training_objective(cfg.model or slab.manifest.model.source, family)
+    data = prepare_data(cfg, slab.manifest.model, device, echo)
+    feed = CacheFeed(data.cache, *data.keys, data.captions, data.dropped, device)
+    models, params = {}, {}
+    try:
+        for label, path in (("bf16", ref_path), ("slab", slab.path)):
+            models[label] = runtime.load(open_slab(path, verify="off"), device, prefetch=cfg.prefetch, verify="off")
+            runtime.add_lora(models[label], rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
+            models[label].enable_gradient_checkpointing()
+            models[label].train()
+            params[label] = runtime.lora_parameters(models[label])
+        optimizer = torch.optim.AdamW(list(params["bf16"].values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        epochs = BucketBatches(data.dataset, data.buckets, cfg.batch_size, cfg.seed)
+        batches = iter(epochs)
+        generator = torch.Generator().manual_seed(cfg.seed + 1)
+        rows = []
+        for step in range(steps):
+            indices = next(batches, None)
+            if indices is None:  # fewer batches than steps: the next epoch
+                batches = iter(epochs)
+                indices = next(batches)
+            latents, text = feed.batch(indices, [False] * len(indices))
+            noise = torch.randn(latents.shape, generator=generator).to(device)
+            times = calibration_times(objective, timesteps, cfg.seed + step, mode=cfg.timestep_sampling,
+                                      shift=cfg.shift)
+            reference_sum = None
+            for t in times:
+                t = t.expand(len(indices)).to(device)
+                grads = {}
+                for label, m in models.items():
+                    denoising_loss(m, recipe, objective, latents, noise, t, text, cfg.guidance).backward()
+                    grads[label] = _flat(params[label])
+                    for p in params[label].values():
+                        p.grad = None
+                g, r = grads["slab"], grads["bf16"]
+                rows.append({"step": step + 1, "t": round(float(t[0]), 4),
+                             "cosine": float(torch.nn.functional.cosine_similarity(g, r, dim=0)),
+                             "norm_ratio": float(g.norm() / r.norm().clamp_min(1e-30)),
+                             "bf16_norm": float(r.norm())})
+                reference_sum = r if reference_sum is None else reference_sum + r
+            _follow_reference(params, reference_sum / len(times), optimizer)
+    finally:
+        feed.close()
+        for m in models.values():
+            runtime.runtime_of(m).close()
+    cosine = sum(r["cosine"] for r in rows) / len(rows)
+    ratio = sum(r["norm_ratio"] for r in rows) / len(rows)
+    worst = min(rows, key=lambda r: r["cosine"])
+    ok = cosine >= tau_cos and abs(ratio - 1.0) <= tau_norm
+    note = (f"over {steps} steps × {timesteps} times; lowest cosine {worst['cosine']:.3f} at step {worst['step']}, "
+            f"t = {worst['t']:g}")
+    return GateResult(NAME, PASS if ok else FAIL, f"cosine {cosine:.4f}, norm ratio {ratio:.3f}",
+                      f"cosine ≥ {tau_cos:g}, norm ratio 1 ± {tau_norm:g}", note, time.perf_counter() - started,
+                      {"cosine": cosine, "norm_ratio": ratio, "tau_cos": tau_cos, "tau_norm": tau_norm,
+                       "steps": steps, "timesteps": timesteps, "per_step": rows, "reference_slab": str(ref_path)})
+
+
+def _follow_reference(params: dict, reference_grad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """One AdamW step of the bf16 model's LoRA on ``reference_grad``; the slab's LoRA gets the same factors."""
+    offset = 0
+    for name in sorted(params["bf16"]):
+        p = params["bf16"][name]
+        p.grad = reference_grad[offset:offset + p.numel()].view_as(p).to(p.dtype)
+        offset += p.numel()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, p in params["slab"].items():
+            p.copy_(params["bf16"][name])
