@@ -62,7 +62,7 @@ from squareq.slab import WriteOptions, open_slab
 from squareq.slab.summary import summarize
 from squareq.slab.writer import write_slab
 
-RELAXED = Thresholds(mse=1e9, act=1e9, scale=1e9, block=1e9)
+RELAXED = Thresholds(out=1e9, mse=1e9, act=1e9, scale=1e9, block=1e9)
 BLOCKS = ["encoder.layer"]
 def model_folder() -> Path:
     try:

@@ -156,12 +156,15 @@ def _progress_printer():
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="The slab directory to write.")
 @click.option("--budget", required=True, help="Largest slab size, e.g. 12GB, 11.5GiB, 800MB.")
 @click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
-              help="size: smallest slab meeting every threshold; quality: then spend the rest of the budget.")
+              help="size: the smallest plan whose measured model-output error meets τ_OUT; quality: then spend the rest "
+              "of the budget where that error falls most per byte.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
-              help="TOML file with a [thresholds] table (mse, act, scale, block; drift, psnr, ssim, grad_cos, "
-              "grad_norm and conv are for squareq accept); defaults in docs/compiler.md.")
+              help="TOML file with a [thresholds] table (out decides; mse, act, scale, block are diagnostics; drift, "
+              "psnr, ssim, grad_cos, grad_norm and conv are for squareq accept); defaults in docs/compiler.md.")
 @click.option("--min-bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True,
               help="The ladder's first rung.")
+@click.option("--max-bits", type=click.Choice(["4", "6", "8", "16"]), default="16", show_default=True,
+              help="The ladder's last rung (16: bf16); fewer rungs measured, a faster compile.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
 @click.option("--calib-data", type=click.Path(path_type=Path), default=None,
               help="Calibrate on these captioned images (the trainer's layouts), encoded by the model's own VAE and "
@@ -183,14 +186,24 @@ def _progress_printer():
 @click.option("--rounding", type=click.Choice(["gptq", "nearest"]), default="gptq", show_default=True,
               help="gptq: error-compensating rounding from input second moments; nearest: plain RTN.")
 @click.option("--group-size", type=int, default=64, show_default=True)
-@click.option("--stream-window", type=int, help="Keep every K consecutive blocks within --max-window-bytes.")
-@click.option("--max-window-bytes", help="Byte cap for --stream-window, e.g. 2GB.")
+@click.option("--from", "previous", type=click.Path(path_type=Path), default=None,
+              help="Rebuild from this earlier slab of the same model: each layer starts at its rung there, and its "
+              "measurements are reused when the source, data and search options are unchanged.")
+@click.option("--effect-probes", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Random probes of each layer's effect on the model's output (more: less noise, a forward and "
+              "backward pass each).")
+@click.option("--max-block-bytes", help="Cap on the largest streamed block (the runtime's ring holds K slots of it), "
+              "e.g. 400MB.")
+@click.option("--vram-cap", help="GPU memory for the streamed weights, e.g. 4GB: caps the largest block at "
+              "(this - the resident tensors) / --ring-slots.")
+@click.option("--ring-slots", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Ring slots the runtime will use, for --vram-cap.")
 @click.option("--device", default="cpu", show_default=True, help="Where calibration runs, e.g. cuda.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks, calib_data, calib_cache, calib_text,
+def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bits, blocks, calib_data, calib_cache, calib_text,
                 encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding, group_size,
-                stream_window, max_window_bytes, device, resume, force) -> None:
+                previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, resume, force) -> None:
     """Calibrate MODEL on real data, choose W4/W6/W8 per layer under a size budget, write a slab.
 
     MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
@@ -199,8 +212,8 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks
     from .compiler import CompileOptions, Thresholds, compile_slab, open_source, parse_size
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
 
-    if (stream_window is None) != (max_window_bytes is None):
-        raise click.UsageError("--stream-window and --max-window-bytes go together; give both or neither.")
+    if max_block_bytes and vram_cap:
+        raise click.UsageError("--max-block-bytes and --vram-cap each cap the largest block; give one of them.")
     given = [flag for flag, v in (("--calib-data", calib_data), ("--calib-cache", calib_cache),
                                   ("--calib-text", calib_text), ("--calib-synthetic", calib_synthetic)) if v]
     if len(given) > 1:
@@ -208,10 +221,13 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, blocks
     opts = CompileOptions(
         budget=parse_size(budget), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
-        min_bits=int(min_bits), rounding=rounding, group_size=group_size, calib_samples=calib_samples,
+        min_bits=int(min_bits), max_bits=int(max_bits), rounding=rounding, group_size=group_size,
+        calib_samples=calib_samples,
         calib_cache=str(calib_cache) if calib_cache else None, calib_text=str(calib_text) if calib_text else None,
         calib_tokens=calib_tokens, calib_synthetic=calib_synthetic,
-        stream_window=stream_window, max_window_bytes=parse_size(max_window_bytes) if max_window_bytes else None,
+        max_block_bytes=parse_size(max_block_bytes) if max_block_bytes else None,
+        vram_cap=parse_size(vram_cap) if vram_cap else None, ring_slots=ring_slots,
+        previous=str(previous) if previous else None, effect_probes=effect_probes,
         device=device, resume=resume, overwrite=force,
     )
     source = open_source(model, list(blocks) or None)

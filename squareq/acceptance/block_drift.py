@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..compiler.effect import main_output
 from ..compiler.sources import Source
 from ..slab import Slab
 from ..slab.writer import block_linears
@@ -30,11 +31,6 @@ def sampled_blocks(count: int, wanted: int) -> list[int]:
     if wanted == 1:
         return [count - 1]
     return sorted({round(i * (count - 1) / (wanted - 1)) for i in range(wanted)})
-
-
-def _output(out) -> torch.Tensor:
-    """The main tensor of a model's output: a tensor, or the first field of a tuple or ``ModelOutput``."""
-    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 @torch.no_grad()
@@ -55,12 +51,12 @@ def block_drift_gate(source: Source, slab: Slab, tau: float, samples: int = 2, b
         return block(*args, **kw)
 
     shell = source.shell(run_block, device)
-    reference = _output(shell(**kwargs)).float()
+    reference = main_output(shell(**kwargs)).float()
     norm = float(reference.square().sum().clamp_min(1e-30))
     drift = {}
     for b in sampled_blocks(len(source.block_paths), blocks):
         quantized_block = b
-        drift[source.block_paths[b]] = float((_output(shell(**kwargs)).float() - reference).square().sum()) / norm
+        drift[source.block_paths[b]] = float((main_output(shell(**kwargs)).float() - reference).square().sum()) / norm
     worst = max(drift, key=drift.get)
     over = [p for p, v in drift.items() if v > tau]
     note = f"worst {worst}" + (f"; {len(over)} of {len(drift)} blocks over τ_DRIFT" if over else "")

@@ -1,14 +1,16 @@
-"""`squareq compile`: calibrate block by block, climb the ladder per layer, check block drift, solve the
-budget, write the slab.
+"""`squareq compile`: measure every layer at every rung, measure each one's effect on the model's output, plan the
+rungs by that effect within τ_OUT and the budget, write the slab.
 
-The model runs its own forward once over the calibration batch, with each streamed block replaced
-by a stand-in that loads the real block from the source, measures and decides it, and then runs
-the *quantized* block, so the next block sees the error the runtime will see. Only one real block
-is materialized at a time; everything else of the model is resident.
+The model runs its own forward once over the calibration batch, with each streamed block replaced by a stand-in that
+loads the real block from the source, records its layers' inputs and searches every rung of every layer
+(compiler/ladder.py), then passes the original block's output on: the measurements depend on the source, the data and
+the search options only, never on a plan, so a rebuild with other thresholds or budget (``--from``, ``--resume``)
+reuses them. The effects pass (compiler/effect.py) then measures, end to end on the held-out samples, what each
+candidate does to the model's output, the planner (compiler/plan.py) spends bytes where that falls most per byte,
+and the chosen plan's output error is measured once more, directly. Only one real block is materialized at a time.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import tempfile
@@ -22,7 +24,7 @@ from torch import nn
 
 from .. import quant
 from ..models.calibration import CalibrationSet
-from ..slab import SlabError, WriteOptions
+from ..slab import SlabError, WriteOptions, open_slab
 from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
     PLACEHOLDER_FLOAT,
@@ -34,18 +36,21 @@ from ..slab.writer import (
     layout_block,
     stored_tensor,
 )
-from .budget import BlockLayers, BudgetError, candidate_bytes, solve
+from .budget import BudgetError, OBJECTIVES, candidate_bytes
 from .calibration import StatsCollector
+from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
 from .inputs import calibration_batch
-from .ladder import RUNGS, LayerDecision, climb
-from .layer_search import Candidate, search_layer, weight_metrics
+from .ladder import RUNGS, LayerDecision, diagnostics, measure_rungs
+from .layer_search import Candidate, weight_metrics
+from .plan import HYSTERESIS, LayerOptions, Plan, make_plan
+from .previous import Previous, read_previous
 from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
 
-# The quality objective's upgrades lengthen a layer's manifest record by a reason (~150 bytes) and
-# other metric digits; the exact size is checked against the budget before anything is written.
-QUALITY_SLACK_PER_LAYER = 256
+# A manifest's layer record grows with the plan's reasons and history; the budget reserves this much per layer and
+# build before the plan is known, and the exact size is checked against the budget before anything is written.
+SLACK_PER_LAYER = 512
 
 
 @dataclass
@@ -56,6 +61,7 @@ class CompileOptions:
     objective: str = "size"
     thresholds: Thresholds = field(default_factory=Thresholds)
     min_bits: int = 4
+    max_bits: int = 16  # the highest rung measured (16: bf16)
     rounding: str = "gptq"
     group_size: int = 64
     calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
@@ -66,16 +72,20 @@ class CompileOptions:
     calib_synthetic: bool = False  # noise and Gaussian text instead of data: for speed runs only
     max_rows: int = 512
     seed: int = 0
-    stream_window: int | None = None
-    max_window_bytes: int | None = None
+    effect_probes: int = DEFAULT_PROBES
+    max_block_bytes: int | None = None  # the runtime's ring holds K slots of the largest block (docs/compiler.md)
+    vram_cap: int | None = None  # or: GPU memory for the streamed weights, shared by ring_slots slots
+    ring_slots: int = 2
+    previous: str | None = None  # --from: a slab built before, whose rungs each layer starts at
     device: str = "cpu"
     resume: bool = False
     overwrite: bool = False
 
     def fingerprint(self) -> dict:
-        keep = ("objective", "min_bits", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic",
-                "max_rows", "seed")
-        return {k: getattr(self, k) for k in keep} | {"thresholds": self.thresholds.compile_dict()}
+        """What the measurements depend on (the plan's thresholds, budget and objective are not among them)."""
+        keep = ("min_bits", "max_bits", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic", "max_rows",
+                "seed", "effect_probes")
+        return {k: getattr(self, k) for k in keep}
 
 
 Progress = Callable[[str], None]
@@ -83,25 +93,6 @@ Progress = Callable[[str], None]
 
 def state_folder(out: Path) -> Path:
     return out.parent / f"{out.name}.state"
-
-
-def _floats(out) -> list[torch.Tensor]:
-    if torch.is_tensor(out):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _floats(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _floats(o)]
-    return [t for o in getattr(out, "__dict__", {}).values() for t in _floats(o)]
-
-
-def outputs_rel_mse(ref, got) -> float:
-    """Σ‖got − ref‖² / Σ‖ref‖² over every floating tensor a block returns."""
-    err = power = 0.0
-    for r, g in zip(_floats(ref), _floats(got)):
-        err += float((g.double() - r.double()).pow(2).sum())
-        power += float(r.double().pow(2).sum())
-    return err / power if power > 0 else (0.0 if err == 0 else float("inf"))
 
 
 def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
@@ -113,21 +104,14 @@ def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
     return LayerDecision(name, c, [c], ["not called during calibration, so it has no measurements: kept at bf16"])
 
 
-def _quantized_copy(block: nn.Module, prefix: str, chosen: dict[str, quant.QuantizedWeight], dtype) -> nn.Module:
-    q = copy.deepcopy(block)
-    for name, mod in block_linears(prefix, q):
-        qw = chosen[name]
-        on_device = quant.QuantizedWeight(qw.spec, qw.shape, {k: v.to(mod.weight.device) for k, v in qw.tensors.items()})
-        with torch.no_grad():
-            mod.weight.copy_(quant.dequantize(on_device).to(dtype))
-    return q
-
-
 class _Run:
-    def __init__(self, source: Source, opts: CompileOptions, state: CompileState | None, progress: Progress,
-                 batch) -> None:
-        self.source, self.opts, self.state, self.progress = source, opts, state, progress
-        self.batch = batch
+    """The calibration pass's block stand-in: measures blocks the state does not hold yet (``wanted``: only these
+    layers at these rungs, for a rebuild) and passes the original block's output on."""
+
+    def __init__(self, source: Source, opts: CompileOptions, progress: Progress, batch) -> None:
+        self.source, self.opts, self.progress, self.batch = source, opts, progress, batch
+        self.state: CompileState | None = None
+        self.wanted: dict[str, int] | None = None
         self.started = time.perf_counter()
         self.done_blocks = 0
 
@@ -137,23 +121,25 @@ class _Run:
         per = (time.perf_counter() - self.started) / self.done_blocks
         return f"ETA {per * (n - index):.0f}s"
 
+    def rungs_for(self, name: str) -> list[int] | None:
+        if self.wanted is None:
+            return [b for b in RUNGS if self.opts.min_bits <= b <= self.opts.max_bits]
+        return [self.wanted[name]] if name in self.wanted else None
+
     def block(self, index: int, path: str, args, kwargs):
         n = len(self.source.block_paths)
         real = self.source.load_block(path, self.opts.device, torch.float32)
-        if not self.state.has_block(index):
-            self.progress(f"block {index + 1}/{n} {path}: calibrating and searching ({self._eta(index, n)})")
-            out = self._decide(index, path, real, args, kwargs)
-            self.done_blocks += 1
-            return out  # the decided quantized block's output: what a resumed run recomputes from the state
-        self.progress(f"block {index + 1}/{n} {path}: finished earlier, reusing it")
-        decisions, _ = self.state.load_block(index)
-        chosen = {d.name: d.chosen.qweight for d in decisions}
-        with torch.no_grad():
-            return _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs)
+        todo = [name for name, _ in block_linears(path, real) if self.rungs_for(name)]
+        if self.state.has_block(index) or (self.wanted is not None and not todo):
+            return real(*args, **kwargs)
+        self.progress(f"block {index + 1}/{n} {path}: calibrating and searching ({self._eta(index, n)})")
+        out = self._measure(index, path, real, set(todo), args, kwargs)
+        self.done_blocks += 1
+        return out
 
     @torch.no_grad()
-    def _decide(self, index: int, path: str, real: nn.Module, args, kwargs):
-        """Measure and decide every layer of the block, save them, and return the quantized block's output."""
+    def _measure(self, index: int, path: str, real: nn.Module, todo: set[str], args, kwargs):
+        """Measure the block's layers at their rungs, save them, and return the original block's output."""
         o, b = self.opts, self.batch
         with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index,
                             samples=b.description.get("samples"), heldout_samples=b.heldout,
@@ -161,49 +147,27 @@ class _Run:
             ref = real(*args, **kwargs)
         decisions: dict[str, LayerDecision] = {}
         for name, mod in block_linears(path, real):
+            if name not in todo:
+                continue
             self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
             if name not in col.stats:
                 decisions[name] = _unmeasured(name, mod.weight)
                 continue
-            decisions[name] = climb(name, mod.weight, col.stats[name], o.thresholds, o.min_bits, o.rounding,
-                                    o.group_size, measure_all=o.objective == "quality")
-        drift, out = self._block_drift(path, real, args, kwargs, ref, decisions, col.stats)
+            decisions[name] = measure_rungs(name, mod.weight, col.stats[name], self.rungs_for(name), o.rounding,
+                                            o.group_size)
         # Bytes of the block's other tensors in its blob, as the writer stores them (floating ones as bf16).
-        weights = {f"{x[len(path) + 1:]}.weight" for x in decisions}
+        weights = {f"{x[len(path) + 1:]}.weight" for x, _ in block_linears(path, real)}
         kept = (stored_tensor(t) for n, t in real.state_dict().items() if n not in weights)
         fixed = sum(align_up(t.numel() * t.element_size()) for t in kept)
-        self.state.save_block(index, list(decisions.values()), {"block_rel_mse": drift, "fixed_bytes": fixed})
-        return out
+        self.state.save_block(index, list(decisions.values()), {"fixed_bytes": fixed})
+        return ref
 
-    def _block_drift(self, path, real, args, kwargs, ref, decisions, stats):
-        """Check the block's output against τ_BLOCK; move up the layer whose restoration helps most.
 
-        Returns the final block rel-MSE and the quantized block's output."""
-        o = self.opts
-        while True:
-            chosen = {n: d.chosen.qweight for n, d in decisions.items()}
-            out = _quantized_copy(real, path, chosen, torch.float32)(*args, **kwargs)
-            err = outputs_rel_mse(ref, out)
-            movable = [n for n, d in decisions.items() if d.chosen.bits < 16]
-            if err <= o.thresholds.block or not movable:
-                return err, out
-            restored = {}
-            for n in movable:
-                trial = dict(chosen)
-                trial[n] = quant.quantize(real.get_submodule(n[len(path) + 1:]).weight.detach().float(),
-                                          quant.QuantSpec(bits=16))
-                restored[n] = outputs_rel_mse(ref, _quantized_copy(real, path, trial, torch.float32)(*args, **kwargs))
-            worst = min(restored, key=restored.get)
-            d = decisions[worst]
-            up = RUNGS[RUNGS.index(d.chosen.bits) + 1]
-            cand = d.candidate(up)
-            if cand is None:
-                cand = search_layer(real.get_submodule(worst[len(path) + 1:]).weight, stats[worst], up,
-                                    group_size=o.group_size, rounding=o.rounding)
-                d.tried.append(cand)
-            d.reasons.append(f"W{d.chosen.bits}: block {path} output rel-MSE {err:.4g} > τ_BLOCK "
-                             f"{o.thresholds.block:g}; restoring this layer helped most")
-            d.chosen = cand
+def measurement_key(source: Source, batch, opts: CompileOptions) -> str:
+    """Changes when anything the measurements depend on does: the source's weights (files, sizes, times), the
+    calibration data and the search options."""
+    parts = {"source": source.fingerprint(), "calibration": batch.description, **opts.fingerprint()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress: Progress = lambda s: None):
@@ -211,89 +175,217 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     out = Path(out)
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
+    if opts.max_bits not in RUNGS or opts.max_bits < opts.min_bits:
+        raise BudgetError(f"--max-bits {opts.max_bits} must be one of {RUNGS} and at least --min-bits {opts.min_bits}.")
+    if opts.objective not in OBJECTIVES:
+        raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
     skeleton = source.skeleton()
+    previous = read_previous(opts.previous, source, skeleton) if opts.previous else None
     batch = calibration_batch(source, skeleton, opts)
     progress(_calibration_line(batch.description))
-    inputs_hash = hashlib.sha256(json.dumps(batch.description, sort_keys=True).encode()).hexdigest()[:16]
-    fingerprint = {"source": source.description, "blocks": source.block_paths, "calibration": inputs_hash,
-                   **opts.fingerprint()}
-    run = _Run(source, opts, None, progress, batch)
+    key = measurement_key(source, batch, opts)
+    run = _Run(source, opts, progress, batch)
     shell = source.shell(run.block, opts.device)  # checks the checkpoint before any state is written
-    state = run.state = CompileState(state_folder(out), fingerprint, opts.resume)
+    reused = previous is not None and previous.key == key
+    # a rebuild's state holds only the layers it searched again, so it must never pass for a full compile's
+    state = run.state = CompileState(state_folder(out), {"measurement_key": key,
+                                                         "rebuild_of": str(previous.path) if reused else None},
+                                     opts.resume)
     started = time.perf_counter()
-    with torch.no_grad():
-        shell(**batch.kwargs)
+    held_kwargs = batch.heldout_kwargs or batch.kwargs
+    held_mask = batch.heldout_row_mask if batch.heldout_kwargs is not None else batch.row_mask
+    if reused:
+        progress(f"reusing the measurements of {opts.previous}: same source, calibration data and search options")
+        layers, fixed, effect_info = previous.layer_options(), previous.fixed_bytes(), previous.effect_info
+    else:
+        with torch.no_grad():
+            shell(**batch.kwargs)
+        found = state.load_effects()
+        if found is None:
+            found = measure_effects(source, held_kwargs, held_mask, lambda i: _candidates(state, i), opts.device,
+                                    opts.effect_probes, opts.seed, progress)
+            state.save_effects(*found)
+        effects, effect_info = found
+        layers, fixed = _layer_options(source, state, effects)
+    starts = previous.rungs if previous is not None else {}
+    for layer in layers:
+        wanted = starts.get(layer.name, opts.min_bits)
+        layer.start = min((b for b in layer.rungs if b >= wanted), default=max(layer.rungs))
     calibrate_s = time.perf_counter() - started
 
-    blocks, records = [], []
-    for i, path in enumerate(source.block_paths):
-        decisions, info = state.load_block(i, tensors=False)  # sizes and metrics only: one block's data at a time
-        blocks.append(BlockLayers(path, decisions, info["fixed_bytes"]))
-        records.append(info)
+    notes, decisions = _notes(source, state, previous, reused, opts.thresholds)
     residents = source.resident_state("cpu", torch.float32)
-    # Planned with placeholders as long as any real value, so a stated minimum holds for every budget.
+    build = previous.build + 1 if previous is not None else 1
     calibration = {**batch.description, "objective": opts.objective, "budget_bytes": 10**15,
                    "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
+                   "build": build, "from": str(opts.previous) if opts.previous else None, "measurement_key": key,
+                   "measurements": f"reused from {opts.previous}" if reused else "measured",
+                   "effect": effect_info, "tau_out": opts.thresholds.out, "hysteresis": HYSTERESIS,
+                   "predicted_output_rel_mse": PLACEHOLDER_FLOAT, "measured_output_rel_mse": PLACEHOLDER_FLOAT,
                    "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT}
     write_opts = WriteOptions(family=source.family, source=source.description, overwrite=opts.overwrite,
                               thresholds=opts.thresholds.to_dict(), calibration=calibration)
-    ladder_choice = {d.name: d.tried.index(d.chosen) for b in blocks for d in b.decisions}
-    overhead = _metadata_bytes(skeleton, blocks, records, ladder_choice, residents, write_opts)
-    if opts.objective == "quality":  # upgraded layers carry a longer reason and other metric digits
-        overhead += QUALITY_SLACK_PER_LAYER * len(ladder_choice)
-    window = (opts.stream_window, opts.max_window_bytes) if opts.stream_window and opts.max_window_bytes else None
+    names = dict(enumerate(source.block_paths))
+    cap = _block_cap(opts, residents)
+    specs = decisions
+    start_plan = Plan({x.name: x.start for x in layers})
+    overhead = _metadata_bytes(skeleton, names, layers, fixed, start_plan, specs, notes, previous, build, residents,
+                               write_opts, opts.thresholds) + SLACK_PER_LAYER * build * len(layers)
     try:
-        choice = solve(blocks, opts.thresholds, opts.budget, opts.objective, overhead, window)
+        plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, cap, names)
+        needed = _metadata_bytes(skeleton, names, layers, fixed, plan, specs, notes, previous, build, residents,
+                                 write_opts, opts.thresholds) + sum(fixed.values()) + plan.layer_bytes
+        if needed > opts.budget:
+            raise BudgetError(f"the plan needs a slab of at least {needed:,} bytes but --budget is {opts.budget:,} "
+                              "bytes; raise --budget to at least that.")
     except BudgetError as exc:
         raise BudgetError(f"{exc} Nothing was written; the measurements are kept in {state.folder}, so rerunning "
-                          "with --resume and a larger --budget skips the calibration (changed thresholds need a "
-                          "fresh compile).") from None
+                          "with --resume and another --budget or --thresholds skips them.") from None
+
+    if reused:
+        moved = {n: b for n, b in plan.rungs.items() if b != previous.rungs.get(n)}
+        if moved:
+            progress(f"{len(moved)} layers moved to a rung the previous slab does not hold: searching them")
+            run.wanted = moved
+            with torch.no_grad():
+                shell(**batch.kwargs)
+    weights_of = lambda i: _weights(state, previous, reused, names[i], plan, source)  # noqa: E731
+    progress("measuring the plan's model-output error on the held-out samples")
+    measured = plan_output_error(source, held_kwargs, held_mask, weights_of, opts.device)
+    progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
+             f"{opts.thresholds.out:g})")
 
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.blobs-", dir=out.parent) as work:
         encoded = []
-        for i, (b, info) in enumerate(zip(blocks, records)):
-            loaded, _ = state.load_block(i)
-            qws, metrics, reasons = _annotations(BlockLayers(b.name, loaded, b.fixed_bytes), info, choice)
-            # the search measured each candidate's weight error, so the original weights need not be read again
-            # (at 12B, reading and measuring them took most of this pass); a state folder without those metrics
-            # (an older compile's) is measured here
-            measured = all("weight_rel_mse" in m for m in metrics.values())
-            real = source.load_block(b.name, "cpu", torch.float32, linear_weights=not measured)
-            encoded.append(encode_block(i, b.name, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
-                                        reasons=reasons, measure=not measured))
-        write_opts.calibration["budget_bytes"] = opts.budget
-        write_opts.calibration["calibrate_seconds"] = round(calibrate_s, 3)
-        write_opts.calibration["compile_seconds"] = round(time.perf_counter() - started, 3)
+        for i, path in names.items():
+            qws = weights_of(i)
+            metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs,
+                                                            opts.thresholds)
+            measured_here = all("weight_rel_mse" in metrics[n] for n in qws)
+            real = source.load_block(path, "cpu", torch.float32, linear_weights=not measured_here)
+            encoded.append(encode_block(i, path, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
+                                        reasons=reasons, measure=not measured_here, annotations=annotations))
+        write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
+                                      measured_output_rel_mse=measured,
+                                      calibrate_seconds=round(calibrate_s, 3),
+                                      compile_seconds=round(time.perf_counter() - started, 3))
         manifest = assemble_slab(out, skeleton, encoded, residents, write_opts, max_bytes=opts.budget)
+    if previous is not None:
+        previous.slab.close()
     state.remove()
     return manifest
 
 
-def _calibration_line(d: dict) -> str:
-    what = d.get("source") or d.get("why") or d.get("kind")
-    held = f", {d['heldout_samples']} held out to judge the transforms" if d.get("heldout_samples") else ""
-    return f"calibrating on {d.get('samples')} samples of {what}{held}"
+def _block_cap(opts: CompileOptions, residents: dict) -> int | None:
+    """The largest block the plan may make: --max-block-bytes, or (--vram-cap − the resident tensors as stored) /
+    --ring-slots, since the runtime's ring holds that many slots of the largest block."""
+    if opts.vram_cap is None:
+        return opts.max_block_bytes
+    resident = sum(stored_tensor(t).numel() * stored_tensor(t).element_size() for t in residents.values())
+    cap = (opts.vram_cap - resident) // max(opts.ring_slots, 1)
+    if cap <= 0:
+        raise BudgetError(f"--vram-cap {opts.vram_cap:,} bytes does not even hold the resident tensors ({resident:,} "
+                          "bytes); raise it.")
+    return cap
 
 
-def _annotations(b: BlockLayers, info: dict, choice: dict[str, int]):
-    """(quantized weights, metrics, reasons) by layer name for one block under ``choice``."""
-    chosen = {d.name: d.tried[choice[d.name]] for d in b.decisions}
-    metrics = {n: {**c.metrics, "block_rel_mse": info["block_rel_mse"]} for n, c in chosen.items()}
-    reasons = {d.name: list(d.reasons) + _objective_note(d, choice[d.name]) for d in b.decisions}
-    return {n: c.qweight for n, c in chosen.items()}, metrics, reasons
+def _candidates(state: CompileState, index: int) -> dict[str, dict[int, quant.QuantizedWeight]]:
+    """Block ``index``'s quantized candidates by layer and rung (bf16 left out: its effect is 0)."""
+    decisions, _ = state.load_block(index)
+    return {d.name: {c.bits: c.qweight for c in d.tried if c.bits < 16} for d in decisions}
 
 
-def _metadata_bytes(skeleton, blocks: list[BlockLayers], records: list[dict], choice: dict[str, int],
-                    residents: dict, write_opts: WriteOptions) -> int:
-    """Bytes of everything but the blobs (header, resident tensors, manifest) for ``choice``, planned from
-    the skeleton: an upper bound, since unknown numbers are given their longest JSON form."""
+def _layer_options(source: Source, state: CompileState, effects) -> tuple[list[LayerOptions], dict[int, int]]:
+    layers, fixed = [], {}
+    for i, _ in enumerate(source.block_paths):
+        decisions, info = state.load_block(i, tensors=False)
+        fixed[i] = info["fixed_bytes"]
+        for d in decisions:
+            rungs = {c.bits: candidate_bytes(c) for c in d.tried}
+            effect = {b: (0.0 if b == 16 else effects.get(d.name, {}).get(b, 0.0)) for b in rungs}
+            layers.append(LayerOptions(d.name, i, rungs, effect, min(rungs)))
+    return layers, fixed
+
+
+def _notes(source, state, previous: Previous | None, reused: bool, thresholds: Thresholds):
+    """(per layer: notes that are not moves, e.g. 'not called during calibration'; per layer: its measured rungs as
+    ``{bits: (spec, metrics)}``) from the state or the previous slab."""
+    notes, decisions = {}, {}
+    if reused:
+        for name, rec in previous.records.items():
+            decisions[name] = {int(b): (r["spec"], r["metrics"]) for b, r in rec.rungs.items()}
+            notes[name] = [r for r in rec.history[0].get("notes", [])] if rec.history else []
+        return notes, decisions
+    for i, _ in enumerate(source.block_paths):
+        for d in state.load_block(i, tensors=False)[0]:
+            decisions[d.name] = {c.bits: (c.qweight.spec.to_dict(), c.metrics) for c in d.tried}
+            notes[d.name] = list(d.reasons)
+    return notes, decisions
+
+
+def _weights(state: CompileState, previous: Previous | None, reused: bool, path: str, plan: Plan, source: Source):
+    """The plan's quantized weights of one block: from the state's candidates, or the previous slab's own tensors
+    where a rebuild kept a layer on its rung."""
+    out = {}
+    index = source.block_paths.index(path)
+    from_state = {}
+    if state.has_block(index):
+        from_state = {d.name: d for d in state.load_block(index)[0]}
+    for name in (n for n, x in plan.rungs.items() if n.startswith(path + ".")):
+        bits = plan.rungs[name]
+        d = from_state.get(name)
+        c = d.candidate(bits) if d is not None else None
+        if c is not None:
+            out[name] = c.qweight
+        elif reused and previous.rungs.get(name) == bits:
+            out[name] = previous.quantized_weight(name)
+        else:
+            raise RuntimeError(f"layer {name} has no candidate at W{bits}; this is a bug in squareq's compiler.")
+    return out
+
+
+def _annotations(path: str, layers, plan: Plan, notes, previous: Previous | None, build: int, specs,
+                 thresholds: Thresholds):
+    """(metrics, reasons, {history, rungs}) by layer name for one block under ``plan``."""
+    metrics, reasons, annotations = {}, {}, {}
+    for x in (x for x in layers if x.name.startswith(path + ".")):
+        bits = plan.rungs[x.name]
+        measured = specs[x.name]
+        metrics[x.name] = {**measured[bits][1], "effect": x.effect[bits]}
+        moves = plan.moves.get(x.name, [])
+        reasons[x.name] = list(notes.get(x.name, [])) + moves
+        before = list(previous.records[x.name].history) if previous is not None and x.name in previous.records else []
+        entry = {"build": build, "rung": bits, "moves": moves}
+        if notes.get(x.name):
+            entry["notes"] = notes[x.name]
+        flagged = diagnostics(bits, measured[bits][1], thresholds)
+        if flagged:
+            entry["diagnostics"] = flagged
+        rungs = {str(b): {"spec": measured[b][0], "bytes": x.bytes[b], "metrics": {**measured[b][1], "effect": x.effect[b]}}
+                 for b in x.rungs}
+        annotations[x.name] = {"history": before + [entry], "rungs": rungs}
+    return metrics, reasons, annotations
+
+
+def _metadata_bytes(skeleton, names: dict[int, str], layers, fixed, plan: Plan, specs, notes, previous, build,
+                    residents: dict, write_opts: WriteOptions, thresholds: Thresholds) -> int:
+    """Bytes of everything but the blobs (header, resident tensors, manifest) for ``plan``, planned from the
+    skeleton: an upper bound, since unknown numbers are given their longest JSON form."""
     block_records, layer_records = [], []
-    for i, (b, info) in enumerate(zip(blocks, records)):
-        qws, metrics, reasons = _annotations(b, info, choice)
-        rec, layers, _ = layout_block(i, b.name, skeleton.get_submodule(b.name), qws, metrics=metrics,
-                                      reasons=reasons, measure=False)
+    for i, path in names.items():
+        qws = {}
+        for x in (x for x in layers if x.name.startswith(path + ".")):
+            spec = quant.QuantSpec.from_dict(specs[x.name][plan.rungs[x.name]][0])
+            shape = tuple(skeleton.get_submodule(x.name).weight.shape)
+            qws[x.name] = quant.QuantizedWeight(spec, shape, {
+                role: torch.empty(shp, dtype=dtype, device="meta")
+                for role, (dtype, shp) in quant.tensor_layout(spec, shape).items()})
+        metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs,
+                                                            thresholds)
+        rec, block_layers, _ = layout_block(i, path, skeleton.get_submodule(path), qws, metrics=metrics,
+                                            reasons=reasons, measure=False, annotations=annotations)
         block_records.append(rec)
-        layer_records += layers
+        layer_records += block_layers
     stored = {n: stored_tensor(t, write_opts.param_dtype) for n, t in residents.items()}
     resident = [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), "0" * 64)
                 for n, t in stored.items()]
@@ -302,10 +394,7 @@ def _metadata_bytes(skeleton, blocks: list[BlockLayers], records: list[dict], ch
             + sum(t.numel() * t.element_size() for t in stored.values()))
 
 
-def _objective_note(d: LayerDecision, index: int) -> list[str]:
-    c = d.tried[index]
-    if c is d.chosen:
-        return []
-    return [f"W{d.chosen.bits}→W{c.bits}: --objective quality spent budget here (output rel-MSE "
-            f"{d.chosen.metrics['output_rel_mse']:.4g} → {c.metrics['output_rel_mse']:.4g}, "
-            f"+{candidate_bytes(c) - candidate_bytes(d.chosen):,} bytes)"]
+def _calibration_line(d: dict) -> str:
+    what = d.get("source") or d.get("why") or d.get("kind")
+    held = f", {d['heldout_samples']} held out to judge the transforms" if d.get("heldout_samples") else ""
+    return f"calibrating on {d.get('samples')} samples of {what}{held}"

@@ -1,4 +1,9 @@
-"""The W4 → W6 → W8 → bf16 ladder for one layer: climb while any threshold trips, and say why."""
+"""The W4 → W6 → W8 → bf16 ladder of one layer: every rung measured, and the diagnostics each rung shows.
+
+Which rung a layer takes is decided for the whole model at once, by measured effect on the model's output
+(compiler/plan.py). The layer's own error (τ_MSE) and the dynamic-range scores (τ_ACT, τ_SCALE) are diagnostics:
+shown by ``squareq inspect``, never a reason to move (docs/compiler.md, "What predicts the output error").
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +19,7 @@ RUNGS = (4, 6, 8, 16)
 
 @dataclass
 class LayerDecision:
-    """Where a layer ended, every rung measured on the way, and the reasons it left each lower rung."""
+    """A layer's measured candidates, one per rung, and the one it starts from (``chosen``)."""
 
     name: str
     chosen: Candidate
@@ -25,11 +30,12 @@ class LayerDecision:
         return next((c for c in self.tried if c.bits == bits), None)
 
 
-def trips(c: Candidate, t: Thresholds) -> list[str]:
-    """Each threshold the candidate exceeds, as 'W4: output rel-MSE 0.031 > τ_MSE 0.01'."""
-    if c.bits == 16:
+def diagnostics(b: int, m: dict, t: Thresholds) -> list[str]:
+    """Each proxy limit a candidate at ``b`` bits with metrics ``m`` exceeds, as 'W4: group-scale ratio 138.9 >
+    τ_SCALE·2^0 30'."""
+    if b == 16:
         return []
-    m, b, out = c.metrics, c.bits, []
+    out = []
     if m["output_rel_mse"] > t.mse:
         out.append(f"W{b}: output rel-MSE {m['output_rel_mse']:.4g} > τ_MSE {t.mse:g}")
     if m["act_outlier_score"] > t.range_limit("act", b):
@@ -40,24 +46,11 @@ def trips(c: Candidate, t: Thresholds) -> list[str]:
     return out
 
 
-def climb(name: str, w: torch.Tensor, stats: LayerStats, thresholds: Thresholds, min_bits: int = 4,
-          rounding: str = "gptq", group_size: int = 64, measure_all: bool = False) -> LayerDecision:
-    """Start at ``min_bits`` and move up while a threshold trips; bf16 always passes.
-
-    ``measure_all`` also measures the rungs above the chosen one (the quality objective needs their
-    error and size to spend a remaining budget).
-    """
-    if min_bits not in RUNGS:
-        raise ValueError(f"min_bits={min_bits} must be one of {RUNGS}.")
-    tried, reasons, chosen = [], [], None
-    for bits in (b for b in RUNGS if b >= min_bits):
-        c = search_layer(w, stats, bits, group_size=group_size, rounding=rounding)
-        tried.append(c)
-        if chosen is None:
-            failed = trips(c, thresholds)
-            if not failed:
-                chosen = c
-                if not measure_all:
-                    break
-            reasons += failed
-    return LayerDecision(name, chosen, tried, reasons)
+def measure_rungs(name: str, w: torch.Tensor, stats: LayerStats, rungs, rounding: str = "gptq",
+                  group_size: int = 64) -> LayerDecision:
+    """Search the layer at each of ``rungs`` (compiler/layer_search.py); it starts at the lowest."""
+    rungs = sorted(rungs)
+    if not rungs or any(b not in RUNGS for b in rungs):
+        raise ValueError(f"rungs {rungs} must be taken from {RUNGS}.")
+    tried = [search_layer(w, stats, bits, group_size=group_size, rounding=rounding) for bits in rungs]
+    return LayerDecision(name, tried[0], tried)

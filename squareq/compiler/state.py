@@ -1,8 +1,10 @@
 """The compile state folder beside the output: finished blocks survive a crash, and `--resume` reuses them.
 
-``<out>.state/state.json`` fingerprints the source and the options; ``block.<k>.safetensors`` holds
-every candidate measured for the block's layers and ``block.<k>.json`` the decisions. The JSON is
-written last, so a block counts as finished only when both files are complete.
+``<out>.state/state.json`` fingerprints what the measurements depend on (the source, the calibration data and the
+search options; not the thresholds, the budget or the objective, which only the plan reads); ``block.<k>.safetensors``
+holds every candidate measured for the block's layers and ``block.<k>.json`` their measurements. The JSON is
+written last, so a block counts as finished only when both files are complete. ``effects.json`` holds each
+layer's measured effect on the model's output once that pass has run.
 """
 from __future__ import annotations
 
@@ -82,6 +84,18 @@ class CompileState:
                 tried.append(Candidate(QuantizedWeight(spec, shape, qt), c["alpha"], c["metrics"]))
             decisions.append(LayerDecision(layer["name"], tried[layer["chosen"]], tried, layer["reasons"]))
         return decisions, record
+
+    def save_effects(self, effects: dict, info: dict) -> None:
+        data = {"effects": {n: {str(b): e for b, e in r.items()} for n, r in effects.items()}, "info": info}
+        atomic_write_bytes(self.folder / "effects.json", json.dumps(data, indent=1).encode())
+
+    def load_effects(self) -> tuple[dict[str, dict[int, float]], dict] | None:
+        """The effects pass's results, or None when it has not finished."""
+        path = self.folder / "effects.json"
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        return {n: {int(b): e for b, e in r.items()} for n, r in data["effects"].items()}, data["info"]
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

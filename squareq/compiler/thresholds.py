@@ -18,12 +18,17 @@ class ThresholdsError(ValueError):
 
 @dataclass(frozen=True)
 class Thresholds:
-    """τ values. A layer leaves a rung when any of its measurements exceeds the limit at that rung.
+    """τ values.
+
+    out: τ_OUT, the compiler's one decision limit: the plan's model-output rel-MSE ``‖ŷ − y‖² / ‖y‖²`` on the
+        held-out calibration samples, the sum of its layers' measured effects (docs/compiler.md).
+
+    Diagnostics (shown by ``squareq inspect``; they move no layer, docs/compiler.md says why):
 
     mse: layer output rel-MSE ``‖XWᵀ − XŴᵀ‖² / ‖XWᵀ‖²`` on sampled calibration rows.
     act: activation outlier score (p99.9 / median of per-channel input absmax, after smoothing) at W4.
     scale: group-scale spread (max / median of the layer's group scales) at W4.
-    block: a block's output rel-MSE against the bf16 block, on calibration inputs.
+    block: a block's output rel-MSE against the bf16 block (kept for old thresholds files; not measured).
 
     The rest are ``squareq accept``'s (docs/accept.md says how each default was chosen):
 
@@ -39,6 +44,7 @@ class Thresholds:
     W4, so their limit at b bits is ``τ · 2^(b-4)``; ``mse`` and ``block`` are the same at every rung.
     """
 
+    out: float = 0.01
     mse: float = 0.01
     act: float = 40.0
     scale: float = 30.0
@@ -65,11 +71,6 @@ class Thresholds:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def compile_dict(self) -> dict:
-        """The values the compiler's decisions depend on (a change to an acceptance limit must not void a resumable
-        compile)."""
-        return {k: v for k, v in asdict(self).items() if k not in ACCEPT_ONLY}
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "Thresholds":

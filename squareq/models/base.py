@@ -17,13 +17,16 @@ class CalibrationBatch:
     ``heldout``: indices of the samples whose inputs the compiler keeps out of every fit and choice, to judge them
     (empty: the compiler holds out a share of rows instead). ``row_mask``: ``[samples, tokens]``, 1 where a token is
     real and 0 where it is padding, for inputs whose padding the model ignores (text models): padded rows are not
-    statistics of the data.
+    statistics of the data. ``heldout_kwargs`` / ``heldout_row_mask``: the same for the held-out samples alone (the
+    compiler measures each layer's effect on the model's output on them).
     """
 
     kwargs: dict[str, Any]
     description: dict[str, Any]
     heldout: tuple[int, ...] = ()
     row_mask: torch.Tensor | None = None
+    heldout_kwargs: dict[str, Any] | None = None
+    heldout_row_mask: torch.Tensor | None = None
 
 
 def generic_token_inputs(model: nn.Module, samples: int, seed: int, tokens: int = 32, device="cpu",

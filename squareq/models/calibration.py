@@ -84,7 +84,12 @@ def image_batch(recipe: TrainingRecipe, config, cset: CalibrationSet, samples: i
     except ValueError as exc:
         raise ModelError(f"cannot batch the calibration captions: {exc}; encode them with one max_sequence_length.") from None
     place = lambda v: _on(v, device, dtype)  # noqa: E731
-    kwargs = recipe.forward(config, place(x_t), place(t), {k: place(v) for k, v in {**extra, **text}.items()}, guidance)
+    fields = {**extra, **text}
+    kwargs = recipe.forward(config, place(x_t), place(t), {k: place(v) for k, v in fields.items()}, guidance)
+    pick = torch.tensor(held, dtype=torch.long)
+    held_kwargs = recipe.forward(config, place(x_t[pick]), place(t[pick]),
+                                 {k: place(v[pick]) if torch.is_tensor(v) else v for k, v in fields.items()},
+                                 guidance) if held else None
     files = cset.description.get("files") or cset.description.get("entries") or list(range(n))
     description = {**cset.description, "samples": samples, "heldout_samples": len(held),
                    "heldout_images": [Path(str(files[j])).name for j in sorted(held_images)],
@@ -92,7 +97,7 @@ def image_batch(recipe: TrainingRecipe, config, cset: CalibrationSet, samples: i
                    "timestep_sampling": timestep_sampling, "shift": shift, "guidance": guidance,
                    "timesteps": [round(float(v), 4) for v in t], "latent_shape": list(x0.shape[1:]),
                    "text_tokens": int(text["prompt_embeds"].shape[1]), "seed": seed}
-    return CalibrationBatch(kwargs, description, heldout=tuple(held))
+    return CalibrationBatch(kwargs, description, heldout=tuple(held), heldout_kwargs=held_kwargs)
 
 
 # ------------------------------------------------------------------------------------------------------------ text
@@ -149,7 +154,10 @@ def text_batch(model, tokenizer, texts: list[str], samples: int, seed: int, max_
     real = int(mask.sum()) if mask is not None else int(enc["input_ids"].numel())
     description = {"kind": "text", "source": source, "samples": samples, "tokens": real, "max_tokens": limit,
                    "heldout_samples": len(held), "seed": seed, "examples": chosen[:3]}
-    return CalibrationBatch(kwargs, description, heldout=held, row_mask=mask)
+    pick = torch.tensor(held, dtype=torch.long)
+    held_kwargs = {k: v[pick.to(v.device)] if torch.is_tensor(v) else v for k, v in kwargs.items()} if held else None
+    return CalibrationBatch(kwargs, description, heldout=held, row_mask=mask, heldout_kwargs=held_kwargs,
+                            heldout_row_mask=None if mask is None or not held else mask[pick])
 
 
 # ------------------------------------------------------------------------------------------------ training cache

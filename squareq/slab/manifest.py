@@ -76,7 +76,9 @@ class LayerRecord:
     tensors: dict[str, TensorRecord]  # role (qweight/scales/zeros/inv_smooth/weight) -> record
     metrics: dict[str, float] = field(default_factory=dict)
     rung: int | None = None  # bits the layer is stored at (the writer sets it from the spec)
-    reason: list[str] = field(default_factory=list)  # why each lower rung was rejected
+    reason: list[str] = field(default_factory=list)  # why the layer moved in the build that wrote the slab
+    history: list[dict] = field(default_factory=list)  # per build: {"build", "rung", "moves"}
+    rungs: dict[str, dict] = field(default_factory=dict)  # per measured rung: {"spec", "bytes", "metrics"}
 
 
 @dataclass

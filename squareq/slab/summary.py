@@ -38,6 +38,7 @@ def summarize(slab: Slab) -> dict:
             "metrics": rec.metrics,
             "rung": rec.rung,
             "reason": rec.reason,
+            "history": rec.history,
         })
     blocks = [{"block": b.index, "name": b.name, "bytes": b.nbytes, "layers": len(b.layers)} for b in m.blocks]
     streamed = sum(b.nbytes for b in m.blocks)
@@ -80,9 +81,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-# The table shows these metrics when present (all of them are in --json): the layer's output error on held-out
-# calibration rows, plain rounding's on the same rows, and the transforms kept (α 0: no smoothing, clip 1: none).
-TABLE_METRICS = {"heldout_rel_mse": "heldout", "heldout_rtn_rel_mse": "rtn_heldout", "weight_rel_mse": "w_mse",
+# The table shows these metrics when present (all of them are in --json): the layer's measured effect on the model's
+# output at its rung, its own output error on held-out calibration rows, plain rounding's on the same rows, and the
+# transforms kept (α 0: no smoothing, clip 1: none).
+TABLE_METRICS = {"effect": "effect", "heldout_rel_mse": "heldout", "heldout_rtn_rel_mse": "rtn_heldout", "weight_rel_mse": "w_mse",
                  "alpha": "alpha", "clip_ratio": "clip", "gptq": "gptq"}
 OLD_METRICS = {"output_rel_mse": "out_mse"}  # slabs compiled before held-out selection
 
@@ -99,7 +101,28 @@ def _calibration_text(cal: dict | None) -> str:
         return "calibration: not recorded"
     what = cal.get("source") or cal.get("why") or cal.get("kind")
     held = f", {cal['heldout_samples']} held out" if cal.get("heldout_samples") else ""
-    return f"calibration: {cal.get('kind')}, {cal.get('samples')} samples of {what}{held}"
+    line = f"calibration: {cal.get('kind')}, {cal.get('samples')} samples of {what}{held}"
+    if "measured_output_rel_mse" in cal:
+        line += (f"\nbuild {cal.get('build')}" + (f" from {cal['from']}" if cal.get("from") else "")
+                 + f" ({cal.get('measurements')}): model-output rel-MSE on the held-out samples "
+                 f"{cal['measured_output_rel_mse']:.3g} measured, {cal['predicted_output_rel_mse']:.3g} predicted "
+                 f"(sum of the layers' effects); τ_OUT {cal.get('tau_out')}")
+    return line
+
+
+def _history_text(r: dict) -> list[str]:
+    """'  layer: build 1 W8 (up W4→W8: ...); build 2 W4 (down W8→W4: ...)' for a layer that ever moved."""
+    hist = r.get("history") or []
+    if not any(h.get("moves") for h in hist):
+        return []
+    steps = [f"build {h['build']} W{h['rung']}" + (f" ({'; '.join(h['moves'])})" if h.get("moves") else "")
+             for h in hist]
+    return [f"  {r['layer']}: " + "; ".join(steps)]
+
+
+def _diagnostics_text(r: dict) -> list[str]:
+    last = (r.get("history") or [{}])[-1]
+    return [f"  {r['layer']}: " + "; ".join(last["diagnostics"])] if last.get("diagnostics") else []
 
 
 def format_summary(s: dict) -> str:
@@ -112,7 +135,10 @@ def format_summary(s: dict) -> str:
     ]
     block_rows = [[str(b["block"]), b["name"], str(b["layers"]), human_bytes(b["bytes"])] for b in s["blocks"]]
     m = s["model"]
-    why = [f"  {r['layer']} ({r['format'].split()[0]}): " + "; ".join(r["reason"]) for r in s["layers"] if r["reason"]]
+    why = [f"  {r['layer']} ({r['format'].split()[0]}): " + "; ".join(r["reason"]) for r in s["layers"]
+           if r["reason"] and not r.get("history")]
+    history = [line for r in s["layers"] for line in _history_text(r)]
+    flagged = [line for r in s["layers"] for line in _diagnostics_text(r)]
     lines = [
         f"slab {s['path']}  (format v{s['format_version']}, {m['class']} family={m['family']} source={m['source']})",
         _calibration_text(s.get("calibration")),
@@ -122,6 +148,9 @@ def format_summary(s: dict) -> str:
         _table(["block", "name", "layers", "size"], block_rows),
         "",
         *(["why these layers left the lower rungs:", *why, ""] if why else []),
+        *(["history (the rung at each build, and why it moved):", *history, ""] if history else []),
+        *(["diagnostics (proxy limits exceeded; they move no layer, docs/compiler.md):", *flagged, ""]
+          if flagged else []),
         f"layers: {t['quantized_layers']}  formats: "
         + ", ".join(f"{k} x{v}" for k, v in t["bits_histogram"].items()),
         f"layer weights: {t['layer_weights']:,} in {human_bytes(t['layer_bytes'])} "

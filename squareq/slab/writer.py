@@ -117,8 +117,10 @@ PLACEHOLDER_FLOAT = -1.2345678901234567e-123
 
 def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
                  param_dtype: torch.dtype = torch.bfloat16, metrics: Mapping[str, dict] | None = None,
-                 reasons: Mapping[str, list] | None = None, measure: bool = True) -> tuple[BlockRecord, list, _Packer]:
+                 reasons: Mapping[str, list] | None = None, measure: bool = True,
+                 annotations: Mapping[str, dict] | None = None) -> tuple[BlockRecord, list, _Packer]:
     """Records and tensor placement of one block (its linears from ``quantized``, every other tensor raw).
+    ``annotations``: more LayerRecord fields by layer name (the compiler's ``history`` and ``rungs``).
 
     With ``measure=False`` the block may be on the meta device: weight metrics get placeholder values
     of maximal JSON length, so the manifest's size can be planned before any weight is read.
@@ -137,7 +139,7 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
                     else {"weight_rel_mse": PLACEHOLDER_FLOAT, "weight_sqnr_db": PLACEHOLDER_FLOAT})
         layers.append(LayerRecord(name, index, [mod.out_features, mod.in_features], qw.spec, tensors,
                                   metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.bits,
-                                  reason=list((reasons or {}).get(name, []))))
+                                  reason=list((reasons or {}).get(name, [])), **(annotations or {}).get(name, {})))
         taken.add(f"{rel}.weight")
     params = [packer.add(rel, stored_tensor(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
     record = BlockRecord(index, prefix, block_tensor_name(index), align_up(max(packer.size, 1)), "0" * 64,
@@ -148,11 +150,12 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
 def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
                  blob_path: Path, param_dtype: torch.dtype = torch.bfloat16,
                  metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None,
-                 measure: bool = True) -> EncodedBlock:
+                 measure: bool = True, annotations: Mapping[str, dict] | None = None) -> EncodedBlock:
     """Lay out one block and write its blob to ``blob_path`` (temporary name, then rename). ``measure=False``: the
     caller's ``metrics`` already hold every layer's weight metrics, and the block's linear weights are not read
     (they may be on the meta device)."""
-    record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons, measure)
+    record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons, measure,
+                                          annotations)
     blob = packer.blob()
     record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
     atomic_write_bytes(Path(blob_path), blob.numpy().data)

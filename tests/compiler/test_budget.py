@@ -1,11 +1,8 @@
+"""The budget's sizes and the planner (compiler/plan.py) on hand-made measurements."""
 import pytest
-import torch
 
-from squareq.compiler.budget import BlockLayers, BudgetError, candidate_bytes, parse_size, plan_bytes, solve
-from squareq.compiler.ladder import LayerDecision
-from squareq.compiler.layer_search import Candidate
-from squareq.compiler.thresholds import Thresholds
-from squareq.quant import QuantSpec, quantize
+from squareq.compiler.budget import BudgetError, parse_size
+from squareq.compiler.plan import HYSTERESIS, LayerOptions, PlanError, make_plan
 
 
 @pytest.mark.parametrize("text, n", [("12GB", 12 * 10**9), ("11.5GiB", int(11.5 * 2**30)), ("800MB", 800 * 10**6),
@@ -20,48 +17,87 @@ def test_unparsable_sizes_are_refused(text):
         parse_size(text)
 
 
-def decision(name, errors):
-    """A layer measured at W4/W6/W8 with the given output errors; the ladder chose W4."""
-    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(len(name)))
-    tried = [Candidate(quantize(w, QuantSpec(bits=b, group_size=64)), 0.0,
-                       {"output_rel_mse": e, "act_outlier_score": 1.0, "scale_ratio": 1.0})
-             for b, e in zip((4, 6, 8), errors)]
-    return LayerDecision(name, tried[0], tried)
+BYTES = {4: 100, 6: 150, 8: 200, 16: 400}
 
 
-def blocks():
-    return [BlockLayers(f"b.{i}", [decision(f"b.{i}.l{j}", (0.01, 0.002 * (j + 1), 0.0001)) for j in range(2)], 512)
-            for i in range(3)]
+def layers(start=4):
+    """Three blocks of two layers; layer l0 of each block matters 4x more to the output than l1."""
+    return [LayerOptions(f"b.{i}.l{j}", i, dict(BYTES), {4: 4e-3 / (1 + 3 * j), 6: 1e-3 / (1 + 3 * j), 8: 1e-4, 16: 0.0},
+                         start) for i in range(3) for j in range(2)]
 
 
-def test_size_objective_keeps_the_ladder_choice_and_states_the_minimum():
-    bl = blocks()
-    choice = solve(bl, Thresholds(), budget=10**6)
-    assert set(choice.values()) == {0}
-    minimum = plan_bytes(bl, choice, overhead=100)
-    with pytest.raises(BudgetError, match=f"at least {minimum:,} bytes"):
-        solve(bl, Thresholds(), budget=minimum - 1, overhead=100)
-    assert solve(bl, Thresholds(), budget=minimum, overhead=100) == choice
+FIXED = {0: 50, 1: 50, 2: 50}
 
 
-def test_quality_objective_spends_best_gain_per_byte_within_budget():
-    bl = blocks()
-    base = plan_bytes(bl, {d.name: 0 for b in bl for d in b.decisions}, 0)
-    step = candidate_bytes(bl[0].decisions[0].tried[1]) - candidate_bytes(bl[0].decisions[0].tried[0])
-    choice = solve(bl, Thresholds(), budget=base + 2 * step, objective="quality")
-    upgraded = [n for n, i in choice.items() if i > 0]
-    # l0 gains 0.008 per W6 upgrade, l1 only 0.006: the two affordable upgrades go to l0 layers
-    assert len(upgraded) == 2 and all(n.endswith("l0") for n in upgraded)
-    assert plan_bytes(bl, choice, 0) <= base + 2 * step
+def total(plan, overhead=0):
+    return overhead + sum(FIXED.values()) + plan.layer_bytes
 
 
-def test_stream_window_caps_consecutive_blocks():
-    bl = blocks()
-    ladder = {d.name: 0 for b in bl for d in b.decisions}
-    block_size = plan_bytes(bl[:1], {d.name: 0 for d in bl[0].decisions}, 0)
-    with pytest.raises(BudgetError, match="consecutive blocks exceed"):
-        solve(bl, Thresholds(), budget=10**7, window=(2, 2 * block_size - 1))
-    assert solve(bl, Thresholds(), budget=10**7, window=(2, 2 * block_size)) == ladder
-    # the quality objective may spend the budget only where the window still fits
-    choice = solve(bl, Thresholds(), budget=10**7, objective="quality", window=(2, 2 * block_size))
-    assert choice == ladder
+def test_nothing_moves_when_the_start_meets_tau_out():
+    plan = make_plan(layers(), FIXED, tau=0.02)
+    assert set(plan.rungs.values()) == {4} and plan.moves == {}
+    assert plan.error == pytest.approx(3 * (4e-3 + 1e-3))
+
+
+def test_moves_up_where_the_error_falls_most_per_byte_and_says_why():
+    plan = make_plan(layers(), FIXED, tau=0.01)
+    up = sorted(n for n, b in plan.rungs.items() if b > 4)
+    assert up == ["b.0.l0", "b.1.l0", "b.2.l0"][: len(up)] and up  # the layers that matter most, first
+    assert plan.error <= 0.01
+    (move,) = plan.moves[up[0]]
+    assert move.startswith("up W4→W6: the plan's model-output rel-MSE") and "> τ_OUT 0.01" in move and "+50 bytes" in move
+
+
+def test_a_rebuild_moves_down_to_the_floor_and_then_stays():
+    strict = make_plan(layers(), FIXED, tau=1e-3)
+    assert strict.error <= 1e-3
+    relaxed = make_plan([LayerOptions(x.name, x.block, x.bytes, x.effect, strict.rungs[x.name]) for x in layers()],
+                        FIXED, tau=0.01)
+    assert relaxed.layer_bytes < strict.layer_bytes and relaxed.error <= HYSTERESIS * 0.01
+    assert all(m.startswith("down W") for moves in relaxed.moves.values() for m in moves) and relaxed.moves
+    again = make_plan([LayerOptions(x.name, x.block, x.bytes, x.effect, relaxed.rungs[x.name]) for x in layers()],
+                      FIXED, tau=0.01)
+    assert again.rungs == relaxed.rungs and again.moves == {}
+
+
+def test_a_plan_between_the_floor_and_tau_out_does_not_move():
+    start = make_plan(layers(), FIXED, tau=0.012)
+    assert HYSTERESIS * 0.012 < start.error <= 0.012
+    again = make_plan([LayerOptions(x.name, x.block, x.bytes, x.effect, start.rungs[x.name]) for x in layers()],
+                      FIXED, tau=0.012)
+    assert again.rungs == start.rungs and again.moves == {}
+
+
+def test_a_budget_below_the_plan_is_refused_with_the_minimum_and_a_tau_that_fits():
+    plan = make_plan(layers(), FIXED, tau=0.01)
+    need = total(plan, overhead=100)
+    with pytest.raises(PlanError, match=f"at least {need:,} bytes") as info:
+        make_plan(layers(), FIXED, tau=0.01, budget=need - 1, overhead=100)
+    assert isinstance(info.value, BudgetError) and "τ_OUT (out) =" in str(info.value)
+    assert make_plan(layers(), FIXED, tau=0.01, budget=need, overhead=100).rungs == plan.rungs
+
+
+def test_quality_objective_spends_the_rest_where_the_error_falls_most_per_byte():
+    base = make_plan(layers(), FIXED, tau=0.02)
+    budget = total(base) + 100  # two W4→W6 moves
+    plan = make_plan(layers(), FIXED, tau=0.02, budget=budget, objective="quality")
+    up = sorted(n for n, b in plan.rungs.items() if b > 4)
+    assert len(up) == 2 and all(n.endswith("l0") for n in up)
+    assert total(plan) <= budget and plan.error < base.error
+    assert all("--objective quality" in plan.moves[n][-1] for n in up)
+
+
+def test_the_block_cap_moves_layers_down_inside_the_biggest_blocks():
+    big = [LayerOptions(x.name, x.block, x.bytes, x.effect, 8) for x in layers()]
+    cap = 50 + 200 + 100  # one layer per block may stay at W8
+    plan = make_plan(big, FIXED, tau=1.0, block_cap=cap)
+    per_block = {}
+    for x in big:
+        per_block[x.block] = per_block.get(x.block, FIXED[x.block]) + x.bytes[plan.rungs[x.name]]
+    assert max(per_block.values()) <= cap
+    assert any("block cap" in m for moves in plan.moves.values() for m in moves)
+    with pytest.raises(PlanError, match="lowest rung, more than the block cap"):
+        make_plan(big, FIXED, tau=1.0, block_cap=50 + 199)
+    # an error limit the cap does not leave room for is refused, naming both
+    with pytest.raises(PlanError, match="block cap allows"):
+        make_plan(layers(), FIXED, tau=1e-6, block_cap=50 + 200)

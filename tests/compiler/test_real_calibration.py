@@ -26,7 +26,8 @@ FOLDERS = {"flux": lambda root: write_tiny_flux_pipeline(root / "flux", seed=0),
 
 def _compile(model, out, *extra):
     result = CliRunner().invoke(main, ["compile", str(model), "-o", str(out), "--budget", "8MB", "--calib-samples", "8",
-                                       "--calib-resolution", "64", "--rounding", "nearest", *extra])
+                                       "--calib-resolution", "64", "--rounding", "nearest", "--effect-probes", "4",
+                                       *extra])
     assert result.exit_code == 0, result.output
     return json.loads((out / "manifest.json").read_text())
 

@@ -25,7 +25,7 @@ def slabs(tmp_path_factory):
     """Streaming and LoRA mechanics, not quality: calibrated on synthetic inputs (fast); every family calibrating
     on real images is tested below."""
     folder = tmp_path_factory.mktemp("families")
-    opts = CompileOptions(budget=4_000_000, calib_synthetic=True)
+    opts = CompileOptions(budget=4_000_000, calib_synthetic=True, effect_probes=4)
     return {name: compile_slab(open_source(name), folder / f"{name}.slab", opts) and folder / f"{name}.slab"
             for name in FAMILIES}
 
@@ -37,7 +37,7 @@ def test_every_family_calibrates_on_the_built_in_photographs_through_its_own_enc
     source = open_source(name)
     images = calibration_images(source, resolution=64, max_sequence_length=16)
     m = compile_slab(source, tmp_path / "s.slab", CompileOptions(budget=4_000_000, calib_images=images, calib_samples=8,
-                                                                 rounding="nearest"))
+                                                                 rounding="nearest", effect_probes=4))
     cal = m.calibration
     assert cal["kind"] == "images" and cal["images"] == 16 and cal["encoders"] == name and cal["samples"] == 8
     assert cal["heldout_samples"] >= 1 and cal["noise_schedule"] == ADAPTERS[BUILTIN_MODELS[name][0]].recipe.objective
@@ -148,7 +148,7 @@ def test_text_encoders_compile_and_stream_in_generic_mode(build, tmp_path):
     save_text_model(model, tmp_path / "enc")
     slab = tmp_path / "enc.slab"
     m = compile_slab(open_source(tmp_path / "enc", [largest_block_list(model)]), slab,
-                     CompileOptions(budget=1_000_000, calib_samples=8))
+                     CompileOptions(budget=1_000_000, calib_samples=8, effect_probes=4))
     assert m.calibration["kind"] == "text"
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     results = []

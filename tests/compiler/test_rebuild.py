@@ -1,0 +1,107 @@
+"""`squareq compile --from`: the ladder moves both ways across builds, by measured effect, and converges."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from squareq.cli import main
+from squareq.compiler import CompileOptions, Thresholds, compile_slab, layer_search, open_source
+from squareq.slab import SlabError
+
+ARGS = ["--budget", "2MB", "--calib-samples", "8", "--calib-resolution", "64", "--rounding", "nearest"]
+
+
+def manifest(slab):
+    return json.loads((slab / "manifest.json").read_text())
+
+
+def size(slab):
+    return sum(p.stat().st_size for p in slab.iterdir())
+
+
+def compile_cli(*args):
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", *args, *ARGS])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rebuild")
+    strict = d / "strict.toml"
+    strict.write_text("[thresholds]\nout = 0.002\n")
+    compile_cli("-o", str(d / "1.slab"), "--thresholds", str(strict))
+    second = compile_cli("-o", str(d / "2.slab"), "--from", str(d / "1.slab"))
+    return d, second
+
+
+def test_a_rebuild_with_default_thresholds_moves_layers_down_and_says_why(builds):
+    d, output = builds
+    first, second = manifest(d / "1.slab"), manifest(d / "2.slab")
+    assert "reusing the measurements" in output
+    assert size(d / "2.slab") < size(d / "1.slab")
+    down = [layer for layer in second["layers"] if any(m.startswith("down W") for m in layer["history"][-1]["moves"])]
+    assert down
+    before = {layer["name"]: layer["rung"] for layer in first["layers"]}
+    for layer in down:
+        assert layer["rung"] < before[layer["name"]]
+        assert [h["build"] for h in layer["history"]] == [1, 2]
+        assert [h["rung"] for h in layer["history"]] == [before[layer["name"]], layer["rung"]]
+        assert "the floor 0.8·τ_OUT" in layer["history"][-1]["moves"][0]
+    cal = second["calibration"]
+    assert cal["build"] == 2 and cal["measurements"].startswith("reused from") and cal["from"].endswith("1.slab")
+    assert cal["predicted_output_rel_mse"] <= 0.8 * Thresholds().out
+    assert first["calibration"]["measured_output_rel_mse"] < cal["measured_output_rel_mse"]
+    shown = CliRunner().invoke(main, ["inspect", str(d / "2.slab")]).output
+    assert "history (the rung at each build" in shown and "build 2 W4 (down W" in shown
+
+
+def test_a_third_build_changes_nothing_and_searches_nothing(builds, monkeypatch):
+    d, _ = builds
+    searched = []
+    original = layer_search.search_layer
+    monkeypatch.setattr("squareq.compiler.ladder.search_layer", lambda *a, **k: searched.append(a) or original(*a, **k))
+    compile_cli("-o", str(d / "3.slab"), "--from", str(d / "2.slab"))
+    assert searched == []
+    second, third = manifest(d / "2.slab"), manifest(d / "3.slab")
+    assert (d / "3.slab/slab.safetensors").read_bytes() == (d / "2.slab/slab.safetensors").read_bytes()
+    assert [(x["name"], x["rung"]) for x in third["layers"]] == [(x["name"], x["rung"]) for x in second["layers"]]
+    assert all(x["history"][-1] == {"build": 3, "rung": x["rung"], "moves": [],
+                                    **{k: v for k, v in x["history"][-1].items() if k in ("notes", "diagnostics")}}
+               for x in third["layers"])
+
+
+def test_from_a_slab_of_another_model_is_refused_in_one_sentence(builds, tmp_path, tiny_flux_images):
+    from diffusers import FluxTransformer2DModel
+
+    d, _ = builds
+    other = FluxTransformer2DModel(**{**dict(open_source("tiny-flux").skeleton().config), "num_single_layers": 1})
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(SlabError, match=r"--from .*1\.slab was compiled from another model"):
+        compile_slab(open_source(str(tmp_path / "other")), tmp_path / "x.slab",
+                     CompileOptions(budget=2_000_000, previous=str(d / "1.slab"), calib_images=tiny_flux_images,
+                                    rounding="nearest", calib_samples=4))
+    assert not (tmp_path / "x.slab").exists()
+
+
+def test_the_default_plan_buys_output_error_as_cheaply_as_the_budget_solver(tmp_path):
+    """Every byte the default plan spends above all-W4 is justified by the measured output error: per byte it lowers
+    that error at least as much as the quality objective spending the same bytes from all-W4."""
+    loose = tmp_path / "loose.toml"
+    loose.write_text("[thresholds]\nout = 1.0\n")
+    compile_cli("-o", str(tmp_path / "w4.slab"), "--thresholds", str(loose))
+    compile_cli("-o", str(tmp_path / "default.slab"))
+    w4, plan = manifest(tmp_path / "w4.slab"), manifest(tmp_path / "default.slab")
+    assert {x["rung"] for x in w4["layers"]} == {4}
+    extra = size(tmp_path / "default.slab") - size(tmp_path / "w4.slab")
+    assert extra > 0, "the default thresholds should spend some bytes on tiny-flux at this calibration"
+    budget = size(tmp_path / "w4.slab") + extra + 512 * len(w4["layers"])  # the compiler's manifest reserve
+    compile_cli("-o", str(tmp_path / "solver.slab"), "--thresholds", str(loose), "--objective", "quality",
+                "--budget", str(budget))
+    solver = manifest(tmp_path / "solver.slab")
+    solver_extra = size(tmp_path / "solver.slab") - size(tmp_path / "w4.slab")
+    err = lambda m: m["calibration"]["measured_output_rel_mse"]  # noqa: E731
+    plan_rate = (err(w4) - err(plan)) / extra
+    solver_rate = (err(w4) - err(solver)) / solver_extra
+    assert plan_rate > 0 and solver_rate > 0
+    assert plan_rate >= 0.9 * solver_rate, (plan_rate, solver_rate)
