@@ -8,6 +8,7 @@ Defaults follow what users of kohya sd-scripts, ai-toolkit and SimpleTuner expec
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -148,8 +149,9 @@ class TrainConfig:
                 raise bad(key, "must be a whole number of at least 1")
         if not 0.0 <= self.caption_dropout < 1.0:
             raise bad("caption_dropout", "must be in [0, 1)")
-        if self.lr <= 0:
-            raise bad("lr", "must be positive")
+        if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \
+                or self.lr <= 0:
+            raise bad("lr", "must be a finite positive number, e.g. 1e-4")
         if self.resolution < 64:
             raise bad("resolution", "must be at least 64 (aspect-ratio buckets have sides in steps of 64)")
         if self.resolution % 16:

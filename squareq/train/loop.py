@@ -341,6 +341,14 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 norm = float(norm)
                 updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
                 optimizer.step()
+                # a step can turn finite gradients into non-finite weights (an overflowing learning rate): stop before
+                # anything of it is saved, so every checkpoint on disk stays a good one
+                if not math.isfinite(float(torch.nn.utils.get_total_norm([p.detach() for p in params]))):
+                    last = latest_checkpoint(out)
+                    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+                    raise TrainError(f"step {step + 1} made the LoRA weights NaN/Inf (learning rate "
+                                     f"{scheduler.get_last_lr()[0]:.3g}), so the run stopped without saving it; "
+                                     f"{where}. Lower --lr, then --resume latest or start again.")
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1

@@ -32,6 +32,9 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ('vram_budget = "lots"', "vram_budget"),
     ('rank = "sixteen"', "rank"),
     ("lr = -1.0", "lr"),
+    ("lr = inf", "lr"),
+    ("lr = nan", "lr"),
+    ('lr = "fast"', "lr"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"

@@ -152,6 +152,41 @@ def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypat
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000005"]
 
 
+def test_a_step_that_blows_the_weights_up_stops_the_run_and_saves_nothing_of_it(workspace, tmp_path, monkeypatch):
+    import squareq.train.loop as loop
+
+    real_step = torch.optim.AdamW.step
+    calls = {"n": 0}
+
+    def overflowing(self, *args, **kwargs):  # finite loss and gradients, non-finite weights after the update
+        out = real_step(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 7:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing)
+    out = tmp_path / "inf"
+    with pytest.raises(TrainError, match="step 7 made the LoRA weights NaN/Inf") as err:
+        train(_config(workspace, out), echo=lambda s: None)
+    assert "step-00000005" in str(err.value) and "Lower --lr" in str(err.value)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000005"]
+    assert not (out / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_lr_inf_is_refused_in_one_sentence_and_writes_no_lora(workspace, tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "lr"
+    result = CliRunner().invoke(main, ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"), "-o",
+                                       str(out), "--resolution", "64", "--steps", "1", "--lr", "inf"])
+    assert result.exit_code != 0 and "lr" in result.output and "finite positive number" in result.output
+    assert "Traceback" not in result.output and not (out / "pytorch_lora_weights.safetensors").exists()
+
+
 def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
     from click.testing import CliRunner
 
