@@ -17,15 +17,21 @@ def fsync_file(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data) -> None:
-    """Write ``data`` (bytes or a buffer) to ``path`` through a temporary name, fsynced, then renamed."""
+    """Write ``data`` (bytes or a buffer) to ``path`` through a temporary name, fsynced, then renamed; on any failure
+    the temporary is removed and ``path`` is untouched."""
     path = Path(path)
     # a name of its own, so that processes writing the same file (ranks, two runs) never share a temporary
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # a full disk or a kill mid-write must not leave a partial temporary behind to fill the disk or block a retry
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager

@@ -143,3 +143,24 @@ def test_damaged_manifest(slab):
     refused(slab, "not valid JSON")
     (slab / "manifest.json").write_text(json.dumps({"format": "something-else"}))
     refused(slab, "not a SquareQ slab manifest")
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_and_the_old_file_intact(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import pytest as _pytest
+
+    from squareq.slab.atomic import atomic_write_bytes
+
+    target = tmp_path / "state.json"
+    target.write_bytes(b"old")
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with _pytest.raises(OSError, match="No space left"):
+        atomic_write_bytes(target, b"new contents")
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
