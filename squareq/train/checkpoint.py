@@ -141,8 +141,8 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
 # --------------------------------------------------------------------------- writers (patchable in tests)
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file(tensors, str(path), metadata={"format": FORMAT})
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    save_file(tensors, str(path), metadata={**(metadata or {}), "format": FORMAT})
     fsync_file(path)
 
 
@@ -340,8 +340,12 @@ def save_checkpoint(
     data_state: dict,
     config: dict,
     extra: dict | None = None,
+    lora_metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and return its folder.
+
+    ``lora_metadata`` goes into ``lora.safetensors``' header (the adapter config that keeps the LoRA's alpha:
+    ``lora_files.adapter_metadata``).
 
     ``param_names`` names the optimizer's parameters in ``param_groups`` order. ``data_state``,
     ``config`` and ``extra`` must be JSON-able; ``extra`` may also hold tensors (e.g. a dedicated
@@ -373,7 +377,7 @@ def save_checkpoint(
         ) from exc
 
     with atomic_directory(final, overwrite=True) as tmp:
-        _write_tensors(tmp / LORA_FILE, lora_tensors)
+        _write_tensors(tmp / LORA_FILE, lora_tensors, lora_metadata)
         _write_tensors(tmp / OPTIMIZER_FILE, opt_tensors)
         _write_tensors(tmp / TENSORS_FILE, other_tensors)
         _write_json(tmp / STATE_FILE, state)

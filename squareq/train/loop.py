@@ -54,7 +54,7 @@ from .distributed import Ranks
 from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
-from .lora_files import save_diffusers_lora
+from .lora_files import adapter_metadata, save_diffusers_lora
 from .objective import denoising_loss, draw_times
 from .sample import FORWARD_SLOTS, draw_image
 
@@ -265,10 +265,12 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     def checkpoint(data_state=None, generator_state=None) -> Path:
         path = checkpoint_dir(out, step)
         if ranks.is_main:
-            path = save_checkpoint(out, step, runtime.lora_state_dict(model), optimizer, names, scheduler,
+            lora = runtime.lora_state_dict(model)
+            path = save_checkpoint(out, step, lora, optimizer, names, scheduler,
                                    {"batches": data_state or batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
                                    extra={"generator": generator.get_state() if generator_state is None
-                                          else generator_state})
+                                          else generator_state},
+                                   lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha))
             prune_checkpoints(out, max(1, cfg.keep_last))
         ranks.barrier()
         return path

@@ -162,20 +162,9 @@ def _normalize(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]) -
 # ------------------------------------------------------------------------------------------ diffusers
 
 
-def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, alpha: float, targets,
-                        extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
-                        prefix: str = PREFIX) -> Path:
-    """Write ``out_dir/pytorch_lora_weights.safetensors`` for ``<Family>Pipeline.load_lora_weights(out_dir)``.
-
-    ``lora`` is ``runtime.lora_state_dict(model)``; ``rank``/``alpha``/``targets`` are what ``add_lora`` was given
-    (scale alpha/rank). ``extra_metadata`` (e.g. ``{"base_model_signature": ...}``) is recorded under
-    ``squareq.<key>``. ``prefix`` is the denoiser's pipeline component (``unet`` for SD 1.5 / SDXL). Returns the
-    file's path.
-    """
-    if prefix not in PREFIXES:
-        raise LoraFileError(f"prefix {prefix!r}: a diffusers LoRA names the denoiser {' or '.join(PREFIXES)}.")
-    _check_dtype(dtype)
-    layers = _layers(lora, "the LoRA state dict")
+def _adapter_json(layers, rank: int, alpha: float, prefix: str | None) -> str:
+    """The adapter config in a safetensors header (``prefix.key`` as a pipeline writes it, bare keys as a model's
+    ``save_lora_adapter`` does when ``prefix`` is None)."""
     # The LoraConfig arguments diffusers would infer itself (utils/peft_utils.py get_peft_kwargs), with the real
     # alpha. target_modules lists exact layer names, so PEFT wraps only the layers that have factors (a pattern
     # such as "proj_out" would also wrap the model's final projection, left without weights).
@@ -190,10 +179,31 @@ def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, al
         "use_dora": False,
         "lora_bias": False,
     }
-    metadata = {
-        "format": "pt",
-        ADAPTER_METADATA_KEY: json.dumps({f"{prefix}.{k}": v for k, v in config.items()}, indent=2, sort_keys=True),
-    }
+    keyed = {f"{prefix}.{k}" if prefix else k: v for k, v in config.items()}
+    return json.dumps(keyed, indent=2, sort_keys=True)
+
+
+def adapter_metadata(lora: Mapping[str, torch.Tensor], rank: int, alpha: float) -> dict[str, str]:
+    """Header metadata that keeps a runtime-named LoRA's alpha (a checkpoint's ``lora.safetensors``), so reading or
+    exporting it gives the trained scale alpha/rank, not alpha = rank."""
+    return {ADAPTER_METADATA_KEY: _adapter_json(_layers(lora, "the LoRA state dict"), rank, alpha, None)}
+
+
+def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, alpha: float, targets,
+                        extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
+                        prefix: str = PREFIX) -> Path:
+    """Write ``out_dir/pytorch_lora_weights.safetensors`` for ``<Family>Pipeline.load_lora_weights(out_dir)``.
+
+    ``lora`` is ``runtime.lora_state_dict(model)``; ``rank``/``alpha``/``targets`` are what ``add_lora`` was given
+    (scale alpha/rank). ``extra_metadata`` (e.g. ``{"base_model_signature": ...}``) is recorded under
+    ``squareq.<key>``. ``prefix`` is the denoiser's pipeline component (``unet`` for SD 1.5 / SDXL). Returns the
+    file's path.
+    """
+    if prefix not in PREFIXES:
+        raise LoraFileError(f"prefix {prefix!r}: a diffusers LoRA names the denoiser {' or '.join(PREFIXES)}.")
+    _check_dtype(dtype)
+    layers = _layers(lora, "the LoRA state dict")
+    metadata = {"format": "pt", ADAPTER_METADATA_KEY: _adapter_json(layers, rank, alpha, prefix)}
     metadata.update(_provenance("diffusers", rank, alpha, targets, extra_metadata))
     tensors = {}
     for layer in sorted(layers):

@@ -175,6 +175,17 @@ def test_a_step_that_blows_the_weights_up_stops_the_run_and_saves_nothing_of_it(
     assert not (out / "pytorch_lora_weights.safetensors").exists()
 
 
+def test_a_checkpoint_lora_keeps_the_trained_alpha(workspace, tmp_path):
+    """Exporting or loading a checkpoint's LoRA gives the run's alpha (rank 4, alpha 2: scale 0.5), not alpha = rank."""
+    out = tmp_path / "alpha"
+    train(_config(workspace, out, steps=5, save_every=5, alpha=2.0), echo=lambda s: None)
+    checkpoint = next((out / "checkpoints").iterdir())
+    # the run's last checkpoint and its final LoRA hold the same factors; both must scale them the same way
+    factors, info = load_lora(checkpoint / "lora.safetensors")
+    final, final_info = load_lora(out / "pytorch_lora_weights.safetensors")
+    assert info["rank"] == final_info["rank"] == 4 and info["alpha"] == final_info["alpha"] == 2.0
+
+
 def test_lr_inf_is_refused_in_one_sentence_and_writes_no_lora(workspace, tmp_path):
     from click.testing import CliRunner
 
