@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import quant
 from ..models.calibration import CalibrationSet
-from ..slab import SlabError, WriteOptions, open_slab
+from ..slab import SlabError, WriteOptions
 from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
     PLACEHOLDER_FLOAT,
@@ -196,24 +196,24 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     held_mask = batch.heldout_row_mask if batch.heldout_kwargs is not None else batch.row_mask
     if reused:
         progress(f"reusing the measurements of {opts.previous}: same source, calibration data and search options")
-        layers, fixed, effect_info = previous.layer_options(), previous.fixed_bytes(), previous.effect_info
+        (layers, fixed, notes, measured_rungs), effect_info = _from_previous(previous), previous.effect_info
     else:
         with torch.no_grad():
             shell(**batch.kwargs)
         found = state.load_effects()
         if found is None:
-            found = measure_effects(source, held_kwargs, held_mask, lambda i: _candidates(state, i), opts.device,
-                                    opts.effect_probes, opts.seed, progress)
+            quantized = lambda i: state.load_weights(i, lambda n, b: b < 16)  # noqa: E731 - bf16's effect is 0
+            found = measure_effects(source, held_kwargs, held_mask, quantized, opts.device, opts.effect_probes,
+                                    opts.seed, progress)
             state.save_effects(*found)
         effects, effect_info = found
-        layers, fixed = _layer_options(source, state, effects)
+        layers, fixed, notes, measured_rungs = _from_state(source, state, effects)
     starts = previous.rungs if previous is not None else {}
     for layer in layers:
         wanted = starts.get(layer.name, opts.min_bits)
         layer.start = min((b for b in layer.rungs if b >= wanted), default=max(layer.rungs))
     calibrate_s = time.perf_counter() - started
 
-    notes, decisions = _notes(source, state, previous, reused, opts.thresholds)
     residents = source.resident_state("cpu", torch.float32)
     build = previous.build + 1 if previous is not None else 1
     calibration = {**batch.description, "objective": opts.objective, "budget_bytes": 10**15,
@@ -227,13 +227,12 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
                               thresholds=opts.thresholds.to_dict(), calibration=calibration)
     names = dict(enumerate(source.block_paths))
     cap = _block_cap(opts, residents)
-    specs = decisions
     start_plan = Plan({x.name: x.start for x in layers})
-    overhead = _metadata_bytes(skeleton, names, layers, fixed, start_plan, specs, notes, previous, build, residents,
+    overhead = _metadata_bytes(skeleton, names, layers, fixed, start_plan, measured_rungs, notes, previous, build, residents,
                                write_opts, opts.thresholds) + SLACK_PER_LAYER * build * len(layers)
     try:
         plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, cap, names)
-        needed = _metadata_bytes(skeleton, names, layers, fixed, plan, specs, notes, previous, build, residents,
+        needed = _metadata_bytes(skeleton, names, layers, fixed, plan, measured_rungs, notes, previous, build, residents,
                                  write_opts, opts.thresholds) + sum(fixed.values()) + plan.layer_bytes
         if needed > opts.budget:
             raise BudgetError(f"the plan needs a slab of at least {needed:,} bytes but --budget is {opts.budget:,} "
@@ -249,7 +248,7 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
             run.wanted = moved
             with torch.no_grad():
                 shell(**batch.kwargs)
-    weights_of = lambda i: _weights(state, previous, reused, names[i], plan, source)  # noqa: E731
+    weights_of = lambda i: _weights(state, previous if reused else None, i, names[i], plan)  # noqa: E731
     progress("measuring the plan's model-output error on the held-out samples")
     measured = plan_output_error(source, held_kwargs, held_mask, weights_of, opts.device)
     progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
@@ -259,8 +258,8 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
         encoded = []
         for i, path in names.items():
             qws = weights_of(i)
-            metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs,
-                                                            opts.thresholds)
+            metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, measured_rungs,
+                                                         opts.thresholds)
             measured_here = all("weight_rel_mse" in metrics[n] for n in qws)
             real = source.load_block(path, "cpu", torch.float32, linear_weights=not measured_here)
             encoded.append(encode_block(i, path, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
@@ -289,14 +288,11 @@ def _block_cap(opts: CompileOptions, residents: dict) -> int | None:
     return cap
 
 
-def _candidates(state: CompileState, index: int) -> dict[str, dict[int, quant.QuantizedWeight]]:
-    """Block ``index``'s quantized candidates by layer and rung (bf16 left out: its effect is 0)."""
-    decisions, _ = state.load_block(index)
-    return {d.name: {c.bits: c.qweight for c in d.tried if c.bits < 16} for d in decisions}
-
-
-def _layer_options(source: Source, state: CompileState, effects) -> tuple[list[LayerOptions], dict[int, int]]:
-    layers, fixed = [], {}
+def _from_state(source: Source, state: CompileState, effects):
+    """From the finished blocks' records, in one pass: each layer as the planner sees it, each block's fixed bytes,
+    each layer's notes that are not moves (e.g. 'not called during calibration') and its measured rungs as
+    ``{bits: (spec, metrics)}``."""
+    layers, fixed, notes, measured = [], {}, {}, {}
     for i, _ in enumerate(source.block_paths):
         decisions, info = state.load_block(i, tensors=False)
         fixed[i] = info["fixed_bytes"]
@@ -304,40 +300,29 @@ def _layer_options(source: Source, state: CompileState, effects) -> tuple[list[L
             rungs = {c.bits: candidate_bytes(c) for c in d.tried}
             effect = {b: (0.0 if b == 16 else effects.get(d.name, {}).get(b, 0.0)) for b in rungs}
             layers.append(LayerOptions(d.name, i, rungs, effect, min(rungs)))
-    return layers, fixed
-
-
-def _notes(source, state, previous: Previous | None, reused: bool, thresholds: Thresholds):
-    """(per layer: notes that are not moves, e.g. 'not called during calibration'; per layer: its measured rungs as
-    ``{bits: (spec, metrics)}``) from the state or the previous slab."""
-    notes, decisions = {}, {}
-    if reused:
-        for name, rec in previous.records.items():
-            decisions[name] = {int(b): (r["spec"], r["metrics"]) for b, r in rec.rungs.items()}
-            notes[name] = [r for r in rec.history[0].get("notes", [])] if rec.history else []
-        return notes, decisions
-    for i, _ in enumerate(source.block_paths):
-        for d in state.load_block(i, tensors=False)[0]:
-            decisions[d.name] = {c.bits: (c.qweight.spec.to_dict(), c.metrics) for c in d.tried}
             notes[d.name] = list(d.reasons)
-    return notes, decisions
+            measured[d.name] = {c.bits: (c.qweight.spec.to_dict(), c.metrics) for c in d.tried}
+    return layers, fixed, notes, measured
 
 
-def _weights(state: CompileState, previous: Previous | None, reused: bool, path: str, plan: Plan, source: Source):
-    """The plan's quantized weights of one block: from the state's candidates, or the previous slab's own tensors
-    where a rebuild kept a layer on its rung."""
+def _from_previous(previous: Previous):
+    """The same four as :func:`_from_state`, from the records of a previous slab measured alike."""
+    notes = {n: list(rec.history[0].get("notes", [])) if rec.history else [] for n, rec in previous.records.items()}
+    measured = {n: {int(b): (r["spec"], r["metrics"]) for b, r in rec.rungs.items()}
+                for n, rec in previous.records.items()}
+    return previous.layer_options(), previous.fixed_bytes(), notes, measured
+
+
+def _weights(state: CompileState, previous: Previous | None, index: int, path: str, plan: Plan):
+    """The plan's quantized weights of one block: from the state's candidates (only the chosen rungs are read), or
+    the previous slab's own tensors where a rebuild kept a layer on its rung."""
+    chosen = {n: b for n, b in plan.rungs.items() if n.startswith(path + ".")}
+    found = state.load_weights(index, lambda n, b: chosen.get(n) == b) if state.has_block(index) else {}
     out = {}
-    index = source.block_paths.index(path)
-    from_state = {}
-    if state.has_block(index):
-        from_state = {d.name: d for d in state.load_block(index)[0]}
-    for name in (n for n, x in plan.rungs.items() if n.startswith(path + ".")):
-        bits = plan.rungs[name]
-        d = from_state.get(name)
-        c = d.candidate(bits) if d is not None else None
-        if c is not None:
-            out[name] = c.qweight
-        elif reused and previous.rungs.get(name) == bits:
+    for name, bits in chosen.items():
+        if bits in found.get(name, {}):
+            out[name] = found[name][bits]
+        elif previous is not None and previous.rungs.get(name) == bits:
             out[name] = previous.quantized_weight(name)
         else:
             raise RuntimeError(f"layer {name} has no candidate at W{bits}; this is a bug in squareq's compiler.")
@@ -376,12 +361,8 @@ def _metadata_bytes(skeleton, names: dict[int, str], layers, fixed, plan: Plan, 
         qws = {}
         for x in (x for x in layers if x.name.startswith(path + ".")):
             spec = quant.QuantSpec.from_dict(specs[x.name][plan.rungs[x.name]][0])
-            shape = tuple(skeleton.get_submodule(x.name).weight.shape)
-            qws[x.name] = quant.QuantizedWeight(spec, shape, {
-                role: torch.empty(shp, dtype=dtype, device="meta")
-                for role, (dtype, shp) in quant.tensor_layout(spec, shape).items()})
-        metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs,
-                                                            thresholds)
+            qws[x.name] = quant.QuantizedWeight.placeholder(spec, tuple(skeleton.get_submodule(x.name).weight.shape))
+        metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs, thresholds)
         rec, block_layers, _ = layout_block(i, path, skeleton.get_submodule(path), qws, metrics=metrics,
                                             reasons=reasons, measure=False, annotations=annotations)
         block_records.append(rec)

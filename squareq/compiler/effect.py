@@ -109,8 +109,7 @@ def _sample(block: nn.Module, path: str, candidates: Mapping[str, Mapping[int, Q
             continue
         w = mod.weight.detach()
         for bits, qw in candidates[name].items():
-            on = QuantizedWeight(qw.spec, qw.shape, {k: v.to(w.device) for k, v in qw.tensors.items()})
-            s = float((g * (w - quant.dequantize(on).to(w.dtype))).sum())
+            s = float((g * (w - quant.dequantize(qw.to(w.device)).to(w.dtype))).sum())
             sums.setdefault(name, {}).setdefault(bits, []).append(s)
 
 
@@ -176,9 +175,7 @@ def plan_output_error(source, kwargs: dict, row_mask: torch.Tensor | None,
             weights = weights_of(index)
             for name, mod in block_linears(path, block):
                 if name in weights:
-                    qw = weights[name]
-                    on = QuantizedWeight(qw.spec, qw.shape, {k: v.to(device) for k, v in qw.tensors.items()})
-                    mod.weight.copy_(quant.dequantize(on).to(mod.weight.dtype))
+                    mod.weight.copy_(quant.dequantize(weights[name].to(device)).to(mod.weight.dtype))
         return block(*args, **kw)
 
     shell = source.shell(run_block, device)

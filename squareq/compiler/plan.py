@@ -161,12 +161,16 @@ def make_plan(layers: list[LayerOptions], fixed: dict[int, int], tau: float, bud
                             f"--budget is {budget:,} bytes; raise --budget to at least that"
                             + _fits_hint(layers, fixed, budget, overhead, block_cap) + ".")
         if objective == "quality":
-            while (move := _best_up(s, block_cap, budget - total)) is not None:
-                name, bits = move
-                layer = s.layers[name]
-                total += layer.bytes[bits] - layer.bytes[s.rung[name]]
-                s.apply(name, bits, "--objective quality spent budget here, where the effect fell most per byte")
+            _spend(s, block_cap, budget - total)
     return Plan(dict(s.rung), {n: m for n, m in s.moves.items() if m}, s.error(), s.layer_bytes())
+
+
+def _spend(s: _State, block_cap: int | None, room: int) -> None:
+    """Move up where the effect falls most per byte while the moves fit in ``room`` bytes (and the block cap)."""
+    while (move := _best_up(s, block_cap, room)) is not None:
+        name, bits = move
+        room -= s.layers[name].bytes[bits] - s.layers[name].bytes[s.rung[name]]
+        s.apply(name, bits, "--objective quality spent budget here, where the effect fell most per byte")
 
 
 def _fits_hint(layers, fixed, budget, overhead, block_cap) -> str:
@@ -175,8 +179,5 @@ def _fits_hint(layers, fixed, budget, overhead, block_cap) -> str:
     total = overhead + sum(fixed.values()) + s.layer_bytes()
     if total > budget:
         return ""
-    while (move := _best_up(s, block_cap, budget - total)) is not None:
-        name, bits = move
-        total += s.layers[name].bytes[bits] - s.layers[name].bytes[s.rung[name]]
-        s.rung[name] = bits
+    _spend(s, block_cap, budget - total)
     return f", or relax the output error: τ_OUT (out) = {s.error():.3g} would fit"

@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from ..quant import QuantSpec, QuantizedWeight, tensor_layout
@@ -78,12 +78,28 @@ class CompileState:
                 if tensors:
                     prefix = f"{layer['name']}:{spec.bits}:"
                     qt = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
+                    qw = QuantizedWeight(spec, shape, qt)
                 else:
-                    qt = {role: torch.empty(shp, dtype=dtype, device="meta")
-                          for role, (dtype, shp) in tensor_layout(spec, shape).items()}
-                tried.append(Candidate(QuantizedWeight(spec, shape, qt), c["alpha"], c["metrics"]))
+                    qw = QuantizedWeight.placeholder(spec, shape)
+                tried.append(Candidate(qw, c["alpha"], c["metrics"]))
             decisions.append(LayerDecision(layer["name"], tried[layer["chosen"]], tried, layer["reasons"]))
         return decisions, record
+
+    def load_weights(self, index: int, wanted) -> dict[str, dict[int, QuantizedWeight]]:
+        """Only the candidates ``wanted(name, bits)`` selects from a finished block, read from its file one tensor
+        at a time (the effects pass needs the quantized rungs, the slab writer one rung per layer: reading every
+        rung of every layer twice is most of a large model's state I/O)."""
+        data, meta = self._paths(index)
+        out: dict[str, dict[int, QuantizedWeight]] = {}
+        with safe_open(str(data), framework="pt", device="cpu") as f:
+            for layer in json.loads(meta.read_text())["layers"]:
+                for c in layer["tried"]:
+                    spec, shape = QuantSpec.from_dict(c["spec"]), tuple(c["shape"])
+                    if wanted(layer["name"], spec.bits):
+                        prefix = f"{layer['name']}:{spec.bits}:"
+                        qt = {role: f.get_tensor(prefix + role) for role in tensor_layout(spec, shape)}
+                        out.setdefault(layer["name"], {})[spec.bits] = QuantizedWeight(spec, shape, qt)
+        return out
 
     def save_effects(self, effects: dict, info: dict) -> None:
         data = {"effects": {n: {str(b): e for b, e in r.items()} for n, r in effects.items()}, "info": info}
