@@ -186,6 +186,8 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     key = measurement_key(source, batch, opts)
     run = _Run(source, opts, progress, batch)
     shell = source.shell(run.block, opts.device)  # checks the checkpoint before any state is written
+    residents = source.resident_state("cpu", torch.float32)
+    cap = _block_cap(opts, residents)  # refused before any state is written
     reused = previous is not None and previous.key == key
     # a rebuild's state holds only the layers it searched again, so it must never pass for a full compile's
     state = run.state = CompileState(state_folder(out), {"measurement_key": key,
@@ -214,7 +216,6 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
         layer.start = min((b for b in layer.rungs if b >= wanted), default=max(layer.rungs))
     calibrate_s = time.perf_counter() - started
 
-    residents = source.resident_state("cpu", torch.float32)
     build = previous.build + 1 if previous is not None else 1
     calibration = {**batch.description, "objective": opts.objective, "budget_bytes": 10**15,
                    "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
@@ -226,7 +227,6 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
     write_opts = WriteOptions(family=source.family, source=source.description, overwrite=opts.overwrite,
                               thresholds=opts.thresholds.to_dict(), calibration=calibration)
     names = dict(enumerate(source.block_paths))
-    cap = _block_cap(opts, residents)
     start_plan = Plan({x.name: x.start for x in layers})
     overhead = _metadata_bytes(skeleton, names, layers, fixed, start_plan, measured_rungs, notes, previous, build, residents,
                                write_opts, opts.thresholds) + SLACK_PER_LAYER * build * len(layers)
@@ -280,7 +280,7 @@ def _block_cap(opts: CompileOptions, residents: dict) -> int | None:
     --ring-slots, since the runtime's ring holds that many slots of the largest block."""
     if opts.vram_cap is None:
         return opts.max_block_bytes
-    resident = sum(stored_tensor(t).numel() * stored_tensor(t).element_size() for t in residents.values())
+    resident = sum(t.numel() * t.element_size() for t in map(stored_tensor, residents.values()))
     cap = (opts.vram_cap - resident) // max(opts.ring_slots, 1)
     if cap <= 0:
         raise BudgetError(f"--vram-cap {opts.vram_cap:,} bytes does not even hold the resident tensors ({resident:,} "

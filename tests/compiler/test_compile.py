@@ -173,6 +173,9 @@ def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
     (["/no/such/model", "--budget", "1GB"], "does not exist"),
     (["tiny-flux", "--budget", "1GB", "--max-block-bytes", "1MB", "--vram-cap", "1GB"], "give one of them"),
     (["tiny-flux", "--budget", "1GB", "--from", "/no/such.slab"], "--from /no/such.slab"),
+    (["tiny-flux", "--budget", "1GB", "--min-bits", "8", "--max-bits", "4"], "--max-bits 4 must be one of"),
+    (["tiny-flux", "--budget", "1GB", "--vram-cap", "1KB", "--calib-samples", "4", "--calib-resolution", "64",
+      "--rounding", "nearest", "--effect-probes", "1"], "does not even hold the resident tensors"),
 ])
 def test_bad_input_gets_one_clear_sentence(tmp_path, args, message):
     result = CliRunner().invoke(main, ["compile", *args[:1], "-o", str(tmp_path / "x.slab"), *args[1:]])
