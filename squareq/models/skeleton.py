@@ -10,6 +10,7 @@ import contextlib
 from typing import Any, Callable
 
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from .base import ModelError
 
@@ -38,8 +39,58 @@ def build_meta(build: Callable[[], nn.Module]) -> nn.Module:
     return model.eval()
 
 
-def skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:
-    """The diffusers or transformers class ``class_name`` built from a slab's recorded config, on meta."""
+class _TooLarge(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def registrations_at_most(limit: int | None):
+    """Abort a model build (``_TooLarge``) once it has registered more than ``limit`` modules, parameters and
+    buffers: a config from a file can ask for 200,000 layers, and the build would fill memory before any check
+    could compare it with what the file holds."""
+    if limit is None:
+        yield
+        return
+    count = 0
+
+    def counted(*_):
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _TooLarge
+
+    handles = [nn_module.register_module_module_registration_hook(counted),
+               nn_module.register_module_parameter_registration_hook(counted),
+               nn_module.register_module_buffer_registration_hook(counted)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def skeleton_from_record(class_name: str, config: dict[str, Any], tensors: int | None = None,
+                         where: str = "the slab") -> nn.Module:
+    """The diffusers or transformers class ``class_name`` built from a slab's recorded config, on meta.
+
+    ``tensors``: how many parameters and buffers the slab holds; a config that builds far more (the build is
+    stopped early, before it can exhaust memory) is refused with :class:`ModelError` naming ``where``.
+    """
+    limit = None if tensors is None else 8 * tensors + 1024
+    try:
+        with registrations_at_most(limit):
+            return _skeleton_from_record(class_name, config)
+    except _TooLarge:
+        raise ModelError(f"{where}: the recorded {class_name} config builds far more than the {tensors} tensors the "
+                         "slab holds (e.g. an edited layer count), so it was not built; recompile the slab.") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError,
+            RecursionError) as exc:
+        raise ModelError(f"{where}: {class_name} cannot be built from the recorded config ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:200]}); the manifest is damaged or needs another library version, recompile "
+                         "the slab.") from None
+
+
+def _skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:
     import diffusers
 
     from .base import diffusers_class
@@ -59,5 +110,5 @@ def skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **rest)
     except (ValueError, KeyError) as exc:
-        raise ModelError(f"transformers cannot rebuild the {model_type} config this slab records ({exc}).") from None
+        raise ModelError(f"transformers cannot rebuild the {model_type} config this slab records ({' '.join(str(exc).split())[:200]}).") from None
     return build_meta(lambda: cls(cfg))

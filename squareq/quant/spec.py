@@ -42,15 +42,18 @@ class QuantSpec:
     smooth: bool = False
 
     def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
             raise SpecError(f"bits={self.bits} is not supported; use one of {SUPPORTED_BITS}.")
         g = self.group_size
-        if not isinstance(g, int) or g < 8 or g & (g - 1):
+        if not isinstance(g, int) or isinstance(g, bool) or g < 8 or g & (g - 1):
             raise SpecError(f"group_size={g!r} must be a power of two of at least 8 (e.g. 64 or 128).")
-        if self.scale_dtype not in SCALE_DTYPES:
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in SCALE_DTYPES:
             raise SpecError(f"scale_dtype={self.scale_dtype!r} must be one of {sorted(SCALE_DTYPES)}.")
-        if not (0.0 < float(self.clip_ratio) <= 1.0):
-            raise SpecError(f"clip_ratio={self.clip_ratio} must lie in (0, 1].")
+        if not isinstance(self.clip_ratio, (int, float)) or not (0.0 < float(self.clip_ratio) <= 1.0):
+            raise SpecError(f"clip_ratio={self.clip_ratio!r} must be a number in (0, 1].")
+        for flag in ("symmetric", "smooth"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SpecError(f"{flag}={getattr(self, flag)!r} must be true or false.")
 
     @property
     def packing(self) -> str:
@@ -89,6 +92,8 @@ class QuantSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantSpec":
+        if not isinstance(d, dict):
+            raise SpecError(f"a QuantSpec is a JSON object of fields, not {type(d).__name__}.")
         known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth"}
         unknown = set(d) - known - {"packing"}
         if unknown:

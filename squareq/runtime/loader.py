@@ -17,7 +17,7 @@ from torch import nn
 
 from ..models.skeleton import skeleton_from_record
 from ..slab import Slab, SlabError, open_slab
-from ..slab.manifest import Manifest
+from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
 from .blocks import BlockRunner
 from .host import DiskStaging, PinnedArena
@@ -248,7 +248,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     m = s.manifest
     if isinstance(slab, Slab) and verify in ("eager", True):
         s.verify()
-    model = skeleton_from_record(m.model.class_name, m.model.config)
+    tensors = len(m.layers) + sum(len(b.params) for b in m.blocks) + len(m.resident)
+    model = skeleton_from_record(m.model.class_name, m.model.config, tensors, str(s.path / MANIFEST_FILE))
     if model_signature(model) != m.model.signature:
         raise SlabError(f"{s.path}: {m.model.class_name} built from the recorded config does not have the parameters "
                         "the slab was compiled for (an incompatible diffusers/transformers version?); recompile the slab "

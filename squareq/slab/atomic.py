@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import uuid
@@ -9,6 +10,46 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import SlabError
+
+
+class OutputError(ValueError):
+    """An output path cannot be used or written; the message names it and says what to do."""
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EFBIG}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+_IN_THE_WAY = {errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY}
+
+
+def os_error_sentence(exc: OSError, doing: str, then: str = "run the command again") -> str:
+    """One sentence for an OSError while ``doing`` (e.g. "saving the LoRA"): the path, the cause, and what to do
+    (``then``: how to continue once the cause is fixed)."""
+    where = exc.filename if exc.filename is not None else "the output"
+    cause = exc.strerror or type(exc).__name__
+    if exc.errno in _FULL:
+        return f"{doing} failed because the disk holding {where} is full ({cause}); free space or choose another " \
+               f"folder on a larger disk, then {then}."
+    if exc.errno in _DENIED:
+        return f"{doing} failed because {where} is not writable ({cause}); choose another folder or fix its " \
+               f"permissions, then {then}."
+    if exc.errno in _IN_THE_WAY:
+        return f"{doing} failed because {where} is in the way ({cause}); remove it or choose another path, then {then}."
+    return f"{doing} failed at {where} ({cause}); fix that, then {then}."
+
+
+def ensure_output_dir(path: Path, flag: str = "-o") -> Path:
+    """Create the output folder ``path`` (given by ``flag``) or raise :class:`OutputError` if it is a file or cannot
+    be written, before any work whose result would then be lost."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{flag} {path} is a file, not a folder; choose a folder for the output.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: " + os_error_sentence(exc, "creating the folder")) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {path} is not writable; choose another folder or fix its permissions.")
+    return path
 
 
 def fsync_file(path: Path) -> None:

@@ -1,18 +1,24 @@
 """The slab manifest: versioned dataclasses and their JSON form (docs/slab-format.md documents every field)."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from ..quant import QuantSpec, SpecError
-from .errors import SlabError
+from .errors import SlabError, brief
 
 FORMAT_NAME = "squareq-slab"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocks carry layout_sha256
 ALIGNMENT = 256
+MAX_ALIGNMENT = 1 << 20
 MANIFEST_FILE = "manifest.json"
 DATA_FILE = "slab.safetensors"
 
@@ -92,6 +98,7 @@ class BlockRecord:
     sha256: str
     layers: list[str]  # LayerRecord names, in module order
     params: list[TensorRecord]  # non-quantized parameters and buffers, names relative to the block
+    layout_sha256: str = ""  # layout_digest: where each tensor of the blob is and how it is stored
 
 
 @dataclass
@@ -115,6 +122,19 @@ class ModelRecord:
     block_lists: list[str]
 
 
+def layout_digest(block: BlockRecord, layers: list[LayerRecord]) -> str:
+    """sha256 of everything that says how a block's bytes are read (its tensors' names, dtypes, shapes, offsets,
+    sizes and the layers' formats), so an edited offset or format is refused like an edited byte."""
+    payload = {
+        "block": [block.index, block.name, block.tensor, block.nbytes, block.layers],
+        "params": [asdict(p) for p in block.params],
+        "layers": [[rec.name, rec.block, rec.shape, rec.spec.to_dict(),
+                    {role: asdict(t) for role, t in rec.tensors.items()}] for rec in layers],
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def layer_to_dict(rec: LayerRecord) -> dict:
     return {**asdict(rec), "spec": rec.spec.to_dict()}
 
@@ -127,6 +147,49 @@ def layer_from_dict(d: dict) -> LayerRecord:
 
 def block_from_dict(d: dict) -> BlockRecord:
     return BlockRecord(**{**d, "params": [TensorRecord(**p) for p in d["params"]]})
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a parsed JSON value has the type a record field is annotated with (ints are not bools)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, args[1]) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> tuple[tuple[str, Any], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def check_record_types(record: Any, where: str) -> None:
+    """Every field of ``record`` (and of the records inside it) has its annotated type; :class:`SlabError` names
+    the first that does not."""
+    for name, hint in _field_types(type(record)):
+        value = getattr(record, name)
+        items = value if isinstance(value, list) else value.values() if isinstance(value, dict) else [value]
+        nested = [v for v in items if dataclasses.is_dataclass(v) and type(v).__module__ == __name__]
+        if nested:
+            for v in nested:
+                check_record_types(v, where)
+            continue
+        if not _conforms(value, hint):
+            owner = getattr(record, "name", type(record).__name__)
+            raise SlabError(f"{where}: field {name!r} of {owner!r} is {type(value).__name__} {str(value)[:40]!r}, "
+                            f"not {getattr(hint, '__name__', str(hint))}; the manifest is damaged, recompile the slab.")
 
 
 @dataclass
@@ -159,8 +222,11 @@ class Manifest:
         """Parse a manifest; ``where`` names the file in every error message."""
         try:
             d = json.loads(text)
+        except RecursionError:
+            raise SlabError(f"{where} nests JSON too deeply to be a slab manifest; the slab is damaged, "
+                            "recompile it.") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SlabError(f"{where} is not valid JSON ({exc}); the slab is damaged, recompile it.") from None
+            raise SlabError(f"{where} is not valid JSON ({brief(exc)}); the slab is damaged, recompile it.") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise SlabError(f"{where} is not a SquareQ slab manifest (no \"format\": \"{FORMAT_NAME}\").")
         version = d.get("format_version")
@@ -170,7 +236,7 @@ class Manifest:
                 "recompile the slab with this version or install the SquareQ that wrote it."
             )
         try:
-            return cls(
+            manifest = cls(
                 model=ModelRecord(**d["model"]),
                 blocks=[block_from_dict(b) for b in d["blocks"]],
                 layers=[layer_from_dict(rec) for rec in d["layers"]],
@@ -183,5 +249,11 @@ class Manifest:
                 format=d["format"],
                 format_version=version,
             )
-        except (KeyError, TypeError, SpecError) as exc:
-            raise SlabError(f"{where} is missing or has malformed fields ({exc}); recompile the slab.") from None
+        except (KeyError, TypeError, AttributeError, SpecError) as exc:
+            raise SlabError(f"{where} is missing or has malformed fields ({brief(exc)}); recompile the slab.") from None
+        check_record_types(manifest, where)
+        a = manifest.alignment
+        if not 16 <= a <= MAX_ALIGNMENT or a & (a - 1):
+            raise SlabError(f"{where}: alignment {a} is not a power of two from 16 to {MAX_ALIGNMENT}; the manifest "
+                            "is damaged, recompile the slab.")
+        return manifest

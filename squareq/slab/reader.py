@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import mmap
 import os
@@ -27,8 +28,11 @@ from .manifest import (
     TensorRecord,
     dtype_name,
     itemsize,
+    layout_digest,
 )
 from .signature import signature_from_shapes
+
+log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 20
 VERIFY_MODES = ("eager", "lazy", "off")
@@ -55,7 +59,7 @@ def _parse_header(path: Path, size: int, mm) -> tuple[dict, int]:
         raise _not_safetensors(path, bytes(mm[:8]))
     try:
         header = json.loads(bytes(mm[8 : 8 + hlen]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise SlabError(f"{path} has a damaged safetensors header; recompile the slab.") from None
     if not isinstance(header, dict):
         raise SlabError(f"{path} has a damaged safetensors header; recompile the slab.")
@@ -81,7 +85,7 @@ def _parse_header(path: Path, size: int, mm) -> tuple[dict, int]:
 
 
 def _check_tensor_record(path: Path, where: str, rec: TensorRecord, blob_bytes: int, alignment: int) -> None:
-    ok = rec.dtype in DTYPES and isinstance(rec.offset, int) and rec.offset >= 0
+    ok = rec.dtype in DTYPES and rec.offset >= 0 and all(d >= 0 for d in rec.shape)
     ok = ok and rec.offset % alignment == 0 and rec.nbytes == math.prod(rec.shape) * itemsize(rec.dtype)
     if not ok:
         raise SlabError(f"{path}: {where} tensor {rec.name!r} has an inconsistent offset, size or dtype.")
@@ -225,13 +229,24 @@ class Slab:
         self.close()
 
 
+def _check_no_overlap(path: Path, block, layers: list[LayerRecord]) -> None:
+    """No two tensors of a block share a byte: otherwise one layer would read another's codes as its own."""
+    spans = sorted([(t.offset, t.offset + t.nbytes, f"{layer.name}.{role}") for layer in layers
+                    for role, t in layer.tensors.items()] + [(p.offset, p.offset + p.nbytes, p.name)
+                                                             for p in block.params])
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise SlabError(f"{path}: in block {block.index}, {second} overlaps {first}; the manifest is damaged, "
+                            "recompile the slab.")
+
+
 def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> None:
     expected = {b.tensor for b in m.blocks} | {r.tensor for r in m.resident}
     missing, extra = sorted(expected - set(header)), sorted(set(header) - expected)
     if missing:
-        raise SlabError(f"{path} is missing tensors the manifest names ({', '.join(missing[:5])}); recompile the slab.")
+        raise SlabError(f"{path} is missing tensors the manifest names ({', '.join(map(repr, missing[:5]))}); recompile the slab.")
     if extra:
-        raise SlabError(f"{path} holds tensors the manifest does not name ({', '.join(extra[:5])}); it was "
+        raise SlabError(f"{path} holds tensors the manifest does not name ({', '.join(map(repr, extra[:5]))}); it was "
                         "altered after writing, so recompile the slab.")
     if [b.index for b in m.blocks] != list(range(len(m.blocks))):
         raise SlabError(f"{path}: the manifest's blocks are not numbered 0..{len(m.blocks) - 1}; recompile the slab.")
@@ -244,10 +259,16 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
             raise SlabError(f"{path}: block {b.index} does not start at a {m.alignment}-byte boundary.")
         for p in b.params:
             _check_tensor_record(path, f"block {b.index}", p, b.nbytes, m.alignment)
+        if b.layout_sha256 != layout_digest(b, [by_name[n] for n in b.layers if n in by_name]):
+            raise SlabError(f"{path}: block {b.index} ({b.name}) fails its layout check (the manifest's offsets, "
+                            "shapes or formats were altered or damaged); recompile the slab.")
         for name in b.layers:
             layer = by_name.get(name)
             if layer is None or layer.block != b.index:
                 raise SlabError(f"{path}: block {b.index} lists layer {name!r} that the manifest does not place there.")
+            if len(layer.shape) != 2 or min(layer.shape) < 1:
+                raise SlabError(f"{path}: layer {name} has shape {layer.shape}, not [out_features, in_features]; the "
+                                "manifest is damaged, recompile the slab.")
             layout = quant.tensor_layout(layer.spec, tuple(layer.shape))
             if set(layout) != set(layer.tensors):
                 raise SlabError(f"{path}: layer {name} stores {sorted(layer.tensors)}, but its spec needs {sorted(layout)}.")
@@ -257,6 +278,7 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
                 if rec.dtype != dtype_name(dtype) or list(rec.shape) != list(shape):
                     raise SlabError(f"{path}: layer {name} {role} is {rec.dtype}{rec.shape}, its spec needs "
                                     f"{dtype_name(dtype)}{list(shape)}.")
+        _check_no_overlap(path, b, [by_name[n] for n in b.layers])
     placed = {name for b in m.blocks for name in b.layers}
     if placed != set(by_name):
         raise SlabError(f"{path}: some manifest layers belong to no block; recompile the slab.")
@@ -264,6 +286,15 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
         h = header[r.tensor]
         if h["dtype"] != r.dtype or h["shape"] != r.shape:
             raise SlabError(f"{path}: resident tensor {r.name} does not match the manifest's dtype or shape.")
+
+
+def _say_if_linked_outside(folder: Path, file: Path) -> None:
+    """A slab file that is a link to somewhere else is used (its data is still verified), but never silently: the
+    folder one inspects is then not what is read."""
+    target = file.resolve()
+    if target.parent != folder.resolve():
+        log.warning("%s is a link to %s, outside the slab folder; that file is what is read (its blocks are still "
+                    "checked against their sha256).", file, target)
 
 
 def open_slab(path: str | Path, verify: str | bool = "lazy", expected_signature: str | None = None) -> Slab:
@@ -283,6 +314,8 @@ def open_slab(path: str | Path, verify: str | bool = "lazy", expected_signature:
     for p in (mpath, dpath):
         if not p.is_file():
             raise SlabError(f"{path} has no {p.name}; it is not a complete slab, so recompile it.")
+    for p in (mpath, dpath):
+        _say_if_linked_outside(path, p)
     manifest = Manifest.from_json(mpath.read_text(errors="replace"), str(mpath))
     recomputed = signature_from_shapes(manifest.model.class_name, manifest.model.config, _manifest_shapes(manifest))
     if recomputed != manifest.model.signature:

@@ -35,6 +35,7 @@ from .manifest import (
     align_up,
     block_tensor_name,
     dtype_name,
+    layout_digest,
     resident_tensor_name,
 )
 from .signature import jsonable_config, model_signature
@@ -144,6 +145,7 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
     params = [packer.add(rel, stored_tensor(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
     record = BlockRecord(index, prefix, block_tensor_name(index), align_up(max(packer.size, 1)), "0" * 64,
                          [rec.name for rec in layers], params)
+    record.layout_sha256 = layout_digest(record, layers)
     return record, layers, packer
 
 

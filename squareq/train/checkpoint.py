@@ -11,6 +11,9 @@ A checkpoint is a directory ``OUT/checkpoints/step-00001234/`` holding
 ``state.safetensors``
     the remaining tensors: the torch CPU RNG state (``rng.torch``), one CUDA RNG state per
     device (``rng.cuda.<i>``), and tensors found in the scheduler state or in ``extra``.
+``checksums.json``
+    the sha256 of each of the four files above, written last; :func:`load_checkpoint` checks every file
+    against it before reading any, so a flipped bit is refused instead of trained on.
 ``state.json``
     format name and version, step, the optimizer's non-tensor state and per-group hyperparameters
     (parameters named, not numbered), the scheduler's JSON-able state, Python ``random`` and numpy
@@ -31,6 +34,7 @@ or nothing under the ``step-*`` name.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -48,25 +52,33 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..slab.atomic import atomic_directory, fsync_file
+from ..slab.errors import brief
 
 FORMAT = "squareq-train-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums.json
 
 CHECKPOINTS_DIR = "checkpoints"
 LORA_FILE = "lora.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TENSORS_FILE = "state.safetensors"
 STATE_FILE = "state.json"
-REQUIRED_FILES = (LORA_FILE, OPTIMIZER_FILE, TENSORS_FILE, STATE_FILE)
+CHECKSUMS_FILE = "checksums.json"
+HASHED_FILES = (LORA_FILE, OPTIMIZER_FILE, TENSORS_FILE, STATE_FILE)
+REQUIRED_FILES = (*HASHED_FILES, CHECKSUMS_FILE)
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TENSOR_TAG = "__tensor__"
 _TUPLE_TAG = "__tuple__"
 _RESUME_HINT = "pass --resume with an older checkpoint"
+_HASH_CHUNK = 1 << 22
 
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be read or used; the message is one sentence naming the folder and what to do."""
+
+
+class _Damaged(Exception):
+    """Raised by the decoders; :func:`load_checkpoint` turns it into a sentence naming the checkpoint to use."""
 
 
 @dataclass
@@ -130,7 +142,7 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
         if set(obj) == {_TENSOR_TAG}:
             name = obj[_TENSOR_TAG]
             if name not in tensors:
-                raise CheckpointError(f"checkpoint {where} is corrupted (tensor {name!r} is missing); {_RESUME_HINT}.")
+                raise _Damaged(f"tensor {name!r} is missing")
             return tensors[name]
         if set(obj) == {_TUPLE_TAG}:
             return tuple(_decode(v, tensors, where) for v in obj[_TUPLE_TAG])
@@ -315,9 +327,7 @@ def _restore_rng(saved: dict, tensors, where: str) -> None:
         np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
                              n["cached_gaussian"]))
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {where} has an unreadable random-number state ({exc}); {_RESUME_HINT}."
-        ) from exc
+        raise _Damaged(f"its random-number state is unreadable: {exc}") from exc
     cuda = [tensors[k] for k in saved["cuda"] if k in tensors]
     if cuda:
         if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
@@ -381,19 +391,74 @@ def save_checkpoint(
         _write_tensors(tmp / OPTIMIZER_FILE, opt_tensors)
         _write_tensors(tmp / TENSORS_FILE, other_tensors)
         _write_json(tmp / STATE_FILE, state)
+        _write_json(tmp / CHECKSUMS_FILE, {"format": FORMAT, "sha256": {f: _sha256(tmp / f) for f in HASHED_FILES}})
         _fsync_dir(tmp)
     _fsync_dir(final.parent)
     return final
 
 
-def _read_tensors(path: Path, where: Path) -> dict[str, torch.Tensor]:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _resume_hint(path: Path) -> str:
+    """What to do instead of resuming from ``path``: the newest complete checkpoint before it, if any."""
+    match = _STEP_DIR.match(path.name)
+    older = [folder for step, folder in _step_dirs(path.parent.parent)
+             if match and step < int(match.group(1))] if path.parent.name == CHECKPOINTS_DIR else []
+    if older:
+        return f"resume from the previous checkpoint with --resume {older[-1]}"
+    return "no earlier checkpoint exists, so start again without --resume in a new -o folder"
+
+
+def _verify_checksums(path: Path, hint: str) -> None:
+    """Every file of the checkpoint against checksums.json, before any of them is parsed."""
+    try:
+        recorded = json.loads((path / CHECKSUMS_FILE).read_text(encoding="utf-8"))["sha256"]
+        wanted = {name: str(recorded[name]) for name in HASHED_FILES}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {CHECKSUMS_FILE} is unreadable or damaged ({brief(exc)}); {hint}.") from None
+    for name, digest in wanted.items():
+        try:
+            actual = _sha256(path / name)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({exc.strerror}); {hint}.") from None
+        if actual != digest:
+            raise CheckpointError(f"checkpoint {path}: {path / name} fails its sha256 check, so the checkpoint is "
+                                  f"corrupted; {hint}.")
+
+
+def _read_tensors(path: Path, where: Path, hint: str) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(
             f"checkpoint {where}: {path.name} is not a valid safetensors file (SquareQ never loads pickles) "
-            f"({exc}); {_RESUME_HINT}."
+            f"({brief(exc)}); {hint}."
         ) from exc
+
+
+def _check_lora(lora: dict[str, torch.Tensor], optimizer, param_names: list[str], path: Path, hint: str) -> None:
+    """The checkpoint's LoRA has exactly the trained parameters, with their shapes, and only finite values."""
+    for name, p in zip(param_names, _optimizer_params(optimizer)):
+        t = lora.get(name)
+        if t is None:
+            raise CheckpointError(f"checkpoint {path}: {LORA_FILE} has no tensor {name}, so it was made for a "
+                                  f"different LoRA (rank/targets) or is damaged; {hint}.")
+        if list(t.shape) != list(p.shape):
+            raise CheckpointError(f"checkpoint {path}: {LORA_FILE} holds {name} with shape {list(t.shape)} where this "
+                                  f"run's LoRA has {list(p.shape)}, so it was made for a different LoRA (rank/targets) "
+                                  f"or is damaged; {hint}.")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"checkpoint {path}: {LORA_FILE} holds NaN or Inf in {name}; {hint}.")
+    extra = sorted(set(lora) - set(param_names))
+    if extra:
+        raise CheckpointError(f"checkpoint {path}: {LORA_FILE} holds {len(extra)} tensor(s) this run does not train, "
+                              f"e.g. {extra[0]}, so it was made for a different LoRA (rank/targets); {hint}.")
 
 
 def load_checkpoint(
@@ -404,41 +469,55 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Read the checkpoint folder ``path``; restore optimizer, scheduler and all RNG states in place.
 
-    The caller copies ``Checkpoint.lora`` into its LoRA parameters. Raises :class:`CheckpointError`
-    for an incomplete, corrupted or foreign checkpoint, or one made for a different LoRA.
+    Every file is checked against ``checksums.json`` first. The caller copies ``Checkpoint.lora`` into
+    its LoRA parameters (names and shapes are checked against ``param_names``). Raises :class:`CheckpointError`
+    for an incomplete, corrupted or foreign checkpoint, or one made for a different LoRA; the sentence
+    names the previous checkpoint to resume from instead.
     """
     path = Path(path)
     _check_names(optimizer, param_names)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist; {_RESUME_HINT} or leave --resume out.")
+    hint = _resume_hint(path)
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); {_RESUME_HINT}.")
     try:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is unreadable ({exc}); {_RESUME_HINT}.") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path} is not a SquareQ training checkpoint; {_RESUME_HINT}.")
-    if state.get("format_version") != FORMAT_VERSION:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        state = exc
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if isinstance(state, dict) and state.get("format") == FORMAT and version != FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint {path} has format version {state.get('format_version')}, which this SquareQ "
-            f"(version {FORMAT_VERSION}) cannot read; use the SquareQ that wrote it or {_RESUME_HINT}."
+            f"checkpoint {path} has format version {version}, which this SquareQ "
+            f"(version {FORMAT_VERSION}) cannot read; use the SquareQ that wrote it or {hint}."
         )
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); {hint}.")
+    _verify_checksums(path, hint)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is unreadable ({brief(state)}); {hint}.")
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not a SquareQ training checkpoint; {hint}.")
 
-    lora = _read_tensors(path / LORA_FILE, path)
-    opt_tensors = _read_tensors(path / OPTIMIZER_FILE, path)
-    other_tensors = _read_tensors(path / TENSORS_FILE, path)
+    lora = _read_tensors(path / LORA_FILE, path, hint)
+    opt_tensors = _read_tensors(path / OPTIMIZER_FILE, path, hint)
+    other_tensors = _read_tensors(path / TENSORS_FILE, path, hint)
     try:
         _restore_optimizer(optimizer, param_names, state["optimizer"], opt_tensors, str(path))
+        _check_lora(lora, optimizer, param_names, path, hint)
         _restore_scheduler(scheduler, state["scheduler"], other_tensors, str(path))
         extra = _decode(state["extra"], other_tensors, str(path))
         result = Checkpoint(step=int(state["step"]), lora=lora, data_state=_decode(state["data_state"], {}, str(path)),
                             config=_decode(state["config"], {}, str(path)), extra=extra, path=path)
+        if not isinstance(result.data_state, dict) or not isinstance(result.config, dict) or result.step < 0:
+            raise _Damaged("its step, data state or config has the wrong type")
         # Last, so nothing above consumes random numbers after the restore.
         _restore_rng(state["rng"], other_tensors, str(path))
     except KeyError as exc:
-        raise CheckpointError(f"checkpoint {path} is corrupted ({exc} is missing from it); {_RESUME_HINT}.") from exc
+        raise CheckpointError(f"checkpoint {path} is corrupted ({exc} is missing from it); {hint}.") from exc
+    except (_Damaged, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"checkpoint {path} is corrupted ({brief(exc)}); {hint}.") from exc
     return result
 
 
@@ -446,14 +525,15 @@ def load_checkpoint(
 
 
 def _step_dirs(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoint folders, oldest first; temporary (hidden) and incomplete folders are skipped."""
+    """Checkpoint folders, oldest first; temporary (hidden) and incomplete folders are skipped."""
     root = Path(out_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and all((entry / f).is_file() for f in REQUIRED_FILES):
+        # a checkpoint of an older format (no checksums) is listed, so that resuming it is refused with a reason
+        if match and entry.is_dir() and all((entry / f).is_file() for f in HASHED_FILES):
             found.append((int(match.group(1)), entry))
     return sorted(found)
 

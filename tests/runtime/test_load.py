@@ -107,3 +107,29 @@ def test_generic_mode_transformers_model_trains_streamed_like_resident(tmp_path)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 12
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+@pytest.mark.parametrize("config, refusal", [
+    ({"num_layers": 200_000}, "builds far more than the 112 tensors"),
+    ({"attention_head_dim": "wide"}, "cannot be built from the recorded config"),
+])
+def test_a_hostile_config_is_refused_before_it_can_fill_memory(tiny_slab, tmp_path, config, refusal):
+    """The audit's case: num_layers 200000 in the manifest made `squareq train` build for 300 s past 5.4 GB."""
+    import json
+    import shutil
+
+    from squareq.models import ModelError
+    from squareq.slab.signature import signature_from_shapes
+
+    slab = shutil.copytree(tiny_slab, tmp_path / "hostile.slab")
+    m = json.loads((slab / "manifest.json").read_text())
+    m["model"]["config"].update(config)
+    shapes = [(f"{l['name']}.weight", l["shape"]) for l in m["layers"]]
+    shapes += [(f"{b['name']}.{p['name']}", p["shape"]) for b in m["blocks"] for p in b["params"]]
+    shapes += [(r["name"], r["shape"]) for r in m["resident"]]
+    # a consistent edit: the signature recomputed, so only the build itself can notice
+    m["model"]["signature"] = signature_from_shapes(m["model"]["class_name"], m["model"]["config"], shapes)
+    (slab / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ModelError, match=refusal) as info:
+        runtime.load(slab, "cpu")
+    assert str(slab / "manifest.json") in str(info.value)

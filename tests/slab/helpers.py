@@ -22,10 +22,22 @@ def write_safetensors(path: Path, header: dict, data: bytes) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
-def edit_manifest(slab: Path, edit) -> None:
+def reseal_layouts(m: dict) -> None:
+    """Recompute every block's layout digest: an edit made consistently, so the checks behind it must catch it."""
+    from squareq.slab.manifest import block_from_dict, layer_from_dict, layout_digest
+
+    layers = {d["name"]: layer_from_dict(d) for d in m["layers"]}
+    for b in m["blocks"]:
+        record = block_from_dict(b)
+        b["layout_sha256"] = layout_digest(record, [layers[n] for n in record.layers])
+
+
+def edit_manifest(slab: Path, edit, reseal: bool = False) -> None:
     p = slab / "manifest.json"
     m = json.loads(p.read_text())
     edit(m)
+    if reseal:
+        reseal_layouts(m)
     p.write_text(json.dumps(m))
 
 

@@ -57,7 +57,54 @@ def test_layer_offset_past_block_end(slab):
         m["layers"][0]["tensors"]["scales"]["offset"] = m["blocks"][0]["nbytes"]
 
     edit_manifest(slab, edit)
+    refused(slab, "fails its layout check")
+    edit_manifest(slab, lambda m: None, reseal=True)
     refused(slab, "past its block")
+
+
+def test_an_edited_offset_is_refused_by_the_layout_check_and_by_overlap(slab):
+    """The audit's case: qweight.offset set to 0 made inspect --verify pass and train run on a wrong weight."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    def edit(m):
+        m["layers"][1]["tensors"]["qweight"]["offset"] = 0
+
+    edit_manifest(slab, edit)
+    refused(slab, "block 0 .* fails its layout check")
+    result = CliRunner().invoke(main, ["inspect", str(slab), "--verify"])
+    assert result.exit_code == 1 and "fails its layout check" in result.output and "Traceback" not in result.output
+    edit_manifest(slab, lambda m: None, reseal=True)  # even with a matching digest, two tensors cannot share bytes
+    refused(slab, "overlaps")
+
+
+@pytest.mark.parametrize("edit, refusal", [
+    (lambda m: m.update(alignment=0), "alignment 0 is not a power of two"),
+    (lambda m: m.update(alignment=48), "alignment 48 is not a power of two"),
+    (lambda m: m.update(alignment="256"), "field 'alignment'"),
+    (lambda m: m["layers"][0]["tensors"]["scales"].update(offset="0"), "field 'offset'"),
+    (lambda m: m["layers"][0]["tensors"]["scales"].update(offset=1.5), "field 'offset'"),
+    (lambda m: m["layers"][0].update(shape="32x32"), "field 'shape'"),
+    (lambda m: m["blocks"][0].update(nbytes=True), "field 'nbytes'"),
+    (lambda m: m["blocks"][0].update(layers={"a": 1}), "field 'layers'"),
+    (lambda m: m["model"].update(block_lists=None), "field 'block_lists'"),
+    (lambda m: m["layers"][0]["spec"].update(bits="4"), "malformed fields"),
+    (lambda m: m["layers"][0]["spec"].update(clip_ratio="x"), "malformed fields"),
+    (lambda m: m["layers"][0]["spec"].update(symmetric="no"), "malformed fields"),
+    (lambda m: m["layers"][0].update(tensors=[1]), "malformed fields"),
+    (lambda m: m.update(blocks="none"), "malformed fields"),
+    (lambda m: m.update(model=[]), "malformed fields"),
+])
+def test_fields_of_the_wrong_type_or_range_are_refused_in_one_sentence(slab, edit, refusal):
+    edit_manifest(slab, edit)
+    refused(slab, refusal)
+
+
+def test_deeply_nested_json_is_refused(slab):
+    text = (slab / "manifest.json").read_text()
+    (slab / "manifest.json").write_text(text[:-1] + ', "x": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    refused(slab, "nests JSON too deeply")
 
 
 def test_header_offset_past_end_of_file(slab):
@@ -164,3 +211,18 @@ def test_a_failed_atomic_write_leaves_no_temporary_and_the_old_file_intact(tmp_p
         atomic_write_bytes(target, b"new contents")
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_data_file_linked_from_outside_the_slab_folder_is_named(slab, tmp_path, caplog):
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    (slab / "slab.safetensors").rename(elsewhere)
+    (slab / "slab.safetensors").symlink_to(elsewhere)
+    with caplog.at_level("WARNING", logger="squareq.slab.reader"):
+        open_slab(slab, verify=True).close()
+    assert f"is a link to {elsewhere}, outside the slab folder" in caplog.text
+    caplog.clear()
+    (slab / "slab.safetensors").unlink()
+    elsewhere.rename(slab / "slab.safetensors")
+    with caplog.at_level("WARNING", logger="squareq.slab.reader"):
+        open_slab(slab, verify=True).close()
+    assert "outside the slab folder" not in caplog.text  # negative control: a plain slab says nothing

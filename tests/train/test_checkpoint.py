@@ -1,4 +1,5 @@
 """Training checkpoints: exact resume, RNG restore, atomic writes, listing, pruning, refusals."""
+import json
 import math
 import os
 import random
@@ -50,6 +51,12 @@ def _train(model, opt, sched, steps):
         opt.step()
         if sched is not None:
             sched.step()
+
+
+def _reseal(path):
+    """Rewrite checksums.json over the files as they are now: a damage the checksums cannot see."""
+    sums = {f: ckpt._sha256(path / f) for f in ckpt.HASHED_FILES}
+    (path / ckpt.CHECKSUMS_FILE).write_text(json.dumps({"format": ckpt.FORMAT, "sha256": sums}))
 
 
 def _assert_optimizer_equal(a, b):
@@ -219,7 +226,10 @@ def test_pickle_in_place_of_safetensors_is_refused(tmp_path):
     _train(model, opt, None, 1)
     path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
     torch.save(opt.state_dict(), path / ckpt.OPTIMIZER_FILE)  # a pickle wearing the safetensors name
-    refusal = r"optimizer\.safetensors is not a valid safetensors file.*older checkpoint"
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors fails its sha256 check"):
+        load_checkpoint(path, torch.optim.AdamW(model.parameters()), _names(model))
+    _reseal(path)  # even with matching checksums, the pickle is never loaded
+    refusal = r"optimizer\.safetensors is not a valid safetensors file.*without --resume"
     with pytest.raises(CheckpointError, match=refusal):
         load_checkpoint(path, torch.optim.AdamW(model.parameters()), _names(model))
 
@@ -229,6 +239,7 @@ def test_incomplete_or_corrupt_checkpoint_is_refused(tmp_path):
     opt = torch.optim.AdamW(model.parameters())
     path = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
     (path / ckpt.STATE_FILE).write_text("{not json")
+    _reseal(path)
     with pytest.raises(CheckpointError, match=r"state\.json is unreadable"):
         load_checkpoint(path, opt, _names(model))
     (path / ckpt.LORA_FILE).unlink()
@@ -262,3 +273,77 @@ def test_unsaveable_values_fail_before_writing(tmp_path):
     with pytest.raises(ValueError, match="JSON-able"):
         save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {"t": torch.zeros(1)})
     assert latest_checkpoint(tmp_path) is None
+
+
+def _two_checkpoints(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, None, 1)
+    first = save_checkpoint(tmp_path, 1, _lora(model), opt, _names(model), None, {}, {})
+    _train(model, opt, None, 1)
+    second = save_checkpoint(tmp_path, 2, _lora(model), opt, _names(model), None, {}, {})
+    return model, first, second
+
+
+def _flip_bit(path, byte_from_end=3, bit=6):
+    data = bytearray(path.read_bytes())
+    data[len(data) - byte_from_end] ^= 1 << bit  # inside the last float: an exponent bit
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_is_refused_naming_the_previous_checkpoint(tmp_path):
+    model, first, second = _two_checkpoints(tmp_path)
+    for name in ckpt.HASHED_FILES:
+        original = (second / name).read_bytes()
+        _flip_bit(second / name)
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))
+        message = str(info.value)
+        assert f"{second / name} fails its sha256 check" in message
+        assert f"--resume {first}" in message
+        (second / name).write_bytes(original)
+    load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))  # intact again: loads
+    _flip_bit(first / ckpt.LORA_FILE)
+    with pytest.raises(CheckpointError, match="no earlier checkpoint exists"):
+        load_checkpoint(first, torch.optim.AdamW(model.parameters()), _names(model))
+    (second / ckpt.CHECKSUMS_FILE).write_text("[]")
+    with pytest.raises(CheckpointError, match=r"checksums\.json is unreadable or damaged"):
+        load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))
+
+
+@pytest.mark.parametrize("damage, refusal", [
+    (lambda t: {k: v for k, v in list(t.items())[1:]}, r"has no tensor 0\.bias"),
+    (lambda t: {**t, "0.weight": torch.zeros(2, 2)}, r"shape \[2, 2\]"),
+    (lambda t: {**t, "0.weight": torch.full_like(t["0.weight"], float("nan"))}, "NaN or Inf in 0.weight"),
+    (lambda t: {**t, "stray": torch.zeros(1)}, "does not train, e.g. stray"),
+])
+def test_a_lora_file_that_does_not_fit_is_refused(tmp_path, damage, refusal):
+    from safetensors.torch import load_file, save_file
+
+    model, first, second = _two_checkpoints(tmp_path)
+    save_file(damage(load_file(second / ckpt.LORA_FILE)), second / ckpt.LORA_FILE)
+    _reseal(second)  # consistent checksums: the content itself must be refused
+    with pytest.raises(CheckpointError, match=refusal) as info:
+        load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))
+    assert f"--resume {first}" in str(info.value)
+
+
+def test_a_checkpoint_without_checksums_is_refused_by_version(tmp_path):
+    model, first, second = _two_checkpoints(tmp_path)
+    state = json.loads((second / ckpt.STATE_FILE).read_text())
+    (second / ckpt.STATE_FILE).write_text(json.dumps({**state, "format_version": 1}))
+    (second / ckpt.CHECKSUMS_FILE).unlink()
+    assert latest_checkpoint(tmp_path) == second  # listed, so --resume latest says why it cannot use it
+    with pytest.raises(CheckpointError, match=f"format version 1.*--resume {first}"):
+        load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))
+
+
+@pytest.mark.parametrize("field, value", [("step", "x"), ("data_state", [1]), ("optimizer", 3), ("rng", {}),
+                                          ("extra", {"__tensor__": "nope"}), ("config", None)])
+def test_malformed_state_fields_are_refused(tmp_path, field, value):
+    model, first, second = _two_checkpoints(tmp_path)
+    state = json.loads((second / ckpt.STATE_FILE).read_text())
+    (second / ckpt.STATE_FILE).write_text(json.dumps({**state, field: value}))
+    _reseal(second)
+    with pytest.raises(CheckpointError, match=f"checkpoint {second}.*--resume {first}"):
+        load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))
