@@ -30,10 +30,11 @@ from .train.encoders import EncoderError
 from .train.lora_files import LoraFileError
 from .train.loop import TrainError
 from .train.sample import SampleError
+from .slab.atomic import OutputError, os_error_sentence
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError)
+               TrainError, SampleError, OutputError)
 
 
 class _Group(click.Group):
@@ -44,6 +45,10 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except USER_ERRORS as exc:
             click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except OSError as exc:
+            # the library maps the OSErrors it expects; one it did not still gets a sentence, not a traceback
+            click.echo(f"error: {os_error_sentence(exc, f'squareq {ctx.invoked_subcommand}')}", err=True)
             sys.exit(1)
 
 

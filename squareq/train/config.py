@@ -128,7 +128,9 @@ class TrainConfig:
     def validate(self, where: str = "the configuration") -> None:
         """Raise :class:`ConfigError` with one sentence naming the key if a value cannot work."""
         def bad(key: str, why: str) -> ConfigError:
-            return ConfigError(f"{where}: {key} = {getattr(self, key)!r} {why}.")
+            error = ConfigError(f"{where}: {key} = {getattr(self, key)!r} {why}.")
+            error.key = key
+            return error
 
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
@@ -147,6 +149,15 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise bad(key, "must be a whole number of at least 1")
+        for key, low, strict in (("alpha", 0.0, True), ("shift", 0.0, True), ("weight_decay", 0.0, False),
+                                 ("max_grad_norm", 0.0, False), ("guidance", 0.0, False),
+                                 ("sample_guidance", 0.0, False), ("caption_dropout", 0.0, False)):
+            value = getattr(self, key)
+            if value is None and key == "alpha":
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or value < low or (strict and value == low):
+                raise bad(key, f"must be a finite number {'above' if strict else 'of at least'} {low:g}")
         if not 0.0 <= self.caption_dropout < 1.0:
             raise bad("caption_dropout", "must be in [0, 1)")
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \
@@ -251,4 +262,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return TrainConfig(**values)
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace("the configuration", where, 1)) from None
+        key = getattr(exc, "key", None)
+        source = f"--{key.replace('_', '-')}" if key and overrides.get(key) is not None else where
+        raise ConfigError(str(exc).replace("the configuration", source, 1)) from None

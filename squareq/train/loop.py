@@ -32,7 +32,7 @@ from .. import runtime
 from ..models import ADAPTERS
 from ..runtime.host_memory import HostMemoryError
 from ..slab import open_slab
-from ..slab.atomic import atomic_write_bytes
+from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence
 from .cache import EmbeddingCache, content_key, file_digest
 from .checkpoint import (
     checkpoint_dir,
@@ -166,6 +166,12 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
 
 
+# LoRA factors start below 1/sqrt(in_features) in size and stay far below 10 in any training that learns; one of
+# 1e4 multiplies its layer's delta at least ten-thousandfold (the audit's --lr 1e6 saved weights of 9.8e7), so a
+# step that reaches it has diverged.
+DIVERGED_WEIGHT = 1e4
+
+
 def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
           after_step: Callable[[int], None] | None = None,
           on_gradients: Callable[[int, list[torch.Tensor]], None] | None = None,
@@ -177,13 +183,16 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it for "
                          "several) or set sample_every = 0.")
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_output_dir(Path(cfg.output), "-o/--out")
     device = _device()
     ranks = Ranks.from_env("nccl" if device.type == "cuda" else "gloo")
     try:
         return _train(cfg, out, device, ranks, echo if ranks.is_main else (lambda s: None), after_step, on_gradients,
                       progress)
+    except OSError as exc:
+        # checkpoints are atomic, so whatever failed here (a full disk, a folder made read-only) lost no saved step
+        then = "pass --resume latest to continue" if latest_checkpoint(out) else "run the command again"
+        raise TrainError(os_error_sentence(exc, f"training into {out}", then)) from None
     finally:
         ranks.close()
 
@@ -343,12 +352,14 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 norm = float(norm)
                 updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
                 optimizer.step()
-                # a step can turn finite gradients into non-finite weights (an overflowing learning rate): stop before
-                # anything of it is saved, so every checkpoint on disk stays a good one
-                if not math.isfinite(float(torch.nn.utils.get_total_norm([p.detach() for p in params]))):
+                # a step can turn finite gradients into non-finite or exploded weights (a learning rate far too
+                # large): stop before anything of it is saved, so every checkpoint on disk stays a good one
+                largest = max(float(p.detach().abs().max()) for p in params)
+                if not largest <= DIVERGED_WEIGHT:
                     last = latest_checkpoint(out)
                     where = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-                    raise TrainError(f"step {step + 1} made the LoRA weights NaN/Inf (learning rate "
+                    what = "NaN/Inf" if not math.isfinite(largest) else f"as large as {largest:.3g}"
+                    raise TrainError(f"step {step + 1} made the LoRA weights {what} (learning rate "
                                      f"{scheduler.get_last_lr()[0]:.3g}), so the run stopped without saving it; "
                                      f"{where}. Lower --lr, then --resume latest or start again.")
                 scheduler.step()

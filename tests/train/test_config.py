@@ -35,6 +35,14 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ("lr = inf", "lr"),
     ("lr = nan", "lr"),
     ('lr = "fast"', "lr"),
+    ("shift = -5.0", "shift"),
+    ("shift = 0", "shift"),
+    ("shift = nan", "shift"),
+    ("alpha = 0", "alpha"),
+    ("alpha = inf", "alpha"),
+    ("weight_decay = -1.0", "weight_decay"),
+    ("guidance = nan", "guidance"),
+    ("caption_dropout = nan", "caption_dropout"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"
@@ -61,3 +69,15 @@ def test_unknown_keys_and_flags_are_refused(tmp_path):
 def test_a_bad_flag_value_names_the_flag():
     with pytest.raises(ConfigError, match="--batch-size"):
         load_config(None, {"batch_size": "two"})
+
+
+def test_shift_minus_five_is_one_sentence_from_the_cli(tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    result = CliRunner().invoke(main, ["train", str(tmp_path / "x.slab"), "--data", str(tmp_path), "-o",
+                                       str(tmp_path / "out"), "--shift", "-5"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("error: --shift: shift = -5.0 must be a finite number above 0")
+    assert not (tmp_path / "out").exists()

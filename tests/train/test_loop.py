@@ -408,3 +408,90 @@ def test_resume_rules(workspace, tmp_path):
     assert records[-1]["lr"] == pytest.approx(1e-3)  # the new learning rate, not the saved one
     with pytest.raises(TrainError, match="batch size"):
         train(_config(workspace, out, steps=8, save_every=2, batch_size=1, resume="latest"), echo=lambda s: None)
+
+
+def test_resume_latest_refuses_a_corrupted_checkpoint_and_names_the_previous_one(workspace, tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "flipped"
+    train(_config(workspace, out, steps=4, save_every=2, keep_last=2), echo=lambda s: None)
+    latest = out / "checkpoints" / "step-00000004"
+    lora = latest / "lora.safetensors"
+    data = bytearray(lora.read_bytes())
+    data[-2] ^= 0x40  # an exponent bit of the last float32 (the audit's case: the LoRA then held 4.0e37)
+    lora.write_bytes(bytes(data))
+    (out / "pytorch_lora_weights.safetensors").unlink()
+    result = CliRunner().invoke(main, ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"),
+                                       "-o", str(out), "--resolution", "64", "--max-sequence-length", "16", "--steps",
+                                       "6", "--rank", "4", "--cache-dir", str(workspace / "cache"), "--resume",
+                                       "latest"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"{lora} fails its sha256 check" in result.output
+    assert f"--resume {out / 'checkpoints' / 'step-00000002'}" in result.output
+    assert not (out / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_output_problems_are_one_sentence_and_lose_no_saved_step(workspace, tmp_path, monkeypatch):
+    import errno
+
+    from click.testing import CliRunner
+
+    import squareq.train.checkpoint as checkpoint_module
+    from squareq.cli import main
+
+    args = ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"), "--resolution", "64",
+            "--max-sequence-length", "16", "--steps", "4", "--save-every", "2", "--rank", "2",
+            "--cache-dir", str(workspace / "cache")]
+    runner = CliRunner()
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    result = runner.invoke(main, args + ["-o", str(taken)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith(f"error: -o/--out {taken} is a file, not a folder")
+
+    def read_only(self, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    with monkeypatch.context() as m:
+        m.setattr(type(tmp_path), "mkdir", read_only)
+        result = runner.invoke(main, args + ["-o", str(tmp_path / "ro" / "out")])
+    assert result.exit_code == 1 and "is not writable (Read-only file system)" in result.output
+
+    out = tmp_path / "full"
+    real = checkpoint_module._write_json
+    calls = []
+
+    def disk_fills_at_the_second_checkpoint(path, obj):
+        calls.append(path)
+        if len(calls) > 2:  # two files per checkpoint: state.json and checksums.json
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, obj)
+
+    monkeypatch.setattr(checkpoint_module, "_write_json", disk_fills_at_the_second_checkpoint)
+    result = runner.invoke(main, args + ["-o", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "is full (No space left on device)" in result.output and "--resume latest" in result.output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]  # no temporary left
+    monkeypatch.setattr(checkpoint_module, "_write_json", real)
+    resumed = runner.invoke(main, args + ["-o", str(out), "--resume", "latest"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "resumed from" in resumed.output and (out / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_lr_1e6_stops_at_the_first_exploded_step_and_writes_no_lora(workspace, tmp_path):
+    """The audit's case: --lr 1e6 trained and saved LoRA weights up to 9.8e7."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "huge"
+    args = ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"), "--resolution", "64",
+            "--max-sequence-length", "16", "--steps", "2", "--save-every", "1", "--cache-dir", str(workspace / "cache")]
+    result = CliRunner().invoke(main, args + ["-o", str(out), "--lr", "1e6"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "step 1 made the LoRA weights as large as" in result.output and "no checkpoint was written" in result.output
+    assert not (out / "pytorch_lora_weights.safetensors").exists() and not (out / "checkpoints").exists()
+    sane = CliRunner().invoke(main, args + ["-o", str(tmp_path / "sane"), "--lr", "1e-3"])  # negative control
+    assert sane.exit_code == 0, sane.output
