@@ -6,8 +6,6 @@ and written one at a time (host memory holds one blob), and the directory appear
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ from .manifest import (
     layout_digest,
     resident_tensor_name,
 )
+from .safetensors_file import safetensors_header
 from .signature import jsonable_config, model_signature
 
 
@@ -178,13 +177,7 @@ def rtn_quantize(name: str, w: torch.Tensor, spec: QuantSpec, opts: WriteOptions
 
 def _header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
     """safetensors header for (name, dtype, shape, nbytes) in file order, padded so data starts aligned."""
-    header, pos = {"__metadata__": {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}}, 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + nbytes]}
-        pos += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (align_up(8 + len(raw)) - 8 - len(raw))
-    return struct.pack("<Q", len(raw)) + raw
+    return safetensors_header(entries, {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}, ALIGNMENT)
 
 
 def _copy_file_into(fh, path: Path, nbytes: int, chunk: int = 64 << 20) -> None:

@@ -49,10 +49,11 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..slab.atomic import atomic_directory, fsync_file
+from ..slab.atomic import atomic_directory
 from ..slab.errors import brief
+from ..slab.safetensors_file import safetensors_bytes
 
 FORMAT = "squareq-train-checkpoint"
 FORMAT_VERSION = 2  # 2: checksums.json
@@ -154,8 +155,10 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    save_file(tensors, str(path), metadata={**(metadata or {}), "format": FORMAT})
-    fsync_file(path)
+    with open(path, "wb") as fh:
+        fh.write(safetensors_bytes(tensors, {**(metadata or {}), "format": FORMAT}))
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _write_json(path: Path, obj: dict) -> None:

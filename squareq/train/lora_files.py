@@ -25,6 +25,7 @@ The diffusers <-> BFL names come from ``squareq.models.flux_bfl``; no table is r
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -33,12 +34,12 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as safetensors_bytes
 
 from .. import __version__
 from ..models import flux_bfl
 from ..models.base import ModelError
 from ..slab.atomic import atomic_write_bytes
+from ..slab.safetensors_file import safetensors_bytes
 
 # The names diffusers uses (diffusers/loaders/lora_base.py: LORA_WEIGHT_NAME_SAFE, LORA_ADAPTER_METADATA_KEY;
 # lora_pipeline.py: FluxLoraLoaderMixin.transformer_name). Repeated so that saving does not import diffusers'
@@ -122,14 +123,17 @@ def _provenance(layout: str, rank: int, alpha: float, targets, extra: Mapping[st
     return meta
 
 
-def _read_provenance(header: Mapping[str, str]) -> dict[str, Any]:
+def _read_provenance(header: Mapping[str, str], where: str) -> dict[str, Any]:
     out = {}
     for key, value in header.items():
         if key.startswith("squareq."):
             try:
                 out[key[len("squareq."):]] = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 out[key[len("squareq."):]] = value  # a plain string (e.g. a signature)
+    targets = out.get("targets")
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise LoraFileError(f"{where}: the header's squareq.targets is not a list of layer names; re-save the LoRA.")
     return out
 
 
@@ -213,11 +217,15 @@ def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, al
     return _write(Path(out_dir) / WEIGHT_NAME, tensors, metadata)
 
 
-def _peft_pattern(patterns: Mapping[str, Any], layer: str):
+def _peft_pattern(patterns: Mapping[str, Any], layer: str, where: str = "the LoRA"):
     """PEFT's rank/alpha_pattern lookup (peft.utils.other.get_pattern_key): a key matches a dotted suffix."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", layer):
-            return value
+        try:
+            if re.match(rf"(.*\.)?({key})$", layer):
+                return value
+        except re.error:
+            raise LoraFileError(f"{where}: the header's pattern {key[:40]!r} is not a valid layer pattern; re-save the "
+                                "LoRA.") from None
     return None
 
 
@@ -238,25 +246,43 @@ def _from_diffusers(tensors: Mapping[str, torch.Tensor], header: Mapping[str, st
         tensors = {k[len(prefix):]: v for k, v in tensors.items()}
     layers = _layers(tensors, where)
 
-    config: dict[str, Any] = {}
-    raw = header.get(ADAPTER_METADATA_KEY)
-    if raw:
-        try:
-            meta = json.loads(raw)
-        except ValueError:
-            raise LoraFileError(f"{where}: the header's {ADAPTER_METADATA_KEY} is not JSON; re-save the LoRA.") from None
-        # the pipeline writes prefixed keys ("transformer.r"), a model's save_lora_adapter unprefixed ones
-        config = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)} if prefixed else meta
-    alpha = config.get("lora_alpha")
-    alpha_pattern = config.get("alpha_pattern") or {}
+    alpha, alpha_pattern = _adapter_alphas(header, prefix if prefixed else None, where)
     per_layer = {}
     for layer, (a, b) in layers.items():
-        own = _peft_pattern(alpha_pattern, layer)
+        own = _peft_pattern(alpha_pattern, layer, where)
         if own is None:
             # no metadata: diffusers' convention is alpha = rank (scale 1), and it is what diffusers would load
             own = alpha if alpha is not None else a.shape[0]
         per_layer[layer] = (a.float(), b.float(), float(own))
     return per_layer
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _adapter_alphas(header: Mapping[str, str], prefix: str | None, where: str) -> tuple[float | None, dict]:
+    """``lora_alpha`` and ``alpha_pattern`` from a diffusers/PEFT header's adapter config, each checked: a hostile
+    or damaged header is refused in a sentence rather than scaling the LoRA by whatever it holds."""
+    raw = header.get(ADAPTER_METADATA_KEY)
+    if not raw:
+        return None, {}
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise LoraFileError(f"{where}: the header's {ADAPTER_METADATA_KEY} is not a JSON object; re-save the LoRA.")
+    # the pipeline writes prefixed keys ("transformer.r"), a model's save_lora_adapter unprefixed ones
+    config = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)} if prefix else meta
+    alpha, pattern = config.get("lora_alpha"), config.get("alpha_pattern") or {}
+    if alpha is not None and not _positive(alpha):
+        raise LoraFileError(f"{where}: the header's lora_alpha is {str(alpha)[:40]!r}, not a positive number; "
+                            "re-save the LoRA with its alpha.")
+    if not isinstance(pattern, dict) or not all(_positive(v) for v in pattern.values()):
+        raise LoraFileError(f"{where}: the header's alpha_pattern is not a map of layer patterns to positive numbers; "
+                            "re-save the LoRA.")
+    return alpha, pattern
 
 
 # ---------------------------------------------------------------------------------------------- kohya
@@ -431,7 +457,11 @@ def _kohya_layers(sd: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple
             raise LoraFileError(f"{where}: {stem} has lora_down {list(down.shape)} and lora_up {list(up.shape)}; "
                                 "expected [rank, in] and [out, rank] (a conv LoRA is not a FLUX LoRA).")
         # a missing .alpha means alpha = rank (scale 1), as kohya and diffusers read it
-        alpha_fused = float(m["alpha"].float().item()) if "alpha" in m else float(total)
+        alpha_fused = float(total)
+        if "alpha" in m:
+            if m["alpha"].numel() != 1 or not _positive(float(m["alpha"].float().reshape(-1)[0])):
+                raise LoraFileError(f"{where}: {stem}.alpha is not one positive number; re-save the LoRA.")
+            alpha_fused = float(m["alpha"].float().reshape(-1)[0])
         # split lora_up rows by the fused layout; linear1's q/k/v are each as wide as its input (the hidden size),
         # which is all flux_bfl needs from a config
         config = {"num_attention_heads": 1, "attention_head_dim": int(down.shape[1])}
@@ -510,6 +540,11 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors, header = _read_safetensors(file)
     if not tensors:
         raise LoraFileError(f"{file} holds no tensors; it is not a LoRA file.")
+    broken = sorted(k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if broken:
+        # a NaN factor turns every image drawn with it black, and every step trained from it NaN
+        raise LoraFileError(f"{file} holds NaN or Inf values in {_few(broken)}; the LoRA is damaged, use an earlier "
+                            "checkpoint's LoRA or train it again.")
     if any(k.startswith((KOHYA_PREFIX, "lora_te")) for k in tensors):
         layout, per_layer = "kohya", _kohya_layers(tensors, str(file))
     elif any(".lora_A." in k or ".lora_B." in k for k in tensors):
@@ -518,7 +553,7 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise LoraFileError(f"{file} is neither a diffusers/PEFT LoRA (<layer>.lora_A.weight) nor a kohya LoRA "
                             f"(lora_unet_*.lora_down.weight); its keys start with {_few(tensors)}.")
     lora, rank, alpha = _normalize(per_layer)
-    provenance = _read_provenance(header)
+    provenance = _read_provenance(header, str(file))
     targets = provenance.get("targets")
     heads = {k.split(".", 1)[0] for k in tensors}
     info = {

@@ -347,3 +347,23 @@ def test_malformed_state_fields_are_refused(tmp_path, field, value):
     _reseal(second)
     with pytest.raises(CheckpointError, match=f"checkpoint {second}.*--resume {first}"):
         load_checkpoint(second, torch.optim.AdamW(model.parameters()), _names(model))
+
+
+def test_two_identical_saves_write_byte_identical_files(tmp_path):
+    """The audit's finding: identical runs gave identical tensors but files whose headers were ordered differently."""
+    from squareq.train.lora_files import adapter_metadata
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, None, 1)
+    lora = {f"layer{i}.lora_A.weight": torch.randn(2, 4) for i in range(3)}
+    lora.update({f"layer{i}.lora_B.weight": torch.randn(5, 2) for i in range(3)})
+    meta = {**adapter_metadata(lora, 2, 1.0), "a": "1", "b": "2", "c": "3"}
+    state = torch.get_rng_state()
+    folders = []
+    for out in ("one", "two"):
+        torch.set_rng_state(state)
+        folders.append(save_checkpoint(tmp_path / out, 1, _lora(model), opt, _names(model), None, {}, {},
+                                       lora_metadata=meta))
+    for name in ckpt.REQUIRED_FILES:
+        assert (folders[0] / name).read_bytes() == (folders[1] / name).read_bytes(), name

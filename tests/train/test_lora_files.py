@@ -355,6 +355,59 @@ def test_bad_contents_are_refused(tmp_path):
     one_sentence_naming(err, "nowhere")
 
 
+def _diffusers_file(tmp_path, name, adapter=None, extra=None, tensors=None):
+    a, b = torch.randn(4, HIDDEN), torch.randn(HIDDEN, 4)
+    tensors = tensors or {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": a,
+                          "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": b}
+    metadata = dict(extra or {})
+    if adapter is not None:
+        metadata[ADAPTER_METADATA_KEY] = adapter if isinstance(adapter, str) else json.dumps(adapter)
+    path = tmp_path / f"{name}.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+@pytest.mark.parametrize("adapter, extra, words", [
+    ({"transformer.r": 4, "transformer.lora_alpha": "abc"}, None, "lora_alpha is 'abc', not a positive number"),
+    ({"transformer.lora_alpha": float("nan")}, None, "not a positive number"),
+    ({"transformer.lora_alpha": -2}, None, "not a positive number"),
+    ({"transformer.lora_alpha": 4, "transformer.alpha_pattern": {"to_q": "x"}}, None, "alpha_pattern"),
+    ({"transformer.lora_alpha": 4, "transformer.alpha_pattern": {"(to_q": 2}}, None, "not a valid layer pattern"),
+    ("[1, 2]", None, "is not a JSON object"),
+    ("{not json", None, "is not a JSON object"),
+    (None, {"squareq.targets": "7"}, "squareq.targets is not a list"),
+])
+def test_bad_adapter_metadata_is_refused_in_one_sentence(tmp_path, adapter, extra, words):
+    """The audit's case: lora_alpha "abc" in the header raised a ValueError traceback."""
+    path = _diffusers_file(tmp_path, "bad", adapter, extra)
+    with pytest.raises(LoraFileError) as err:
+        load_lora(path)
+    one_sentence_naming(err, str(path))
+    assert words in str(err.value)
+    good = _diffusers_file(tmp_path, "good", {"transformer.lora_alpha": 2})  # negative control
+    assert load_lora(good)[1]["alpha"] == 2
+
+
+def test_non_finite_factors_and_kohya_alphas_are_refused(tmp_path):
+    nan = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.full((4, HIDDEN), float("nan")),
+           "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(HIDDEN, 4)}
+    path = _diffusers_file(tmp_path, "nan", tensors=nan)
+    with pytest.raises(LoraFileError) as err:
+        load_lora(path)
+    one_sentence_naming(err, str(path))
+    assert "holds NaN or Inf values in transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in str(err.value)
+    stem = "lora_unet_double_blocks_0_img_attn_proj"
+    for alpha, words in ((torch.ones(2), "is not one positive number"), (torch.tensor(0.0), "is not one positive number"),
+                         (torch.tensor(float("inf")), None)):
+        path = tmp_path / "kohya.safetensors"
+        save_file({f"{stem}.lora_down.weight": torch.randn(4, HIDDEN), f"{stem}.lora_up.weight": torch.randn(HIDDEN, 4),
+                   f"{stem}.alpha": alpha}, str(path))
+        with pytest.raises(LoraFileError) as err:
+            load_lora(path)
+        one_sentence_naming(err, str(path))
+        assert (f"{stem}.alpha {words}" if words else f"NaN or Inf values in {stem}.alpha") in str(err.value)
+
+
 def test_layers_without_a_kohya_counterpart_are_refused(trained):
     lora, _ = trained
     for layer in ("transformer_blocks.0.attn.norm_q", "foo.bar"):
