@@ -106,10 +106,16 @@ def scan_dataset(path, min_side: int = 64) -> Dataset:
 
 
 def _rel(p: Path, root: Path) -> str:
-    try:
-        return p.relative_to(root).as_posix()
-    except ValueError:  # a jsonl file_name may point outside the folder
-        return p.as_posix()
+    return p.relative_to(root).as_posix()
+
+
+def _confined(path: Path, root: Path, named_by: str) -> None:
+    """Refuse a file that leads outside the data folder (``../``, an absolute name, a link): a data folder from
+    someone else must not make training read, and cache the contents of, files elsewhere on the machine."""
+    target = path.resolve()
+    if not target.is_relative_to(root.resolve()):
+        raise DataError(f"{named_by} leads to {target}, outside the data folder {root}; copy the file into the folder "
+                        "and name it relative to it.")
 
 
 def _from_folder(root: Path, data: Dataset) -> list[tuple[Path, str]]:
@@ -122,6 +128,9 @@ def _from_folder(root: Path, data: Dataset) -> list[tuple[Path, str]]:
             continue
         txt = image.with_suffix(".txt")
         rel_txt = txt.relative_to(root).as_posix()
+        _confined(image, root, rel.as_posix())
+        if txt.exists():
+            _confined(txt, root, rel_txt)
         if not txt.is_file():
             data.skipped.append(Skipped(image, f"{rel.as_posix()} has no caption: add {rel_txt} "
                                                f"or a {METADATA} line for it."))
@@ -166,6 +175,7 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str]]:
             continue
         caption = entry.get("caption", entry.get("text"))
         image = root / name
+        _confined(image, root, f"{meta} line {n}: file_name {name!r}")
         if not image.is_file():
             bad(f"{where} names {name}, which is not a file in {root}: fix the file_name or add the image.", image)
         elif image in seen:

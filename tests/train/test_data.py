@@ -111,6 +111,45 @@ def test_bad_jsonl_lines_and_missing_files_are_skipped(tmp_path):
     assert reasons[3].startswith("blank.png has an empty caption in metadata.jsonl line 5")
 
 
+@pytest.mark.parametrize("file_name", ["../outside.png", "{outside}", "sub/../../outside.png"])
+def test_a_jsonl_file_name_outside_the_folder_is_refused(tmp_path, file_name):
+    """The audit's case: a metadata.jsonl file_name pointing outside the data folder was read."""
+    outside = _image(tmp_path / "outside.png")
+    data = tmp_path / "data"
+    _image(data / "inside.png")
+    lines = [{"file_name": "inside.png", "caption": "fine"},
+             {"file_name": file_name.format(outside=outside), "caption": "not yours"}]
+    (data / "metadata.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    with pytest.raises(DataError) as err:
+        scan_dataset(data)
+    message = str(err.value)
+    assert "metadata.jsonl line 2" in message and f"leads to {outside}, outside the data folder {data}" in message
+    (data / "metadata.jsonl").write_text(json.dumps(lines[0]))  # negative control: the inside line alone is fine
+    assert [it.path.name for it in scan_dataset(data).items] == ["inside.png"]
+
+
+@pytest.mark.parametrize("linked", ["image", "caption"])
+def test_a_linked_file_outside_the_folder_is_refused(tmp_path, linked):
+    elsewhere = tmp_path / "elsewhere"
+    _captioned(elsewhere, "secret.png", "a secret")
+    data = tmp_path / "data"
+    _captioned(data, "own.png", "my own")
+    if linked == "image":
+        (data / "x.png").symlink_to(elsewhere / "secret.png")
+        (data / "x.txt").write_text("caption")
+    else:
+        _image(data / "x.png")
+        (data / "x.txt").symlink_to(elsewhere / "secret.txt")
+    with pytest.raises(DataError, match=f"leads to {elsewhere}.*outside the data folder"):
+        scan_dataset(data)
+    inner = data / "y.png"  # negative control: a link that stays inside the folder is fine
+    (data / "x.png").unlink()
+    (data / "x.txt").unlink()
+    inner.symlink_to(data / "own.png")
+    inner.with_suffix(".txt").write_text("the same picture")
+    assert sorted(it.path.name for it in scan_dataset(data).items) == ["own.png", "y.png"]
+
+
 def test_nothing_usable_raises_naming_the_folder(tmp_path):
     _image(tmp_path / "nocap.png")
     with pytest.raises(DataError, match="No training images in .*none of the 1 files"):
