@@ -367,16 +367,27 @@ class AutoOrInt(click.ParamType):
 def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
            resident_blocks, host):
     """Generate images with the streamed slab, optionally with a LoRA."""
-    from .train.sample import sample_images
+    import io
 
-    images = sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps,
-                           guidance=guidance, seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch,
-                           host=host, resident_blocks=resident_blocks)
-    out.mkdir(parents=True, exist_ok=True)
-    for i, image in enumerate(images):
+    from .slab.atomic import atomic_write_bytes, ensure_output_dir
+    from .train.sample import check_sample_options, sample_images
+
+    check_sample_options(resolution, steps, guidance, max_sequence_length)
+    ensure_output_dir(out, "-o/--out")  # before any drawing, whose images would otherwise be lost
+
+    def save(i: int, image) -> None:
         path = out / f"sample-{i:03d}.png"
-        image.save(path)
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        try:
+            atomic_write_bytes(path, png.getbuffer())
+        except OSError as exc:
+            raise SampleError(os_error_sentence(exc, f"saving {path}", "draw the remaining prompts again")) from None
         click.echo(f"wrote {path}")
+
+    sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
+                  seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
+                  resident_blocks=resident_blocks, on_image=save)
 
 
 @main.command("export-lora")

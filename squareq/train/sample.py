@@ -5,6 +5,8 @@ encoders and scheduler come from the slab's recorded source or ``--model``, as f
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,24 +28,58 @@ class SampleError(ValueError):
     """The slab's family cannot be sampled yet; the message says which can."""
 
 
+class _FiniteLatents:
+    """diffusers' ``callback_on_step_end`` that stops a drawing whose latents turned NaN/Inf (a damaged LoRA, a NaN
+    guidance): its image would be saved all black. ``then``: another callback to run after the check."""
+
+    def __init__(self, prompt: str, then=None) -> None:
+        self.prompt, self.then = prompt, then
+
+    def __call__(self, pipe, step: int, timestep, kwargs: dict) -> dict:
+        latents = kwargs.get("latents")
+        if latents is not None and not bool(torch.isfinite(latents).all()):
+            raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
+                              "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
+        return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
+
+
+def check_sample_options(resolution: int, steps: int, guidance: float, max_sequence_length: int) -> None:
+    """Refuse (:class:`SampleError`, naming the flag) values a FLUX pipeline would crash on or silently replace."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not whole(resolution) or resolution < 16 or resolution % 16:
+        raise SampleError(f"--resolution {resolution} must be a positive multiple of 16 (FLUX packs 2x2 patches of an "
+                          "8x VAE), e.g. 512 or 1024.")
+    if not whole(steps) or steps < 1:
+        raise SampleError(f"--steps {steps} must be a whole number of at least 1, e.g. 20.")
+    if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 0:
+        raise SampleError(f"--guidance {guidance} must be a finite number of at least 0, e.g. 3.5.")
+    if not whole(max_sequence_length) or max_sequence_length < 1:
+        raise SampleError(f"--max-sequence-length {max_sequence_length} must be a whole number of at least 1.")
+
+
 def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, seed: int, max_sequence_length: int,
                device: torch.device, on_step_end=None):
     """One image from a FLUX pipeline whose transformer is a runtime model (bf16 autocast, no gradients);
-    ``on_step_end``: diffusers' ``callback_on_step_end`` (a StreamTuner's)."""
+    ``on_step_end``: diffusers' ``callback_on_step_end`` (a StreamTuner's). :class:`SampleError` if the
+    latents turn NaN/Inf."""
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         return pipe(prompt, height=resolution, width=resolution, num_inference_steps=steps, guidance_scale=guidance,
-                    max_sequence_length=max_sequence_length, callback_on_step_end=on_step_end,
+                    max_sequence_length=max_sequence_length, callback_on_step_end=_FiniteLatents(prompt, on_step_end),
                     generator=torch.Generator(device).manual_seed(seed)).images[0]
 
 
 def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None = None, model: str | None = None,
                   resolution: int = 1024, steps: int = 20, guidance: float = 3.5, seed: int = 42,
                   max_sequence_length: int = 512, prefetch: int | str = "auto", host: str = "pinned", device=None,
-                  resident_blocks: int | str = 0):
+                  resident_blocks: int | str = 0, on_image: Callable[[int, object], None] | None = None):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
-    GPU from then on (runtime/residency.py)."""
+    GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
+    it then, so a failure later keeps what was drawn)."""
+    check_sample_options(resolution, steps, guidance, max_sequence_length)
     device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
@@ -65,6 +101,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
             for prompt in prompts:
                 images.append(draw_image(pipe, prompt, resolution, steps, guidance, seed, max_sequence_length, device,
                                          tuner.pipeline_callback if tuner is not None else None))
+                if on_image is not None:
+                    on_image(len(images) - 1, images[-1])
             pipe.transformer = None
     finally:
         runtime.runtime_of(transformer).close()

@@ -133,7 +133,6 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
 
 
 def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypatch):
-    import squareq.train.loop as loop
     import squareq.train.objective as objective
 
     real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
@@ -153,7 +152,6 @@ def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypat
 
 
 def test_a_step_that_blows_the_weights_up_stops_the_run_and_saves_nothing_of_it(workspace, tmp_path, monkeypatch):
-    import squareq.train.loop as loop
 
     real_step = torch.optim.AdamW.step
     calls = {"n": 0}
@@ -284,7 +282,6 @@ def test_sample_and_export_commands(workspace, tmp_path, caplog):
 
 
 def test_out_of_memory_saves_and_says_which_knob_to_turn(workspace, tmp_path, monkeypatch):
-    import squareq.train.loop as loop
     import squareq.train.objective as objective
 
     real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
@@ -495,3 +492,67 @@ def test_lr_1e6_stops_at_the_first_exploded_step_and_writes_no_lora(workspace, t
     assert not (out / "pytorch_lora_weights.safetensors").exists() and not (out / "checkpoints").exists()
     sane = CliRunner().invoke(main, args + ["-o", str(tmp_path / "sane"), "--lr", "1e-3"])  # negative control
     assert sane.exit_code == 0, sane.output
+
+
+def test_sample_refuses_bad_options_and_keeps_what_it_drew(workspace, tmp_path, monkeypatch):
+    """The audit's cases: --resolution 7 and --steps 0 were tracebacks, --resolution 0 drew 1024², an existing file
+    as -o failed only after drawing, --guidance nan saved a black PNG."""
+    import errno
+
+    from click.testing import CliRunner
+
+    import squareq.slab.atomic as atomic
+    from squareq.cli import main
+
+    runner = CliRunner()
+    base = ["sample", str(workspace / "tiny.slab"), "--prompt", "a red square", "--prompt", "a blue square",
+            "--resolution", "64", "--steps", "2", "--max-sequence-length", "16"]
+    for flag, value in (("--resolution", "7"), ("--resolution", "0"), ("--steps", "0"), ("--guidance", "nan"),
+                        ("--max-sequence-length", "0")):
+        result = runner.invoke(main, base + ["-o", str(tmp_path / "never"), flag, value])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert result.output.startswith(f"error: {flag} {value} must be"), result.output
+    assert not (tmp_path / "never").exists()
+
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    result = runner.invoke(main, base + ["-o", str(taken)])
+    assert result.exit_code == 1 and f"-o/--out {taken} is a file" in result.output
+
+    real = atomic.atomic_write_bytes
+    written = []
+
+    def full_at_the_second(path, data):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(atomic, "atomic_write_bytes", full_at_the_second)
+    out = tmp_path / "full"
+    result = runner.invoke(main, base + ["-o", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "is full (No space left on device)" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["sample-000.png"]  # the first image was kept, no temporary
+
+
+def test_an_overflowing_lora_draws_no_black_image(workspace, tmp_path):
+    """Finite factors whose product overflows bf16 make the latents NaN; the image is refused, not saved black."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+    from squareq.train.lora_files import save_diffusers_lora
+
+    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    params = runtime.add_lora(model, rank=2, seed=3)
+    with torch.no_grad():
+        for p in params:
+            p.fill_(1e20)
+    save_diffusers_lora(runtime.lora_state_dict(model), tmp_path / "huge", 2, 2.0, ["to_q", "to_k", "to_v", "to_out.0"])
+    out = tmp_path / "black"
+    result = CliRunner().invoke(main, ["sample", str(workspace / "tiny.slab"), "--prompt", "a red square",
+                                       "--resolution", "64", "--steps", "2", "--max-sequence-length", "16",
+                                       "--lora", str(tmp_path / "huge"), "-o", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "produced NaN or Inf, so its image (it would be black) is not saved" in result.output
+    assert list(out.iterdir()) == []
