@@ -25,6 +25,7 @@ from torch import nn
 from .. import quant
 from ..models.calibration import CalibrationSet
 from ..slab import SlabError, WriteOptions
+from ..slab.atomic import OutputError, os_error_sentence, remove_debris
 from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
     PLACEHOLDER_FLOAT,
@@ -80,6 +81,18 @@ class CompileOptions:
     device: str = "cpu"
     resume: bool = False
     overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        # checked when the options are made, before calibration data is encoded or any state folder is written: the
+        # search builds its first spec only once the state exists, and that state would then refuse the fixed rerun
+        try:
+            quant.QuantSpec(bits=self.min_bits, group_size=self.group_size)
+        except quant.SpecError as exc:
+            raise quant.SpecError(f"--group-size {self.group_size}: {exc}") from None
+        for flag, value, least in (("--calib-samples", self.calib_samples, 2), ("--calib-tokens", self.calib_tokens, 2),
+                                   ("--effect-probes", self.effect_probes, 1), ("--ring-slots", self.ring_slots, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise BudgetError(f"{flag} {value} must be a whole number of at least {least}.")
 
     def fingerprint(self) -> dict:
         """What the measurements depend on (the plan's thresholds, budget and objective are not among them)."""
@@ -171,14 +184,26 @@ def measurement_key(source: Source, batch, opts: CompileOptions) -> str:
 
 
 def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress: Progress = lambda s: None):
-    """Compile ``source`` into the slab directory ``out`` and return its manifest."""
+    """Compile ``source`` into the slab directory ``out`` and return its manifest. A full disk or an unwritable
+    folder is an :class:`OutputError` sentence; the blocks measured so far stay in the state folder."""
     out = Path(out)
+    try:
+        return _compile(source, out, opts, progress)
+    except OSError as exc:
+        then = "rerun with --resume (the blocks measured so far are kept)" if state_folder(out).is_dir() \
+            else "run the command again"
+        raise OutputError(os_error_sentence(exc, f"compiling {out}", then)) from None
+
+
+def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress):
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
     if opts.max_bits not in RUNGS or opts.max_bits < opts.min_bits:
         raise BudgetError(f"--max-bits {opts.max_bits} must be one of {RUNGS} and at least --min-bits {opts.min_bits}.")
     if opts.objective not in OBJECTIVES:
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
+    for debris in remove_debris(out):
+        progress(f"removed {debris}, left by a compile that was killed")
     skeleton = source.skeleton()
     previous = read_previous(opts.previous, source, skeleton) if opts.previous else None
     batch = calibration_batch(source, skeleton, opts)

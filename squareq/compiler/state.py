@@ -41,6 +41,8 @@ class CompileState:
                 raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
                                  "rerun with the same model and options, or delete the folder to start over.")
         self.folder.mkdir(parents=True, exist_ok=True)
+        for leftover in self.folder.glob(".*.tmp"):  # a write a kill interrupted: never read, only filling the disk
+            leftover.unlink(missing_ok=True)
         atomic_write_bytes(meta, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
 
     def _paths(self, index: int) -> tuple[Path, Path]:

@@ -52,6 +52,31 @@ def ensure_output_dir(path: Path, flag: str = "-o") -> Path:
     return path
 
 
+# hidden siblings a writer of ``name`` builds in: atomic_directory's (.tmp-, .old-), the slab writers' (.blobs-,
+# .blocks-) and atomic_write_bytes' (.<hex>.tmp)
+_DEBRIS = (".tmp-*", ".old-*", ".blobs-*", ".blocks-*", ".*.tmp")
+
+
+def remove_debris(final: Path) -> list[Path]:
+    """Remove what a killed writer of ``final`` left beside it (Python's cleanup never ran: SIGKILL, power loss);
+    call it before writing ``final`` again. Returns what was removed."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return []
+    found = sorted({p for pattern in _DEBRIS for p in final.parent.glob(f".{glob_escape(final.name)}{pattern}")})
+    for p in found:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return found
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters taken literally."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())

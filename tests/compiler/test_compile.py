@@ -228,3 +228,72 @@ def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_
         for layer in m.layers:
             want = weight_metrics(model.get_submodule(layer.name).weight, slab.quantized_weight(layer.name))
             assert layer.metrics["weight_rel_mse"] == pytest.approx(want["weight_rel_mse"], rel=1e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--group-size", "7"], "--group-size 7: group_size=7 must be a power of two"),
+    (["--group-size", "0"], "--group-size 0"),
+])
+def test_bad_search_options_are_refused_before_anything_is_written(tmp_path, args, message):
+    """The audit's case: --group-size 7 was refused only after the state folder existed, and the corrected run was
+    then refused too."""
+    out = tmp_path / "x.slab"
+    base = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "4", "--calib-resolution",
+            "64", "--rounding", "nearest", "--effect-probes", "1"]
+    result = CliRunner().invoke(main, base + args)
+    assert result.exit_code == 1 and result.output.startswith(f"error: {message}"), result.output
+    assert list(tmp_path.iterdir()) == []  # no state folder, no debris
+    fixed = CliRunner().invoke(main, base + ["--group-size", "32"])
+    assert fixed.exit_code == 0, fixed.output
+    with pytest.raises(BudgetError, match="--calib-samples 0 must be"):
+        CompileOptions(budget=1, calib_samples=0)
+
+
+def test_debris_of_a_killed_compile_is_removed_by_the_next_one(tmp_path, fast):
+    """A SIGKILL leaves the writer's hidden folders and temporaries (about 1.5x the slab); the next compile to the same
+    output removes them, and a resumed state ignores a half-written temporary."""
+    out = tmp_path / "tiny.slab"
+    debris = [tmp_path / ".tiny.slab.blobs-abc123", tmp_path / ".tiny.slab.tmp-deadbeef",
+              tmp_path / ".tiny.slab.old-cafe0000", tmp_path / ".tiny.slab.1234abcd.tmp"]
+    for d in debris[:3]:
+        d.mkdir()
+        (d / "block.0.bin").write_bytes(b"\0" * 1000)
+    debris[3].write_bytes(b"partial")
+    other = tmp_path / ".other.slab.blobs-abc123"  # another output's: not ours to remove
+    other.mkdir()
+    state = driver.state_folder(out)
+    state.mkdir()
+    (state / ".block.0.json.0badf00d.tmp").write_bytes(b"{half")
+    lines = []
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast), lines.append)
+    assert not any(d.exists() for d in debris) and other.exists()
+    assert any("left by a compile that was killed" in line for line in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.slab.blobs-abc123", "tiny.slab"]
+    open_slab(out, verify=True).close()
+
+
+def test_a_full_disk_mid_compile_is_one_sentence_and_resume_then_finishes(tmp_path, monkeypatch, fast):
+    import errno
+
+    import squareq.compiler.state as state_module
+    import squareq.slab.atomic as atomic
+    from squareq.slab.atomic import OutputError
+
+    real, writes = atomic.atomic_write_bytes, []
+
+    def full_at_the_fourth(path, data):
+        writes.append(path)
+        if len(writes) == 4:
+            path.with_name(f".{path.name}.0000dead.tmp").write_bytes(bytes(data)[:10])  # what a kill would leave
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(state_module, "atomic_write_bytes", full_at_the_fourth)
+    out = tmp_path / "full.slab"
+    with pytest.raises(OutputError, match=r"the disk holding .* is full .*rerun with --resume"):
+        compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, **fast))
+    assert not out.exists() and list(driver.state_folder(out).glob(".*.tmp"))
+    monkeypatch.setattr(state_module, "atomic_write_bytes", real)
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast))
+    open_slab(out, verify=True).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.slab"]
