@@ -35,7 +35,7 @@ class CompileState:
             raise StateError(f"{self.folder} holds an earlier, unfinished compile; pass --resume to continue it, "
                              "or delete the folder to start over.")
         if resume and meta.is_file():
-            found = json.loads(meta.read_text())
+            found = self._json(meta)
             if found != fingerprint:
                 changed = sorted(k for k in set(found) | set(fingerprint) if found.get(k) != fingerprint.get(k))
                 raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
@@ -44,6 +44,14 @@ class CompileState:
         for leftover in self.folder.glob(".*.tmp"):  # a write a kill interrupted: never read, only filling the disk
             leftover.unlink(missing_ok=True)
         atomic_write_bytes(meta, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+
+    def _json(self, path: Path):
+        """A JSON file of the state; a damaged one (a disk error, an edit) is refused in a sentence."""
+        try:
+            return json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise StateError(f"{path} is damaged ({' '.join(str(exc).split())[:120]}); delete {self.folder} to start "
+                             "the compile over.") from None
 
     def _paths(self, index: int) -> tuple[Path, Path]:
         return self.folder / f"block.{index}.safetensors", self.folder / f"block.{index}.json"
@@ -70,7 +78,7 @@ class CompileState:
         """A finished block's decisions. With ``tensors=False`` the candidates' tensors are meta-device
         stand-ins of the right dtype and shape: enough to plan sizes without reading the data."""
         data, meta = self._paths(index)
-        record = json.loads(meta.read_text())
+        record = self._json(meta)
         stored = load_file(str(data)) if tensors else {}
         decisions = []
         for layer in record.pop("layers"):
@@ -94,7 +102,7 @@ class CompileState:
         data, meta = self._paths(index)
         out: dict[str, dict[int, QuantizedWeight]] = {}
         with safe_open(str(data), framework="pt", device="cpu") as f:
-            for layer in json.loads(meta.read_text())["layers"]:
+            for layer in self._json(meta)["layers"]:
                 for c in layer["tried"]:
                     spec, shape = QuantSpec.from_dict(c["spec"]), tuple(c["shape"])
                     if wanted(layer["name"], spec.bits):
@@ -112,7 +120,7 @@ class CompileState:
         path = self.folder / "effects.json"
         if not path.is_file():
             return None
-        data = json.loads(path.read_text())
+        data = self._json(path)
         return {n: {int(b): e for b, e in r.items()} for n, r in data["effects"].items()}, data["info"]
 
     def remove(self) -> None:

@@ -297,3 +297,16 @@ def test_a_full_disk_mid_compile_is_one_sentence_and_resume_then_finishes(tmp_pa
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast))
     open_slab(out, verify=True).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.slab"]
+
+
+def test_a_damaged_state_file_is_refused_in_one_sentence(tmp_path):
+    from squareq.compiler.state import CompileState, StateError
+
+    folder = tmp_path / "x.slab.state"
+    folder.mkdir()
+    for text in ("{not json", "[" * 200_000 + "]" * 200_000):
+        (folder / "state.json").write_text(text)
+        with pytest.raises(StateError, match=f"state.json is damaged .*delete {folder}"):
+            CompileState(folder, {"measurement_key": "k"}, resume=True)
+    (folder / "state.json").write_text('{"measurement_key": "k"}')  # negative control
+    CompileState(folder, {"measurement_key": "k"}, resume=True)
