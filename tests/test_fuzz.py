@@ -1,0 +1,276 @@
+"""Hostile files, mutated by the thousand: every mutation of a slab manifest, a slab's safetensors header, a training
+checkpoint's state or a LoRA file's metadata ends in success or in one sentence of a user error (what the CLI
+prints with exit status 1), never in another exception.
+
+Mutations are drawn by hypothesis with a fixed seed (``derandomize``), so CI runs the same few thousand cases every
+time; a failure prints the mutation that caused it. Half of the manifest and checkpoint mutations are "resealed": the
+digests that would catch them (layout digests, model signature, checksums.json) are recomputed, so the checks behind
+the digests are exercised too.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, find, given, note, settings
+from hypothesis import strategies as st
+
+from squareq.cli import USER_ERRORS
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=1000,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# what a JSON field can be turned into: types a writer never uses, boundary numbers, deep and wide values
+ODD_NUMBERS = [0, -1, 1, 7, 2**31, 2**63, -(2**63), 10**30, 0.5, -0.0, 1e308, math.nan, math.inf, -math.inf]
+SCALARS = st.one_of(st.none(), st.booleans(), st.sampled_from(ODD_NUMBERS), st.integers(-(2**70), 2**70),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                      max_leaves=8)
+
+
+def _paths(node, prefix=()):
+    """Every (path, value) in a JSON tree, the root excluded."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else []
+    for key, value in items:
+        yield prefix + (key,), value
+        yield from _paths(value, prefix + (key,))
+
+
+@st.composite
+def mutated(draw, tree):
+    """A deep copy of ``tree`` with one to three fields replaced, deleted, added, or given another field's value."""
+    tree = json.loads(json.dumps(tree))
+    for _ in range(draw(st.sampled_from([1, 1, 1, 2, 3]))):
+        tree = draw(_mutated_once(tree))
+    return tree
+
+
+@st.composite
+def _mutated_once(draw, tree):
+    if not isinstance(tree, (dict, list)) or not tree:
+        return tree
+    paths = [p for p, _ in _paths(tree)]
+    path = draw(st.sampled_from(paths))
+    parent = tree
+    for key in path[:-1]:
+        parent = parent[key]
+    key = path[-1]
+    op = draw(st.sampled_from(["replace", "replace", "delete", "add", "copy"]))
+    if op == "replace":
+        parent[key] = draw(VALUES)
+    elif op == "delete":
+        del parent[key]
+    elif op == "add":
+        if isinstance(parent, dict):
+            parent[draw(st.text(max_size=8))] = draw(VALUES)
+        else:
+            parent.insert(draw(st.integers(0, len(parent))), draw(VALUES))
+    else:
+        parent[key] = json.loads(json.dumps(dict(_paths(tree))[draw(st.sampled_from(paths))]))
+    note(f"{op} at {list(path)}: {str(parent.get(key) if isinstance(parent, dict) else parent)[:200]}")
+    return tree
+
+
+def _one_sentence(exc: BaseException) -> None:
+    assert isinstance(exc, USER_ERRORS), f"{type(exc).__name__}: {exc}"
+    message = str(exc)
+    assert message and "\n" not in message, message
+
+
+# --------------------------------------------------------------------------------------------- slab manifest
+
+
+@pytest.fixture(scope="module")
+def slab_copy(tiny_slab, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuzz") / "mutated.slab"
+    shutil.copytree(tiny_slab, path)
+    return path
+
+
+def _reseal(manifest: dict) -> None:
+    """Recompute layout digests and the model signature (best effort: a mutation may have broken their inputs)."""
+    from squareq.slab.manifest import block_from_dict, layer_from_dict, layout_digest
+    from squareq.slab.signature import signature_from_shapes
+
+    try:
+        layers = {d["name"]: layer_from_dict(d) for d in manifest["layers"]}
+        for b in manifest["blocks"]:
+            record = block_from_dict(b)
+            b["layout_sha256"] = layout_digest(record, [layers[n] for n in record.layers])
+        shapes = [(f"{rec.name}.weight", rec.shape) for rec in layers.values()]
+        shapes += [(f"{b['name']}.{p['name']}", p["shape"]) for b in manifest["blocks"] for p in b["params"]]
+        shapes += [(r["name"], r["shape"]) for r in manifest["resident"]]
+        model = manifest["model"]
+        model["signature"] = signature_from_shapes(model["class_name"], model["config"], shapes)
+    except Exception:  # the reader will refuse what could not be resealed; that is what is under test
+        pass
+
+
+def _use_slab(path, build: bool = True) -> None:
+    """What the commands do with a slab: open and verify it, summarize it (inspect), build its model (train)."""
+    from squareq import runtime
+    from squareq.slab import open_slab
+    from squareq.slab.summary import format_summary, summarize
+
+    with open_slab(path, verify="eager") as slab:
+        format_summary(summarize(slab))
+        if build:
+            runtime.load(slab, "cpu", stream=False)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_manifests_open_or_are_refused_in_one_sentence(slab_copy, tiny_slab, data):
+    original = json.loads((tiny_slab / "manifest.json").read_text())
+    manifest = data.draw(mutated(original))
+    if data.draw(st.booleans()):
+        _reseal(manifest)
+    (slab_copy / "manifest.json").write_text(json.dumps(manifest))
+    try:
+        _use_slab(slab_copy)
+    except Exception as exc:  # noqa: BLE001 - the assertion names anything that is not a user error
+        _one_sentence(exc)
+
+
+def test_negative_control_the_fuzzer_finds_the_crash_a_missing_check_lets_through(slab_copy, tiny_slab, monkeypatch):
+    """With the manifest's type checks switched off, the same mutations must find a traceback."""
+    import squareq.slab.manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "check_record_types", lambda record, where: None)
+    original = json.loads((tiny_slab / "manifest.json").read_text())
+
+    def crashes(manifest) -> bool:
+        (slab_copy / "manifest.json").write_text(json.dumps(manifest))
+        try:
+            _use_slab(slab_copy, build=False)
+        except USER_ERRORS:
+            return False
+        except Exception:  # noqa: BLE001
+            return True
+        return False
+
+    find(mutated(original), crashes, settings=settings(FUZZ, max_examples=2000))
+
+
+# --------------------------------------------------------------------------------------------- safetensors header
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_safetensors_headers_are_refused_in_one_sentence(slab_copy, tiny_slab, data):
+    shutil.copy(tiny_slab / "manifest.json", slab_copy / "manifest.json")
+    raw = (tiny_slab / "slab.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, rest = json.loads(raw[8:8 + n]), raw[8 + n:]
+    if data.draw(st.integers(0, 4)) == 0:  # the length prefix or the header's bytes themselves
+        at = data.draw(st.integers(0, 8 + n - 1))
+        blob = bytearray(raw)
+        blob[at] = data.draw(st.integers(0, 255))
+    else:
+        text = json.dumps(data.draw(mutated(header))).encode()
+        text += b" " * (-(8 + len(text)) % 8)
+        blob = struct.pack("<Q", len(text)) + text + rest
+    (slab_copy / "slab.safetensors").write_bytes(bytes(blob))
+    try:
+        _use_slab(slab_copy, build=False)  # the header places tensors; the model is built from the manifest
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+
+
+# --------------------------------------------------------------------------------------------- checkpoint state
+
+
+def _lora_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from squareq.train.checkpoint import save_checkpoint
+
+    model = _lora_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    names = [n for n, _ in model.named_parameters()]
+    root = tmp_path_factory.mktemp("ckpt")
+    path = save_checkpoint(root, 3, {n: p for n, p in model.named_parameters()}, opt, names, sched,
+                           {"batches": {"epoch": 0, "position": 4}}, {"rank": 4}, extra={"generator": torch.zeros(3)})
+    return path, names
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_checkpoint_state_resumes_or_is_refused_in_one_sentence(checkpoint, tmp_path_factory, data):
+    import squareq.train.checkpoint as ckpt
+
+    path, names = checkpoint
+    work = path.parent / "step-00000004"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(path, work)
+    target = data.draw(st.sampled_from([ckpt.STATE_FILE, ckpt.CHECKSUMS_FILE, ckpt.LORA_FILE]))
+    if target.endswith(".json"):
+        tree = json.loads((work / target).read_text())
+        (work / target).write_text(json.dumps(data.draw(mutated(tree))))
+    else:  # the safetensors header of the LoRA
+        raw = (work / target).read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        text = json.dumps(data.draw(mutated(json.loads(raw[8:8 + n])))).encode()
+        (work / target).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    if target != ckpt.CHECKSUMS_FILE and data.draw(st.booleans()):
+        sums = {f: ckpt._sha256(work / f) for f in ckpt.HASHED_FILES}
+        (work / ckpt.CHECKSUMS_FILE).write_text(json.dumps({"format": ckpt.FORMAT, "sha256": sums}))
+    model = _lora_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    try:
+        ckpt.load_checkpoint(work, opt, names, sched)
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+
+
+# --------------------------------------------------------------------------------------------- LoRA metadata
+
+
+@pytest.fixture(scope="module")
+def lora_file(tmp_path_factory):
+    from squareq.train.lora_files import save_diffusers_lora
+
+    torch.manual_seed(0)
+    lora = {}
+    for layer in ("transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k"):
+        lora[f"{layer}.lora_A.weight"] = torch.randn(4, 32)
+        lora[f"{layer}.lora_B.weight"] = torch.randn(64, 4)
+    return save_diffusers_lora(lora, tmp_path_factory.mktemp("lora"), 4, 2.0, ["to_q", "to_k"])
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_lora_metadata_loads_or_is_refused_in_one_sentence(lora_file, data):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from squareq.train.lora_files import load_lora
+
+    with safe_open(str(lora_file), "pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    decoded = {k: json.loads(v) if v[:1] in "{[" else v for k, v in sorted(metadata.items())}
+    mutated_meta = data.draw(mutated(decoded))
+    if not isinstance(mutated_meta, dict):
+        return
+    out = lora_file.parent / "mutated" / lora_file.name
+    out.parent.mkdir(exist_ok=True)
+    save_file(tensors, str(out), metadata={str(k): v if isinstance(v, str) else json.dumps(v)
+                                           for k, v in mutated_meta.items()})
+    try:
+        load_lora(out)
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
