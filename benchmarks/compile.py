@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""Compile speed on a FLUX.1-dev-shaped pipeline folder (random weights written to local safetensors) (issues 3, 15).
+"""Compile speed and GPU memory on a FLUX.1-dev- or FLUX.2-dev-shaped source (random weights written to local
+safetensors) (issues 3, 15, 23).
 
-    python benchmarks/compile.py --workdir DIR [--out DIR] [--budget 8GB] [--single-layers 38] [--layers 19]
-        [--samples N] [--phase all|source|compile]
+    python benchmarks/compile.py --workdir DIR [--out DIR] [--model flux1|flux2] [--budget 8GB]
+        [--vram-budgets free,8GB] [--layers N] [--single-layers N] [--samples N] [--phase all|source|compile]
 
-Phase 1 writes the source unless it is already in the work dir: a FluxPipeline folder whose transformer (FLUX.1-dev's
-config, 11.9 B parameters), VAE (FLUX.1's AutoencoderKL config), CLIP-L and T5-XXL text encoders have FLUX.1-dev's
-shapes, with random bf16 N(0, 0.02) weights written shard by shard, and the built-in tiny tokenizers (their ids fit
-both vocabularies). Phase 2 does what `squareq compile FOLDER --device cuda` does with its defaults: the built-in
-photographs and captions encoded by that VAE and those text encoders (512 px, 512 T5 tokens), then the compile; it
-measures both, wall time, host RSS peak and GPU memory peaks. Random weights measure speed, not quality. One JSON line
+Phase 1 writes the source unless it is already in the work dir. flux1: a FluxPipeline folder whose transformer
+(FLUX.1-dev's config, 11.9 B parameters), VAE (FLUX.1's AutoencoderKL config), CLIP-L and T5-XXL text encoders have
+FLUX.1-dev's shapes, with random bf16 N(0, 0.02) weights written shard by shard, and the built-in tiny tokenizers
+(their ids fit both vocabularies). flux2: a FLUX.2-dev-shaped transformer folder alone (its 24B Mistral encoder is
+not written; the calibration set is random latents and text states of the real shapes). Phase 2 does what
+`squareq compile FOLDER --device cuda [--vram-budget B]` does with its defaults, once per budget in
+``--vram-budgets``: for flux1 the built-in photographs and captions encoded by that VAE and those text encoders (512 px,
+512 T5 tokens), then the compile; it measures wall time, host RSS peak and GPU memory peaks, and whether the slabs of
+the different budgets have the same tensor bytes. Random weights measure speed and memory, not quality. One JSON line
 per measurement, a markdown table last; the progress log has a timestamp per block, so a run cut short still shows
 the per-block rate (and a rerun resumes it).
 """
@@ -19,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -42,6 +47,7 @@ CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hid
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, tie_word_embeddings=False)
 SHARD_BYTES = 4 << 30
+LAYER_LINE = re.compile(r"^block \d+/\d+ \S+: [^ ]+$")
 
 
 def emit(rec: dict, sink: list) -> None:
@@ -112,13 +118,49 @@ def write_source(folder: Path, config: dict, device: str) -> dict:
     return {"params": params, "seconds": time.perf_counter() - start}
 
 
+# black-forest-labs/FLUX.2-dev transformer/config.json (diffusers Flux2Transformer2DModel's defaults)
+FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                 num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+                 axes_dims_rope=(32, 32, 32, 32), guidance_embeds=True)
+
+
+def write_flux2_source(folder: Path, layers: int, single_layers: int, device: str) -> dict:
+    """A FLUX.2-dev-shaped transformer folder (random bf16 weights); FLUX.2's Mistral encoder is not written, so its
+    calibration set is made of random latents and text states of the real shapes (speed and memory, not quality)."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    start = time.perf_counter()
+    with torch.device("meta"):
+        skeleton = Flux2Transformer2DModel(**{**FLUX2_DEV, "num_layers": layers, "num_single_layers": single_layers})
+    params = write_random(folder, skeleton, device, "diffusion_pytorch_model")
+    return {"params": {"transformer": params}, "seconds": time.perf_counter() - start}
+
+
+def random_calibration_set(images: int, latent: tuple[int, int, int], text: tuple[int, int]):
+    """16 'images' of N(0, 1) latents and captions of N(0, 1) text states, at the shapes the real encoders give."""
+    import torch
+
+    from squareq.models.calibration import CalibrationSet
+
+    g = torch.Generator().manual_seed(0)
+    return CalibrationSet([{"latents": torch.randn(latent, generator=g)} for _ in range(images)],
+                          [{"prompt_embeds": torch.randn(text, generator=g)} for _ in range(images)],
+                          {"kind": "images", "source": "random latents and text states (speed and memory only)",
+                           "images": images, "files": [f"random-{i}" for i in range(images)]})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--model", choices=("flux1", "flux2"), default="flux1")
     ap.add_argument("--budget", default="8GB")
-    ap.add_argument("--layers", type=int, default=19)
-    ap.add_argument("--single-layers", type=int, default=38)
+    ap.add_argument("--vram-budgets", default="free",
+                    help="comma-separated --vram-budget values, one compile each in this run ('free': the default); "
+                         "the slabs' tensor bytes are compared")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--single-layers", type=int, default=None)
     ap.add_argument("--samples", type=int, default=None, help="calibration samples (default: the compiler's)")
     ap.add_argument("--rounding", default="gptq")
     ap.add_argument("--phase", choices=("all", "source", "compile"), default="all")
@@ -129,66 +171,129 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/compile.py needs a CUDA device; run it on the GPU machine.")
     torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN SDPA backward fails on the device image
-    from squareq.compiler import CompileOptions, compile_slab, open_source, parse_size
-    from squareq.train.calibration import calibration_images
+    from squareq.compiler import open_source
 
     records: list = []
     # The device gets a copy of the working tree without git history: pass SQUAREQ_COMMIT there.
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     env = {"kind": "env", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit}
+           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "model": args.model}
     emit(env, records)
-    config = {**FLUX_DEV, "num_layers": args.layers, "num_single_layers": args.single_layers}
-    src = args.workdir / f"flux-dev-pipeline-{args.layers}-{args.single_layers}"
-    if not (src / "model_index.json").is_file():
-        emit({"kind": "source_written", **write_source(src, config, "cuda")}, records)
+    base = FLUX_DEV if args.model == "flux1" else FLUX2_DEV
+    layers = args.layers if args.layers is not None else base["num_layers"]
+    single = args.single_layers if args.single_layers is not None else base["num_single_layers"]
+    src = args.workdir / f"{args.model}-dev-{layers}-{single}"
+    if not (src / ("model_index.json" if args.model == "flux1" else "config.json")).is_file():
+        written = write_source(src, {**FLUX_DEV, "num_layers": layers, "num_single_layers": single}, "cuda") \
+            if args.model == "flux1" else write_flux2_source(src, layers, single, "cuda")
+        emit({"kind": "source_written", **written}, records)
     if args.phase == "source":
         return
+    source = open_source(str(src))
+    budgets = [None if b == "free" else b for b in args.vram_budgets.split(",")]
+    images, encode = calibration(args, source, budgets, records)
+    runs = [r for r in (compile_once(args, source, images, encode, budget, records) for budget in budgets) if r]
+    same = len({r["slab_sha256"] for r in runs}) == 1 and len({json.dumps(r["rungs"]) for r in runs}) == 1
+    emit({"kind": "identical", "value": same, "budgets": [r["vram_budget"] for r in runs]}, records)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"compile-{args.model}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if not runs:
+        return
+    print(f"\n{env['device']}, {args.model}, {runs[0]['blocks']} blocks; slabs identical across budgets: {same}\n")
+    print("| --vram-budget | wall s | encode s | calibrate s | target s | slab GB | bits/w | host RSS peak GB | "
+          "VRAM peak alloc / reserved GB | expected GB | recorded inputs on host | effect inputs on host |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['vram_budget']} | {r['wall_s']:.0f} | {r['encode_s']:.0f} | {r['calibrate_s']:.0f} | 900 | "
+              f"{r['slab_bytes'] / 1e9:.2f} | {r['bits_per_layer_weight']:.2f} | {r['host_rss_peak_gb']:.1f} | "
+              f"{r['vram_peak_allocated_gb']:.2f} / {r['vram_peak_reserved_gb']:.2f} | "
+              f"{r['vram']['expected_peak_bytes'] / 1e9:.2f} | {r['vram']['recorded_inputs_on_host']} | "
+              f"{r['vram']['effect_inputs_on_host']} |")
 
-    out = args.workdir / "flux.slab"
+
+def calibration(args, source, budgets, records):
+    """The calibration set (FLUX.1: the built-in photographs through the source's encoders, under the tightest
+    budget's cap, as `squareq compile` does; FLUX.2: random) and the seconds it took."""
+    import torch
+
+    from squareq.compiler import parse_size
+    from squareq.compiler.vram import memory_cap
+
+    start = time.perf_counter()
+    if args.model == "flux2":
+        side = 512 // 8
+        images = random_calibration_set(16, (FLUX2_DEV["in_channels"] // 4, side, side),
+                                        (512, FLUX2_DEV["joint_attention_dim"]))
+    else:
+        from squareq.train.calibration import calibration_images
+
+        tight = min((parse_size(b) for b in budgets if b), default=None)
+        torch.cuda.reset_peak_memory_stats()
+        with memory_cap(tight, "cuda"):
+            images = calibration_images(source, device="cuda", limit=args.samples or 32, echo=print)
+    seconds = time.perf_counter() - start
+    emit({"kind": "encode", "seconds": seconds, "images": images.description["images"],
+          "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}, records)
+    return images, seconds
+
+
+def compile_once(args, source, images, encode_s, budget, records) -> dict:
+    import hashlib
+
+    import torch
+
+    from squareq.compiler import CompileOptions, compile_slab, parse_size
+    from squareq.compiler.budget import BudgetError
+
+    out = args.workdir / f"{args.model}-{budget or 'free'}.slab"
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
 
     def progress(line: str) -> None:
-        if "calibrating" in line or "reusing" in line or "encoding" in line:
-            print(f"[{time.perf_counter() - start:8.1f}s] {line}", flush=True)
+        if LAYER_LINE.match(line):  # one line per layer: too many to print
+            return
+        gb = torch.cuda.max_memory_reserved() / 1e9
+        print(f"[{time.perf_counter() - start:8.1f}s] [peak reserved {gb:5.2f} GB] {line}", flush=True)
 
-    source = open_source(str(src))
     opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
-                          rounding=args.rounding, overwrite=True, resume=(out.parent / f"{out.name}.state").exists())
-    opts.calib_images = calibration_images(source, device="cuda", limit=args.samples or 32, echo=progress)
-    encode_s = time.perf_counter() - start
-    emit({"kind": "encode", "seconds": encode_s, "images": opts.calib_images.description["images"],
-          "vram_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}, records)
-    manifest = compile_slab(source, out, opts, progress=progress)
+                          rounding=args.rounding, overwrite=True, calib_images=images,
+                          vram_budget=parse_size(budget) if budget else None,
+                          resume=(out.parent / f"{out.name}.state").exists())
+    try:
+        manifest = compile_slab(source, out, opts, progress=progress)
+    except BudgetError as exc:  # a budget the plan refuses, or an estimate that fell short: recorded, not fatal
+        emit({"kind": "refused", "vram_budget": budget, "message": str(exc),
+              "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}, records)
+        return None
     wall = time.perf_counter() - start
     size = sum(p.stat().st_size for p in out.iterdir())
+    digest = hashlib.sha256()
+    with open(out / "slab.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
     rungs: dict = {}
     for layer in manifest.layers:
         rungs[layer.spec.bits] = rungs.get(layer.spec.bits, 0) + 1
     weights = sum(layer.shape[0] * layer.shape[1] for layer in manifest.layers)
     layer_bytes = sum(t.nbytes for layer in manifest.layers for t in layer.tensors.values())
-    rec = {"kind": "compile", "blocks": len(manifest.blocks), "layers": len(manifest.layers), "wall_s": wall,
-           "slab_bytes": size, "bits_per_layer_weight": 8 * layer_bytes / weights, "rungs": rungs,
-           "host_rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+    rec = {"kind": "compile", "vram_budget": budget or "free", "blocks": len(manifest.blocks),
+           "layers": len(manifest.layers), "wall_s": wall + encode_s, "compile_s": wall, "encode_s": encode_s,
+           "slab_bytes": size, "slab_sha256": digest.hexdigest(), "bits_per_layer_weight": 8 * layer_bytes / weights,
+           "rungs": rungs, "host_rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
            "vram_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
            "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
-           "encode_s": encode_s, "calibrate_s": manifest.calibration["calibrate_seconds"],
-           "write_s": wall - encode_s - manifest.calibration["calibrate_seconds"],
+           "vram": manifest.calibration["vram"], "effect": manifest.calibration["effect"],
+           "chunk_samples": manifest.calibration.get("chunk_samples"),
+           "calibrate_s": manifest.calibration["calibrate_seconds"],
            "calibration": {k: manifest.calibration.get(k) for k in ("kind", "source", "samples", "heldout_samples",
                                                                     "resolution", "text_tokens", "latent_shape")},
            "resumed": opts.resume, "target_s": 900}
     emit(rec, records)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "compile.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    print("\n| device | blocks | layers | wall s (encode s) | target s | slab GB | bits/w | host RSS peak GB | "
-          "VRAM peak alloc / reserved GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {env['device']} | {rec['blocks']} | {rec['layers']} | {wall:.0f} ({encode_s:.0f}) | 900 | {size / 1e9:.2f} | "
-          f"{rec['bits_per_layer_weight']:.2f} | {rec['host_rss_peak_gb']:.1f} | "
-          f"{rec['vram_peak_allocated_gb']:.1f} / {rec['vram_peak_reserved_gb']:.1f} |")
+    return rec
 
 
 if __name__ == "__main__":

@@ -194,9 +194,9 @@ def _progress_printer():
 @click.option("--from", "previous", type=click.Path(path_type=Path), default=None,
               help="Rebuild from this earlier slab of the same model: each layer starts at its rung there, and its "
               "measurements are reused when the source, data and search options are unchanged.")
-@click.option("--effect-probes", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Random probes of each layer's effect on the model's output (more: less noise, a forward and "
-              "backward pass each).")
+@click.option("--effect-probes", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Random probes of each layer's effect on the model's output, each a copy of the held-out samples "
+              "(more: less noise, more compute).")
 @click.option("--max-block-bytes", help="Cap on the largest streamed block (the runtime's ring holds K slots of it), "
               "e.g. 400MB.")
 @click.option("--vram-cap", help="GPU memory for the streamed weights, e.g. 4GB: caps the largest block at "
@@ -204,11 +204,14 @@ def _progress_printer():
 @click.option("--ring-slots", type=click.IntRange(min=1), default=2, show_default=True,
               help="Ring slots the runtime will use, for --vram-cap.")
 @click.option("--device", default="cpu", show_default=True, help="Where calibration runs, e.g. cuda.")
+@click.option("--vram-budget", help="GPU memory this compile may use, e.g. 8GB (default: what the device has free); "
+              "what does not fit waits in pinned host memory, and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
 def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bits, blocks, calib_data, calib_cache, calib_text,
                 encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding, group_size,
-                previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, resume, force) -> None:
+                previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume,
+                force) -> None:
     """Calibrate MODEL on real data, choose W4/W6/W8 per layer under a size budget, write a slab.
 
     MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
@@ -216,6 +219,7 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bi
     """
     from .compiler import CompileOptions, Thresholds, compile_slab, open_source, parse_size
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
+    from .compiler.vram import memory_cap
 
     if max_block_bytes and vram_cap:
         raise click.UsageError("--max-block-bytes and --vram-cap each cap the largest block; give one of them.")
@@ -233,7 +237,7 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bi
         max_block_bytes=parse_size(max_block_bytes) if max_block_bytes else None,
         vram_cap=parse_size(vram_cap) if vram_cap else None, ring_slots=ring_slots,
         previous=str(previous) if previous else None, effect_probes=effect_probes,
-        device=device, resume=resume, overwrite=force,
+        device=device, vram_budget=parse_size(vram_budget) if vram_budget else None, resume=resume, overwrite=force,
     )
     source = open_source(model, list(blocks) or None)
     progress = _progress_printer()
@@ -241,9 +245,11 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bi
     if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
         from .train.calibration import calibration_images
 
-        opts.calib_images = calibration_images(source, data=calib_data, encoders=encoders, resolution=calib_resolution,
-                                               device=device, limit=calib_samples or DEFAULT_IMAGE_SAMPLES,
-                                               seed=opts.seed, echo=progress)
+        with memory_cap(opts.vram_budget, device):  # the encoders run on the GPU too
+            opts.calib_images = calibration_images(source, data=calib_data, encoders=encoders,
+                                                   resolution=calib_resolution, device=device,
+                                                   limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
+                                                   echo=progress)
     elif calib_data:
         raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
                                "--calib-text FILE instead.")

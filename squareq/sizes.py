@@ -26,3 +26,14 @@ def format_size(nbytes: int) -> str:
         if abs(nbytes) >= _UNITS[unit]:
             return f"{nbytes / _UNITS[unit]:.2f} {unit}"
     return f"{nbytes} B"
+
+
+def format_size_up(nbytes: int) -> str:
+    """Like :func:`format_size`, rounded up, so that the size it prints is never less than ``nbytes`` (for a
+    "give it at least" sentence)."""
+    import math
+
+    for unit in ("TB", "GB", "MB", "KB"):
+        if abs(nbytes) >= _UNITS[unit]:
+            return f"{math.ceil(nbytes * 100 / _UNITS[unit]) / 100:.2f} {unit}"
+    return f"{nbytes} B"

@@ -21,10 +21,12 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import quant
 from ..models.calibration import CalibrationSet
 from ..slab import SlabError, WriteOptions
+from ..sizes import format_size
 from ..slab.atomic import OutputError, os_error_sentence, remove_debris
 from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
@@ -39,6 +41,7 @@ from ..slab.writer import (
 )
 from .budget import BudgetError, OBJECTIVES, candidate_bytes
 from .calibration import StatsCollector
+from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
 from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
 from .inputs import calibration_batch
 from .ladder import RUNGS, LayerDecision, diagnostics, measure_rungs
@@ -48,6 +51,7 @@ from .previous import Previous, read_previous
 from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
+from .vram import VramPlan, estimate_needs, peak_reserved, plan_vram, vram_cap
 
 # A manifest's layer record grows with the plan's reasons and history; the budget reserves this much per layer and
 # build before the plan is known, and the exact size is checked against the budget before anything is written.
@@ -77,6 +81,7 @@ class CompileOptions:
     max_block_bytes: int | None = None  # the runtime's ring holds K slots of the largest block (docs/compiler.md)
     vram_cap: int | None = None  # or: GPU memory for the streamed weights, shared by ring_slots slots
     ring_slots: int = 2
+    vram_budget: int | None = None  # the compile's own GPU memory (None: what the device has free)
     previous: str | None = None  # --from: a slab built before, whose rungs each layer starts at
     device: str = "cpu"
     resume: bool = False
@@ -119,14 +124,24 @@ def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
 
 class _Run:
     """The calibration pass's block stand-in: measures blocks the state does not hold yet (``wanted``: only these
-    layers at these rungs, for a rebuild) and passes the original block's output on."""
+    layers at these rungs, for a rebuild) and passes the original block's output on. Every block runs chunk by
+    chunk (``axes``), measured or not, so a resumed compile passes on the same outputs."""
 
-    def __init__(self, source: Source, opts: CompileOptions, progress: Progress, batch) -> None:
-        self.source, self.opts, self.progress, self.batch = source, opts, progress, batch
+    def __init__(self, source: Source, opts: CompileOptions, progress: Progress, batch, axes: BatchAxes,
+                 vram: VramPlan) -> None:
+        self.source, self.opts, self.progress, self.batch, self.axes, self.vram = source, opts, progress, batch, axes, vram
         self.state: CompileState | None = None
         self.wanted: dict[str, int] | None = None
         self.started = time.perf_counter()
         self.done_blocks = 0
+        self.forward_s = 0.0
+        self.cursor = axes.cursor()
+
+    def run(self, shell) -> None:
+        """One calibration pass of the model's own forward over the batch."""
+        self.cursor = self.axes.cursor()
+        with torch.no_grad():
+            shell(**self.batch.kwargs)
 
     def _eta(self, index: int, n: int) -> str:
         if self.done_blocks == 0:
@@ -141,33 +156,48 @@ class _Run:
 
     def block(self, index: int, path: str, args, kwargs):
         n = len(self.source.block_paths)
-        real = self.source.load_block(path, self.opts.device, torch.float32)
+        call = self.cursor.next(index)
+        leaves, _ = tree_flatten((args, kwargs))
+        ranges = self.axes.ranges(call_batch(leaves, call) or 1)
+        real = self.source.load_block(path, self.opts.device, torch.float32, upcast_linears=True)
         todo = [name for name, _ in block_linears(path, real) if self.rungs_for(name)]
         if self.state.has_block(index) or (self.wanted is not None and not todo):
-            return real(*args, **kwargs)
+            return run_chunked(real, args, kwargs, call, ranges)
         self.progress(f"block {index + 1}/{n} {path}: calibrating and searching ({self._eta(index, n)})")
-        out = self._measure(index, path, real, set(todo), args, kwargs)
+        started = time.perf_counter()
+        out = self._measure(index, path, real, set(todo), args, kwargs, call, ranges)
         self.done_blocks += 1
+        self.progress(f"block {index + 1}/{n} {path}: done in {time.perf_counter() - started:.1f} s (forward "
+                      f"{self.forward_s:.1f} s){_peak_note(self.opts.device)}")
         return out
 
     @torch.no_grad()
-    def _measure(self, index: int, path: str, real: nn.Module, todo: set[str], args, kwargs):
+    def _measure(self, index: int, path: str, real: nn.Module, todo: set[str], args, kwargs, call, ranges):
         """Measure the block's layers at their rungs, save them, and return the original block's output."""
         o, b = self.opts, self.batch
+        park = self.vram.store(self.vram.host_tape)  # the block's outputs wait with the recorded inputs
+        parked = lambda *a, **kw: tree_map(lambda t: park(t) if torch.is_tensor(t) else t, real(*a, **kw))  # noqa: E731
         with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index,
                             samples=b.description.get("samples"), heldout_samples=b.heldout,
-                            row_mask=b.row_mask) as col:
-            ref = real(*args, **kwargs)
-        decisions: dict[str, LayerDecision] = {}
-        for name, mod in block_linears(path, real):
-            if name not in todo:
-                continue
-            self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
-            if name not in col.stats:
-                decisions[name] = _unmeasured(name, mod.weight)
-                continue
-            decisions[name] = measure_rungs(name, mod.weight, col.stats[name], self.rungs_for(name), o.rounding,
-                                            o.group_size)
+                            row_mask=b.row_mask, store=park) as col:
+            started = time.perf_counter()
+            ref = run_chunked(parked, args, kwargs, call, ranges, each=col.window)
+            self.forward_s = time.perf_counter() - started
+        measured: dict[str, LayerDecision] = {}
+        for names in col.groups():
+            mine = [x for x in names if x in todo]
+            if mine:
+                stats = col.group_stats(names, o.device).finish(pinned_host=True)
+                for name in mine:
+                    self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
+                    weight = real.get_submodule(name[len(path) + 1:]).weight.float()
+                    measured[name] = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding,
+                                                   o.group_size)
+                del stats
+            col.release(names)
+        decisions = {name: measured.get(name) or _unmeasured(name, mod.weight)
+                     for name, mod in block_linears(path, real) if name in todo}
+        ref = tree_map(lambda t: t.to(o.device) if torch.is_tensor(t) else t, ref)
         # Bytes of the block's other tensors in its blob, as the writer stores them (floating ones as bf16).
         weights = {f"{x[len(path) + 1:]}.weight" for x, _ in block_linears(path, real)}
         kept = (stored_tensor(t) for n, t in real.state_dict().items() if n not in weights)
@@ -176,10 +206,16 @@ class _Run:
         return ref
 
 
-def measurement_key(source: Source, batch, opts: CompileOptions) -> str:
+# Bumped when the measurements' arithmetic changes, so that no rebuild reuses measurements made the old way (2: chunked
+# calibration forward, per-sample effect probes).
+MEASUREMENT_VERSION = 2
+
+
+def measurement_key(source: Source, batch, opts: CompileOptions, chunk_samples: int | None = None) -> str:
     """Changes when anything the measurements depend on does: the source's weights (files, sizes, times), the
-    calibration data and the search options."""
-    parts = {"source": source.fingerprint(), "calibration": batch.description, **opts.fingerprint()}
+    calibration data, how many samples a block sees at once and the search options."""
+    parts = {"source": source.fingerprint(), "calibration": batch.description, "chunk_samples": chunk_samples,
+             "version": MEASUREMENT_VERSION, **opts.fingerprint()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -195,6 +231,35 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
         raise OutputError(os_error_sentence(exc, f"compiling {out}", then)) from None
 
 
+@dataclass
+class _Setup:
+    """What the compile works out before it measures anything (and before any state is written)."""
+
+    skeleton: nn.Module
+    previous: Previous | None
+    batch: object
+    batched: set
+    axes: BatchAxes
+    vram: VramPlan
+    key: str
+    run: _Run
+    shell: nn.Module
+    residents: dict
+    cap: int | None
+
+    @property
+    def reused(self) -> bool:
+        return self.previous is not None and self.previous.key == self.key
+
+    @property
+    def held(self) -> tuple[dict, torch.Tensor | None]:
+        """The held-out samples' forward arguments and row mask (all samples when none are held out)."""
+        b = self.batch
+        if b.heldout_kwargs is not None:
+            return b.heldout_kwargs, b.heldout_row_mask
+        return b.kwargs, b.row_mask
+
+
 def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress):
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
@@ -204,100 +269,171 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
     for debris in remove_debris(out):
         progress(f"removed {debris}, left by a compile that was killed")
+    setup = _setup(source, opts, progress)
+    with vram_cap(setup.vram):
+        try:
+            return _build(source, out, opts, progress, setup)
+        except torch.OutOfMemoryError:
+            raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out))) from None
+
+
+def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
     skeleton = source.skeleton()
     previous = read_previous(opts.previous, source, skeleton) if opts.previous else None
     batch = calibration_batch(source, skeleton, opts)
     progress(_calibration_line(batch.description))
-    key = measurement_key(source, batch, opts)
-    run = _Run(source, opts, progress, batch)
-    shell = source.shell(run.block, opts.device)  # checks the checkpoint before any state is written
+    samples = int(batch.description.get("samples") or 1)
+    batched = batched_kwargs(batch.kwargs, batch.heldout_kwargs, samples)
+    axes = probe_batch_axes(source, batch.kwargs, batched, samples)
+    needs = estimate_needs(source, skeleton, batch, axes, gptq=opts.rounding == "gptq", max_rows=opts.max_rows,
+                           probes=opts.effect_probes)
+    vram = plan_vram(needs, opts.vram_budget, opts.device)
+    progress(vram.describe(axes.chunk_samples, axes.why))
+    run = _Run(source, opts, progress, batch, axes, vram)
+    shell = source.shell(run.block, opts.device, upcast_linears=True)  # checks the checkpoint
     residents = source.resident_state("cpu", torch.float32)
-    cap = _block_cap(opts, residents)  # refused before any state is written
-    reused = previous is not None and previous.key == key
+    return _Setup(skeleton, previous, batch, batched, axes, vram, measurement_key(source, batch, opts, axes.chunk_samples),
+                  run, shell,
+                  residents, _block_cap(opts, residents))
+
+
+def _peak_note(device) -> str:
+    peak = peak_reserved(device)
+    return f"; GPU memory reserved so far {format_size(peak)}" if peak is not None else ""
+
+
+def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path) -> str:
+    peak = peak_reserved(opts.device)
+    flag = f"--vram-budget {format_size(vram.budget)}" if opts.vram_budget else \
+        f"the {format_size(vram.budget)} the GPU had free"
+    return (f"the compile ran out of GPU memory within {flag} (it expected to peak at "
+            f"{format_size(vram.expected_peak or 0)}, reserved {format_size(peak or 0)}); rerun with --resume "
+            f"{'and a larger --vram-budget ' if opts.vram_budget else 'after freeing GPU memory '}: the blocks "
+            f"measured so far are kept in {state}.")
+
+
+def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, setup: _Setup):
+    """Measure (or reuse the measurements), plan, measure the plan's error and write the slab."""
+    previous, run = setup.previous, setup.run
     # a rebuild's state holds only the layers it searched again, so it must never pass for a full compile's
-    state = run.state = CompileState(state_folder(out), {"measurement_key": key,
-                                                         "rebuild_of": str(previous.path) if reused else None},
+    state = run.state = CompileState(state_folder(out), {"measurement_key": setup.key,
+                                                         "rebuild_of": str(previous.path) if setup.reused else None},
                                      opts.resume)
     started = time.perf_counter()
-    held_kwargs = batch.heldout_kwargs or batch.kwargs
-    held_mask = batch.heldout_row_mask if batch.heldout_kwargs is not None else batch.row_mask
-    if reused:
+    layers, fixed, notes, measured_rungs, effect_info = _measurements(source, opts, progress, setup, state)
+    calibrate_s = time.perf_counter() - started
+    build = previous.build + 1 if previous is not None else 1
+    write_opts = WriteOptions(family=source.family, source=source.description, overwrite=opts.overwrite,
+                              thresholds=opts.thresholds.to_dict(),
+                              calibration=_calibration_record(setup, opts, build, effect_info))
+    names = dict(enumerate(source.block_paths))
+    plan = _plan(setup, opts, state, names, layers, fixed, notes, measured_rungs, build, write_opts)
+
+    if setup.reused:
+        moved = {n: b for n, b in plan.rungs.items() if b != previous.rungs.get(n)}
+        if moved:
+            progress(f"{len(moved)} layers moved to a rung the previous slab does not hold: searching them")
+            run.wanted = moved
+            run.run(setup.shell)
+    weights_of = lambda i: _weights(state, previous if setup.reused else None, i, names[i], plan)  # noqa: E731
+    progress("measuring the plan's model-output error on the held-out samples")
+    measured = plan_output_error(source, *setup.held, weights_of, opts.device, setup.axes)
+    progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
+             f"{opts.thresholds.out:g})")
+    peak = peak_reserved(opts.device)
+    if peak is not None:
+        progress(f"peak GPU memory reserved: {format_size(peak)} (budget {format_size(setup.vram.budget)}, "
+                 f"expected {format_size(setup.vram.expected_peak or 0)})")
+    write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
+                                  measured_output_rel_mse=measured, calibrate_seconds=round(calibrate_s, 3),
+                                  vram=_vram_record(setup.vram, peak))
+    manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build, weights_of, write_opts,
+                      started)
+    if previous is not None:
+        previous.slab.close()
+    state.remove()
+    return manifest
+
+
+def _measurements(source: Source, opts: CompileOptions, progress: Progress, setup: _Setup, state: CompileState):
+    """Each layer as the planner sees it, fixed bytes, notes, measured rungs and the effects record: measured now
+    (the calibration pass, then the effects pass), or reused from the previous slab."""
+    if setup.reused:
         progress(f"reusing the measurements of {opts.previous}: same source, calibration data and search options")
-        (layers, fixed, notes, measured_rungs), effect_info = _from_previous(previous), previous.effect_info
+        (layers, fixed, notes, measured_rungs), effect_info = _from_previous(setup.previous), setup.previous.effect_info
     else:
-        with torch.no_grad():
-            shell(**batch.kwargs)
+        setup.run.run(setup.shell)
         found = state.load_effects()
         if found is None:
             quantized = lambda i: state.load_weights(i, lambda n, b: b < 16)  # noqa: E731 - bf16's effect is 0
-            found = measure_effects(source, held_kwargs, held_mask, quantized, opts.device, opts.effect_probes,
-                                    opts.seed, progress)
+            found = measure_effects(source, *setup.held, quantized, opts.device, opts.effect_probes, opts.seed,
+                                    progress, axes=setup.axes, batched=setup.batched,
+                                    keep=setup.vram.store(setup.vram.host_saved))
             state.save_effects(*found)
         effects, effect_info = found
         layers, fixed, notes, measured_rungs = _from_state(source, state, effects)
-    starts = previous.rungs if previous is not None else {}
+    starts = setup.previous.rungs if setup.previous is not None else {}
     for layer in layers:
         wanted = starts.get(layer.name, opts.min_bits)
         layer.start = min((b for b in layer.rungs if b >= wanted), default=max(layer.rungs))
-    calibrate_s = time.perf_counter() - started
+    return layers, fixed, notes, measured_rungs, effect_info
 
-    build = previous.build + 1 if previous is not None else 1
-    calibration = {**batch.description, "objective": opts.objective, "budget_bytes": 10**15,
-                   "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
-                   "build": build, "from": str(opts.previous) if opts.previous else None, "measurement_key": key,
-                   "measurements": f"reused from {opts.previous}" if reused else "measured",
-                   "effect": effect_info, "tau_out": opts.thresholds.out, "hysteresis": HYSTERESIS,
-                   "predicted_output_rel_mse": PLACEHOLDER_FLOAT, "measured_output_rel_mse": PLACEHOLDER_FLOAT,
-                   "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT}
-    write_opts = WriteOptions(family=source.family, source=source.description, overwrite=opts.overwrite,
-                              thresholds=opts.thresholds.to_dict(), calibration=calibration)
-    names = dict(enumerate(source.block_paths))
-    start_plan = Plan({x.name: x.start for x in layers})
-    overhead = _metadata_bytes(skeleton, names, layers, fixed, start_plan, measured_rungs, notes, previous, build, residents,
-                               write_opts, opts.thresholds) + SLACK_PER_LAYER * build * len(layers)
+
+def _calibration_record(setup: _Setup, opts: CompileOptions, build: int, effect_info: dict) -> dict:
+    """The manifest's calibration block, with placeholders of the widest form for numbers known only at the end."""
+    return {**setup.batch.description, "objective": opts.objective, "budget_bytes": 10**15,
+            "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
+            "build": build, "from": str(opts.previous) if opts.previous else None, "measurement_key": setup.key,
+            "measurements": f"reused from {opts.previous}" if setup.reused else "measured",
+            "effect": effect_info, "tau_out": opts.thresholds.out, "hysteresis": HYSTERESIS,
+            "chunk_samples": setup.axes.chunk_samples,
+            "predicted_output_rel_mse": PLACEHOLDER_FLOAT, "measured_output_rel_mse": PLACEHOLDER_FLOAT,
+            "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT,
+            "vram": _vram_record(setup.vram, None, placeholder=True)}
+
+
+def _vram_record(vram: VramPlan, peak: int | None, placeholder: bool = False) -> dict:
+    """The VRAM plan and the measured peak, for the manifest (integers; the widest form while planning)."""
+    wide = 10**15
+    return {"budget_bytes": wide if placeholder else vram.budget,
+            "expected_peak_bytes": wide if placeholder else vram.expected_peak,
+            "peak_reserved_bytes": wide if placeholder else peak,
+            "recorded_inputs_on_host": vram.host_tape, "effect_inputs_on_host": vram.host_saved}
+
+
+def _plan(setup: _Setup, opts: CompileOptions, state: CompileState, names, layers, fixed, notes, measured_rungs,
+          build: int, write_opts: WriteOptions) -> Plan:
+    """The planner's rungs within τ_OUT, the budget and the block cap, checked against the slab's exact size."""
+    meta = lambda plan: _metadata_bytes(setup.skeleton, names, layers, fixed, plan, measured_rungs, notes,  # noqa: E731
+                                        setup.previous, build, setup.residents, write_opts, opts.thresholds)
+    overhead = meta(Plan({x.name: x.start for x in layers})) + SLACK_PER_LAYER * build * len(layers)
     try:
-        plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, cap, names)
-        needed = _metadata_bytes(skeleton, names, layers, fixed, plan, measured_rungs, notes, previous, build, residents,
-                                 write_opts, opts.thresholds) + sum(fixed.values()) + plan.layer_bytes
+        plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, setup.cap, names)
+        needed = meta(plan) + sum(fixed.values()) + plan.layer_bytes
         if needed > opts.budget:
             raise BudgetError(f"the plan needs a slab of at least {needed:,} bytes but --budget is {opts.budget:,} "
                               "bytes; raise --budget to at least that.")
     except BudgetError as exc:
         raise BudgetError(f"{exc} Nothing was written; the measurements are kept in {state.folder}, so rerunning "
                           "with --resume and another --budget or --thresholds skips them.") from None
+    return plan
 
-    if reused:
-        moved = {n: b for n, b in plan.rungs.items() if b != previous.rungs.get(n)}
-        if moved:
-            progress(f"{len(moved)} layers moved to a rung the previous slab does not hold: searching them")
-            run.wanted = moved
-            with torch.no_grad():
-                shell(**batch.kwargs)
-    weights_of = lambda i: _weights(state, previous if reused else None, i, names[i], plan)  # noqa: E731
-    progress("measuring the plan's model-output error on the held-out samples")
-    measured = plan_output_error(source, held_kwargs, held_mask, weights_of, opts.device)
-    progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
-             f"{opts.thresholds.out:g})")
 
+def _write(source: Source, out: Path, opts: CompileOptions, setup: _Setup, plan: Plan, layers, notes, measured_rungs,
+           build: int, weights_of, write_opts: WriteOptions, started: float):
+    """Encode each block's blob from the plan's weights and assemble the slab (atomically)."""
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.blobs-", dir=out.parent) as work:
         encoded = []
-        for i, path in names.items():
+        for i, path in enumerate(source.block_paths):
             qws = weights_of(i)
-            metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, measured_rungs,
-                                                         opts.thresholds)
+            metrics, reasons, annotations = _annotations(path, layers, plan, notes, setup.previous, build,
+                                                         measured_rungs, opts.thresholds)
             measured_here = all("weight_rel_mse" in metrics[n] for n in qws)
             real = source.load_block(path, "cpu", torch.float32, linear_weights=not measured_here)
             encoded.append(encode_block(i, path, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
                                         reasons=reasons, measure=not measured_here, annotations=annotations))
-        write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
-                                      measured_output_rel_mse=measured,
-                                      calibrate_seconds=round(calibrate_s, 3),
-                                      compile_seconds=round(time.perf_counter() - started, 3))
-        manifest = assemble_slab(out, skeleton, encoded, residents, write_opts, max_bytes=opts.budget)
-    if previous is not None:
-        previous.slab.close()
-    state.remove()
-    return manifest
+        write_opts.calibration.update(compile_seconds=round(time.perf_counter() - started, 3))
+        return assemble_slab(out, setup.skeleton, encoded, setup.residents, write_opts, max_bytes=opts.budget)
 
 
 def _block_cap(opts: CompileOptions, residents: dict) -> int | None:

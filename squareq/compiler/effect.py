@@ -3,20 +3,30 @@
 Quantizing layer L at rung r changes its weight by ``ΔW = W − Ŵ_r``; to first order the model's output moves by
 ``J_L ΔW`` (the output's Jacobian with respect to that weight). Its squared size, relative to the output's power,
 is the layer's *effect*: what quantizing L alone at r does to what the model returns, in the units of
-``squareq accept``'s drift (``‖Δy‖² / ‖y‖²``). With a random Gaussian probe ``v`` over the output,
-``E[(vᵀ J_L ΔW)²] = ‖J_L ΔW‖²``, and ``vᵀ J_L ΔW = ⟨∇_W (vᵀ y), ΔW⟩``: one backward pass per probe gives every
-layer's weight gradient, and one inner product per layer and rung its sample. The effect is the mean over
-``probes`` seeded probes.
+``squareq accept``'s drift (``‖Δy‖² / ‖y‖²``). Samples do not interact, so the effect is a sum over held-out samples
+``s`` of ``‖J_{L,s} ΔW‖²``, and with a random Gaussian probe ``v_s`` over sample s's output,
+``E[(v_sᵀ J_{L,s} ΔW)²] = ‖J_{L,s} ΔW‖²``. The inner product is ``Σ_rows δY ⊙ (X ΔWᵀ)`` over the sample's rows,
+where ``X`` is the layer's input and ``δY`` the probe's gradient at the layer's output: one backward pass gives
+every layer's and every rung's term for every sample. The effect is the mean over ``probes`` seeded probes of the
+sum over samples; the probes run together, as ``probes`` copies of the held-out batch with a probe each.
 
-The model runs its own forward over the held-out samples (whole images or sentences the search never fitted to),
-one block at a time: each block runs without a graph, and is loaded again and re-run during the backward pass
-(activation checkpointing), so memory stays near one block plus the blocks' inputs, at any model size.
+A per-sample term has no cross terms between samples, so 4 probes on 8 held-out samples (32 terms) estimate an
+effect with a relative spread of about 25%, where a sum over samples per probe needed 16 backward passes for 35%
+(docs/compiler.md, "Measured effect on the output").
+
+The model runs its own forward over those copies one block at a time: each block runs without a graph, on a few
+samples at a time (compiler/chunks.py), and is loaded again and re-run during the backward pass (activation
+checkpointing), so memory stays near one block, one chunk's activations and the blocks' inputs (kept in pinned host
+memory when the VRAM plan says so), at any model size. On a GPU its matrix products run in TF32: the effect is an
+estimate, and TF32's 1e-3 relative error is far below its sampling spread.
 
 Effects add up to the plan's output error when the layers' errors are small and independent; the compiler checks
 that by measuring the chosen plan's output error directly (:func:`plan_output_error`) and records both.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Callable, Mapping
 
@@ -27,8 +37,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import quant
 from ..quant import QuantizedWeight
 from ..slab.writer import block_linears
+from .chunks import BatchAxes, CallAxes, call_batch, map_batched, run_chunked, split_leaves
 
-DEFAULT_PROBES = 16
+DEFAULT_PROBES = 4
+
+Keep = Callable[[torch.Tensor], torch.Tensor]
 
 
 def main_output(out) -> torch.Tensor:
@@ -50,137 +63,239 @@ def output_mask(y: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
     return torch.ones((), device=y.device, dtype=y.dtype)
 
 
+def repeat_batch(kwargs: Mapping, batched: set[str], times: int) -> dict:
+    """``kwargs`` with every batched argument repeated ``times`` along the batch axis (copy k is samples
+    ``[k·B, (k+1)·B)``)."""
+    return map_batched(kwargs, batched, lambda v: v.repeat(times, *([1] * (v.dim() - 1))), lambda vs: vs * times)
+
+
+@contextlib.contextmanager
+def estimate_kernels(device):
+    """On a CUDA device: TF32 matrix products, and attention by the math kernel (the memory-efficient kernel's
+    backward adds with atomics, so two runs would differ in the last bits and could tip a layer between rungs);
+    both restored after."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+class _Products:
+    """While a block is replayed for the backward pass: every linear's input, and once its output's gradient arrives,
+    each rung's per-sample term ``Σ_rows δY ⊙ (X ΔW_rᵀ)`` added to ``sums[name][bits][start:stop]``."""
+
+    def __init__(self, path: str, block: nn.Module, candidates: Mapping[str, Mapping[int, QuantizedWeight]],
+                 sums: dict) -> None:
+        self.candidates, self.sums = candidates, sums
+        self.window = (0, 0)
+        self.handles = [mod.register_forward_hook(self._hook(name, mod)) for name, mod in block_linears(path, block)
+                        if name in candidates]
+
+    def _hook(self, name: str, mod: nn.Linear):
+        def hook(module, args, out):
+            x, window = args[0].detach(), self.window
+            if not out.requires_grad:  # a layer fed only by inputs without a gradient (adaLN on temb): start one here
+                out = out.detach().requires_grad_(True)
+            out.register_hook(lambda g: self._add(name, mod, x, g, window))
+            return out
+
+        return hook
+
+    @torch.no_grad()
+    def _add(self, name: str, mod: nn.Linear, x: torch.Tensor, g: torch.Tensor, window) -> None:
+        start, stop = window
+        w = mod.weight.detach().float()
+        for bits, qw in self.candidates[name].items():
+            delta = w - quant.dequantize(qw.to(w.device)).float()
+            terms = (g.float() * torch.nn.functional.linear(x.float(), delta))
+            per = terms.reshape(terms.shape[0], -1).sum(dim=1) if x.shape[0] == stop - start else terms.sum()[None]
+            row = self.sums[name][bits]
+            row[start:start + per.shape[0]] += per.to(row.device, row.dtype)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 class _StreamedBlock(torch.autograd.Function):
-    """A block that keeps no graph: its forward runs without one, its backward loads the block again and replays
-    it (reentrant checkpointing that also reaches the block's weight gradients: ``on_backward(block)``)."""
+    """A block that keeps no graph: its forward runs without one, chunk by chunk; its backward loads the block again
+    and replays each chunk with a graph, from the saved inputs (reentrant checkpointing)."""
 
     @staticmethod
     def forward(ctx, runner, anchor, *tensors):
         ctx.runner = runner
-        ctx.save_for_backward(*tensors)
         with torch.no_grad():
-            outs = runner.run(tensors, grad=False)
+            outs = runner.forward(tensors)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            outs = ctx.runner.run(inputs, grad=True)
-            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        ctx.runner.after_backward()
-        return (None, None, *[t.grad if t.requires_grad else None for t in inputs])
+        runner, ctx.runner = ctx.runner, None  # no cycle through the graph keeps the block's tensors alive
+        return (None, None, *runner.backward(grads))
 
 
 class _BlockRunner:
-    """Loads and runs one block for :class:`_StreamedBlock`, rebuilding its arguments around the tensors."""
+    """Loads, runs and replays one block call for :class:`_StreamedBlock`."""
 
-    def __init__(self, load: Callable[[bool], nn.Module], leaves, spec, on_backward) -> None:
-        self.load, self.leaves, self.spec, self.on_backward = load, leaves, spec, on_backward
-        self.block = None
-        self.out_spec = self.out_leaves = None
+    def __init__(self, load: Callable[[], nn.Module], leaves, spec, axes: CallAxes | None, ranges, keep: Keep,
+                 on_replay: Callable[[nn.Module], _Products], device) -> None:
+        self.load, self.leaves, self.spec, self.axes, self.ranges = load, leaves, spec, axes, ranges
+        self.keep, self.on_replay, self.device = keep, on_replay, device
+        self.saved: list = []
+        self.out_leaves = self.out_spec = None
 
-    def run(self, tensors, grad: bool) -> list[torch.Tensor]:
+    def _tensors(self, leaves) -> list:
+        return [x for x in leaves if torch.is_tensor(x)]
+
+    def forward(self, tensors) -> list[torch.Tensor]:
+        self.saved = [self.keep(t.detach()) for t in tensors]
+        args, kwargs = self._args(list(tensors))
+        out = run_chunked(self.load(), args, kwargs, self.axes, self.ranges)
+        self.out_leaves, self.out_spec = tree_flatten(out)
+        return self._tensors(self.out_leaves)
+
+    def _args(self, tensors):
         it = iter(tensors)
-        leaves = [next(it) if torch.is_tensor(x) else x for x in self.leaves]
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        self.block = self.load(grad)
-        out_leaves, self.out_spec = tree_flatten(self.block(*args, **kwargs))
-        self.out_leaves = out_leaves
-        return [x for x in out_leaves if torch.is_tensor(x)]
+        return tree_unflatten([next(it) if torch.is_tensor(x) else x for x in self.leaves], self.spec)
 
     def rebuild(self, outs):
         it = iter(outs)
         return tree_unflatten([next(it) if torch.is_tensor(x) else x for x in self.out_leaves], self.out_spec)
 
-    def after_backward(self) -> None:
-        self.on_backward(self.block)
-        self.block = None
+    def backward(self, grads) -> list:
+        block = self.load()
+        products = self.on_replay(block)
+        inputs = [t.to(self.device, non_blocking=True) for t in self.saved]
+        chunked = self.axes is not None and len(self.ranges) > 1
+        in_flags = self.axes.inputs if chunked else (False,) * len(inputs)
+        out_flags = self.axes.outputs if chunked else (False,) * len(grads)
+        got: list[list] = [[] for _ in inputs]
+        try:
+            for start, stop in (self.ranges if chunked else [self.ranges[0]]):
+                part = [x.detach().requires_grad_(x.is_floating_point())
+                        for x in (split_leaves(inputs, in_flags, start, stop) if chunked else inputs)]
+                g_part = split_leaves(list(grads), out_flags, start, stop) if chunked else list(grads)
+                products.window = (start, stop)
+                with torch.enable_grad():
+                    args, kwargs = self._args(part)
+                    outs = self._tensors(tree_flatten(block(*args, **kwargs))[0])
+                    pairs = [(o, g) for o, g in zip(outs, g_part) if g is not None and o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                for i, x in enumerate(part):
+                    got[i].append(x.grad if x.requires_grad else None)
+        finally:
+            products.remove()
+        self.saved = []
+        return [_joined(col, flag) for col, flag in zip(got, in_flags)]
 
 
-@torch.no_grad()
-def _sample(block: nn.Module, path: str, candidates: Mapping[str, Mapping[int, QuantizedWeight]], sums: dict) -> None:
-    for name, mod in block_linears(path, block):
-        g = mod.weight.grad
-        if g is None or name not in candidates:
-            continue
-        w = mod.weight.detach()
-        for bits, qw in candidates[name].items():
-            s = float((g * (w - quant.dequantize(qw.to(w.device)).to(w.dtype))).sum())
-            sums.setdefault(name, {}).setdefault(bits, []).append(s)
+def _joined(grads: list, batched: bool):
+    """An input's gradient from its chunks': concatenated along the batch axis, or summed for an input every chunk
+    shared."""
+    if grads[0] is None:
+        return None
+    return torch.cat(grads) if batched else sum(grads[1:], grads[0])
 
 
 def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
                     candidates_of: Callable[[int], Mapping[str, Mapping[int, QuantizedWeight]]], device="cpu",
                     probes: int = DEFAULT_PROBES, seed: int = 0,
-                    progress: Callable[[str], None] = lambda s: None) -> tuple[dict[str, dict[int, float]], dict]:
+                    progress: Callable[[str], None] = lambda s: None, axes: BatchAxes | None = None,
+                    batched: set[str] | None = None, keep: Keep | None = None) -> tuple[dict[str, dict[int, float]], dict]:
     """``{layer: {bits: effect}}`` for every candidate ``candidates_of(block index)`` returns, and a record of the
     measurement (probes, samples' output power, seconds). Effects are relative to the output's power, so they are
-    in the units of the model-output rel-MSE."""
+    in the units of the model-output rel-MSE. ``batched`` names the batched keyword arguments, ``axes`` the blocks'
+    batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass."""
     started = time.perf_counter()
-    sums: dict[str, dict[int, list[float]]] = {}
+    axes = axes or BatchAxes()
+    batched = batched if batched is not None else {k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim()}
+    keep = keep or (lambda t: t)
+    copies = repeat_batch(kwargs, batched, probes)
+    samples = _batch_size(copies, batched)
+    sums: dict[str, dict[int, torch.Tensor]] = {}
     anchor = torch.zeros((), device=device, requires_grad=True)
+    cursor = axes.cursor()
+
+    def replay_hooks(index: int, path: str):
+        def on_replay(block):
+            wanted = candidates_of(index)
+            for name, rungs in wanted.items():
+                for bits in rungs:
+                    sums.setdefault(name, {}).setdefault(bits, torch.zeros(samples, dtype=torch.float64,
+                                                                           device=device))
+            return _Products(path, block, wanted, sums)
+
+        return on_replay
 
     def run_block(index: int, path: str, args, kw):
         leaves, spec = tree_flatten((args, kw))
-        wanted = None
-
-        def load(grad: bool) -> nn.Module:
-            block = source.load_block(path, device, torch.float32)
-            block.requires_grad_(False)
-            if grad:
-                for _, mod in block_linears(path, block):
-                    mod.weight.requires_grad_(True)
-            return block
-
-        def on_backward(block):
-            nonlocal wanted
-            wanted = candidates_of(index) if wanted is None else wanted
-            _sample(block, path, wanted, sums)
-
-        runner = _BlockRunner(load, leaves, spec, on_backward)
+        call = cursor.next(index)
+        b = call_batch(leaves, call) or samples
+        runner = _BlockRunner(lambda: source.load_block(path, device, torch.float32, upcast_linears=True), leaves,
+                              spec, call, axes.ranges(b), keep, replay_hooks(index, path), device)
         outs = _StreamedBlock.apply(runner, anchor, *[x for x in leaves if torch.is_tensor(x)])
         return runner.rebuild(outs)
 
-    shell = source.shell(run_block, device)
-    power = 0.0
-    for k in range(probes):
-        progress(f"measuring each layer's effect on the model output: probe {k + 1}/{probes}")
-        with torch.enable_grad():
-            y = main_output(shell(**kwargs)).float()
-            mask = output_mask(y, row_mask)
-            if k == 0:
-                power = float((y.detach() * mask).square().sum())
-            v = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + k)).to(y.device) * mask
-            (v * y).sum().backward()
+    shell = source.shell(run_block, device, upcast_linears=True)
+    progress(f"measuring each layer's effect on the model output: {probes} probes on "
+             f"{samples // max(probes, 1)} held-out samples")
+    mask_rows = row_mask.repeat(probes, 1) if row_mask is not None else None
+    with estimate_kernels(device), torch.enable_grad():
+        y = main_output(shell(**copies)).float()
+        mask = output_mask(y, mask_rows)
+        power = float((y.detach() * mask).square().sum()) / probes  # the copies' outputs are the same
+        v = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.device) * mask
+        progress("measuring each layer's effect on the model output: the backward pass")
+        (v * y).sum().backward()
+    del y, v, mask, shell
+    gc.collect()  # the graph's last references, before the next pass needs the memory
     power = max(power, 1e-30)
-    effects = {name: {bits: sum(s * s for s in samples) / len(samples) / power for bits, samples in rungs.items()}
+    effects = {name: {bits: float(t.square().sum()) / probes / power for bits, t in rungs.items()}
                for name, rungs in sums.items()}
-    return effects, {"probes": probes, "output_power": power, "seconds": round(time.perf_counter() - started, 3)}
+    return effects, {"probes": probes, "output_power": power, "estimator": "per-sample",
+                     "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _batch_size(kwargs: Mapping, batched: set[str]) -> int:
+    sizes = []
+    map_batched(kwargs, batched, lambda v: sizes.append(v.shape[0]), lambda vs: sizes.append(len(vs)))
+    return max(sizes) if sizes else 1
 
 
 @torch.no_grad()
 def plan_output_error(source, kwargs: dict, row_mask: torch.Tensor | None,
-                      weights_of: Callable[[int], Mapping[str, QuantizedWeight]], device="cpu") -> float:
+                      weights_of: Callable[[int], Mapping[str, QuantizedWeight]], device="cpu",
+                      axes: BatchAxes | None = None) -> float:
     """The model-output rel-MSE ``‖ŷ − y‖² / ‖y‖²`` on ``kwargs`` with every block's linears at the weights
     ``weights_of(block index)`` gives (the plan), against the source model: measured, not predicted."""
     plan = False
+    axes = axes or BatchAxes()
+    cursor = axes.cursor()
 
     def run_block(index: int, path: str, args, kw):
-        block = source.load_block(path, device, torch.float32)
+        block = source.load_block(path, device, torch.float32, upcast_linears=True)
         if plan:
             weights = weights_of(index)
             for name, mod in block_linears(path, block):
                 if name in weights:
                     mod.weight.copy_(quant.dequantize(weights[name].to(device)).to(mod.weight.dtype))
-        return block(*args, **kw)
+        leaves, _ = tree_flatten((args, kw))
+        call = cursor.next(index)
+        return run_chunked(block, args, kw, call, axes.ranges(call_batch(leaves, call) or 1))
 
-    shell = source.shell(run_block, device)
+    shell = source.shell(run_block, device, upcast_linears=True)
     y = main_output(shell(**kwargs)).float()
-    plan = True
+    plan, cursor = True, axes.cursor()
     got = main_output(shell(**kwargs)).float()
     mask = output_mask(y, row_mask)
     return float(((got - y) * mask).square().sum()) / max(float((y * mask).square().sum()), 1e-30)

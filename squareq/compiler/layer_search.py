@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import quant
+from .. import kernels, quant
 from ..quant import QuantSpec, QuantizedWeight
 from .calibration import LayerStats
 
@@ -58,10 +58,9 @@ def group_scale_ratio(qw: QuantizedWeight, w: torch.Tensor, smooth: torch.Tensor
     """
     if qw.spec.is_passthrough:
         return 1.0
-    stored = w.detach().float() * smooth[None, :] if smooth is not None else w.detach().float()
     unclipped = QuantSpec(bits=qw.spec.bits, group_size=qw.spec.group_size, symmetric=qw.spec.symmetric,
                           scale_dtype=qw.spec.scale_dtype)
-    s = quant.quantize(stored, unclipped).tensors["scales"].float().reshape(-1)
+    s = quant.group_scales(w, unclipped, smooth).float().reshape(-1)
     med = float(s.median())
     return float(s.max()) / med if med > 0 else float("inf")
 
@@ -99,8 +98,9 @@ def search_layer(w: torch.Tensor, stats: LayerStats, bits: int, group_size: int 
             proposal = (err, qw, alpha, smooth)
     _, searched, alpha, smooth = proposal
     options = [(plain, 0.0, None, False), (searched, alpha, smooth, False)]
-    if rounding == "gptq" and stats.gram is not None:
-        options.append((quant.gptq_quantize(w, searched.spec, stats.hessian, smooth, damp=GPTQ_DAMP), alpha, smooth,
+    if rounding == "gptq" and stats.has_hessian:
+        options.append((quant.gptq_quantize(w, searched.spec, stats.hessian, smooth, damp=GPTQ_DAMP,
+                                            sweep=kernels.gptq_sweep(w.device)), alpha, smooth,
                         True))
     judged = [quant.output_rel_mse(w, quant.dequantize(o[0]), held) for o in options]
     pick = min(range(len(options)), key=lambda i: (judged[i], i))

@@ -5,7 +5,7 @@ Nothing here imports the rest of the project.
 from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessian
 from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
-from .rtn import QuantizedWeight, dequantize, fake_quantize, num_groups, quantize, tensor_layout
+from .rtn import QuantizedWeight, dequantize, fake_quantize, group_scales, num_groups, quantize, row_chunks, tensor_layout
 from .search import ClipSearchResult, search_clip_ratio
 from .smooth import smoothing_scale
 from .spec import QuantSpec, SpecError
@@ -18,6 +18,7 @@ __all__ = [
     "SpecError",
     "dequantize",
     "fake_quantize",
+    "group_scales",
     "gptq_quantize",
     "gptq_quantize_with_info",
     "input_hessian",
@@ -26,6 +27,7 @@ __all__ = [
     "pack",
     "packed_row_bytes",
     "quantize",
+    "row_chunks",
     "rel_mse",
     "search_clip_ratio",
     "smoothing_scale",

@@ -22,6 +22,7 @@ rows and 0.5% above with 32768 (tests/quant/test_gptq.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +36,16 @@ from .rtn import (
     num_groups,
     quantize,
     round_to_grid,
+    row_chunks,
 )
+from .factor import InverseFactor, inverse_factor
 from .spec import QuantSpec
 
 log = logging.getLogger("squareq.quant")
 
-DAMP_RETRIES = 4  # damping tried: damp, 10·damp, 100·damp, 1000·damp (relative to mean diag(H))
+DAMP_RETRIES = 4
+# (block of W [N, B], its part of U [B, B], spec) -> (codes, scales, zeros, err): one block of the column sweep
+BlockSweep = Callable[[torch.Tensor, torch.Tensor, QuantSpec], tuple]  # damping tried: damp, 10·damp, 100·damp, 1000·damp (relative to mean diag(H))
 
 
 @dataclass(frozen=True)
@@ -65,32 +70,28 @@ def input_hessian(x: torch.Tensor) -> torch.Tensor:
     return (x.T @ x / max(x.shape[0], 1)).float()
 
 
-def _check_hessian(hessian: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+def _check_hessian(hessian: torch.Tensor, k: int) -> None:
     if hessian.dim() != 2 or tuple(hessian.shape) != (k, k):
         raise ValueError(f"the Hessian must be [{k}, {k}] for a weight with {k} inputs, got {tuple(hessian.shape)}.")
-    h = hessian.detach().to(device=device, dtype=torch.float64)
+
+
+def _check_finite(h: torch.Tensor) -> torch.Tensor:
+    # on the compute device: a Hessian kept in host memory would be scanned by the CPU at every call
     if not torch.isfinite(h).all():
         raise ValueError("the Hessian contains NaN or Inf values; check the calibration activations.")
-    return (h + h.T) * 0.5
+    return h
 
 
-def _inverse_cholesky(h: torch.Tensor, damp: float, base: float):
-    """Upper Cholesky factor of ``(H + λI)⁻¹`` in float32, raising the damping on failure.
-
-    Returns ``(U, relative damping used)`` or ``(None, last damping tried)``.
-    """
-    rel = damp
-    for _ in range(DAMP_RETRIES):
-        damped = h.clone()
-        damped.diagonal().add_(rel * base)
-        lower, info = torch.linalg.cholesky_ex(damped)
-        del damped
-        if int(info) == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
-            if int(info) == 0 and torch.isfinite(upper).all() and (upper.diagonal() > 0).all():
-                return upper.float(), rel
-        rel = rel * 10.0 if rel > 0 else 0.01
-    return None, rel / 10.0
+def _symmetrize_(h: torch.Tensor, tile: int = 2048) -> torch.Tensor:
+    """``h ← (h + hᵀ) / 2`` in place, tile by tile: the same value in every element as the one-line formula, without
+    two more ``K × K`` float64 temporaries (at K = 15,360 each is 1.9 GB of a compile's VRAM budget)."""
+    k = h.shape[0]
+    for i0 in range(0, k, tile):
+        for j0 in range(i0, k, tile):
+            mean = (h[i0:i0 + tile, j0:j0 + tile] + h[j0:j0 + tile, i0:i0 + tile].T) * 0.5
+            h[i0:i0 + tile, j0:j0 + tile] = mean
+            h[j0:j0 + tile, i0:i0 + tile] = mean.T
+    return h
 
 
 def gptq_quantize_with_info(
@@ -101,6 +102,7 @@ def gptq_quantize_with_info(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
+    sweep: BlockSweep | None = None,
 ) -> tuple[QuantizedWeight, GPTQInfo]:
     """:func:`gptq_quantize`, also returning a :class:`GPTQInfo` (fallback flag, damping used)."""
     _check_weight(w)
@@ -112,36 +114,55 @@ def gptq_quantize_with_info(
     if spec.is_passthrough:
         return quantize(w, spec, smooth_scale), GPTQInfo(False, 0.0, 0)
     w = w.detach().float()
-    h = _check_hessian(hessian, k, w.device)
+    _check_hessian(hessian, k)
     ws, inv = _apply_smoothing(w, spec, smooth_scale)
-    if inv is not None:
-        # The stored weight W·diag(s) sees inputs x·diag(1/s): H_s = diag(1/s) H diag(1/s).
-        inv64 = inv.double()
-        h = h * inv64[:, None] * inv64[None, :]
+    inv64 = inv.double() if inv is not None else None
 
-    diag = h.diagonal().clone()
+    def prepare() -> torch.Tensor:
+        # J H J (the order the factor needs; act_order's permutation folded in), copied in row tiles so that only
+        # the float64 matrix is whole on the compute device
+        order = (perm if perm is not None else torch.arange(k, device=w.device)).flip(0)
+        h = torch.empty((k, k), dtype=torch.float64, device=w.device)
+        for rows in row_chunks(k, k):
+            if perm is None:
+                part = hessian[k - rows.stop:k - rows.start].to(w.device).flip(0, 1)
+            else:
+                part = hessian[order[rows].to(hessian.device)].to(w.device)[:, order]
+            h[rows] = part
+        _check_finite(h)
+        _symmetrize_(h)
+        if inv64 is not None:
+            # The stored weight W·diag(s) sees inputs x·diag(1/s): H_s = diag(1/s) H diag(1/s).
+            scale = inv64[order]
+            h.mul_(scale[:, None]).mul_(scale[None, :])
+        if n_dead:
+            # A channel whose input is always zero: decouple it (row and column of H zeroed, H_kk = 1),
+            # so its column is rounded to nearest and neither gives nor receives error.
+            gone = dead[order]
+            h[gone, :] = 0
+            h[:, gone] = 0
+            h[gone, gone] = 1.0
+        return h
+
+    # H's diagonal as prepare() leaves it before the dead channels are decoupled: symmetrizing keeps a diagonal as it
+    # is, and smoothing scales it by the same two products.
+    diag = hessian.detach().diagonal().to(device=w.device, dtype=torch.float64, copy=True)
+    if inv64 is not None:
+        diag = diag * inv64 * inv64
+    n_dead, perm = 0, None
     dead = ~(diag > 0)
     n_dead = int(dead.sum())
-    if n_dead:
-        # A channel whose input is always zero: decouple it (row and column of H zeroed, H_kk = 1),
-        # so its column is rounded to nearest and neither gives nor receives error.
-        h[dead, :] = 0
-        h[:, dead] = 0
-        h[dead, dead] = 1.0
     base = float(diag[~dead].mean()) if n_dead < k else 1.0
-
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
-    if perm is not None:
-        h = h[perm][:, perm]
-    upper, used = _inverse_cholesky(h, damp, base)
-    if upper is None:
+    factor, used = inverse_factor(prepare, damp, base, DAMP_RETRIES)
+    if factor is None:
         log.warning(
             "GPTQ: the Cholesky factorization of the %dx%d Hessian failed even with damping %.3g of its mean "
             "diagonal; this layer falls back to round-to-nearest.", k, k, used,
         )
         return quantize(w, spec, smooth_scale), GPTQInfo(True, used, n_dead)
 
-    codes, scales, zeros = _gptq_codes(ws, upper, spec, perm, block_size)
+    codes, scales, zeros = _gptq_codes(ws, factor, spec, perm, block_size, sweep or sweep_block, owned=inv is not None)
     return assemble(spec, codes, scales, zeros, inv), GPTQInfo(False, used, n_dead)
 
 
@@ -153,6 +174,7 @@ def gptq_quantize(
     damp: float = 0.01,
     block_size: int = 128,
     act_order: bool = False,
+    sweep: BlockSweep | None = None,
 ) -> QuantizedWeight:
     """Quantize ``w [N, K]`` (out, in) under ``spec`` with error-compensating rounding.
 
@@ -166,46 +188,92 @@ def gptq_quantize(
     ("static groups") so the stored format keeps contiguous K groups and original column order.
     Without it, each group's scale and zero point come from the error-updated weights when the
     group is reached, with the same rules (clip ratio, rounded-up scale, zero point) as
-    :func:`squareq.quant.quantize`.
+    :func:`squareq.quant.quantize`. ``sweep`` runs one block of columns (:func:`sweep_block`, the torch reference,
+    when None; the compiler passes the Triton kernel's on a GPU, which gives the same bits).
     """
-    return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order)[0]
+    return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order, sweep)[0]
 
 
-def _gptq_codes(w: torch.Tensor, upper: torch.Tensor, spec: QuantSpec, perm: torch.Tensor | None, block_size: int):
-    """Run the column sweep; returns (codes int32 [N, K] in original column order, scales, zeros)."""
+def _gptq_codes(w: torch.Tensor, factor: InverseFactor, spec: QuantSpec, perm: torch.Tensor | None,
+                block_size: int, sweep: BlockSweep, owned: bool = False):
+    """Run the column sweep; returns (codes int8 [N, K] in original column order, scales, zeros). ``owned``: ``w``
+    is the caller's scratch copy (the smoothed weight) and may be overwritten."""
+    if perm is not None:
+        return _static_codes(w, factor, spec, perm, block_size)
+    n, k = w.shape
+    g = spec.group_size
+    codes = torch.empty((n, k), dtype=torch.int8, device=w.device)  # codes of up to 8 bits; a quarter of int32's
+    scales = torch.empty((n, num_groups(k, g)), dtype=spec.torch_scale_dtype, device=w.device)
+    zeros = None if spec.symmetric else torch.empty((n, num_groups(k, g)), dtype=torch.float32, device=w.device)
+    w = w if owned else w.clone()
+    # Blocks hold whole groups, so a group's parameters are chosen from fully updated columns.
+    block_size = max(g, block_size - block_size % g)
+    for b0 in range(0, k, block_size):
+        b1 = min(b0 + block_size, k)
+        g0, g1 = b0 // g, num_groups(b1, g)
+        u_rows = factor.rows(b0, b1)
+        codes[:, b0:b1], scales[:, g0:g1], z, err = sweep(w[:, b0:b1], u_rows[:, b0:b1], spec)
+        if zeros is not None:
+            zeros[:, g0:g1] = z
+        if b1 < k:
+            w[:, b1:] -= err @ u_rows[:, b1:]
+    return codes, scales, zeros
+
+
+def sweep_block(blk: torch.Tensor, u_blk: torch.Tensor, spec: QuantSpec):
+    """One block of GPTQ's column sweep, the torch reference: ``blk [N, B]`` (whole groups from the block's first
+    column; overwritten), ``u_blk [B, B]`` the block's part of ``U``. Returns ``(codes int32 [N, B], scales [N, G_B]
+    in the stored dtype, zeros float32 [N, G_B] or None, err float32 [N, B])``, where ``err`` is each column's
+    rounding error divided by ``U[j, j]``, which the caller pushes onto the columns after the block.
+    :mod:`squareq.kernels.triton_gptq` computes the same, bit for bit, in one kernel launch."""
+    n, width = blk.shape
+    g = spec.group_size
+    groups = num_groups(width, g)
+    codes = torch.empty((n, width), dtype=torch.int32, device=blk.device)
+    scales = torch.empty((n, groups), dtype=spec.torch_scale_dtype, device=blk.device)
+    zeros = None if spec.symmetric else torch.empty((n, groups), dtype=torch.float32, device=blk.device)
+    err = torch.empty((n, width), dtype=torch.float32, device=blk.device)
+    for j in range(width):
+        gi = j // g
+        if j % g == 0:
+            s_new, z_new = group_params(blk[:, j: min(j + g, width)], spec)
+            scales[:, gi] = s_new
+            if zeros is not None:
+                zeros[:, gi] = z_new
+        s = scales[:, gi].float()
+        z = None if zeros is None else zeros[:, gi]
+        x = blk[:, j]
+        q = round_to_grid(x, s, z, spec)
+        codes[:, j] = q.to(torch.int32)
+        deq = (q if z is None else q - z) * s
+        e = (x - deq) / u_blk[j, j]
+        err[:, j] = e
+        if j + 1 < width:
+            blk[:, j + 1:] -= e[:, None] * u_blk[j, j + 1:][None, :]
+    return codes, scales, zeros, err
+
+
+def _static_codes(w: torch.Tensor, factor: InverseFactor, spec: QuantSpec, perm: torch.Tensor, block_size: int):
+    """The sweep in ``act_order`` (``perm``) with group parameters fixed up front from the original weight."""
     n, k = w.shape
     g = spec.group_size
     n_groups = num_groups(k, g)
-    static = perm is not None
-    if static:
-        wg = torch.nn.functional.pad(w, (0, n_groups * g - k)).reshape(n, n_groups, g)
-        scales, zeros = group_params(wg, spec)
-        order = perm.tolist()
-        w = w[:, perm].contiguous()
-    else:
-        scales = torch.empty((n, n_groups), dtype=spec.torch_scale_dtype, device=w.device)
-        zeros = None if spec.symmetric else torch.empty((n, n_groups), dtype=torch.float32, device=w.device)
-        order = range(k)
-        w = w.clone()
-        # Blocks hold whole groups, so a group's parameters are chosen from fully updated columns.
-        block_size = max(g, block_size - block_size % g)
+    wg = torch.nn.functional.pad(w, (0, n_groups * g - k)).reshape(n, n_groups, g)
+    scales, zeros = group_params(wg, spec)
+    order = perm.tolist()
+    w = w[:, perm].contiguous()
     codes = torch.empty((n, k), dtype=torch.int32, device=w.device)
-    scale_f = scales.float() if static else None
-
+    scale_f = scales.float()
     for b0 in range(0, k, block_size):
         b1 = min(b0 + block_size, k)
         blk = w[:, b0:b1]  # a view: updates land in w
-        u_blk = upper[b0:b1, b0:b1]
+        u_rows = factor.rows(b0, b1)
+        u_blk = u_rows[:, b0:b1]
         err = torch.empty((n, b1 - b0), dtype=torch.float32, device=w.device)
         for j in range(b1 - b0):
             col = order[b0 + j]
             gi = col // g
-            if not static and col % g == 0:
-                s_new, z_new = group_params(blk[:, j : min(j + g, b1 - b0)], spec)
-                scales[:, gi] = s_new
-                if zeros is not None:
-                    zeros[:, gi] = z_new
-            s = scale_f[:, gi] if static else scales[:, gi].float()
+            s = scale_f[:, gi]
             z = None if zeros is None else zeros[:, gi]
             x = blk[:, j]
             q = round_to_grid(x, s, z, spec)
@@ -214,7 +282,7 @@ def _gptq_codes(w: torch.Tensor, upper: torch.Tensor, spec: QuantSpec, perm: tor
             e = (x - deq) / u_blk[j, j]
             err[:, j] = e
             if j + 1 < b1 - b0:
-                blk[:, j + 1 :] -= e[:, None] * u_blk[j, j + 1 :][None, :]
+                blk[:, j + 1:] -= e[:, None] * u_blk[j, j + 1:][None, :]
         if b1 < k:
-            w[:, b1:] -= err @ upper[b0:b1, b1:]
+            w[:, b1:] -= err @ u_rows[:, b1:]
     return codes, scales, zeros

@@ -147,6 +147,18 @@ def _dequant_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | 
     return q.float() * s
 
 
+# Rows of a weight handled at once by quantize, fake_quantize, dequantize and the metrics: about 16M weights (64 MB in
+# float32), so a large layer's temporaries stay bounded (a FLUX.2 layer of 55,296 x 6,144 is 1.4 GB per float32
+# copy). Rows are independent in every format, so slicing changes no quantized bit.
+ROW_CHUNK_ELEMENTS = 1 << 24
+
+
+def row_chunks(n: int, k: int) -> list[slice]:
+    """Slices of the ``n`` rows of an ``[n, k]`` weight, each about :data:`ROW_CHUNK_ELEMENTS` weights."""
+    step = max(1, ROW_CHUNK_ELEMENTS // max(k, 1))
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)] or [slice(0, 0)]
+
+
 def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest quantize ``w [N, K]`` under ``spec``; ``smooth_scale`` is ``s`` when ``spec.smooth``."""
     _check_weight(w)
@@ -156,9 +168,37 @@ def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None
         if spec.smooth:
             raise SpecError("smoothing applies to 4/6/8-bit formats only, not bf16 passthrough.")
         return QuantizedWeight(spec, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
-    w, inv = _apply_smoothing(w, spec, smooth_scale)
-    q, scales, zeros = _codes(w, spec)
-    return assemble(spec, q[:, :k], scales, zeros, inv)
+    parts = []
+    for rows in row_chunks(n, k):
+        ws, inv = _apply_smoothing(w[rows], spec, smooth_scale)
+        q, scales, zeros = _codes(ws, spec)
+        parts.append(assemble(spec, q[:, :k], scales, zeros, inv))
+    return _concat_rows(parts)
+
+
+def _concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    tensors = {role: t if role == "inv_smooth" else torch.cat([p.tensors[role] for p in parts])
+               for role, t in first.tensors.items()}
+    return QuantizedWeight(first.spec, (sum(p.shape[0] for p in parts), first.shape[1]), tensors)
+
+
+def group_scales(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The stored group scales :func:`quantize` would choose for ``w`` (``smooth_scale`` applied when given),
+    without the codes."""
+    n, k = w.shape
+    g = spec.group_size
+    out = []
+    for rows in row_chunks(n, k):
+        part = w[rows].detach().float()
+        if smooth_scale is not None:
+            part = part * smooth_scale.float()[None, :]
+        groups = num_groups(k, g)
+        wg = torch.nn.functional.pad(part, (0, groups * g - k)).reshape(part.shape[0], groups, g)
+        out.append(group_params(wg, spec)[0])
+    return torch.cat(out)
 
 
 def assemble(spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -166,7 +206,8 @@ def assemble(spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor, zeros: 
     """Pack already-chosen ``codes [N, K]`` (signed ints), ``scales [N, G]`` (stored dtype), integral
     ``zeros [N, G]`` (asymmetric) and ``inv_smooth [K]`` (smoothing) into the stored tensors."""
     n, k = codes.shape
-    tensors = {"qweight": pack(codes, spec.bits), "scales": scales.contiguous()}
+    packed = [pack(codes[rows], spec.bits) for rows in row_chunks(n, k)]  # pack's int32 temporaries, a slice at a time
+    tensors = {"qweight": packed[0] if len(packed) == 1 else torch.cat(packed), "scales": scales.contiguous()}
     if zeros is not None:
         tensors["zeros"] = zeros.to(torch.int8).contiguous()
     if inv_smooth is not None:
@@ -176,14 +217,18 @@ def assemble(spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor, zeros: 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """Exact reference dequantization to a ``bfloat16 [N, K]`` weight (the effective ``W``)."""
-    spec, (_, k), t = qw.spec, qw.shape, qw.tensors
+    spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     if spec.is_passthrough:
         return t["weight"].to(torch.bfloat16)
-    q = unpack(t["qweight"], spec.bits, k)
-    w = _dequant_codes(q, t["scales"], t.get("zeros"), k, spec.group_size)
-    if spec.smooth:
-        w = w * t["inv_smooth"].float()[None, :]
-    return w.to(torch.bfloat16)
+    out = torch.empty((n, k), dtype=torch.bfloat16, device=t["qweight"].device)
+    for rows in row_chunks(n, k):
+        q = unpack(t["qweight"][rows], spec.bits, k)
+        zeros = t["zeros"][rows] if "zeros" in t else None
+        w = _dequant_codes(q, t["scales"][rows], zeros, k, spec.group_size)
+        if spec.smooth:
+            w = w * t["inv_smooth"].float()[None, :]
+        out[rows] = w.to(torch.bfloat16)
+    return out
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,8 +240,11 @@ def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor |
     w = w.detach().float()
     if spec.is_passthrough:
         return w.to(torch.bfloat16).float()
-    k = w.shape[1]
-    ws, inv = _apply_smoothing(w, spec, smooth_scale)
-    q, scales, zeros = _codes(ws, spec)
-    out = _dequant_codes(q[:, :k], scales, zeros, k, spec.group_size)
-    return out * inv[None, :] if inv is not None else out
+    n, k = w.shape
+    out = torch.empty_like(w)
+    for rows in row_chunks(n, k):
+        ws, inv = _apply_smoothing(w[rows], spec, smooth_scale)
+        q, scales, zeros = _codes(ws, spec)
+        part = _dequant_codes(q[:, :k], scales, zeros, k, spec.group_size)
+        out[rows] = part * inv[None, :] if inv is not None else part
+    return out

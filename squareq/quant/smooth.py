@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .rtn import row_chunks
+
 
 def smoothing_scale(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float, eps: float = 1e-5) -> torch.Tensor:
     """``s_k = a_k^α / w_k^(1-α)`` where ``a_k`` is the activation absmax of input channel ``k`` and
@@ -13,7 +15,7 @@ def smoothing_scale(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha={alpha} must lie in [0, 1].")
     a = act_absmax.detach().float().reshape(-1)
-    wmax = weight.detach().float().abs().amax(dim=0)
+    wmax = torch.stack([weight[rows].detach().float().abs().amax(dim=0) for rows in row_chunks(*weight.shape)]).amax(0)
     if a.numel() != wmax.numel():
         raise ValueError(f"activation stats cover {a.numel()} channels but the weight has {wmax.numel()} inputs.")
     live = (a > eps) & (wmax > eps)

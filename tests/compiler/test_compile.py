@@ -48,7 +48,7 @@ def size_slab(tmp_path_factory):
 def test_every_layer_records_its_measured_effect_and_every_move_says_why(size_slab):
     m = manifest(size_slab)
     cal = m["calibration"]
-    assert cal["build"] == 1 and cal["measurements"] == "measured" and cal["effect"]["probes"] == 16
+    assert cal["build"] == 1 and cal["measurements"] == "measured" and cal["effect"]["probes"] == 4
     chosen = 0.0
     for layer in m["layers"]:
         for key in ("effect", "output_rel_mse", "act_outlier_score", "scale_ratio", "alpha", "clip_ratio"):

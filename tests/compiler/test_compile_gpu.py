@@ -23,3 +23,34 @@ def test_compile_on_cuda_matches_the_cpu_decisions(tmp_path, tiny_flux_images):
     assert {n: layer["rung"] for n, layer in gpu.items()} == {n: layer["rung"] for n, layer in cpu.items()}
     for name, layer in gpu.items():
         assert layer["metrics"]["output_rel_mse"] <= 2 * cpu[name]["metrics"]["output_rel_mse"] + 1e-6, name
+
+
+@pytest.mark.gpu
+def test_a_tight_vram_budget_builds_the_same_slab(tmp_path, tiny_flux_images, monkeypatch):
+    """Recorded inputs and the effect pass's block inputs in pinned host memory (the tightest budget the plan
+    accepts) against everything on the GPU: the same tensor bytes and rungs, blocks run two samples at a time."""
+    from squareq.compiler import chunks
+    from squareq.compiler import driver
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)  # one sample per chunk: the chunked paths run
+    plans = []
+    real_plan = driver.plan_vram
+
+    def record(needs, budget, device, *a):
+        plan = real_plan(needs, budget, device, *a)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(driver, "plan_vram", record)
+    opts = dict(budget=2_000_000, device="cuda", calib_samples=8, calib_images=tiny_flux_images)
+    compile_slab(open_source("tiny-flux"), tmp_path / "free.slab", CompileOptions(**opts))
+    tight = plans[0].needs.peak(True, True)
+    compile_slab(open_source("tiny-flux"), tmp_path / "tight.slab", CompileOptions(**opts, vram_budget=tight))
+    assert not plans[0].host_tape and plans[1].host_tape and plans[1].host_saved
+    a, b = ((tmp_path / f"{n}.slab" / "slab.safetensors").read_bytes() for n in ("free", "tight"))
+    assert a == b
+    rungs = [[layer["rung"] for layer in json.loads((tmp_path / f"{n}.slab" / "manifest.json").read_text())["layers"]]
+             for n in ("free", "tight")]
+    assert rungs[0] == rungs[1]
+    assert torch.cuda.max_memory_reserved() > 0
