@@ -248,7 +248,8 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     from squareq.compiler import CompileOptions, compile_slab, parse_size
     from squareq.compiler.budget import BudgetError
 
-    out = args.workdir / f"{args.model}-{budget or 'free'}.slab"
+    folder = source.pipeline or source.folder
+    out = args.workdir / f"{folder.name if folder else args.model}-{budget or 'free'}.slab"
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -256,8 +257,8 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     def progress(line: str) -> None:
         if LAYER_LINE.match(line):  # one line per layer: too many to print
             return
-        gb = torch.cuda.max_memory_reserved() / 1e9
-        print(f"[{time.perf_counter() - start:8.1f}s] [peak reserved {gb:5.2f} GB] {line}", flush=True)
+        gb, alloc = torch.cuda.max_memory_reserved() / 1e9, torch.cuda.max_memory_allocated() / 1e9
+        print(f"[{time.perf_counter() - start:8.1f}s] [peak alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}", flush=True)
 
     opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
                           rounding=args.rounding, overwrite=True, calib_images=images,

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..quant import row_chunks
+
 
 GRAM_COLUMNS = 2048  # columns of a Gram matrix added per product (a K x 2048 float32 temporary)
 
@@ -249,7 +251,8 @@ def _update(st: LayerStats, x: torch.Tensor, held: torch.Tensor, max_rows: int, 
     fit = x[~held]
     if fit.shape[0]:
         st.absmax = torch.maximum(st.absmax, fit.abs().amax(dim=0))
-        st.sq_sum += fit.double().pow(2).sum(dim=0)
+        for rows in row_chunks(*fit.shape):  # float64 squares a slice of rows at a time (1.1 GB at once at K=15,360)
+            st.sq_sum += fit[rows].double().pow(2).sum(dim=0)
         st.count += fit.shape[0]
     if st.gram is not None:
         # the float32 product added in float64, a block of columns at a time: no K x K temporary beside the sums

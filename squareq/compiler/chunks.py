@@ -45,13 +45,20 @@ class BatchAxes:
     chunk_samples: int | None = None
     why: str = ""
 
+    @property
+    def replay_samples(self) -> int | None:
+        """Samples per chunk of the effects pass's replays: a third of :attr:`chunk_samples` (their gradients and
+        the math attention kernel's probabilities make a replay several times a forward)."""
+        return max(1, self.chunk_samples // 3) if self.chunk_samples else None
+
     def cursor(self) -> "AxesCursor":
         """A fresh walk over the calls of one forward pass."""
         return AxesCursor(self)
 
-    def ranges(self, samples: int) -> list[tuple[int, int]]:
-        """The chunks of a batch of ``samples``: ``[(start, stop), ...]``."""
-        step = self.chunk_samples or samples
+    def ranges(self, samples: int, step: int | None = None) -> list[tuple[int, int]]:
+        """The chunks of a batch of ``samples``: ``[(start, stop), ...]`` (``step`` samples each, by default
+        :attr:`chunk_samples`)."""
+        step = step or self.chunk_samples or samples
         return [(s, min(s + step, samples)) for s in range(0, samples, max(step, 1))]
 
 

@@ -113,6 +113,12 @@ def state_folder(out: Path) -> Path:
     return out.parent / f"{out.name}.state"
 
 
+def _on_host(decision: LayerDecision) -> LayerDecision:
+    """The decision with its candidates' tensors in host memory (a FLUX.1 double block's four rungs are 1.5 GB)."""
+    tried = [Candidate(c.qweight.to("cpu"), c.alpha, c.metrics) for c in decision.tried]
+    return LayerDecision(decision.name, tried[decision.tried.index(decision.chosen)], tried, decision.reasons)
+
+
 def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
     """A linear the calibration never called (a branch the inputs did not take): kept at bf16."""
     qw = quant.quantize(w.detach().float(), quant.QuantSpec(bits=16))
@@ -191,8 +197,8 @@ class _Run:
                 for name in mine:
                     self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
                     weight = real.get_submodule(name[len(path) + 1:]).weight.float()
-                    measured[name] = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding,
-                                                   o.group_size)
+                    decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.group_size)
+                    measured[name] = _on_host(decision)  # every rung of every layer until the block is saved
                 del stats
             col.release(names)
         decisions = {name: measured.get(name) or _unmeasured(name, mod.weight)
@@ -306,10 +312,10 @@ def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path) -> str:
     peak = peak_reserved(opts.device)
     flag = f"--vram-budget {format_size(vram.budget)}" if opts.vram_budget else \
         f"the {format_size(vram.budget)} the GPU had free"
+    then = "and a larger --vram-budget" if opts.vram_budget else "after freeing GPU memory"
     return (f"the compile ran out of GPU memory within {flag} (it expected to peak at "
-            f"{format_size(vram.expected_peak or 0)}, reserved {format_size(peak or 0)}); rerun with --resume "
-            f"{'and a larger --vram-budget ' if opts.vram_budget else 'after freeing GPU memory '}: the blocks "
-            f"measured so far are kept in {state}.")
+            f"{format_size(vram.expected_peak or 0)}, reserved {format_size(peak or 0)}); rerun with --resume {then} "
+            f"(the blocks measured so far are kept in {state}).")
 
 
 def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, setup: _Setup):

@@ -241,8 +241,10 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
         leaves, spec = tree_flatten((args, kw))
         call = cursor.next(index)
         b = call_batch(leaves, call) or samples
+        # a third of a calibration chunk (one FLUX sample): the replay with its gradients holds the attention
+        # probabilities and their gradients (the math kernel), several times a forward's activations
         runner = _BlockRunner(lambda: source.load_block(path, device, torch.float32, upcast_linears=True), leaves,
-                              spec, call, axes.ranges(b), keep, replay_hooks(index, path), device)
+                              spec, call, axes.ranges(b, axes.replay_samples), keep, replay_hooks(index, path), device)
         outs = _StreamedBlock.apply(runner, anchor, *[x for x in leaves if torch.is_tensor(x)])
         return runner.rebuild(outs)
 

@@ -32,9 +32,12 @@ from .budget import BudgetError
 # Measured on an H100 (docs/benchmarks.md, "Compiling within a VRAM budget"): bytes of activations per byte of block
 # input in a chunk's calibration forward, and in the effects pass's replay with its backward and per-layer products.
 ACT_FORWARD = 20  # FLUX.1 double / single block 9 / 14, FLUX.2 11.3 / 20
-# FLUX.1 19-23, FLUX.2 22-31 with the memory-efficient attention kernel, before the per-layer products (counted
-# apart); the math kernel the effects pass uses keeps the attention probabilities too
-ACT_BACKWARD = 48
+# The effects pass's replay with its backward, per byte of one sample's block input: FLUX.1 19-23, FLUX.2 22-31
+# with the memory-efficient attention kernel; the math kernel the effects pass uses (for repeatable sums) keeps the
+# attention probabilities and their gradients too. A FLUX.1 2+2-block compile on an H100 peaked 13 GB above its
+# resident part in that pass with 3-sample chunks (about 160x): the pass now replays a third of a calibration
+# chunk at a time (one FLUX sample).
+ACT_BACKWARD = 160
 # float32 copies of a layer's weight alive at once during its search (the weight, GPTQ's working copy and codes,
 # the candidates; the metrics and quantizers work a slice of rows at a time)
 SEARCH_WEIGHT_COPIES = 6  # measured 4.4-5.9 (H100, layers of FLUX.1 and FLUX.2), before GPTQ kept int8 codes
@@ -124,7 +127,7 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
     calls = [c for _, c in axes.calls]
     per_sample = max((c.sample_bytes for c in calls), default=0)
     chunk = min(axes.chunk_samples or samples, samples)
-    held_chunk = min(axes.chunk_samples or probes * held, probes * held)
+    held_chunk = min(axes.replay_samples or probes * held, probes * held)
     prefixes = tuple(p + "." for p in source.block_paths)
     block_name, block, linear_size = _largest_block(source, skeleton)
     linears = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)}
@@ -150,8 +153,11 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
 def search_bytes(n: int, k: int, gptq: bool, max_rows: int) -> int:
     """GPU memory of one layer's search: ``SEARCH_WEIGHT_COPIES`` float32 copies of the weight, the sampled rows,
     and for GPTQ the Gram matrix's float64 sums, then its float64 factor, each built in place (quant/factor.py) with
-    temporaries of a few column blocks (the float32 mean waits in pinned host memory)."""
-    factor = 8 * k * k + 4 * 8 * k * 1024 if gptq else 0
+    temporaries of a few column blocks (the float32 mean waits in pinned host memory), and the statistics' own
+    temporaries beside them."""
+    # measured on an H100 (FLUX.1 single block, 3072 x 15360): about 16 K² at the layer's peak, with the float64
+    # sums of squares and row copies of the statistics beside the Gram matrix
+    factor = 16 * k * k if gptq else 0
     return factor + SEARCH_WEIGHT_COPIES * 4 * n * k + 2 * 4 * max_rows * k
 
 

@@ -240,17 +240,22 @@ def sweep_block(blk: torch.Tensor, u_blk: torch.Tensor, spec: QuantSpec):
             scales[:, gi] = s_new
             if zeros is not None:
                 zeros[:, gi] = z_new
-        s = scales[:, gi].float()
         z = None if zeros is None else zeros[:, gi]
-        x = blk[:, j]
-        q = round_to_grid(x, s, z, spec)
-        codes[:, j] = q.to(torch.int32)
-        deq = (q if z is None else q - z) * s
-        e = (x - deq) / u_blk[j, j]
-        err[:, j] = e
-        if j + 1 < width:
-            blk[:, j + 1:] -= e[:, None] * u_blk[j, j + 1:][None, :]
+        codes[:, j], err[:, j] = _column(blk, u_blk, j, scales[:, gi].float(), z, spec)
     return codes, scales, zeros, err
+
+
+def _column(blk: torch.Tensor, u_blk: torch.Tensor, j: int, s: torch.Tensor, z: torch.Tensor | None,
+            spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round column ``j`` of ``blk`` on its group's grid and push its error onto the block's later columns; returns
+    (its codes, int32; its error divided by ``U[j, j]``)."""
+    x = blk[:, j]
+    q = round_to_grid(x, s, z, spec)
+    deq = (q if z is None else q - z) * s
+    e = (x - deq) / u_blk[j, j]
+    if j + 1 < blk.shape[1]:
+        blk[:, j + 1:] -= e[:, None] * u_blk[j, j + 1:][None, :]
+    return q.to(torch.int32), e
 
 
 def _static_codes(w: torch.Tensor, factor: InverseFactor, spec: QuantSpec, perm: torch.Tensor, block_size: int):
@@ -271,18 +276,9 @@ def _static_codes(w: torch.Tensor, factor: InverseFactor, spec: QuantSpec, perm:
         u_blk = u_rows[:, b0:b1]
         err = torch.empty((n, b1 - b0), dtype=torch.float32, device=w.device)
         for j in range(b1 - b0):
-            col = order[b0 + j]
-            gi = col // g
-            s = scale_f[:, gi]
+            gi = order[b0 + j] // g
             z = None if zeros is None else zeros[:, gi]
-            x = blk[:, j]
-            q = round_to_grid(x, s, z, spec)
-            codes[:, col] = q.to(torch.int32)
-            deq = (q if z is None else q - z) * s
-            e = (x - deq) / u_blk[j, j]
-            err[:, j] = e
-            if j + 1 < b1 - b0:
-                blk[:, j + 1:] -= e[:, None] * u_blk[j, j + 1:][None, :]
+            codes[:, order[b0 + j]], err[:, j] = _column(blk, u_blk, j, scale_f[:, gi], z, spec)
         if b1 < k:
             w[:, b1:] -= err @ u_rows[:, b1:]
     return codes, scales, zeros
