@@ -99,7 +99,7 @@ class LayerStats:
 
 @dataclass
 class _Entry:
-    """One recorded input: its real rows ``x [rows, K]`` (float32) and which of them are held out."""
+    """One recorded input: its real rows ``x [rows, K]`` (float32) and which of them are held out (on the host)."""
 
     x: torch.Tensor
     held: torch.Tensor
@@ -179,7 +179,7 @@ class StatsCollector:
         x = x.reshape(-1, x.shape[-1]).float()
         if real is not None:
             x, held = x[real.to(x.device)], held[real]
-        self._entries.append(_Entry(self.store(x), self.store(held.to(x.device))))
+        self._entries.append(_Entry(self.store(x), held))  # the flags stay on the host: the statistics move them
         return len(self._entries) - 1
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

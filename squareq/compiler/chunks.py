@@ -14,6 +14,7 @@ the same slab (docs/compiler.md, "Compiling within a VRAM budget").
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -127,16 +128,19 @@ def probe_batch_axes(source, kwargs: Mapping, batched: set[str], samples: int,
         return BatchAxes(why="one sample")
     seen: dict[int, list] = {2: [], 3: []}
     templates = source.skeleton().to("meta")  # buffers a class builds on the host (rotary tables) too
-    try:
-        for b in (2, 3):
-            def run(index, path, args, kw, b=b):
-                with _LinearInputs(templates.get_submodule(path), b) as tape:
-                    out = templates.get_submodule(path)(*args, **kw)
-                seen[b].append((index, _shapes((args, kw)), _shapes(out), tape.sample_bytes))
-                return out
 
+    def run(index, path, args, kw):
+        block = templates.get_submodule(path)
+        with _LinearInputs(block, batch) as tape:
+            out = block(*args, **kw)
+        seen[batch].append((index, _shapes((args, kw)), _shapes(out), tape.sample_bytes))
+        return out
+
+    try:
+        shell = source.shell(run, "meta").to("meta")
+        for batch in (2, 3):
             with torch.no_grad():
-                source.shell(run, "meta").to("meta")(**_meta_kwargs(kwargs, batched, b))
+                shell(**_meta_kwargs(kwargs, batched, batch))
     except Exception as exc:  # noqa: BLE001 - any op the meta device cannot run: fall back to whole batches
         return BatchAxes(why=f"the model's forward does not run on the meta device ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:100]})")
@@ -151,7 +155,7 @@ def probe_batch_axes(source, kwargs: Mapping, batched: set[str], samples: int,
         pairs = list(zip(in2, in3, inputs)) + list(zip(out2, out3, outputs))
         if any(a[0] != b[0] and not batched_leaf for a, b, batched_leaf in pairs):
             return BatchAxes(why="a block argument carries the batch on an axis other than the first")
-        per_sample = sum(4 * _numel(s[1:]) for (s, fl), batched_leaf in zip(in2, inputs) if batched_leaf and fl)
+        per_sample = sum(4 * math.prod(s[1:]) for (s, fl), batched_leaf in zip(in2, inputs) if batched_leaf and fl)
         calls.append((i2, CallAxes(inputs, outputs, per_sample, tape2)))
     largest = max(c.sample_bytes for _, c in calls)
     return BatchAxes(tuple(calls), max(1, (chunk_bytes or CHUNK_BYTES) // max(largest, 1)))
@@ -189,13 +193,6 @@ def _shapes(tree) -> list[tuple[tuple[int, ...], bool]]:
 def _scales(a, b) -> bool:
     (sa, _), (sb, _) = a, b
     return len(sa) > 0 and sa[0] == 2 and sb[0] == 3 and sa[1:] == sb[1:]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def call_batch(leaves, call: CallAxes | None) -> int | None:

@@ -181,11 +181,13 @@ class _Run:
     def _measure(self, index: int, path: str, real: nn.Module, todo: set[str], args, kwargs, call, ranges):
         """Measure the block's layers at their rungs, save them, and return the original block's output."""
         o, b = self.opts, self.batch
-        park = self.vram.store(self.vram.host_tape)  # the block's outputs wait with the recorded inputs
-        parked = lambda *a, **kw: tree_map(lambda t: park(t) if torch.is_tensor(t) else t, real(*a, **kw))  # noqa: E731
+        store = self.vram.store(self.vram.host_tape)
+        # on the host the block's outputs wait with the recorded inputs while the layers are searched
+        parked = (lambda *a, **kw: tree_map(lambda t: store(t) if torch.is_tensor(t) else t, real(*a, **kw))) \
+            if self.vram.host_tape else real
         with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index,
                             samples=b.description.get("samples"), heldout_samples=b.heldout,
-                            row_mask=b.row_mask, store=park) as col:
+                            row_mask=b.row_mask, store=store) as col:
             started = time.perf_counter()
             ref = run_chunked(parked, args, kwargs, call, ranges, each=col.window)
             self.forward_s = time.perf_counter() - started
@@ -298,9 +300,9 @@ def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
     run = _Run(source, opts, progress, batch, axes, vram)
     shell = source.shell(run.block, opts.device, upcast_linears=True)  # checks the checkpoint
     residents = source.resident_state("cpu", torch.float32)
-    return _Setup(skeleton, previous, batch, batched, axes, vram, measurement_key(source, batch, opts, axes.chunk_samples),
-                  run, shell,
-                  residents, _block_cap(opts, residents))
+    key = measurement_key(source, batch, opts, axes.chunk_samples)
+    return _Setup(skeleton, previous, batch, batched, axes, vram, key, run, shell, residents,
+                  _block_cap(opts, residents))
 
 
 def _peak_note(device) -> str:

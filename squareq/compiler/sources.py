@@ -338,9 +338,7 @@ class Source:
         _materialize(module, self._read([n for n in names if n not in unread], strip=prefix), device, dtype,
                      unread={n[len(prefix):] for n in unread}, keep=linears if upcast_linears else frozenset())
         if upcast_linears and dtype is not None:
-            for mod in module.modules():
-                if isinstance(mod, nn.Linear):
-                    mod.forward = types.MethodType(_upcast_forward, mod)
+            _upcast([m for m in module.modules() if isinstance(m, nn.Linear)])
         return module
 
     def resident_state(self, device="cpu", dtype: torch.dtype | None = torch.float32,
@@ -368,21 +366,21 @@ class Source:
         prefixes = tuple(p + "." for p in self.block_paths)
         linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)
                    and not f"{n}.".startswith(prefixes)} if upcast_linears else frozenset()
-        for name, t in self.resident_state(device, dtype, keep=frozenset(linears)).items():
+        tracing = torch.device(device).type == "meta"  # shapes only: the skeleton's meta tensors are the residents
+        state = {} if tracing else self.resident_state(device, dtype, keep=frozenset(linears))
+        for name, t in state.items():
             owner, _, attr = name.rpartition(".")
             mod = model.get_submodule(owner) if owner else model
             if attr in mod._parameters:
                 mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
             else:
                 mod._buffers[attr] = t
-        for name in linears:
-            mod = model.get_submodule(name.rpartition(".")[0])
-            mod.forward = types.MethodType(_upcast_forward, mod)
+        _upcast([model.get_submodule(name.rpartition(".")[0]) for name in linears])
         for i, path in enumerate(self.block_paths):
             owner, _, idx = path.rpartition(".")
             model.get_submodule(owner)[int(idx)] = _BlockStandIn(run_block, i, path, model.get_submodule(path))
         left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-        if left and torch.device(device).type != "meta":  # a shell on the meta device only traces shapes
+        if left and not tracing:
             raise ModelError(f"{self.description}: tensors outside the blocks were not found in the checkpoint "
                              f"({', '.join(left[:3])}); check the checkpoint and --blocks.")
         return model.eval()
@@ -453,6 +451,12 @@ def _convert(t: torch.Tensor, device, dtype) -> torch.Tensor:
 
 def _upcast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+def _upcast(linears: Iterable[nn.Linear]) -> None:
+    """Each linear casts its weight to its input's dtype while it runs (the weight stays as stored)."""
+    for mod in linears:
+        mod.forward = types.MethodType(_upcast_forward, mod)
 
 
 def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, dtype, unread=frozenset(),

@@ -129,13 +129,14 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
     chunk = min(axes.chunk_samples or samples, samples)
     held_chunk = min(axes.replay_samples or probes * held, probes * held)
     prefixes = tuple(p + "." for p in source.block_paths)
-    block_name, block, linear_size = _largest_block(source, skeleton)
+    linear_size = _linear_element_size(source, skeleton)
     linears = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)}
     resident = sum((linear_size if n in linears else 4) * t.numel() for n, t in _tensors(skeleton)
                    if not n.startswith(prefixes))
     kwargs = [batch.kwargs, batch.heldout_kwargs or {}]
     batch_bytes = sum(v.numel() * v.element_size() for kw in kwargs for v in tree_flatten(kw)[0] if torch.is_tensor(v))
-    block_search, name, (n, k), search = _searches(source, skeleton, gptq, linear_size, max_rows)
+    (block_name, block), block_search, name, (n, k), search = _searches(source, skeleton, gptq, linear_size,
+                                                                         max_rows)
     upcast = 4 * n * k
     return Needs(
         base=resident + batch_bytes,
@@ -162,13 +163,15 @@ def search_bytes(n: int, k: int, gptq: bool, max_rows: int) -> int:
 
 
 def _searches(source, skeleton, gptq: bool, linear_size: int, max_rows: int):
-    """(the most any block's weights and its largest layer's search need together, the largest search's layer, its
+    """((the largest block, its bytes as the compile keeps it: linear weights at ``linear_size``, the rest float32),
+    the most any block's weights and its largest layer's search need together, the largest search's layer, its
     shape, its bytes)."""
-    worst, largest = 0, ("", (0, 0), -1)
+    worst, largest, biggest = 0, ("", (0, 0), -1), ("", 0)
     for path in source.block_paths:
         block = skeleton.get_submodule(path)
         linear = {f"{rel}.weight" for rel, m in block.named_modules() if isinstance(m, nn.Linear)}
         weights = sum(t.numel() * (linear_size if n in linear else 4) for n, t in _tensors(block))
+        biggest = max(biggest, (path, weights), key=lambda b: b[1])
         for rel, mod in block.named_modules():
             if isinstance(mod, nn.Linear):
                 n, k = mod.weight.shape
@@ -176,7 +179,7 @@ def _searches(source, skeleton, gptq: bool, linear_size: int, max_rows: int):
                 worst = max(worst, weights + need)
                 if need > largest[2]:
                     largest = (f"{path}.{rel}", (n, k), need)
-    return worst, *largest
+    return biggest, worst, *largest
 
 
 def _tensors(model: nn.Module):
@@ -184,15 +187,11 @@ def _tensors(model: nn.Module):
     yield from model.named_buffers()
 
 
-def _largest_block(source, skeleton) -> tuple[str, int, int]:
-    """The block with the most bytes as the compile keeps it: linear weights in the checkpoint's dtype (read from
-    the block itself), everything else in float32; and the bytes per linear weight."""
-    path = max(source.block_paths, key=lambda p: sum(t.numel() for _, t in _tensors(skeleton.get_submodule(p))))
+def _linear_element_size(source, skeleton) -> int:
+    """Bytes per linear weight as the checkpoint stores them, read from its smallest block."""
+    path = min(source.block_paths, key=lambda p: sum(t.numel() for _, t in _tensors(skeleton.get_submodule(p))))
     block = source.load_block(path, "cpu", None)
-    linear = {f"{rel}.weight" for rel, m in block.named_modules() if isinstance(m, nn.Linear)}
-    size = sum(t.numel() * (t.element_size() if n in linear else 4) for n, t in _tensors(block))
-    elem = max((t.element_size() for n, t in _tensors(block) if n in linear), default=4)
-    return path, size, elem
+    return max((m.weight.element_size() for m in block.modules() if isinstance(m, nn.Linear)), default=4)
 
 
 def plan_vram(needs: Needs | None, budget: int | None, device, flag: str = "--vram-budget") -> VramPlan:
