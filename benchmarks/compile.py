@@ -257,8 +257,9 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     def progress(line: str) -> None:
         if LAYER_LINE.match(line):  # one line per layer: too many to print
             return
-        gb, alloc = torch.cuda.max_memory_reserved() / 1e9, torch.cuda.max_memory_allocated() / 1e9
-        print(f"[{time.perf_counter() - start:8.1f}s] [peak alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}", flush=True)
+        # the compile resets the peak counters phase by phase (its log lines carry the peaks): these are current
+        gb, alloc = torch.cuda.memory_reserved() / 1e9, torch.cuda.memory_allocated() / 1e9
+        print(f"[{time.perf_counter() - start:8.1f}s] [now alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}", flush=True)
 
     opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
                           rounding=args.rounding, overwrite=True, calib_images=images,
@@ -267,8 +268,7 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     try:
         manifest = compile_slab(source, out, opts, progress=progress)
     except BudgetError as exc:  # a budget the plan refuses, or an estimate that fell short: recorded, not fatal
-        emit({"kind": "refused", "vram_budget": budget, "message": str(exc),
-              "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}, records)
+        emit({"kind": "refused", "vram_budget": budget, "message": str(exc)}, records)
         return None
     wall = time.perf_counter() - start
     size = sum(p.stat().st_size for p in out.iterdir())
@@ -285,8 +285,8 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
            "layers": len(manifest.layers), "wall_s": wall + encode_s, "compile_s": wall, "encode_s": encode_s,
            "slab_bytes": size, "slab_sha256": digest.hexdigest(), "bits_per_layer_weight": 8 * layer_bytes / weights,
            "rungs": rungs, "host_rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-           "vram_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-           "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+           "vram_peak_allocated_gb": manifest.calibration["vram"]["peak_allocated_bytes"] / 1e9,
+           "vram_peak_reserved_gb": manifest.calibration["vram"]["peak_reserved_bytes"] / 1e9,
            "vram": manifest.calibration["vram"], "effect": manifest.calibration["effect"],
            "chunk_samples": manifest.calibration.get("chunk_samples"),
            "calibrate_s": manifest.calibration["calibrate_seconds"],

@@ -48,9 +48,10 @@ class BatchAxes:
 
     @property
     def replay_samples(self) -> int | None:
-        """Samples per chunk of the effects pass's replays: a third of :attr:`chunk_samples` (their gradients and
-        the math attention kernel's probabilities make a replay several times a forward)."""
-        return max(1, self.chunk_samples // 3) if self.chunk_samples else None
+        """Samples per chunk of the effects pass's replays: :attr:`chunk_samples` (the replay keeps no attention
+        matrix and no float32 weight copy for its backward, so a chunk with its gradients stays a few times a
+        forward's activations)."""
+        return self.chunk_samples
 
     def cursor(self) -> "AxesCursor":
         """A fresh walk over the calls of one forward pass."""

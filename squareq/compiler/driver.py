@@ -51,7 +51,7 @@ from .previous import Previous, read_previous
 from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
-from .vram import VramPlan, estimate_needs, peak_reserved, plan_vram, vram_cap
+from .vram import PeakLog, VramPlan, estimate_needs, plan_vram, vram_cap
 
 # A manifest's layer record grows with the plan's reasons and history; the budget reserves this much per layer and
 # build before the plan is known, and the exact size is checked against the budget before anything is written.
@@ -142,12 +142,15 @@ class _Run:
         self.done_blocks = 0
         self.forward_s = 0.0
         self.cursor = axes.cursor()
+        self.peaks = PeakLog(opts.device)
+        self.block_peaks = PeakLog(opts.device)
 
     def run(self, shell) -> None:
-        """One calibration pass of the model's own forward over the batch."""
+        """One calibration pass of the model's own forward over the batch (on the device for this pass only)."""
         self.cursor = self.axes.cursor()
+        kwargs = _moved(self.batch.kwargs, self.opts.device)
         with torch.no_grad():
-            shell(**self.batch.kwargs)
+            shell(**kwargs)
 
     def _eta(self, index: int, n: int) -> str:
         if self.done_blocks == 0:
@@ -174,7 +177,7 @@ class _Run:
         out = self._measure(index, path, real, set(todo), args, kwargs, call, ranges)
         self.done_blocks += 1
         self.progress(f"block {index + 1}/{n} {path}: done in {time.perf_counter() - started:.1f} s (forward "
-                      f"{self.forward_s:.1f} s){_peak_note(self.opts.device)}")
+                      f"{self.forward_s:.1f} s){_peak_note(self.peaks, self.block_peaks)}")
         return out
 
     @torch.no_grad()
@@ -191,16 +194,22 @@ class _Run:
             started = time.perf_counter()
             ref = run_chunked(parked, args, kwargs, call, ranges, each=col.window)
             self.forward_s = time.perf_counter() - started
+        block_peaks = self.block_peaks = PeakLog(o.device)  # this block's own, beside the compile's
         measured: dict[str, LayerDecision] = {}
+        _charge(block_peaks, "calibration forward", self.peaks.lap("calibration forward"))
         for names in col.groups():
             mine = [x for x in names if x in todo]
             if mine:
                 stats = col.group_stats(names, o.device).finish(pinned_host=True)
+                col.release(names)  # the search reads the statistics only
+                _charge(block_peaks, "statistics", self.peaks.lap("statistics"))
                 for name in mine:
                     self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
                     weight = real.get_submodule(name[len(path) + 1:]).weight.float()
                     decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.group_size)
                     measured[name] = _on_host(decision)  # every rung of every layer until the block is saved
+                    del weight, decision
+                    _charge(block_peaks, "search", self.peaks.lap("search"))
                 del stats
             col.release(names)
         decisions = {name: measured.get(name) or _unmeasured(name, mod.weight)
@@ -215,8 +224,9 @@ class _Run:
 
 
 # Bumped when the measurements' arithmetic changes, so that no rebuild reuses measurements made the old way (2: chunked
-# calibration forward, per-sample effect probes).
-MEASUREMENT_VERSION = 2
+# calibration forward, per-sample effect probes; 3: the effects pass's own attention and products a slice of rows at a
+# time).
+MEASUREMENT_VERSION = 3
 
 
 def measurement_key(source: Source, batch, opts: CompileOptions, chunk_samples: int | None = None) -> str:
@@ -261,11 +271,17 @@ class _Setup:
 
     @property
     def held(self) -> tuple[dict, torch.Tensor | None]:
-        """The held-out samples' forward arguments and row mask (all samples when none are held out)."""
+        """The held-out samples' forward arguments and row mask (all samples when none are held out), on the
+        device."""
         b = self.batch
         if b.heldout_kwargs is not None:
             return b.heldout_kwargs, b.heldout_row_mask
-        return b.kwargs, b.row_mask
+        return _moved(b.kwargs, self.vram.device), b.row_mask
+
+
+def _moved(tree, device):
+    """``tree`` with its tensors on ``device``."""
+    return tree_map(lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t, tree)
 
 
 def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress):
@@ -282,7 +298,7 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress
         try:
             return _build(source, out, opts, progress, setup)
         except torch.OutOfMemoryError:
-            raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out))) from None
+            raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out), setup.run.peaks)) from None
 
 
 def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
@@ -295,6 +311,8 @@ def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
     axes = probe_batch_axes(source, batch.kwargs, batched, samples)
     needs = estimate_needs(source, skeleton, batch, axes, gptq=opts.rounding == "gptq", max_rows=opts.max_rows,
                            probes=opts.effect_probes)
+    # between the passes that read it, the calibration batch waits in host memory (FLUX.2's text states are 1 GB)
+    batch.kwargs = _moved(batch.kwargs, "cpu")
     vram = plan_vram(needs, opts.vram_budget, opts.device)
     progress(vram.describe(axes.chunk_samples, axes.why))
     run = _Run(source, opts, progress, batch, axes, vram)
@@ -305,13 +323,20 @@ def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
                   _block_cap(opts, residents))
 
 
-def _peak_note(device) -> str:
-    peak = peak_reserved(device)
-    return f"; GPU memory reserved so far {format_size(peak)}" if peak is not None else ""
+def _peak_note(peaks: PeakLog, block: PeakLog) -> str:
+    if peaks.peak_reserved is None:
+        return ""
+    return (f"; GPU memory allocated at most: {block.describe()}; reserved so far "
+            f"{format_size(peaks.peak_reserved)}")
 
 
-def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path) -> str:
-    peak = peak_reserved(opts.device)
+def _charge(block: PeakLog, phase: str, peak: int | None) -> None:
+    if peak is not None:
+        block.allocated[phase] = max(block.allocated.get(phase, 0), peak)
+
+
+def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path, peaks: PeakLog) -> str:
+    peak = peaks.peak_reserved
     flag = f"--vram-budget {format_size(vram.budget)}" if opts.vram_budget else \
         f"the {format_size(vram.budget)} the GPU had free"
     then = "and a larger --vram-budget" if opts.vram_budget else "after freeing GPU memory"
@@ -323,6 +348,7 @@ def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path) -> str:
 def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, setup: _Setup):
     """Measure (or reuse the measurements), plan, measure the plan's error and write the slab."""
     previous, run = setup.previous, setup.run
+    run.peaks.lap("setup")  # the encoders' and the plan's probes'
     # a rebuild's state holds only the layers it searched again, so it must never pass for a full compile's
     state = run.state = CompileState(state_folder(out), {"measurement_key": setup.key,
                                                          "rebuild_of": str(previous.path) if setup.reused else None},
@@ -346,15 +372,17 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
     weights_of = lambda i: _weights(state, previous if setup.reused else None, i, names[i], plan)  # noqa: E731
     progress("measuring the plan's model-output error on the held-out samples")
     measured = plan_output_error(source, *setup.held, weights_of, opts.device, setup.axes)
+    run.peaks.lap("plan error")
     progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
              f"{opts.thresholds.out:g})")
-    peak = peak_reserved(opts.device)
+    peak = run.peaks.peak_reserved
     if peak is not None:
         progress(f"peak GPU memory reserved: {format_size(peak)} (budget {format_size(setup.vram.budget)}, "
-                 f"expected {format_size(setup.vram.expected_peak or 0)})")
+                 f"expected {format_size(setup.vram.expected_peak or 0)}); allocated at most, by phase: "
+                 f"{run.peaks.describe()}")
     write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
                                   measured_output_rel_mse=measured, calibrate_seconds=round(calibrate_s, 3),
-                                  vram=_vram_record(setup.vram, peak))
+                                  vram=_vram_record(setup.vram, run.peaks))
     manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build, weights_of, write_opts,
                       started)
     if previous is not None:
@@ -376,7 +404,7 @@ def _measurements(source: Source, opts: CompileOptions, progress: Progress, setu
             quantized = lambda i: state.load_weights(i, lambda n, b: b < 16)  # noqa: E731 - bf16's effect is 0
             found = measure_effects(source, *setup.held, quantized, opts.device, opts.effect_probes, opts.seed,
                                     progress, axes=setup.axes, batched=setup.batched,
-                                    keep=setup.vram.store(setup.vram.host_saved))
+                                    keep=setup.vram.store(setup.vram.host_saved), lap=setup.run.peaks.lap)
             state.save_effects(*found)
         effects, effect_info = found
         layers, fixed, notes, measured_rungs = _from_state(source, state, effects)
@@ -397,15 +425,20 @@ def _calibration_record(setup: _Setup, opts: CompileOptions, build: int, effect_
             "chunk_samples": setup.axes.chunk_samples,
             "predicted_output_rel_mse": PLACEHOLDER_FLOAT, "measured_output_rel_mse": PLACEHOLDER_FLOAT,
             "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT,
-            "vram": _vram_record(setup.vram, None, placeholder=True)}
+            "vram": _vram_record(setup.vram, None)}
 
 
-def _vram_record(vram: VramPlan, peak: int | None, placeholder: bool = False) -> dict:
-    """The VRAM plan and the measured peak, for the manifest (integers; the widest form while planning)."""
+def _vram_record(vram: VramPlan, peaks: PeakLog | None) -> dict:
+    """The VRAM plan and the measured peaks, for the manifest (integers; the widest form while planning, when
+    ``peaks`` is None)."""
     wide = 10**15
-    return {"budget_bytes": wide if placeholder else vram.budget,
-            "expected_peak_bytes": wide if placeholder else vram.expected_peak,
-            "peak_reserved_bytes": wide if placeholder else peak,
+    measured = peaks is not None and peaks.cuda
+    return {"budget_bytes": wide if peaks is None else vram.budget,
+            "expected_peak_bytes": wide if peaks is None else vram.expected_peak,
+            "peak_reserved_bytes": wide if peaks is None else peaks.peak_reserved,
+            "peak_allocated_bytes": wide if peaks is None else peaks.peak_allocated,
+            "phase_peak_allocated_bytes": {p: (b if measured else None) if peaks is not None else wide
+                                           for p, b in (peaks or PeakLog("cpu")).record().items()},
             "recorded_inputs_on_host": vram.host_tape, "effect_inputs_on_host": vram.host_saved}
 
 

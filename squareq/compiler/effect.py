@@ -34,10 +34,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import quant
+from .. import kernels, quant
+from ..kernels.lean_attention import LeanAttentionMode
 from ..quant import QuantizedWeight
 from ..slab.writer import block_linears
-from .chunks import BatchAxes, CallAxes, call_batch, map_batched, run_chunked, split_leaves
+from .chunks import (
+    BatchAxes,
+    CallAxes,
+    call_batch,
+    map_batched,
+    run_chunked,
+    split_leaves,
+)
 
 DEFAULT_PROBES = 4
 
@@ -71,18 +79,15 @@ def repeat_batch(kwargs: Mapping, batched: set[str], times: int) -> dict:
 
 @contextlib.contextmanager
 def estimate_kernels(device):
-    """On a CUDA device: TF32 matrix products, and attention by the math kernel (the memory-efficient kernel's
-    backward adds with atomics, so two runs would differ in the last bits and could tip a layer between rungs);
-    both restored after."""
-    if torch.device(device).type != "cuda":
-        yield
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """Attention by :func:`~squareq.kernels.lean_attention.lean_attention` (the same gradients on every run, and no
+    attention matrix kept for the backward pass: PyTorch's memory-efficient kernel adds its gradients with atomics,
+    so two runs would differ in the last bits and could tip a layer between rungs, and the math kernel keeps 0.9 GB
+    of probabilities per FLUX.1 sample); on a CUDA device also TF32 matrix products. Restored after."""
     before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        with sdpa_kernel(SDPBackend.MATH):
+        with LeanAttentionMode():
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
@@ -112,11 +117,17 @@ class _Products:
     @torch.no_grad()
     def _add(self, name: str, mod: nn.Linear, x: torch.Tensor, g: torch.Tensor, window) -> None:
         start, stop = window
-        w = mod.weight.detach().float()
+        weight = mod.weight.detach()
+        xf, gf = x.float(), g.float()
+        per_sample = x.shape[0] == stop - start
         for bits, qw in self.candidates[name].items():
-            delta = w - quant.dequantize(qw.to(w.device)).float()
-            terms = (g.float() * torch.nn.functional.linear(x.float(), delta))
-            per = terms.reshape(terms.shape[0], -1).sum(dim=1) if x.shape[0] == stop - start else terms.sum()[None]
+            deq = kernels.dequantize(qw.to(weight.device))
+            per = None
+            # a slice of output rows at a time: ΔW and the products are float32 temporaries of the slice's size
+            for rows in quant.row_chunks(*weight.shape):
+                terms = gf[..., rows] * torch.nn.functional.linear(xf, weight[rows].float() - deq[rows].float())
+                part = terms.reshape(terms.shape[0], -1).sum(dim=1) if per_sample else terms.sum()[None]
+                per = part if per is None else per + part
             row = self.sums[name][bits]
             row[start:start + per.shape[0]] += per.to(row.device, row.dtype)
 
@@ -174,48 +185,62 @@ class _BlockRunner:
     def backward(self, grads) -> list:
         block = self.load()
         products = self.on_replay(block)
-        inputs = [t.to(self.device, non_blocking=True) for t in self.saved]
         chunked = self.axes is not None and len(self.ranges) > 1
-        in_flags = self.axes.inputs if chunked else (False,) * len(inputs)
+        in_flags = self.axes.inputs if chunked else (False,) * len(self.saved)
         out_flags = self.axes.outputs if chunked else (False,) * len(grads)
-        got: list[list] = [[] for _ in inputs]
+        got = _Gradients(self.saved, in_flags, self.device)
         try:
             for start, stop in (self.ranges if chunked else [self.ranges[0]]):
-                part = [x.detach().requires_grad_(x.is_floating_point())
-                        for x in (split_leaves(inputs, in_flags, start, stop) if chunked else inputs)]
+                # only this chunk's inputs come to the device (from pinned host memory when the plan put them there)
+                part = [x.to(self.device, non_blocking=True).detach().requires_grad_(x.is_floating_point())
+                        for x in (split_leaves(self.saved, in_flags, start, stop) if chunked else self.saved)]
                 g_part = split_leaves(list(grads), out_flags, start, stop) if chunked else list(grads)
                 products.window = (start, stop)
-                with torch.enable_grad():
+                with torch.enable_grad(), estimate_kernels(self.device):
                     args, kwargs = self._args(part)
                     outs = self._tensors(tree_flatten(block(*args, **kwargs))[0])
                     pairs = [(o, g) for o, g in zip(outs, g_part) if g is not None and o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                for i, x in enumerate(part):
-                    got[i].append(x.grad if x.requires_grad else None)
+                got.add(part, start, stop)
         finally:
             products.remove()
         self.saved = []
-        return [_joined(col, flag) for col, flag in zip(got, in_flags)]
+        return got.result
 
 
-def _joined(grads: list, batched: bool):
-    """An input's gradient from its chunks': concatenated along the batch axis, or summed for an input every chunk
-    shared."""
-    if grads[0] is None:
-        return None
-    return torch.cat(grads) if batched else sum(grads[1:], grads[0])
+class _Gradients:
+    """The gradients of a block call's inputs, filled chunk by chunk: a batched input's in one tensor of its full
+    size (no list of chunks joined at the end, which held two copies at once), a shared input's summed."""
+
+    def __init__(self, inputs: list, batched: tuple[bool, ...], device) -> None:
+        self.inputs, self.batched, self.device = inputs, batched, device
+        self.result: list = [None] * len(inputs)
+
+    def add(self, part: list, start: int, stop: int) -> None:
+        for i, x in enumerate(part):
+            g = x.grad if x.requires_grad else None
+            if g is None:
+                continue
+            if not self.batched[i]:
+                self.result[i] = g if self.result[i] is None else self.result[i] + g
+                continue
+            if self.result[i] is None:
+                self.result[i] = torch.zeros(self.inputs[i].shape, dtype=g.dtype, device=self.device)
+            self.result[i][start:stop] = g
 
 
 def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
                     candidates_of: Callable[[int], Mapping[str, Mapping[int, QuantizedWeight]]], device="cpu",
                     probes: int = DEFAULT_PROBES, seed: int = 0,
                     progress: Callable[[str], None] = lambda s: None, axes: BatchAxes | None = None,
-                    batched: set[str] | None = None, keep: Keep | None = None) -> tuple[dict[str, dict[int, float]], dict]:
+                    batched: set[str] | None = None, keep: Keep | None = None,
+                    lap: Callable[[str], object] = lambda phase: None) -> tuple[dict[str, dict[int, float]], dict]:
     """``{layer: {bits: effect}}`` for every candidate ``candidates_of(block index)`` returns, and a record of the
     measurement (probes, samples' output power, seconds). Effects are relative to the output's power, so they are
     in the units of the model-output rel-MSE. ``batched`` names the batched keyword arguments, ``axes`` the blocks'
-    batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass."""
+    batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass; ``lap(phase)`` is
+    called at the end of the forward and of the backward pass (the compile's memory log)."""
     started = time.perf_counter()
     axes = axes or BatchAxes()
     batched = batched if batched is not None else {k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim()}
@@ -241,8 +266,6 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
         leaves, spec = tree_flatten((args, kw))
         call = cursor.next(index)
         b = call_batch(leaves, call) or samples
-        # a third of a calibration chunk (one FLUX sample): the replay with its gradients holds the attention
-        # probabilities and their gradients (the math kernel), several times a forward's activations
         runner = _BlockRunner(lambda: source.load_block(path, device, torch.float32, upcast_linears=True), leaves,
                               spec, call, axes.ranges(b, axes.replay_samples), keep, replay_hooks(index, path), device)
         outs = _StreamedBlock.apply(runner, anchor, *[x for x in leaves if torch.is_tensor(x)])
@@ -257,8 +280,10 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
         mask = output_mask(y, mask_rows)
         power = float((y.detach() * mask).square().sum()) / probes  # the copies' outputs are the same
         v = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.device) * mask
+        lap("effects forward")
         progress("measuring each layer's effect on the model output: the backward pass")
         (v * y).sum().backward()
+        lap("effects backward")
     del y, v, mask, shell
     gc.collect()  # the graph's last references, before the next pass needs the memory
     power = max(power, 1e-30)

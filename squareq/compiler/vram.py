@@ -32,19 +32,18 @@ from .budget import BudgetError
 # Measured on an H100 (docs/benchmarks.md, "Compiling within a VRAM budget"): bytes of activations per byte of block
 # input in a chunk's calibration forward, and in the effects pass's replay with its backward and per-layer products.
 ACT_FORWARD = 20  # FLUX.1 double / single block 9 / 14, FLUX.2 11.3 / 20
-# The effects pass's replay with its backward, per byte of one sample's block input: FLUX.1 19-23, FLUX.2 22-31
-# with the memory-efficient attention kernel; the math kernel the effects pass uses (for repeatable sums) keeps the
-# attention probabilities and their gradients too. A FLUX.1 2+2-block compile on an H100 peaked 13 GB above its
-# resident part in that pass with 3-sample chunks (about 160x): the pass now replays a third of a calibration
-# chunk at a time (one FLUX sample).
-ACT_BACKWARD = 160
-# float32 copies of a layer's weight alive at once during its search (the weight, GPTQ's working copy and codes,
-# the candidates; the metrics and quantizers work a slice of rows at a time)
-SEARCH_WEIGHT_COPIES = 6  # measured 4.4-5.9 (H100, layers of FLUX.1 and FLUX.2), before GPTQ kept int8 codes
-# the allocator's own slack between what is allocated and what it reserves, and what any CUDA program reserves
-# (cuBLAS workspaces, the allocator's 2 MB rounding of small tensors)
-SLACK = 1.10
+# The effects pass's replay with its backward, per byte of a chunk's block input, with the pass's own attention
+# (kernels/lean_attention.py: no attention matrix kept) and the stored weights saved instead of float32 copies.
+ACT_BACKWARD = 40
+# float32 copies of a layer's weight alive at once during its search beside GPTQ's factor (the weight, GPTQ's
+# working copy and its int8 codes, the candidates; the metrics and quantizers work a slice of rows at a time):
+# measured 4.4 on FLUX.2's 6144 x 24576 layer (H100)
+SEARCH_WEIGHT_COPIES = 5
+# the allocator's own slack between what is allocated and what it reserves, with expandable segments (measured 1.05
+# on FLUX.1 and FLUX.2 blocks), and what any CUDA program reserves (cuBLAS workspaces, 2 MB rounding)
+SLACK = 1.06
 FIXED = 256 << 20
+FACTOR_BLOCK = 1024  # quant/factor.py's column block: its temporaries are a few K x 1024 float64 panels
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,8 @@ class Needs:
 
     base: int  # resident tensors and the calibration batch
     hidden: int  # the hidden states of the whole batch between two blocks
-    held_base: int  # the effects pass's copies of the held-out batch, hidden states and gradients included
+    held_base: int  # the effects pass's copies of the held-out batch, hidden states and gradients included (the
+    # calibration batch waits in host memory meanwhile)
     block: int  # the largest block's weights as the compile keeps them
     chunk: int  # one chunk's activations in the calibration forward
     tape: int  # the largest block's recorded layer inputs
@@ -70,7 +70,8 @@ class Needs:
         tape, hidden = (0, 2 * self.hidden) if host_tape else (self.tape, 3 * self.hidden)
         searching = self.block_search or self.block + self.search
         calibrate = self.base + hidden + max(self.block + self.chunk + tape, tape + searching)
-        effects = self.held_base + self.block + self.effects + (0 if host_saved else self.saved)
+        # the replayed block and the one whose outputs' gradients are being consumed
+        effects = self.held_base + 2 * self.block + self.effects + (0 if host_saved else self.saved)
         return int(SLACK * max(calibrate, effects)) + FIXED
 
 
@@ -133,15 +134,18 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
     linears = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)}
     resident = sum((linear_size if n in linears else 4) * t.numel() for n, t in _tensors(skeleton)
                    if not n.startswith(prefixes))
-    kwargs = [batch.kwargs, batch.heldout_kwargs or {}]
-    batch_bytes = sum(v.numel() * v.element_size() for kw in kwargs for v in tree_flatten(kw)[0] if torch.is_tensor(v))
+    def nbytes(kw) -> int:
+        return sum(v.numel() * v.element_size() for v in tree_flatten(kw or {})[0] if torch.is_tensor(v))
+
+    held_kwargs = nbytes(batch.heldout_kwargs) if batch.heldout_kwargs is not None else nbytes(batch.kwargs)
+    batch_bytes = nbytes(batch.kwargs) + nbytes(batch.heldout_kwargs)
     (block_name, block), block_search, name, (n, k), search = _searches(source, skeleton, gptq, linear_size,
                                                                          max_rows)
     upcast = 4 * n * k
     return Needs(
         base=resident + batch_bytes,
         hidden=samples * per_sample,
-        held_base=resident + batch_bytes + 4 * probes * held * per_sample,
+        held_base=resident + (1 + probes) * held_kwargs + 4 * probes * held * per_sample,
         block=block,
         chunk=ACT_FORWARD * chunk * per_sample + upcast,
         tape=samples * max((c.tape_bytes for c in calls), default=0),
@@ -153,12 +157,10 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
 
 def search_bytes(n: int, k: int, gptq: bool, max_rows: int) -> int:
     """GPU memory of one layer's search: ``SEARCH_WEIGHT_COPIES`` float32 copies of the weight, the sampled rows,
-    and for GPTQ the Gram matrix's float64 sums, then its float64 factor, each built in place (quant/factor.py) with
-    temporaries of a few column blocks (the float32 mean waits in pinned host memory), and the statistics' own
-    temporaries beside them."""
-    # measured on an H100 (FLUX.1 single block, 3072 x 15360): about 16 K² at the layer's peak, with the float64
-    # sums of squares and row copies of the statistics beside the Gram matrix
-    factor = 16 * k * k if gptq else 0
+    and for GPTQ one K x K float64 matrix (the Gram matrix's sums while the statistics are built, then the factor,
+    in place: quant/factor.py) with three K x 1024 float64 panels of temporaries (the float32 mean waits in pinned
+    host memory)."""
+    factor = 8 * k * k + 3 * 8 * k * FACTOR_BLOCK if gptq else 0
     return factor + SEARCH_WEIGHT_COPIES * 4 * n * k + 2 * 4 * max_rows * k
 
 
@@ -255,9 +257,49 @@ def vram_cap(plan: VramPlan):
     return memory_cap(plan.budget, plan.device)
 
 
-def peak_reserved(device) -> int | None:
-    """The most the caching allocator has reserved on ``device`` since the compile started (None off CUDA)."""
-    return torch.cuda.max_memory_reserved(_index(device)) if torch.device(device).type == "cuda" else None
+# the phases the compile reports its GPU memory peaks by (in the log and the manifest's calibration.vram)
+PHASES = ("setup", "calibration forward", "statistics", "search", "effects forward", "effects backward",
+          "plan error")
+
+
+class PeakLog:
+    """The most GPU memory allocated and reserved in each phase of a compile (:data:`PHASES`): the estimate's parts
+    are checked against these, so a wrong constant shows where it is wrong. Nothing off CUDA."""
+
+    def __init__(self, device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.index = _index(device) if self.cuda else None
+        self.allocated: dict[str, int] = {}
+        self.reserved = 0
+
+    def lap(self, phase: str) -> int | None:
+        """Charge the peak since the last lap to ``phase`` and start the next lap; returns that peak (allocated)."""
+        if not self.cuda:
+            return None
+        peak = torch.cuda.max_memory_allocated(self.index)
+        self.allocated[phase] = max(self.allocated.get(phase, 0), peak)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.index))
+        torch.cuda.reset_peak_memory_stats(self.index)
+        return peak
+
+    @property
+    def peak_reserved(self) -> int | None:
+        """The most reserved since the compile started, laps included (None off CUDA)."""
+        return max(self.reserved, torch.cuda.max_memory_reserved(self.index)) if self.cuda else None
+
+    @property
+    def peak_allocated(self) -> int | None:
+        if not self.cuda:
+            return None
+        return max([torch.cuda.max_memory_allocated(self.index), *self.allocated.values()])
+
+    def describe(self, phases=PHASES) -> str:
+        """``forward 1.20 GB, statistics 2.31 GB`` for the phases measured so far among ``phases``."""
+        return ", ".join(f"{p} {format_size(self.allocated[p])}" for p in phases if p in self.allocated)
+
+    def record(self) -> dict[str, int]:
+        """Each phase's allocated peak in bytes, every phase of :data:`PHASES` present (0: not run)."""
+        return {p: self.allocated.get(p, 0) for p in PHASES}
 
 
 def _index(device) -> int:

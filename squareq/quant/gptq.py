@@ -31,6 +31,7 @@ from .rtn import (
     QuantizedWeight,
     _apply_smoothing,
     _check_weight,
+    all_finite,
     assemble,
     group_params,
     num_groups,
@@ -77,7 +78,7 @@ def _check_hessian(hessian: torch.Tensor, k: int) -> None:
 
 def _check_finite(h: torch.Tensor) -> torch.Tensor:
     # on the compute device: a Hessian kept in host memory would be scanned by the CPU at every call
-    if not torch.isfinite(h).all():
+    if not all_finite(h):
         raise ValueError("the Hessian contains NaN or Inf values; check the calibration activations.")
     return h
 

@@ -54,3 +54,19 @@ def test_a_tight_vram_budget_builds_the_same_slab(tmp_path, tiny_flux_images, mo
              for n in ("free", "tight")]
     assert rungs[0] == rungs[1]
     assert torch.cuda.max_memory_reserved() > 0
+
+
+@pytest.mark.gpu
+def test_the_effects_replay_runs_lean_attention_on_cuda(tmp_path, tiny_flux_images, monkeypatch):
+    """The effects pass's backward replays run in the autograd engine's CUDA thread: the attention mode must reach
+    them there (else the math kernel's probabilities come back, and with them the memory the plan left out)."""
+    from squareq.kernels import lean_attention as lean
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    calls = []
+    real = lean.lean_attention
+    monkeypatch.setattr(lean, "lean_attention", lambda *a, **kw: (calls.append(torch.is_grad_enabled()),
+                                                                   real(*a, **kw))[1])
+    compile_slab(open_source("tiny-flux"), tmp_path / "t.slab",
+                 CompileOptions(budget=2_000_000, device="cuda", calib_samples=8, calib_images=tiny_flux_images))
+    assert any(calls), "no attention call with a graph went through lean_attention"
