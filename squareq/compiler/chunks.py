@@ -24,6 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 # Block input bytes (float32) per chunk: FLUX.1 at 512 px gets 3 samples (19 MB each: 1,536 tokens x 3,072), FLUX.2
 # one, a 128-token text model hundreds.
 CHUNK_BYTES = 64 << 20
+# Block input bytes (float32) of the probe copies in one effects pass (compiler/effect.py)
+EFFECT_PASS_BYTES = 640 << 20
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,16 @@ class BatchAxes:
 
     @property
     def replay_samples(self) -> int | None:
-        """Samples per chunk of the effects pass's replays: :attr:`chunk_samples` (the replay keeps no attention
-        matrix and no float32 weight copy for its backward, so a chunk with its gradients stays a few times a
-        forward's activations)."""
-        return self.chunk_samples
+        """Samples per chunk of the effects pass's replays: a third of :attr:`chunk_samples` (a replay holds its
+        activations and their gradients, several times a forward's)."""
+        return max(1, self.chunk_samples // 3) if self.chunk_samples else None
+
+    def probes_per_pass(self, held: int, probes: int) -> int:
+        """Probe copies of the ``held`` held-out samples in one effects pass: about :data:`EFFECT_PASS_BYTES` of
+        block input (FLUX.1 at 512 px: all 4, FLUX.2: 2), since that pass keeps its hidden states and their
+        gradients for all of them at once."""
+        per_probe = held * max((c.sample_bytes for _, c in self.calls), default=0)
+        return max(1, min(probes, EFFECT_PASS_BYTES // max(per_probe, 1)))
 
     def cursor(self) -> "AxesCursor":
         """A fresh walk over the calls of one forward pass."""

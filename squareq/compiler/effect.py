@@ -95,11 +95,11 @@ def estimate_kernels(device):
 
 class _Products:
     """While a block is replayed for the backward pass: every linear's input, and once its output's gradient arrives,
-    each rung's per-sample term ``Σ_rows δY ⊙ (X ΔW_rᵀ)`` added to ``sums[name][bits][start:stop]``."""
+    each rung's per-sample term ``Σ_rows δY ⊙ (X ΔW_rᵀ)`` added to ``sums[name][bits][offset + start:offset + stop]``."""
 
     def __init__(self, path: str, block: nn.Module, candidates: Mapping[str, Mapping[int, QuantizedWeight]],
-                 sums: dict) -> None:
-        self.candidates, self.sums = candidates, sums
+                 sums: dict, offset: int = 0) -> None:
+        self.candidates, self.sums, self.offset = candidates, sums, offset
         self.window = (0, 0)
         self.handles = [mod.register_forward_hook(self._hook(name, mod)) for name, mod in block_linears(path, block)
                         if name in candidates]
@@ -129,7 +129,8 @@ class _Products:
                 part = terms.reshape(terms.shape[0], -1).sum(dim=1) if per_sample else terms.sum()[None]
                 per = part if per is None else per + part
             row = self.sums[name][bits]
-            row[start:start + per.shape[0]] += per.to(row.device, row.dtype)
+            at = self.offset + start
+            row[at:at + per.shape[0]] += per.to(row.device, row.dtype)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -240,57 +241,79 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
     measurement (probes, samples' output power, seconds). Effects are relative to the output's power, so they are
     in the units of the model-output rel-MSE. ``batched`` names the batched keyword arguments, ``axes`` the blocks'
     batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass; ``lap(phase)`` is
-    called at the end of the forward and of the backward pass (the compile's memory log)."""
+    called at the end of each forward and backward pass (the compile's memory log). The probes run a few at a time
+    (:meth:`BatchAxes.probes_per_pass`: a number that depends on the model only, so every budget computes the same)."""
     started = time.perf_counter()
     axes = axes or BatchAxes()
     batched = batched if batched is not None else {k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim()}
-    keep = keep or (lambda t: t)
-    copies = repeat_batch(kwargs, batched, probes)
-    samples = _batch_size(copies, batched)
-    sums: dict[str, dict[int, torch.Tensor]] = {}
-    anchor = torch.zeros((), device=device, requires_grad=True)
-    cursor = axes.cursor()
+    held = _batch_size(kwargs, batched)
+    per_pass = axes.probes_per_pass(held, probes)
+    passes = _ProbePasses(source, kwargs, row_mask, candidates_of, device, axes, batched, keep or (lambda t: t),
+                          probes * held, torch.Generator().manual_seed(seed), progress, lap)
+    progress(f"measuring each layer's effect on the model output: {probes} probes on {held} held-out samples"
+             + (f", {per_pass} probes per pass" if per_pass < probes else ""))
+    powers = [passes.run(first * held, min(per_pass, probes - first)) for first in range(0, probes, per_pass)]
+    power = max(powers[0], 1e-30)  # every copy of the held-out batch has the same output
+    effects = {name: {bits: float(t.square().sum()) / probes / power for bits, t in rungs.items()}
+               for name, rungs in passes.sums.items()}
+    return effects, {"probes": probes, "output_power": power, "estimator": "per-sample",
+                     "probes_per_pass": per_pass, "seconds": round(time.perf_counter() - started, 3)}
 
-    def replay_hooks(index: int, path: str):
+
+class _ProbePasses:
+    """The forward and backward passes of :func:`measure_effects`, each over a few probe copies of the held-out
+    batch; every sample's terms go to its row of ``sums`` (``total`` rows: probes x held-out samples)."""
+
+    def __init__(self, source, kwargs, row_mask, candidates_of, device, axes: BatchAxes, batched, keep: Keep,
+                 total: int, generator: torch.Generator, progress, lap) -> None:
+        self.source, self.kwargs, self.row_mask, self.candidates_of = source, kwargs, row_mask, candidates_of
+        self.device, self.axes, self.batched, self.keep, self.total = device, axes, batched, keep, total
+        self.generator, self.progress, self.lap = generator, progress, lap
+        self.sums: dict[str, dict[int, torch.Tensor]] = {}
+
+    def _on_replay(self, index: int, path: str, offset: int):
         def on_replay(block):
-            wanted = candidates_of(index)
+            wanted = self.candidates_of(index)
             for name, rungs in wanted.items():
                 for bits in rungs:
-                    sums.setdefault(name, {}).setdefault(bits, torch.zeros(samples, dtype=torch.float64,
-                                                                           device=device))
-            return _Products(path, block, wanted, sums)
+                    self.sums.setdefault(name, {}).setdefault(
+                        bits, torch.zeros(self.total, dtype=torch.float64, device=self.device))
+            return _Products(path, block, wanted, self.sums, offset)
 
         return on_replay
 
-    def run_block(index: int, path: str, args, kw):
-        leaves, spec = tree_flatten((args, kw))
-        call = cursor.next(index)
-        b = call_batch(leaves, call) or samples
-        runner = _BlockRunner(lambda: source.load_block(path, device, torch.float32, upcast_linears=True), leaves,
-                              spec, call, axes.ranges(b, axes.replay_samples), keep, replay_hooks(index, path), device)
-        outs = _StreamedBlock.apply(runner, anchor, *[x for x in leaves if torch.is_tensor(x)])
-        return runner.rebuild(outs)
+    def run(self, offset: int, count: int) -> float:
+        """One pass over ``count`` copies whose samples are rows ``offset..`` of the sums; returns one copy's output
+        power."""
+        copies = repeat_batch(self.kwargs, self.batched, count)
+        samples = _batch_size(copies, self.batched)
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        cursor, device, axes = self.axes.cursor(), self.device, self.axes
 
-    shell = source.shell(run_block, device, upcast_linears=True)
-    progress(f"measuring each layer's effect on the model output: {probes} probes on "
-             f"{samples // max(probes, 1)} held-out samples")
-    mask_rows = row_mask.repeat(probes, 1) if row_mask is not None else None
-    with estimate_kernels(device), torch.enable_grad():
-        y = main_output(shell(**copies)).float()
-        mask = output_mask(y, mask_rows)
-        power = float((y.detach() * mask).square().sum()) / probes  # the copies' outputs are the same
-        v = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.device) * mask
-        lap("effects forward")
-        progress("measuring each layer's effect on the model output: the backward pass")
-        (v * y).sum().backward()
-        lap("effects backward")
-    del y, v, mask, shell
-    gc.collect()  # the graph's last references, before the next pass needs the memory
-    power = max(power, 1e-30)
-    effects = {name: {bits: float(t.square().sum()) / probes / power for bits, t in rungs.items()}
-               for name, rungs in sums.items()}
-    return effects, {"probes": probes, "output_power": power, "estimator": "per-sample",
-                     "seconds": round(time.perf_counter() - started, 3)}
+        def run_block(index: int, path: str, args, kw):
+            leaves, spec = tree_flatten((args, kw))
+            call = cursor.next(index)
+            b = call_batch(leaves, call) or samples
+            runner = _BlockRunner(lambda: self.source.load_block(path, device, torch.float32, upcast_linears=True),
+                                  leaves, spec, call, axes.ranges(b, axes.replay_samples), self.keep,
+                                  self._on_replay(index, path, offset), device)
+            outs = _StreamedBlock.apply(runner, anchor, *[x for x in leaves if torch.is_tensor(x)])
+            return runner.rebuild(outs)
+
+        shell = self.source.shell(run_block, device, upcast_linears=True)
+        mask_rows = self.row_mask.repeat(count, 1) if self.row_mask is not None else None
+        with estimate_kernels(device), torch.enable_grad():
+            y = main_output(shell(**copies)).float()
+            mask = output_mask(y, mask_rows)
+            power = float((y.detach() * mask).square().sum()) / count
+            v = torch.randn(y.shape, generator=self.generator).to(y.device) * mask
+            self.lap("effects forward")
+            self.progress("measuring each layer's effect on the model output: the backward pass")
+            (v * y).sum().backward()
+            self.lap("effects backward")
+        del y, v, mask, shell, copies
+        gc.collect()  # the graph's last references, before the next pass needs the memory
+        return power
 
 
 def _batch_size(kwargs: Mapping, batched: set[str]) -> int:

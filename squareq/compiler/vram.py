@@ -38,7 +38,7 @@ ACT_BACKWARD = 40
 # float32 copies of a layer's weight alive at once during its search beside GPTQ's factor (the weight, GPTQ's
 # working copy and its int8 codes, the candidates; the metrics and quantizers work a slice of rows at a time):
 # measured 4.4 on FLUX.2's 6144 x 24576 layer (H100)
-SEARCH_WEIGHT_COPIES = 5
+SEARCH_WEIGHT_COPIES = 4.5
 # the allocator's own slack between what is allocated and what it reserves, with expandable segments (measured 1.05
 # on FLUX.1 and FLUX.2 blocks), and what any CUDA program reserves (cuBLAS workspaces, 2 MB rounding)
 SLACK = 1.06
@@ -66,10 +66,12 @@ class Needs:
     layer_shape: tuple[int, int] = (0, 0)
 
     def peak(self, host_tape: bool, host_saved: bool) -> int:
-        # a block's inputs, its outputs (parked on the host with the recorded inputs) and a glue copy
-        tape, hidden = (0, 2 * self.hidden) if host_tape else (self.tape, 3 * self.hidden)
+        # the block's inputs and outputs and a glue copy; with the recorded inputs on the host, the outputs wait there
+        # too, and the search sees the inputs and a part of the next call's arguments (measured 1.3x on FLUX.2)
+        tape, forward, search = (0, 2 * self.hidden, 3 * self.hidden // 2) if host_tape else \
+            (self.tape, 3 * self.hidden, 3 * self.hidden)
         searching = self.block_search or self.block + self.search
-        calibrate = self.base + hidden + max(self.block + self.chunk + tape, tape + searching)
+        calibrate = self.base + max(forward + self.block + self.chunk + tape, search + tape + searching)
         # the replayed block and the one whose outputs' gradients are being consumed
         effects = self.held_base + 2 * self.block + self.effects + (0 if host_saved else self.saved)
         return int(SLACK * max(calibrate, effects)) + FIXED
@@ -128,7 +130,8 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
     calls = [c for _, c in axes.calls]
     per_sample = max((c.sample_bytes for c in calls), default=0)
     chunk = min(axes.chunk_samples or samples, samples)
-    held_chunk = min(axes.replay_samples or probes * held, probes * held)
+    per_pass = axes.probes_per_pass(held, probes)
+    held_chunk = min(axes.replay_samples or per_pass * held, per_pass * held)
     prefixes = tuple(p + "." for p in source.block_paths)
     linear_size = _linear_element_size(source, skeleton)
     linears = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)}
@@ -145,13 +148,15 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
     return Needs(
         base=resident + batch_bytes,
         hidden=samples * per_sample,
-        held_base=resident + (1 + probes) * held_kwargs + 4 * probes * held * per_sample,
+        # the pass's copies of the held-out batch, and its hidden states: the last block's outputs the graph keeps,
+        # the gradients coming in and going out, the autograd engine's buffers (measured 4.7x on FLUX.2)
+        held_base=resident + (1 + per_pass) * held_kwargs + 5 * per_pass * held * per_sample,
         block=block,
         chunk=ACT_FORWARD * chunk * per_sample + upcast,
         tape=samples * max((c.tape_bytes for c in calls), default=0),
         search=search,
         effects=ACT_BACKWARD * held_chunk * per_sample + 3 * upcast,
-        saved=probes * held * sum(c.sample_bytes for c in calls),
+        saved=per_pass * held * sum(c.sample_bytes for c in calls),
         block_search=block_search, block_name=block_name, layer_name=name, layer_shape=(n, k))
 
 
@@ -161,7 +166,7 @@ def search_bytes(n: int, k: int, gptq: bool, max_rows: int) -> int:
     in place: quant/factor.py) with three K x 1024 float64 panels of temporaries (the float32 mean waits in pinned
     host memory)."""
     factor = 8 * k * k + 3 * 8 * k * FACTOR_BLOCK if gptq else 0
-    return factor + SEARCH_WEIGHT_COPIES * 4 * n * k + 2 * 4 * max_rows * k
+    return int(factor + SEARCH_WEIGHT_COPIES * 4 * n * k + 2 * 4 * max_rows * k)
 
 
 def _searches(source, skeleton, gptq: bool, linear_size: int, max_rows: int):
@@ -225,7 +230,7 @@ def _too_small(needs: Needs, budget: int, flag: str) -> str:
     least = needs.peak(True, True)
     return (f"{flag} {format_size(budget)} cannot hold the compile's smallest working set, even with the recorded "
             f"inputs in host memory: the largest layer's search ({needs.layer_name}, {needs.layer_shape[0]}x"
-            f"{needs.layer_shape[1]}) needs {format_size(needs.search)} beside {format_size(needs.base + 2 * needs.hidden + needs.block)} "
+            f"{needs.layer_shape[1]}) needs {format_size(needs.search)} beside {format_size(needs.base + 3 * needs.hidden // 2 + needs.block)} "
             f"of resident tensors, calibration batch, hidden states and block weights; give it at least {format_size_up(least)}.")
 
 

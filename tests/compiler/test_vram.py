@@ -189,3 +189,31 @@ def test_an_upcast_block_saves_no_float32_weights_and_is_freed_at_once():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+def test_effects_run_a_few_probes_per_pass_and_fill_every_probes_rows(monkeypatch):
+    """With one probe per pass (a model whose held-out hidden states are large), each pass's per-sample terms land
+    in their own rows: every row of every layer's sums is filled, none twice."""
+    from squareq import quant
+    from squareq.compiler import effect
+    from squareq.slab.writer import block_linears
+
+    source, batch, axes = _probe("tiny-flux", samples=6)
+    kwargs = batch.heldout_kwargs or batch.kwargs
+    samples = int(next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim()))
+
+    def candidates_of(i):
+        path = source.block_paths[i]
+        return {name: {4: quant.quantize(m.weight.detach().float(), quant.QuantSpec(bits=4, group_size=16))}
+                for name, m in block_linears(path, source.load_block(path))}
+
+    passes = []
+    real = effect._ProbePasses
+    monkeypatch.setattr(effect, "_ProbePasses", lambda *a: passes.append(real(*a)) or passes[-1])
+    monkeypatch.setattr(chunks_mod, "EFFECT_PASS_BYTES", 1)
+    effects, info = effect.measure_effects(source, kwargs, None, candidates_of, probes=3, axes=axes,
+                                           batched=batched_kwargs(kwargs, None, samples))
+    assert info["probes_per_pass"] == 1 and len(passes) == 1
+    rows = [t for rungs in passes[0].sums.values() for t in rungs.values()]
+    assert rows and all(t.shape[0] == 3 * samples and bool((t != 0).all()) for t in rows)
+    assert all(v[4] > 0 for v in effects.values())
