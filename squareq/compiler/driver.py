@@ -51,7 +51,7 @@ from .previous import Previous, read_previous
 from .sources import Source
 from .state import CompileState
 from .thresholds import Thresholds
-from .vram import PeakLog, VramPlan, estimate_needs, plan_vram, vram_cap
+from .vram import PHASES, PeakLog, VramPlan, estimate_needs, plan_vram, vram_cap
 
 # A manifest's layer record grows with the plan's reasons and history; the budget reserves this much per layer and
 # build before the plan is known, and the exact size is checked against the budget before anything is written.
@@ -196,20 +196,20 @@ class _Run:
             self.forward_s = time.perf_counter() - started
         block_peaks = self.block_peaks = PeakLog(o.device)  # this block's own, beside the compile's
         measured: dict[str, LayerDecision] = {}
-        _charge(block_peaks, "calibration forward", self.peaks.lap("calibration forward"))
+        block_peaks.charge("calibration forward", self.peaks.lap("calibration forward"))
         for names in col.groups():
             mine = [x for x in names if x in todo]
             if mine:
                 stats = col.group_stats(names, o.device).finish(pinned_host=True)
                 col.release(names)  # the search reads the statistics only
-                _charge(block_peaks, "statistics", self.peaks.lap("statistics"))
+                block_peaks.charge("statistics", self.peaks.lap("statistics"))
                 for name in mine:
                     self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
                     weight = real.get_submodule(name[len(path) + 1:]).weight.float()
                     decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.group_size)
                     measured[name] = _on_host(decision)  # every rung of every layer until the block is saved
                     del weight, decision
-                    _charge(block_peaks, "search", self.peaks.lap("search"))
+                    block_peaks.charge("search", self.peaks.lap("search"))
                 del stats
             col.release(names)
         decisions = {name: measured.get(name) or _unmeasured(name, mod.weight)
@@ -330,11 +330,6 @@ def _peak_note(peaks: PeakLog, block: PeakLog) -> str:
             f"{format_size(peaks.peak_reserved)}")
 
 
-def _charge(block: PeakLog, phase: str, peak: int | None) -> None:
-    if peak is not None:
-        block.allocated[phase] = max(block.allocated.get(phase, 0), peak)
-
-
 def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path, peaks: PeakLog) -> str:
     peak = peaks.peak_reserved
     flag = f"--vram-budget {format_size(vram.budget)}" if opts.vram_budget else \
@@ -432,13 +427,13 @@ def _vram_record(vram: VramPlan, peaks: PeakLog | None) -> dict:
     """The VRAM plan and the measured peaks, for the manifest (integers; the widest form while planning, when
     ``peaks`` is None)."""
     wide = 10**15
-    measured = peaks is not None and peaks.cuda
+    phases = dict.fromkeys(PHASES, wide) if peaks is None else \
+        {p: b if peaks.cuda else None for p, b in peaks.record().items()}
     return {"budget_bytes": wide if peaks is None else vram.budget,
             "expected_peak_bytes": wide if peaks is None else vram.expected_peak,
             "peak_reserved_bytes": wide if peaks is None else peaks.peak_reserved,
             "peak_allocated_bytes": wide if peaks is None else peaks.peak_allocated,
-            "phase_peak_allocated_bytes": {p: (b if measured else None) if peaks is not None else wide
-                                           for p, b in (peaks or PeakLog("cpu")).record().items()},
+            "phase_peak_allocated_bytes": phases,
             "recorded_inputs_on_host": vram.host_tape, "effect_inputs_on_host": vram.host_saved}
 
 

@@ -137,11 +137,8 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
     linears = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, nn.Linear)}
     resident = sum((linear_size if n in linears else 4) * t.numel() for n, t in _tensors(skeleton)
                    if not n.startswith(prefixes))
-    def nbytes(kw) -> int:
-        return sum(v.numel() * v.element_size() for v in tree_flatten(kw or {})[0] if torch.is_tensor(v))
-
-    held_kwargs = nbytes(batch.heldout_kwargs) if batch.heldout_kwargs is not None else nbytes(batch.kwargs)
-    batch_bytes = nbytes(batch.kwargs) + nbytes(batch.heldout_kwargs)
+    held_kwargs = _nbytes(batch.heldout_kwargs) if batch.heldout_kwargs is not None else _nbytes(batch.kwargs)
+    batch_bytes = _nbytes(batch.kwargs) + _nbytes(batch.heldout_kwargs)
     (block_name, block), block_search, name, (n, k), search = _searches(source, skeleton, gptq, linear_size,
                                                                          max_rows)
     upcast = 4 * n * k
@@ -158,6 +155,10 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
         effects=ACT_BACKWARD * held_chunk * per_sample + 3 * upcast,
         saved=per_pass * held * sum(c.sample_bytes for c in calls),
         block_search=block_search, block_name=block_name, layer_name=name, layer_shape=(n, k))
+
+
+def _nbytes(tree) -> int:
+    return sum(v.numel() * v.element_size() for v in tree_flatten(tree or {})[0] if torch.is_tensor(v))
 
 
 def search_bytes(n: int, k: int, gptq: bool, max_rows: int) -> int:
@@ -282,10 +283,15 @@ class PeakLog:
         if not self.cuda:
             return None
         peak = torch.cuda.max_memory_allocated(self.index)
-        self.allocated[phase] = max(self.allocated.get(phase, 0), peak)
+        self.charge(phase, peak)
         self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.index))
         torch.cuda.reset_peak_memory_stats(self.index)
         return peak
+
+    def charge(self, phase: str, peak: int | None) -> None:
+        """Count ``peak`` (allocated bytes; None: nothing measured) toward ``phase``'s most."""
+        if peak is not None:
+            self.allocated[phase] = max(self.allocated.get(phase, 0), peak)
 
     @property
     def peak_reserved(self) -> int | None:
