@@ -160,7 +160,10 @@ class _BlockRunner:
 
     def __init__(self, load: Callable[[], nn.Module], leaves, spec, axes: CallAxes | None, ranges, keep: Keep,
                  on_replay: Callable[[nn.Module], _Products], device) -> None:
-        self.load, self.leaves, self.spec, self.axes, self.ranges = load, leaves, spec, axes, ranges
+        # the call's structure only: a runner waits for its backward pass through the whole forward, and tensors it
+        # kept would hold every block's hidden states on the device at once (its inputs wait in ``saved``)
+        self.leaves, self.spec = _shape_only(leaves), spec
+        self.load, self.axes, self.ranges = load, axes, ranges
         self.keep, self.on_replay, self.device = keep, on_replay, device
         self.saved: list = []
         self.out_leaves = self.out_spec = None
@@ -172,16 +175,15 @@ class _BlockRunner:
         self.saved = [self.keep(t.detach()) for t in tensors]
         args, kwargs = self._args(list(tensors))
         out = run_chunked(self.load(), args, kwargs, self.axes, self.ranges)
-        self.out_leaves, self.out_spec = tree_flatten(out)
-        return self._tensors(self.out_leaves)
+        leaves, self.out_spec = tree_flatten(out)
+        self.out_leaves = _shape_only(leaves)
+        return self._tensors(leaves)
 
     def _args(self, tensors):
-        it = iter(tensors)
-        return tree_unflatten([next(it) if torch.is_tensor(x) else x for x in self.leaves], self.spec)
+        return _fill(self.leaves, self.spec, tensors)
 
     def rebuild(self, outs):
-        it = iter(outs)
-        return tree_unflatten([next(it) if torch.is_tensor(x) else x for x in self.out_leaves], self.out_spec)
+        return _fill(self.out_leaves, self.out_spec, outs)
 
     def backward(self, grads) -> list:
         block = self.load()
@@ -208,6 +210,20 @@ class _BlockRunner:
             products.remove()
         self.saved = []
         return got.result
+
+
+
+class _Tensor:
+    """Where a tensor was in a call's leaves (:class:`_BlockRunner` keeps the structure, not the tensor)."""
+
+
+def _shape_only(leaves: list) -> list:
+    return [_Tensor if torch.is_tensor(x) else x for x in leaves]
+
+
+def _fill(leaves: list, spec, tensors):
+    it = iter(tensors)
+    return tree_unflatten([next(it) if x is _Tensor else x for x in leaves], spec)
 
 
 class _Gradients:

@@ -217,3 +217,44 @@ def test_effects_run_a_few_probes_per_pass_and_fill_every_probes_rows(monkeypatc
     rows = [t for rungs in passes[0].sums.values() for t in rungs.values()]
     assert rows and all(t.shape[0] == 3 * samples and bool((t != 0).all()) for t in rows)
     assert all(v[4] > 0 for v in effects.values())
+
+
+def test_the_effects_forward_keeps_no_blocks_outputs_beside_their_saved_copies(monkeypatch):
+    """While the effects pass's forward runs, each block's inputs wait (as ``keep`` copies) for the backward pass and
+    nothing else of a finished block stays alive: after the forward, only the last block's outputs (which the
+    model's own tail saved for its backward) are still referenced. A runner that kept its call's tensors would hold
+    every block's hidden states on the GPU at once (a 12B FLUX.1 ran out of 8 GB after a few blocks)."""
+    import weakref
+
+    from squareq import quant
+    from squareq.compiler import effect
+    from squareq.slab.writer import block_linears
+
+    source, batch, axes = _probe("tiny-flux", samples=4)
+    kwargs = batch.heldout_kwargs or batch.kwargs
+    samples = int(next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim()))
+
+    def candidates_of(i):
+        path = source.block_paths[i]
+        return {name: {4: quant.quantize(m.weight.detach().float(), quant.QuantSpec(bits=4, group_size=16))}
+                for name, m in block_linears(path, source.load_block(path))}
+
+    outputs: list[list] = []
+    real_run = effect.run_chunked
+
+    def recording_run(*a, **kw):
+        out = real_run(*a, **kw)
+        outputs.append([weakref.ref(t) for t in tree_flatten(out)[0] if torch.is_tensor(t)])
+        return out
+
+    alive: list[int] = []
+
+    def lap(phase):
+        if phase == "effects forward" and not alive:
+            alive.extend(i for i, refs in enumerate(outputs) if any(r() is not None for r in refs))
+
+    monkeypatch.setattr(effect, "run_chunked", recording_run)
+    effect.measure_effects(source, kwargs, None, candidates_of, probes=1, axes=axes, lap=lap,
+                           batched=batched_kwargs(kwargs, None, samples), keep=lambda t: t.clone())
+    assert len(outputs) >= len(source.block_paths) >= 3
+    assert alive and set(alive) <= {len(source.block_paths) - 1}, alive
