@@ -261,10 +261,11 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
         gb, alloc = torch.cuda.memory_reserved() / 1e9, torch.cuda.memory_allocated() / 1e9
         print(f"[{time.perf_counter() - start:8.1f}s] [now alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}", flush=True)
 
+    state = out.parent / f"{out.name}.state"  # may exist empty (e.g. a link to a roomier disk) or hold a cut-off run
+    reused = len(list(state.glob("block.*.json"))) if state.exists() else 0
     opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
                           rounding=args.rounding, overwrite=True, calib_images=images,
-                          vram_budget=parse_size(budget) if budget else None,
-                          resume=(out.parent / f"{out.name}.state").exists())
+                          vram_budget=parse_size(budget) if budget else None, resume=state.exists())
     try:
         manifest = compile_slab(source, out, opts, progress=progress)
     except BudgetError as exc:  # a budget the plan refuses, or an estimate that fell short: recorded, not fatal
@@ -292,7 +293,7 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
            "calibrate_s": manifest.calibration["calibrate_seconds"],
            "calibration": {k: manifest.calibration.get(k) for k in ("kind", "source", "samples", "heldout_samples",
                                                                     "resolution", "text_tokens", "latent_shape")},
-           "resumed": opts.resume, "target_s": 900}
+           "resumed_blocks": reused, "target_s": 900}
     emit(rec, records)
     return rec
 

@@ -191,21 +191,29 @@ def test_an_upcast_block_saves_no_float32_weights_and_is_freed_at_once():
         gc.enable()
 
 
-def test_effects_run_a_few_probes_per_pass_and_fill_every_probes_rows(monkeypatch):
-    """With one probe per pass (a model whose held-out hidden states are large), each pass's per-sample terms land
-    in their own rows: every row of every layer's sums is filled, none twice."""
+def _effects_setup(samples: int):
+    """tiny-flux's held-out batch with its block axes, and every linear's W4 candidate by block index."""
     from squareq import quant
-    from squareq.compiler import effect
     from squareq.slab.writer import block_linears
 
-    source, batch, axes = _probe("tiny-flux", samples=6)
+    source, batch, axes = _probe("tiny-flux", samples=samples)
     kwargs = batch.heldout_kwargs or batch.kwargs
-    samples = int(next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim()))
+    held = int(next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim()))
 
     def candidates_of(i):
         path = source.block_paths[i]
         return {name: {4: quant.quantize(m.weight.detach().float(), quant.QuantSpec(bits=4, group_size=16))}
                 for name, m in block_linears(path, source.load_block(path))}
+
+    return source, axes, kwargs, held, candidates_of
+
+
+def test_effects_run_a_few_probes_per_pass_and_fill_every_probes_rows(monkeypatch):
+    """With one probe per pass (a model whose held-out hidden states are large), each pass's per-sample terms land
+    in their own rows: every row of every layer's sums is filled, none twice."""
+    from squareq.compiler import effect
+
+    source, axes, kwargs, samples, candidates_of = _effects_setup(samples=6)
 
     passes = []
     real = effect._ProbePasses
@@ -226,18 +234,9 @@ def test_the_effects_forward_keeps_no_blocks_outputs_beside_their_saved_copies(m
     every block's hidden states on the GPU at once (a 12B FLUX.1 ran out of 8 GB after a few blocks)."""
     import weakref
 
-    from squareq import quant
     from squareq.compiler import effect
-    from squareq.slab.writer import block_linears
 
-    source, batch, axes = _probe("tiny-flux", samples=4)
-    kwargs = batch.heldout_kwargs or batch.kwargs
-    samples = int(next(v.shape[0] for v in kwargs.values() if torch.is_tensor(v) and v.dim()))
-
-    def candidates_of(i):
-        path = source.block_paths[i]
-        return {name: {4: quant.quantize(m.weight.detach().float(), quant.QuantSpec(bits=4, group_size=16))}
-                for name, m in block_linears(path, source.load_block(path))}
+    source, axes, kwargs, samples, candidates_of = _effects_setup(samples=4)
 
     outputs: list[list] = []
     real_run = effect.run_chunked
