@@ -24,6 +24,7 @@ SCHEDULES = ("constant", "cosine")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("pinned", "shared", "disk")
 LOGGERS = ("jsonl", "tensorboard")
+SAVE_FORMATS = ("diffusers", "kohya")
 
 
 # One line per key for `squareq train --help` and docs/cli.md (the CLI makes a flag of every key).
@@ -65,6 +66,11 @@ HELP = {
     "host": "Where block blobs wait: pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
+    "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
+                   ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
+                   "(default: both for FLUX.1, diffusers otherwise).",
+    "title": "The LoRA's title in its metadata (modelspec.title) and the kohya file's name (default: the output "
+             "folder's name).",
 }
 
 
@@ -121,6 +127,9 @@ class TrainConfig:
     prefetch: int = 2
     host: str = "pinned"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
+    # files
+    save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
+    title: str | None = None  # default: the output folder's name
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +178,11 @@ class TrainConfig:
             raise bad("resolution", "must be a multiple of 16 (FLUX packs 2x2 latent patches of an 8x VAE)")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise bad("targets", "must be a non-empty list of layer name patterns, e.g. [\"to_q\", \"to_k\"]")
+        if self.save_format is not None and (not self.save_format
+                                             or not set(self.save_format) <= set(SAVE_FORMATS)):
+            raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")
+        if self.title is not None and not self.title.strip():
+            raise bad("title", "is empty; give the LoRA a name or leave title unset")
         if self.vram_budget is not None:
             try:
                 parse_size(self.vram_budget)

@@ -54,7 +54,8 @@ from .distributed import Ranks
 from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
-from .lora_files import adapter_metadata, save_diffusers_lora
+from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
+from .lora_metadata import dataset_summary, lora_header
 from .objective import denoising_loss, draw_times
 from .sample import FORWARD_SLOTS, draw_image
 
@@ -71,7 +72,8 @@ class TrainResult:
     steps: int
     skipped_steps: int
     losses: list[float]
-    lora_file: Path
+    lora_file: Path  # the diffusers layout (pytorch_lora_weights.safetensors)
+    kohya_file: Path | None = None  # the kohya / ComfyUI layout, when save_format has it
 
 
 def _device() -> torch.device:
@@ -217,6 +219,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
 
     family = slab.manifest.model.family
     _check_trainable(cfg.slab, family)
+    formats = save_formats(cfg, family)
+    started = time.time()
     if cfg.sample_every and not ADAPTERS[family].samples:
         raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} family "
                          "yet; set sample_every = 0 (--sample-every 0).")
@@ -415,17 +419,59 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         if board is not None:
             board.close()
         runtime.runtime_of(model).close()
-    lora_file = out / "pytorch_lora_weights.safetensors"
+    files = lora_paths(cfg, out)
     if ranks.is_main:
-        component = ADAPTERS[family].component
-        lora_file = save_diffusers_lora(runtime.lora_state_dict(model), out, cfg.rank, cfg.lora_alpha, cfg.targets,
-                                        extra_metadata={"base_model_signature": slab.manifest.model.signature,
-                                                        "family": family, "component": component,
-                                                        "objective": objective},
-                                        prefix=component)
+        files = _write_lora(cfg, out, runtime.lora_state_dict(model), slab.manifest.model, objective, dataset,
+                            formats, step, started)
     ranks.barrier()
-    echo(f"LoRA written to {lora_file} after {step} steps ({skipped} skipped)")
-    return TrainResult(step, skipped, losses, lora_file)
+    written = [files[f] for f in formats]
+    echo(f"LoRA written to {' and '.join(map(str, written))} after {step} steps ({skipped} skipped)")
+    return TrainResult(step, skipped, losses, written[0], files["kohya"] if "kohya" in formats else None)
+
+
+def save_formats(cfg: TrainConfig, family: str) -> list[str]:
+    """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file and, for FLUX.1, the kohya
+    file whose ``.alpha`` tensors carry the strength to ComfyUI. Refused before training where a layout cannot
+    hold this family's LoRA."""
+    formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" else ["diffusers"])
+    if "kohya" in formats and family != "flux":
+        raise TrainError(f"save_format = {','.join(formats)}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's, and "
+                         f"this slab holds a {family} model; use --save-format diffusers.")
+    return formats
+
+
+def lora_paths(cfg: TrainConfig, out: Path) -> dict[str, Path]:
+    """Where each layout goes: ``OUT/pytorch_lora_weights.safetensors`` and ``OUT/<title>_kohya.safetensors`` (the
+    title made safe as a file name)."""
+    title = cfg.title or out.name
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in title).strip("._") or "lora"
+    return {"diffusers": out / "pytorch_lora_weights.safetensors", "kohya": out / f"{stem}_kohya.safetensors"}
+
+
+def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str, dataset, formats: list[str],
+                steps: int, started: float) -> dict[str, Path]:
+    """The trained LoRA in each of ``formats``, each with the run's metadata (train/lora_metadata.py)."""
+    family = model_record.family
+    component = ADAPTERS[family].component
+    provenance = {"base_model_signature": model_record.signature, "family": family, "component": component,
+                  "objective": objective}
+    dirs, tags = dataset_summary(dataset.root, dataset.items)
+    images = sum(int(getattr(item, "repeats", 1)) for item in dataset.items)
+
+    def header(layout: str) -> dict[str, str]:
+        return lora_header(cfg, family=family, layout=layout, base_model=model_record.source,
+                           base_config=model_record.config, rank=cfg.rank, alpha=cfg.lora_alpha, steps=steps,
+                           images=images, dirs=dirs, tags=tags, started=started, finished=time.time())
+
+    files = lora_paths(cfg, out)
+    if "diffusers" in formats:
+        files["diffusers"] = save_diffusers_lora(lora, out, cfg.rank, cfg.lora_alpha, cfg.targets,
+                                                 extra_metadata=provenance, prefix=component,
+                                                 header=header("diffusers"))
+    if "kohya" in formats:
+        files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, cfg.lora_alpha, cfg.targets,
+                                         extra_metadata=provenance, header=header("kohya"))
+    return files
 
 
 def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device: torch.device) -> None:

@@ -195,19 +195,24 @@ def adapter_metadata(lora: Mapping[str, torch.Tensor], rank: int, alpha: float) 
 
 def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, alpha: float, targets,
                         extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
-                        prefix: str = PREFIX) -> Path:
+                        prefix: str = PREFIX, header: Mapping[str, str] | None = None) -> Path:
     """Write ``out_dir/pytorch_lora_weights.safetensors`` for ``<Family>Pipeline.load_lora_weights(out_dir)``.
 
     ``lora`` is ``runtime.lora_state_dict(model)``; ``rank``/``alpha``/``targets`` are what ``add_lora`` was given
     (scale alpha/rank). ``extra_metadata`` (e.g. ``{"base_model_signature": ...}``) is recorded under
-    ``squareq.<key>``. ``prefix`` is the denoiser's pipeline component (``unet`` for SD 1.5 / SDXL). Returns the
-    file's path.
+    ``squareq.<key>``; ``header`` (train/lora_metadata.py's ``modelspec.*`` and ``ss_*`` keys) as it is.
+    ``prefix`` is the denoiser's pipeline component (``unet`` for SD 1.5 / SDXL). Returns the file's path.
+
+    Alpha travels in the adapter metadata only: diffusers' FLUX loader refuses a file that has both that metadata
+    and ``.alpha`` tensors, and other families' loaders do not read ``.alpha`` tensors at all. ComfyUI reads alpha
+    from ``.alpha`` tensors alone, so for it write the kohya layout beside this file (``save_kohya_lora``).
     """
     if prefix not in PREFIXES:
         raise LoraFileError(f"prefix {prefix!r}: a diffusers LoRA names the denoiser {' or '.join(PREFIXES)}.")
     _check_dtype(dtype)
     layers = _layers(lora, "the LoRA state dict")
-    metadata = {"format": "pt", ADAPTER_METADATA_KEY: _adapter_json(layers, rank, alpha, prefix)}
+    metadata = dict(header or {})
+    metadata.update({"format": "pt", ADAPTER_METADATA_KEY: _adapter_json(layers, rank, alpha, prefix)})
     metadata.update(_provenance("diffusers", rank, alpha, targets, extra_metadata))
     tensors = {}
     for layer in sorted(layers):
@@ -364,11 +369,13 @@ def to_kohya(lora: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.
 
 
 def save_kohya_lora(lora: Mapping[str, torch.Tensor], path, rank: int, alpha: float, targets=(),
-                    extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+                    extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
+                    header: Mapping[str, str] | None = None) -> Path:
     """Write the kohya/ComfyUI layout of ``lora`` to the file ``path`` (``.safetensors``); returns it.
 
-    Factors are stored in ``dtype`` (bf16 by default), ``.alpha`` in fp32. The header carries sd-scripts'
-    ``ss_network_*`` keys (``ss_network_dim`` is the training rank, before fusion) and SquareQ's provenance.
+    Factors are stored in ``dtype`` (bf16 by default), ``.alpha`` in fp32. The header carries ``header`` (the
+    ``modelspec.*`` and ``ss_*`` keys of a training run), sd-scripts' ``ss_network_*`` keys (``ss_network_dim`` is
+    the training rank, before fusion) and SquareQ's provenance.
     """
     _check_dtype(dtype)
     path = Path(path)
@@ -380,12 +387,13 @@ def save_kohya_lora(lora: Mapping[str, torch.Tensor], path, rank: int, alpha: fl
         raise LoraFileError(f"{path}: a kohya LoRA is written as a .safetensors file; give a path ending in .safetensors.")
     tensors = to_kohya(lora, alpha)
     tensors = {k: (v if k.endswith(_ALPHA) else v.to(dtype)).contiguous() for k, v in tensors.items()}
-    metadata = {
+    metadata = dict(header or {})
+    metadata.update({
         "format": "pt",
         "ss_network_module": KOHYA_NETWORK_MODULE,
         "ss_network_dim": str(int(rank)),
         "ss_network_alpha": str(_num(alpha)),
-    }
+    })
     metadata.update(_provenance("kohya", rank, alpha, targets, extra_metadata))
     return _write(path, tensors, metadata)
 

@@ -43,6 +43,9 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ("weight_decay = -1.0", "weight_decay"),
     ("guidance = nan", "guidance"),
     ("caption_dropout = nan", "caption_dropout"),
+    ('save_format = ["onnx"]', "save_format"),
+    ("save_format = []", "save_format"),
+    ('title = "  "', "title"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"

@@ -556,3 +556,81 @@ def test_an_overflowing_lora_draws_no_black_image(workspace, tmp_path):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "produced NaN or Inf, so its image (it would be black) is not saved" in result.output
     assert list(out.iterdir()) == []
+
+
+def _comfyui_deltas(path) -> dict[str, torch.Tensor]:
+    """Each module's weight delta as ComfyUI computes it (comfy/lora.py): ``alpha / rank * up @ down``, where alpha is
+    the module's ``.alpha`` tensor and, without one, the rank (scale 1)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(path))
+    deltas = {}
+    for key in sd:
+        for down, up in ((".lora_down.weight", ".lora_up.weight"), (".lora_A.weight", ".lora_B.weight")):
+            if key.endswith(down):
+                stem = key[: -len(down)]
+                d, u = sd[key].float(), sd[stem + up].float()
+                alpha = float(sd[stem + ".alpha"]) if stem + ".alpha" in sd else d.shape[0]
+                deltas[stem] = alpha / d.shape[0] * (u @ d)
+    return deltas
+
+
+def test_the_default_output_loads_at_the_trained_strength_in_comfyui(workspace, tmp_path):
+    """Rank 8, alpha 4: ComfyUI's formula on the default output's kohya file gives scale 0.5, i.e. the same deltas as
+    the diffusers file at its adapter metadata's alpha / rank. The diffusers file alone cannot carry that to ComfyUI
+    (no .alpha tensors: it would load at twice the strength), and --save-format diffusers writes no kohya file."""
+    from safetensors import safe_open
+
+    out = tmp_path / "comfy"
+    result = train(_config(workspace, out, steps=3, rank=8, alpha=4.0, save_every=0), echo=lambda s: None)
+    assert result.kohya_file == out / "comfy_kohya.safetensors" and result.kohya_file.is_file()
+    with safe_open(str(result.kohya_file), "pt") as f:
+        scales = {k[: -len(".alpha")]: float(f.get_tensor(k)) / f.get_tensor(k[: -len(".alpha")] + ".lora_down.weight").shape[0]
+                  for k in f.keys() if k.endswith(".alpha")}
+    assert scales and set(scales.values()) == {0.5}
+    factors, info = load_lora(result.lora_file)
+    assert info["rank"] == 8 and info["alpha"] == 4.0
+    trained = sum(float((0.5 * factors[n[: -len("lora_A.weight")] + "lora_B.weight"].float()
+                         @ factors[n].float()).square().sum()) for n in factors if n.endswith("lora_A.weight"))
+    comfy = sum(float(d.square().sum()) for d in _comfyui_deltas(result.kohya_file).values())
+    assert trained > 0 and comfy == pytest.approx(trained, rel=1e-4)
+    # negative control: the diffusers file through ComfyUI's formula is at scale 1, twice the amplitude
+    diffusers_in_comfy = sum(float(d.square().sum()) for d in _comfyui_deltas(result.lora_file).values())
+    assert diffusers_in_comfy == pytest.approx(4 * trained, rel=1e-4)
+    only = train(_config(workspace, tmp_path / "only", steps=1, save_every=0, save_format=["diffusers"]),
+                 echo=lambda s: None)
+    assert only.kohya_file is None and not list((tmp_path / "only").glob("*_kohya.safetensors"))
+
+
+def test_the_lora_files_carry_modelspec_and_training_metadata(workspace, tmp_path):
+    """Both files name the architecture (flux-1-dev/lora), title, trigger phrase and the run's parameters; the
+    dataset's folders and caption tags are counted as sd-scripts counts them."""
+    from safetensors import safe_open
+
+    out = tmp_path / "meta"
+    result = train(_config(workspace, out, steps=2, save_every=0, trigger="sks", title="My LoRA", lr=2e-3),
+                   echo=lambda s: None)
+    assert result.kohya_file.name == "My_LoRA_kohya.safetensors"
+    for path, implementation in ((result.lora_file, "diffusers"),
+                                 (result.kohya_file, "https://github.com/black-forest-labs/flux")):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        assert meta["modelspec.sai_model_spec"] == "1.0.0" and meta["modelspec.architecture"] == "flux-1-dev/lora"
+        assert meta["modelspec.implementation"] == implementation and meta["modelspec.title"] == "My LoRA"
+        assert meta["modelspec.trigger_phrase"] == "sks" and meta["modelspec.resolution"] == "64x64"
+        assert meta["ss_base_model_version"] == "flux1" and meta["ss_sd_model_name"] == "tiny-flux"
+        assert meta["ss_learning_rate"] == "0.002" and meta["ss_max_train_steps"] == "2"
+        assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "4" and meta["ss_num_train_images"] == "4"
+        assert json.loads(meta["ss_dataset_dirs"]) == {".": {"n_repeats": 1, "img_count": 4}}
+        assert json.loads(meta["ss_tag_frequency"]) == {".": {"a red square": 1, "a blue square": 1,
+                                                              "a green square": 1, "a yellow square": 1}}
+
+
+def test_the_kohya_layout_is_refused_for_other_families_before_training(workspace, tmp_path):
+    from squareq.train.loop import TrainError, save_formats
+
+    cfg = _config(workspace, tmp_path / "wan", save_format=["diffusers", "kohya"])
+    assert save_formats(cfg, "flux") == ["diffusers", "kohya"]
+    assert save_formats(_config(workspace, tmp_path / "x"), "wan") == ["diffusers"]
+    with pytest.raises(TrainError, match="kohya/ComfyUI layout SquareQ writes is FLUX.1's.*--save-format diffusers"):
+        save_formats(cfg, "wan")

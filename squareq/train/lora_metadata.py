@@ -1,0 +1,98 @@
+"""The header a trained LoRA carries for the tools people load and share it with.
+
+* ``modelspec.*``: Stability AI's model spec (github.com/Stability-AI/ModelSpec), which ComfyUI, Civitai and LoRA
+  info tools read: the base architecture with ``/lora`` (``flux-1-dev/lora``), the implementation, a title, the
+  date, the training resolution and the trigger phrase. Architecture IDs are sd-scripts' where it has one
+  (``library/sai_model_spec.py``: ``flux-1-dev``, ``chroma``, ``stable-diffusion-3``, ``stable-diffusion-v1``,
+  ``stable-diffusion-xl-v1-base``); other families use their SquareQ family name.
+* ``ss_*``: sd-scripts' training parameters (``ss_base_model_version``, ``ss_sd_model_name``, learning rate,
+  steps, optimizer, seed, network dim and alpha, ...) and its dataset summary: ``ss_dataset_dirs`` (each folder's
+  image count and repeats) and ``ss_tag_frequency`` (each folder's comma-separated caption tags and how often they
+  occur), which Civitai shows as a LoRA's tags.
+
+Every value is a string (safetensors headers are str -> str); dicts are JSON, as sd-scripts writes them.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+MODELSPEC_VERSION = "1.0.0"
+_ARCHITECTURES = {"flux": "flux-1-dev", "chroma": "chroma", "sd3": "stable-diffusion-3"}
+# sd-scripts' ss_base_model_version of the families it trains
+_BASE_VERSIONS = {"flux": "flux1", "chroma": "chroma", "sd3": "sd3"}
+_IMPLEMENTATIONS = {"diffusers": "diffusers", "kohya": "https://github.com/black-forest-labs/flux"}
+
+
+def architecture(family: str, config: Mapping | None = None) -> tuple[str, str]:
+    """(modelspec architecture, ss_base_model_version) of a family's base model; SD 1.x and SDXL UNets are told
+    apart by their cross-attention width (SDXL's is 2048)."""
+    if family == "sd-unet":
+        sdxl = (config or {}).get("cross_attention_dim") == 2048
+        return ("stable-diffusion-xl-v1-base", "sdxl_base_v1-0") if sdxl else ("stable-diffusion-v1", "sd_v1")
+    return _ARCHITECTURES.get(family, family), _BASE_VERSIONS.get(family, family)
+
+
+def dataset_summary(root: Path, items: Iterable) -> tuple[dict, dict]:
+    """(``ss_dataset_dirs``, ``ss_tag_frequency``) of the images trained on: per folder (relative to the data
+    folder, ``.`` for the folder itself), the image count and repeats, and each comma-separated tag's count."""
+    dirs: dict[str, dict[str, int]] = {}
+    tags: dict[str, Counter] = {}
+    for item in items:
+        folder = item.path.parent.relative_to(root).as_posix()
+        entry = dirs.setdefault(folder, {"n_repeats": int(getattr(item, "repeats", 1)), "img_count": 0})
+        entry["img_count"] += 1
+        tags.setdefault(folder, Counter()).update(t.strip() for t in item.caption.split(",") if t.strip())
+    return dirs, {folder: dict(counts) for folder, counts in tags.items()}
+
+
+def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: Mapping | None, rank: int,
+                alpha: float, steps: int, images: int, dirs: Mapping, tags: Mapping, started: float,
+                finished: float) -> dict[str, str]:
+    """The ``modelspec.*`` and ``ss_*`` keys of a LoRA trained with ``cfg`` (a TrainConfig) and saved in ``layout``
+    (``diffusers`` or ``kohya``). ``started``/``finished``: Unix times of the run."""
+    arch, base_version = architecture(family, base_config)
+    title = cfg.title or Path(cfg.output).name
+    header = {
+        "modelspec.sai_model_spec": MODELSPEC_VERSION,
+        "modelspec.architecture": f"{arch}/lora",
+        "modelspec.implementation": _IMPLEMENTATIONS[layout],
+        "modelspec.title": title,
+        "modelspec.date": datetime.datetime.fromtimestamp(finished, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "modelspec.resolution": f"{cfg.resolution}x{cfg.resolution}",
+        "ss_base_model_version": base_version,
+        "ss_sd_model_name": base_model,
+        "ss_output_name": title,
+        "ss_network_dim": str(int(rank)),
+        "ss_network_alpha": _number(alpha),
+        "ss_learning_rate": _number(cfg.lr),
+        "ss_optimizer": cfg.optimizer,
+        "ss_lr_scheduler": cfg.schedule,
+        "ss_lr_warmup_steps": str(cfg.warmup),
+        "ss_max_train_steps": str(steps),
+        "ss_batch_size_per_device": str(cfg.batch_size),
+        "ss_gradient_accumulation_steps": str(cfg.grad_accum),
+        "ss_max_grad_norm": _number(cfg.max_grad_norm),
+        "ss_seed": str(cfg.seed),
+        "ss_resolution": f"({cfg.resolution}, {cfg.resolution})",
+        "ss_caption_dropout_rate": _number(cfg.caption_dropout),
+        "ss_timestep_sampling": cfg.timestep_sampling,
+        "ss_discrete_flow_shift": _number(cfg.shift),
+        "ss_guidance_scale": _number(cfg.guidance),
+        "ss_num_train_images": str(images),
+        "ss_dataset_dirs": json.dumps(dirs, sort_keys=True),
+        "ss_tag_frequency": json.dumps(tags, sort_keys=True),
+        "ss_training_started_at": _number(round(started, 3)),
+        "ss_training_finished_at": _number(round(finished, 3)),
+    }
+    if cfg.trigger:
+        header["modelspec.trigger_phrase"] = cfg.trigger
+    return header
+
+
+def _number(x: float) -> str:
+    x = float(x)
+    return str(int(x)) if x.is_integer() else repr(x)
