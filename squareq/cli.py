@@ -271,6 +271,9 @@ def _config_options(command):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "sample_prompts":
             command = click.option(flag, f.name, multiple=True, help=HELP[f.name])(command)
+        elif str(f.type) == "bool":  # --no-upscale; None when not given, so a config file's value stands
+            command = click.option(flag, f.name, is_flag=True, flag_value=True, default=None,
+                                   help=HELP[f.name])(command)
         else:
             kind = str(f.type)
             typ = float if "float" in kind else int if "int" in kind else str

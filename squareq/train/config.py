@@ -46,7 +46,10 @@ HELP = {
     "max_grad_norm": "Clip the LoRA gradient norm to this (0: no clipping).",
     "resolution": "Training side in pixels; images go to aspect-ratio buckets of about resolution² pixels.",
     "caption_dropout": "Probability of training a step with an empty caption (the trigger word is kept).",
-    "trigger": "Trigger word put in front of every caption.",
+    "trigger": "Trigger word put in front of every caption, or in place of [trigger] where a caption has it.",
+    "caption_ext": "Extension of the caption files next to the images: .txt, or e.g. .caption (kohya's).",
+    "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
+                  "of enlarging it, like kohya's --bucket_no_upscale.",
     "seed": "Seed for LoRA init, batch order, noise and timesteps.",
     "timestep_sampling": "shift, logit_normal or uniform.",
     "shift": "Time shift for timestep_sampling = shift.",
@@ -106,6 +109,8 @@ class TrainConfig:
     resolution: int = 1024
     caption_dropout: float = 0.0
     trigger: str | None = None
+    caption_ext: str = ".txt"
+    no_upscale: bool = False
     seed: int = 42
     # objective
     timestep_sampling: str = "shift"
@@ -132,6 +137,8 @@ class TrainConfig:
     title: str | None = None  # default: the output folder's name
 
     def __post_init__(self) -> None:
+        if isinstance(self.caption_ext, str) and self.caption_ext and not self.caption_ext.startswith("."):
+            self.caption_ext = "." + self.caption_ext  # ai-toolkit writes caption_ext = "txt"
         self.validate()
 
     def validate(self, where: str = "the configuration") -> None:
@@ -178,6 +185,11 @@ class TrainConfig:
             raise bad("resolution", "must be a multiple of 16 (FLUX packs 2x2 latent patches of an 8x VAE)")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise bad("targets", "must be a non-empty list of layer name patterns, e.g. [\"to_q\", \"to_k\"]")
+        if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
+                or "\\" in self.caption_ext:
+            raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
+        if not isinstance(self.no_upscale, bool):
+            raise bad("no_upscale", "must be true or false")
         if self.save_format is not None and (not self.save_format
                                              or not set(self.save_format) <= set(SAVE_FORMATS)):
             raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")
@@ -227,6 +239,12 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     if value is None:
         return None
     try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            raise ValueError
         if "list" in kind:
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]

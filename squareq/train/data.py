@@ -3,11 +3,14 @@
 A user points at a folder and gets every usable image in it, each with its caption, plus one warning
 per file that was left out saying why and what to do. Two layouts are read:
 
-* images (png, jpg, jpeg, webp, bmp, any letter case) with a same-name ``.txt`` caption next to each
-  (``cat.png`` + ``cat.txt``), found recursively in subfolders; hidden files and folders (``.cache``,
-  macOS ``._cat.png``) are ignored;
+* images (png, jpg, jpeg, webp, bmp, any letter case) with a same-name caption file next to each
+  (``cat.png`` + ``cat.txt``; ``caption_ext`` picks another extension, e.g. kohya's ``.caption``), found
+  recursively in subfolders; hidden files and folders (``.cache``, macOS ``._cat.png``) are ignored. kohya's
+  repeat folders are read as kohya reads them: the images below ``10_sks dog/`` count 10 times an epoch, and
+  one without a caption file is captioned ``sks dog`` (the folder's name after the count);
 * a ``metadata.jsonl`` in the folder, one JSON object a line with ``file_name`` (relative to the folder)
-  and the caption under ``caption`` (or ``text``). When it exists it wins: other images are ignored.
+  and the caption under ``caption`` (or ``text``). When it exists it wins: other images are left out, each
+  with a warning.
 
 Images are trained at several aspect ratios (kohya/SimpleTuner buckets) instead of being squashed or
 cropped to a square; :class:`BucketBatches` builds batches from one bucket at a time in a seeded order
@@ -19,6 +22,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,12 +43,13 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Item:
-    """One usable image: its path, caption and size (after EXIF rotation)."""
+    """One usable image: its path, caption, size (after EXIF rotation) and how often an epoch trains on it."""
 
     path: Path
     caption: str
     width: int
     height: int
+    repeats: int = 1
 
 
 @dataclass(frozen=True)
@@ -69,14 +74,20 @@ class Dataset:
     def __getitem__(self, index: int) -> Item:
         return self.items[index]
 
+    @property
+    def training_items(self) -> list[Item]:
+        """What an epoch goes through: each image as many times as its folder's repeat count."""
+        return [item for item in self.items for _ in range(item.repeats)]
+
 
 # ---------------------------------------------------------------------------------------------- scanning
 
-def scan_dataset(path, min_side: int = 64) -> Dataset:
-    """Read a data folder (``metadata.jsonl`` wins over ``.txt`` captions); :class:`DataError` if nothing is usable.
+def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset:
+    """Read a data folder (``metadata.jsonl`` wins over caption files); :class:`DataError` if nothing is usable.
 
     Every image is fully decoded once, so truncated or corrupt files are reported here rather than
-    halfway through training; images whose shorter side is below ``min_side`` are skipped.
+    halfway through training; images whose shorter side is below ``min_side`` are skipped. ``caption_ext``: the
+    caption files' extension (``.txt``, kohya's ``.caption``).
     """
     root = Path(path).expanduser()
     if not root.exists():
@@ -84,13 +95,13 @@ def scan_dataset(path, min_side: int = 64) -> Dataset:
     if not root.is_dir():
         raise DataError(f"The data path {root} is not a folder: {_HOW}.")
     data = Dataset(root)
-    candidates = _from_jsonl(root, data) if (root / METADATA).is_file() else _from_folder(root, data)
-    for image, caption in candidates:
+    candidates = _from_jsonl(root, data) if (root / METADATA).is_file() else _from_folder(root, data, caption_ext)
+    for image, caption, repeats in candidates:
         problem = _check_image(image, root, min_side)
         if isinstance(problem, str):
             data.skipped.append(Skipped(image, problem))
         else:
-            data.items.append(Item(image, caption, *problem))
+            data.items.append(Item(image, caption, *problem, repeats=repeats))
     data.items.sort(key=lambda it: _rel(it.path, root))
     for s in data.skipped:
         log.warning("skipped: %s", s.reason)
@@ -118,7 +129,17 @@ def _confined(path: Path, root: Path, named_by: str) -> None:
                         "and name it relative to it.")
 
 
-def _from_folder(root: Path, data: Dataset) -> list[tuple[Path, str]]:
+# kohya sd-scripts' "<repeats>_<class tokens>" folder directly in the data folder
+REPEAT_FOLDER = re.compile(r"(\d+)_(.+)")
+
+
+def repeat_folder(rel: Path) -> tuple[int, str] | None:
+    """(repeats, the folder's caption) when ``rel`` (relative to the data folder) lies in a kohya repeat folder."""
+    match = REPEAT_FOLDER.fullmatch(rel.parts[0]) if len(rel.parts) > 1 else None
+    return (int(match[1]), match[2].strip()) if match else None
+
+
+def _from_folder(root: Path, data: Dataset, caption_ext: str = ".txt") -> list[tuple[Path, str, int]]:
     found = []
     for image in sorted(root.rglob("*")):
         rel = image.relative_to(root)
@@ -126,11 +147,20 @@ def _from_folder(root: Path, data: Dataset) -> list[tuple[Path, str]]:
             continue
         if not image.is_file():
             continue
-        txt = image.with_suffix(".txt")
+        txt = image.with_suffix(caption_ext)
         rel_txt = txt.relative_to(root).as_posix()
         _confined(image, root, rel.as_posix())
         if txt.exists():
             _confined(txt, root, rel_txt)
+        folder = repeat_folder(rel)
+        if folder is not None and folder[0] < 1:
+            data.skipped.append(Skipped(image, f"{rel.as_posix()} is in {rel.parts[0]}/, whose repeat count is 0: "
+                                               "rename the folder with a count of at least 1 to train on it."))
+            continue
+        repeats = folder[0] if folder else 1
+        if not txt.is_file() and folder is not None and folder[1]:
+            found.append((image, folder[1], repeats))  # kohya captions an uncaptioned image by its folder's name
+            continue
         if not txt.is_file():
             data.skipped.append(Skipped(image, f"{rel.as_posix()} has no caption: add {rel_txt} "
                                                f"or a {METADATA} line for it."))
@@ -145,13 +175,13 @@ def _from_folder(root: Path, data: Dataset) -> list[tuple[Path, str]]:
             data.skipped.append(Skipped(image, f"{rel_txt} is empty: write a caption for "
                                                f"{rel.as_posix()} in it."))
             continue
-        found.append((image, caption))
+        found.append((image, caption, repeats))
     return found
 
 
-def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str]]:
+def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str, int]]:
     meta = root / METADATA
-    found, seen = [], set()
+    found, seen, named = [], set(), set()
 
     def bad(reason: str, p: Path = meta) -> None:
         data.skipped.append(Skipped(p, reason))
@@ -176,6 +206,7 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str]]:
         caption = entry.get("caption", entry.get("text"))
         image = root / name
         _confined(image, root, f"{meta} line {n}: file_name {name!r}")
+        named.add(image.resolve())
         if not image.is_file():
             bad(f"{where} names {name}, which is not a file in {root}: fix the file_name or add the image.", image)
         elif image in seen:
@@ -186,7 +217,13 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str]]:
             bad(f"{name} has an empty caption in {where}: write a caption for it.", image)
         else:
             seen.add(image)
-            found.append((image, caption.strip()))
+            found.append((image, caption.strip(), 1))
+    for image in sorted(root.rglob("*")):
+        rel = image.relative_to(root)
+        if image.suffix.lower() in IMAGE_EXTENSIONS and image.is_file() and image.resolve() not in named \
+                and not any(p.startswith(".") for p in rel.parts):
+            bad(f"{rel.as_posix()} is not listed in {METADATA}, which decides the images when it exists: add a line "
+                "for it, or move it out of the folder.", image)
     return found
 
 
@@ -238,10 +275,16 @@ def make_buckets(resolution: int, step: int = 64, max_ratio: float = 2.0,
     return sorted(buckets)
 
 
-def bucket_for(width: int, height: int, buckets) -> tuple[int, int]:
-    """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width)."""
+def bucket_for(width: int, height: int, buckets, no_upscale: bool = False, step: int = 64) -> tuple[int, int]:
+    """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width).
+
+    ``no_upscale`` (kohya's ``--bucket_no_upscale``): an image that would have to be enlarged to cover that bucket
+    gets its own size in multiples of ``step`` instead (cropped by less than ``step`` pixels, never enlarged)."""
     r = math.log(width / height)
-    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - r), -b[0] * b[1], b))
+    bucket = min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - r), -b[0] * b[1], b))
+    if no_upscale and (bucket[0] > width or bucket[1] > height):
+        return max(step, width // step * step), max(step, height // step * step)
+    return bucket
 
 
 # ---------------------------------------------------------------------------------------------- images and captions
@@ -267,12 +310,16 @@ def load_image(path, bucket: tuple[int, int]) -> torch.Tensor:
     return pixels.float().div_(127.5).sub_(1.0)
 
 
+TRIGGER_TOKEN = "[trigger]"  # ai-toolkit's place-holder for the trigger word in a caption
+
+
 def caption_for(caption: str, trigger: str | None = None, dropout: float = 0.0,
                 generator: torch.Generator | None = None) -> str:
     """The caption to train on: ``"trigger, caption"``, or with probability ``dropout`` only the trigger ("" if none).
 
     Dropout keeps the trigger (like kohya's keep_tokens) so the LoRA still learns what the trigger alone
-    means; a caption that already starts with the trigger (as a whole word, case-sensitive) is left as is.
+    means; a caption that already starts with the trigger (as a whole word, case-sensitive) is left as is, and
+    one with ``[trigger]`` gets the trigger there instead of in front.
     """
     if not 0.0 <= dropout <= 1.0:
         raise ValueError(f"caption dropout must be between 0 and 1, got {dropout}.")
@@ -282,6 +329,8 @@ def caption_for(caption: str, trigger: str | None = None, dropout: float = 0.0,
         return trigger
     if not trigger:
         return caption
+    if TRIGGER_TOKEN in caption:
+        return caption.replace(TRIGGER_TOKEN, trigger)
     rest = caption[len(trigger):]
     if caption.startswith(trigger) and not (rest[:1].isalnum() or rest[:1] == "_"):
         return caption
@@ -298,11 +347,13 @@ class BucketBatches:
     batch. Use one iterator at a time: iteration advances this object's state.
     """
 
-    def __init__(self, dataset: Dataset, buckets, batch_size: int, seed: int, drop_last: bool = False):
+    def __init__(self, dataset: Dataset, buckets, batch_size: int, seed: int, drop_last: bool = False,
+                 no_upscale: bool = False):
         if batch_size < 1 or seed < 0:
             raise ValueError(f"batch_size must be at least 1 and seed at least 0, got {batch_size} and {seed}.")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
-        self.item_buckets = [bucket_for(it.width, it.height, buckets) for it in dataset.items]
+        # indices are into dataset.training_items: a repeated image is several entries, as in a kohya epoch
+        self.item_buckets = [bucket_for(it.width, it.height, buckets, no_upscale) for it in dataset.training_items]
         groups: dict[tuple[int, int], list[int]] = {}
         for i, b in enumerate(self.item_buckets):
             groups.setdefault(b, []).append(i)

@@ -43,7 +43,9 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .data import (
+    TRIGGER_TOKEN,
     BucketBatches,
+    DataError,
     bucket_for,
     caption_for,
     load_image,
@@ -102,16 +104,16 @@ def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.opti
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def _fill_cache(cfg: TrainConfig, dataset, item_buckets, captions: list[str], encoders: Encoders,
+def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
                 cache: EmbeddingCache, echo) -> tuple[list[str], dict[str, str]]:
     """Cache every image's latents and every caption's embeddings; return the latent keys per item and the
     text key per caption."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
     image_keys = [content_key("latents", file_digest(item.path), vae_id, list(bucket))
-                  for item, bucket in zip(dataset.items, item_buckets, strict=True)]
+                  for item, bucket in zip(items, item_buckets, strict=True)]
 
     def encode_images(indices):
-        encoded = [encoders.encode_image(load_image(dataset.items[i].path, item_buckets[i])) for i in indices]
+        encoded = [encoders.encode_image(load_image(items[i].path, item_buckets[i])) for i in indices]
         return [e if isinstance(e, dict) else {"latents": e} for e in encoded]
 
     text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
@@ -151,10 +153,15 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
     SquareQ cannot train has no encoders, which ``open_encoders`` says."""
-    dataset = scan_dataset(cfg.data)
+    dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
+    placeholders = [item for item in dataset.items if TRIGGER_TOKEN in item.caption]
+    if placeholders and not (cfg.trigger or "").strip():
+        raise DataError(f"{len(placeholders)} captions in {dataset.root} use {TRIGGER_TOKEN} (e.g. the one of "
+                        f"{placeholders[0].path.name}) but no trigger word is set; pass --trigger WORD.")
+    items = dataset.training_items  # what the batches index
     buckets = make_buckets(cfg.resolution)
-    item_buckets = [bucket_for(item.width, item.height, buckets) for item in dataset.items]
-    captions = [caption_for(item.caption, cfg.trigger) for item in dataset.items]
+    item_buckets = [bucket_for(item.width, item.height, buckets, cfg.no_upscale) for item in items]
+    captions = [caption_for(item.caption, cfg.trigger) for item in items]
     dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
     keys = None
@@ -162,7 +169,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
         with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
-            keys = _fill_cache(cfg, dataset, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
+            keys = _fill_cache(cfg, items, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
         image_keys, text_keys = keys
         cache.record_pairs([(image_keys[i], text_keys[c]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
@@ -245,7 +252,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     model.enable_gradient_checkpointing()
     model.train()
     # one global batch per step, shared out to the ranks (equal shares, so the last short batch is dropped)
-    batches = BucketBatches(dataset, buckets, cfg.batch_size * ranks.world, cfg.seed, drop_last=ranks.world > 1)
+    batches = BucketBatches(dataset, buckets, cfg.batch_size * ranks.world, cfg.seed, drop_last=ranks.world > 1,
+                            no_upscale=cfg.no_upscale)
     total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(batches) / cfg.grad_accum))
     optimizer = _optimizer(cfg, params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total))
@@ -456,7 +464,7 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     provenance = {"base_model_signature": model_record.signature, "family": family, "component": component,
                   "objective": objective}
     dirs, tags = dataset_summary(dataset.root, dataset.items)
-    images = sum(int(getattr(item, "repeats", 1)) for item in dataset.items)
+    images = len(dataset.training_items)
 
     def header(layout: str) -> dict[str, str]:
         return lora_header(cfg, family=family, layout=layout, base_model=model_record.source,

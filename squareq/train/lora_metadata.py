@@ -43,7 +43,7 @@ def dataset_summary(root: Path, items: Iterable) -> tuple[dict, dict]:
     tags: dict[str, Counter] = {}
     for item in items:
         folder = item.path.parent.relative_to(root).as_posix()
-        entry = dirs.setdefault(folder, {"n_repeats": int(getattr(item, "repeats", 1)), "img_count": 0})
+        entry = dirs.setdefault(folder, {"n_repeats": item.repeats, "img_count": 0})
         entry["img_count"] += 1
         tags.setdefault(folder, Counter()).update(t.strip() for t in item.caption.split(",") if t.strip())
     return dirs, {folder: dict(counts) for folder, counts in tags.items()}

@@ -46,6 +46,8 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ('save_format = ["onnx"]', "save_format"),
     ("save_format = []", "save_format"),
     ('title = "  "', "title"),
+    ('caption_ext = "a/b"', "caption_ext"),
+    ('no_upscale = "maybe"', "no_upscale"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"

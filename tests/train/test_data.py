@@ -59,7 +59,9 @@ def test_metadata_jsonl_wins_over_txt_captions(tmp_path):
     data = scan_dataset(tmp_path)
     assert [(it.path.name, it.caption) for it in data.items] == [("one.png", "first"), ("two.png", "second")]
     assert (data.items[1].width, data.items[1].height) == (128, 64)
-    assert data.skipped == []
+    # an image the metadata does not list is left out with a word, not silently
+    assert list(_reasons(data)) == ["three.png"]
+    assert "three.png is not listed in metadata.jsonl" in _reasons(data)["three.png"]
 
 
 def test_each_bad_file_is_skipped_with_a_reason_naming_it(tmp_path, caplog):
@@ -89,6 +91,33 @@ def test_each_bad_file_is_skipped_with_a_reason_naming_it(tmp_path, caplog):
     assert len(warnings) == 7  # one per skipped file plus the summary
     assert all(any(name in w for w in warnings) for name in reasons)
     assert "6 of 7 images" in warnings[-1]
+
+
+def test_kohya_repeat_folders_count_their_repeats_and_caption_by_folder_name(tmp_path):
+    """``10_sks dog/`` trains each image 10 times an epoch and captions an image without a caption file
+    "sks dog"; a caption file still wins; a 0-repeat folder is skipped with a reason; a plain subfolder gives no
+    caption (negative control)."""
+    _image(tmp_path / "10_sks dog/a.png")
+    _captioned(tmp_path, "3_cat/b.png", "a cat on a mat")
+    _image(tmp_path / "0_never/c.png")
+    _captioned(tmp_path, "d.png", "at the top")
+    _image(tmp_path / "plain/e.png")
+    data = scan_dataset(tmp_path)
+    got = {it.path.name: (it.caption, it.repeats) for it in data.items}
+    assert got == {"a.png": ("sks dog", 10), "b.png": ("a cat on a mat", 3), "d.png": ("at the top", 1)}
+    assert len(data.training_items) == 14
+    assert [it.path.name for it in data.training_items].count("a.png") == 10
+    reasons = _reasons(data)
+    assert set(reasons) == {"c.png", "e.png"}
+    assert "repeat count is 0" in reasons["c.png"] and "has no caption" in reasons["e.png"]
+
+
+def test_caption_ext_reads_kohya_caption_files(tmp_path):
+    _image(tmp_path / "a.png")
+    (tmp_path / "a.caption").write_text("from a .caption file")
+    assert [it.caption for it in scan_dataset(tmp_path, caption_ext=".caption").items] == ["from a .caption file"]
+    with pytest.raises(DataError):  # the default .txt finds no caption for it
+        scan_dataset(tmp_path)
 
 
 def test_bad_jsonl_lines_and_missing_files_are_skipped(tmp_path):
@@ -242,6 +271,32 @@ def test_caption_trigger_is_prepended_once():
     assert caption_for("sks dog", trigger="sks") == "sks dog"
     assert caption_for("sksdog runs", trigger="sks") == "sks, sksdog runs"  # only a whole word counts
     assert caption_for("", trigger="sks") == "sks"
+
+
+def test_trigger_placeholder_is_replaced_in_place():
+    assert caption_for("a photo of [trigger] on a beach", "sks") == "a photo of sks on a beach"
+    assert caption_for("[trigger], [trigger] again", "sks") == "sks, sks again"
+    assert caption_for("no placeholder", "sks") == "sks, no placeholder"
+
+
+def test_no_upscale_keeps_a_small_image_at_its_own_size():
+    """A 200x136 image at resolution 512 would be enlarged to cover its bucket; with no_upscale it trains at
+    192x128 (its size in steps of 64); a large image gets the usual bucket either way."""
+    buckets = make_buckets(512)
+    usual = bucket_for(200, 136, buckets)
+    assert usual[0] > 200 and usual[1] > 136
+    assert bucket_for(200, 136, buckets, no_upscale=True) == (192, 128)
+    assert bucket_for(1200, 800, buckets, no_upscale=True) == bucket_for(1200, 800, buckets)
+    data = Dataset(Path("."), [Item(Path("small.png"), "s", 200, 136), Item(Path("big.png"), "b", 1200, 800)])
+    assert sorted(BucketBatches(data, buckets, 1, 0, no_upscale=True).item_buckets) == sorted(
+        [(192, 128), bucket_for(1200, 800, buckets)])
+
+
+def test_an_epoch_goes_through_repeated_images_as_often_as_their_repeats():
+    data = Dataset(Path("."), [Item(Path("a.png"), "a", 64, 64, repeats=3), Item(Path("b.png"), "b", 64, 64)])
+    batches = BucketBatches(data, make_buckets(64), 1, 0)
+    seen = [data.training_items[i].path.name for batch in batches.epoch_batches(0) for i in batch]
+    assert sorted(seen) == ["a.png", "a.png", "a.png", "b.png"]
 
 
 def test_caption_dropout_rate_and_determinism():

@@ -634,3 +634,18 @@ def test_the_kohya_layout_is_refused_for_other_families_before_training(workspac
     assert save_formats(_config(workspace, tmp_path / "x"), "wan") == ["diffusers"]
     with pytest.raises(TrainError, match="kohya/ComfyUI layout SquareQ writes is FLUX.1's.*--save-format diffusers"):
         save_formats(cfg, "wan")
+
+
+def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence(workspace, tmp_path):
+    from squareq.train.data import DataError
+    from squareq.train.loop import prepare_data
+
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(data / "a.png")
+    (data / "a.txt").write_text("a photo of [trigger]")
+    with pytest.raises(DataError, match=r"1 captions in .* use \[trigger\] .*a.png.* pass --trigger WORD"):
+        prepare_data(_config(workspace, tmp_path / "out", data=str(data)), None, torch.device("cpu"), encode=False)
+    prepared = prepare_data(_config(workspace, tmp_path / "out", data=str(data), trigger="sks"), None,
+                            torch.device("cpu"), encode=False)
+    assert prepared.captions == ["a photo of sks"]
