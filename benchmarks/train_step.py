@@ -10,7 +10,7 @@ The model is the family's diffusers class at its released config with seeded ran
 is FLUX.1-dev's ``FluxTransformer2DModel`` (11.9B), ``flux2`` FLUX.2-dev's ``Flux2Transformer2DModel``
 (diffusers' defaults: 8 double + 48 single blocks, 32B), ``qwen-image`` Qwen-Image's
 ``QwenImageTransformer2DModel`` (60 blocks, 20B). Every setup trains LoRA rank 16 on
-``to_q,to_k,to_v,to_out.0`` with AdamW (lr 1e-4), gradient checkpointing, batch 1, 512 text tokens, bf16
+``to_q,to_k,to_v,to_out.0`` (``--targets flux-default``: FLUX.1's default target set) with AdamW (lr 1e-4), gradient checkpointing, batch 1, 512 text tokens, bf16
 autocast and an MSE loss against a random target; the step time is the median of ``--steps`` steps after
 ``--warmup`` steps. The FLUX.2 and Qwen-Image inputs come from their family adapters' calibration inputs
 (noise latents packed 2x2, Gaussian text embeddings). Setups, each one a phase in its own subprocess so
@@ -56,7 +56,10 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 FAMILIES = {"flux": ("FluxTransformer2DModel", FLUX_DEV), "flux2": ("Flux2Transformer2DModel", {}),
             "qwen-image": ("QwenImageTransformer2DModel", {})}
 LORA_RANK = 16
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+# --targets: the attention projections (the diffusers script's set, SquareQ's default before issue 19), or FLUX.1's
+# default now (squareq.models.flux.FLUX_LORA_TARGETS: every attention and MLP linear of both streams, as kohya's)
+TARGET_SETS = {"attention": ["to_q", "to_k", "to_v", "to_out.0"], "flux-default": None}
+LORA_TARGETS = TARGET_SETS["attention"]
 MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this (full config)
 # Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
 SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"
@@ -240,7 +243,7 @@ def allocated_GB(setup: Setup) -> float:
 
 
 def peft_lora(model) -> list:
-    """PEFT LoRA (rank 16, alpha 16) on the FLUX attention projections, factors in fp32 as SquareQ keeps them."""
+    """PEFT LoRA (rank 16, alpha 16) on --targets, factors in fp32 as SquareQ keeps them."""
     from peft import LoraConfig
 
     model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
@@ -346,7 +349,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
     if hasattr(rt, "plan"):
         try:
             predicted = rt.plan(setup.slab, resolution=res, batch=1, text_tokens=setup.text_tokens,
-                                prefetch=prefetch, lora_rank=LORA_RANK)
+                                prefetch=prefetch, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS)
             # MemoryPlan has peak_allocated and peak_reserved; an older draft had only peak_bytes.
             peak = getattr(predicted, "peak_allocated", None) or predicted.peak_bytes
             rec["plan_peak_GB"] = peak / 1e9
@@ -358,7 +361,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=prefetch, host=host, verify="off", trace=trace)
-    params = rt.add_lora(model, rank=LORA_RANK)
+    params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS)
     model.enable_gradient_checkpointing()
     setup.sync()
     rec.update(load_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
@@ -484,7 +487,8 @@ def run_phase(args) -> None:
 def spawn(phase: list[str], args, timeout: float) -> list[dict]:
     """Run a phase subprocess, echo its output, return its JSON records (an error record if it died)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family] + \
+           "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family,
+           "--targets", args.targets] + \
         (["--tiny"] if args.tiny else [])
     log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
     start = time.perf_counter()
@@ -548,7 +552,8 @@ LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbyte
 def table(records: list[dict]) -> str:
     env = records[0]
     head = (f"{env.get('family', 'flux')}; device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}"
-            f"{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after {env['warmup']} warm-up")
+            f"{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after {env['warmup']} warm-up; "
+            f"LoRA targets: {env.get('targets', 'attention')}")
     lines = [head, "", "| setup | res | step s | × bf16 resident | peak alloc GB | peak reserved GB | copy-wait % | notes |",
              "|---|---|---|---|---|---|---|---|"]
 
@@ -604,8 +609,15 @@ def main() -> None:
     ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="which model (default flux)")
     ap.add_argument("--tiny", action="store_true", help="the family's tiny config; runs on the CPU without a GPU")
+    ap.add_argument("--targets", choices=sorted(TARGET_SETS), default="attention",
+                    help="LoRA targets: the attention projections, or FLUX.1's default set (every attention and MLP "
+                         "linear of both streams)")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
     args = ap.parse_args()
+    global LORA_TARGETS
+    if args.targets == "flux-default":
+        from squareq.models.flux import FLUX_LORA_TARGETS
+        LORA_TARGETS = list(FLUX_LORA_TARGETS)
     if args.phase:
         return run_phase(args)
 
@@ -625,7 +637,7 @@ def main() -> None:
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
-           "steps": args.steps,
+           "steps": args.steps, "targets": args.targets,
            "warmup": args.warmup, "commit": commit,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     emit(env)

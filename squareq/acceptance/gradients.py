@@ -46,8 +46,9 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
         return skipped(NAME, why_not)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ref_path = reference_slab(source, workdir, echo)
-    cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache", steps)
     family = slab.manifest.model.family
+    cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache",
+                          steps).with_family_defaults(family)
     recipe = ADAPTERS[family].recipe
     objective = training_objective(cfg.model or slab.manifest.model.source, family)
     data = prepare_data(cfg, slab.manifest.model, device, echo)

@@ -67,6 +67,9 @@ class FamilyAdapter:
     samples: bool = False
     # the denoiser's attribute in the family's diffusers pipeline, and the key prefix of its diffusers LoRA files
     component: str = "transformer"
+    # the layers `squareq train` wraps with LoRA by default (PEFT target_modules names); None: the attention
+    # projections (runtime.DEFAULT_TARGETS)
+    lora_targets: tuple[str, ...] | None = None
 
     @property
     def supports(self) -> tuple[str, ...]:

@@ -68,6 +68,14 @@ FLUX_RECIPE = TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.i
                              forward=flux_forward, prediction=unpack_2x2_output)
 
 
+# Every attention and MLP linear of both streams, the adaLN modulation left out: kohya sd-scripts' FLUX.1 default
+# (networks/lora_flux.py wraps each Linear of the double and single blocks, and excludes img_mod, txt_mod and
+# modulation by default since 2025) in diffusers' names. BFL's fused qkv (and a single block's linear1 = qkv + MLP
+# input) are diffusers' to_q, to_k, to_v (+ proj_mlp); linear2 is the single block's proj_out.
+FLUX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                     "proj_out")
+
 FLUX = FamilyAdapter(
     family="flux",
     class_name="FluxTransformer2DModel",
@@ -76,4 +84,5 @@ FLUX = FamilyAdapter(
     sequence_shape=flux_sequence_shape,
     recipe=FLUX_RECIPE,
     samples=True,
+    lora_targets=FLUX_LORA_TARGETS,
 )

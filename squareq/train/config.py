@@ -8,8 +8,9 @@ Defaults follow what users of kohya sd-scripts, ai-toolkit and SimpleTuner expec
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import logging
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,7 +34,9 @@ HELP = {
     "cache_dir": "Where cached latents and text embeddings go (default: OUT/cache).",
     "rank": "LoRA rank.",
     "alpha": "LoRA alpha; the update is scaled by alpha/rank (default: alpha = rank).",
-    "targets": "Comma-separated layer name patterns for LoRA, matched like PEFT target_modules.",
+    "targets": "Comma-separated layer name patterns for LoRA, matched like PEFT target_modules (default: the "
+               "family's; FLUX.1: every attention and MLP linear of both streams, as kohya's FLUX default; other "
+               "families: to_q,to_k,to_v,to_out.0).",
     "lr": "Learning rate.",
     "optimizer": "adamw, or adamw8bit (needs bitsandbytes).",
     "weight_decay": "AdamW weight decay.",
@@ -77,6 +80,9 @@ HELP = {
 }
 
 
+log = logging.getLogger("squareq.train")
+
+
 class ConfigError(ValueError):
     """A configuration value cannot be used; the message names the file or flag."""
 
@@ -93,7 +99,7 @@ class TrainConfig:
     # LoRA
     rank: int = 16
     alpha: float | None = None  # default: rank (scale 1)
-    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    targets: list[str] | None = None  # default: the family's (with_family_defaults)
     # optimization
     lr: float = 1e-4
     optimizer: str = "adamw"
@@ -183,7 +189,7 @@ class TrainConfig:
             raise bad("resolution", "must be at least 64 (aspect-ratio buckets have sides in steps of 64)")
         if self.resolution % 16:
             raise bad("resolution", "must be a multiple of 16 (FLUX packs 2x2 latent patches of an 8x VAE)")
-        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+        if self.targets is not None and (not self.targets or not all(isinstance(t, str) and t for t in self.targets)):
             raise bad("targets", "must be a non-empty list of layer name patterns, e.g. [\"to_q\", \"to_k\"]")
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
@@ -200,6 +206,16 @@ class TrainConfig:
                 parse_size(self.vram_budget)
             except SizeError as exc:
                 raise ConfigError(f"{where}: vram_budget: {exc}") from None
+
+    def with_family_defaults(self, family: str) -> "TrainConfig":
+        """This configuration with what depends on the model's family filled in: the LoRA targets."""
+        from ..models import ADAPTERS
+
+        if self.targets is not None:
+            return self
+        adapter = ADAPTERS.get(family)
+        targets = adapter.lora_targets if adapter is not None and adapter.lora_targets else DEFAULT_TARGETS
+        return dataclasses.replace(self, targets=list(targets))
 
     @property
     def lora_alpha(self) -> float:
@@ -265,6 +281,24 @@ def _coerce(name: str, value: Any, where: str) -> Any:
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(TrainConfig)}
 
 
+def _keep_scale(values: dict[str, Any], overrides: dict[str, Any], where: str) -> None:
+    """A --rank flag over a file that sets alpha keeps the file's scale alpha/rank (alpha moves with the rank), as
+    if the file had been written for that rank; --alpha beside it decides instead. Said in a warning, since the
+    file's alpha no longer holds."""
+    rank = overrides.get("rank")
+    if rank is None or overrides.get("alpha") is not None or values.get("alpha") is None:
+        return
+    try:
+        before, alpha, rank = int(values.get("rank", TrainConfig.rank)), float(values["alpha"]), int(rank)
+    except (TypeError, ValueError):
+        return  # validation names the bad value
+    if rank == before or before < 1:
+        return
+    values["alpha"] = alpha * rank / before
+    log.warning("--rank %d over %s's rank %d and alpha %g: alpha set to %g to keep the scale alpha/rank = %g; "
+                "pass --alpha to choose it yourself.", rank, where, before, alpha, values["alpha"], alpha / before)
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (a ``[train]`` table or top-level keys), then ``overrides``
     (flag values; ``None`` means the flag was not given)."""
@@ -286,6 +320,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     overrides = dict(overrides or {})
     if overrides.get("steps") is not None and overrides.get("epochs") is None:
         values.pop("epochs", None)  # a --steps flag decides the length even where the file sets epochs
+    _keep_scale(values, overrides, where)
     for key, value in overrides.items():
         if key not in _FIELD_TYPES:
             raise ConfigError(f"--{key.replace('_', '-')} is not a training option.")

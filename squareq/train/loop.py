@@ -217,6 +217,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     torch.manual_seed(cfg.seed)
 
     slab = open_slab(cfg.slab, verify="eager")
+    cfg = cfg.with_family_defaults(slab.manifest.model.family)
     if cfg.vram_budget_bytes is not None and device.type == "cuda":
         plan = runtime.plan(slab, resolution=cfg.resolution, batch=cfg.batch_size,
                             text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,

@@ -140,7 +140,9 @@ def test_each_new_gate_fails_a_damaged_slab_on_its_own(damaged_report):
         assert gates[gate]["status"] == "FAIL", (name, gate, gates[gate]["measured"])
     drift, grads, conv = gates["image drift"]["details"], gates["gradient agreement"]["details"], gates["convergence"]["details"]
     assert drift["mean_psnr_db"] < 27 and drift["mean_ssim"] < 0.9
-    assert grads["cosine"] < 0.8 and abs(grads["norm_ratio"] - 1) > 0.2
+    # far past a threshold, not at its edge (with FLUX.1's default targets, every attention and MLP linear, the
+    # clipped slab's gradients keep their size, 1.03x, and turn away: cosine 0.61)
+    assert grads["cosine"] < 0.8 or abs(grads["norm_ratio"] - 1) > 0.2
     assert conv["p_learned"] < 0.05 and not -0.03 < conv["interval"][0] <= conv["interval"][1] < 0.03
     failures = {c.get("name") for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None}
     assert set(NEW_GATES) <= failures

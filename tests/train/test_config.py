@@ -86,3 +86,28 @@ def test_shift_minus_five_is_one_sentence_from_the_cli(tmp_path):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.startswith("error: --shift: shift = -5.0 must be a finite number above 0")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_flag_keeps_the_files_scale_and_says_so(tmp_path, caplog):
+    path = tmp_path / "run.toml"
+    path.write_text("rank = 16\nalpha = 8\n")
+    with caplog.at_level("WARNING", logger="squareq.train"):
+        cfg = load_config(path, {"rank": 32})
+    assert (cfg.rank, cfg.lora_alpha) == (32, 16.0)  # scale 0.5 kept
+    assert any("--rank 32" in r.getMessage() and "alpha set to 16" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    both = load_config(path, {"rank": 32, "alpha": 4})
+    assert (both.rank, both.lora_alpha) == (32, 4.0) and not caplog.records  # both given: they decide
+    path.write_text("rank = 16\n")
+    assert load_config(path, {"rank": 32}).lora_alpha == 32.0  # no alpha in the file: alpha = rank, scale 1
+
+
+def test_lora_targets_default_to_the_familys():
+    from squareq.models.flux import FLUX_LORA_TARGETS
+    from squareq.runtime import DEFAULT_TARGETS
+
+    cfg = TrainConfig()
+    assert cfg.targets is None
+    assert cfg.with_family_defaults("flux").targets == list(FLUX_LORA_TARGETS)
+    assert cfg.with_family_defaults("wan").targets == list(DEFAULT_TARGETS)
+    assert TrainConfig(targets=["to_q"]).with_family_defaults("flux").targets == ["to_q"]

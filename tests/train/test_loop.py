@@ -588,8 +588,13 @@ def test_the_default_output_loads_at_the_trained_strength_in_comfyui(workspace, 
         scales = {k[: -len(".alpha")]: float(f.get_tensor(k)) / f.get_tensor(k[: -len(".alpha")] + ".lora_down.weight").shape[0]
                   for k in f.keys() if k.endswith(".alpha")}
     assert scales and set(scales.values()) == {0.5}
+    # FLUX.1's default targets, as kohya's: every attention and MLP linear of both streams of tiny-flux's 2 double
+    # and 2 single blocks (2 x 12 + 2 x 5 diffusers layers, 2 x 8 + 2 x 2 kohya modules), no modulation
+    assert len(scales) == 20
     factors, info = load_lora(result.lora_file)
     assert info["rank"] == 8 and info["alpha"] == 4.0
+    layers = {n.rsplit(".", 2)[0] for n in factors}
+    assert len(layers) == 34 and not [n for n in layers if "norm" in n]
     trained = sum(float((0.5 * factors[n[: -len("lora_A.weight")] + "lora_B.weight"].float()
                          @ factors[n].float()).square().sum()) for n in factors if n.endswith("lora_A.weight"))
     comfy = sum(float(d.square().sum()) for d in _comfyui_deltas(result.kohya_file).values())
