@@ -54,7 +54,8 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="squareq")
-@click.option("-v", "--verbose", is_flag=True, help="Log which kernels and backends are used.")
+@click.option("-v", "--verbose", is_flag=True, help="Log which kernels and backends are used, and show the warnings "
+              "of diffusers, transformers and torchvision.")
 def main(verbose: bool) -> None:
     """Compile a diffusion transformer into a W4/W6/W8 slab and train LoRAs on it by streaming blocks.
 
@@ -64,6 +65,27 @@ def main(verbose: bool) -> None:
     squareq accept model.slab --model MODEL
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    quiet_third_parties(verbose)
+
+
+# Libraries whose routine warnings (diffusers' "AutoencoderKL ... float32", "truncated to N tokens", torchvision's
+# deprecations) would bury SquareQ's own lines in a 10-hour log; --verbose shows them.
+THIRD_PARTIES = ("diffusers", "transformers", "huggingface_hub", "accelerate", "torchvision", "peft")
+
+
+def quiet_third_parties(verbose: bool) -> None:
+    """Without ``verbose``: only errors from the libraries SquareQ drives, through logging or ``warnings``."""
+    if verbose:
+        return
+    import os
+    import warnings
+
+    # diffusers and transformers set their loggers' level when first imported, from these variables
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in THIRD_PARTIES:
+        logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
 
 
 @main.command()
@@ -441,6 +463,29 @@ def families() -> None:
     click.echo(families_table(), nl=False)
 
 
+class _StatusLine:
+    """A status that rewrites one line of a terminal (``\\r``); in a log file, every ``every``-th update as a line
+    of its own. ``echo`` ends the status line before printing."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.calls, self.open = every, 0, False
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, text: str) -> None:
+        self.calls += 1
+        if self.tty:
+            click.echo("\r" + text.ljust(60), nl=False, err=True)
+            self.open = True
+        elif self.calls % self.every == 0:
+            click.echo(text, err=True)
+
+    def echo(self, line: str) -> None:
+        if self.open:
+            click.echo("", err=True)
+            self.open = False
+        click.echo(line)
+
+
 @main.command()
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("squareq-demo"), show_default=True,
               help="Folder for the demo's slab, data, LoRA, sample image and acceptance report.")
@@ -453,7 +498,8 @@ def demo(out: Path, budget: str, steps: int, force: bool) -> None:
     from .demo import run_demo
 
     started = time.perf_counter()
-    result = run_demo(out, parse_size(budget), overwrite=force, steps=steps, echo=click.echo)
+    status = _StatusLine(every=max(1, steps // 4))
+    result = run_demo(out, parse_size(budget), overwrite=force, steps=steps, echo=status.echo, status=status)
     details = {g.name: g.details for g in result.report.gates}
     verdict = {"PASSED": "all gates passed", "FAILED": "a gate FAILED", "INCONCLUSIVE": "a gate was INCONCLUSIVE"}
     click.echo(f"\nslab:   {result.slab}  (squareq inspect {result.slab})\nLoRA:   {result.lora}\n"

@@ -54,8 +54,9 @@ def _prepare(folder: Path, overwrite: bool) -> None:
 
 
 def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 200,
-             echo: Callable[[str], None] = print) -> DemoResult:
-    """Run the demo into ``folder``; ``echo`` receives the progress and result lines."""
+             echo: Callable[[str], None] = print, status: Callable[[str], None] | None = None) -> DemoResult:
+    """Run the demo into ``folder``; ``echo`` receives the progress and result lines, ``status`` a one-line
+    status during training (``"      training: step 40/200"``, meant to overwrite itself on a terminal)."""
     folder = Path(folder)
     _prepare(folder, overwrite)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,7 +88,8 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
                              "resolution": RESOLUTION, "max_sequence_length": TOKENS, "lr": 5e-3, "rank": 8,
                              "save_every": steps // 2, "seed": 0})
     start = time.perf_counter()
-    result = train(cfg, echo=lambda line: None, progress=False)
+    report = (lambda step: status(f"      training: step {step}/{steps}")) if status else None
+    result = train(cfg, echo=lambda line: None, progress=False, after_step=report)
     seconds = time.perf_counter() - start
     losses = result.losses
     k = max(1, len(losses) // 4)

@@ -76,6 +76,8 @@ def test_demo_runs_compile_train_sample_accept(runner, tmp_path, monkeypatch):
         assert f"{gate['name']}: {gate['status']} ({gate['measured']};" in result.output
     assert (out / "accept" / "image-drift.png").stat().st_size > 0 and "images: " in result.output
     assert "trained a rank-8 LoRA for 12 steps" in result.output
+    # the training's status line: not a terminal here, so every quarter of the steps as a line of its own
+    assert [f"training: step {k}/12" in result.output for k in (3, 6, 9, 12)] == [True] * 4
     again = runner.invoke(main, ["demo", "-o", str(out)])
     assert again.exit_code == 1 and "already holds a demo" in again.output and "--force" in again.output
 
@@ -86,3 +88,32 @@ def test_python_dash_m_squareq_runs_the_cli():
 
     done = subprocess.run([sys.executable, "-m", "squareq", "--version"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "squareq" in done.stdout
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_third_party_warnings_are_quiet_unless_verbose(verbose, caplog, monkeypatch):
+    """diffusers' routine warnings (through logging) and torchvision's (through ``warnings``) are hidden without
+    --verbose and shown with it; SquareQ's own warnings are always shown."""
+    import logging
+    import warnings
+
+    from squareq.cli import THIRD_PARTIES, quiet_third_parties
+
+    for var in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(var, raising=False)
+    levels = {name: logging.getLogger(name).level for name in THIRD_PARTIES}
+    try:
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+            warnings.simplefilter("always")
+            quiet_third_parties(verbose)
+            # diffusers' own handler does not propagate to pytest's, so ask the logger whether it would emit
+            diffusers_warns = logging.getLogger("diffusers.models.modeling_utils").isEnabledFor(logging.WARNING)
+            warnings.warn_explicit("torchvision.io is deprecated", UserWarning, "image.py", 1, module="torchvision.io")
+            logging.getLogger("squareq.train").warning("skipped: a.png has no caption")
+        messages = [r.getMessage() for r in caplog.records]
+        assert "skipped: a.png has no caption" in messages
+        assert diffusers_warns == verbose
+        assert any("torchvision.io" in str(w.message) for w in caught) == verbose
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
