@@ -74,8 +74,11 @@ THIRD_PARTIES = ("diffusers", "transformers", "huggingface_hub", "accelerate", "
 
 
 def quiet_third_parties(verbose: bool) -> None:
-    """Without ``verbose``: only errors from the libraries SquareQ drives, through logging or ``warnings``."""
+    """Without ``verbose``: only errors from the libraries SquareQ drives, through logging or ``warnings``; with it,
+    their warnings too."""
     if verbose:
+        for name in THIRD_PARTIES:
+            logging.getLogger(name).setLevel(logging.WARNING)
         return
     import os
     import warnings
@@ -298,7 +301,7 @@ def _config_options(command):
                                    help=HELP[f.name])(command)
         else:
             kind = str(f.type)
-            typ = float if "float" in kind else int if "int" in kind else str
+            typ = str if "list" in kind else float if "float" in kind else int if "int" in kind else str
             command = click.option(flag, f.name, type=typ, default=None, help=HELP[f.name])(command)
     return command
 

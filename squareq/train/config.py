@@ -47,7 +47,8 @@ HELP = {
     "batch_size": "Images per step (per GPU).",
     "grad_accum": "Batches whose gradients are summed before each optimizer step.",
     "max_grad_norm": "Clip the LoRA gradient norm to this (0: no clipping).",
-    "resolution": "Training side in pixels; images go to aspect-ratio buckets of about resolution² pixels.",
+    "resolution": "Training side in pixels; images go to aspect-ratio buckets of about resolution² pixels. Several, "
+                  "comma-separated (512,768,1024), train every image at each.",
     "caption_dropout": "Probability of training a step with an empty caption (the trigger word is kept).",
     "trigger": "Trigger word put in front of every caption, or in place of [trigger] where a caption has it.",
     "caption_ext": "Extension of the caption files next to the images: .txt, or e.g. .caption (kohya's).",
@@ -112,7 +113,7 @@ class TrainConfig:
     grad_accum: int = 1
     max_grad_norm: float = 1.0  # 0 turns clipping off
     # data
-    resolution: int = 1024
+    resolution: list[int] = field(default_factory=lambda: [1024])  # several: every image at each
     caption_dropout: float = 0.0
     trigger: str | None = None
     caption_ext: str = ".txt"
@@ -143,6 +144,8 @@ class TrainConfig:
     title: str | None = None  # default: the output folder's name
 
     def __post_init__(self) -> None:
+        if isinstance(self.resolution, int) and not isinstance(self.resolution, bool):
+            self.resolution = [self.resolution]
         if isinstance(self.caption_ext, str) and self.caption_ext and not self.caption_ext.startswith("."):
             self.caption_ext = "." + self.caption_ext  # ai-toolkit writes caption_ext = "txt"
         self.validate()
@@ -158,7 +161,7 @@ class TrainConfig:
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")
-        for key in ("rank", "batch_size", "grad_accum", "prefetch", "resolution", "nan_patience", "sample_steps",
+        for key in ("rank", "batch_size", "grad_accum", "prefetch", "nan_patience", "sample_steps",
                     "max_sequence_length", "keep_last"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
@@ -185,10 +188,15 @@ class TrainConfig:
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \
                 or self.lr <= 0:
             raise bad("lr", "must be a finite positive number, e.g. 1e-4")
-        if self.resolution < 64:
+        if not isinstance(self.resolution, list) or not self.resolution \
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in self.resolution):
+            raise bad("resolution", "must be a whole number of pixels, or several, e.g. [512, 1024]")
+        if min(self.resolution) < 64:
             raise bad("resolution", "must be at least 64 (aspect-ratio buckets have sides in steps of 64)")
-        if self.resolution % 16:
+        if any(r % 16 for r in self.resolution):
             raise bad("resolution", "must be a multiple of 16 (FLUX packs 2x2 latent patches of an 8x VAE)")
+        if len(set(self.resolution)) != len(self.resolution):
+            raise bad("resolution", "names a size twice; list each once")
         if self.targets is not None and (not self.targets or not all(isinstance(t, str) and t for t in self.targets)):
             raise bad("targets", "must be a non-empty list of layer name patterns, e.g. [\"to_q\", \"to_k\"]")
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
@@ -216,6 +224,11 @@ class TrainConfig:
         adapter = ADAPTERS.get(family)
         targets = adapter.lora_targets if adapter is not None and adapter.lora_targets else DEFAULT_TARGETS
         return dataclasses.replace(self, targets=list(targets))
+
+    @property
+    def largest_resolution(self) -> int:
+        """The largest training side: what memory plans and sample images use."""
+        return max(self.resolution)
 
     @property
     def lora_alpha(self) -> float:
@@ -261,6 +274,13 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             if isinstance(value, str) and value.lower() in ("true", "false"):
                 return value.lower() == "true"
             raise ValueError
+        if "list[int]" in kind:
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()) for v in values):
+                raise ValueError
+            return [int(v) for v in values]
         if "list" in kind:
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]

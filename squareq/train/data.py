@@ -275,6 +275,14 @@ def make_buckets(resolution: int, step: int = 64, max_ratio: float = 2.0,
     return sorted(buckets)
 
 
+def entry_buckets(dataset: "Dataset", bucket_sets, no_upscale: bool = False) -> list[tuple[int, int]]:
+    """The bucket of every training entry: each of ``dataset.training_items`` once per resolution's buckets
+    (``bucket_sets``: one :func:`make_buckets` list per resolution), resolution by resolution. Entry ``i`` is
+    ``training_items[i % len(training_items)]``."""
+    items = dataset.training_items
+    return [bucket_for(it.width, it.height, buckets, no_upscale) for buckets in bucket_sets for it in items]
+
+
 def bucket_for(width: int, height: int, buckets, no_upscale: bool = False, step: int = 64) -> tuple[int, int]:
     """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width).
 
@@ -352,8 +360,10 @@ class BucketBatches:
         if batch_size < 1 or seed < 0:
             raise ValueError(f"batch_size must be at least 1 and seed at least 0, got {batch_size} and {seed}.")
         self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
-        # indices are into dataset.training_items: a repeated image is several entries, as in a kohya epoch
-        self.item_buckets = [bucket_for(it.width, it.height, buckets, no_upscale) for it in dataset.training_items]
+        # ``buckets``: one resolution's list, or one list per resolution (every image trained at each). Indices
+        # are the entries of :func:`entry_buckets`: a repeated image is several entries, as in a kohya epoch.
+        bucket_sets = buckets if buckets and isinstance(buckets[0], list) else [buckets]
+        self.item_buckets = entry_buckets(dataset, bucket_sets, no_upscale)
         groups: dict[tuple[int, int], list[int]] = {}
         for i, b in enumerate(self.item_buckets):
             groups.setdefault(b, []).append(i)

@@ -46,8 +46,8 @@ from .data import (
     TRIGGER_TOKEN,
     BucketBatches,
     DataError,
-    bucket_for,
     caption_for,
+    entry_buckets,
     load_image,
     make_buckets,
     scan_dataset,
@@ -158,9 +158,9 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if placeholders and not (cfg.trigger or "").strip():
         raise DataError(f"{len(placeholders)} captions in {dataset.root} use {TRIGGER_TOKEN} (e.g. the one of "
                         f"{placeholders[0].path.name}) but no trigger word is set; pass --trigger WORD.")
-    items = dataset.training_items  # what the batches index
-    buckets = make_buckets(cfg.resolution)
-    item_buckets = [bucket_for(item.width, item.height, buckets, cfg.no_upscale) for item in items]
+    buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
+    item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
+    items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
     captions = [caption_for(item.caption, cfg.trigger) for item in items]
     dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
@@ -219,7 +219,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     slab = open_slab(cfg.slab, verify="eager")
     cfg = cfg.with_family_defaults(slab.manifest.model.family)
     if cfg.vram_budget_bytes is not None and device.type == "cuda":
-        plan = runtime.plan(slab, resolution=cfg.resolution, batch=cfg.batch_size,
+        plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                             text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
                             lora_targets=cfg.targets)
         echo("expected device memory:\n" + str(plan))
@@ -465,7 +465,7 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     provenance = {"base_model_signature": model_record.signature, "family": family, "component": component,
                   "objective": objective}
     dirs, tags = dataset_summary(dataset.root, dataset.items)
-    images = len(dataset.training_items)
+    images = len(dataset.training_items) * len(cfg.resolution)
 
     def header(layout: str) -> dict[str, str]:
         return lora_header(cfg, family=family, layout=layout, base_model=model_record.source,
@@ -500,7 +500,7 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
             pipe = encoders.pipeline
             pipe.transformer = model
             for i, prompt in enumerate(cfg.sample_prompts):
-                image = draw_image(pipe, prompt, cfg.resolution, cfg.sample_steps, cfg.sample_guidance,
+                image = draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
                                    cfg.sample_seed, cfg.max_sequence_length, device)
                 png = io.BytesIO()
                 image.save(png, format="PNG")

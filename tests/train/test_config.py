@@ -48,6 +48,9 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ('title = "  "', "title"),
     ('caption_ext = "a/b"', "caption_ext"),
     ('no_upscale = "maybe"', "no_upscale"),
+    ("resolution = [512, 512]", "resolution"),
+    ("resolution = [512, 100]", "resolution"),
+    ('resolution = "big"', "resolution"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"
@@ -111,3 +114,12 @@ def test_lora_targets_default_to_the_familys():
     assert cfg.with_family_defaults("flux").targets == list(FLUX_LORA_TARGETS)
     assert cfg.with_family_defaults("wan").targets == list(DEFAULT_TARGETS)
     assert TrainConfig(targets=["to_q"]).with_family_defaults("flux").targets == ["to_q"]
+
+
+def test_resolution_is_one_size_or_several(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text("resolution = 768\n")
+    assert load_config(path).resolution == [768]
+    assert load_config(path, {"resolution": "512,768,1024"}).resolution == [512, 768, 1024]
+    cfg = TrainConfig(resolution=[512, 1024])
+    assert cfg.largest_resolution == 1024 and TrainConfig(resolution=640).resolution == [640]

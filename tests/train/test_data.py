@@ -391,3 +391,14 @@ def test_peek_shows_the_next_batch_across_epochs_without_advancing():
         assert batch == ahead
         seen.append(batch)
     assert seen == reference
+
+
+def test_several_resolutions_train_every_image_at_each():
+    """resolution = [64, 128]: each image is an entry at 64² and one at 128², in buckets of each size; one
+    resolution's bucket list works as before (negative control: one entry per image)."""
+    data = Dataset(Path("."), [Item(Path("a.png"), "a", 200, 200), Item(Path("b.png"), "b", 300, 150, repeats=2)])
+    both = BucketBatches(data, [make_buckets(64), make_buckets(128)], 1, 0)
+    assert len(both.item_buckets) == 2 * 3
+    assert {b[0] * b[1] <= 64 * 64 for b in both.item_buckets[:3]} == {True}
+    assert {64 * 64 < b[0] * b[1] <= 128 * 128 for b in both.item_buckets[3:]} == {True}
+    assert len(BucketBatches(data, make_buckets(64), 1, 0).item_buckets) == 3

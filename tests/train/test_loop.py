@@ -1,5 +1,6 @@
 """`squareq train`'s loop on tiny-flux: it learns, resumes bitwise after a kill, and stops on NaN."""
 import json
+import math
 
 import pytest
 import torch
@@ -654,3 +655,21 @@ def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence
     prepared = prepare_data(_config(workspace, tmp_path / "out", data=str(data), trigger="sks"), None,
                             torch.device("cpu"), encode=False)
     assert prepared.captions == ["a photo of sks"]
+
+
+def test_several_resolutions_give_every_image_an_entry_at_each(workspace, tmp_path):
+    from squareq.train.loop import prepare_data
+
+    one = prepare_data(_config(workspace, tmp_path / "a"), None, torch.device("cpu"), encode=False)
+    two = prepare_data(_config(workspace, tmp_path / "b", resolution=[64, 128]), None, torch.device("cpu"),
+                       encode=False)
+    assert len(two.captions) == 2 * len(one.captions) == 8 and two.captions == one.captions * 2
+    assert len(two.buckets) == 2 and max(two.buckets[1]) > max(two.buckets[0])
+    from safetensors import safe_open
+
+    result = train(_config(workspace, tmp_path / "c", resolution=[64, 128], steps=4, save_every=0, epochs=None),
+                   echo=lambda s: None)
+    assert result.steps == 4 and all(math.isfinite(x) for x in result.losses)
+    with safe_open(str(result.lora_file), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_resolution"] == "(64, 64), (128, 128)" and meta["ss_num_train_images"] == "8"
