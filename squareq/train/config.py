@@ -18,6 +18,8 @@ from typing import Any
 
 from ..runtime.lora import DEFAULT_TARGETS
 from ..sizes import SizeError, parse_size
+from .kohya_keys import KohyaKeyError
+from .kohya_keys import translate as translate_kohya_keys
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, TIMESTEP_MODES
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -333,6 +335,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path} is not valid TOML ({exc}); fix the file.") from None
         table = data.get("train", data)
+        try:
+            table = translate_kohya_keys(table, where, set(_FIELD_TYPES))
+        except KohyaKeyError as exc:
+            raise ConfigError(str(exc)) from None
         unknown = sorted(set(table) - set(_FIELD_TYPES))
         if unknown:
             raise ConfigError(f"{path}: unknown keys {unknown}; `squareq train --print-config` lists every key.")

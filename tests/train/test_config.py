@@ -123,3 +123,33 @@ def test_resolution_is_one_size_or_several(tmp_path):
     assert load_config(path, {"resolution": "512,768,1024"}).resolution == [512, 768, 1024]
     cfg = TrainConfig(resolution=[512, 1024])
     assert cfg.largest_resolution == 1024 and TrainConfig(resolution=640).resolution == [640]
+
+
+def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
+    """A kohya flux_train_network TOML: shared keys are read as SquareQ's, what SquareQ always does is dropped with a
+    warning, and each key SquareQ cannot honour is refused with its own sentence."""
+    path = tmp_path / "kohya.toml"
+    path.write_text('network_dim = 32\nnetwork_alpha = 16\nlearning_rate = 5e-4\nmax_train_steps = 300\n'
+                    'optimizer_type = "AdamW8bit"\nlr_scheduler = "constant_with_warmup"\nlr_warmup_steps = 10\n'
+                    'resolution = "768,768"\ncaption_extension = ".caption"\nbucket_no_upscale = true\n'
+                    'output_name = "my-lora"\nnetwork_module = "networks.lora_flux"\ngradient_checkpointing = true\n'
+                    'discrete_flow_shift = 3.1582\n')
+    with caplog.at_level("WARNING", logger="squareq.train"):
+        cfg = load_config(path)
+    assert (cfg.rank, cfg.lora_alpha, cfg.lr, cfg.steps, cfg.optimizer, cfg.schedule, cfg.warmup) == \
+        (32, 16.0, 5e-4, 300, "adamw8bit", "constant", 10)
+    assert (cfg.resolution, cfg.caption_ext, cfg.no_upscale, cfg.title, cfg.shift) == \
+        ([768], ".caption", True, "my-lora", 3.1582)
+    assert any("gradient_checkpointing" in r.getMessage() and "always checkpoints" in r.getMessage()
+               for r in caplog.records)
+    path.write_text('network_dim = 8\nshuffle_caption = true\npretrained_model_name_or_path = "flux1-dev.safetensors"\n'
+                    'optimizer_type = "Lion"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    for words in ("shuffle_caption: caption shuffling", "pretrained_model_name_or_path: the model is the slab",
+                  "optimizer_type = 'Lion'"):
+        assert words in message, (words, message)
+    path.write_text("network_dim = 8\nrank = 16\n")
+    with pytest.raises(ConfigError, match="network_dim and rank both set rank"):
+        load_config(path)

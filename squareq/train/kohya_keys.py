@@ -1,0 +1,154 @@
+"""kohya sd-scripts' training keys in a ``--config`` file: read as SquareQ's where they mean the same, and a sentence
+for each one that does not.
+
+A kohya user's ``flux_train_network.py`` TOML (``network_dim``, ``learning_rate``, ``train_data_dir``, ...) works as
+a SquareQ config for what both trainers share. Keys whose behaviour SquareQ always has (gradient checkpointing,
+cached latents, bf16) are dropped with a warning; keys naming something SquareQ does differently or not at all are
+refused, each with its own sentence, so nothing is silently ignored.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("squareq.train")
+
+
+class KohyaKeyError(ValueError):
+    """kohya keys that SquareQ cannot take; the message has one sentence per key."""
+
+
+def _resolution(value: Any) -> Any:
+    """kohya's square ``"1024,1024"`` (width, height) as one size; any other value as SquareQ reads it (a comma
+    list there means several sizes, each trained)."""
+    if isinstance(value, str) and "," in value:
+        parts = [p.strip() for p in value.split(",")]
+        if len(parts) == 2 and parts[0] == parts[1]:
+            return int(parts[0]) if parts[0].isdigit() else value
+    return value
+
+
+def _optimizer(value: Any) -> Any:
+    names = {"adamw": "adamw", "adamw8bit": "adamw8bit", "bitsandbytes.optim.adamw8bit": "adamw8bit"}
+    if isinstance(value, str) and value.lower() in names:
+        return names[value.lower()]
+    raise KohyaKeyError(f"optimizer_type = {value!r}: SquareQ trains with adamw or adamw8bit; set optimizer to one of "
+                        "them.")
+
+
+def _schedule(value: Any) -> Any:
+    if value in ("constant", "constant_with_warmup"):
+        return "constant"
+    if value == "cosine":
+        return "cosine"
+    raise KohyaKeyError(f"lr_scheduler = {value!r}: SquareQ's schedules are constant and cosine (both after "
+                        "--warmup); set schedule to one of them.")
+
+
+def _network_module(value: Any) -> Any:
+    if value != "networks.lora_flux":
+        raise KohyaKeyError(f"network_module = {value!r}: SquareQ trains a plain LoRA (networks.lora_flux); remove "
+                            "the key or set it to networks.lora_flux.")
+    return None
+
+
+# kohya key -> (SquareQ key, value conversion); None: same value
+RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
+    "network_dim": ("rank", None),
+    "network_alpha": ("alpha", None),
+    "learning_rate": ("lr", None),
+    "unet_lr": ("lr", None),
+    "max_train_steps": ("steps", None),
+    "max_train_epochs": ("epochs", None),
+    "train_batch_size": ("batch_size", None),
+    "gradient_accumulation_steps": ("grad_accum", None),
+    "lr_scheduler": ("schedule", _schedule),
+    "lr_warmup_steps": ("warmup", None),
+    "optimizer_type": ("optimizer", _optimizer),
+    "caption_extension": ("caption_ext", None),
+    "caption_dropout_rate": ("caption_dropout", None),
+    "bucket_no_upscale": ("no_upscale", None),
+    "save_every_n_steps": ("save_every", None),
+    "sample_every_n_steps": ("sample_every", None),
+    "output_name": ("title", None),
+    "metadata_title": ("title", None),
+    "discrete_flow_shift": ("shift", None),
+    "guidance_scale": ("guidance", None),
+    "t5xxl_max_token_length": ("max_sequence_length", None),
+    "train_data_dir": ("data", None),
+    "output_dir": ("output", None),
+    "network_module": (None, _network_module),
+}
+
+# what SquareQ always does: dropped with this sentence as a warning
+ALWAYS = {
+    "gradient_checkpointing": "SquareQ always checkpoints its streamed blocks",
+    "cache_latents": "SquareQ always caches latents (and text embeddings)",
+    "cache_latents_to_disk": "SquareQ's cache is always on disk",
+    "cache_text_encoder_outputs": "SquareQ always caches text embeddings",
+    "cache_text_encoder_outputs_to_disk": "SquareQ's cache is always on disk",
+    "mixed_precision": "SquareQ computes in bf16 autocast with fp32 LoRA weights",
+    "save_precision": "SquareQ saves LoRA factors in bf16",
+    "sdpa": "SquareQ uses PyTorch's scaled-dot-product attention",
+    "enable_bucket": "SquareQ always buckets by aspect ratio",
+    "persistent_data_loader_workers": "SquareQ reads the cache on its own thread",
+    "max_data_loader_n_workers": "SquareQ reads the cache on its own thread",
+    "save_model_as": "SquareQ writes safetensors",
+    "network_train_unet_only": "SquareQ trains the denoiser's LoRA only",
+    "fp8_base": "SquareQ's slab already holds the weights at 4-8 bits",
+    "highvram": "SquareQ streams blocks whatever the card",
+    "lowvram": "SquareQ streams blocks whatever the card",
+}
+
+# kohya keys SquareQ has no counterpart for: refused with this sentence
+UNSUPPORTED = {
+    "pretrained_model_name_or_path": "the model is the slab: give it as `squareq train SLAB` (compile it first with "
+                                     "`squareq compile`), and the encoders' folder as model",
+    "clip_l": "the text encoders come from the model folder; set model to the diffusers pipeline folder",
+    "t5xxl": "the text encoders come from the model folder; set model to the diffusers pipeline folder",
+    "ae": "the VAE comes from the model folder; set model to the diffusers pipeline folder",
+    "dataset_config": "SquareQ reads one data folder (kohya repeat folders, caption files or metadata.jsonl); set "
+                      "data to it",
+    "shuffle_caption": "caption shuffling is not in SquareQ yet (captions are encoded once, into the cache); remove "
+                       "the key",
+    "keep_tokens": "keep_tokens goes with caption shuffling, which SquareQ does not have yet; remove the key",
+    "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",
+    "network_dropout": "LoRA dropout is not in SquareQ yet; remove the key",
+    "model_prediction_type": "SquareQ trains FLUX.1 on the flow-matching velocity (kohya's raw); remove the key",
+    "weighting_scheme": "loss weighting schemes are not in SquareQ yet; remove the key",
+}
+
+
+def translate(table: dict[str, Any], where: str, known: set[str]) -> dict[str, Any]:
+    """``table`` with kohya's keys renamed to SquareQ's (``known``); the rest untouched. Raises
+    :class:`KohyaKeyError` naming ``where`` with one sentence per kohya key it cannot take."""
+    out: dict[str, Any] = {}
+    problems = []
+    for key, value in table.items():
+        if key == "resolution":
+            out[key] = _resolution(value)
+        elif key in known:
+            out[key] = value
+        elif key in RENAMED:
+            ours, convert = RENAMED[key]
+            try:
+                value = convert(value) if convert else value
+            except KohyaKeyError as exc:
+                problems.append(str(exc))
+                continue
+            if ours is None:
+                continue
+            if ours in table or ours in out:
+                problems.append(f"{key} and {ours} both set {ours}; keep one.")
+                continue
+            out[ours] = value
+        elif key in ALWAYS:
+            log.warning("%s: %s = %r ignored: %s.", where, key, value, ALWAYS[key])
+        elif key in UNSUPPORTED:
+            problems.append(f"{key}: {UNSUPPORTED[key]}.")
+        else:
+            out[key] = value  # the caller names unknown keys
+    if problems:
+        raise KohyaKeyError(f"{where}: " + " ".join(problems))
+    return out
