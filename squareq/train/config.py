@@ -22,7 +22,7 @@ from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, TIMESTEP_MODES
 
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "cosine")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("pinned", "shared", "disk")
@@ -40,7 +40,7 @@ HELP = {
                "family's; FLUX.1: every attention and MLP linear of both streams, as kohya's FLUX default; other "
                "families: to_q,to_k,to_v,to_out.0).",
     "lr": "Learning rate.",
-    "optimizer": "adamw, or adamw8bit (needs bitsandbytes).",
+    "optimizer": "adamw, adamw8bit (needs bitsandbytes), prodigy (needs prodigyopt; use lr 1.0) or adafactor.",
     "weight_decay": "AdamW weight decay.",
     "schedule": "Learning-rate schedule: constant or cosine (both after --warmup).",
     "warmup": "Steps of linear learning-rate warm-up.",

@@ -94,13 +94,34 @@ def _schedule(cfg: TrainConfig, total: int) -> Callable[[int], float]:
 
 
 def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer ``cfg.optimizer`` names, with the settings kohya and ai-toolkit use for FLUX LoRAs."""
+    def needs(package: str, pip: str):
+        raise TrainError(f"optimizer = {cfg.optimizer} needs {package}; install it (pip install {pip}) or use "
+                         "optimizer = adamw.") from None
+
     if cfg.optimizer == "adamw8bit":
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise TrainError("optimizer = adamw8bit needs bitsandbytes; install it (pip install bitsandbytes) or "
-                             "use optimizer = adamw.") from None
+            needs("bitsandbytes", "bitsandbytes")
         return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "prodigy":
+        try:
+            from prodigyopt import Prodigy
+        except ImportError:
+            needs("prodigyopt", "prodigyopt")
+        if cfg.lr < 0.1:
+            log.warning("optimizer = prodigy with lr = %g: Prodigy finds its own step size and lr multiplies it; its "
+                        "authors, kohya and ai-toolkit use lr = 1.0.", cfg.lr)
+        # safeguard_warmup and bias correction as the Prodigy README recommends for diffusion fine-tuning
+        return Prodigy(params, lr=cfg.lr, weight_decay=cfg.weight_decay, safeguard_warmup=True,
+                       use_bias_correction=True)
+    if cfg.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # a fixed learning rate (kohya's FLUX recipe: relative_step, scale_parameter and warmup_init off)
+        return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, relative_step=False, scale_parameter=False,
+                         warmup_init=False)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 

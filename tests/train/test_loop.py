@@ -673,3 +673,39 @@ def test_several_resolutions_give_every_image_an_entry_at_each(workspace, tmp_pa
     with safe_open(str(result.lora_file), "pt") as f:
         meta = f.metadata()
     assert meta["ss_resolution"] == "(64, 64), (128, 128)" and meta["ss_num_train_images"] == "8"
+
+
+def unbroken_and_resumed(ws, tmp_path, kill_after: int, **kw) -> tuple[dict, dict]:
+    """The LoRA factors of an unbroken run and of one killed after step ``kill_after`` and resumed from its last
+    checkpoint, with the same options."""
+    straight = train(_config(ws, tmp_path / "straight", **kw), echo=lambda s: None)
+
+    def kill(step):
+        if step == kill_after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(ws, tmp_path / "killed", **kw), echo=lambda s: None, after_step=kill)
+    resumed = train(_config(ws, tmp_path / "killed", resume="latest", **kw), echo=lambda s: None)
+    assert straight.steps == resumed.steps
+    return load_lora(straight.lora_file)[0], load_lora(resumed.lora_file)[0]
+
+
+@pytest.mark.parametrize("optimizer, lr", [("prodigy", 1.0), ("adafactor", 3e-3)])
+def test_prodigy_and_adafactor_train_and_resume_to_the_same_lora(workspace, tmp_path, optimizer, lr):
+    """Each optimizer moves the LoRA, and its state (Prodigy's d estimate, Adafactor's factored moments) survives a
+    checkpoint: a run killed after step 6 and resumed from step 4 ends bit for bit where an unbroken run does."""
+    a, b = unbroken_and_resumed(workspace, tmp_path, 6, optimizer=optimizer, lr=lr, steps=8, save_every=4)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    moved = [n for n in a if n.endswith("lora_B.weight") and a[n].abs().max() > 0]  # B starts at zero
+    assert moved, f"{optimizer} left every lora_B at zero"
+
+
+def test_prodigy_without_prodigyopt_is_one_sentence(workspace, tmp_path, monkeypatch):
+    import sys
+
+    from squareq.train.loop import TrainError
+
+    monkeypatch.setitem(sys.modules, "prodigyopt", None)  # as if not installed
+    with pytest.raises(TrainError, match=r"optimizer = prodigy needs prodigyopt; install it \(pip install prodigyopt\)"):
+        train(_config(workspace, tmp_path / "p", optimizer="prodigy", lr=1.0, steps=1), echo=lambda s: None)

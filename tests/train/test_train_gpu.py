@@ -3,10 +3,8 @@ import pytest
 import torch
 
 from squareq.train import encoders
-from squareq.train.lora_files import load_lora
-from squareq.train.loop import train
 
-from .test_loop import _config, workspace  # noqa: F401  (the module-scoped tiny slab + data fixture)
+from .test_loop import unbroken_and_resumed, workspace  # noqa: F401  (the module-scoped tiny slab + data fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,19 +37,8 @@ def test_streamed_t5_gives_the_cache_entries_of_the_whole_t5(monkeypatch):
 
 def test_adamw8bit_trains_and_resumes(workspace, tmp_path):  # noqa: F811
     pytest.importorskip("bitsandbytes")
-    kw = {"optimizer": "adamw8bit", "steps": 6, "save_every": 3, "lr": 1e-2}
-    whole = train(_config(workspace, tmp_path / "whole", **kw), echo=lambda s: None)
-    assert whole.steps == 6 and all(torch.isfinite(torch.tensor(whole.losses)))
-
-    def stop_at_3(step):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(_config(workspace, tmp_path / "cut", **kw), echo=lambda s: None, after_step=stop_at_3)
-    resumed = train(_config(workspace, tmp_path / "cut", resume="latest", **kw), echo=lambda s: None)
-    a, _ = load_lora(whole.lora_file)
-    b, _ = load_lora(resumed.lora_file)
+    a, b = unbroken_and_resumed(workspace, tmp_path, 3, optimizer="adamw8bit", steps=6, save_every=3, lr=1e-2)
+    assert all(torch.isfinite(t).all() for t in a.values())
     moved = 0
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
