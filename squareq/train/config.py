@@ -49,6 +49,8 @@ HELP = {
     "batch_size": "Images per step (per GPU).",
     "grad_accum": "Batches whose gradients are summed before each optimizer step.",
     "max_grad_norm": "Clip the LoRA gradient norm to this (0: no clipping).",
+    "ema_decay": "Keep an exponential moving average of the LoRA weights with this decay, e.g. 0.999, and write it as "
+                 "the final LoRA (0: off).",
     "resolution": "Training side in pixels; images go to aspect-ratio buckets of about resolution² pixels. Several, "
                   "comma-separated (512,768,1024), train every image at each.",
     "caption_dropout": "Probability of training a step with an empty caption (the trigger word is kept).",
@@ -114,6 +116,7 @@ class TrainConfig:
     batch_size: int = 1
     grad_accum: int = 1
     max_grad_norm: float = 1.0  # 0 turns clipping off
+    ema_decay: float = 0.0  # 0: no moving average
     # data
     resolution: list[int] = field(default_factory=lambda: [1024])  # several: every image at each
     caption_dropout: float = 0.0
@@ -185,6 +188,9 @@ class TrainConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
                     or value < low or (strict and value == low):
                 raise bad(key, f"must be a finite number {'above' if strict else 'of at least'} {low:g}")
+        if not isinstance(self.ema_decay, (int, float)) or isinstance(self.ema_decay, bool) \
+                or not 0.0 <= self.ema_decay < 1.0:
+            raise bad("ema_decay", "must be in [0, 1): 0 turns the average off, 0.999 is usual")
         if not 0.0 <= self.caption_dropout < 1.0:
             raise bad("caption_dropout", "must be in [0, 1)")
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \

@@ -55,6 +55,7 @@ from .data import (
 from .distributed import Ranks
 from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
+from .ema import LoraEma
 from .feed import CacheFeed
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header
@@ -280,6 +281,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     optimizer = _optimizer(cfg, params)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total))
     generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
+    ema = LoraEma(params, cfg.ema_decay) if cfg.ema_decay > 0 else None
 
     step, skipped_in_row, skipped = 0, 0, 0
     if cfg.resume:
@@ -298,6 +300,10 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                                  f"per rank), seed or number of ranks; resume with the settings it was made with, or "
                                  "start a new run in a new -o folder.") from None
             generator.set_state(ckpt.extra["generator"])
+            if ema is not None and not ema.load_state_dict(ckpt.extra, names):
+                log.warning("%s holds no moving average of the LoRA (it was trained without ema_decay); the average "
+                            "starts from its weights.", path)
+                ema = LoraEma(params, cfg.ema_decay)
             step, skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
             _apply_new_hyperparameters(cfg, optimizer, scheduler)
             changed = sorted(k for k, v in cfg.to_dict().items() if k != "resume" and ckpt.config.get(k, v) != v)
@@ -312,7 +318,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             path = save_checkpoint(out, step, lora, optimizer, names, scheduler,
                                    {"batches": data_state or batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
                                    extra={"generator": generator.get_state() if generator_state is None
-                                          else generator_state},
+                                          else generator_state, **(ema.state_dict(names) if ema else {})},
                                    lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha))
             prune_checkpoints(out, max(1, cfg.keep_last))
         ranks.barrier()
@@ -398,6 +404,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                                      f"{where}. Lower --lr, then --resume latest or start again.")
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+                if ema is not None:
+                    ema.update(params)
                 step += 1
                 losses.append(step_loss)
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
@@ -450,6 +458,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             board.close()
         runtime.runtime_of(model).close()
     files = lora_paths(cfg, out)
+    if ema is not None:
+        ema.copy_to(params)  # the final LoRA is the average (the checkpoints keep the trained weights)
     if ranks.is_main:
         files = _write_lora(cfg, out, runtime.lora_state_dict(model), slab.manifest.model, objective, dataset,
                             formats, step, started)

@@ -90,6 +90,8 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
     }
     if cfg.trigger:
         header["modelspec.trigger_phrase"] = cfg.trigger
+    if cfg.ema_decay:
+        header["ss_ema_decay"] = _number(cfg.ema_decay)  # the file holds the moving average
     return header
 
 

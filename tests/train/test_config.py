@@ -51,6 +51,7 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ("resolution = [512, 512]", "resolution"),
     ("resolution = [512, 100]", "resolution"),
     ('resolution = "big"', "resolution"),
+    ("ema_decay = 1.0", "ema_decay"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"

@@ -709,3 +709,32 @@ def test_prodigy_without_prodigyopt_is_one_sentence(workspace, tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "prodigyopt", None)  # as if not installed
     with pytest.raises(TrainError, match=r"optimizer = prodigy needs prodigyopt; install it \(pip install prodigyopt\)"):
         train(_config(workspace, tmp_path / "p", optimizer="prodigy", lr=1.0, steps=1), echo=lambda s: None)
+
+
+def test_ema_is_the_final_lora_and_resumes_exactly(workspace, tmp_path):
+    """ema_decay 0.5: the final LoRA is the moving average of the weights after each step (recomputed here from
+    every step's checkpoint and the initial weights), not the last weights; a killed run continues the same average."""
+    from safetensors import safe_open
+
+    from squareq.train.checkpoint import checkpoint_dir
+
+    kw = dict(steps=4, save_every=1, keep_last=10, ema_decay=0.5)
+    result = train(_config(workspace, tmp_path / "ema", **kw), echo=lambda s: None)
+    final, _ = load_lora(result.lora_file)
+    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    cfg = _config(workspace, tmp_path / "ema", **kw).with_family_defaults("flux")
+    runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
+    average = {n: p.detach().float().clone() for n, p in runtime.lora_state_dict(model).items()}
+    last = None
+    for step in range(1, 5):
+        last, _ = load_lora(checkpoint_dir(tmp_path / "ema", step) / "lora.safetensors")
+        for n in average:
+            average[n].lerp_(last[n].float(), 0.5)
+    assert final.keys() == average.keys()
+    for n in final:
+        torch.testing.assert_close(final[n].float(), average[n], rtol=1e-2, atol=1e-4)
+    assert max(float((final[n].float() - last[n].float()).abs().max()) for n in final) > 1e-3  # not the last weights
+    with safe_open(str(result.lora_file), "pt") as f:
+        assert f.metadata()["ss_ema_decay"] == "0.5"
+    a, b = unbroken_and_resumed(workspace, tmp_path / "resume", 3, steps=5, save_every=2, ema_decay=0.9)
+    assert all(torch.equal(a[n], b[n]) for n in a)
