@@ -19,7 +19,7 @@ import torch
 from .. import runtime
 from ..compiler.sources import Source
 from ..models import ADAPTERS
-from ..models.noising import calibration_times
+from ..models.noising import calibration_times, image_tokens
 from ..slab import Slab, open_slab
 from ..train.data import BucketBatches
 from ..train.family_encoders import training_objective
@@ -74,7 +74,7 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
             latents, text = feed.batch(indices, [False] * len(indices))
             noise = torch.randn(latents.shape, generator=generator).to(device)
             times = calibration_times(objective, timesteps, cfg.seed + step, mode=cfg.timestep_sampling,
-                                      shift=cfg.shift)
+                                      shift=cfg.shift, image_tokens=image_tokens(latents.shape[1:]))
             reference_sum = None
             for t in times:
                 t = t.expand(len(indices)).to(device)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .base import CalibrationBatch, ModelError
-from .noising import DEFAULT_GUIDANCE, DEFAULT_SHIFT, calibration_times, noised
+from .noising import DEFAULT_GUIDANCE, DEFAULT_SHIFT, calibration_times, image_tokens, noised
 from .recipe import TrainingRecipe, stack_captions
 
 HELDOUT_FRACTION = 0.25
@@ -74,7 +74,9 @@ def image_batch(recipe: TrainingRecipe, config, cset: CalibrationSet, samples: i
     held_images = heldout_groups(n, seed, heldout)
     held = sorted(heldout_groups(samples, seed, heldout)) if not held_images else \
         [i for i, j in enumerate(image_of) if j in held_images]
-    t = calibration_times(recipe.objective, samples, seed, timestep_sampling, shift, phase)
+    shape = cset.latents[0]["latents"].shape
+    t = calibration_times(recipe.objective, samples, seed, timestep_sampling, shift, phase,
+                          image_tokens=image_tokens(shape))
     x0 = torch.stack([cset.latents[j]["latents"] for j in image_of]).float()
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
     x_t, _ = noised(recipe.objective, x0, noise, t)

@@ -21,7 +21,28 @@ DEFAULT_SHIFT = 3.0
 # the trainer should expose it as an option.
 DEFAULT_GUIDANCE = 1.0
 
-TIMESTEP_MODES = ("uniform", "logit_normal", "shift")
+TIMESTEP_MODES = ("uniform", "logit_normal", "shift", "flux_shift")
+
+# FLUX.1's resolution-dependent shift (its FlowMatchEulerDiscreteScheduler config and diffusers' calculate_shift):
+# mu grows linearly from 0.5 at 256 image tokens to 1.15 at 4096, and the shift is e^mu
+FLUX_SHIFT_TOKENS = (256, 4096)
+FLUX_SHIFT_MU = (0.5, 1.15)
+
+
+def flux_shift(image_tokens: int) -> float:
+    """The time shift e^mu FLUX.1 uses for an image of ``image_tokens`` packed latent tokens ((h/2)·(w/2))."""
+    (n0, n1), (m0, m1) = FLUX_SHIFT_TOKENS, FLUX_SHIFT_MU
+    return math.exp(m0 + (m1 - m0) * (image_tokens - n0) / (n1 - n0))
+
+
+def image_tokens(latent_shape) -> int:
+    """Packed image tokens of one latent ``[C, h, w]`` (or ``[C, f, h, w]``): 2x2 patches of its last two axes,
+    FLUX's packing and the patch size of the flow transformers SquareQ trains."""
+    return int(latent_shape[-1]) // 2 * (int(latent_shape[-2]) // 2)
+
+
+def _shifted(t: torch.Tensor, shift: float) -> torch.Tensor:
+    return shift * t / (1 + (shift - 1) * t)
 
 # Samples are kept this far inside (0, 1): torch.rand can return exactly 0 and a sigmoid can
 # round to exactly 1 in float32, and the contract is an open interval.
@@ -35,6 +56,7 @@ def sample_timesteps(
     shift: float = DEFAULT_SHIFT,
     logit_mean: float = 0.0,
     logit_std: float = 1.0,
+    image_tokens: int | None = None,
 ) -> torch.Tensor:
     """Draw ``batch`` float32 times in (0, 1) on the generator's device (CPU when ``generator`` is None).
 
@@ -46,6 +68,9 @@ def sample_timesteps(
         t = shift*u / (1 + (shift - 1)*u), the map ``FlowMatchEulerDiscreteScheduler`` applies to its
         sigmas. shift > 1 moves mass toward t = 1 (more noise), which suits high-resolution latents;
         shift = 1 is uniform.
+      * ``"flux_shift"``: kohya sd-scripts' ``--timestep_sampling flux_shift``: t = sigmoid(N(0, 1)), then the
+        same map with FLUX.1's resolution-dependent shift e^mu for ``image_tokens`` (:func:`flux_shift`: 1.65 at
+        256 tokens, 512² images; 3.16 at 4096 tokens, 1024²).
     """
     device = generator.device if generator is not None else torch.device("cpu")
     if mode == "uniform":
@@ -57,7 +82,11 @@ def sample_timesteps(
         if shift <= 0:
             raise ValueError(f"shift must be positive, got {shift}.")
         u = torch.rand(batch, generator=generator, device=device)
-        t = shift * u / (1 + (shift - 1) * u)
+        t = _shifted(u, shift)
+    elif mode == "flux_shift":
+        if image_tokens is None:
+            raise ValueError("flux_shift needs the image's token count.")
+        t = _shifted(torch.sigmoid(torch.randn(batch, generator=generator, device=device)), flux_shift(image_tokens))
     else:
         raise ValueError(f"unknown timestep mode {mode!r}; choose one of {', '.join(TIMESTEP_MODES)}.")
     return t.clamp(_T_EPS, 1 - _T_EPS)
@@ -137,19 +166,20 @@ def noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tenso
 
 
 def draw_times(objective: str, batch: int, generator: torch.Generator, mode: str = "shift",
-               shift: float = DEFAULT_SHIFT) -> torch.Tensor:
+               shift: float = DEFAULT_SHIFT, image_tokens: int | None = None) -> torch.Tensor:
     """One time per sample for ``objective``: a float in (0, 1) by :func:`sample_timesteps` for flow matching, a
     uniform integer step in [0, 1000) for DDPM (as kohya sd-scripts and diffusers' SD scripts draw them), a
-    uniform ratio in (0, 1) for Würstchen (as its training examples draw it)."""
+    uniform ratio in (0, 1) for Würstchen (as its training examples draw it). ``image_tokens``: the batch's packed
+    latent tokens, for ``flux_shift``."""
     if objective == "flow":
-        return sample_timesteps(batch, generator, mode=mode, shift=shift)
+        return sample_timesteps(batch, generator, mode=mode, shift=shift, image_tokens=image_tokens)
     if objective == "cosine_epsilon":
         return sample_timesteps(batch, generator, mode="uniform")
     return torch.randint(0, DDPM_STEPS, (batch,), generator=generator, device=generator.device)
 
 
 def calibration_times(objective: str, n: int, seed: int, mode: str = "shift", shift: float = DEFAULT_SHIFT,
-                      phase: float = 0.5) -> torch.Tensor:
+                      phase: float = 0.5, image_tokens: int | None = None) -> torch.Tensor:
     """``n`` times spread over the training distribution of ``objective``: the quantiles (i + phase)/n of what
     :func:`draw_times` draws (the shifted flow time, a DDPM step, a cosine ratio), in an order shuffled by ``seed``.
 
@@ -165,7 +195,11 @@ def calibration_times(objective: str, n: int, seed: int, mode: str = "shift", sh
         elif mode == "logit_normal":
             t = torch.sigmoid(math.sqrt(2.0) * torch.erfinv(2 * u - 1))
         elif mode == "shift":
-            t = shift * u / (1 + (shift - 1) * u)
+            t = _shifted(u, shift)
+        elif mode == "flux_shift":
+            if image_tokens is None:
+                raise ValueError("flux_shift needs the image's token count.")
+            t = _shifted(torch.sigmoid(math.sqrt(2.0) * torch.erfinv(2 * u - 1)), flux_shift(image_tokens))
         else:
             raise ValueError(f"unknown timestep mode {mode!r}; choose one of {', '.join(TIMESTEP_MODES)}.")
         return t.float().clamp(_T_EPS, 1 - _T_EPS)

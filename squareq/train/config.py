@@ -20,7 +20,7 @@ from ..runtime.lora import DEFAULT_TARGETS
 from ..sizes import SizeError, parse_size
 from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
-from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, TIMESTEP_MODES
+from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, LOSS_WEIGHTINGS, TIMESTEP_MODES
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "cosine")
@@ -59,7 +59,10 @@ HELP = {
     "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
                   "of enlarging it, like kohya's --bucket_no_upscale.",
     "seed": "Seed for LoRA init, batch order, noise and timesteps.",
-    "timestep_sampling": "shift, logit_normal or uniform.",
+    "timestep_sampling": "shift, logit_normal, uniform, or flux_shift (FLUX.1's resolution-dependent shift of a "
+                         "logit-normal draw, kohya's flux_shift).",
+    "loss_weighting": "Per-sample loss weights of flow matching: none, sigma_sqrt or cosmap (diffusers' SD3/FLUX "
+                      "schemes).",
     "shift": "Time shift for timestep_sampling = shift.",
     "guidance": "Embedded guidance value given to guidance-distilled models during training.",
     "max_sequence_length": "Text-encoder tokens per caption (T5, UMT5, Mistral, Qwen, LLaMA); SD 1.5/SDXL's CLIP always takes 77.",
@@ -126,6 +129,7 @@ class TrainConfig:
     seed: int = 42
     # objective
     timestep_sampling: str = "shift"
+    loss_weighting: str = "none"
     shift: float = DEFAULT_SHIFT
     guidance: float = DEFAULT_GUIDANCE
     max_sequence_length: int = 512  # text-encoder tokens per caption (FLUX.1-dev's T5 maximum)
@@ -163,6 +167,7 @@ class TrainConfig:
             return error
 
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
+                             ("loss_weighting", LOSS_WEIGHTINGS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")

@@ -46,6 +46,13 @@ def _schedule(value: Any) -> Any:
                         "--warmup); set schedule to one of them.")
 
 
+def _weighting(value: Any) -> Any:
+    if value in ("none", "sigma_sqrt", "cosmap"):
+        return value
+    raise KohyaKeyError(f"weighting_scheme = {value!r}: SquareQ's loss weightings are none, sigma_sqrt and cosmap (its "
+                        "timesteps are drawn by timestep_sampling instead); set loss_weighting to one of them.")
+
+
 def _network_module(value: Any) -> Any:
     if value != "networks.lora_flux":
         raise KohyaKeyError(f"network_module = {value!r}: SquareQ trains a plain LoRA (networks.lora_flux); remove "
@@ -79,6 +86,7 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "train_data_dir": ("data", None),
     "output_dir": ("output", None),
     "network_module": (None, _network_module),
+    "weighting_scheme": ("loss_weighting", _weighting),
 }
 
 # what SquareQ always does: dropped with this sentence as a warning
@@ -116,7 +124,6 @@ UNSUPPORTED = {
     "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",
     "network_dropout": "LoRA dropout is not in SquareQ yet; remove the key",
     "model_prediction_type": "SquareQ trains FLUX.1 on the flow-matching velocity (kohya's raw); remove the key",
-    "weighting_scheme": "loss weighting schemes are not in SquareQ yet; remove the key",
 }
 
 
@@ -128,6 +135,8 @@ def translate(table: dict[str, Any], where: str, known: set[str]) -> dict[str, A
     for key, value in table.items():
         if key == "resolution":
             out[key] = _resolution(value)
+        elif key == "timestep_sampling" and value == "sigmoid":
+            out[key] = "logit_normal"  # kohya's sigmoid(N(0, 1)) is the logit-normal density
         elif key in known:
             out[key] = value
         elif key in RENAMED:

@@ -59,7 +59,7 @@ from .ema import LoraEma
 from .feed import CacheFeed
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header
-from .objective import denoising_loss, draw_times
+from .objective import denoising_loss, draw_times, image_tokens
 from .sample import FORWARD_SLOTS, draw_image
 
 METRICS_FILE = "metrics.jsonl"
@@ -256,6 +256,10 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                          "yet; set sample_every = 0 (--sample-every 0).")
     recipe = ADAPTERS[family].recipe
     objective = training_objective(cfg.model or slab.manifest.model.source, family)
+    if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
+        raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} are "
+                         f"for flow-matching models; this {family} model trains with the {objective} objective, so "
+                         "leave them at none and shift.")
     data = prepare_data(cfg, slab.manifest.model, device, echo, encode=ranks.is_main)
     echo(f"training a {family} LoRA with the {objective} objective")
     dataset, buckets, cache, plain, dropped = data.dataset, data.buckets, data.cache, data.captions, data.dropped
@@ -354,13 +358,16 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
                              for _ in indices]
                     mine = ranks.share(len(indices))
-                    noise = torch.randn((len(indices), *feed.latent_shape(indices[mine][0])), generator=generator)
-                    t = draw_times(objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift)
+                    shape = feed.latent_shape(indices[mine][0])
+                    noise = torch.randn((len(indices), *shape), generator=generator)
+                    t = draw_times(objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift,
+                                   image_tokens=image_tokens(shape))
                     indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
                     latents, text = feed.batch(indices, drops)
                     upcoming = batches.peek()
                     feed.prefetch(upcoming[ranks.share(len(upcoming))])  # read while this micro-batch computes
-                    loss = denoising_loss(model, recipe, objective, latents, noise, t, text, cfg.guidance) / cfg.grad_accum
+                    loss = denoising_loss(model, recipe, objective, latents, noise, t, text, cfg.guidance,
+                                          cfg.loss_weighting) / cfg.grad_accum
                     loss.backward()
                     step_loss += float(loss.detach())
                 ranks.average_grads(params)

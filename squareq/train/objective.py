@@ -37,6 +37,8 @@ from ..models.noising import (  # noqa: F401 (re-exported: the trainer's schedul
     ddpm_alphas_cumprod,
     draw_times,
     flow_match,
+    flux_shift,
+    image_tokens,
     noised,
     sample_timesteps,
 )
@@ -61,12 +63,29 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
     return (w * per_sample).mean()
 
 
+LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+
+
+def loss_weights(scheme: str, t: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample weights of a flow-matching loss at times (sigmas) ``t``: diffusers' SD3/FLUX scripts' schemes
+    (``training_utils.compute_loss_weighting_for_sd3``: ``sigma_sqrt`` 1/σ², ``cosmap`` 2 / (π (1 − 2σ + 2σ²))),
+    or None for ``none`` (a plain mean)."""
+    if scheme == "none":
+        return None
+    if scheme not in LOSS_WEIGHTINGS:
+        raise ValueError(f"unknown loss weighting {scheme!r}; choose one of {', '.join(LOSS_WEIGHTINGS)}.")
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    return compute_loss_weighting_for_sd3(scheme, sigmas=t.float())
+
+
 def denoising_loss(model, recipe, objective: str, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-                   text: dict, guidance: float) -> torch.Tensor:
+                   text: dict, guidance: float, weighting: str = "none") -> torch.Tensor:
     """The family's training loss of ``model`` on one batch: ``latents`` noised to x_t at times ``t``, the denoiser's
-    prediction (bf16 autocast, as the trainer runs it) against the objective's target, mean squared error."""
+    prediction (bf16 autocast, as the trainer runs it) against the objective's target, mean squared error, each
+    sample weighted by :func:`loss_weights` (flow matching only)."""
     x_t, target = noised(objective, latents, noise, t)
     with torch.autocast(latents.device.type, dtype=torch.bfloat16):
         output = model(**recipe.forward(model.config, x_t, t, text, guidance))
         pred = recipe.prediction(output, x_t)
-    return flow_loss(pred, target)
+    return flow_loss(pred, target, loss_weights(weighting, t) if objective == "flow" else None)

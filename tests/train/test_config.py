@@ -52,6 +52,8 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ("resolution = [512, 100]", "resolution"),
     ('resolution = "big"', "resolution"),
     ("ema_decay = 1.0", "ema_decay"),
+    ('loss_weighting = "snr"', "loss_weighting"),
+    ('timestep_sampling = "sigma"', "timestep_sampling"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"
@@ -134,13 +136,14 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
                     'optimizer_type = "AdamW8bit"\nlr_scheduler = "constant_with_warmup"\nlr_warmup_steps = 10\n'
                     'resolution = "768,768"\ncaption_extension = ".caption"\nbucket_no_upscale = true\n'
                     'output_name = "my-lora"\nnetwork_module = "networks.lora_flux"\ngradient_checkpointing = true\n'
-                    'discrete_flow_shift = 3.1582\n')
+                    'discrete_flow_shift = 3.1582\nweighting_scheme = "cosmap"\ntimestep_sampling = "sigmoid"\n')
     with caplog.at_level("WARNING", logger="squareq.train"):
         cfg = load_config(path)
     assert (cfg.rank, cfg.lora_alpha, cfg.lr, cfg.steps, cfg.optimizer, cfg.schedule, cfg.warmup) == \
         (32, 16.0, 5e-4, 300, "adamw8bit", "constant", 10)
     assert (cfg.resolution, cfg.caption_ext, cfg.no_upscale, cfg.title, cfg.shift) == \
         ([768], ".caption", True, "my-lora", 3.1582)
+    assert (cfg.loss_weighting, cfg.timestep_sampling) == ("cosmap", "logit_normal")
     assert any("gradient_checkpointing" in r.getMessage() and "always checkpoints" in r.getMessage()
                for r in caplog.records)
     path.write_text('network_dim = 8\nshuffle_caption = true\npretrained_model_name_or_path = "flux1-dev.safetensors"\n'

@@ -738,3 +738,21 @@ def test_ema_is_the_final_lora_and_resumes_exactly(workspace, tmp_path):
         assert f.metadata()["ss_ema_decay"] == "0.5"
     a, b = unbroken_and_resumed(workspace, tmp_path / "resume", 3, steps=5, save_every=2, ema_decay=0.9)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_flux_shift_and_a_loss_weighting_train(workspace, tmp_path):
+    result = train(_config(workspace, tmp_path / "w", steps=3, save_every=0, timestep_sampling="flux_shift",
+                           loss_weighting="cosmap"), echo=lambda s: None)
+    assert result.steps == 3 and all(math.isfinite(x) for x in result.losses)
+
+
+def test_flow_options_are_refused_for_a_ddpm_model_before_encoding(tmp_path):
+    from squareq.train.loop import TrainError
+
+    model, adapter = load_builtin("tiny-sd15")
+    write_slab(model, adapter.blocks(model), {}, tmp_path / "sd.slab",
+               WriteOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source="tiny-sd15"))
+    cfg = load_config(None, {"slab": str(tmp_path / "sd.slab"), "data": str(tmp_path / "nodata"),
+                             "output": str(tmp_path / "out"), "resolution": 64, "loss_weighting": "cosmap"})
+    with pytest.raises(TrainError, match="for flow-matching models; this sd-unet model trains with the epsilon"):
+        train(cfg, echo=lambda s: None)

@@ -104,3 +104,38 @@ def test_flow_loss_known_values():
     assert flow_loss(pred, target, torch.tensor([2.0, 0.0])).item() == pytest.approx(2.5)
     bf = flow_loss(pred.bfloat16(), target.bfloat16())
     assert bf.dtype == torch.float32 and bf.ndim == 0 and bf.item() == pytest.approx(2.25)
+
+
+def test_flux_shift_follows_the_image_size():
+    """FLUX.1's resolution-dependent shift: e^0.5 at 256 tokens (512²), e^1.15 at 4096 (1024²); a larger image
+    draws noisier times; the quantile draw puts its median at the shifted 0.5; no token count, no draw."""
+    import math
+
+    from squareq.models.noising import calibration_times, flux_shift, sample_timesteps
+
+    assert flux_shift(256) == pytest.approx(math.exp(0.5)) and flux_shift(4096) == pytest.approx(math.exp(1.15))
+    small = sample_timesteps(4000, torch.Generator().manual_seed(0), mode="flux_shift", image_tokens=256)
+    large = sample_timesteps(4000, torch.Generator().manual_seed(0), mode="flux_shift", image_tokens=4096)
+    assert float(large.median()) > float(small.median()) + 0.1
+    s = flux_shift(1024)
+    median = float(calibration_times("flow", 101, 0, mode="flux_shift", image_tokens=1024).median())
+    assert median == pytest.approx(s / (1 + s), abs=1e-4)
+    with pytest.raises(ValueError, match="token count"):
+        sample_timesteps(2, None, mode="flux_shift")
+
+
+def test_loss_weighting_schemes_are_diffusers():
+    import math
+
+    from squareq.train.objective import flow_loss, loss_weights
+
+    t = torch.tensor([0.1, 0.5, 0.9])
+    assert loss_weights("none", t) is None
+    torch.testing.assert_close(loss_weights("sigma_sqrt", t), t ** -2)
+    torch.testing.assert_close(loss_weights("cosmap", t), 2 / (math.pi * (1 - 2 * t + 2 * t ** 2)))
+    pred, target = torch.zeros(3, 4), torch.tensor([[1.0] * 4, [2.0] * 4, [3.0] * 4])
+    weighted = flow_loss(pred, target, loss_weights("sigma_sqrt", t))
+    assert float(weighted) == pytest.approx(float(((t ** -2) * torch.tensor([1.0, 4.0, 9.0])).mean()))
+    assert float(weighted) != pytest.approx(float(flow_loss(pred, target)))
+    with pytest.raises(ValueError, match="unknown loss weighting"):
+        loss_weights("snr", t)
