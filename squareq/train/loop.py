@@ -83,15 +83,13 @@ def _device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _schedule(cfg: TrainConfig, total: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if cfg.warmup and step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        if cfg.schedule == "cosine":
-            progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-    return factor
+def lr_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total: int):
+    """diffusers' ``get_scheduler`` (its training scripts' and kohya's schedules): constant, constant after a linear
+    warm-up from 0, or a half cosine to 0 after the warm-up, over ``total`` steps."""
+    from diffusers.optimization import get_scheduler
+
+    name = "cosine" if cfg.schedule == "cosine" else "constant_with_warmup" if cfg.warmup else "constant"
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup, num_training_steps=total)
 
 
 def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -283,7 +281,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                             no_upscale=cfg.no_upscale)
     total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(batches) / cfg.grad_accum))
     optimizer = _optimizer(cfg, params)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg, total))
+    scheduler = lr_scheduler(cfg, optimizer, total)
     generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
     ema = LoraEma(params, cfg.ema_decay) if cfg.ema_decay > 0 else None
 

@@ -756,3 +756,23 @@ def test_flow_options_are_refused_for_a_ddpm_model_before_encoding(tmp_path):
                              "output": str(tmp_path / "out"), "resolution": 64, "loss_weighting": "cosmap"})
     with pytest.raises(TrainError, match="for flow-matching models; this sd-unet model trains with the epsilon"):
         train(cfg, echo=lambda s: None)
+
+
+@pytest.mark.parametrize("schedule, warmup, expected", [
+    ("constant", 0, [1.0] * 6),
+    ("constant", 4, [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]),  # diffusers' warm-up starts at 0
+    ("cosine", 2, [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]),  # half cosine after
+])
+def test_learning_rate_schedules_are_diffusers(tmp_path, schedule, warmup, expected):
+    from squareq.train.loop import lr_scheduler
+
+    cfg = load_config(None, {"slab": "s", "data": "d", "output": str(tmp_path), "schedule": schedule,
+                             "warmup": warmup, "lr": 1.0})
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = lr_scheduler(cfg, opt, 6)
+    got = []
+    for _ in range(6):
+        got.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert got == pytest.approx(expected)
