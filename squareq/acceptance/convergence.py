@@ -36,7 +36,7 @@ from ..train.config import TrainConfig, load_config
 from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
 from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
-from .plot import plot_curves
+from ..plot import plot_curves
 
 NAME = "convergence"
 

@@ -30,6 +30,7 @@ import torch
 
 from .. import runtime
 from ..models import ADAPTERS
+from ..plot import plot_curves
 from ..runtime.host_memory import HostMemoryError
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence
@@ -323,6 +324,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                                           else generator_state, **(ema.state_dict(names) if ema else {})},
                                    lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha))
             prune_checkpoints(out, max(1, cfg.keep_last))
+            metrics.flush()
+            plot_losses(out)
         ranks.barrier()
         return path
 
@@ -338,6 +341,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
 
         bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, desc="train")
         echo = _above_bar(bar, echo)
+    if cfg.sample_every and step == 0 and ranks.is_main:
+        _save_samples(cfg, model, slab, out / "samples", 0, device)  # the base model's pictures, to compare against
     try:
         try:
             while step < total:
@@ -535,17 +540,50 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
                 open_encoders(cfg.model or slab.manifest.model.source, device, "flux") as encoders:
             pipe = encoders.pipeline
             pipe.transformer = model
+            images = []
             for i, prompt in enumerate(cfg.sample_prompts):
-                image = draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
-                                   cfg.sample_seed, cfg.max_sequence_length, device)
-                png = io.BytesIO()
-                image.save(png, format="PNG")
-                atomic_write_bytes(folder / f"step-{step:08d}-{i}.png", png.getbuffer())
+                images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
+                                         cfg.sample_seed, cfg.max_sequence_length, device))
+                _write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
+            _write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
             pipe.transformer = None
     finally:
         if streamer is not None:  # also the slots an add_slots that ran out of memory did add
             streamer.remove_slots(len(streamer.slots) - before)
     model.train()
+
+
+def _write_png(image, path: Path) -> None:
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    atomic_write_bytes(path, png.getbuffer())
+
+
+def _side_by_side(images):
+    """One image of ``images`` in a row (a sample step's grid: one column per prompt)."""
+    from PIL import Image
+
+    grid = Image.new("RGB", (sum(im.width for im in images), max(im.height for im in images)), "white")
+    x = 0
+    for im in images:
+        grid.paste(im, (x, 0))
+        x += im.width
+    return grid
+
+
+def plot_losses(out: Path) -> Path | None:
+    """``out/loss.png``: every step's loss in ``out/metrics.jsonl`` (resumed runs included) and its trailing mean
+    over a tenth of the steps; None before the first step."""
+    metrics = out / METRICS_FILE
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    losses = [float(r["loss"]) for r in sorted(rows, key=lambda r: r["step"]) if "loss" in r]
+    if not losses:
+        return None
+    window = max(1, len(losses) // 10)
+    mean = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+            for i in range(len(losses))]
+    return plot_curves(out / "loss.png", f"training loss by step ({out.name})",
+                       {"loss": (losses, (170, 170, 170), 1), f"mean of {window}": (mean, (30, 90, 200), 2)})
 
 
 def _apply_new_hyperparameters(cfg: TrainConfig, optimizer, scheduler) -> None:

@@ -228,9 +228,16 @@ def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
 def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path):
     plain = train(_config(workspace, tmp_path / "plain", steps=4), echo=lambda s: None)
     sampled = train(_config(workspace, tmp_path / "sampled", steps=4, sample_every=2,
-                            sample_prompts=["a red square"], sample_steps=2), echo=lambda s: None)
+                            sample_prompts=["a red square", "a blue square"], sample_steps=2), echo=lambda s: None)
+    # the base model's samples before the first step, then every 2 steps; each step's prompts side by side in a grid
     assert sorted(p.name for p in (tmp_path / "sampled" / "samples").iterdir()) == [
-        "step-00000002-0.png", "step-00000004-0.png"]
+        f"step-0000000{k}-{i}.png" for k in (0, 2, 4) for i in ("0", "1", "grid")]
+    from PIL import Image
+
+    with Image.open(tmp_path / "sampled" / "samples" / "step-00000002-grid.png") as grid, \
+            Image.open(tmp_path / "sampled" / "samples" / "step-00000002-0.png") as one:
+        assert grid.size == (2 * one.width, one.height)
+        assert grid.crop((0, 0, one.width, one.height)).tobytes() == one.tobytes()
     a, _ = load_lora(plain.lora_file)
     b, _ = load_lora(sampled.lora_file)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -776,3 +783,21 @@ def test_learning_rate_schedules_are_diffusers(tmp_path, schedule, warmup, expec
         opt.step()
         sched.step()
     assert got == pytest.approx(expected)
+
+
+def test_the_loss_curve_covers_every_step_of_a_resumed_run(workspace, tmp_path):
+    """OUT/loss.png is drawn at each checkpoint from metrics.jsonl, so after a killed and resumed run it holds all
+    the steps; with no step yet there is nothing to draw."""
+    from PIL import Image
+
+    from squareq.train.loop import plot_losses
+
+    assert plot_losses(tmp_path) is None
+    unbroken_and_resumed(workspace, tmp_path, 6, steps=8, save_every=4)
+    png = tmp_path / "killed" / "loss.png"
+    with Image.open(png) as image:
+        assert image.size == (720, 420)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    (tmp_path / "killed" / "loss.png").unlink()
+    assert plot_losses(tmp_path / "killed") == png and png.stat().st_size > 0

@@ -1,4 +1,4 @@
-"""A small line plot as PNG (PIL only): the convergence gate's loss curves."""
+"""A small line plot as PNG (PIL only): the convergence gate's loss curves and the trainer's loss curve."""
 from __future__ import annotations
 
 import io
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from ..slab.atomic import atomic_write_bytes
+from .slab.atomic import atomic_write_bytes
 
 WIDTH, HEIGHT, MARGIN = 720, 420, 56
 
