@@ -337,17 +337,18 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
 @click.option("--cache-dir", type=click.Path(path_type=Path), required=True, help="Where the cache goes.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
 @click.option("--model", help="Pipeline folder with the VAE and text encoders (default: the slab's source).")
-@click.option("--resolution", type=int, help=HELP["resolution"])
+@click.option("--resolution", help=HELP["resolution"])
 @click.option("--trigger", help=HELP["trigger"])
+@click.option("--caption-ext", help=HELP["caption_ext"])
 @click.option("--max-sequence-length", type=int, help=HELP["max_sequence_length"])
-def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, max_sequence_length) -> None:
+def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, caption_ext, max_sequence_length) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
     import torch
 
     from .train.loop import prepare_data
 
     cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), "model": model,
-                                    "resolution": resolution, "trigger": trigger,
+                                    "resolution": resolution, "trigger": trigger, "caption_ext": caption_ext,
                                     "max_sequence_length": max_sequence_length})
     with open_slab(slab, verify="off") as s:
         record = s.manifest.model

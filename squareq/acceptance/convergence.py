@@ -64,7 +64,7 @@ ALPHA = 0.05  # the tests' significance level
 
 def training_config(s: ConvergenceSettings, slab_path: Path, model: str, out: Path, cache: Path, steps: int):
     """The trainer configuration of one run: flags (non-None settings) > base TOML > gate defaults > trainer's."""
-    trainer_defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    trainer_defaults = TrainConfig().to_dict()  # default_factory fields (resolution, ...) included
     base = load_config(s.base) if s.base else None
     values = {k: v for k, v in GATE_DEFAULTS.items() if base is None or getattr(base, k) == trainer_defaults[k]}
     values.update({k: getattr(s, k) for k in GATE_DEFAULTS if getattr(s, k) is not None})

@@ -541,6 +541,16 @@ def _step_dirs(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_config(path: str | os.PathLike) -> dict:
+    """The training configuration a checkpoint recorded ({} when it cannot be read: loading it says why)."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
+        config = _decode(state["config"], {}, str(path))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError, _Damaged):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step under ``out_dir``, or None."""
     found = _step_dirs(out_dir)

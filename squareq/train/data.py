@@ -103,6 +103,7 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset
         else:
             data.items.append(Item(image, caption, *problem, repeats=repeats))
     data.items.sort(key=lambda it: _rel(it.path, root))
+    _report_repeat_folders(data)
     for s in data.skipped:
         log.warning("skipped: %s", s.reason)
     if data.skipped:
@@ -114,6 +115,23 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset
         raise DataError(f"No training images in {root}: {found}; {_HOW}.")
     log.info("%d training images in %s", len(data.items), root)
     return data
+
+
+def _report_repeat_folders(data: Dataset) -> None:
+    """One line per kohya repeat folder: how many images and how often; a warning when the count looks like a
+    name (``2024_trip/`` would train each image 2024 times an epoch)."""
+    folders: dict[str, list[Item]] = {}
+    for item in data.items:
+        if item.repeats > 1 or repeat_folder(item.path.relative_to(data.root)):
+            folders.setdefault(item.path.relative_to(data.root).parts[0], []).append(item)
+    for name, items in sorted(folders.items()):
+        repeats = items[0].repeats
+        line = f"{name}/: {len(items)} images, each {repeats} times an epoch (a kohya repeat folder)"
+        if repeats > 100:
+            log.warning("%s; if %d is not a repeat count, rename the folder so it does not start with digits and _.",
+                        line, repeats)
+        else:
+            log.info(line)
 
 
 def _rel(p: Path, root: Path) -> str:
@@ -286,11 +304,12 @@ def entry_buckets(dataset: "Dataset", bucket_sets, no_upscale: bool = False) -> 
 def bucket_for(width: int, height: int, buckets, no_upscale: bool = False, step: int = 64) -> tuple[int, int]:
     """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width).
 
-    ``no_upscale`` (kohya's ``--bucket_no_upscale``): an image that would have to be enlarged to cover that bucket
-    gets its own size in multiples of ``step`` instead (cropped by less than ``step`` pixels, never enlarged)."""
+    ``no_upscale`` (kohya's ``--bucket_no_upscale``): an image with fewer pixels than that bucket gets its own size
+    in multiples of ``step`` instead (cropped by less than ``step`` pixels, never enlarged); a larger one keeps the
+    bucket, so no entry exceeds the resolution's area."""
     r = math.log(width / height)
     bucket = min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - r), -b[0] * b[1], b))
-    if no_upscale and (bucket[0] > width or bucket[1] > height):
+    if no_upscale and width * height < bucket[0] * bucket[1]:
         return max(step, width // step * step), max(step, height // step * step)
     return bucket
 

@@ -19,22 +19,28 @@ class KohyaKeyError(ValueError):
     """kohya keys that SquareQ cannot take; the message has one sentence per key."""
 
 
-def _resolution(value: Any) -> Any:
-    """kohya's square ``"1024,1024"`` (width, height) as one size; any other value as SquareQ reads it (a comma
-    list there means several sizes, each trained)."""
+def _resolution(value: Any, kohya: bool) -> Any:
+    """kohya's ``"W,H"`` as one size when square; in a kohya file a non-square one is refused (SquareQ's comma list
+    means several square sizes, each trained, which is not what it says there)."""
     if isinstance(value, str) and "," in value:
         parts = [p.strip() for p in value.split(",")]
-        if len(parts) == 2 and parts[0] == parts[1]:
-            return int(parts[0]) if parts[0].isdigit() else value
+        if len(parts) == 2 and parts[0] == parts[1] and parts[0].isdigit():
+            return int(parts[0])
+        if kohya and len(parts) == 2:
+            raise KohyaKeyError(f"resolution = {value!r}: kohya's \"W,H\" is one bucket area, while SquareQ reads a "
+                                "comma list as several sizes; give one side, e.g. resolution = 1024, or a list such "
+                                "as [512, 1024].")
     return value
 
 
 def _optimizer(value: Any) -> Any:
-    names = {"adamw": "adamw", "adamw8bit": "adamw8bit", "bitsandbytes.optim.adamw8bit": "adamw8bit"}
+    names = {"adamw": "adamw", "adamw8bit": "adamw8bit", "bitsandbytes.optim.adamw8bit": "adamw8bit",
+             "prodigy": "prodigy", "prodigyopt.prodigy": "prodigy", "adafactor": "adafactor",
+             "transformers.optimization.adafactor": "adafactor"}
     if isinstance(value, str) and value.lower() in names:
         return names[value.lower()]
-    raise KohyaKeyError(f"optimizer_type = {value!r}: SquareQ trains with adamw or adamw8bit; set optimizer to one of "
-                        "them.")
+    raise KohyaKeyError(f"optimizer_type = {value!r}: SquareQ trains with adamw, adamw8bit, prodigy or adafactor; set "
+                        "optimizer to one of them.")
 
 
 def _schedule(value: Any) -> Any:
@@ -132,11 +138,24 @@ def translate(table: dict[str, Any], where: str, known: set[str]) -> dict[str, A
     :class:`KohyaKeyError` naming ``where`` with one sentence per kohya key it cannot take."""
     out: dict[str, Any] = {}
     problems = []
+    kohya = any(k in RENAMED or k in ALWAYS or k in UNSUPPORTED for k in table)
+    if "unet_lr" in table:  # kohya trains the denoiser at unet_lr where both are given
+        table = {k: v for k, v in table.items() if k != "learning_rate"}
     for key, value in table.items():
         if key == "resolution":
-            out[key] = _resolution(value)
+            try:
+                out[key] = _resolution(value, kohya)
+            except KohyaKeyError as exc:
+                problems.append(str(exc))
         elif key == "timestep_sampling" and value == "sigmoid":
             out[key] = "logit_normal"  # kohya's sigmoid(N(0, 1)) is the logit-normal density
+        elif kohya and key == "timestep_sampling" and value == "shift":
+            log.warning("%s: timestep_sampling = shift: kohya shifts a sigmoid(N(0, 1)) draw, SquareQ's shift a "
+                        "uniform one (diffusers' scheduler map); flux_shift is kohya's flux_shift exactly.", where)
+            out[key] = value
+        elif kohya and key == "sample_prompts" and isinstance(value, str):
+            problems.append(f"sample_prompts = {value!r}: kohya's is a file of prompts; SquareQ takes the prompts "
+                            "themselves, e.g. sample_prompts = [\"a photo of sks\"].")
         elif key in known:
             out[key] = value
         elif key in RENAMED:

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -36,6 +37,7 @@ from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence
 from .cache import EmbeddingCache, content_key, file_digest
 from .checkpoint import (
+    checkpoint_config,
     checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
@@ -238,7 +240,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     torch.manual_seed(cfg.seed)
 
     slab = open_slab(cfg.slab, verify="eager")
-    cfg = cfg.with_family_defaults(slab.manifest.model.family)
+    cfg = _resumed_targets(cfg, out).with_family_defaults(slab.manifest.model.family)
     if cfg.vram_budget_bytes is not None and device.type == "cuda":
         plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                             text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
@@ -249,7 +251,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     family = slab.manifest.model.family
     _check_trainable(cfg.slab, family)
     formats = save_formats(cfg, family)
-    started = time.time()
+    run_started = time.time()
     if cfg.sample_every and not ADAPTERS[family].samples:
         raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} family "
                          "yet; set sample_every = 0 (--sample-every 0).")
@@ -341,10 +343,10 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
 
         bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, desc="train")
         echo = _above_bar(bar, echo)
-    if cfg.sample_every and step == 0 and ranks.is_main:
-        _save_samples(cfg, model, slab, out / "samples", 0, device)  # the base model's pictures, to compare against
     try:
         try:
+            if cfg.sample_every and step == 0 and ranks.is_main:
+                _save_samples(cfg, model, slab, out / "samples", 0, device)  # the base model's pictures, to compare
             while step < total:
                 started = time.perf_counter()
                 step_loss = 0.0
@@ -472,11 +474,21 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         ema.copy_to(params)  # the final LoRA is the average (the checkpoints keep the trained weights)
     if ranks.is_main:
         files = _write_lora(cfg, out, runtime.lora_state_dict(model), slab.manifest.model, objective, dataset,
-                            formats, step, started)
+                            formats, step, run_started)
     ranks.barrier()
     written = [files[f] for f in formats]
     echo(f"LoRA written to {' and '.join(map(str, written))} after {step} steps ({skipped} skipped)")
     return TrainResult(step, skipped, losses, written[0], files["kohya"] if "kohya" in formats else None)
+
+
+def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:
+    """A resumed run without --targets trains the layers its checkpoint has (a run started before the family's
+    default changed keeps its own), not the current default."""
+    if not cfg.resume or cfg.targets is not None:
+        return cfg
+    path = latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
+    saved = checkpoint_config(path).get("targets") if path is not None else None
+    return dataclasses.replace(cfg, targets=list(saved)) if isinstance(saved, list) and saved else cfg
 
 
 def save_formats(cfg: TrainConfig, family: str) -> list[str]:

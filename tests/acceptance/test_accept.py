@@ -360,3 +360,6 @@ def test_train_config_settings_come_below_flags_and_above_the_gates_defaults(tmp
     assert (cfg.lr, cfg.rank, cfg.resolution) == (0.2, 4, [128])
     cfg = training_config(ConvergenceSettings(data="d"), *args)
     assert (cfg.lr, cfg.resolution, cfg.max_sequence_length) == (1e-3, [512], 512)
+    base.write_text("lr = 0.05\n")  # a base file that leaves the resolution (a list field) at the trainer's default
+    cfg = training_config(ConvergenceSettings(base=str(base), data="d"), *args)
+    assert (cfg.lr, cfg.resolution) == (0.05, [512])

@@ -157,3 +157,21 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
     path.write_text("network_dim = 8\nrank = 16\n")
     with pytest.raises(ConfigError, match="network_dim and rank both set rank"):
         load_config(path)
+
+
+def test_kohya_files_keep_their_meaning_or_are_refused(tmp_path, caplog):
+    """In a kohya file: unet_lr wins over learning_rate, Prodigy is kohya's name for ours, a non-square W,H and a
+    prompt file are refused, and kohya's sigmoid-based shift is reported as different from SquareQ's."""
+    path = tmp_path / "kohya.toml"
+    path.write_text('network_dim = 8\nlearning_rate = 1e-4\nunet_lr = 1.0\noptimizer_type = "Prodigy"\n'
+                    'timestep_sampling = "shift"\n')
+    with caplog.at_level("WARNING", logger="squareq.train"):
+        cfg = load_config(path)
+    assert (cfg.lr, cfg.optimizer, cfg.timestep_sampling) == (1.0, "prodigy", "shift")
+    assert any("kohya shifts a sigmoid" in r.getMessage() for r in caplog.records)
+    path.write_text('network_dim = 8\nresolution = "1024,768"\nsample_prompts = "prompts.txt"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "one bucket area" in str(err.value) and "kohya's is a file of prompts" in str(err.value)
+    path.write_text('resolution = "512,768"\n')  # SquareQ's own file: two sizes
+    assert load_config(path).resolution == [512, 768]

@@ -112,6 +112,15 @@ def test_kohya_repeat_folders_count_their_repeats_and_caption_by_folder_name(tmp
     assert "repeat count is 0" in reasons["c.png"] and "has no caption" in reasons["e.png"]
 
 
+def test_a_folder_named_like_a_huge_repeat_count_is_reported(tmp_path, caplog):
+    _captioned(tmp_path, "2024_trip/a.png", "a beach")
+    with caplog.at_level(logging.WARNING, logger="squareq.train"):
+        data = scan_dataset(tmp_path)
+    assert data.items[0].repeats == 2024
+    assert any("2024_trip/: 1 images, each 2024 times" in r.getMessage() and "rename the folder" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_caption_ext_reads_kohya_caption_files(tmp_path):
     _image(tmp_path / "a.png")
     (tmp_path / "a.caption").write_text("from a .caption file")
@@ -287,6 +296,9 @@ def test_no_upscale_keeps_a_small_image_at_its_own_size():
     assert usual[0] > 200 and usual[1] > 136
     assert bucket_for(200, 136, buckets, no_upscale=True) == (192, 128)
     assert bucket_for(1200, 800, buckets, no_upscale=True) == bucket_for(1200, 800, buckets)
+    # more pixels than the bucket but one side shorter (3000x600 at 1024): the bucket, never its own 2944x576
+    wide = bucket_for(3000, 600, make_buckets(1024), no_upscale=True)
+    assert wide == bucket_for(3000, 600, make_buckets(1024)) and wide[0] * wide[1] <= 1024 * 1024
     data = Dataset(Path("."), [Item(Path("small.png"), "s", 200, 136), Item(Path("big.png"), "b", 1200, 800)])
     assert sorted(BucketBatches(data, buckets, 1, 0, no_upscale=True).item_buckets) == sorted(
         [(192, 128), bucket_for(1200, 800, buckets)])

@@ -801,3 +801,13 @@ def test_the_loss_curve_covers_every_step_of_a_resumed_run(workspace, tmp_path):
     assert steps == list(range(1, 9))
     (tmp_path / "killed" / "loss.png").unlink()
     assert plot_losses(tmp_path / "killed") == png and png.stat().st_size > 0
+
+
+def test_a_run_resumed_without_targets_keeps_its_checkpoints_layers(workspace, tmp_path):
+    """A run started with the attention projections (the default before FLUX.1's changed) resumes with them when
+    --targets is not given, instead of failing on a LoRA of other layers."""
+    attention = ["to_q", "to_k", "to_v", "to_out.0"]
+    train(_config(workspace, tmp_path / "r", steps=2, save_every=2, targets=attention), echo=lambda s: None)
+    resumed = train(_config(workspace, tmp_path / "r", steps=4, save_every=2, resume="latest"), echo=lambda s: None)
+    layers = {n.rsplit(".", 2)[0].rsplit(".", 1)[-1] for n in load_lora(resumed.lora_file)[0]}
+    assert resumed.steps == 4 and layers <= {"to_q", "to_k", "to_v", "0"}
