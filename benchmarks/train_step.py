@@ -58,8 +58,8 @@ FAMILIES = {"flux": ("FluxTransformer2DModel", FLUX_DEV), "flux2": ("Flux2Transf
 LORA_RANK = 16
 # --targets: the attention projections (the diffusers script's set, SquareQ's default before issue 19), or FLUX.1's
 # default now (squareq.models.flux.FLUX_LORA_TARGETS: every attention and MLP linear of both streams, as kohya's)
-TARGET_SETS = {"attention": ["to_q", "to_k", "to_v", "to_out.0"], "flux-default": None}
-LORA_TARGETS = TARGET_SETS["attention"]
+TARGET_SETS = ("attention", "flux-default")
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this (full config)
 # Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
 SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"
@@ -609,7 +609,7 @@ def main() -> None:
     ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="which model (default flux)")
     ap.add_argument("--tiny", action="store_true", help="the family's tiny config; runs on the CPU without a GPU")
-    ap.add_argument("--targets", choices=sorted(TARGET_SETS), default="attention",
+    ap.add_argument("--targets", choices=TARGET_SETS, default="attention",
                     help="LoRA targets: the attention projections, or FLUX.1's default set (every attention and MLP "
                          "linear of both streams)")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process

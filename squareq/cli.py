@@ -402,9 +402,8 @@ class AutoOrInt(click.ParamType):
 def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
            resident_blocks, host):
     """Generate images with the streamed slab, optionally with a LoRA."""
-    import io
-
-    from .slab.atomic import atomic_write_bytes, ensure_output_dir
+    from .plot import write_png
+    from .slab.atomic import ensure_output_dir
     from .train.sample import check_sample_options, sample_images
 
     check_sample_options(resolution, steps, guidance, max_sequence_length)
@@ -412,10 +411,8 @@ def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, m
 
     def save(i: int, image) -> None:
         path = out / f"sample-{i:03d}.png"
-        png = io.BytesIO()
-        image.save(png, format="PNG")
         try:
-            atomic_write_bytes(path, png.getbuffer())
+            write_png(image, path)
         except OSError as exc:
             raise SampleError(os_error_sentence(exc, f"saving {path}", "draw the remaining prompts again")) from None
         click.echo(f"wrote {path}")

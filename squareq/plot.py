@@ -1,4 +1,5 @@
-"""A small line plot as PNG (PIL only): the convergence gate's loss curves and the trainer's loss curve."""
+"""PNG output (PIL only): a small line plot (the convergence gate's loss curves, the trainer's loss curve), its
+trailing mean, and an atomic PNG write."""
 from __future__ import annotations
 
 import io
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from .slab.atomic import atomic_write_bytes
+from .slab import atomic
 
 WIDTH, HEIGHT, MARGIN = 720, 420, 56
 
@@ -51,7 +52,23 @@ def plot_curves(path: str | Path, title: str, curves: dict[str, tuple[list[float
         draw.line((right - 170, legend_y + 6, right - 150, legend_y + 6), fill=colour, width=max(width, 2))
         draw.text((right - 145, legend_y), label, fill=(0, 0, 0))
         legend_y += 16
+    return write_png(image, path)
+
+
+def write_png(image: Image.Image, path: str | Path) -> Path:
+    """``image`` as a PNG at ``path``, written atomically (temporary name, then rename)."""
     out = io.BytesIO()
     image.save(out, format="PNG")
-    atomic_write_bytes(Path(path), out.getvalue())
+    atomic.atomic_write_bytes(Path(path), out.getvalue())  # looked up at call time: tests stand in for a full disk there
     return Path(path)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values at each step."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out

@@ -36,7 +36,7 @@ from ..train.config import TrainConfig, load_config
 from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
 from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
-from ..plot import plot_curves
+from ..plot import plot_curves, smooth
 
 NAME = "convergence"
 
@@ -85,17 +85,6 @@ def cannot_run(source: Source, model: str) -> str | None:
     except EncoderError as exc:
         return str(exc)
     return None
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing mean over the last ``window`` values at each step."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def reference_slab(source: Source, folder: Path, echo) -> Path:

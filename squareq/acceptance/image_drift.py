@@ -11,7 +11,6 @@ not gated. Identical images have no finite PSNR; they are recorded as :data:`IDE
 """
 from __future__ import annotations
 
-import io
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from ..compiler.sources import Source
 from ..models import ADAPTERS
 from ..models.prompts import CALIBRATION_PROMPTS
 from ..slab import Slab
-from ..slab.atomic import atomic_write_bytes
+from ..plot import write_png
 from .convergence import reference_slab
 from .gates import FAIL, PASS, GateResult, skipped
 
@@ -119,10 +118,7 @@ def write_grid(path: Path, reference, images, gain: float = 4.0) -> Path:
         diff = ImageChops.difference(ref.convert("RGB"), img.convert("RGB")).point(lambda v: min(255, int(v * gain)))
         for col, im in enumerate((ref, img, diff)):
             grid.paste(im.convert("RGB"), (col * w, label + row * h))
-    out = io.BytesIO()
-    grid.save(out, format="PNG")
-    atomic_write_bytes(path, out.getvalue())
-    return path
+    return write_png(grid, path)
 
 
 def image_drift_gate(source: Source, slab: Slab, model: str, workdir: Path, tau_psnr: float, tau_ssim: float,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..models import ADAPTERS
 from ..runtime.lora import DEFAULT_TARGETS
 from ..sizes import SizeError, parse_size
 from .kohya_keys import KohyaKeyError
@@ -230,8 +231,6 @@ class TrainConfig:
 
     def with_family_defaults(self, family: str) -> "TrainConfig":
         """This configuration with what depends on the model's family filled in: the LoRA targets."""
-        from ..models import ADAPTERS
-
         if self.targets is not None:
             return self
         adapter = ADAPTERS.get(family)

@@ -122,7 +122,7 @@ def _report_repeat_folders(data: Dataset) -> None:
     name (``2024_trip/`` would train each image 2024 times an epoch)."""
     folders: dict[str, list[Item]] = {}
     for item in data.items:
-        if item.repeats > 1 or repeat_folder(item.path.relative_to(data.root)):
+        if repeat_folder(item.path.relative_to(data.root)):
             folders.setdefault(item.path.relative_to(data.root).parts[0], []).append(item)
     for name, items in sorted(folders.items()):
         repeats = items[0].repeats

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import math
@@ -31,7 +30,7 @@ import torch
 
 from .. import runtime
 from ..models import ADAPTERS
-from ..plot import plot_curves
+from ..plot import plot_curves, smooth, write_png
 from ..runtime.host_memory import HostMemoryError
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence
@@ -556,19 +555,13 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
             for i, prompt in enumerate(cfg.sample_prompts):
                 images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
                                          cfg.sample_seed, cfg.max_sequence_length, device))
-                _write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
-            _write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
+                write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
+            write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
             pipe.transformer = None
     finally:
         if streamer is not None:  # also the slots an add_slots that ran out of memory did add
             streamer.remove_slots(len(streamer.slots) - before)
     model.train()
-
-
-def _write_png(image, path: Path) -> None:
-    png = io.BytesIO()
-    image.save(png, format="PNG")
-    atomic_write_bytes(path, png.getbuffer())
 
 
 def _side_by_side(images):
@@ -592,8 +585,7 @@ def plot_losses(out: Path) -> Path | None:
     if not losses:
         return None
     window = max(1, len(losses) // 10)
-    mean = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
-            for i in range(len(losses))]
+    mean = smooth(losses, window)
     return plot_curves(out / "loss.png", f"training loss by step ({out.name})",
                        {"loss": (losses, (170, 170, 170), 1), f"mean of {window}": (mean, (30, 90, 200), 2)})
 

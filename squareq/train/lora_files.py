@@ -99,7 +99,7 @@ def _layers(lora: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple[tor
     return out
 
 
-def _num(x: float) -> int | float:
+def plain_number(x: float) -> int | float:
     """An int when integral, so headers read ``16`` rather than ``16.0``."""
     x = float(x)
     return int(x) if x.is_integer() else x
@@ -115,7 +115,7 @@ def _provenance(layout: str, rank: int, alpha: float, targets, extra: Mapping[st
         "squareq.layout": layout,
         "squareq.version": __version__,
         "squareq.rank": json.dumps(int(rank)),
-        "squareq.alpha": json.dumps(_num(alpha)),
+        "squareq.alpha": json.dumps(plain_number(alpha)),
         "squareq.targets": json.dumps(list(targets)),
     }
     for key, value in (extra or {}).items():
@@ -174,7 +174,7 @@ def _adapter_json(layers, rank: int, alpha: float, prefix: str | None) -> str:
     # such as "proj_out" would also wrap the model's final projection, left without weights).
     config = {
         "r": int(rank),
-        "lora_alpha": _num(alpha),
+        "lora_alpha": plain_number(alpha),
         "target_modules": sorted(layers),
         # diffusers' own form for a layer whose rank differs ("^<layer>", anchored so that "single_" prefixes
         # do not match); empty for anything runtime.add_lora made
@@ -392,7 +392,7 @@ def save_kohya_lora(lora: Mapping[str, torch.Tensor], path, rank: int, alpha: fl
         "format": "pt",
         "ss_network_module": KOHYA_NETWORK_MODULE,
         "ss_network_dim": str(int(rank)),
-        "ss_network_alpha": str(_num(alpha)),
+        "ss_network_alpha": str(plain_number(alpha)),
     })
     metadata.update(_provenance("kohya", rank, alpha, targets, extra_metadata))
     return _write(path, tensors, metadata)

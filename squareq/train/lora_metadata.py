@@ -20,7 +20,13 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from .lora_files import plain_number
+
 MODELSPEC_VERSION = "1.0.0"
+
+
+def _text(x: float) -> str:
+    return str(plain_number(x))  # "16", not "16.0", as the LoRA's own keys write it
 _ARCHITECTURES = {"flux": "flux-1-dev", "chroma": "chroma", "sd3": "stable-diffusion-3"}
 # sd-scripts' ss_base_model_version of the families it trains
 _BASE_VERSIONS = {"flux": "flux1", "chroma": "chroma", "sd3": "sd3"}
@@ -67,34 +73,30 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
         "ss_sd_model_name": base_model,
         "ss_output_name": title,
         "ss_network_dim": str(int(rank)),
-        "ss_network_alpha": _number(alpha),
-        "ss_learning_rate": _number(cfg.lr),
+        "ss_network_alpha": _text(alpha),
+        "ss_learning_rate": _text(cfg.lr),
         "ss_optimizer": cfg.optimizer,
         "ss_lr_scheduler": cfg.schedule,
         "ss_lr_warmup_steps": str(cfg.warmup),
         "ss_max_train_steps": str(steps),
         "ss_batch_size_per_device": str(cfg.batch_size),
         "ss_gradient_accumulation_steps": str(cfg.grad_accum),
-        "ss_max_grad_norm": _number(cfg.max_grad_norm),
+        "ss_max_grad_norm": _text(cfg.max_grad_norm),
         "ss_seed": str(cfg.seed),
         "ss_resolution": ", ".join(f"({r}, {r})" for r in cfg.resolution),
-        "ss_caption_dropout_rate": _number(cfg.caption_dropout),
+        "ss_caption_dropout_rate": _text(cfg.caption_dropout),
         "ss_timestep_sampling": cfg.timestep_sampling,
-        "ss_discrete_flow_shift": _number(cfg.shift),
-        "ss_guidance_scale": _number(cfg.guidance),
+        "ss_discrete_flow_shift": _text(cfg.shift),
+        "ss_guidance_scale": _text(cfg.guidance),
         "ss_num_train_images": str(images),
         "ss_dataset_dirs": json.dumps(dirs, sort_keys=True),
         "ss_tag_frequency": json.dumps(tags, sort_keys=True),
-        "ss_training_started_at": _number(round(started, 3)),
-        "ss_training_finished_at": _number(round(finished, 3)),
+        "ss_training_started_at": _text(round(started, 3)),
+        "ss_training_finished_at": _text(round(finished, 3)),
     }
     if cfg.trigger:
         header["modelspec.trigger_phrase"] = cfg.trigger
     if cfg.ema_decay:
-        header["ss_ema_decay"] = _number(cfg.ema_decay)  # the file holds the moving average
+        header["ss_ema_decay"] = _text(cfg.ema_decay)  # the file holds the moving average
     return header
 
-
-def _number(x: float) -> str:
-    x = float(x)
-    return str(int(x)) if x.is_integer() else repr(x)
