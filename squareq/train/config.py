@@ -56,9 +56,21 @@ HELP = {
                   "comma-separated (512,768,1024), train every image at each.",
     "caption_dropout": "Probability of training a step with an empty caption (the trigger word is kept).",
     "trigger": "Trigger word put in front of every caption, or in place of [trigger] where a caption has it.",
+    "shuffle_caption": "Shuffle each caption's comma-separated tags (kohya's shuffle_caption): caption_orders shuffles "
+                       "of every caption are encoded into the cache, and each epoch trains an image with the next.",
+    "keep_tokens": "With shuffle_caption, the leading tags that stay in place (the trigger word stays first "
+                   "without being counted).",
+    "caption_orders": "With shuffle_caption, how many shuffled orders of each caption are encoded (more orders, more "
+                      "variety and more cache space: 8 MB each with FLUX's 512 T5 tokens).",
     "caption_ext": "Extension of the caption files next to the images: .txt, or e.g. .caption (kohya's).",
     "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
                   "of enlarging it, like kohya's --bucket_no_upscale.",
+    "validation_data": "A folder of held-out images with captions (read like --data) whose loss is measured during "
+                       "training at fixed timesteps and noise.",
+    "validation_split": "Hold this fraction of --data's images out of training and measure their loss instead (kohya's "
+                        "validation_split), e.g. 0.1.",
+    "validate_every": "Measure the validation loss every N steps (0: with every checkpoint); always at step 0 and "
+                      "at the end.",
     "seed": "Seed for LoRA init, batch order, noise and timesteps.",
     "timestep_sampling": "shift, logit_normal, uniform, or flux_shift (FLUX.1's resolution-dependent shift of a "
                          "logit-normal draw, kohya's flux_shift).",
@@ -126,7 +138,13 @@ class TrainConfig:
     caption_dropout: float = 0.0
     trigger: str | None = None
     caption_ext: str = ".txt"
+    shuffle_caption: bool = False
+    keep_tokens: int = 0
+    caption_orders: int = 8
     no_upscale: bool = False
+    validation_data: str | None = None
+    validation_split: float = 0.0
+    validate_every: int = 0  # 0: with every checkpoint
     seed: int = 42
     # objective
     timestep_sampling: str = "shift"
@@ -176,7 +194,7 @@ class TrainConfig:
                     "max_sequence_length", "keep_last"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
-        for key in ("warmup", "save_every", "sample_every", "seed"):
+        for key in ("warmup", "save_every", "sample_every", "seed", "keep_tokens", "validate_every"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise bad(key, "must be a whole number of at least 0")
         if self.steps is None and self.epochs is None:
@@ -216,8 +234,20 @@ class TrainConfig:
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
             raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
-        if not isinstance(self.no_upscale, bool):
-            raise bad("no_upscale", "must be true or false")
+        for key in ("no_upscale", "shuffle_caption"):
+            if not isinstance(getattr(self, key), bool):
+                raise bad(key, "must be true or false")
+        if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \
+                or not 1 <= self.caption_orders <= 64:
+            raise bad("caption_orders", "must be a whole number from 1 to 64")
+        if not isinstance(self.validation_split, (int, float)) or isinstance(self.validation_split, bool) \
+                or not 0.0 <= self.validation_split < 1.0:
+            raise bad("validation_split", "must be in [0, 1): the fraction of images held out, e.g. 0.1")
+        if self.validation_split and self.validation_data:
+            raise bad("validation_split", "and validation_data both choose validation images; keep one")
+        if self.keep_tokens and not self.shuffle_caption:
+            raise bad("keep_tokens", "only applies with shuffle_caption; set shuffle_caption = true (--shuffle-caption) "
+                                     "or remove keep_tokens")
         if self.save_format is not None and (not self.save_format
                                              or not set(self.save_format) <= set(SAVE_FORMATS)):
             raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")

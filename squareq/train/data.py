@@ -18,6 +18,7 @@ that a resumed run continues exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -74,6 +75,10 @@ class Dataset:
     def __getitem__(self, index: int) -> Item:
         return self.items[index]
 
+    def without_repeats(self) -> "Dataset":
+        """The same images, each counted once (a validation set measures every image alike)."""
+        return Dataset(self.root, [dataclasses.replace(it, repeats=1) for it in self.items], self.skipped)
+
     @property
     def training_items(self) -> list[Item]:
         """What an epoch goes through: each image as many times as its folder's repeat count."""
@@ -115,6 +120,27 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset
         raise DataError(f"No training images in {root}: {found}; {_HOW}.")
     log.info("%d training images in %s", len(data.items), root)
     return data
+
+
+def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """(training, validation): ``fraction`` of the images (at least one; kohya's ``validation_split``) held out of
+    training, chosen by a hash of (seed, path) so that the same folder and seed always hold out the same images,
+    and adding an image moves no other one across. Held-out images count once, whatever their repeat count."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"validation_split must be between 0 and 1, got {fraction}.")
+    n = len(dataset.items)
+    held = max(1, round(fraction * n))
+    if held >= n:
+        raise DataError(f"validation_split = {fraction} holds out {held} of the {n} images in {dataset.root}, leaving "
+                        "none to train on; add images or lower validation_split.")
+
+    def rank(item: Item) -> str:
+        return hashlib.sha256(f"{seed}:{_rel(item.path, dataset.root)}".encode()).hexdigest()
+
+    chosen = {item.path for item in sorted(dataset.items, key=rank)[:held]}
+    train = Dataset(dataset.root, [it for it in dataset.items if it.path not in chosen], dataset.skipped)
+    valid = Dataset(dataset.root, [it for it in dataset.items if it.path in chosen])
+    return train, valid.without_repeats()
 
 
 def _report_repeat_folders(data: Dataset) -> None:
@@ -362,6 +388,29 @@ def caption_for(caption: str, trigger: str | None = None, dropout: float = 0.0,
     if caption.startswith(trigger) and not (rest[:1].isalnum() or rest[:1] == "_"):
         return caption
     return f"{trigger}, {caption}" if caption else trigger
+
+
+def caption_orders(caption: str, trigger: str | None, keep_tokens: int, count: int, seed: int) -> list[str]:
+    """Up to ``count`` distinct shuffles of the comma-separated tags of ``caption_for(caption, trigger)`` (kohya's
+    ``shuffle_caption``): the first ``keep_tokens`` tags stay in front, and so does a trigger word put there, which
+    ``keep_tokens`` does not count. Seeded by ``seed`` and the caption, so every run, rank and resumed run encodes
+    the same orders (the cache holds each). ``count`` 0 or a caption of one tag: the caption as written."""
+    full = caption_for(caption, trigger)
+    tags = [t.strip() for t in full.split(",") if t.strip()]
+    fixed = keep_tokens + (1 if (trigger or "").strip() and tags and tags[0] == trigger.strip() else 0)
+    head, tail = tags[:fixed], tags[fixed:]
+    if count < 1 or len(tail) < 2:
+        return [full]
+    rng = np.random.default_rng([seed, int.from_bytes(hashlib.sha256(full.encode()).digest()[:8], "little")])
+    orders: list[str] = []
+    possible = math.factorial(min(len(tail), 8))  # enough to stop early for a few tags
+    for _ in range(4 * count):  # repeated draws are dropped; a few tags have fewer orders than asked
+        order = ", ".join(head + [tail[i] for i in rng.permutation(len(tail))])
+        if order not in orders:
+            orders.append(order)
+        if len(orders) in (count, possible):
+            break
+    return orders
 
 
 # ---------------------------------------------------------------------------------------------- batches

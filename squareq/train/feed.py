@@ -18,8 +18,8 @@ from .cache import CacheError, EmbeddingCache
 class CacheFeed:
     """Latents and text embeddings of the dataset's items on ``device``, by item index."""
 
-    def __init__(self, cache: EmbeddingCache, image_keys: list[str], text_keys: dict[str, str], captions: list[str],
-                 dropped: str, device: torch.device) -> None:
+    def __init__(self, cache: EmbeddingCache, image_keys: list[str], text_keys: dict[str, str],
+                 captions: list[list[str]], dropped: str, device: torch.device) -> None:
         self.cache = cache
         self.image_keys, self.text_keys = image_keys, text_keys
         self.captions, self.dropped = captions, dropped
@@ -27,10 +27,17 @@ class CacheFeed:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squareq-cache-reader")
         self._pending: dict[tuple[str, str], Future] = {}
 
-    def _entries(self, indices: list[int], drops: list[bool] | None = None) -> list[tuple[str, str]]:
+    def caption(self, index: int, epoch: int) -> str:
+        """Entry ``index``'s caption in ``epoch``: with shuffled orders, the next one each epoch (entries start at
+        different orders, so one batch mixes them)."""
+        orders = self.captions[index]
+        return orders[(epoch + index) % len(orders)]
+
+    def _entries(self, indices: list[int], drops: list[bool] | None = None, epoch: int = 0) -> list[tuple[str, str]]:
         drops = drops or [False] * len(indices)
         return ([("latents", self.image_keys[i]) for i in indices]
-                + [("text", self.text_keys[self.dropped if d else self.captions[i]]) for i, d in zip(indices, drops)])
+                + [("text", self.text_keys[self.dropped if d else self.caption(i, epoch)])
+                   for i, d in zip(indices, drops)])
 
     def _read(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         tensors = self.cache.load(kind, key)
@@ -38,10 +45,10 @@ class CacheFeed:
             tensors = {k: v.pin_memory() for k, v in tensors.items()}
         return tensors
 
-    def prefetch(self, indices: list[int]) -> None:
-        """Start reading the entries of the batch ``indices`` (its captions as written; a dropped caption is read
-        when asked for). Reads started earlier and not used are forgotten."""
-        wanted = self._entries(indices)
+    def prefetch(self, indices: list[int], epoch: int = 0) -> None:
+        """Start reading the entries of the batch ``indices`` of ``epoch`` (a dropped caption is read when asked
+        for). Reads started earlier and not used are forgotten."""
+        wanted = self._entries(indices, epoch=epoch)
         self._pending = {e: self._pending.get(e) or self._pool.submit(self._read, *e) for e in wanted}
 
     def _get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
@@ -57,7 +64,7 @@ class CacheFeed:
         self._pending[("latents", self.image_keys[index])] = _done(entry)
         return entry["latents"].shape
 
-    def batch(self, indices: list[int], drops: list[bool]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def batch(self, indices: list[int], drops: list[bool], epoch: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(latents [B, C, h, w] or [B, C, 1, h, w], the captions' tensors batched: ``prompt_embeds`` [B, L, D],
         ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached) on the device, fp32. Captions of
         different lengths are zero-padded to the longest (their masks mark the padding)."""
@@ -65,7 +72,7 @@ class CacheFeed:
         latents = self._stack([e["latents"] for e in images])
         # an image embedding cached with the latent (Würstchen's decoder) conditions the denoiser like the text
         extra = {name: self._stack([e[name] for e in images]) for name in images[0] if name != "latents"}
-        texts = [self._get("text", key) for kind, key in self._entries(indices, drops) if kind == "text"]
+        texts = [self._get("text", key) for kind, key in self._entries(indices, drops, epoch) if kind == "text"]
         try:
             captions = stack_captions(texts, place=lambda t: t.to(self.device, non_blocking=True))
         except ValueError:

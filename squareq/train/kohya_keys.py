@@ -93,6 +93,7 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "output_dir": ("output", None),
     "network_module": (None, _network_module),
     "weighting_scheme": ("loss_weighting", _weighting),
+    "validate_every_n_steps": ("validate_every", None),
 }
 
 # what SquareQ always does: dropped with this sentence as a warning
@@ -113,6 +114,7 @@ ALWAYS = {
     "fp8_base": "SquareQ's slab already holds the weights at 4-8 bits",
     "highvram": "SquareQ streams blocks whatever the card",
     "lowvram": "SquareQ streams blocks whatever the card",
+    "validation_seed": "SquareQ's validation noise and timesteps are fixed by seed",
 }
 
 # kohya keys SquareQ has no counterpart for: refused with this sentence
@@ -124,9 +126,6 @@ UNSUPPORTED = {
     "ae": "the VAE comes from the model folder; set model to the diffusers pipeline folder",
     "dataset_config": "SquareQ reads one data folder (kohya repeat folders, caption files or metadata.jsonl); set "
                       "data to it",
-    "shuffle_caption": "caption shuffling is not in SquareQ yet (captions are encoded once, into the cache); remove "
-                       "the key",
-    "keep_tokens": "keep_tokens goes with caption shuffling, which SquareQ does not have yet; remove the key",
     "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",
     "network_dropout": "LoRA dropout is not in SquareQ yet; remove the key",
     "model_prediction_type": "SquareQ trains FLUX.1 on the flow-matching velocity (kohya's raw); remove the key",

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +50,9 @@ from .data import (
     BucketBatches,
     DataError,
     caption_for,
+    caption_orders,
     entry_buckets,
+    hold_out,
     load_image,
     make_buckets,
     scan_dataset,
@@ -59,6 +62,7 @@ from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
 from .ema import LoraEma
 from .feed import CacheFeed
+from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header
 from .objective import denoising_loss, draw_times, image_tokens
@@ -165,10 +169,11 @@ class PreparedData:
     dataset: object
     buckets: list
     cache: EmbeddingCache
-    captions: list[str]  # per item, with the trigger word
+    captions: list[list[str]]  # per entry: its caption with the trigger word, or its shuffled orders
     dropped: str  # what a dropped caption becomes
-    keys: tuple[list[str], dict[str, str]] | None
+    keys: tuple[list[str], dict[str, str]] | None  # latent keys: the training entries', then the validation ones
     computed: int = 0
+    validation: list[str] = field(default_factory=list)  # the caption of each validation entry
 
 
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
@@ -176,25 +181,41 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
     SquareQ cannot train has no encoders, which ``open_encoders`` says."""
     dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
-    placeholders = [item for item in dataset.items if TRIGGER_TOKEN in item.caption]
+    held = None
+    if cfg.validation_data:
+        held = scan_dataset(cfg.validation_data, caption_ext=cfg.caption_ext).without_repeats()
+    elif cfg.validation_split:
+        dataset, held = hold_out(dataset, cfg.validation_split, cfg.seed)
+    if held is not None:
+        echo(f"validation: {len(held)} held-out images from {held.root}")
+    placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
     if placeholders and not (cfg.trigger or "").strip():
         raise DataError(f"{len(placeholders)} captions in {dataset.root} use {TRIGGER_TOKEN} (e.g. the one of "
                         f"{placeholders[0].path.name}) but no trigger word is set; pass --trigger WORD.")
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
     items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
-    captions = [caption_for(item.caption, cfg.trigger) for item in items]
+    orders = {c: caption_orders(c, cfg.trigger, cfg.keep_tokens, cfg.caption_orders if cfg.shuffle_caption else 0,
+                                cfg.seed) for c in {item.caption for item in items}}
+    captions = [orders[item.caption] for item in items]
+    if cfg.shuffle_caption:
+        echo(f"shuffle_caption: {sum(map(len, orders.values()))} orders of {len(orders)} captions go into the cache")
     dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
+    # validation entries come after the training entries in the cache keys: every image once per resolution
+    held_items = held.training_items * len(cfg.resolution) if held else []
+    held_buckets = entry_buckets(held, buckets, cfg.no_upscale) if held else []
+    held_captions = [caption_for(item.caption, cfg.trigger) for item in held_items]
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
     keys = None
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
         with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
-            keys = _fill_cache(cfg, items, item_buckets, sorted(set(captions) | {dropped}), encoders, cache, echo)
+            texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions))
+            keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo)
         image_keys, text_keys = keys
-        cache.record_pairs([(image_keys[i], text_keys[c]) for i, c in enumerate(captions)])
-    return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed)
+        cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
+    return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
 
 
 # LoRA factors start below 1/sqrt(in_features) in size and stay far below 10 in any training that learns; one of
@@ -313,6 +334,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             changed = sorted(k for k, v in cfg.to_dict().items() if k != "resume" and ckpt.config.get(k, v) != v)
             if ranks.is_main:
                 _truncate_metrics(out / METRICS_FILE, step)
+                _truncate_metrics(out / VALIDATION_FILE, step)
             echo(f"resumed from {path} at step {step}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
 
     def checkpoint(data_state=None, generator_state=None) -> Path:
@@ -330,7 +352,21 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         ranks.barrier()
         return path
 
-    feed = CacheFeed(cache, image_keys, text_keys, plain, dropped, device)
+    feed = CacheFeed(cache, image_keys, text_keys, plain + [[c] for c in data.validation], dropped, device)
+    held_out = list(range(len(plain), len(plain) + len(data.validation)))  # the validation entries of the feed
+
+    def validate() -> None:
+        if not held_out or not ranks.is_main:
+            return
+        with _forward_only(model, device):
+            result = validation_loss(model, recipe, objective, feed, held_out, cfg.seed, cfg.guidance, device)
+        record_validation(out, step, result)
+        if board is not None:
+            board.add_scalar("val/loss", result["val_loss"], step)
+        first = validation_history(out)[0]
+        echo(f"step {step}: validation loss {result['val_loss']:.4f} on {result['images']} held-out images"
+             + (f" (step {first['step']}: {first['val_loss']:.4f})" if first["step"] != step else ""))
+
     every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
     batch_iter = iter(batches)
     losses: list[float] = []
@@ -346,6 +382,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         try:
             if cfg.sample_every and step == 0 and ranks.is_main:
                 _save_samples(cfg, model, slab, out / "samples", 0, device)  # the base model's pictures, to compare
+            if step == 0:
+                validate()  # the base model's loss, to compare
             while step < total:
                 started = time.perf_counter()
                 step_loss = 0.0
@@ -353,9 +391,11 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 step_start = (batches.state_dict(), generator.get_state())
                 updating = False
                 for _ in range(cfg.grad_accum):
+                    epoch = batches.epoch  # the batch's own: the last one of an epoch moves the count on
                     indices = next(batch_iter, None)
                     if indices is None:
                         batch_iter = iter(batches)
+                        epoch = batches.epoch
                         indices = next(batch_iter)
                     # Every rank draws for the whole global batch, then keeps its share: the same numbers as one
                     # process training the whole batch.
@@ -367,9 +407,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     t = draw_times(objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift,
                                    image_tokens=image_tokens(shape))
                     indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
-                    latents, text = feed.batch(indices, drops)
+                    latents, text = feed.batch(indices, drops, epoch)
                     upcoming = batches.peek()
-                    feed.prefetch(upcoming[ranks.share(len(upcoming))])  # read while this micro-batch computes
+                    feed.prefetch(upcoming[ranks.share(len(upcoming))], batches.epoch)  # read while this one computes
                     loss = denoising_loss(model, recipe, objective, latents, noise, t, text, cfg.guidance,
                                           cfg.loss_weighting) / cfg.grad_accum
                     loss.backward()
@@ -443,6 +483,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     checkpoint()
                 if cfg.sample_every and step % cfg.sample_every == 0 and ranks.is_main:
                     _save_samples(cfg, model, slab, out / "samples", step, device)
+                if step % (cfg.validate_every or cfg.save_every or total) == 0 or step == total:
+                    validate()
                 if after_step is not None:
                     after_step(step)
         except torch.OutOfMemoryError:
@@ -539,29 +581,36 @@ def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device
     """PNG samples of ``cfg.sample_prompts`` from the model being trained (streamed forward under no_grad). The
     training RNG is set aside while sampling, so samples do not change the run."""
     folder.mkdir(parents=True, exist_ok=True)
+    with _forward_only(model, device), open_encoders(cfg.model or slab.manifest.model.source, device,
+                                                     "flux") as encoders:
+        pipe = encoders.pipeline
+        pipe.transformer = model
+        images = []
+        for i, prompt in enumerate(cfg.sample_prompts):
+            images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
+                                     cfg.sample_seed, cfg.max_sequence_length, device))
+            write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
+        write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
+        pipe.transformer = None
+
+
+@contextlib.contextmanager
+def _forward_only(model, device: torch.device):
+    """A pause in training for forward passes (samples, validation): eval mode, the training RNG set aside, and
+    the ring lent FORWARD_SLOTS, since a forward-only pass needs more slots in flight than a training step to hide
+    its copies; the extra slots go back before training goes on."""
     model.eval()
-    # a forward-only pass needs more slots in flight than a training step to hide its copies: lend the ring
-    # FORWARD_SLOTS while sampling, and give the extra slots back before training goes on
     streamer = runtime.runtime_of(model).streamer
     before = len(streamer.slots) if streamer is not None else 0
     try:
         if streamer is not None:
             streamer.add_slots(FORWARD_SLOTS - before)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                open_encoders(cfg.model or slab.manifest.model.source, device, "flux") as encoders:
-            pipe = encoders.pipeline
-            pipe.transformer = model
-            images = []
-            for i, prompt in enumerate(cfg.sample_prompts):
-                images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
-                                         cfg.sample_seed, cfg.max_sequence_length, device))
-                write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
-            write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
-            pipe.transformer = None
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
     finally:
         if streamer is not None:  # also the slots an add_slots that ran out of memory did add
             streamer.remove_slots(len(streamer.slots) - before)
-    model.train()
+        model.train()
 
 
 def _side_by_side(images):
@@ -585,9 +634,15 @@ def plot_losses(out: Path) -> Path | None:
     if not losses:
         return None
     window = max(1, len(losses) // 10)
-    mean = smooth(losses, window)
-    return plot_curves(out / "loss.png", f"training loss by step ({out.name})",
-                       {"loss": (losses, (170, 170, 170), 1), f"mean of {window}": (mean, (30, 90, 200), 2)})
+    curves = {"loss": (losses, (170, 170, 170), 1), f"mean of {window}": (smooth(losses, window), (30, 90, 200), 2)}
+    held = validation_history(out)
+    if held:  # drawn at its steps (step 0's at step 1), joined by straight lines
+        points = [math.nan] * len(losses)
+        for row in held:
+            if row["step"] <= len(losses):
+                points[max(row["step"], 1) - 1] = row["val_loss"]
+        curves["validation"] = (points, (210, 80, 30), 2)
+    return plot_curves(out / "loss.png", f"training loss by step ({out.name})", curves)
 
 
 def _apply_new_hyperparameters(cfg: TrainConfig, optimizer, scheduler) -> None:

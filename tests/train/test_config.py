@@ -146,12 +146,12 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
     assert (cfg.loss_weighting, cfg.timestep_sampling) == ("cosmap", "logit_normal")
     assert any("gradient_checkpointing" in r.getMessage() and "always checkpoints" in r.getMessage()
                for r in caplog.records)
-    path.write_text('network_dim = 8\nshuffle_caption = true\npretrained_model_name_or_path = "flux1-dev.safetensors"\n'
+    path.write_text('network_dim = 8\nnetwork_args = ["x=1"]\npretrained_model_name_or_path = "flux1-dev.safetensors"\n'
                     'optimizer_type = "Lion"\n')
     with pytest.raises(ConfigError) as err:
         load_config(path)
     message = str(err.value)
-    for words in ("shuffle_caption: caption shuffling", "pretrained_model_name_or_path: the model is the slab",
+    for words in ("network_args: SquareQ's LoRA takes no network_args", "pretrained_model_name_or_path: the model is the slab",
                   "optimizer_type = 'Lion'"):
         assert words in message, (words, message)
     path.write_text("network_dim = 8\nrank = 16\n")

@@ -414,3 +414,31 @@ def test_several_resolutions_train_every_image_at_each():
     assert {b[0] * b[1] <= 64 * 64 for b in both.item_buckets[:3]} == {True}
     assert {64 * 64 < b[0] * b[1] <= 128 * 128 for b in both.item_buckets[3:]} == {True}
     assert len(BucketBatches(data, make_buckets(64), 1, 0).item_buckets) == 3
+
+
+def test_caption_orders_shuffle_tags_behind_the_kept_ones_and_the_trigger():
+    from squareq.train.data import caption_orders
+
+    caption = "a dog, red collar, grass, sunny, park"
+    orders = caption_orders(caption, "sks", keep_tokens=1, count=8, seed=3)
+    assert len(orders) == 8 and len(set(orders)) == 8
+    assert all(o.startswith("sks, a dog, ") for o in orders)
+    assert {frozenset(o.split(", ")) for o in orders} == {frozenset(["sks", *caption.split(", ")])}
+    assert caption_orders(caption, "sks", 1, 8, seed=3) == orders  # the cache finds them again
+    assert caption_orders(caption, "sks", 1, 8, seed=4) != orders
+    # a kohya caption with the trigger as its first tag: it stays first whatever keep_tokens says
+    assert all(o.startswith("sks, ") for o in caption_orders("sks, " + caption, "sks", 0, 8, seed=3))
+    assert sorted(caption_orders("a, b", None, 0, 8, seed=0)) == ["a, b", "b, a"]  # only two orders exist
+    assert caption_orders("one tag only", "sks", 0, 8, seed=0) == ["sks, one tag only"]
+    assert caption_orders(caption, None, 0, 0, seed=0) == [caption]  # shuffle off
+    # negative control: without keep_tokens the first tag moves too
+    assert not all(o.startswith("a dog") for o in caption_orders(caption, None, 0, 8, seed=3))
+
+
+def test_keep_tokens_without_shuffle_is_refused(tmp_path):
+    from squareq.train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="keep_tokens = 2 only applies with shuffle_caption"):
+        load_config(None, {"slab": "s", "data": "d", "output": "o", "keep_tokens": 2})
+    assert load_config(None, {"slab": "s", "data": "d", "output": "o", "keep_tokens": 2,
+                              "shuffle_caption": True}).keep_tokens == 2

@@ -661,7 +661,7 @@ def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence
         prepare_data(_config(workspace, tmp_path / "out", data=str(data)), None, torch.device("cpu"), encode=False)
     prepared = prepare_data(_config(workspace, tmp_path / "out", data=str(data), trigger="sks"), None,
                             torch.device("cpu"), encode=False)
-    assert prepared.captions == ["a photo of sks"]
+    assert prepared.captions == [["a photo of sks"]]
 
 
 def test_several_resolutions_give_every_image_an_entry_at_each(workspace, tmp_path):
@@ -811,3 +811,115 @@ def test_a_run_resumed_without_targets_keeps_its_checkpoints_layers(workspace, t
     resumed = train(_config(workspace, tmp_path / "r", steps=4, save_every=2, resume="latest"), echo=lambda s: None)
     layers = {n.rsplit(".", 2)[0].rsplit(".", 1)[-1] for n in load_lora(resumed.lora_file)[0]}
     assert resumed.steps == 4 and layers <= {"to_q", "to_k", "to_v", "0"}
+
+
+def test_shuffled_captions_are_cached_in_several_orders_and_each_epoch_trains_the_next(workspace, tmp_path):
+    from squareq.train.cache import EmbeddingCache
+    from squareq.train.feed import CacheFeed
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, color in (("a", (200, 10, 10)), ("b", (10, 200, 10))):
+        Image.new("RGB", (64, 64), color).save(data / f"{name}.png")
+        (data / f"{name}.txt").write_text(f"{name} tag, red, square, small, plain")
+    seen: list[str] = []
+    original = CacheFeed.batch
+
+    def spy(self, indices, drops, epoch=0):
+        seen.extend(self.caption(i, epoch) for i in indices)
+        return original(self, indices, drops, epoch)
+
+    def run(name, **kw):
+        seen.clear()
+        cfg = _config(workspace, tmp_path / name, data=str(data), cache_dir=str(tmp_path / f"cache-{name}"),
+                      trigger="sks", steps=8, batch_size=1, save_every=0, **kw)
+        CacheFeed.batch = spy
+        try:
+            train(cfg, echo=lambda s: None)
+        finally:
+            CacheFeed.batch = original
+        return list(seen), len(list(EmbeddingCache(tmp_path / f"cache-{name}").path("text", "x").parent.iterdir()))
+
+    plain, plain_entries = run("plain")
+    assert set(plain) == {"sks, a tag, red, square, small, plain", "sks, b tag, red, square, small, plain"}
+    assert plain_entries == 3  # two captions and the dropped one
+    shuffled, entries = run("shuffled", shuffle_caption=True, keep_tokens=1, caption_orders=3)
+    assert entries == 2 * 3 + 1
+    assert len(set(shuffled)) == 6  # 8 steps over 2 images: each image met in 4 epochs, 3 orders each
+    assert all(c.startswith(("sks, a tag, ", "sks, b tag, ")) for c in shuffled)
+    assert {tuple(sorted(c.split(", "))) for c in shuffled} == {tuple(sorted(c.split(", "))) for c in plain}
+
+
+def test_validation_loss_is_measured_on_held_out_images_at_step_0_checkpoints_and_the_end(workspace, tmp_path):
+    """validation_split holds images out of every batch; their loss is measured at fixed times and noise at step 0,
+    with each checkpoint and at the end, and a killed and resumed run writes the same measurements."""
+    from squareq.train.data import hold_out, scan_dataset
+    from squareq.train.loop import prepare_data
+
+    train_set, held = hold_out(scan_dataset(workspace / "data"), 0.25, seed=42)
+    assert len(held) == 1 and held.items[0].path not in {it.path for it in train_set.items}
+    kw = dict(validation_split=0.25, steps=10, save_every=4, cache_dir=str(tmp_path / "cache"))
+    prepared = prepare_data(_config(workspace, tmp_path / "p", **kw), None, torch.device("cpu"), encode=False)
+    # the batches draw from the dataset alone, which no longer holds the held-out image
+    assert [it.path for it in prepared.dataset.items] == [it.path for it in train_set.items]
+    assert len(prepared.validation) == 1 and held.items[0].caption in prepared.validation[0]
+    result = train(_config(workspace, tmp_path / "straight", **kw), echo=lambda s: None)
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 4, 8, 10] and all(r["images"] == 1 for r in rows)
+    assert set(rows[0]["by_time"]) == {"0.1", "0.3", "0.5", "0.7", "0.9"}
+    assert rows[-1]["val_loss"] != rows[0]["val_loss"]  # the LoRA moved it
+    assert result.steps == 10
+
+    def kill(step):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(workspace, tmp_path / "killed", **kw), echo=lambda s: None, after_step=kill)
+    train(_config(workspace, tmp_path / "killed", resume="latest", **kw), echo=lambda s: None)
+    again = [json.loads(line) for line in (tmp_path / "killed" / "validation.jsonl").read_text().splitlines()]
+    assert again == rows
+
+
+def test_validation_loss_depends_on_the_lora_alone(workspace, tmp_path):
+    """Measured twice on the same weights it is the same number (fixed times and noise, whatever the training RNG
+    did in between); a changed LoRA changes it (negative control)."""
+    from squareq.models import ADAPTERS
+    from squareq.train.cache import EmbeddingCache
+    from squareq.train.feed import CacheFeed
+    from squareq.train.loop import prepare_data
+    from squareq.train.validation import validation_loss
+
+    cfg = _config(workspace, tmp_path / "out", validation_data=str(workspace / "data"),
+                  cache_dir=str(tmp_path / "cache"))
+    slab = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    data = prepare_data(cfg, runtime.runtime_of(slab).manifest.model, torch.device("cpu"), echo=lambda s: None)
+    assert len(data.validation) == 4 and len(data.keys[0]) == 8
+    feed = CacheFeed(EmbeddingCache(tmp_path / "cache"), *data.keys, data.captions + [[c] for c in data.validation],
+                     data.dropped, torch.device("cpu"))
+    runtime.add_lora(slab, rank=4, targets=["to_q", "to_k", "to_v"])
+    held = list(range(4, 8))
+
+    def measure():
+        return validation_loss(slab, ADAPTERS["flux"].recipe, "flow", feed, held, 42, 1.0, torch.device("cpu"))
+
+    first = measure()
+    torch.randn(100)  # the global RNG moves on, as training moves it
+    assert measure() == first
+    with torch.no_grad():
+        for name, p in runtime.lora_parameters(slab).items():
+            if name.endswith("lora_B.weight"):
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
+    changed = measure()
+    assert changed["val_loss"] != first["val_loss"]
+    assert all(a != b for a, b in zip(changed["by_time"].values(), first["by_time"].values()))
+    feed.close()
+
+
+def test_a_validation_split_that_leaves_nothing_to_train_is_refused(workspace, tmp_path):
+    from squareq.train.data import DataError, hold_out, scan_dataset
+
+    with pytest.raises(DataError, match="holds out 4 of the 4 images.*lower validation_split"):
+        hold_out(scan_dataset(workspace / "data"), 0.9, seed=0)
+    a = hold_out(scan_dataset(workspace / "data"), 0.5, seed=0)[1]
+    assert [it.path for it in a.items] == [it.path for it in hold_out(scan_dataset(workspace / "data"), 0.5, 0)[1].items]
