@@ -335,10 +335,15 @@ def phase_slab(setup: Setup) -> None:
         raise RuntimeError(f"the written slab stores {rec['bits_per_weight']} bits per weight, over {MAX_BITS}.")
 
 
-def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
+# --lora-layers: SquareQ's own LoRA layer, PEFT's lora.Linear around the QuantLinear (plain), PEFT's DoRA
+LORA_LAYERS = ("squareq", "peft", "dora")
+
+
+def phase_squareq(setup: Setup, res: int, prefetch: int, host: str, lora: str = "squareq") -> None:
     import squareq.runtime as rt
 
-    rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "device": setup.device_name}
+    rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora,
+           "device": setup.device_name}
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
     trace = None
     if trace_dir and host == "pinned" and prefetch == 3 and res == (128 if setup.tiny else 512):
@@ -361,7 +366,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=prefetch, host=host, verify="off", trace=trace)
-    params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS)
+    params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
+                         variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
     setup.sync()
     rec.update(load_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
@@ -369,7 +375,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str) -> None:
     runtime = rt.runtime_of(model)
     log(f"squareq {res} K={prefetch} {host}: loaded in {rec['load_s']:.1f} s")
     result = train(setup, model, params, res, lambda: runtime.step_stats().to_dict(),
-                   label=f"squareq_{res}_{prefetch}_{host}")
+                   label=f"squareq_{res}_{prefetch}_{host}" + ("" if lora == "squareq" else f"_{lora}"))
     stats = result.pop("median_figures")
     rec.update(result)
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
@@ -454,7 +460,7 @@ def phase_record(phase: list[str]) -> dict:
     if phase[0] != "slab":
         rec["res"] = int(phase[1])
     if phase[0] == "squareq":
-        rec.update(prefetch=int(phase[2]), host=phase[3])
+        rec.update(prefetch=int(phase[2]), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq")
     return rec
 
 
@@ -470,7 +476,7 @@ def run_phase(args) -> None:
         if name == "slab":
             phase_slab(setup)
         elif name == "squareq":
-            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"])
+            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"])
         else:
             {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
     except Exception as exc:
@@ -571,7 +577,8 @@ def table(records: list[dict]) -> str:
         setup = LABELS.get(what, what)
         notes = []
         if what == "squareq":
-            setup += f" K={r.get('prefetch')} {r.get('host')}"
+            setup += f" K={r.get('prefetch')} {r.get('host')}" + (
+                "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
             if "step_s" in r:
                 notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
             if "plan_peak_GB" in r:
@@ -612,6 +619,9 @@ def main() -> None:
     ap.add_argument("--targets", choices=TARGET_SETS, default="attention",
                     help="LoRA targets: the attention projections, or FLUX.1's default set (every attention and MLP "
                          "linear of both streams)")
+    ap.add_argument("--lora-layers", default="squareq",
+                    help="comma list of LoRA layers for the pinned SquareQ setups: squareq (its own fast path), peft "
+                         "(PEFT's lora.Linear around the quantized layer), dora (PEFT's DoRA)")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
     args = ap.parse_args()
     global LORA_TARGETS
@@ -633,6 +643,9 @@ def main() -> None:
     unknown = only - {"slab", "squareq", "resident", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
+    lora_layers = args.lora_layers.split(",")
+    if not set(lora_layers) <= set(LORA_LAYERS):
+        ap.error(f"--lora-layers: choose from {', '.join(LORA_LAYERS)}")
 
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
@@ -650,7 +663,7 @@ def main() -> None:
         if "resident" in only:
             phases.append(["resident", str(r)])
         if "squareq" in only:
-            phases += [["squareq", str(r), str(k), "pinned"] for k in args.prefetch]
+            phases += [["squareq", str(r), str(k), "pinned", lora] for k in args.prefetch for lora in lora_layers]
     if "squareq" in only:
         phases += [["squareq", str(r), "3", "disk"] for r in disk_res]
     skipped = []

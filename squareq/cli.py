@@ -429,12 +429,13 @@ def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, m
 @click.option("--format", "fmt", type=click.Choice(["kohya", "diffusers"]), default="kohya", show_default=True)
 def export_lora(lora: Path, out: Path, fmt: str) -> None:
     """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT)."""
+    from .runtime import LoraVariant
     from .train.lora_files import load_lora, save_diffusers_lora, save_kohya_lora
 
     factors, info = load_lora(lora)
     save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
     provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
-    prefix = {"prefix": info["component"]} if fmt == "diffusers" else {}
+    prefix = {"prefix": info["component"], "variant": LoraVariant(dora=info["use_dora"])} if fmt == "diffusers" else {}
     path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance, **prefix)
     click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
 

@@ -4,6 +4,7 @@ slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`;
 from .blocks import disable_cudnn_attention
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
+from .peft_lora import LoraVariant
 from .memory_plan import MemoryPlan, PlanError, plan
 from .module_stream import release_module, stream_module
 from .qlinear import QuantLinear
@@ -12,6 +13,7 @@ from .telemetry import StepStats
 
 __all__ = [
     "DEFAULT_TARGETS",
+    "LoraVariant",
     "MemoryPlan",
     "PlanError",
     "QuantLinear",

@@ -39,19 +39,13 @@ class BlockRunner:
         self.streamer = streamer
         self.runtime = runtime
         self.forward = type(module).forward.__get__(module)
-        from .qlinear import QuantLinear
-
-        self.quant_linears = [m for m in module.modules() if isinstance(m, QuantLinear)]
         # Which tensor outputs carry no gradient (e.g. T5's position bias), per pattern of inputs needing grad
         # and number of trainable tensors; learned on the block's first training forward.
         self.constant_outputs: dict[tuple, set[int]] = {}
 
     def trainable(self) -> list[torch.Tensor]:
-        out = []
-        for m in self.quant_linears:
-            if m.lora_A is not None:
-                out += [p for p in (m.lora_A.weight, m.lora_B.weight) if p.requires_grad]
-        return out
+        """The block's parameters that train (LoRA factors, ours or PEFT's, and DoRA magnitudes)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def resident(self, phase: str, training: bool):

@@ -135,7 +135,9 @@ class _Binder:
             ops.append((module, "bind", (qw, module.scratch.prepare(qw))))
         for pname, t in self.slab.block_params(block, blob=buffer).items():
             owner_path, _, attr = pname.rpartition(".")
-            owner = block_module.get_submodule(owner_path) if owner_path else block_module
+            # a layer's bias goes to the layer found at load, even where PEFT has since wrapped it in a LoRA layer
+            owner = self.modules.get(f"{rec.name}.{owner_path}") or (
+                block_module.get_submodule(owner_path) if owner_path else block_module)
             if attr in owner._parameters:
                 ops.append((owner._parameters, attr, nn.Parameter(t, requires_grad=False)))
             elif attr in owner._buffers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .peft_lora import LoraVariant, add_peft_lora, file_name, is_lora_parameter
 from .qlinear import QuantLinear
 
 DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -20,29 +21,37 @@ def matches(name: str, targets) -> bool:
 
 
 def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targets=DEFAULT_TARGETS,
-             seed: int = 0) -> list[nn.Parameter]:
+             seed: int = 0, variant: LoraVariant | None = None, peft: bool = False) -> list[nn.Parameter]:
     """Attach rank-``rank`` LoRA factors (scale alpha/rank; alpha defaults to rank) to every QuantLinear whose
-    name matches ``targets``; return the new trainable parameters."""
+    name matches ``targets``; return the new trainable parameters.
+
+    A plain LoRA uses SquareQ's own layer (the factors sit on the QuantLinear); ``variant`` (DoRA, rsLoRA,
+    dropout), or ``peft=True`` for a plain one, wraps the layers in PEFT's LoRA layers instead (peft_lora.py)."""
     if rank < 1:
         raise ValueError(f"rank={rank}: a LoRA rank must be at least 1.")
     if isinstance(targets, str):
         targets = (targets,)
-    g = torch.Generator().manual_seed(seed)
-    params: list[nn.Parameter] = []
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear) and matches(name, targets):
-            module.add_lora(rank, float(alpha if alpha is not None else rank), generator=g,
-                            device=module.scratch.buffer.device)
-            params += [module.lora_A.weight, module.lora_B.weight]
-    if not params:
+    alpha = float(alpha if alpha is not None else rank)
+    layers = [name for name, module in model.named_modules() if isinstance(module, QuantLinear) and matches(name, targets)]
+    if not layers:
         raise ValueError(f"no quantized layer of {type(model).__name__} matches the LoRA targets {list(targets)}; "
                          "name layers as PEFT target_modules do (e.g. to_q, attn.to_out.0).")
+    variant = variant or LoraVariant()
+    if peft or not variant.plain:
+        return add_peft_lora(model, layers, rank, alpha, variant, seed)
+    g = torch.Generator().manual_seed(seed)
+    params: list[nn.Parameter] = []
+    for name in layers:
+        module = model.get_submodule(name)
+        module.add_lora(rank, alpha, generator=g, device=module.scratch.buffer.device)
+        params += [module.lora_A.weight, module.lora_B.weight]
     return params
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Every LoRA factor of ``model`` by its state-dict name (``<layer>.lora_A.weight``)."""
-    return {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    """Every LoRA parameter of ``model`` by its name in a LoRA file (``<layer>.lora_A.weight``, and
+    ``<layer>.lora_magnitude_vector`` for DoRA), whichever layer holds it."""
+    return {file_name(n): p for n, p in model.named_parameters() if is_lora_parameter(n)}
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -51,7 +51,7 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
-        qw = layer.qweight
+        qw = layer.quantized
         if layer.fused_limit is None and qw is not None:
             layer.fused_limit = fused_limit(qw, x.device)  # settled once per layer (kernels/dispatch.py)
         ctx.fused = qw is not None and x.numel() // max(1, x.shape[-1]) <= layer.fused_limit
@@ -73,7 +73,7 @@ class _DequantLinear(torch.autograd.Function):
         if ctx.fused:
             from ..kernels.triton_fused import fused_input_grad
 
-            return fused_input_grad(grad_out.to(torch.bfloat16), layer.qweight), None
+            return fused_input_grad(grad_out.to(torch.bfloat16), layer.quantized), None
         w = layer.dequant()
         grad_in = grad_out.to(w.dtype).matmul(w)
         return grad_in, None
@@ -82,7 +82,7 @@ class _DequantLinear(torch.autograd.Function):
 class QuantLinear(nn.Module):
     """A frozen linear layer computed from a quantized weight held in a runtime block slot.
 
-    ``qweight`` and ``bias`` are views into the slot that holds this layer's block; the runtime rebinds
+    ``quantized`` and ``bias`` are views into the slot that holds this layer's block; the runtime rebinds
     them each time it brings the block into a slot. ``scratch`` is the model's shared dequant buffer.
     """
 
@@ -91,33 +91,38 @@ class QuantLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.scratch = scratch
-        self.qweight: QuantizedWeight | None = None
+        self.quantized: QuantizedWeight | None = None
         self.dequant = self._unbound  # the runtime binds a prepared dequantizer with each qweight
         self.register_parameter("bias", None)  # bound to a slot view when the layer has a bias
         self.lora_A: nn.Linear | None = None
         self.lora_B: nn.Linear | None = None
         self.lora_scale = 0.0
         self.fused_limit: int | None = None  # most input rows that go to the fused kernel; decided on first use
+        # PEFT's DoRA reads ``weight`` for its values: set for the layers it wraps (runtime/peft_lora.py)
+        self.exact_weight = False
 
     @staticmethod
     def _unbound() -> torch.Tensor:
         raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "
                            "runtime (use squareq.runtime.load) before it runs.")
 
-    def bind(self, qweight: QuantizedWeight, dequant=None) -> None:
+    def bind(self, quantized: QuantizedWeight, dequant=None) -> None:
         """Point the layer at stored tensors (views into a slot) and the callable that dequantizes them."""
-        self.qweight = qweight
-        self.dequant = dequant or self.scratch.prepare(qweight)
+        self.quantized = quantized
+        self.dequant = dequant or self.scratch.prepare(quantized)
 
     def unbind(self) -> None:
-        self.qweight = None
+        self.quantized = None
         self.dequant = self._unbound
 
     @property
     def weight(self) -> torch.Tensor:
         """A stand-in with the effective weight's shape, dtype (bf16) and device, for model code that inspects
         ``layer.weight.dtype`` (transformers' T5 does). Its values are not the weight: that is dequantized on use;
-        :meth:`dequantized_weight` returns it."""
+        :meth:`dequantized_weight` returns it. With ``exact_weight`` set and a block bound, it is the weight itself
+        (a fresh copy, which autograd may keep: the shared scratch is overwritten by the next layer)."""
+        if self.exact_weight and self.quantized is not None:
+            return self.dequantized_weight()
         return self.scratch.buffer[:1].view(()).expand(self.out_features, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -125,7 +130,7 @@ class QuantLinear(nn.Module):
         return self.dequant().clone()
 
     def extra_repr(self) -> str:
-        spec = self.qweight.spec.label() if self.qweight is not None else "unbound"
+        spec = self.quantized.spec.label() if self.quantized is not None else "unbound"
         lora = f", lora_rank={self.lora_A.out_features}" if self.lora_A is not None else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {spec}{lora}"
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..models import ADAPTERS
 from ..runtime.lora import DEFAULT_TARGETS
+from ..runtime.peft_lora import LoraVariant
 from ..sizes import SizeError, parse_size
 from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
@@ -40,6 +41,11 @@ HELP = {
     "targets": "Comma-separated layer name patterns for LoRA, matched like PEFT target_modules (default: the "
                "family's; FLUX.1: every attention and MLP linear of both streams, as kohya's FLUX default; other "
                "families: to_q,to_k,to_v,to_out.0).",
+    "use_dora": "Train DoRA (weight-decomposed LoRA: a trained magnitude per output row) through PEFT's layers; "
+                "written in the diffusers file only.",
+    "use_rslora": "Scale the LoRA by alpha/sqrt(rank) instead of alpha/rank (rank-stabilised LoRA, through PEFT's "
+                  "layers).",
+    "lora_dropout": "Dropout on the LoRA's input while training (through PEFT's layers), e.g. 0.1.",
     "lr": "Learning rate.",
     "optimizer": "adamw, adamw8bit (needs bitsandbytes), prodigy (needs prodigyopt; use lr 1.0) or adafactor.",
     "weight_decay": "AdamW weight decay.",
@@ -121,6 +127,9 @@ class TrainConfig:
     rank: int = 16
     alpha: float | None = None  # default: rank (scale 1)
     targets: list[str] | None = None  # default: the family's (with_family_defaults)
+    use_dora: bool = False
+    use_rslora: bool = False
+    lora_dropout: float = 0.0
     # optimization
     lr: float = 1e-4
     optimizer: str = "adamw"
@@ -217,6 +226,9 @@ class TrainConfig:
             raise bad("ema_decay", "must be in [0, 1): 0 turns the average off, 0.999 is usual")
         if not 0.0 <= self.caption_dropout < 1.0:
             raise bad("caption_dropout", "must be in [0, 1)")
+        if not isinstance(self.lora_dropout, (int, float)) or isinstance(self.lora_dropout, bool) \
+                or not 0.0 <= self.lora_dropout < 1.0:
+            raise bad("lora_dropout", "must be in [0, 1), e.g. 0.1")
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \
                 or self.lr <= 0:
             raise bad("lr", "must be a finite positive number, e.g. 1e-4")
@@ -234,7 +246,7 @@ class TrainConfig:
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
             raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
-        for key in ("no_upscale", "shuffle_caption"):
+        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \
@@ -275,6 +287,11 @@ class TrainConfig:
     @property
     def lora_alpha(self) -> float:
         return float(self.alpha if self.alpha is not None else self.rank)
+
+    @property
+    def lora_variant(self) -> LoraVariant:
+        """DoRA, rsLoRA and dropout as the runtime takes them (any of them: PEFT's layers)."""
+        return LoraVariant(dora=self.use_dora, rslora=self.use_rslora, dropout=float(self.lora_dropout))
 
     @property
     def vram_budget_bytes(self) -> int | None:

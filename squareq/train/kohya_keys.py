@@ -94,6 +94,7 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "network_module": (None, _network_module),
     "weighting_scheme": ("loss_weighting", _weighting),
     "validate_every_n_steps": ("validate_every", None),
+    "network_dropout": ("lora_dropout", None),
 }
 
 # what SquareQ always does: dropped with this sentence as a warning
@@ -127,7 +128,6 @@ UNSUPPORTED = {
     "dataset_config": "SquareQ reads one data folder (kohya repeat folders, caption files or metadata.jsonl); set "
                       "data to it",
     "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",
-    "network_dropout": "LoRA dropout is not in SquareQ yet; remove the key",
     "model_prediction_type": "SquareQ trains FLUX.1 on the flow-matching velocity (kohya's raw); remove the key",
 }
 

@@ -295,7 +295,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
             raise TrainError(f"--host {cfg.host}: {exc}") from None
         log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
         model = runtime.load(slab, device, prefetch=cfg.prefetch, host="pinned", verify="off")
-    params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
+    params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed,
+                              variant=cfg.lora_variant)
     names = [n for n, p in runtime.lora_parameters(model).items()]
     model.enable_gradient_checkpointing()
     model.train()
@@ -345,7 +346,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                                    {"batches": data_state or batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
                                    extra={"generator": generator.get_state() if generator_state is None
                                           else generator_state, **(ema.state_dict(names) if ema else {})},
-                                   lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha))
+                                   lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha, cfg.lora_variant))
             prune_checkpoints(out, max(1, cfg.keep_last))
             metrics.flush()
             plot_losses(out)
@@ -536,10 +537,13 @@ def save_formats(cfg: TrainConfig, family: str) -> list[str]:
     """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file and, for FLUX.1, the kohya
     file whose ``.alpha`` tensors carry the strength to ComfyUI. Refused before training where a layout cannot
     hold this family's LoRA."""
-    formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" else ["diffusers"])
+    formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" and not cfg.use_dora else ["diffusers"])
     if "kohya" in formats and family != "flux":
         raise TrainError(f"save_format = {','.join(formats)}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's, and "
                          f"this slab holds a {family} model; use --save-format diffusers.")
+    if "kohya" in formats and cfg.use_dora:
+        raise TrainError(f"save_format = {','.join(formats)} with use_dora: the kohya/ComfyUI layout has no DoRA that "
+                         "kohya and ComfyUI read alike; use --save-format diffusers.")
     return formats
 
 
@@ -570,9 +574,11 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     if "diffusers" in formats:
         files["diffusers"] = save_diffusers_lora(lora, out, cfg.rank, cfg.lora_alpha, cfg.targets,
                                                  extra_metadata=provenance, prefix=component,
-                                                 header=header("diffusers"))
+                                                 header=header("diffusers"), variant=cfg.lora_variant)
     if "kohya" in formats:
-        files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, cfg.lora_alpha, cfg.targets,
+        # kohya scales by alpha/rank: rsLoRA's alpha/sqrt(rank) is that scale with alpha·sqrt(rank)
+        alpha = cfg.lora_alpha * math.sqrt(cfg.rank) if cfg.use_rslora else cfg.lora_alpha
+        files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, alpha, cfg.targets,
                                          extra_metadata=provenance, header=header("kohya"))
     return files
 

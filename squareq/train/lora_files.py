@@ -38,6 +38,7 @@ from safetensors import SafetensorError, safe_open
 from .. import __version__
 from ..models import flux_bfl
 from ..models.base import ModelError
+from ..runtime.peft_lora import LoraVariant
 from ..slab.atomic import atomic_write_bytes
 from ..slab.safetensors_file import safetensors_bytes
 
@@ -56,6 +57,7 @@ KOHYA_PREFIX = "lora_unet_"  # sd-scripts' networks/lora_flux.py prefix for the 
 KOHYA_NETWORK_MODULE = "networks.lora_flux"
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
+_MAGNITUDE = ".lora_magnitude_vector"  # DoRA's per-output-row magnitude [out], the name PEFT saves it under
 _DOWN, _UP, _ALPHA = ".lora_down.weight", ".lora_up.weight", ".alpha"
 _SAVE_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -77,6 +79,8 @@ def _layers(lora: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple[tor
     """{layer: (A, B)} from PEFT-named factors (``<layer>.lora_A.weight``), shapes checked."""
     pairs: dict[str, list] = {}
     for key, t in lora.items():
+        if key.endswith(_MAGNITUDE):
+            continue  # read by _magnitudes
         if key.endswith(_A):
             pairs.setdefault(key[: -len(_A)], [None, None])[0] = t
         elif key.endswith(_B):
@@ -97,6 +101,20 @@ def _layers(lora: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple[tor
                                 "expected floating-point [rank, in] and [out, rank] with the same rank.")
         out[layer] = (a, b)
     return out
+
+
+def _magnitudes(lora: Mapping[str, torch.Tensor], layers: Mapping[str, tuple], where: str) -> dict[str, torch.Tensor]:
+    """DoRA's magnitude vector of every layer ({} for a plain LoRA), shapes checked against the factors."""
+    found = {k[: -len(_MAGNITUDE)]: t for k, t in lora.items() if k.endswith(_MAGNITUDE)}
+    if found and set(found) != set(layers):
+        missing = set(layers) ^ set(found)
+        raise LoraFileError(f"{where}: DoRA magnitudes ({_MAGNITUDE[1:]}) and LoRA factors name different layers "
+                            f"({_few(missing)}); every layer of a DoRA LoRA needs both.")
+    for layer, m in found.items():
+        if tuple(m.shape) != (layers[layer][1].shape[0],) or not m.is_floating_point():
+            raise LoraFileError(f"{where}: layer {layer}'s DoRA magnitude is {list(m.shape)}, not one value per output "
+                                f"row ({layers[layer][1].shape[0]}); re-save the LoRA.")
+    return found
 
 
 def plain_number(x: float) -> int | float:
@@ -166,7 +184,7 @@ def _normalize(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]) -
 # ------------------------------------------------------------------------------------------ diffusers
 
 
-def _adapter_json(layers, rank: int, alpha: float, prefix: str | None) -> str:
+def _adapter_json(layers, rank: int, alpha: float, prefix: str | None, variant: LoraVariant | None = None) -> str:
     """The adapter config in a safetensors header (``prefix.key`` as a pipeline writes it, bare keys as a model's
     ``save_lora_adapter`` does when ``prefix`` is None)."""
     # The LoraConfig arguments diffusers would infer itself (utils/peft_utils.py get_peft_kwargs), with the real
@@ -180,22 +198,26 @@ def _adapter_json(layers, rank: int, alpha: float, prefix: str | None) -> str:
         # do not match); empty for anything runtime.add_lora made
         "rank_pattern": {f"^{n}": int(a.shape[0]) for n, (a, _) in sorted(layers.items()) if a.shape[0] != rank},
         "alpha_pattern": {},
-        "use_dora": False,
+        "use_dora": bool(variant and variant.dora),
+        "use_rslora": bool(variant and variant.rslora),
+        "lora_dropout": float(variant.dropout if variant else 0.0),
         "lora_bias": False,
     }
     keyed = {f"{prefix}.{k}" if prefix else k: v for k, v in config.items()}
     return json.dumps(keyed, indent=2, sort_keys=True)
 
 
-def adapter_metadata(lora: Mapping[str, torch.Tensor], rank: int, alpha: float) -> dict[str, str]:
-    """Header metadata that keeps a runtime-named LoRA's alpha (a checkpoint's ``lora.safetensors``), so reading or
-    exporting it gives the trained scale alpha/rank, not alpha = rank."""
-    return {ADAPTER_METADATA_KEY: _adapter_json(_layers(lora, "the LoRA state dict"), rank, alpha, None)}
+def adapter_metadata(lora: Mapping[str, torch.Tensor], rank: int, alpha: float,
+                     variant: LoraVariant | None = None) -> dict[str, str]:
+    """Header metadata that keeps a runtime-named LoRA's alpha and variant (a checkpoint's ``lora.safetensors``), so
+    reading or exporting it gives the trained scale, not alpha = rank."""
+    return {ADAPTER_METADATA_KEY: _adapter_json(_layers(lora, "the LoRA state dict"), rank, alpha, None, variant)}
 
 
 def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, alpha: float, targets,
                         extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
-                        prefix: str = PREFIX, header: Mapping[str, str] | None = None) -> Path:
+                        prefix: str = PREFIX, header: Mapping[str, str] | None = None,
+                        variant: LoraVariant | None = None) -> Path:
     """Write ``out_dir/pytorch_lora_weights.safetensors`` for ``<Family>Pipeline.load_lora_weights(out_dir)``.
 
     ``lora`` is ``runtime.lora_state_dict(model)``; ``rank``/``alpha``/``targets`` are what ``add_lora`` was given
@@ -206,19 +228,28 @@ def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, al
     Alpha travels in the adapter metadata only: diffusers' FLUX loader refuses a file that has both that metadata
     and ``.alpha`` tensors, and other families' loaders do not read ``.alpha`` tensors at all. ComfyUI reads alpha
     from ``.alpha`` tensors alone, so for it write the kohya layout beside this file (``save_kohya_lora``).
+    ``variant`` records rsLoRA (scale alpha/sqrt(rank)) and dropout in the adapter config; a DoRA LoRA's
+    ``<layer>.lora_magnitude_vector`` tensors are written as PEFT writes them, with ``use_dora`` set.
     """
     if prefix not in PREFIXES:
         raise LoraFileError(f"prefix {prefix!r}: a diffusers LoRA names the denoiser {' or '.join(PREFIXES)}.")
     _check_dtype(dtype)
     layers = _layers(lora, "the LoRA state dict")
+    magnitudes = _magnitudes(lora, layers, "the LoRA state dict")
+    if bool(magnitudes) != bool(variant and variant.dora):
+        raise LoraFileError("the LoRA state dict " + ("has DoRA magnitudes but the variant is not DoRA" if magnitudes
+                            else "has no DoRA magnitudes but the variant is DoRA") + "; pass the variant it was "
+                            "trained with.")
     metadata = dict(header or {})
-    metadata.update({"format": "pt", ADAPTER_METADATA_KEY: _adapter_json(layers, rank, alpha, prefix)})
+    metadata.update({"format": "pt", ADAPTER_METADATA_KEY: _adapter_json(layers, rank, alpha, prefix, variant)})
     metadata.update(_provenance("diffusers", rank, alpha, targets, extra_metadata))
     tensors = {}
     for layer in sorted(layers):
         a, b = layers[layer]
         tensors[f"{prefix}.{layer}{_A}"] = a.detach().to("cpu", dtype).contiguous()
         tensors[f"{prefix}.{layer}{_B}"] = b.detach().to("cpu", dtype).contiguous()
+        if layer in magnitudes:
+            tensors[f"{prefix}.{layer}{_MAGNITUDE}"] = magnitudes[layer].detach().to("cpu", dtype).contiguous()
     return _write(Path(out_dir) / WEIGHT_NAME, tensors, metadata)
 
 
@@ -250,28 +281,30 @@ def _from_diffusers(tensors: Mapping[str, torch.Tensor], header: Mapping[str, st
             raise LoraFileError(f"{where} mixes '{prefix}' keys with {stray[0]}; save the LoRA with one naming.")
         tensors = {k[len(prefix):]: v for k, v in tensors.items()}
     layers = _layers(tensors, where)
+    magnitudes = {k: v.float() for k, v in _magnitudes(tensors, layers, where).items()}
 
-    alpha, alpha_pattern = _adapter_alphas(header, prefix if prefixed else None, where)
+    alpha, alpha_pattern, rslora = _adapter_alphas(header, prefix if prefixed else None, where)
     per_layer = {}
     for layer, (a, b) in layers.items():
         own = _peft_pattern(alpha_pattern, layer, where)
         if own is None:
             # no metadata: diffusers' convention is alpha = rank (scale 1), and it is what diffusers would load
             own = alpha if alpha is not None else a.shape[0]
-        per_layer[layer] = (a.float(), b.float(), float(own))
-    return per_layer
+        # rsLoRA's scale alpha/sqrt(r) is the plain scale of alpha·sqrt(r): read as that, it needs nothing special
+        per_layer[layer] = (a.float(), b.float(), float(own) * (math.sqrt(a.shape[0]) if rslora else 1.0))
+    return per_layer, magnitudes
 
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _adapter_alphas(header: Mapping[str, str], prefix: str | None, where: str) -> tuple[float | None, dict]:
-    """``lora_alpha`` and ``alpha_pattern`` from a diffusers/PEFT header's adapter config, each checked: a hostile
-    or damaged header is refused in a sentence rather than scaling the LoRA by whatever it holds."""
+def _adapter_alphas(header: Mapping[str, str], prefix: str | None, where: str) -> tuple[float | None, dict, bool]:
+    """``lora_alpha``, ``alpha_pattern`` and ``use_rslora`` from a diffusers/PEFT header's adapter config, each
+    checked: a hostile or damaged header is refused in a sentence rather than scaling the LoRA by whatever it holds."""
     raw = header.get(ADAPTER_METADATA_KEY)
     if not raw:
-        return None, {}
+        return None, {}, False
     try:
         meta = json.loads(raw)
     except (ValueError, RecursionError):
@@ -287,7 +320,11 @@ def _adapter_alphas(header: Mapping[str, str], prefix: str | None, where: str) -
     if not isinstance(pattern, dict) or not all(_positive(v) for v in pattern.values()):
         raise LoraFileError(f"{where}: the header's alpha_pattern is not a map of layer patterns to positive numbers; "
                             "re-save the LoRA.")
-    return alpha, pattern
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise LoraFileError(f"{where}: the header's use_rslora is {str(rslora)[:40]!r}, not true or false; re-save the "
+                            "LoRA.")
+    return alpha, pattern, rslora
 
 
 # ---------------------------------------------------------------------------------------------- kohya
@@ -332,6 +369,10 @@ def to_kohya(lora: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.
     the module docstring), so every layer's delta scale·B·A is reproduced exactly; tensors stay in fp32.
     """
     layers = _layers(lora, "the LoRA state dict")
+    if _magnitudes(lora, layers, "the LoRA state dict"):
+        raise LoraFileError("a DoRA LoRA has no kohya/ComfyUI layout that SquareQ can write exactly (kohya's FLUX LoRA "
+                            "has no DoRA, and LyCORIS's dora_scale is measured differently); use the diffusers file "
+                            "(--format diffusers, save_format = [\"diffusers\"]).")
     fused: dict[str, tuple[Any, str, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
     for layer, ab in layers.items():
         module, rule, part, prefix = _fused_module(layer)
@@ -538,8 +579,10 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     (``<layer>.lora_A.weight`` / ``.lora_B.weight``, no ``transformer.`` prefix, fp32 like the runtime's master
     weights; bf16 widens to fp32 exactly) and ``info`` with
     ``layout`` ("diffusers" or "kohya"), ``rank`` (the most common), ``alpha`` (each layer's scale is alpha / its
-    own rank), ``targets`` (as given to add_lora when SquareQ wrote the file, else the layer names) and
-    ``metadata`` (SquareQ's ``squareq.*`` header keys, decoded).
+    own rank), ``targets`` (as given to add_lora when SquareQ wrote the file, else the layer names),
+    ``metadata`` (SquareQ's ``squareq.*`` header keys, decoded) and ``use_dora`` (the factors come with
+    ``<layer>.lora_magnitude_vector``). An rsLoRA file's scale alpha/sqrt(rank) is read as the alpha of the same
+    plain scale, alpha·sqrt(rank), so it applies without PEFT.
     """
     path = Path(path)
     file = path / WEIGHT_NAME if path.is_dir() else path
@@ -554,13 +597,14 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise LoraFileError(f"{file} holds NaN or Inf values in {_few(broken)}; the LoRA is damaged, use an earlier "
                             "checkpoint's LoRA or train it again.")
     if any(k.startswith((KOHYA_PREFIX, "lora_te")) for k in tensors):
-        layout, per_layer = "kohya", _kohya_layers(tensors, str(file))
+        layout, per_layer, magnitudes = "kohya", _kohya_layers(tensors, str(file)), {}
     elif any(".lora_A." in k or ".lora_B." in k for k in tensors):
-        layout, per_layer = "diffusers", _from_diffusers(tensors, header, str(file))
+        layout, (per_layer, magnitudes) = "diffusers", _from_diffusers(tensors, header, str(file))
     else:
         raise LoraFileError(f"{file} is neither a diffusers/PEFT LoRA (<layer>.lora_A.weight) nor a kohya LoRA "
                             f"(lora_unet_*.lora_down.weight); its keys start with {_few(tensors)}.")
     lora, rank, alpha = _normalize(per_layer)
+    lora.update({layer + _MAGNITUDE: m for layer, m in magnitudes.items()})
     provenance = _read_provenance(header, str(file))
     targets = provenance.get("targets")
     heads = {k.split(".", 1)[0] for k in tensors}
@@ -572,6 +616,7 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "alpha": alpha,
         "targets": list(targets) if targets is not None else sorted(per_layer),
         "metadata": provenance,
+        "use_dora": bool(magnitudes),
     }
     return lora, info
 
@@ -603,6 +648,8 @@ def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor], info: 
     and the file's alpha, so its scale is alpha / rank as in the file. Returns the factor parameters."""
     from ..runtime import QuantLinear
 
+    if info.get("use_dora"):
+        return _attach_dora(model, lora, info)
     params = []
     for layer in sorted({k[: -len(_A)] for k in lora if k.endswith(_A)}):
         try:
@@ -619,3 +666,27 @@ def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor], info: 
             module.lora_B.weight.copy_(b)
         params += [module.lora_A.weight, module.lora_B.weight]
     return params
+
+
+def _attach_dora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> list:
+    """A DoRA LoRA goes on through PEFT's layers (runtime.add_lora with the DoRA variant), one rank for all."""
+    from ..runtime import LoraVariant, add_lora, lora_parameters
+
+    layers = sorted({k[: -len(_A)] for k in lora if k.endswith(_A)})
+    ranks = {int(lora[layer + _A].shape[0]) for layer in layers}
+    if len(ranks) > 1:
+        raise LoraFileError(f"the DoRA LoRA has layers of ranks {sorted(ranks)}; SquareQ applies DoRA at one rank, so "
+                            "train or save it with one rank for every layer.")
+    try:
+        add_lora(model, rank=ranks.pop(), alpha=float(info["alpha"]), targets=layers, variant=LoraVariant(dora=True))
+    except ValueError as exc:
+        raise LoraFileError(f"the LoRA names layers this {type(model).__name__} does not have ({exc}); it was trained "
+                            "for another model.") from None
+    params = lora_parameters(model)
+    if set(params) != set(lora):
+        raise LoraFileError(f"the LoRA's layers ({_few(layers)}) are not all quantized layers of this "
+                            f"{type(model).__name__}; it was trained for another model.")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(lora[name])
+    return list(params.values())

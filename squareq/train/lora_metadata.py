@@ -98,5 +98,9 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
         header["modelspec.trigger_phrase"] = cfg.trigger
     if cfg.ema_decay:
         header["ss_ema_decay"] = _text(cfg.ema_decay)  # the file holds the moving average
+    if cfg.lora_dropout:
+        header["ss_network_dropout"] = _text(cfg.lora_dropout)
+    if cfg.use_dora or cfg.use_rslora:
+        header["ss_network_args"] = json.dumps({k: True for k in ("use_dora", "use_rslora") if getattr(cfg, k)})
     return header
 

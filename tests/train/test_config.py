@@ -175,3 +175,17 @@ def test_kohya_files_keep_their_meaning_or_are_refused(tmp_path, caplog):
     assert "one bucket area" in str(err.value) and "kohya's is a file of prompts" in str(err.value)
     path.write_text('resolution = "512,768"\n')  # SquareQ's own file: two sizes
     assert load_config(path).resolution == [512, 768]
+
+
+def test_lora_variants_are_checked_and_kohya_network_dropout_is_read(tmp_path):
+    base = {"slab": "s", "data": "d", "output": "o"}
+    with pytest.raises(ConfigError, match="lora_dropout = 1.5 must be in \\[0, 1\\)"):
+        load_config(None, {**base, "lora_dropout": 1.5})
+    with pytest.raises(ConfigError, match="use_dora = 'yes' is not a bool"):
+        load_config(None, {**base, "use_dora": "yes"})
+    cfg = load_config(None, {**base, "use_dora": True, "lora_dropout": 0.1})
+    assert (cfg.lora_variant.dora, cfg.lora_variant.dropout, cfg.lora_variant.plain) == (True, 0.1, False)
+    assert load_config(None, base).lora_variant.plain
+    path = tmp_path / "kohya.toml"
+    path.write_text("network_dim = 8\nnetwork_dropout = 0.1\n")
+    assert load_config(path).lora_dropout == 0.1

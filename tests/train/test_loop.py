@@ -923,3 +923,36 @@ def test_a_validation_split_that_leaves_nothing_to_train_is_refused(workspace, t
         hold_out(scan_dataset(workspace / "data"), 0.9, seed=0)
     a = hold_out(scan_dataset(workspace / "data"), 0.5, seed=0)[1]
     assert [it.path for it in a.items] == [it.path for it in hold_out(scan_dataset(workspace / "data"), 0.5, 0)[1].items]
+
+
+def test_dora_with_dropout_trains_and_resumes_bit_for_bit_and_writes_the_diffusers_file(workspace, tmp_path):
+    from safetensors import safe_open
+
+    from squareq.train.loop import TrainError, save_formats
+
+    kw = dict(use_dora=True, lora_dropout=0.1, steps=8, save_every=4, cache_dir=str(tmp_path / "cache"))
+    a, b = unbroken_and_resumed(workspace, tmp_path, 6, **kw)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    magnitudes = [n for n in a if n.endswith(".lora_magnitude_vector")]
+    assert magnitudes and len(magnitudes) * 2 == sum(".lora_A." in n or ".lora_B." in n for n in a)
+    files = sorted(p.name for p in (tmp_path / "straight").glob("*.safetensors"))
+    assert files == ["pytorch_lora_weights.safetensors"]  # no kohya file: it has no DoRA layout
+    with safe_open(str(tmp_path / "straight" / "pytorch_lora_weights.safetensors"), "pt") as f:
+        header = f.metadata()
+    assert json.loads(header["lora_adapter_metadata"])["transformer.use_dora"] is True
+    assert header["ss_network_dropout"] == "0.1" and json.loads(header["ss_network_args"]) == {"use_dora": True}
+    with pytest.raises(TrainError, match="with use_dora: the kohya/ComfyUI layout has no DoRA"):
+        save_formats(_config(workspace, tmp_path / "k", use_dora=True, save_format=["diffusers", "kohya"]), "flux")
+
+
+def test_an_rslora_run_writes_a_kohya_file_at_its_own_scale(workspace, tmp_path):
+    """kohya and ComfyUI scale by alpha/rank, so the kohya file of an rsLoRA run carries alpha·sqrt(rank)."""
+    from squareq.train.lora_files import load_lora as read
+
+    result = train(_config(workspace, tmp_path / "rs", use_rslora=True, rank=4, alpha=2.0, steps=3, save_every=0,
+                           cache_dir=str(tmp_path / "cache")), echo=lambda s: None)
+    diffusers, info = read(result.lora_file)
+    kohya, kinfo = read(next((tmp_path / "rs").glob("*_kohya.safetensors")))
+    assert info["alpha"] == pytest.approx(2.0 * 2.0) and kinfo["alpha"] == pytest.approx(4.0)
+    for name, t in diffusers.items():
+        torch.testing.assert_close(kohya[name], t, rtol=0, atol=0)

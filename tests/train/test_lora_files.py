@@ -431,3 +431,83 @@ def test_resident_layers_map_too():
     assert torch.equal(k["lora_unet_img_in.lora_down.weight"], lora["x_embedder.lora_A.weight"])
     back, alpha = from_kohya(k)
     assert alpha == ALPHA and back.keys() == lora.keys() and all(torch.equal(back[n], lora[n]) for n in lora)
+
+
+# ------------------------------------------------------------------------------------------ DoRA, rsLoRA
+
+
+def variant_lora(tiny_slab, variant):
+    """A trained-looking LoRA of ``variant`` (B and, for DoRA, the magnitudes moved) on the resident model."""
+    from squareq.runtime import LoraVariant  # noqa: F401 (the type of variant)
+
+    model = runtime.load(tiny_slab, "cpu", stream=False)
+    runtime.add_lora(model, rank=RANK, alpha=ALPHA, targets=DOUBLE_ONLY, seed=1, variant=variant)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in runtime.lora_parameters(model).items():
+            if ".lora_B." in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".lora_magnitude_vector"):
+                p.mul_(1 + 0.2 * torch.rand(p.shape, generator=g))
+        model.eval()
+        out = model(**inputs(), return_dict=False)[0].float()
+    return model, runtime.lora_state_dict(model), out
+
+
+@pytest.mark.parametrize("kind", ["dora", "rslora"])
+def test_diffusers_applies_our_dora_and_rslora_files_as_trained(tiny_slab, tmp_path, kind):
+    """diffusers' own loader builds the PEFT config from our header (use_dora, use_rslora) and reproduces the SquareQ
+    model's output; so does SquareQ reading its own file back (sample --lora)."""
+    from squareq.runtime import LoraVariant
+    from squareq.train.lora_files import attach_lora
+
+    variant = LoraVariant(dora=kind == "dora", rslora=kind == "rslora")
+    _, lora, expected = variant_lora(tiny_slab, variant)
+    path = save_diffusers_lora(lora, tmp_path, RANK, ALPHA, DOUBLE_ONLY, dtype=torch.float32, variant=variant)
+    with safe_open(str(path), "pt") as f:
+        magnitudes = [k for k in f.keys() if k.endswith(".lora_magnitude_vector")]
+        adapter = json.loads(f.metadata()[ADAPTER_METADATA_KEY])
+    assert (len(magnitudes) > 0) == variant.dora
+    assert (adapter["transformer.use_dora"], adapter["transformer.use_rslora"]) == (variant.dora, variant.rslora)
+    model = plain_flux(tiny_slab)
+    model.load_lora_adapter(str(tmp_path), weight_name=WEIGHT_NAME, prefix="transformer", adapter_name="sq")
+    assert rel_mse(forward(model), expected) < 1e-4
+    # negative control: the same factors read as a plain LoRA give another output
+    plain = plain_flux(tiny_slab)
+    save_diffusers_lora({k: v for k, v in lora.items() if "magnitude" not in k}, tmp_path / "plain", RANK, ALPHA,
+                        DOUBLE_ONLY, dtype=torch.float32)
+    plain.load_lora_adapter(str(tmp_path / "plain"), weight_name=WEIGHT_NAME, prefix="transformer")
+    assert rel_mse(forward(plain), expected) > 1e-3
+
+    back, info = load_lora(tmp_path)
+    assert info["use_dora"] == variant.dora
+    ours = runtime.load(tiny_slab, "cpu", stream=True)
+    attach_lora(ours, back, info)
+    ours.eval()
+    # an rsLoRA file applies through the fast path at the same scale; outside autocast that path computes the
+    # adapter in bf16 where PEFT's does in fp32, hence a rounding's difference
+    assert rel_mse(forward(ours), expected) < 1e-4
+
+
+def test_rslora_exports_to_kohya_at_its_scale_and_dora_is_refused(tiny_slab, tmp_path):
+    from squareq.runtime import LoraVariant
+
+    _, lora, _ = variant_lora(tiny_slab, LoraVariant(rslora=True))
+    save_diffusers_lora(lora, tmp_path, RANK, ALPHA, DOUBLE_ONLY, dtype=torch.float32,
+                        variant=LoraVariant(rslora=True))
+    back, info = load_lora(tmp_path)
+    assert info["alpha"] == pytest.approx(ALPHA * RANK ** 0.5)  # alpha/sqrt(r) as a plain scale
+    k = to_kohya(back, info["alpha"])
+    module = "lora_unet_double_blocks_0_img_attn_proj"
+    layer = "transformer_blocks.0.attn.to_out.0"
+    expected = (ALPHA / RANK ** 0.5) * (lora[layer + ".lora_B.weight"] @ lora[layer + ".lora_A.weight"])
+    torch.testing.assert_close(kohya_delta(k, module), expected, rtol=1e-6, atol=1e-7)
+
+    _, dora, _ = variant_lora(tiny_slab, LoraVariant(dora=True))
+    with pytest.raises(LoraFileError, match="DoRA LoRA has no kohya/ComfyUI layout.*use the diffusers file"):
+        to_kohya(dora, ALPHA)
+    with pytest.raises(LoraFileError, match="has DoRA magnitudes but the variant is not DoRA"):
+        save_diffusers_lora(dora, tmp_path / "x", RANK, ALPHA, DOUBLE_ONLY)
+    broken = {k: v for k, v in dora.items() if k != "transformer_blocks.0.attn.to_q.lora_magnitude_vector"}
+    with pytest.raises(LoraFileError, match="DoRA magnitudes .* and LoRA factors name different layers"):
+        save_diffusers_lora(broken, tmp_path / "y", RANK, ALPHA, DOUBLE_ONLY, variant=LoraVariant(dora=True))

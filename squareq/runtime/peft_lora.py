@@ -1,0 +1,137 @@
+"""LoRA variants through PEFT's own layers: DoRA, rsLoRA and LoRA dropout on a runtime model's QuantLinear.
+
+PEFT's ``lora.Linear`` wraps a QuantLinear through ``LoraConfig``'s custom-module mapping; its forward calls the
+QuantLinear (dequantize and matmul, streamed or not) and adds the adapter, so every variant PEFT has works as PEFT
+defines it. Three things make that hold on a streamed model:
+
+* the QuantLinear's packed weight is named ``quantized`` (a ``qweight`` attribute makes PEFT treat it as GPTQ);
+* biases are bound to the QuantLinear found at load (runtime/loader.py), not looked up by a name PEFT changes;
+* DoRA reads the base weight's values when it is attached: each block is brought into a slot while PEFT wraps its
+  layers, and those layers report their real weight (``QuantLinear.exact_weight``).
+
+Factors are fp32 masters, initialised from ``seed`` exactly as :func:`squareq.runtime.lora.add_lora` initialises its
+own, so a plain LoRA through PEFT starts where the fast path starts. Parameter names are reported in the file
+naming (``<layer>.lora_A.weight``, ``<layer>.lora_magnitude_vector``) by :func:`file_name`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .qlinear import QuantLinear
+
+ADAPTER = "default"
+_PEFT_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.default\.weight$")
+_MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.default\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraVariant:
+    """What differs from a plain LoRA: DoRA's magnitude vector, rsLoRA's scale alpha/sqrt(rank), dropout on the
+    adapter's input while training."""
+
+    dora: bool = False
+    rslora: bool = False
+    dropout: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return not (self.dora or self.rslora or self.dropout)
+
+    def scale(self, rank: int, alpha: float) -> float:
+        """The factor the adapter's product is multiplied by."""
+        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
+
+
+def file_name(name: str) -> str:
+    """A PEFT parameter name in the LoRA file naming: ``x.lora_A.default.weight`` -> ``x.lora_A.weight``,
+    ``x.lora_magnitude_vector.default.weight`` -> ``x.lora_magnitude_vector`` (what PEFT itself saves)."""
+    return _MAGNITUDE.sub(".lora_magnitude_vector", _PEFT_SUFFIX.sub(r".\1.weight", name))
+
+
+def is_lora_parameter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_magnitude_vector." in name
+
+
+def _bound(module: nn.Module):
+    """Keep a streamed block in a slot (its layers bound) for the duration; nothing to do for other modules."""
+    from .blocks import BlockRunner
+    from .streamer import FORWARD
+
+    runner = module.__dict__.get("forward")
+    return runner.resident(FORWARD, training=False) if isinstance(runner, BlockRunner) else contextlib.nullcontext()
+
+
+def _regions(model: nn.Module, layers: list[str]) -> list[tuple[nn.Module, list[str]]]:
+    """``layers`` grouped by the slab block holding them (names relative to it), the rest under the model."""
+    from .loader import runtime_of
+
+    blocks = [b.name for b in runtime_of(model).manifest.blocks]
+    grouped: dict[str, list[str]] = {}
+    for layer in layers:
+        owner = next((b for b in blocks if layer.startswith(b + ".")), "")
+        grouped.setdefault(owner, []).append(layer[len(owner) + 1:] if owner else layer)
+    return [(model.get_submodule(owner) if owner else model, names) for owner, names in grouped.items()]
+
+
+def add_peft_lora(model: nn.Module, layers: list[str], rank: int, alpha: float, variant: LoraVariant,
+                  seed: int = 0) -> list[nn.Parameter]:
+    """Wrap the QuantLinear ``layers`` (full names, in model order) of a runtime model in PEFT LoRA layers with
+    ``variant``; return the trainable parameters (factors, and DoRA's magnitudes) in that order."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.lora.layer import Linear as PeftLinear
+    except ImportError:
+        raise ImportError("DoRA, rsLoRA and LoRA dropout go through PEFT's layers, and peft is not installed: "
+                          "pip install peft.") from None
+    generator = torch.Generator().manual_seed(seed)
+    starts = {}  # add_lora's init of every lora_A, drawn in add_lora's order, so both paths start alike
+    for name in layers:
+        base = model.get_submodule(name)
+        base.exact_weight = variant.dora
+        bound = 1.0 / math.sqrt(base.in_features)
+        starts[name] = torch.empty((rank, base.in_features), dtype=torch.float32).uniform_(-bound, bound,
+                                                                                          generator=generator)
+    for region, names in _regions(model, layers):
+        config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=variant.dropout, use_dora=variant.dora,
+                            use_rslora=variant.rslora, bias="none",
+                            # exactly these layers: a suffix pattern would also take e.g. the model's own proj_out
+                            target_modules="^(?:" + "|".join(re.escape(n) for n in names) + ")$")
+        config._register_custom_module({QuantLinear: PeftLinear})
+        with _bound(region), warnings.catch_warnings():  # DoRA's magnitudes start from the base weight's row norms
+            # PEFT warns of any layer type it does not know; QuantLinear is the one this module maps, on purpose
+            warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
+            inject_adapter_in_model(config, region, adapter_name=ADAPTER)
+            prefix = "" if region is model else next(n for n, m in model.named_modules() if m is region) + "."
+            for name in names:
+                _start(region.get_submodule(name), starts[prefix + name], variant)
+    params = []
+    for name in layers:
+        wrapper = model.get_submodule(name)
+        params += [wrapper.lora_A[ADAPTER].weight, wrapper.lora_B[ADAPTER].weight]
+        if variant.dora:
+            params.append(wrapper.lora_magnitude_vector[ADAPTER].weight)
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def _start(wrapper: nn.Module, a: torch.Tensor, variant: LoraVariant) -> None:
+    """fp32 factors from ``a`` and a zero B; DoRA's magnitude measured again from them in fp32 (PEFT measured it
+    with its bf16 copies, which would start the model a rounding away from the base)."""
+    for part in (wrapper.lora_A, wrapper.lora_B, wrapper.lora_magnitude_vector):
+        part.float()
+    with torch.no_grad():
+        wrapper.lora_A[ADAPTER].weight.copy_(a)
+        wrapper.lora_B[ADAPTER].weight.zero_()
+    if variant.dora:
+        with torch.no_grad():
+            wrapper.lora_magnitude_vector[ADAPTER].update_layer(
+                base_layer=wrapper.get_base_layer(), lora_A=wrapper.lora_A[ADAPTER].weight,
+                lora_B=wrapper.lora_B[ADAPTER].weight, scaling=wrapper.scaling[ADAPTER])
