@@ -24,7 +24,7 @@ def step(slab, stream: bool, variant: LoraVariant | None, peft: bool = False, b_
     with torch.no_grad():
         for i, (name, p) in enumerate(sorted(runtime.lora_parameters(model).items())):
             if name.endswith("lora_B.weight"):
-                p.normal_(std=b_std, generator=torch.Generator().manual_seed(i))
+                p.copy_(b_std * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
     model.enable_gradient_checkpointing()
     model.train()
     torch.manual_seed(5)  # dropout's masks
