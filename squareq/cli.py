@@ -21,7 +21,7 @@ from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
 from .acceptance import AcceptError
 
-from .runtime import PlanError, StreamError
+from .runtime import PeftMissing, PlanError, StreamError
 from .train.cache import CacheError
 from .train.checkpoint import CheckpointError
 from .train.config import HELP, ConfigError, TrainConfig, load_config
@@ -34,7 +34,7 @@ from .slab.atomic import OutputError, os_error_sentence
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError, OutputError)
+               TrainError, SampleError, OutputError, PeftMissing)
 
 
 class _Group(click.Group):

@@ -4,7 +4,7 @@ slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`;
 from .blocks import disable_cudnn_attention
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
-from .peft_lora import LoraVariant
+from .peft_lora import LoraVariant, PeftMissing, require_peft
 from .memory_plan import MemoryPlan, PlanError, plan
 from .module_stream import release_module, stream_module
 from .qlinear import QuantLinear
@@ -14,6 +14,7 @@ from .telemetry import StepStats
 __all__ = [
     "DEFAULT_TARGETS",
     "LoraVariant",
+    "PeftMissing",
     "MemoryPlan",
     "PlanError",
     "QuantLinear",
@@ -27,6 +28,7 @@ __all__ = [
     "lora_state_dict",
     "plan",
     "release_module",
+    "require_peft",
     "runtime_of",
     "stream_module",
 ]

@@ -27,6 +27,19 @@ from torch import nn
 from .qlinear import QuantLinear
 
 ADAPTER = "default"
+
+
+class PeftMissing(ImportError):
+    """DoRA, rsLoRA or dropout was asked for and peft is not installed; the message says how to install it."""
+
+
+def require_peft() -> None:
+    """Raise :class:`PeftMissing` unless peft can be imported (checked before a run loads anything)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise PeftMissing("DoRA, rsLoRA and LoRA dropout go through PEFT's layers, and the peft package is not "
+                          "installed: pip install 'squareq[peft]' (or pip install peft), or train a plain LoRA.") from None
 _PEFT_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.default\.weight$")
 _MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.default\.weight$")
 
@@ -84,12 +97,10 @@ def add_peft_lora(model: nn.Module, layers: list[str], rank: int, alpha: float, 
                   seed: int = 0) -> list[nn.Parameter]:
     """Wrap the QuantLinear ``layers`` (full names, in model order) of a runtime model in PEFT LoRA layers with
     ``variant``; return the trainable parameters (factors, and DoRA's magnitudes) in that order."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-        from peft.tuners.lora.layer import Linear as PeftLinear
-    except ImportError:
-        raise ImportError("DoRA, rsLoRA and LoRA dropout go through PEFT's layers, and peft is not installed: "
-                          "pip install peft.") from None
+    require_peft()
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
     generator = torch.Generator().manual_seed(seed)
     starts = {}  # add_lora's init of every lora_A, drawn in add_lora's order, so both paths start alike
     for name in layers:

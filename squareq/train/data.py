@@ -124,8 +124,8 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset
 
 def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """(training, validation): ``fraction`` of the images (at least one; kohya's ``validation_split``) held out of
-    training, chosen by a hash of (seed, path) so that the same folder and seed always hold out the same images,
-    and adding an image moves no other one across. Held-out images count once, whatever their repeat count."""
+    training, chosen by a hash of (seed, path) so that the same folder and seed always hold out the same images.
+    Held-out images count once, whatever their repeat count."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"validation_split must be between 0 and 1, got {fraction}.")
     n = len(dataset.items)
@@ -397,7 +397,10 @@ def caption_orders(caption: str, trigger: str | None, keep_tokens: int, count: i
     the same orders (the cache holds each). ``count`` 0 or a caption of one tag: the caption as written."""
     full = caption_for(caption, trigger)
     tags = [t.strip() for t in full.split(",") if t.strip()]
-    fixed = keep_tokens + (1 if (trigger or "").strip() and tags and tags[0] == trigger.strip() else 0)
+    trigger = (trigger or "").strip()
+    # a caption starting with the trigger ("sks, ...", "sks person, ...", a trigger of several tags) keeps those tags
+    lead = len([t for t in trigger.split(",") if t.strip()]) if trigger and full.startswith(trigger) else 0
+    fixed = keep_tokens + lead
     head, tail = tags[:fixed], tags[fixed:]
     if count < 1 or len(tail) < 2:
         return [full]

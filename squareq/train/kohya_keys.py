@@ -94,7 +94,6 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "network_module": (None, _network_module),
     "weighting_scheme": ("loss_weighting", _weighting),
     "validate_every_n_steps": ("validate_every", None),
-    "network_dropout": ("lora_dropout", None),
 }
 
 # what SquareQ always does: dropped with this sentence as a warning
@@ -128,6 +127,8 @@ UNSUPPORTED = {
     "dataset_config": "SquareQ reads one data folder (kohya repeat folders, caption files or metadata.jsonl); set "
                       "data to it",
     "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",
+    "network_dropout": "kohya drops the LoRA's rank activations (lora_down's output), SquareQ's lora_dropout (PEFT's) "
+                       "drops the layer's input; set lora_dropout if that is what you want, and remove network_dropout",
     "model_prediction_type": "SquareQ trains FLUX.1 on the flow-matching velocity (kohya's raw); remove the key",
 }
 

@@ -183,15 +183,18 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
     held = None
     if cfg.validation_data:
-        held = scan_dataset(cfg.validation_data, caption_ext=cfg.caption_ext).without_repeats()
+        try:
+            held = scan_dataset(cfg.validation_data, caption_ext=cfg.caption_ext).without_repeats()
+        except DataError as exc:
+            raise DataError(f"validation_data (--validation-data): {exc}") from None
     elif cfg.validation_split:
         dataset, held = hold_out(dataset, cfg.validation_split, cfg.seed)
     if held is not None:
         echo(f"validation: {len(held)} held-out images from {held.root}")
     placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
     if placeholders and not (cfg.trigger or "").strip():
-        raise DataError(f"{len(placeholders)} captions in {dataset.root} use {TRIGGER_TOKEN} (e.g. the one of "
-                        f"{placeholders[0].path.name}) but no trigger word is set; pass --trigger WORD.")
+        raise DataError(f"{len(placeholders)} captions use {TRIGGER_TOKEN} (e.g. the one of {placeholders[0].path}) but "
+                        "no trigger word is set; pass --trigger WORD.")
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
     items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
@@ -261,11 +264,15 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
 
     slab = open_slab(cfg.slab, verify="eager")
     cfg = _resumed_targets(cfg, out).with_family_defaults(slab.manifest.model.family)
+    _check_variant(cfg, out, ranks.world)
     if cfg.vram_budget_bytes is not None and device.type == "cuda":
         plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                             text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
                             lora_targets=cfg.targets)
         echo("expected device memory:\n" + str(plan))
+        if cfg.use_dora:
+            log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: 1.7 GB "
+                        "more at 512², 2.1 GB at 1024²); leave that much below the budget.")
         plan.check(cfg.vram_budget_bytes)
 
     family = slab.manifest.model.family
@@ -337,6 +344,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 _truncate_metrics(out / METRICS_FILE, step)
                 _truncate_metrics(out / VALIDATION_FILE, step)
             echo(f"resumed from {path} at step {step}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    if step == 0 and ranks.is_main:
+        _truncate_metrics(out / VALIDATION_FILE, -1)  # a fresh start: rows of an earlier attempt in this folder go
 
     def checkpoint(data_state=None, generator_state=None) -> Path:
         path = checkpoint_dir(out, step)
@@ -359,8 +368,15 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     def validate() -> None:
         if not held_out or not ranks.is_main:
             return
-        with _forward_only(model, device):
-            result = validation_loss(model, recipe, objective, feed, held_out, cfg.seed, cfg.guidance, device)
+        try:
+            with _forward_only(model, device):
+                result = validation_loss(model, recipe, objective, feed, held_out, cfg.seed, cfg.guidance, device,
+                                         cfg.loss_weighting)
+        except torch.OutOfMemoryError:
+            # the step is done and intact: training goes on, without this measurement
+            echo(f"step {step}: the validation pass ran out of GPU memory and was skipped; training goes on (fewer "
+                 "or smaller validation images would fit)")
+            return
         record_validation(out, step, result)
         if board is not None:
             board.add_scalar("val/loss", result["val_loss"], step)
@@ -383,8 +399,9 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         try:
             if cfg.sample_every and step == 0 and ranks.is_main:
                 _save_samples(cfg, model, slab, out / "samples", 0, device)  # the base model's pictures, to compare
-            if step == 0:
-                validate()  # the base model's loss, to compare
+            validate_every = cfg.validate_every or cfg.save_every or total
+            if step == 0 or (step % validate_every == 0 and step not in {r["step"] for r in validation_history(out)}):
+                validate()  # the base model's loss, to compare; or one a killed run did not get to write
             while step < total:
                 started = time.perf_counter()
                 step_loss = 0.0
@@ -459,6 +476,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                 if ema is not None:
                     ema.update(params)
                 step += 1
+                updating = False  # the step is whole: an error from here on (validation, samples) loses nothing
                 losses.append(step_loss)
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
                           "seconds": time.perf_counter() - started, "skipped_total": skipped}
@@ -484,7 +502,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     checkpoint()
                 if cfg.sample_every and step % cfg.sample_every == 0 and ranks.is_main:
                     _save_samples(cfg, model, slab, out / "samples", step, device)
-                if step % (cfg.validate_every or cfg.save_every or total) == 0 or step == total:
+                if step % validate_every == 0 or step == total:
                     validate()
                 if after_step is not None:
                     after_step(step)
@@ -521,6 +539,23 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     written = [files[f] for f in formats]
     echo(f"LoRA written to {' and '.join(map(str, written))} after {step} steps ({skipped} skipped)")
     return TrainResult(step, skipped, losses, written[0], files["kohya"] if "kohya" in formats else None)
+
+
+def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
+    """Before anything loads: peft is there for a variant; a resumed run keeps its checkpoint's DoRA and rsLoRA (a
+    LoRA cannot change kind halfway); dropout runs in one process (its masks come from each process's CUDA random
+    state, which checkpoints keep for one process only, so a resume would not be exact)."""
+    if not cfg.lora_variant.plain:
+        runtime.require_peft()
+    if cfg.lora_dropout and world > 1:
+        raise TrainError(f"lora_dropout = {cfg.lora_dropout} with {world} processes: a resumed run would draw other "
+                         "dropout masks than an unbroken one; train with lora_dropout = 0, or in one process.")
+    path = (latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)) if cfg.resume else None
+    saved = checkpoint_config(path) if path is not None else {}
+    for key, flag in (("use_dora", "--use-dora"), ("use_rslora", "--use-rslora")):
+        if key in saved and bool(saved[key]) != getattr(cfg, key):
+            raise TrainError(f"{path} was trained with {key} = {str(bool(saved[key])).lower()}; resume with the same "
+                             f"setting ({flag} {'on' if saved[key] else 'off'}), or start a new run in a new -o folder.")
 
 
 def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:
@@ -565,10 +600,16 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     dirs, tags = dataset_summary(dataset.root, dataset.items)
     images = len(dataset.training_items) * len(cfg.resolution)
 
+    # kohya scales by alpha/rank: rsLoRA's alpha/sqrt(rank) is that scale with alpha·sqrt(rank), and the kohya file
+    # then holds a plain LoRA (its header must not say rsLoRA, or a reader would apply the square root twice)
+    kohya_alpha = cfg.lora_alpha * math.sqrt(cfg.rank) if cfg.use_rslora else cfg.lora_alpha
+
     def header(layout: str) -> dict[str, str]:
-        return lora_header(cfg, family=family, layout=layout, base_model=model_record.source,
-                           base_config=model_record.config, rank=cfg.rank, alpha=cfg.lora_alpha, steps=steps,
-                           images=images, dirs=dirs, tags=tags, started=started, finished=time.time())
+        kohya = layout == "kohya"
+        return lora_header(dataclasses.replace(cfg, use_rslora=False) if kohya else cfg, family=family, layout=layout,
+                           base_model=model_record.source, base_config=model_record.config, rank=cfg.rank,
+                           alpha=kohya_alpha if kohya else cfg.lora_alpha, steps=steps, images=images, dirs=dirs,
+                           tags=tags, started=started, finished=time.time())
 
     files = lora_paths(cfg, out)
     if "diffusers" in formats:
@@ -576,9 +617,7 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
                                                  extra_metadata=provenance, prefix=component,
                                                  header=header("diffusers"), variant=cfg.lora_variant)
     if "kohya" in formats:
-        # kohya scales by alpha/rank: rsLoRA's alpha/sqrt(rank) is that scale with alpha·sqrt(rank)
-        alpha = cfg.lora_alpha * math.sqrt(cfg.rank) if cfg.use_rslora else cfg.lora_alpha
-        files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, alpha, cfg.targets,
+        files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, kohya_alpha, cfg.targets,
                                          extra_metadata=provenance, header=header("kohya"))
     return files
 

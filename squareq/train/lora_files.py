@@ -249,7 +249,8 @@ def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, al
         tensors[f"{prefix}.{layer}{_A}"] = a.detach().to("cpu", dtype).contiguous()
         tensors[f"{prefix}.{layer}{_B}"] = b.detach().to("cpu", dtype).contiguous()
         if layer in magnitudes:
-            tensors[f"{prefix}.{layer}{_MAGNITUDE}"] = magnitudes[layer].detach().to("cpu", dtype).contiguous()
+            # fp32 whatever ``dtype``: a magnitude is a whole row's norm, so its rounding would scale the row's output
+            tensors[f"{prefix}.{layer}{_MAGNITUDE}"] = magnitudes[layer].detach().to("cpu", torch.float32).contiguous()
     return _write(Path(out_dir) / WEIGHT_NAME, tensors, metadata)
 
 

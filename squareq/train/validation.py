@@ -28,9 +28,9 @@ def validation_times(objective: str) -> torch.Tensor:
 
 @torch.no_grad()
 def validation_loss(model, recipe, objective: str, feed, entries: list[int], seed: int, guidance: float,
-                    device: torch.device) -> dict:
-    """The mean loss of ``model`` over the feed's ``entries`` at each fixed time: ``{"val_loss", "by_time",
-    "images"}``. Entry ``n`` of ``entries`` gets its noise from ``seed`` and ``n`` alone, so the numbers do not
+                    device: torch.device, weighting: str = "none") -> dict:
+    """The mean loss of ``model`` over the feed's ``entries`` at each fixed time, weighted as training weights it:
+    ``{"val_loss", "by_time", "images"}``. Entry ``n`` of ``entries`` gets its noise from ``seed`` and ``n`` alone, so the numbers do not
     depend on when, or after what, they are measured."""
     times = validation_times(objective)
     totals = torch.zeros(len(times), dtype=torch.float64)
@@ -40,7 +40,7 @@ def validation_loss(model, recipe, objective: str, feed, entries: list[int], see
         noise = torch.randn((len(times), *latents.shape[1:]), generator=generator).to(device)
         for i, t in enumerate(times):
             loss = denoising_loss(model, recipe, objective, latents, noise[i:i + 1], t.reshape(1).to(device), text,
-                                  guidance)
+                                  guidance, weighting)
             totals[i] += float(loss)
     by_time = (totals / max(1, len(entries))).tolist()
     return {"val_loss": sum(by_time) / len(by_time), "images": len(entries),

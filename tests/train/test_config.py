@@ -177,7 +177,7 @@ def test_kohya_files_keep_their_meaning_or_are_refused(tmp_path, caplog):
     assert load_config(path).resolution == [512, 768]
 
 
-def test_lora_variants_are_checked_and_kohya_network_dropout_is_read(tmp_path):
+def test_lora_variants_are_checked_and_kohya_network_dropout_is_refused(tmp_path):
     base = {"slab": "s", "data": "d", "output": "o"}
     with pytest.raises(ConfigError, match="lora_dropout = 1.5 must be in \\[0, 1\\)"):
         load_config(None, {**base, "lora_dropout": 1.5})
@@ -188,4 +188,5 @@ def test_lora_variants_are_checked_and_kohya_network_dropout_is_read(tmp_path):
     assert load_config(None, base).lora_variant.plain
     path = tmp_path / "kohya.toml"
     path.write_text("network_dim = 8\nnetwork_dropout = 0.1\n")
-    assert load_config(path).lora_dropout == 0.1
+    with pytest.raises(ConfigError, match="network_dropout: kohya drops the LoRA's rank activations.*set lora_dropout"):
+        load_config(path)

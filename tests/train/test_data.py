@@ -442,3 +442,14 @@ def test_keep_tokens_without_shuffle_is_refused(tmp_path):
         load_config(None, {"slab": "s", "data": "d", "output": "o", "keep_tokens": 2})
     assert load_config(None, {"slab": "s", "data": "d", "output": "o", "keep_tokens": 2,
                               "shuffle_caption": True}).keep_tokens == 2
+
+
+def test_a_caption_starting_with_the_trigger_keeps_it_in_front_when_shuffled():
+    from squareq.train.data import caption_orders
+
+    tags = "red collar, grass, sunny, park, dusk"
+    for caption, trigger, first in (("sks person, " + tags, "sks", "sks person, "),
+                                    ("[trigger] person, " + tags, "sks", "sks person, "),
+                                    (tags, "sks, woman", "sks, woman, ")):
+        orders = caption_orders(caption, trigger, 0, 8, seed=1)
+        assert len(orders) == 8 and all(o.startswith(first) for o in orders), (caption, orders[:2])

@@ -956,3 +956,44 @@ def test_an_rslora_run_writes_a_kohya_file_at_its_own_scale(workspace, tmp_path)
     assert info["alpha"] == pytest.approx(2.0 * 2.0) and kinfo["alpha"] == pytest.approx(4.0)
     for name, t in diffusers.items():
         torch.testing.assert_close(kohya[name], t, rtol=0, atol=0)
+
+
+def test_variant_runs_check_peft_first_and_a_resume_keeps_the_checkpoints_variant(workspace, tmp_path, monkeypatch):
+    import sys
+
+    from squareq.runtime import PeftMissing
+    from squareq.train.loop import TrainError
+
+    kw = dict(use_rslora=True, steps=4, save_every=2, cache_dir=str(tmp_path / "cache"))
+    train(_config(workspace, tmp_path / "rs", **kw), echo=lambda s: None)
+    with pytest.raises(TrainError, match="was trained with use_rslora = true; resume with the same setting "
+                                         "\\(--use-rslora on\\)"):
+        train(_config(workspace, tmp_path / "rs", resume="latest", steps=6, save_every=2,
+                      cache_dir=str(tmp_path / "cache")), echo=lambda s: None)
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if peft were not installed
+    messages = []
+    with pytest.raises(PeftMissing, match="pip install 'squareq\\[peft\\]'"):
+        train(_config(workspace, tmp_path / "nopeft", use_dora=True, cache_dir=str(tmp_path / "cache")),
+              echo=messages.append)
+    assert not any("cache" in m for m in messages)  # refused before the cache is filled
+
+
+def test_validation_out_of_memory_skips_the_measurement_and_keeps_training(workspace, tmp_path, monkeypatch):
+    from squareq.train import loop
+
+    calls = []
+
+    def oom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return {"val_loss": 1.0, "images": 1, "by_time": {}}
+
+    monkeypatch.setattr(loop, "validation_loss", oom)
+    lines = []
+    result = train(_config(workspace, tmp_path / "v", validation_split=0.25, steps=6, save_every=2, validate_every=2,
+                           cache_dir=str(tmp_path / "cache")), echo=lines.append)
+    assert result.steps == 6 and len(calls) == 4  # steps 0, 2 (skipped), 4, 6
+    assert any("validation pass ran out of GPU memory and was skipped" in line for line in lines)
+    rows = [json.loads(line) for line in (tmp_path / "v" / "validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 4, 6]

@@ -511,3 +511,16 @@ def test_rslora_exports_to_kohya_at_its_scale_and_dora_is_refused(tiny_slab, tmp
     broken = {k: v for k, v in dora.items() if k != "transformer_blocks.0.attn.to_q.lora_magnitude_vector"}
     with pytest.raises(LoraFileError, match="DoRA magnitudes .* and LoRA factors name different layers"):
         save_diffusers_lora(broken, tmp_path / "y", RANK, ALPHA, DOUBLE_ONLY, variant=LoraVariant(dora=True))
+
+
+def test_dora_magnitudes_stay_fp32_in_a_bf16_file(tiny_slab, tmp_path):
+    """A magnitude is a whole row's norm: rounded to bf16 it would rescale the row's output, so it is kept fp32."""
+    from squareq.runtime import LoraVariant
+
+    _, lora, _ = variant_lora(tiny_slab, LoraVariant(dora=True))
+    path = save_diffusers_lora(lora, tmp_path, RANK, ALPHA, DOUBLE_ONLY, variant=LoraVariant(dora=True))
+    with safe_open(str(path), "pt") as f:
+        dtypes = {k.rsplit(".", 1)[-1] if "magnitude" in k else "factor": f.get_tensor(k).dtype for k in f.keys()}
+    assert dtypes == {"lora_magnitude_vector": torch.float32, "factor": torch.bfloat16}
+    back, _ = load_lora(tmp_path)
+    assert all(torch.equal(back[k], lora[k]) for k in lora if k.endswith(".lora_magnitude_vector"))
