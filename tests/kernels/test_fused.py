@@ -119,7 +119,7 @@ def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fus
     y = layer(x)
     y.float().sum().backward()
     assert calls == (["fused_linear", "fused_input_grad"] if fused else [])
-    w = dequantize(layer.qweight).float()
+    w = dequantize(layer.quantized).float()
     torch.testing.assert_close(y.float(), x.detach().float() @ w.T + layer.bias.float(), rtol=1e-2, atol=5e-2)
     torch.testing.assert_close(x.grad.float(), torch.ones(rows, layer.out_features) @ w, rtol=1e-2, atol=5e-2)
 

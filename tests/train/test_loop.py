@@ -657,7 +657,7 @@ def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence
     data.mkdir()
     Image.new("RGB", (64, 64), (200, 10, 10)).save(data / "a.png")
     (data / "a.txt").write_text("a photo of [trigger]")
-    with pytest.raises(DataError, match=r"1 captions in .* use \[trigger\] .*a.png.* pass --trigger WORD"):
+    with pytest.raises(DataError, match=r"1 captions use \[trigger\] .*a.png.* pass --trigger WORD"):
         prepare_data(_config(workspace, tmp_path / "out", data=str(data)), None, torch.device("cpu"), encode=False)
     prepared = prepare_data(_config(workspace, tmp_path / "out", data=str(data), trigger="sks"), None,
                             torch.device("cpu"), encode=False)
