@@ -66,12 +66,22 @@ def dequantize_into(out: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     _check_out(out, qw.shape)
     if qw.spec.is_passthrough:
         return out.copy_(qw.tensors["weight"])
-    if backend_for(out.device) == "torch":
-        return out.copy_(quant.dequantize(qw))
-    _check_inputs(out, qw)
-    from .triton_dequant import triton_dequantize_into
+    return prepare_dequantize(out, qw)()
 
-    return triton_dequantize_into(out, qw)
+
+def _triton_kernel(qw: QuantizedWeight):
+    """The Triton ``prepare`` for ``qw``'s format, or None where only the torch reference serves it."""
+    if qw.spec.format == "int":
+        from .triton_dequant import prepare_triton_dequantize
+
+        return prepare_triton_dequantize
+    from .formats import kernel_for
+
+    prepare = kernel_for(quant.FORMATS[qw.spec.format])
+    if prepare is None and ("no-kernel", qw.spec.format) not in _announced:
+        _announced.add(("no-kernel", qw.spec.format))
+        log.info("format %s has no Triton kernel; it dequantizes through its torch reference.", qw.spec.format)
+    return prepare
 
 
 def prepare_dequantize(out: torch.Tensor, qw: QuantizedWeight) -> Callable[[], torch.Tensor]:
@@ -81,12 +91,11 @@ def prepare_dequantize(out: torch.Tensor, qw: QuantizedWeight) -> Callable[[], t
     if qw.spec.is_passthrough:
         weight = qw.tensors["weight"]
         return lambda: weight
-    if backend_for(out.device) == "torch":
+    prepare = None if backend_for(out.device) == "torch" else _triton_kernel(qw)
+    if prepare is None:
         return lambda: out.copy_(quant.dequantize(qw))
     _check_inputs(out, qw)
-    from .triton_dequant import prepare_triton_dequantize
-
-    return prepare_triton_dequantize(out, qw)
+    return prepare(out, qw)
 
 
 def dequantize(qw: QuantizedWeight, device: torch.device | str | None = None) -> torch.Tensor:

@@ -60,7 +60,7 @@ def fused_max_m(device: torch.device, bits: int) -> int:
 def fused_limit(qw: QuantizedWeight, device: torch.device) -> int:
     """The largest number of input rows at which calls on ``qw`` go to the fused kernel (-1: never). A layer asks
     once and keeps the answer: every layer call of a training step would otherwise pay for the lookup."""
-    if qw.spec.is_passthrough or backend_for(device) not in ("triton", "triton-interpret"):
-        return -1
+    if qw.spec.is_passthrough or qw.spec.format != "int" or backend_for(device) not in ("triton", "triton-interpret"):
+        return -1  # the fused kernels read int codes only
     return fused_max_m(torch.device(device), qw.spec.bits)
 

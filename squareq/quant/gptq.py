@@ -40,7 +40,7 @@ from .rtn import (
     row_chunks,
 )
 from .factor import InverseFactor, inverse_factor
-from .spec import QuantSpec
+from .spec import QuantSpec, SpecError
 
 log = logging.getLogger("squareq.quant")
 
@@ -114,6 +114,9 @@ def gptq_quantize_with_info(
         raise ValueError(f"block_size={block_size} must be positive.")
     if spec.is_passthrough:
         return quantize(w, spec, smooth_scale), GPTQInfo(False, 0.0, 0)
+    if spec.format != "int":
+        raise SpecError(f"GPTQ rounds onto the int format's grid; a {spec.format} layer is quantized by rounding "
+                        "(squareq.quant.quantize).")
     w = w.detach().float()
     _check_hessian(hessian, k)
     ws, inv = _apply_smoothing(w, spec, smooth_scale)

@@ -1,15 +1,18 @@
-"""Round-to-nearest group quantization and its exact torch reference dequantization.
+"""Round-to-nearest group quantization and its exact torch reference dequantization, for every format.
 
-A quantized weight ``[N, K]`` is a dict of named tensors (the names are slab roles):
+A quantized weight ``[N, K]`` is a dict of named tensors (the names are slab roles). The format of the spec
+(squareq/quant/formats/) decides its own tensors and encodes and decodes a slice of rows; this module slices the
+rows, applies smoothing and rounds to bf16 the same way for all of them. The ``int`` format stores:
 
 * ``qweight``: packed codes, ``uint8 [N, packed_row_bytes(bits, K)]`` (see :mod:`.packing`)
 * ``scales``: ``[N, ceil(K / group_size)]`` in the spec's scale dtype
 * ``zeros``: ``int8 [N, G]`` zero points in the signed code domain (asymmetric specs only)
-* ``inv_smooth``: ``float32 [K]`` = 1/s, folded back in at dequantization (smoothing specs only)
-* ``weight``: ``bfloat16 [N, K]`` (16-bit passthrough only)
 
-Dequantization is defined as ``bf16(float32(q - z) * float32(scale) [* inv_smooth])`` evaluated in
-exactly that order, so every kernel can reproduce it bit for bit.
+and every format may add ``inv_smooth``: ``float32 [K]`` = 1/s, folded back in at dequantization (smoothing specs
+only); bf16 passthrough stores ``weight``: ``bfloat16 [N, K]``.
+
+``int`` dequantization is defined as ``bf16(float32(q - z) * float32(scale) [* inv_smooth])`` evaluated in
+exactly that order, so every kernel can reproduce it bit for bit; other formats define theirs in their module.
 """
 from __future__ import annotations
 
@@ -17,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack, packed_row_bytes, unpack
+from .packing import pack
+from .registry import FORMATS
 from .spec import QuantSpec, SpecError
-
-ROLES = ("qweight", "scales", "zeros", "inv_smooth", "weight")
 
 
 @dataclass
@@ -58,13 +60,7 @@ def tensor_layout(spec: QuantSpec, shape: tuple[int, int]) -> dict[str, tuple[to
     n, k = shape
     if spec.is_passthrough:
         return {"weight": (torch.bfloat16, (n, k))}
-    g = num_groups(k, spec.group_size)
-    out = {
-        "qweight": (torch.uint8, (n, packed_row_bytes(spec.bits, k))),
-        "scales": (spec.torch_scale_dtype, (n, g)),
-    }
-    if not spec.symmetric:
-        out["zeros"] = (torch.int8, (n, g))
+    out = FORMATS[spec.format].layout(spec, (n, k))
     if spec.smooth:
         out["inv_smooth"] = (torch.float32, (k,))
     return out
@@ -99,7 +95,9 @@ def _apply_smoothing(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tenso
     return w * (1.0 / inv)[None, :], inv
 
 
-def _store_scale(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def store_scale(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``raw`` scales in the spec's scale dtype, rounded up so the codes still cover each group; 1 for a group of
+    zeros."""
     stored = raw.to(spec.torch_scale_dtype)
     # Round the stored scale up, never down, so the code range still covers the group's range.
     low = stored.float() < raw
@@ -122,10 +120,10 @@ def group_params(wg: torch.Tensor, spec: QuantSpec):
     c = float(spec.clip_ratio)
     if spec.symmetric:
         amax = wg.abs().amax(dim=-1) * c
-        return _store_scale(amax / spec.qmax, spec), None
+        return store_scale(amax / spec.qmax, spec), None
     lo = wg.amin(dim=-1).clamp(max=0) * c
     hi = wg.amax(dim=-1).clamp(min=0) * c
-    scales = _store_scale((hi - lo) / (2**spec.bits - 1), spec)
+    scales = store_scale((hi - lo) / (2**spec.bits - 1), spec)
     z = torch.round(spec.qmin - lo / scales.float()).clamp_(spec.qmin, spec.qmax)
     return scales, z
 
@@ -138,7 +136,7 @@ def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
     return torch.round(w / scale + zero).clamp_(spec.qmin, spec.qmax)
 
 
-def _codes(w: torch.Tensor, spec: QuantSpec):
+def codes_of(w: torch.Tensor, spec: QuantSpec):
     """Return (codes int32 [N, G*g], scales [N, G] stored dtype, zeros int32 [N, G] or None)."""
     n, k = w.shape
     g = spec.group_size
@@ -149,7 +147,8 @@ def _codes(w: torch.Tensor, spec: QuantSpec):
     return q.to(torch.int32).reshape(n, -1), scales, None if z is None else z.to(torch.int32)
 
 
-def _dequant_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int, g: int) -> torch.Tensor:
+def decode_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int, g: int) -> torch.Tensor:
+    """float32 ``(q - z) * scale`` of integer codes, group by group (the ``int`` format's rule before bf16)."""
     s = scales.float().repeat_interleave(g, dim=1)[:, :k]
     if zeros is not None:
         q = q - zeros.to(torch.int32).repeat_interleave(g, dim=1)[:, :k]
@@ -177,11 +176,14 @@ def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None
         if spec.smooth:
             raise SpecError("smoothing applies to 4/6/8-bit formats only, not bf16 passthrough.")
         return QuantizedWeight(spec, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
+    fmt = FORMATS[spec.format]
     parts = []
     for rows in row_chunks(n, k):
         ws, inv = _apply_smoothing(w[rows], spec, smooth_scale)
-        q, scales, zeros = _codes(ws, spec)
-        parts.append(assemble(spec, q[:, :k], scales, zeros, inv))
+        tensors = fmt.encode(ws, spec)
+        if inv is not None:
+            tensors["inv_smooth"] = inv
+        parts.append(QuantizedWeight(spec, (ws.shape[0], k), tensors))
     return _concat_rows(parts)
 
 
@@ -229,11 +231,10 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     if spec.is_passthrough:
         return t["weight"].to(torch.bfloat16)
+    fmt = FORMATS[spec.format]
     out = torch.empty((n, k), dtype=torch.bfloat16, device=t["qweight"].device)
     for rows in row_chunks(n, k):
-        q = unpack(t["qweight"][rows], spec.bits, k)
-        zeros = t["zeros"][rows] if "zeros" in t else None
-        w = _dequant_codes(q, t["scales"][rows], zeros, k, spec.group_size)
+        w = fmt.decode({role: v[rows] for role, v in t.items() if role != "inv_smooth"}, spec, k)
         if spec.smooth:
             w = w * t["inv_smooth"].float()[None, :]
         out[rows] = w.to(torch.bfloat16)
@@ -250,10 +251,10 @@ def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor |
     if spec.is_passthrough:
         return w.to(torch.bfloat16).float()
     n, k = w.shape
+    fmt = FORMATS[spec.format]
     out = torch.empty_like(w)
     for rows in row_chunks(n, k):
         ws, inv = _apply_smoothing(w[rows], spec, smooth_scale)
-        q, scales, zeros = _codes(ws, spec)
-        part = _dequant_codes(q[:, :k], scales, zeros, k, spec.group_size)
+        part = fmt.fake(ws, spec)
         out[rows] = part * inv[None, :] if inv is not None else part
     return out

@@ -5,10 +5,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-SUPPORTED_BITS = (4, 6, 8, 16)
+from .registry import FORMATS
 
-# Packing ids are part of the slab format: never renumber, only add.
-PACKING_FOR_BITS = {4: "u4x2", 6: "u6x4", 8: "i8", 16: "bf16"}
+SUPPORTED_BITS = (4, 6, 8, 16)
 
 SCALE_DTYPES = {
     "float16": torch.float16,
@@ -25,7 +24,8 @@ class SpecError(ValueError):
 class QuantSpec:
     """How one linear layer's weight is stored.
 
-    bits: 4, 6 or 8 (integer codes with per-group scales along K) or 16 (bf16 passthrough).
+    format: the registered format (squareq/quant/formats/): ``int`` (integer codes, the default), ``nf4``, ...
+    bits: the code width the format takes: 4, 6 or 8 for ``int``; 16 is bf16 passthrough (format ``int``).
     group_size: input channels (K) sharing one scale; a power of two >= 8.
     symmetric: codes are centred on zero; otherwise (the default) each group also stores an int8
         zero point, which lowers W4 error by about a quarter on Gaussian weights (docs/formats.md).
@@ -40,10 +40,15 @@ class QuantSpec:
     scale_dtype: str = "float16"
     clip_ratio: float = 1.0
     smooth: bool = False
+    format: str = "int"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.format, str) or self.format not in FORMATS:
+            raise SpecError(f"format={self.format!r} is not a SquareQ format; use one of {', '.join(sorted(FORMATS))}.")
         if not isinstance(self.bits, int) or isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
             raise SpecError(f"bits={self.bits} is not supported; use one of {SUPPORTED_BITS}.")
+        if self.bits == 16 and self.format != "int":
+            raise SpecError(f"bits=16 is bf16 passthrough, which has no format {self.format!r}; drop the format.")
         g = self.group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 8 or g & (g - 1):
             raise SpecError(f"group_size={g!r} must be a power of two of at least 8 (e.g. 64 or 128).")
@@ -54,11 +59,14 @@ class QuantSpec:
         for flag in ("symmetric", "smooth"):
             if not isinstance(getattr(self, flag), bool):
                 raise SpecError(f"{flag}={getattr(self, flag)!r} must be true or false.")
+        problem = None if self.bits == 16 else FORMATS[self.format].check(self)
+        if problem:
+            raise SpecError(problem + ".")
 
     @property
     def packing(self) -> str:
-        """Packing id recorded in the manifest (u4x2, u6x4, i8 or bf16)."""
-        return PACKING_FOR_BITS[self.bits]
+        """Packing id recorded in the manifest (``int``: u4x2, u6x4, i8; bf16; other formats their own)."""
+        return "bf16" if self.bits == 16 else FORMATS[self.format].packing(self)
 
     @property
     def is_passthrough(self) -> bool:
@@ -83,10 +91,12 @@ class QuantSpec:
         """Short human label, e.g. ``W4 g64 sym`` or ``bf16``."""
         if self.is_passthrough:
             return "bf16"
-        return f"W{self.bits} g{self.group_size} {'sym' if self.symmetric else 'asym'}"
+        return FORMATS[self.format].label(self)
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.format == "int":
+            del d["format"]  # manifests written before formats had names read the same
         d["packing"] = self.packing
         return d
 
@@ -94,7 +104,7 @@ class QuantSpec:
     def from_dict(cls, d: dict) -> "QuantSpec":
         if not isinstance(d, dict):
             raise SpecError(f"a QuantSpec is a JSON object of fields, not {type(d).__name__}.")
-        known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth"}
+        known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth", "format"}
         unknown = set(d) - known - {"packing"}
         if unknown:
             raise SpecError(f"unknown QuantSpec fields {sorted(unknown)}.")
