@@ -1,0 +1,54 @@
+"""``fp8_e4m3``: FP8 E4M3 codes (the OCP "fn" variant: 4 exponent bits, 3 mantissa bits, no infinities, largest
+value 448) with an absmax scale per group of K; a ``group_size`` of at least K gives one scale per row, the layout
+``torch._scaled_mm`` takes.
+
+A group's scale is its largest magnitude (times ``clip_ratio``) / 448, stored rounded up in the spec's scale dtype;
+each weight is ``w / scale`` rounded to the nearest E4M3 value (ties to even, torch's conversion), one byte per
+weight. Dequantization: ``bf16(float32(E4M3[u]) * float32(scale) [* inv_smooth])``, evaluated in that order; the
+lookup kernel (squareq/kernels/formats/lookup.py) reproduces it bit for bit from the 256-entry table below.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..registry import Format, register
+from ..rtn import num_groups, store_scale
+
+E4M3_MAX = 448.0
+# the value of every byte read as E4M3 (bytes 0x7F and 0xFF are NaN, which no encoding produces)
+VALUES = tuple(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist())
+
+
+class FP8E4M3Format(Format):
+    name = "fp8_e4m3"
+    bits = (8,)
+    table = VALUES
+    zero_points = False
+
+    def packing(self, spec) -> str:
+        return "e4m3"
+
+    def label(self, spec) -> str:
+        return f"FP8 g{spec.group_size}"
+
+    def layout(self, spec, shape):
+        n, k = shape
+        return {"qweight": (torch.uint8, (n, k)), "scales": (spec.torch_scale_dtype, (n, num_groups(k, spec.group_size)))}
+
+    def encode(self, w, spec):
+        n, k = w.shape
+        g = min(spec.group_size, max(k, 1))
+        groups = num_groups(k, g)
+        wg = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, g)
+        scales = store_scale(wg.abs().amax(dim=-1) * float(spec.clip_ratio) / E4M3_MAX, spec)
+        x = (wg / scales.float()[..., None]).clamp_(-E4M3_MAX, E4M3_MAX)
+        codes = x.reshape(n, -1)[:, :k].to(torch.float8_e4m3fn).view(torch.uint8)
+        return {"qweight": codes.contiguous(), "scales": scales.contiguous()}
+
+    def decode(self, tensors, spec, k):
+        values = tensors["qweight"].view(torch.float8_e4m3fn).float()
+        s = tensors["scales"].float().repeat_interleave(min(spec.group_size, max(k, 1)), dim=1)[:, :k]
+        return values * s
+
+
+register(FP8E4M3Format())
