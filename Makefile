@@ -33,6 +33,7 @@ demo: $(STAMP)
 # Then the acceptance gate runs on a freshly compiled slab of the tiny model, as a user's CI job would:
 # a failing gate fails the build (exit status 3).
 test: $(STAMP) $(REAL_STAMP)
+	$(BIN)/ruff check squareq
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider
 	$(BIN)/squareq compile tiny-flux --budget 2MB -o build/ci/tiny-flux.slab --force
 	$(BIN)/squareq accept build/ci/tiny-flux.slab --model tiny-flux --workdir build/ci/accept \

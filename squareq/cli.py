@@ -11,26 +11,24 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .models import ModelError
-from .quant import SpecError
-from .slab import SlabError, open_slab
-from .slab.summary import format_summary, summarize
-
+from .acceptance import AcceptError
 from .compiler.budget import BudgetError
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
-from .acceptance import AcceptError
-
+from .models import ModelError
+from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
+from .slab import SlabError, open_slab
+from .slab.atomic import OutputError, os_error_sentence
+from .slab.summary import format_summary, summarize
 from .train.cache import CacheError
 from .train.checkpoint import CheckpointError
 from .train.config import HELP, ConfigError, TrainConfig, load_config
 from .train.data import DataError
 from .train.encoders import EncoderError
-from .train.lora_files import LoraFileError
 from .train.loop import TrainError
+from .train.lora_files import LoraFileError
 from .train.sample import SampleError
-from .slab.atomic import OutputError, os_error_sentence
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
@@ -133,7 +131,8 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
     gradient agreement against the bf16 source, convergence decided by paired tests, peak VRAM and size. Exit
     status 0 when every gate passes, 3 when one fails, 4 when none fails but one cannot decide (INCONCLUSIVE),
     1 when it cannot run."""
-    from .acceptance import AcceptOptions, accept as run_accept
+    from .acceptance import AcceptOptions
+    from .acceptance import accept as run_accept
     from .acceptance.convergence import ConvergenceSettings
     from .compiler import Thresholds, parse_size
 
@@ -186,7 +185,8 @@ def _progress_printer():
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="The slab directory to write.")
 @click.option("--budget", required=True, help="Largest slab size, e.g. 12GB, 11.5GiB, 800MB.")
 @click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
-              help="size: the smallest plan whose measured model-output error meets τ_OUT; quality: then spend the rest "
+              help="size: the smallest plan whose measured model-output error meets τ_OUT; quality: then spend the "
+                   "rest "
               "of the budget where that error falls most per byte.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
               help="TOML file with a [thresholds] table (out decides; mse, act, scale, block are diagnostics; drift, "
@@ -195,7 +195,8 @@ def _progress_printer():
               help="The ladder's first rung.")
 @click.option("--max-bits", type=click.Choice(["4", "6", "8", "16"]), default="16", show_default=True,
               help="The ladder's last rung (16: bf16); fewer rungs measured, a faster compile.")
-@click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks (repeatable).")
+@click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks "
+                                              "(repeatable).")
 @click.option("--calib-data", type=click.Path(path_type=Path), default=None,
               help="Calibrate on these captioned images (the trainer's layouts), encoded by the model's own VAE and "
               "text encoders (default: the built-in photographs).")
@@ -203,7 +204,8 @@ def _progress_printer():
               help="Calibrate on a training cache (squareq cache / squareq train).")
 @click.option("--calib-text", type=click.Path(path_type=Path), default=None,
               help="Text models: calibrate on this UTF-8 file, one sample per line (default: built-in English text).")
-@click.option("--encoders", default=None, help="Pipeline folder with the VAE and text encoders for --calib-data and the "
+@click.option("--encoders", default=None, help="Pipeline folder with the VAE and text encoders for --calib-data and "
+                                               "the "
               "built-in photographs (default: the pipeline folder MODEL is in).")
 @click.option("--calib-samples", type=click.IntRange(min=2), default=None,
               help="Calibration samples, a quarter held out (default: 32 for images, 512 for text).")
@@ -233,9 +235,9 @@ def _progress_printer():
               "what does not fit waits in pinned host memory, and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bits, blocks, calib_data, calib_cache, calib_text,
-                encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding, group_size,
-                previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume,
+def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bits, blocks, calib_data, calib_cache,
+                calib_text, encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding,
+                group_size, previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume,
                 force) -> None:
     """Calibrate MODEL on real data, choose W4/W6/W8 per layer under a size budget, write a slab.
 
@@ -309,7 +311,8 @@ def _config_options(command):
 @main.command()
 @click.argument("slab", type=click.Path(path_type=Path), required=False)
 @click.option("--data", type=click.Path(path_type=Path), help="Folder of images with .txt captions or metadata.jsonl.")
-@click.option("-o", "--out", "output", type=click.Path(path_type=Path), help="Folder for the LoRA, checkpoints and logs.")
+@click.option("-o", "--out", "output", type=click.Path(path_type=Path), help="Folder for the LoRA, checkpoints and "
+                                                                             "logs.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
 @click.option("--print-config", is_flag=True, help="Print the resolved configuration as TOML and exit.")
 @_config_options

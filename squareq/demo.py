@@ -1,17 +1,17 @@
 """`squareq demo`: the whole product on the built-in tiny model in a few minutes, offline.
 
-compile tiny-flux under a size budget (calibrated on the built-in photographs) → train a LoRA on the built-in tiny dataset with the streamed
-slab → draw a sample image with it → run the acceptance gates. Everything lands in one folder; every
-number printed is measured in this run. A GPU is used when there is one.
+compile tiny-flux under a size budget (calibrated on the built-in photographs) → train a LoRA on the built-in tiny
+dataset with the streamed slab → draw a sample image with it → run the acceptance gates. Everything lands in one
+folder; every number printed is measured in this run. A GPU is used when there is one.
 """
 from __future__ import annotations
 
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -102,7 +102,8 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
                           max_sequence_length=TOKENS, seed=0)[0]
     sample = folder / "sample.png"
     image.save(sample)
-    echo(f"[4/5] sampled '{PROMPT}' with the LoRA in {time.perf_counter() - start:.1f} s ({image.width}x{image.height})")
+    echo(f"[4/5] sampled '{PROMPT}' with the LoRA in {time.perf_counter() - start:.1f} s "
+         f"({image.width}x{image.height})")
 
     # the built-in dataset's gate settings (what `squareq accept` uses on it): 40 steps at lr 5e-3 learn enough
     # for the convergence gate to decide (docs/accept.md)

@@ -59,7 +59,8 @@ def write_png(image: Image.Image, path: str | Path) -> Path:
     """``image`` as a PNG at ``path``, written atomically (temporary name, then rename)."""
     out = io.BytesIO()
     image.save(out, format="PNG")
-    atomic.atomic_write_bytes(Path(path), out.getvalue())  # looked up at call time: tests stand in for a full disk there
+    # looked up at call time: tests stand in for a full disk there
+    atomic.atomic_write_bytes(Path(path), out.getvalue())
     return Path(path)
 
 

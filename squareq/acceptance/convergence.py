@@ -30,13 +30,13 @@ from scipy import stats
 from .. import quant
 from ..compiler.sources import Source
 from ..models import ADAPTERS
+from ..plot import plot_curves, smooth
 from ..slab import Slab, SlabError, open_slab
 from ..slab.writer import WriteOptions, assemble_slab, block_linears, encode_block
 from ..train.config import TrainConfig, load_config
 from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
 from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
-from ..plot import plot_curves, smooth
 
 NAME = "convergence"
 
@@ -172,7 +172,8 @@ def convergence_gate(source: Source, slab: Slab, model: str, workdir: Path, sett
     frozen, ref, got = ([r["loss"] for r in runs[k]] for k in ("frozen", "bf16", "quantized"))
     verdict = decide(frozen, ref, got, s.tau)
     window = max(1, min(10, s.steps // 3))
-    plot = plot_curves(workdir / "convergence.png", f"LoRA loss: frozen, bf16 source and slab (trailing mean of {window})",
+    plot = plot_curves(workdir / "convergence.png", "LoRA loss: frozen, bf16 source and slab (trailing mean of "
+                                                    f"{window})",
                        {"bf16 loss": (ref, (150, 180, 230), 1), "slab loss": (got, (240, 180, 140), 1),
                         "frozen (no LoRA) smoothed": (smooth(frozen, window), (120, 120, 120), 2),
                         "bf16 smoothed": (smooth(ref, window), (30, 80, 200), 3),

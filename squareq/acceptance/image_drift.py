@@ -19,8 +19,8 @@ import torch
 from ..compiler.sources import Source
 from ..models import ADAPTERS
 from ..models.prompts import CALIBRATION_PROMPTS
-from ..slab import Slab
 from ..plot import write_png
+from ..slab import Slab
 from .convergence import reference_slab
 from .gates import FAIL, PASS, GateResult, skipped
 

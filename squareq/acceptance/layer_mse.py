@@ -100,7 +100,8 @@ class _Measure:
 
 
 @torch.no_grad()
-def layer_mse_gate(source: Source, slab: Slab, tau: float, samples: int = 2, device="cpu", worst: int = 5) -> GateResult:
+def layer_mse_gate(source: Source, slab: Slab, tau: float, samples: int = 2, device="cpu",
+                   worst: int = 5) -> GateResult:
     """PASS when every layer's measured rel-MSE is at most ``tau``; lists the ``worst`` layers either way."""
     started = time.perf_counter()
     kwargs, description = fresh_inputs(source, slab, samples, device)

@@ -34,8 +34,9 @@ class AcceptError(ValueError):
 class AcceptOptions:
     """What to gate and against what. ``training`` describes the convergence runs; its ``tau`` is taken from
     ``thresholds`` and its ``data`` defaults to the built-in tiny dataset (in the work folder). ``images``,
-    ``sample_steps`` and ``clip_model`` describe the image-drift gate's drawings, ``gradient_steps`` × ``gradient_times``
-    the gradient-agreement gate's batches, ``drift_blocks`` how many blocks the block-drift gate measures."""
+    ``sample_steps`` and ``clip_model`` describe the image-drift gate's drawings, ``gradient_steps`` ×
+    ``gradient_times`` the gradient-agreement gate's batches, ``drift_blocks`` how many blocks the block-drift gate
+    measures."""
 
     slab: Path
     model: str

@@ -5,7 +5,6 @@ The plan itself (which rung each layer takes within the budget) is compiler/plan
 from __future__ import annotations
 
 from .. import sizes
-
 from ..slab.manifest import align_up
 
 OBJECTIVES = ("size", "quality")

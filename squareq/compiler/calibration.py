@@ -30,7 +30,6 @@ from torch import nn
 
 from ..quant import row_chunks
 
-
 GRAM_COLUMNS = 2048  # columns of a Gram matrix added per product (a K x 2048 float32 temporary)
 
 
@@ -71,7 +70,7 @@ class LayerStats:
             raise ValueError("this layer's Gram matrix was not collected (hessian=False).")
         return (self.gram / max(self.gram_count, 1)).float()
 
-    def finish(self, pinned_host: bool = False) -> "LayerStats":
+    def finish(self, pinned_host: bool = False) -> LayerStats:
         """Keep E[x xᵀ] as float32 and drop the float64 Gram matrix: the same values :attr:`hessian` gives, in a
         third of the memory (the division is done in place, as the search no longer needs the sums).
         ``pinned_host``: keep it in pinned host memory (GPTQ copies it to the GPU when it factorizes it, so the
@@ -141,7 +140,7 @@ class StatsCollector:
         self._handles: list = []
         self._stats: dict[str, LayerStats] | None = None
 
-    def __enter__(self) -> "StatsCollector":
+    def __enter__(self) -> StatsCollector:
         for rel, mod in self.block.named_modules():
             if isinstance(mod, nn.Linear):
                 self._handles.append(mod.register_forward_pre_hook(self._hook(f"{self.prefix}.{rel}")))

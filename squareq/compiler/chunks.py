@@ -61,7 +61,7 @@ class BatchAxes:
         per_probe = held * max((c.sample_bytes for _, c in self.calls), default=0)
         return max(1, min(probes, EFFECT_PASS_BYTES // max(per_probe, 1)))
 
-    def cursor(self) -> "AxesCursor":
+    def cursor(self) -> AxesCursor:
         """A fresh walk over the calls of one forward pass."""
         return AxesCursor(self)
 
@@ -177,7 +177,7 @@ class _LinearInputs:
         self.block, self.batch, self.sample_bytes, self.handles = block, batch, 0, []
         self.seen: dict[int, torch.Tensor] = {}  # holding the inputs keeps their ids from being reused
 
-    def __enter__(self) -> "_LinearInputs":
+    def __enter__(self) -> _LinearInputs:
         self.handles = [m.register_forward_pre_hook(self._hook) for m in self.block.modules()
                         if isinstance(m, torch.nn.Linear)]
         return self

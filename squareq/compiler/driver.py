@@ -15,9 +15,9 @@ import hashlib
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import quant
 from ..models.calibration import CalibrationSet
-from ..slab import SlabError, WriteOptions
 from ..sizes import format_size
+from ..slab import SlabError, WriteOptions
 from ..slab.atomic import OutputError, os_error_sentence, remove_debris
 from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
 from ..slab.writer import (
@@ -39,7 +39,7 @@ from ..slab.writer import (
     layout_block,
     stored_tensor,
 )
-from .budget import BudgetError, OBJECTIVES, candidate_bytes
+from .budget import OBJECTIVES, BudgetError, candidate_bytes
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
 from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
@@ -101,8 +101,8 @@ class CompileOptions:
 
     def fingerprint(self) -> dict:
         """What the measurements depend on (the plan's thresholds, budget and objective are not among them)."""
-        keep = ("min_bits", "max_bits", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic", "max_rows",
-                "seed", "effect_probes")
+        keep = ("min_bits", "max_bits", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic",
+                "max_rows", "seed", "effect_probes")
         return {k: getattr(self, k) for k in keep}
 
 
@@ -135,7 +135,8 @@ class _Run:
 
     def __init__(self, source: Source, opts: CompileOptions, progress: Progress, batch, axes: BatchAxes,
                  vram: VramPlan) -> None:
-        self.source, self.opts, self.progress, self.batch, self.axes, self.vram = source, opts, progress, batch, axes, vram
+        self.source, self.opts, self.progress = source, opts, progress
+        self.batch, self.axes, self.vram = batch, axes, vram
         self.state: CompileState | None = None
         self.wanted: dict[str, int] | None = None
         self.started = time.perf_counter()
@@ -543,7 +544,8 @@ def _annotations(path: str, layers, plan: Plan, notes, previous: Previous | None
         flagged = diagnostics(bits, measured[bits][1], thresholds)
         if flagged:
             entry["diagnostics"] = flagged
-        rungs = {str(b): {"spec": measured[b][0], "bytes": x.bytes[b], "metrics": {**measured[b][1], "effect": x.effect[b]}}
+        rungs = {str(b): {"spec": measured[b][0], "bytes": x.bytes[b],
+                          "metrics": {**measured[b][1], "effect": x.effect[b]}}
                  for b in x.rungs}
         annotations[x.name] = {"history": before + [entry], "rungs": rungs}
     return metrics, reasons, annotations

@@ -95,7 +95,8 @@ def estimate_kernels(device):
 
 class _Products:
     """While a block is replayed for the backward pass: every linear's input, and once its output's gradient arrives,
-    each rung's per-sample term ``Σ_rows δY ⊙ (X ΔW_rᵀ)`` added to ``sums[name][bits][offset + start:offset + stop]``."""
+    each rung's per-sample term ``Σ_rows δY ⊙ (X ΔW_rᵀ)`` added to
+    ``sums[name][bits][offset + start:offset + stop]``."""
 
     def __init__(self, path: str, block: nn.Module, candidates: Mapping[str, Mapping[int, QuantizedWeight]],
                  sums: dict, offset: int = 0) -> None:

@@ -4,7 +4,8 @@
    fine for speed runs, never for the compiler's choices.
 2. ``calib_images``: images and captions already encoded by the family's own VAE and text encoders (the CLI encodes
    ``--calib-data DIR`` or the built-in photographs with ``squareq.train.calibration``), noised as the family trains.
-3. ``calib_cache``: a training cache's latents and captions (``squareq cache`` / ``squareq train``), noised the same way.
+3. ``calib_cache``: a training cache's latents and captions (``squareq cache`` / ``squareq train``), noised the same
+   way.
 4. A text model (one with a vocabulary): ``calib_text`` (one sample per line) or the built-in English sentences,
    through the model's own tokenizer.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels, quant
-from ..quant import QuantSpec, QuantizedWeight
+from ..quant import QuantizedWeight, QuantSpec
 from .calibration import LayerStats
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import re
 import types
@@ -24,8 +25,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import logging
 
 import torch
 from torch import nn
@@ -504,7 +503,8 @@ def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, d
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta:
                 sub._buffers[name] = _convert(buf, device, dtype)
-    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta and n not in unread]
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    left = [n for n, t in tensors if t.is_meta and n not in unread]
     if left:
         raise ModelError(f"{type(module).__name__} still has tensors on the meta device after loading ({_few(left)}).")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from ..quant import QuantSpec, QuantizedWeight, tensor_layout
+from ..quant import QuantizedWeight, QuantSpec, tensor_layout
 from ..slab.atomic import atomic_write_bytes
 from .ladder import LayerDecision
 from .layer_search import Candidate

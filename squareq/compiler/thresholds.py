@@ -4,10 +4,10 @@ Defaults and what each one means are documented in docs/compiler.md.
 """
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import tomllib
 
 ACCEPT_ONLY = ("drift", "psnr", "ssim", "grad_cos", "grad_norm", "conv")  # squareq accept's limits, not the compiler's
 
@@ -73,7 +73,7 @@ class Thresholds:
         return asdict(self)
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> "Thresholds":
+    def from_toml(cls, path: str | Path) -> Thresholds:
         """Read the ``[thresholds]`` table of a TOML file; keys not given keep their defaults."""
         path = Path(path)
         try:

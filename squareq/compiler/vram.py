@@ -113,7 +113,8 @@ class VramPlan:
         free = f" of {format_size(self.free)} free" if self.free else ""
         return (f"VRAM plan: budget {format_size(self.budget)}{free}; {chunks}; expected peak "
                 f"{format_size(self.expected_peak)}: resident tensors and calibration batch {format_size(n.base)}, "
-                f"hidden states {format_size(n.hidden)} each, the largest block {format_size(n.block)} ({n.block_name}), the largest layer's "
+                f"hidden states {format_size(n.hidden)} each, the largest block {format_size(n.block)} "
+                f"({n.block_name}), the largest layer's "
                 f"search {format_size(n.search)} ({n.layer_name} {n.layer_shape[0]}x{n.layer_shape[1]}); "
                 + (f"kept in pinned host memory: {' and '.join(moved)}." if moved else "everything stays on the GPU."))
 
@@ -231,8 +232,10 @@ def _too_small(needs: Needs, budget: int, flag: str) -> str:
     least = needs.peak(True, True)
     return (f"{flag} {format_size(budget)} cannot hold the compile's smallest working set, even with the recorded "
             f"inputs in host memory: the largest layer's search ({needs.layer_name}, {needs.layer_shape[0]}x"
-            f"{needs.layer_shape[1]}) needs {format_size(needs.search)} beside {format_size(needs.base + 3 * needs.hidden // 2 + needs.block)} "
-            f"of resident tensors, calibration batch, hidden states and block weights; give it at least {format_size_up(least)}.")
+            f"{needs.layer_shape[1]}) needs {format_size(needs.search)} beside "
+            f"{format_size(needs.base + 3 * needs.hidden // 2 + needs.block)} "
+            "of resident tensors, calibration batch, hidden states and block weights; give it at least "
+            f"{format_size_up(least)}.")
 
 
 @contextlib.contextmanager

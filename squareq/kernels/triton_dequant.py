@@ -7,7 +7,7 @@ Throughput against a device copy is measured by ``benchmarks/dequant.py``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton

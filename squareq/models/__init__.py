@@ -1,7 +1,7 @@
 """Model families: one adapter per family, plus built-in tiny models that need no download."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

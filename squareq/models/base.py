@@ -1,8 +1,9 @@
 """What a model family adapter declares, and the block discovery every adapter shares."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,7 +88,8 @@ class FamilyAdapter:
                 raise ModelError(f"{type(model).__name__} has no block list {attr!r} (family {self.family}); its "
                                  f"nn.ModuleLists are: {', '.join(lists) or 'none'}.") from None
             if not isinstance(container, nn.ModuleList):
-                raise ModelError(f"{type(model).__name__}.{attr} is a {type(container).__name__}, not an nn.ModuleList.")
+                raise ModelError(f"{type(model).__name__}.{attr} is a {type(container).__name__}, not an "
+                                 "nn.ModuleList.")
             found += [f"{attr}.{i}" for i in range(len(container))]
         if not found:
             raise ModelError(f"{type(model).__name__} has no blocks in {', '.join(self.block_lists)}.")
@@ -105,7 +107,8 @@ class FamilyAdapter:
             try:
                 out += [f"{outer}.{i}" for i in range(len(model.get_submodule(outer)))]
             except AttributeError:
-                raise ModelError(f"{type(model).__name__} has no block list {outer!r} (family {self.family}).") from None
+                raise ModelError(f"{type(model).__name__} has no block list {outer!r} "
+                                 f"(family {self.family}).") from None
         return out
 
     def matches(self, model: nn.Module) -> bool:

@@ -111,7 +111,8 @@ def read_text_samples(path: str | Path) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise ModelError(f"--calib-text {path} does not exist; pass a UTF-8 text file with one sample per line.") from None
+        raise ModelError(f"--calib-text {path} does not exist; pass a UTF-8 text file with one sample per "
+                         "line.") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelError(f"--calib-text {path} cannot be read as UTF-8 text ({exc}); pass a UTF-8 text file with one "
                          "sample per line.") from None

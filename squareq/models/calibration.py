@@ -59,15 +59,17 @@ def _on(value, device, dtype):
 
 
 def image_batch(recipe: TrainingRecipe, config, cset: CalibrationSet, samples: int, seed: int, device="cpu",
-                dtype: torch.dtype = torch.float32, guidance: float = DEFAULT_GUIDANCE, timestep_sampling: str = "shift",
-                shift: float = DEFAULT_SHIFT, heldout: float = HELDOUT_FRACTION, phase: float = 0.5) -> CalibrationBatch:
+                dtype: torch.dtype = torch.float32, guidance: float = DEFAULT_GUIDANCE,
+                timestep_sampling: str = "shift", shift: float = DEFAULT_SHIFT, heldout: float = HELDOUT_FRACTION,
+                phase: float = 0.5) -> CalibrationBatch:
     """``samples`` noisy inputs of the set's images for the denoiser, as its training step makes them.
 
     Sample i shows image ``i % len(images)``, each at its own time and noise. The held-out samples are all the
     samples of a seeded quarter of the images (of the samples when there is one image)."""
     shapes = Counter(tuple(e["latents"].shape) for e in cset.latents)
     if len(shapes) > 1:
-        raise ModelError(f"the calibration latents have {len(shapes)} different shapes ({', '.join(map(str, shapes))}); "
+        raise ModelError(f"the calibration latents have {len(shapes)} different shapes "
+                         f"({', '.join(map(str, shapes))}); "
                          "encode every calibration image at one resolution.")
     n = len(cset.latents)
     image_of = [i % n for i in range(samples)]
@@ -80,11 +82,13 @@ def image_batch(recipe: TrainingRecipe, config, cset: CalibrationSet, samples: i
     x0 = torch.stack([cset.latents[j]["latents"] for j in image_of]).float()
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
     x_t, _ = noised(recipe.objective, x0, noise, t)
-    extra = {name: torch.stack([cset.latents[j][name] for j in image_of]) for name in cset.latents[0] if name != "latents"}
+    extra = {name: torch.stack([cset.latents[j][name] for j in image_of])
+             for name in cset.latents[0] if name != "latents"}
     try:
         text = stack_captions([cset.texts[j] for j in image_of])
     except ValueError as exc:
-        raise ModelError(f"cannot batch the calibration captions: {exc}; encode them with one max_sequence_length.") from None
+        raise ModelError(f"cannot batch the calibration captions: {exc}; encode them with one "
+                         "max_sequence_length.") from None
     place = lambda v: _on(v, device, dtype)  # noqa: E731
     fields = {**extra, **text}
     kwargs = recipe.forward(config, place(x_t), place(t), {k: place(v) for k, v in fields.items()}, guidance)

@@ -36,7 +36,8 @@ def chroma_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance
     prompt, tokens = text["prompt_embeds"], pack_latents(x_t)
     image = torch.ones(tokens.shape[:2], dtype=torch.bool, device=x_t.device)
     return dict(hidden_states=tokens, encoder_hidden_states=prompt, timestep=t,
-                img_ids=image_ids(*x_t.shape[-2:], device=x_t.device), txt_ids=text_ids(prompt.shape[1], device=x_t.device),
+                img_ids=image_ids(*x_t.shape[-2:], device=x_t.device),
+                txt_ids=text_ids(prompt.shape[1], device=x_t.device),
                 attention_mask=torch.cat([text["prompt_mask"].bool(), image], dim=1))
 
 

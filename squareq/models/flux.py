@@ -57,7 +57,8 @@ def flux_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: 
     prompt = text["prompt_embeds"]
     kwargs = dict(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
                   pooled_projections=text["pooled_prompt_embeds"], timestep=t,
-                  img_ids=image_ids(*x_t.shape[-2:], device=x_t.device), txt_ids=text_ids(prompt.shape[1], device=x_t.device))
+                  img_ids=image_ids(*x_t.shape[-2:], device=x_t.device),
+                  txt_ids=text_ids(prompt.shape[1], device=x_t.device))
     if cfg.guidance_embeds:
         kwargs["guidance"] = torch.full_like(t, guidance)
     return kwargs

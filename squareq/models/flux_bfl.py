@@ -229,7 +229,8 @@ def bfl_block_prefix(diffusers_block: str) -> str:
     """The BFL name prefix of a diffusers block path: ``transformer_blocks.3`` -> ``double_blocks.3.``."""
     head, _, index = diffusers_block.rpartition(".")
     if head not in BLOCK_LISTS or not index.isdigit():
-        raise ModelError(f"{diffusers_block!r} is not a FLUX block path (transformer_blocks.N or single_transformer_blocks.N).")
+        raise ModelError(f"{diffusers_block!r} is not a FLUX block path (transformer_blocks.N or "
+                         "single_transformer_blocks.N).")
     return f"{BLOCK_LISTS[head]}.{index}."
 
 
@@ -337,7 +338,8 @@ def infer_bfl_config(shapes: Mapping[str, Sequence[int]], where: str = "the chec
     for block_list, found in (("double_blocks", double), ("single_blocks", single)):
         if found != list(range(len(found))):
             gaps = sorted(set(range(max(found, default=-1) + 1)) - set(found))
-            raise ModelError(f"{where} has {block_list} numbered {found[0]}..{found[-1]} with {block_list}.{gaps[0]} missing.")
+            raise ModelError(f"{where} has {block_list} numbered {found[0]}..{found[-1]} with {block_list}.{gaps[0]} "
+                             "missing.")
     head_dim = FLUX1_HEAD_DIM
     for norm in ("double_blocks.0.img_attn.norm.query_norm.scale", "single_blocks.0.norm.query_norm.scale"):
         if norm in shapes:

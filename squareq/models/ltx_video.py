@@ -53,7 +53,8 @@ def ltx_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guida
     """Video latents [B, C, F, h, w] as tokens in (frame, row, column) order (patch size 1), T5 text with its mask,
     timestep t·1000."""
     if cfg.patch_size != 1 or cfg.patch_size_t != 1:
-        raise ModelError(f"LTX-Video with patch size {cfg.patch_size}x{cfg.patch_size_t} packs latents in a way SquareQ's "
+        raise ModelError(f"LTX-Video with patch size {cfg.patch_size}x{cfg.patch_size_t} packs latents in a way "
+                         "SquareQ's "
                          "recipe does not; the released models use 1x1.")
     frames, h, w = x_t.shape[-3:]
     return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text["prompt_embeds"],

@@ -7,7 +7,8 @@ and are in no checkpoint or slab, so they must keep their values.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as nn_module
@@ -86,7 +87,8 @@ def skeleton_from_record(class_name: str, config: dict[str, Any], tensors: int |
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError,
             RecursionError) as exc:
         raise ModelError(f"{where}: {class_name} cannot be built from the recorded config ({type(exc).__name__}: "
-                         f"{' '.join(str(exc).split())[:200]}); the manifest is damaged or needs another library version, recompile "
+                         f"{' '.join(str(exc).split())[:200]}); the manifest is damaged or needs another library "
+                         "version, recompile "
                          "the slab.") from None
 
 
@@ -110,5 +112,6 @@ def _skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:
     try:
         cfg = transformers.AutoConfig.for_model(model_type, **rest)
     except (ValueError, KeyError) as exc:
-        raise ModelError(f"transformers cannot rebuild the {model_type} config this slab records ({' '.join(str(exc).split())[:200]}).") from None
+        raise ModelError(f"transformers cannot rebuild the {model_type} config this slab records "
+                         f"({' '.join(str(exc).split())[:200]}).") from None
     return build_meta(lambda: cls(cfg))

@@ -44,7 +44,8 @@ def z_image_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidanc
     """One [C, 1, h, w] latent and one caption of its own length per sample (padding dropped by the mask), at
     model time 1 - t: Z-Image's time runs from noise (0) to data (1)."""
     prompt, mask = text["prompt_embeds"], text["prompt_mask"].bool()
-    return dict(x=list(x_t.unsqueeze(2).unbind(0)), t=1 - t, cap_feats=[p[m] for p, m in zip(prompt, mask, strict=True)])
+    return dict(x=list(x_t.unsqueeze(2).unbind(0)), t=1 - t,
+                cap_feats=[p[m] for p, m in zip(prompt, mask, strict=True)])
 
 
 def z_image_prediction(output, x_t: torch.Tensor) -> torch.Tensor:

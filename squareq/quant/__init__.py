@@ -4,10 +4,19 @@ Nothing here imports the rest of the project.
 """
 from . import formats  # noqa: F401 (each format module registers itself)
 from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessian
-from .registry import FORMATS, Format
 from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
-from .rtn import QuantizedWeight, dequantize, fake_quantize, group_scales, num_groups, quantize, row_chunks, tensor_layout
+from .registry import FORMATS, Format
+from .rtn import (
+    QuantizedWeight,
+    dequantize,
+    fake_quantize,
+    group_scales,
+    num_groups,
+    quantize,
+    row_chunks,
+    tensor_layout,
+)
 from .search import ClipSearchResult, search_clip_ratio
 from .smooth import smoothing_scale
 from .spec import QuantSpec, SpecError

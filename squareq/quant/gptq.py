@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .factor import InverseFactor, inverse_factor
 from .rtn import (
     QuantizedWeight,
     _apply_smoothing,
@@ -39,14 +40,14 @@ from .rtn import (
     round_to_grid,
     row_chunks,
 )
-from .factor import InverseFactor, inverse_factor
 from .spec import QuantSpec, SpecError
 
 log = logging.getLogger("squareq.quant")
 
 DAMP_RETRIES = 4
 # (block of W [N, B], its part of U [B, B], spec) -> (codes, scales, zeros, err): one block of the column sweep
-BlockSweep = Callable[[torch.Tensor, torch.Tensor, QuantSpec], tuple]  # damping tried: damp, 10·damp, 100·damp, 1000·damp (relative to mean diag(H))
+# damping tried: damp, 10·damp, 100·damp, 1000·damp (relative to mean diag(H))
+BlockSweep = Callable[[torch.Tensor, torch.Tensor, QuantSpec], tuple]
 
 
 @dataclass(frozen=True)

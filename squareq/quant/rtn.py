@@ -37,12 +37,12 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def to(self, device) -> "QuantizedWeight":
+    def to(self, device) -> QuantizedWeight:
         """The same weight with its tensors on ``device``."""
         return QuantizedWeight(self.spec, self.shape, {k: v.to(device) for k, v in self.tensors.items()})
 
     @classmethod
-    def placeholder(cls, spec: QuantSpec, shape: tuple[int, int]) -> "QuantizedWeight":
+    def placeholder(cls, spec: QuantSpec, shape: tuple[int, int]) -> QuantizedWeight:
         """Meta-device stand-ins of the right dtypes and shapes: enough to plan sizes and layouts without data."""
         return cls(spec, shape, {role: torch.empty(shp, dtype=dtype, device="meta")
                                  for role, (dtype, shp) in tensor_layout(spec, shape).items()})

@@ -84,7 +84,7 @@ class QuantSpec:
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
-    def with_clip(self, clip_ratio: float) -> "QuantSpec":
+    def with_clip(self, clip_ratio: float) -> QuantSpec:
         return replace(self, clip_ratio=float(clip_ratio))
 
     def label(self) -> str:
@@ -101,7 +101,7 @@ class QuantSpec:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QuantSpec":
+    def from_dict(cls, d: dict) -> QuantSpec:
         if not isinstance(d, dict):
             raise SpecError(f"a QuantSpec is a JSON object of fields, not {type(d).__name__}.")
         known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth", "format"}

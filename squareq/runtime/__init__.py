@@ -4,9 +4,9 @@ slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`;
 from .blocks import disable_cudnn_attention
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
-from .peft_lora import LoraVariant, PeftMissing, require_peft
 from .memory_plan import MemoryPlan, PlanError, plan
 from .module_stream import release_module, stream_module
+from .peft_lora import LoraVariant, PeftMissing, require_peft
 from .qlinear import QuantLinear
 from .streamer import StreamError
 from .telemetry import StepStats

@@ -89,7 +89,7 @@ class PinnedArena:
         self.host_bytes = total
 
     @classmethod
-    def for_slab(cls, slab: Slab, device: torch.device, shared: bool = False) -> "PinnedArena":
+    def for_slab(cls, slab: Slab, device: torch.device, shared: bool = False) -> PinnedArena:
         """The blobs of ``slab``; with ``shared``, the one copy the processes of this host share."""
         blocks = slab.manifest.blocks
         key = None

@@ -32,7 +32,8 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targe
     if isinstance(targets, str):
         targets = (targets,)
     alpha = float(alpha if alpha is not None else rank)
-    layers = [name for name, module in model.named_modules() if isinstance(module, QuantLinear) and matches(name, targets)]
+    layers = [name for name, module in model.named_modules()
+              if isinstance(module, QuantLinear) and matches(name, targets)]
     if not layers:
         raise ValueError(f"no quantized layer of {type(model).__name__} matches the LoRA targets {list(targets)}; "
                          "name layers as PEFT target_modules do (e.g. to_q, attn.to_out.0).")

@@ -39,7 +39,8 @@ def require_peft() -> None:
         import peft  # noqa: F401
     except ImportError:
         raise PeftMissing("DoRA, rsLoRA and LoRA dropout go through PEFT's layers, and the peft package is not "
-                          "installed: pip install 'squareq[peft]' (or pip install peft), or train a plain LoRA.") from None
+                          "installed: pip install 'squareq[peft]' (or pip install peft), or train a plain "
+                          "LoRA.") from None
 _PEFT_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.default\.weight$")
 _MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.default\.weight$")
 

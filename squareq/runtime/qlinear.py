@@ -2,7 +2,8 @@
 
 Its autograd Function dequantizes the weight into a shared bf16 scratch buffer and calls the vendor
 matmul, in the forward and again in the backward; for few rows of input (modulation layers run with
-M = batch size) it calls a fused kernel that reads the packed codes directly instead (kernels/dispatch.py). It returns only the input gradient: the base weight
+M = batch size) it calls a fused kernel that reads the packed codes directly instead (kernels/dispatch.py). It
+returns only the input gradient: the base weight
 is frozen, so no weight gradient is ever computed or stored, and nothing of the weight is saved for the
 backward (the backward dequantizes again from the slot, which then holds the same bytes).
 

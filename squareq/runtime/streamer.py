@@ -16,8 +16,8 @@ begins on the blocks the forward left in their slots and prefetches the rest in 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

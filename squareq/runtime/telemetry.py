@@ -16,7 +16,6 @@ import torch
 
 from ..slab.atomic import atomic_write_bytes
 
-
 PENDING_LIMIT = 4096  # event pairs kept before resolving, for a caller that never calls step()
 
 
@@ -139,6 +138,7 @@ class Telemetry:
             torch.cuda.synchronize(self.device)
         self._resolve_spans()
         lanes = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                 for t, n in ((0, "compute stream: blocks"), (1, "copy stream: slot copies"), (2, "compute stream: copy waits"))]
+                 for t, n in ((0, "compute stream: blocks"), (1, "copy stream: slot copies"), (2, "compute stream: "
+                                                                                                  "copy waits"))]
         text = json.dumps({"traceEvents": lanes + self._trace, "displayTimeUnit": "ms"})
         atomic_write_bytes(self.trace_path, text.encode())

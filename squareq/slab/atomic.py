@@ -6,8 +6,8 @@ import errno
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from .errors import SlabError
 

@@ -169,7 +169,7 @@ def _conforms(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_types(cls: type) -> tuple[tuple[str, Any], ...]:
     hints = typing.get_type_hints(cls)
     return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
@@ -218,7 +218,7 @@ class Manifest:
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> "Manifest":
+    def from_json(cls, text: str, where: str) -> Manifest:
         """Parse a manifest; ``where`` names the file in every error message."""
         try:
             d = json.loads(text)

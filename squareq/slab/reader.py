@@ -222,7 +222,7 @@ class Slab:
         except BufferError:
             pass  # tensors still view the map; it is released when they are
 
-    def __enter__(self) -> "Slab":
+    def __enter__(self) -> Slab:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -244,7 +244,8 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
     expected = {b.tensor for b in m.blocks} | {r.tensor for r in m.resident}
     missing, extra = sorted(expected - set(header)), sorted(set(header) - expected)
     if missing:
-        raise SlabError(f"{path} is missing tensors the manifest names ({', '.join(map(repr, missing[:5]))}); recompile the slab.")
+        raise SlabError(f"{path} is missing tensors the manifest names ({', '.join(map(repr, missing[:5]))}); "
+                        "recompile the slab.")
     if extra:
         raise SlabError(f"{path} holds tensors the manifest does not name ({', '.join(map(repr, extra[:5]))}); it was "
                         "altered after writing, so recompile the slab.")
@@ -254,7 +255,8 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
     for b in m.blocks:
         h = header[b.tensor]
         if h["dtype"] != "U8" or h["shape"] != [b.nbytes]:
-            raise SlabError(f"{path}: block {b.index} is {h['dtype']}{h['shape']}, not U8[{b.nbytes}] as the manifest says.")
+            raise SlabError(f"{path}: block {b.index} is {h['dtype']}{h['shape']}, not U8[{b.nbytes}] as the manifest "
+                            "says.")
         if (data_start + h["data_offsets"][0]) % m.alignment:
             raise SlabError(f"{path}: block {b.index} does not start at a {m.alignment}-byte boundary.")
         for p in b.params:
@@ -271,7 +273,8 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
                                 "manifest is damaged, recompile the slab.")
             layout = quant.tensor_layout(layer.spec, tuple(layer.shape))
             if set(layout) != set(layer.tensors):
-                raise SlabError(f"{path}: layer {name} stores {sorted(layer.tensors)}, but its spec needs {sorted(layout)}.")
+                raise SlabError(f"{path}: layer {name} stores {sorted(layer.tensors)}, but its spec needs "
+                                f"{sorted(layout)}.")
             for role, rec in layer.tensors.items():
                 _check_tensor_record(path, f"layer {name}", rec, b.nbytes, m.alignment)
                 dtype, shape = layout[role]

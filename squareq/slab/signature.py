@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
-
 
 # Keys that name the library version that saved a config rather than the model itself.
 VERSION_KEYS = {"transformers_version"}

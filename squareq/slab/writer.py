@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from .. import quant
-from ..quant import QuantSpec, QuantizedWeight
+from ..quant import QuantizedWeight, QuantSpec
 from .atomic import atomic_directory, atomic_write_bytes, fsync_file
 from .errors import SlabError
 from .manifest import (
@@ -131,7 +131,8 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
         if qw is None:
             raise SlabError(f"layer {name} was not quantized; every linear of block {prefix} needs a QuantizedWeight.")
         expected = quant.tensor_layout(qw.spec, (mod.out_features, mod.in_features))
-        if {r: (t.dtype, tuple(t.shape)) for r, t in qw.tensors.items()} != expected or qw.shape != (mod.out_features, mod.in_features):
+        stored = {r: (t.dtype, tuple(t.shape)) for r, t in qw.tensors.items()}
+        if stored != expected or qw.shape != (mod.out_features, mod.in_features):
             raise SlabError(f"layer {name}: stored tensors do not match {qw.spec.label()} for shape {list(qw.shape)}.")
         rel = name[len(prefix) + 1 :]
         tensors = {role: packer.add(f"{rel}.{role}", t) for role, t in qw.tensors.items()}
@@ -141,7 +142,8 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
                                   metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.bits,
                                   reason=list((reasons or {}).get(name, [])), **(annotations or {}).get(name, {})))
         taken.add(f"{rel}.weight")
-    params = [packer.add(rel, stored_tensor(t, param_dtype)) for rel, t in block.state_dict().items() if rel not in taken]
+    params = [packer.add(rel, stored_tensor(t, param_dtype))
+              for rel, t in block.state_dict().items() if rel not in taken]
     record = BlockRecord(index, prefix, block_tensor_name(index), align_up(max(packer.size, 1)), "0" * 64,
                          [rec.name for rec in layers], params)
     record.layout_sha256 = layout_digest(record, layers)
@@ -298,10 +300,12 @@ def write_slab(model: nn.Module, blocks: Sequence[str], plan: Mapping[str, Quant
     specs = {name: _resolve_spec(name, plan, opts) for p, m in zip(blocks, modules) for name, _ in block_linears(p, m)}
     prefixes = tuple(f"{p}." for p in blocks)
     residents = {n: t for n, t in model.state_dict().items() if not n.startswith(prefixes)}
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.blocks-", dir=out.parent if out.parent.exists() else None) as work:
+    parent = out.parent if out.parent.exists() else None
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.blocks-", dir=parent) as work:
         encoded = []
         for i, (prefix, block) in enumerate(zip(blocks, modules)):
-            quantized = {name: rtn_quantize(name, mod.weight, specs[name], opts) for name, mod in block_linears(prefix, block)}
+            quantized = {name: rtn_quantize(name, mod.weight, specs[name], opts)
+                         for name, mod in block_linears(prefix, block)}
             encoded.append(encode_block(i, prefix, block, quantized, Path(work) / f"block.{i}.bin", opts.param_dtype,
                                         opts.metrics, opts.reasons))
         return assemble_slab(out, model, encoded, residents, opts)

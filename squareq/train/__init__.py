@@ -4,8 +4,18 @@ docs/train.md says what each module holds and the choices made where the issue w
 from .cache import CacheError, EmbeddingCache
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig, load_config
-from .data import (BucketBatches, DataError, Dataset, Item, Skipped, bucket_for, caption_for, load_image, make_buckets,
-                   scan_dataset)
+from .data import (
+                   BucketBatches,
+                   DataError,
+                   Dataset,
+                   Item,
+                   Skipped,
+                   bucket_for,
+                   caption_for,
+                   load_image,
+                   make_buckets,
+                   scan_dataset,
+)
 from .lora_files import load_lora, save_diffusers_lora, save_kohya_lora
 
 __all__ = [

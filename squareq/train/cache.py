@@ -87,7 +87,8 @@ class EmbeddingCache:
                              "it.") from None
 
     def store(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        atomic_write_bytes(self.path(kind, key), save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}))
+        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+        atomic_write_bytes(self.path(kind, key), data)
         self.computed += 1
 
     def record_pairs(self, pairs: list[tuple[str, str]]) -> None:

@@ -39,7 +39,8 @@ def calibration_images(source, data: str | Path | None = None, encoders: str | N
                            "encoders to encode calibration images with; calibrate it on text, or with --calib-cache.")
     where = encoders or source.encoder_source
     if where is None:
-        raise EncoderError(f"{source.description} is not inside a diffusers pipeline folder, so SquareQ cannot find the "
+        raise EncoderError(f"{source.description} is not inside a diffusers pipeline folder, so SquareQ cannot find "
+                           "the "
                            "VAE and text encoders to encode calibration images with; pass the pipeline folder with "
                            "--encoders DIR, or a filled training cache with --calib-cache DIR.")
     if data is not None:

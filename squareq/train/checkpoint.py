@@ -289,7 +289,8 @@ def _restore_scheduler(scheduler, saved: dict | None, tensors, where: str) -> No
     if scheduler is None:
         return
     if saved is None:
-        warnings.warn(f"checkpoint {where} has no learning-rate scheduler state; the scheduler starts afresh.")
+        warnings.warn(f"checkpoint {where} has no learning-rate scheduler state; the scheduler starts afresh.",
+                      stacklevel=2)
         return
     if saved["class"] != type(scheduler).__name__:
         raise CheckpointError(
@@ -337,7 +338,7 @@ def _restore_rng(saved: dict, tensors, where: str) -> None:
             torch.cuda.set_rng_state_all(cuda)
         else:
             warnings.warn(f"checkpoint {where} holds {len(cuda)} CUDA RNG states that do not match this machine's "
-                          "devices; CUDA random numbers will differ from an uninterrupted run.")
+                          "devices; CUDA random numbers will differ from an uninterrupted run.", stacklevel=2)
 
 
 # --------------------------------------------------------------------------- save / load
@@ -424,7 +425,8 @@ def _verify_checksums(path: Path, hint: str) -> None:
         recorded = json.loads((path / CHECKSUMS_FILE).read_text(encoding="utf-8"))["sha256"]
         wanted = {name: str(recorded[name]) for name in HASHED_FILES}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {CHECKSUMS_FILE} is unreadable or damaged ({brief(exc)}); {hint}.") from None
+        raise CheckpointError(f"checkpoint {path}: {CHECKSUMS_FILE} is unreadable or damaged ({brief(exc)}); "
+                              f"{hint}.") from None
     for name, digest in wanted.items():
         try:
             actual = _sha256(path / name)

@@ -11,10 +11,11 @@ import dataclasses
 import json
 import logging
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from ..models import ADAPTERS
 from ..runtime.lora import DEFAULT_TARGETS
@@ -84,7 +85,8 @@ HELP = {
                       "schemes).",
     "shift": "Time shift for timestep_sampling = shift.",
     "guidance": "Embedded guidance value given to guidance-distilled models during training.",
-    "max_sequence_length": "Text-encoder tokens per caption (T5, UMT5, Mistral, Qwen, LLaMA); SD 1.5/SDXL's CLIP always takes 77.",
+    "max_sequence_length": "Text-encoder tokens per caption (T5, UMT5, Mistral, Qwen, LLaMA); SD 1.5/SDXL's CLIP "
+                           "always takes 77.",
     "save_every": "Write a checkpoint every N steps (0: only at the end).",
     "keep_last": "Checkpoints to keep.",
     "sample_every": "Sample images every N steps (0: never).",
@@ -258,7 +260,8 @@ class TrainConfig:
         if self.validation_split and self.validation_data:
             raise bad("validation_split", "and validation_data both choose validation images; keep one")
         if self.keep_tokens and not self.shuffle_caption:
-            raise bad("keep_tokens", "only applies with shuffle_caption; set shuffle_caption = true (--shuffle-caption) "
+            raise bad("keep_tokens", "only applies with shuffle_caption; set shuffle_caption = true "
+                                     "(--shuffle-caption) "
                                      "or remove keep_tokens")
         if self.save_format is not None and (not self.save_format
                                              or not set(self.save_format) <= set(SAVE_FORMATS)):
@@ -271,7 +274,7 @@ class TrainConfig:
             except SizeError as exc:
                 raise ConfigError(f"{where}: vram_budget: {exc}") from None
 
-    def with_family_defaults(self, family: str) -> "TrainConfig":
+    def with_family_defaults(self, family: str) -> TrainConfig:
         """This configuration with what depends on the model's family filled in: the LoRA targets."""
         if self.targets is not None:
             return self

@@ -75,7 +75,7 @@ class Dataset:
     def __getitem__(self, index: int) -> Item:
         return self.items[index]
 
-    def without_repeats(self) -> "Dataset":
+    def without_repeats(self) -> Dataset:
         """The same images, each counted once (a validation set measures every image alike)."""
         return Dataset(self.root, [dataclasses.replace(it, repeats=1) for it in self.items], self.skipped)
 
@@ -233,7 +233,8 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str, int]]:
     try:
         lines = meta.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{meta} could not be read as UTF-8 text ({exc}): fix it or remove it to use .txt captions.")
+        raise DataError(f"{meta} could not be read as UTF-8 text ({exc}): fix it or remove it to use .txt "
+                        "captions.") from None
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -319,7 +320,7 @@ def make_buckets(resolution: int, step: int = 64, max_ratio: float = 2.0,
     return sorted(buckets)
 
 
-def entry_buckets(dataset: "Dataset", bucket_sets, no_upscale: bool = False) -> list[tuple[int, int]]:
+def entry_buckets(dataset: Dataset, bucket_sets, no_upscale: bool = False) -> list[tuple[int, int]]:
     """The bucket of every training entry: each of ``dataset.training_items`` once per resolution's buckets
     (``bucket_sets``: one :func:`make_buckets` list per resolution), resolution by resolution. Entry ``i`` is
     ``training_items[i % len(training_items)]``."""

@@ -25,7 +25,7 @@ class Ranks:
     local_world: int = 1  # ranks on this host
 
     @classmethod
-    def from_env(cls, backend: str) -> "Ranks":
+    def from_env(cls, backend: str) -> Ranks:
         """The process group torchrun describes in the environment (or a single process without one)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:

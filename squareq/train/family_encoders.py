@@ -34,14 +34,15 @@ PIPELINES: dict[str, tuple[str, ...]] = {
 }
 # families whose latents a pipeline folder cannot produce, and what is missing
 NO_FOLDER = {"wuerstchen-prior": "Würstchen's EfficientNet image encoder (the prior's latents are its embeddings)",
-             "wuerstchen-decoder": "Würstchen's EfficientNet image encoder (the decoder is conditioned on its embeddings)"}
+             "wuerstchen-decoder": "Würstchen's EfficientNet image encoder (the decoder is conditioned on its "
+                                   "embeddings)"}
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
 VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo")
 # The DDPM schedule SquareQ trains the UNets with (squareq/train/objective.py); a scheduler config that differs is
 # refused rather than trained against the wrong noise levels.
-DDPM_DEFAULTS = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
-                 "rescale_betas_zero_snr": False}
+DDPM_DEFAULTS = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+                 "beta_schedule": "scaled_linear", "rescale_betas_zero_snr": False}
 
 
 def _entries(embeds: torch.Tensor, pooled: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -239,7 +240,8 @@ def open_family_pipeline(source: str | Path, family: str, device: torch.device,
                            "folder with --model.")
     # only the VAE and the text encoders: the denoiser is the slab, and a second expert (Wan 2.2's transformer_2),
     # a safety checker or an image encoder would only take memory
-    unused = {name: None for name in index if not name.startswith(("_", "vae", "scheduler", "text_encoder", "tokenizer"))}
+    kept = ("_", "vae", "scheduler", "text_encoder", "tokenizer")
+    unused = {name: None for name in index if not name.startswith(kept)}
     try:
         pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -64,7 +64,8 @@ class CacheFeed:
         self._pending[("latents", self.image_keys[index])] = _done(entry)
         return entry["latents"].shape
 
-    def batch(self, indices: list[int], drops: list[bool], epoch: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def batch(self, indices: list[int], drops: list[bool],
+              epoch: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(latents [B, C, h, w] or [B, C, 1, h, w], the captions' tensors batched: ``prompt_embeds`` [B, L, D],
         ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached) on the device, fp32. Captions of
         different lengths are zero-padded to the longest (their masks mark the padding)."""

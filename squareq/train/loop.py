@@ -58,15 +58,15 @@ from .data import (
     scan_dataset,
 )
 from .distributed import Ranks
+from .ema import LoraEma
 from .encoders import Encoders, open_encoders
 from .family_encoders import training_objective
-from .ema import LoraEma
 from .feed import CacheFeed
-from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header
 from .objective import denoising_loss, draw_times, image_tokens
 from .sample import FORWARD_SLOTS, draw_image
+from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("squareq.train")
@@ -193,7 +193,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         echo(f"validation: {len(held)} held-out images from {held.root}")
     placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
     if placeholders and not (cfg.trigger or "").strip():
-        raise DataError(f"{len(placeholders)} captions use {TRIGGER_TOKEN} (e.g. the one of {placeholders[0].path}) but "
+        raise DataError(f"{len(placeholders)} captions use {TRIGGER_TOKEN} (e.g. the one of {placeholders[0].path}) "
+                        "but "
                         "no trigger word is set; pass --trigger WORD.")
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
@@ -236,7 +237,8 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     ``progress``: a progress bar on stderr (default: when stderr is a terminal); without it, about ten
     progress lines through ``echo``."""
     if cfg.sample_every and not cfg.sample_prompts:
-        raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it for "
+        raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it "
+                         "for "
                          "several) or set sample_every = 0.")
     out = ensure_output_dir(Path(cfg.output), "-o/--out")
     device = _device()
@@ -417,7 +419,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                         indices = next(batch_iter)
                     # Every rank draws for the whole global batch, then keeps its share: the same numbers as one
                     # process training the whole batch.
-                    drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
+                    drops = [cfg.caption_dropout > 0
+                             and float(torch.rand((), generator=generator)) < cfg.caption_dropout
                              for _ in indices]
                     mine = ranks.share(len(indices))
                     shape = feed.latent_shape(indices[mine][0])
@@ -450,7 +453,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                     echo(f"step {step + 1}: the loss or a gradient is NaN/Inf; skipped ({skipped_in_row} in a row)")
                     if skipped_in_row >= cfg.nan_patience:
                         raise TrainError(f"{skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
-                                         f"stopped at step {step}; the last good checkpoint in {out / 'checkpoints'} is "
+                                         f"stopped at step {step}; the last good checkpoint in {out / 'checkpoints'} "
+                                         "is "
                                          "untouched. Lower the learning rate or check the data, then --resume latest.")
                     continue
                 skipped_in_row = 0
@@ -513,7 +517,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                      "--prefetch 1, then --resume latest.")
             last = latest_checkpoint(out)
             if ranks.world > 1 or updating or checkpoint_dir(out, step).exists():
-                # Other ranks wait in a collective, or the state is half-updated, or already saved: keep what is on disk.
+                # Other ranks wait in a collective, or the state is half-updated, or already saved: keep what is on
+                # disk.
                 where = f"the last checkpoint is {last}" if last else "no checkpoint was written yet"
                 raise TrainError(f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB); "
                                  f"{where}. {knobs}") from None
@@ -555,7 +560,8 @@ def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
     for key, flag in (("use_dora", "--use-dora"), ("use_rslora", "--use-rslora")):
         if key in saved and bool(saved[key]) != getattr(cfg, key):
             raise TrainError(f"{path} was trained with {key} = {str(bool(saved[key])).lower()}; resume with the same "
-                             f"setting ({flag} {'on' if saved[key] else 'off'}), or start a new run in a new -o folder.")
+                             f"setting ({flag} {'on' if saved[key] else 'off'}), or start a new run in a new -o "
+                             "folder.")
 
 
 def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:

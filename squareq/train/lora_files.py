@@ -86,7 +86,8 @@ def _layers(lora: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple[tor
         elif key.endswith(_B):
             pairs.setdefault(key[: -len(_B)], [None, None])[1] = t
         else:
-            raise LoraFileError(f"{where}: {key} is not a LoRA factor (<layer>.lora_A.weight or <layer>.lora_B.weight); "
+            raise LoraFileError(f"{where}: {key} is not a LoRA factor (<layer>.lora_A.weight or "
+                                "<layer>.lora_B.weight); "
                                 "pass the names runtime.lora_state_dict returns.")
     if not pairs:
         raise LoraFileError(f"{where} holds no LoRA factors; attach LoRA with runtime.add_lora before saving.")
@@ -167,7 +168,8 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return path
 
 
-def _normalize(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[dict[str, torch.Tensor], int, float]:
+def _normalize(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+               ) -> tuple[dict[str, torch.Tensor], int, float]:
     """Factors in runtime naming with one alpha: each layer's scale becomes alpha / its own rank, as in
     runtime.add_lora. The most common alpha is kept; a layer whose own alpha differs has the ratio folded into
     its lora_B (exact for the delta up to one rounding), since the runtime has no per-layer alpha."""
@@ -426,7 +428,8 @@ def save_kohya_lora(lora: Mapping[str, torch.Tensor], path, rank: int, alpha: fl
         raise LoraFileError(f"{path}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's (BFL block names); this LoRA "
                             f"is for a {family} model, so export it with --format diffusers.")
     if path.suffix != ".safetensors":
-        raise LoraFileError(f"{path}: a kohya LoRA is written as a .safetensors file; give a path ending in .safetensors.")
+        raise LoraFileError(f"{path}: a kohya LoRA is written as a .safetensors file; give a path ending in "
+                            ".safetensors.")
     tensors = to_kohya(lora, alpha)
     tensors = {k: (v if k.endswith(_ALPHA) else v.to(dtype)).contiguous() for k, v in tensors.items()}
     metadata = dict(header or {})
@@ -486,7 +489,8 @@ def _kohya_layers(sd: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple
                 modules.setdefault(key[: -len(suffix)], {})[slot] = t
                 break
         else:
-            raise LoraFileError(f"{where}: {key} is not a kohya LoRA tensor (<module>.lora_down.weight, .lora_up.weight "
+            raise LoraFileError(f"{where}: {key} is not a kohya LoRA tensor (<module>.lora_down.weight, "
+                                ".lora_up.weight "
                                 "or .alpha); SquareQ reads plain LoRA only (no LoHa, LoKr or DoRA).")
     out: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for stem in sorted(modules):
@@ -560,7 +564,8 @@ def _read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     # torch.save writes a zip archive (PK..) or, in the legacy format, a raw pickle (protocol byte 0x80)
     kind = None
     if head[8:9] != b"{":
-        kind = "a zip archive (torch.save output)" if head.startswith(b"PK") else "a pickle" if head[:1] == b"\x80" else None
+        kind = ("a zip archive (torch.save output)" if head.startswith(b"PK")
+                else "a pickle" if head[:1] == b"\x80" else None)
     if kind:
         raise LoraFileError(f"{file} is {kind}, not a safetensors file; SquareQ reads LoRA only from safetensors "
                             "(loading a pickle can run code), so convert it with safetensors.torch.save_file.")
@@ -569,7 +574,8 @@ def _read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             header = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise LoraFileError(f"{file} is not a readable safetensors file ({e}); pass a LoRA saved as .safetensors.") from None
+        raise LoraFileError(f"{file} is not a readable safetensors file ({e}); pass a LoRA saved as "
+                            ".safetensors.") from None
     return tensors, header
 
 
@@ -588,7 +594,8 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     path = Path(path)
     file = path / WEIGHT_NAME if path.is_dir() else path
     if not file.is_file():
-        raise LoraFileError(f"{file} does not exist; pass a LoRA .safetensors file or the folder holding {WEIGHT_NAME}.")
+        raise LoraFileError(f"{file} does not exist; pass a LoRA .safetensors file or the folder holding "
+                            f"{WEIGHT_NAME}.")
     tensors, header = _read_safetensors(file)
     if not tensors:
         raise LoraFileError(f"{file} holds no tensors; it is not a LoRA file.")
@@ -644,7 +651,8 @@ __all__ = [
 ]
 
 
-def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> list[torch.nn.Parameter]:
+def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor],
+                info: Mapping[str, Any]) -> list[torch.nn.Parameter]:
     """Give a runtime model (``squareq.runtime.load``) the factors ``load_lora`` read: each layer gets its own rank
     and the file's alpha, so its scale is alpha / rank as in the file. Returns the factor parameters."""
     from ..runtime import QuantLinear

@@ -67,7 +67,8 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
         "modelspec.architecture": f"{arch}/lora",
         "modelspec.implementation": _IMPLEMENTATIONS[layout],
         "modelspec.title": title,
-        "modelspec.date": datetime.datetime.fromtimestamp(finished, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "modelspec.date": datetime.datetime.fromtimestamp(finished, datetime.timezone.utc).isoformat(
+            timespec="seconds"),
         "modelspec.resolution": f"{cfg.largest_resolution}x{cfg.largest_resolution}",
         "ss_base_model_version": base_version,
         "ss_sd_model_name": base_model,

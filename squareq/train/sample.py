@@ -12,12 +12,11 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from ..runtime.residency import StreamTuner
 from ..models import ADAPTERS
+from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from .encoders import open_encoders
 from .lora_files import attach_lora, load_lora
-
 
 # ring slots that hide a forward-only pass's copies of FLUX.1-dev at 1024² on an H100 (two do not: docs/benchmarks.md);
 # `squareq sample --prefetch auto` starts there, the trainer's sample images use at least as many
@@ -80,7 +79,9 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
     it then, so a failure later keeps what was drawn)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
     if family not in ADAPTERS or not ADAPTERS[family].samples:

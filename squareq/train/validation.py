@@ -30,8 +30,8 @@ def validation_times(objective: str) -> torch.Tensor:
 def validation_loss(model, recipe, objective: str, feed, entries: list[int], seed: int, guidance: float,
                     device: torch.device, weighting: str = "none") -> dict:
     """The mean loss of ``model`` over the feed's ``entries`` at each fixed time, weighted as training weights it:
-    ``{"val_loss", "by_time", "images"}``. Entry ``n`` of ``entries`` gets its noise from ``seed`` and ``n`` alone, so the numbers do not
-    depend on when, or after what, they are measured."""
+    ``{"val_loss", "by_time", "images"}``. Entry ``n`` of ``entries`` gets its noise from ``seed`` and ``n`` alone,
+    so the numbers do not depend on when, or after what, they are measured."""
     times = validation_times(objective)
     totals = torch.zeros(len(times), dtype=torch.float64)
     for n, index in enumerate(entries):

@@ -33,7 +33,8 @@ class FP8E4M3Format(Format):
 
     def layout(self, spec, shape):
         n, k = shape
-        return {"qweight": (torch.uint8, (n, k)), "scales": (spec.torch_scale_dtype, (n, num_groups(k, spec.group_size)))}
+        groups = num_groups(k, spec.group_size)
+        return {"qweight": (torch.uint8, (n, k)), "scales": (spec.torch_scale_dtype, (n, groups))}
 
     def encode(self, w, spec):
         n, k = w.shape

@@ -28,7 +28,8 @@ class IntegerFormat(Format):
     def layout(self, spec, shape):
         n, k = shape
         g = num_groups(k, spec.group_size)
-        out = {"qweight": (torch.uint8, (n, packed_row_bytes(spec.bits, k))), "scales": (spec.torch_scale_dtype, (n, g))}
+        out = {"qweight": (torch.uint8, (n, packed_row_bytes(spec.bits, k))),
+               "scales": (spec.torch_scale_dtype, (n, g))}
         if not spec.symmetric:
             out["zeros"] = (torch.int8, (n, g))
         return out
