@@ -196,6 +196,21 @@ class TrainConfig:
             error.key = key
             return error
 
+        self._check_numbers(bad)
+        self._check_data(bad)
+        if self.save_format is not None and (not self.save_format
+                                             or not set(self.save_format) <= set(SAVE_FORMATS)):
+            raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")
+        if self.title is not None and not self.title.strip():
+            raise bad("title", "is empty; give the LoRA a name or leave title unset")
+        if self.vram_budget is not None:
+            try:
+                parse_size(self.vram_budget)
+            except SizeError as exc:
+                raise ConfigError(f"{where}: vram_budget: {exc}") from None
+
+    def _check_numbers(self, bad) -> None:
+        """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
                              ("loss_weighting", LOSS_WEIGHTINGS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
@@ -234,6 +249,9 @@ class TrainConfig:
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \
                 or self.lr <= 0:
             raise bad("lr", "must be a finite positive number, e.g. 1e-4")
+
+    def _check_data(self, bad) -> None:
+        """The data keys: resolutions, captions, shuffling and validation images."""
         if not isinstance(self.resolution, list) or not self.resolution \
                 or not all(isinstance(r, int) and not isinstance(r, bool) for r in self.resolution):
             raise bad("resolution", "must be a whole number of pixels, or several, e.g. [512, 1024]")
@@ -261,18 +279,7 @@ class TrainConfig:
             raise bad("validation_split", "and validation_data both choose validation images; keep one")
         if self.keep_tokens and not self.shuffle_caption:
             raise bad("keep_tokens", "only applies with shuffle_caption; set shuffle_caption = true "
-                                     "(--shuffle-caption) "
-                                     "or remove keep_tokens")
-        if self.save_format is not None and (not self.save_format
-                                             or not set(self.save_format) <= set(SAVE_FORMATS)):
-            raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")
-        if self.title is not None and not self.title.strip():
-            raise bad("title", "is empty; give the LoRA a name or leave title unset")
-        if self.vram_budget is not None:
-            try:
-                parse_size(self.vram_budget)
-            except SizeError as exc:
-                raise ConfigError(f"{where}: vram_budget: {exc}") from None
+                                     "(--shuffle-caption) or remove keep_tokens")
 
     def with_family_defaults(self, family: str) -> TrainConfig:
         """This configuration with what depends on the model's family filled in: the LoRA targets."""

@@ -263,287 +263,381 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         raise TrainError(f"{out} already holds checkpoints of an earlier run; pass --resume latest to continue it, or "
                          "choose a new -o/--out folder.")
     torch.manual_seed(cfg.seed)
-
-    slab = open_slab(cfg.slab, verify="eager")
-    cfg = _resumed_targets(cfg, out).with_family_defaults(slab.manifest.model.family)
-    _check_variant(cfg, out, ranks.world)
-    if cfg.vram_budget_bytes is not None and device.type == "cuda":
-        plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
-                            text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
-                            lora_targets=cfg.targets)
-        echo("expected device memory:\n" + str(plan))
-        if cfg.use_dora:
-            log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: 1.7 GB "
-                        "more at 512², 2.1 GB at 1024²); leave that much below the budget.")
-        plan.check(cfg.vram_budget_bytes)
-
-    family = slab.manifest.model.family
-    _check_trainable(cfg.slab, family)
-    formats = save_formats(cfg, family)
-    run_started = time.time()
-    if cfg.sample_every and not ADAPTERS[family].samples:
-        raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} family "
-                         "yet; set sample_every = 0 (--sample-every 0).")
-    recipe = ADAPTERS[family].recipe
-    objective = training_objective(cfg.model or slab.manifest.model.source, family)
-    if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
-        raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} are "
-                         f"for flow-matching models; this {family} model trains with the {objective} objective, so "
-                         "leave them at none and shift.")
-    data = prepare_data(cfg, slab.manifest.model, device, echo, encode=ranks.is_main)
-    echo(f"training a {family} LoRA with the {objective} objective")
-    dataset, buckets, cache, plain, dropped = data.dataset, data.buckets, data.cache, data.captions, data.dropped
-    image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
-
-    # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
-    host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
+    run = _Run(cfg, out, device, ranks, echo, after_step, on_gradients)
+    run.setup()
     try:
-        model = runtime.load(slab, device, prefetch=cfg.prefetch, host=host, verify="off")
-    except HostMemoryError as exc:
-        if host == cfg.host:
-            raise TrainError(f"--host {cfg.host}: {exc}") from None
-        log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
-        model = runtime.load(slab, device, prefetch=cfg.prefetch, host="pinned", verify="off")
-    params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed,
-                              variant=cfg.lora_variant)
-    names = [n for n, p in runtime.lora_parameters(model).items()]
-    model.enable_gradient_checkpointing()
-    model.train()
-    # one global batch per step, shared out to the ranks (equal shares, so the last short batch is dropped)
-    batches = BucketBatches(dataset, buckets, cfg.batch_size * ranks.world, cfg.seed, drop_last=ranks.world > 1,
-                            no_upscale=cfg.no_upscale)
-    total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(batches) / cfg.grad_accum))
-    optimizer = _optimizer(cfg, params)
-    scheduler = lr_scheduler(cfg, optimizer, total)
-    generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
-    ema = LoraEma(params, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        run.load()
+        run.resume()
+        run.open_logs(progress)
+        run.train()
+    finally:
+        run.close()
+    return run.finish()
 
-    step, skipped_in_row, skipped = 0, 0, 0
-    if cfg.resume:
-        path = latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
-        if path is None:
+
+class _Run:
+    """One training run: setup, the model and its optimizer, resuming, each optimizer step, metrics, checkpoints,
+    validation, and the LoRA files at the end. ``step`` counts finished optimizer steps."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo, after_step,
+                 on_gradients) -> None:
+        self.cfg, self.out, self.device, self.ranks, self.echo = cfg, out, device, ranks, echo
+        self.after_step, self.on_gradients = after_step, on_gradients
+        self.step = self.skipped = self.skipped_in_row = 0
+        self.losses: list[float] = []
+        self.metrics = self.board = self.bar = self.feed = self.model = None
+
+    # ------------------------------------------------------------------------------------------ before training
+
+    def setup(self) -> None:
+        """Open the slab, settle the configuration against it, check the memory plan, and fill the cache."""
+        cfg, echo = self.cfg, self.echo
+        self.slab = slab = open_slab(cfg.slab, verify="eager")
+        self.cfg = cfg = _resumed_targets(cfg, self.out).with_family_defaults(slab.manifest.model.family)
+        _check_variant(cfg, self.out, self.ranks.world)
+        if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
+            plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
+                                text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
+                                lora_targets=cfg.targets)
+            echo("expected device memory:\n" + str(plan))
+            if cfg.use_dora:
+                log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: "
+                            "1.7 GB more at 512², 2.1 GB at 1024²); leave that much below the budget.")
+            plan.check(cfg.vram_budget_bytes)
+        self.family = family = slab.manifest.model.family
+        _check_trainable(cfg.slab, family)
+        self.formats = save_formats(cfg, family)
+        self.started = time.time()
+        if cfg.sample_every and not ADAPTERS[family].samples:
+            raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} "
+                             "family yet; set sample_every = 0 (--sample-every 0).")
+        self.recipe = ADAPTERS[family].recipe
+        self.objective = objective = training_objective(cfg.model or slab.manifest.model.source, family)
+        if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
+            raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} "
+                             f"are for flow-matching models; this {family} model trains with the {objective} "
+                             "objective, so leave them at none and shift.")
+        self.data = prepare_data(cfg, slab.manifest.model, self.device, echo, encode=self.ranks.is_main)
+        echo(f"training a {family} LoRA with the {objective} objective")
+
+    def load(self) -> None:
+        """The streamed model with its LoRA, the batch order, the optimizer, its schedule and the run's RNG."""
+        cfg, ranks, data = self.cfg, self.ranks, self.data
+        # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
+        host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
+        try:
+            model = runtime.load(self.slab, self.device, prefetch=cfg.prefetch, host=host, verify="off")
+        except HostMemoryError as exc:
+            if host == cfg.host:
+                raise TrainError(f"--host {cfg.host}: {exc}") from None
+            log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
+            model = runtime.load(self.slab, self.device, prefetch=cfg.prefetch, host="pinned", verify="off")
+        self.model = model
+        self.params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets,
+                                       seed=cfg.seed, variant=cfg.lora_variant)
+        self.names = list(runtime.lora_parameters(model))
+        model.enable_gradient_checkpointing()
+        model.train()
+        # one global batch per step, shared out to the ranks (equal shares, so the last short batch is dropped)
+        self.batches = BucketBatches(data.dataset, data.buckets, cfg.batch_size * ranks.world, cfg.seed,
+                                     drop_last=ranks.world > 1, no_upscale=cfg.no_upscale)
+        self.total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(self.batches)
+                                                                           / cfg.grad_accum))
+        self.optimizer = _optimizer(cfg, self.params)
+        self.scheduler = lr_scheduler(cfg, self.optimizer, self.total)
+        self.generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
+        self.ema = LoraEma(self.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
+        self.feed = CacheFeed(data.cache, image_keys, text_keys, data.captions + [[c] for c in data.validation],
+                              data.dropped, self.device)
+        # the validation entries of the feed come after the training entries
+        self.held_out = list(range(len(data.captions), len(data.captions) + len(data.validation)))
+
+    def resume(self) -> None:
+        """With ``resume``: the checkpoint's LoRA, optimizer, schedule, batch position, RNG and moving average."""
+        cfg, out, echo = self.cfg, self.out, self.echo
+        path = (latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)) if cfg.resume else None
+        if cfg.resume and path is None:
             echo(f"no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
-        else:
-            ckpt = load_checkpoint(path, optimizer, names, scheduler)
+        if path is not None:
+            ckpt = load_checkpoint(path, self.optimizer, self.names, self.scheduler)
             with torch.no_grad():
-                for name, p in runtime.lora_parameters(model).items():
+                for name, p in runtime.lora_parameters(self.model).items():
                     p.copy_(ckpt.lora[name])
             try:
-                batches.load_state_dict(ckpt.data_state["batches"])
+                self.batches.load_state_dict(ckpt.data_state["batches"])
             except ValueError:
-                raise TrainError(f"{path} was saved with another data set, batch size ({ckpt.config.get('batch_size')} "
-                                 f"per rank), seed or number of ranks; resume with the settings it was made with, or "
-                                 "start a new run in a new -o folder.") from None
-            generator.set_state(ckpt.extra["generator"])
-            if ema is not None and not ema.load_state_dict(ckpt.extra, names):
+                raise TrainError(f"{path} was saved with another data set, batch size "
+                                 f"({ckpt.config.get('batch_size')} per rank), seed or number of ranks; resume with "
+                                 "the settings it was made with, or start a new run in a new -o folder.") from None
+            self.generator.set_state(ckpt.extra["generator"])
+            if self.ema is not None and not self.ema.load_state_dict(ckpt.extra, self.names):
                 log.warning("%s holds no moving average of the LoRA (it was trained without ema_decay); the average "
                             "starts from its weights.", path)
-                ema = LoraEma(params, cfg.ema_decay)
-            step, skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
-            _apply_new_hyperparameters(cfg, optimizer, scheduler)
+                self.ema = LoraEma(self.params, cfg.ema_decay)
+            self.step, self.skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
+            _apply_new_hyperparameters(cfg, self.optimizer, self.scheduler)
             changed = sorted(k for k, v in cfg.to_dict().items() if k != "resume" and ckpt.config.get(k, v) != v)
-            if ranks.is_main:
-                _truncate_metrics(out / METRICS_FILE, step)
-                _truncate_metrics(out / VALIDATION_FILE, step)
-            echo(f"resumed from {path} at step {step}" + (f"; changed since: {', '.join(changed)}" if changed else ""))
-    if step == 0 and ranks.is_main:
-        _truncate_metrics(out / VALIDATION_FILE, -1)  # a fresh start: rows of an earlier attempt in this folder go
+            if self.ranks.is_main:
+                _truncate_metrics(out / METRICS_FILE, self.step)
+                _truncate_metrics(out / VALIDATION_FILE, self.step)
+            echo(f"resumed from {path} at step {self.step}"
+                 + (f"; changed since: {', '.join(changed)}" if changed else ""))
+        if self.step == 0 and self.ranks.is_main:
+            _truncate_metrics(out / VALIDATION_FILE, -1)  # a fresh start: rows of an earlier attempt in this folder go
 
-    def checkpoint(data_state=None, generator_state=None) -> Path:
-        path = checkpoint_dir(out, step)
-        if ranks.is_main:
-            lora = runtime.lora_state_dict(model)
-            path = save_checkpoint(out, step, lora, optimizer, names, scheduler,
-                                   {"batches": data_state or batches.state_dict(), "skipped": skipped}, cfg.to_dict(),
-                                   extra={"generator": generator.get_state() if generator_state is None
-                                          else generator_state, **(ema.state_dict(names) if ema else {})},
+    def open_logs(self, progress) -> None:
+        """metrics.jsonl, TensorBoard when asked, and a progress bar on a terminal (or when ``progress``)."""
+        main = self.ranks.is_main
+        self.every = max(1, min(10, self.total // 10))  # progress lines: about ten per run, at least every ten steps
+        self.metrics = open(self.out / METRICS_FILE, "a") if main else open(os.devnull, "w")
+        self.board = _tensorboard(self.out) if self.cfg.log == "tensorboard" and main else None
+        if main and (sys.stderr.isatty() if progress is None else progress):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.step, unit="step", dynamic_ncols=True, desc="train")
+            self.echo = _above_bar(self.bar, self.echo)
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def train(self) -> None:
+        """Every optimizer step up to the total, then the last checkpoint; an out-of-memory error saves what it can."""
+        cfg = self.cfg
+        self.validate_every = cfg.validate_every or cfg.save_every or self.total
+        self.batch_iter = iter(self.batches)
+        step_start, self.updating = None, False
+        try:
+            if cfg.sample_every and self.step == 0 and self.ranks.is_main:
+                self.samples()  # the base model's pictures, to compare
+            written = {r["step"] for r in validation_history(self.out)}
+            if self.step == 0 or (self.step % self.validate_every == 0 and self.step not in written):
+                self.validate()  # the base model's loss, to compare; or one a killed run did not get to write
+            while self.step < self.total:
+                # where this step starts: what an out-of-memory save must record, so that a resume redoes it
+                step_start = (self.batches.state_dict(), self.generator.get_state())
+                self.optimizer_step(step_start)
+        except torch.OutOfMemoryError:
+            self.out_of_memory(step_start)
+        self.checkpoint()
+
+    def optimizer_step(self, step_start) -> None:
+        """One optimizer step over ``grad_accum`` micro-batches; a non-finite one is retried or skipped."""
+        started = time.perf_counter()
+        self.updating = False
+        step_loss = self.micro_batches()
+        params = self.params
+        self.ranks.average_grads(params)
+        step_loss = self.ranks.mean(step_loss, self.device)
+        grads = [p.grad for p in params if p.grad is not None]
+        # one norm over all gradients (NaN or Inf if any element is): one device sync, not one per tensor
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if not (math.isfinite(step_loss) and math.isfinite(float(norm))):
+            self.non_finite(step_start)
+            return
+        self.skipped_in_row = 0
+        if self.on_gradients is not None:
+            self.on_gradients(self.step + 1, [p.grad for p in params])
+        if self.cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
+        self.update()
+        self.record(step_loss, float(norm), started)
+        self.after_update()
+
+    def micro_batches(self) -> float:
+        """Forward and backward over ``grad_accum`` batches; the summed loss (each divided by ``grad_accum``)."""
+        cfg, ranks, feed, batches, generator = self.cfg, self.ranks, self.feed, self.batches, self.generator
+        step_loss = 0.0
+        for _ in range(cfg.grad_accum):
+            epoch = batches.epoch  # the batch's own: the last one of an epoch moves the count on
+            indices = next(self.batch_iter, None)
+            if indices is None:
+                self.batch_iter = iter(batches)
+                epoch = batches.epoch
+                indices = next(self.batch_iter)
+            # Every rank draws for the whole global batch, then keeps its share: the same numbers as one process
+            # training the whole batch.
+            drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
+                     for _ in indices]
+            mine = ranks.share(len(indices))
+            shape = feed.latent_shape(indices[mine][0])
+            noise = torch.randn((len(indices), *shape), generator=generator)
+            t = draw_times(self.objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift,
+                           image_tokens=image_tokens(shape))
+            indices, drops = indices[mine], drops[mine]
+            noise, t = noise[mine].to(self.device), t[mine].to(self.device)
+            latents, text = feed.batch(indices, drops, epoch)
+            upcoming = batches.peek()
+            feed.prefetch(upcoming[ranks.share(len(upcoming))], batches.epoch)  # read while this one computes
+            loss = denoising_loss(self.model, self.recipe, self.objective, latents, noise, t, text, cfg.guidance,
+                                  cfg.loss_weighting) / cfg.grad_accum
+            loss.backward()
+            step_loss += float(loss.detach())
+        return step_loss
+
+    def non_finite(self, step_start) -> None:
+        """A NaN/Inf loss or gradient: the same step again without cuDNN attention when that may be the cause,
+        otherwise skipped; ``nan_patience`` skips in a row stop the run."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if _retry_without_cudnn(self.device):
+            # the same step again (same batch, noise and timesteps) with the cuDNN attention backend off
+            self.batches.load_state_dict(step_start[0])
+            self.generator.set_state(step_start[1])
+            self.batch_iter = iter(self.batches)
+            return
+        self.skipped_in_row, self.skipped = self.skipped_in_row + 1, self.skipped + 1
+        self.echo(f"step {self.step + 1}: the loss or a gradient is NaN/Inf; skipped ({self.skipped_in_row} in a row)")
+        if self.skipped_in_row >= self.cfg.nan_patience:
+            raise TrainError(f"{self.skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
+                             f"stopped at step {self.step}; the last good checkpoint in {self.out / 'checkpoints'} is "
+                             "untouched. Lower the learning rate or check the data, then --resume latest.")
+
+    def update(self) -> None:
+        """The optimizer's step, checked for diverged weights before anything of it can be saved."""
+        params = self.params
+        self.updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
+        self.optimizer.step()
+        # a step can turn finite gradients into non-finite or exploded weights (a learning rate far too large): stop
+        # before anything of it is saved, so every checkpoint on disk stays a good one
+        largest = max(float(p.detach().abs().max()) for p in params)
+        if not largest <= DIVERGED_WEIGHT:
+            last = latest_checkpoint(self.out)
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
+            what = "NaN/Inf" if not math.isfinite(largest) else f"as large as {largest:.3g}"
+            raise TrainError(f"step {self.step + 1} made the LoRA weights {what} (learning rate "
+                             f"{self.scheduler.get_last_lr()[0]:.3g}), so the run stopped without saving it; "
+                             f"{where}. Lower --lr, then --resume latest or start again.")
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(params)
+        self.step += 1
+        self.updating = False  # the step is whole: an error from here on (validation, samples) loses nothing
+
+    def record(self, step_loss: float, norm: float, started: float) -> None:
+        """The step's line in metrics.jsonl (and TensorBoard), and the progress bar or line."""
+        step = self.step
+        self.losses.append(step_loss)
+        record = {"step": step, "loss": step_loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": norm,
+                  "seconds": time.perf_counter() - started, "skipped_total": self.skipped}
+        if self.device.type == "cuda":
+            stats = runtime.runtime_of(self.model).step_stats()
+            record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
+        self.metrics.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.board.add_scalar(f"train/{key}", value, step)
+        self.metrics.flush()
+        recent = self.losses[-self.every:]
+        vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
+        status = (f"loss {step_loss:.4f} (avg {sum(recent) / len(recent):.4f}), lr {record['lr']:.2e}, "
+                  f"grad norm {norm:.3f}{vram}")
+        if self.bar is not None:
+            self.bar.set_postfix_str(status, refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.total:
+            self.echo(f"step {step}/{self.total}: {status}, {1 / record['seconds']:.2f} it/s")
+
+    def after_update(self) -> None:
+        """What is due after this step: a checkpoint, samples, a validation pass, the caller's hook."""
+        cfg, step = self.cfg, self.step
+        if cfg.save_every and step % cfg.save_every == 0 and step < self.total:
+            self.checkpoint()
+        if cfg.sample_every and step % cfg.sample_every == 0 and self.ranks.is_main:
+            self.samples()
+        if step % self.validate_every == 0 or step == self.total:
+            self.validate()
+        if self.after_step is not None:
+            self.after_step(step)
+
+    # ------------------------------------------------------------------------------------------ saving and measuring
+
+    def checkpoint(self, data_state=None, generator_state=None) -> Path:
+        """A checkpoint of the finished steps (rank 0 writes it; every rank waits for it)."""
+        path = checkpoint_dir(self.out, self.step)
+        if self.ranks.is_main:
+            cfg, names = self.cfg, self.names
+            lora = runtime.lora_state_dict(self.model)
+            extra = {"generator": self.generator.get_state() if generator_state is None else generator_state,
+                     **(self.ema.state_dict(names) if self.ema else {})}
+            path = save_checkpoint(self.out, self.step, lora, self.optimizer, names, self.scheduler,
+                                   {"batches": data_state or self.batches.state_dict(), "skipped": self.skipped},
+                                   cfg.to_dict(), extra=extra,
                                    lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha, cfg.lora_variant))
-            prune_checkpoints(out, max(1, cfg.keep_last))
-            metrics.flush()
-            plot_losses(out)
-        ranks.barrier()
+            prune_checkpoints(self.out, max(1, cfg.keep_last))
+            self.metrics.flush()
+            plot_losses(self.out)
+        self.ranks.barrier()
         return path
 
-    feed = CacheFeed(cache, image_keys, text_keys, plain + [[c] for c in data.validation], dropped, device)
-    held_out = list(range(len(plain), len(plain) + len(data.validation)))  # the validation entries of the feed
+    def out_of_memory(self, step_start) -> None:
+        """Save the finished steps where that is safe, and stop with the peak and the knobs to turn."""
+        self.optimizer.zero_grad(set_to_none=True)
+        device, step = self.device, self.step
+        peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+        knobs = ("Lower --resolution or --batch-size (raise --grad-accum to keep the effective batch) or use "
+                 "--prefetch 1, then --resume latest.")
+        what = f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB)"
+        if self.ranks.world > 1 or self.updating or step_start is None or checkpoint_dir(self.out, step).exists():
+            # Other ranks wait in a collective, or the state is half-updated, or already saved: keep what is on disk.
+            last = latest_checkpoint(self.out)
+            where = f"the last checkpoint is {last}" if last else "no checkpoint was written yet"
+            raise TrainError(f"{what}; {where}. {knobs}") from None
+        path = self.checkpoint(*step_start)  # the finished steps, with the data and RNG where the failed step began
+        raise TrainError(f"{what}; steps up to {step} are saved in {path}. {knobs}") from None
 
-    def validate() -> None:
-        if not held_out or not ranks.is_main:
+    def validate(self) -> None:
+        """The validation loss now (rank 0), recorded; a pass that runs out of memory is skipped."""
+        if not self.held_out or not self.ranks.is_main:
             return
+        cfg, step = self.cfg, self.step
         try:
-            with _forward_only(model, device):
-                result = validation_loss(model, recipe, objective, feed, held_out, cfg.seed, cfg.guidance, device,
-                                         cfg.loss_weighting)
+            with _forward_only(self.model, self.device):
+                result = validation_loss(self.model, self.recipe, self.objective, self.feed, self.held_out, cfg.seed,
+                                         cfg.guidance, self.device, cfg.loss_weighting)
         except torch.OutOfMemoryError:
             # the step is done and intact: training goes on, without this measurement
-            echo(f"step {step}: the validation pass ran out of GPU memory and was skipped; training goes on (fewer "
-                 "or smaller validation images would fit)")
+            self.echo(f"step {step}: the validation pass ran out of GPU memory and was skipped; training goes on "
+                      "(fewer or smaller validation images would fit)")
             return
-        record_validation(out, step, result)
-        if board is not None:
-            board.add_scalar("val/loss", result["val_loss"], step)
-        first = validation_history(out)[0]
-        echo(f"step {step}: validation loss {result['val_loss']:.4f} on {result['images']} held-out images"
-             + (f" (step {first['step']}: {first['val_loss']:.4f})" if first["step"] != step else ""))
+        record_validation(self.out, step, result)
+        if self.board is not None:
+            self.board.add_scalar("val/loss", result["val_loss"], step)
+        first = validation_history(self.out)[0]
+        self.echo(f"step {step}: validation loss {result['val_loss']:.4f} on {result['images']} held-out images"
+                  + (f" (step {first['step']}: {first['val_loss']:.4f})" if first["step"] != step else ""))
 
-    every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
-    batch_iter = iter(batches)
-    losses: list[float] = []
-    metrics = open(out / METRICS_FILE, "a") if ranks.is_main else open(os.devnull, "w")
-    board = _tensorboard(out) if cfg.log == "tensorboard" and ranks.is_main else None
-    bar = None
-    if ranks.is_main and (sys.stderr.isatty() if progress is None else progress):
-        from tqdm import tqdm
+    def samples(self) -> None:
+        _save_samples(self.cfg, self.model, self.slab, self.out / "samples", self.step, self.device)
 
-        bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, desc="train")
-        echo = _above_bar(bar, echo)
-    try:
-        try:
-            if cfg.sample_every and step == 0 and ranks.is_main:
-                _save_samples(cfg, model, slab, out / "samples", 0, device)  # the base model's pictures, to compare
-            validate_every = cfg.validate_every or cfg.save_every or total
-            if step == 0 or (step % validate_every == 0 and step not in {r["step"] for r in validation_history(out)}):
-                validate()  # the base model's loss, to compare; or one a killed run did not get to write
-            while step < total:
-                started = time.perf_counter()
-                step_loss = 0.0
-                # where this step starts: what an out-of-memory save must record, so that a resume redoes it
-                step_start = (batches.state_dict(), generator.get_state())
-                updating = False
-                for _ in range(cfg.grad_accum):
-                    epoch = batches.epoch  # the batch's own: the last one of an epoch moves the count on
-                    indices = next(batch_iter, None)
-                    if indices is None:
-                        batch_iter = iter(batches)
-                        epoch = batches.epoch
-                        indices = next(batch_iter)
-                    # Every rank draws for the whole global batch, then keeps its share: the same numbers as one
-                    # process training the whole batch.
-                    drops = [cfg.caption_dropout > 0
-                             and float(torch.rand((), generator=generator)) < cfg.caption_dropout
-                             for _ in indices]
-                    mine = ranks.share(len(indices))
-                    shape = feed.latent_shape(indices[mine][0])
-                    noise = torch.randn((len(indices), *shape), generator=generator)
-                    t = draw_times(objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift,
-                                   image_tokens=image_tokens(shape))
-                    indices, drops, noise, t = indices[mine], drops[mine], noise[mine].to(device), t[mine].to(device)
-                    latents, text = feed.batch(indices, drops, epoch)
-                    upcoming = batches.peek()
-                    feed.prefetch(upcoming[ranks.share(len(upcoming))], batches.epoch)  # read while this one computes
-                    loss = denoising_loss(model, recipe, objective, latents, noise, t, text, cfg.guidance,
-                                          cfg.loss_weighting) / cfg.grad_accum
-                    loss.backward()
-                    step_loss += float(loss.detach())
-                ranks.average_grads(params)
-                step_loss = ranks.mean(step_loss, device)
-                grads = [p.grad for p in params if p.grad is not None]
-                # one norm over all gradients (NaN or Inf if any element is): one device sync, not one per tensor
-                norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-                finite = math.isfinite(step_loss) and math.isfinite(float(norm))
-                if not finite:
-                    optimizer.zero_grad(set_to_none=True)
-                    if _retry_without_cudnn(device):
-                        # the same step again (same batch, noise and timesteps) with the cuDNN attention backend off
-                        batches.load_state_dict(step_start[0])
-                        generator.set_state(step_start[1])
-                        batch_iter = iter(batches)
-                        continue
-                    skipped_in_row, skipped = skipped_in_row + 1, skipped + 1
-                    echo(f"step {step + 1}: the loss or a gradient is NaN/Inf; skipped ({skipped_in_row} in a row)")
-                    if skipped_in_row >= cfg.nan_patience:
-                        raise TrainError(f"{skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
-                                         f"stopped at step {step}; the last good checkpoint in {out / 'checkpoints'} "
-                                         "is "
-                                         "untouched. Lower the learning rate or check the data, then --resume latest.")
-                    continue
-                skipped_in_row = 0
-                if on_gradients is not None:
-                    on_gradients(step + 1, [p.grad for p in params])
-                if cfg.max_grad_norm > 0:
-                    torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, norm)
-                norm = float(norm)
-                updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
-                optimizer.step()
-                # a step can turn finite gradients into non-finite or exploded weights (a learning rate far too
-                # large): stop before anything of it is saved, so every checkpoint on disk stays a good one
-                largest = max(float(p.detach().abs().max()) for p in params)
-                if not largest <= DIVERGED_WEIGHT:
-                    last = latest_checkpoint(out)
-                    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written"
-                    what = "NaN/Inf" if not math.isfinite(largest) else f"as large as {largest:.3g}"
-                    raise TrainError(f"step {step + 1} made the LoRA weights {what} (learning rate "
-                                     f"{scheduler.get_last_lr()[0]:.3g}), so the run stopped without saving it; "
-                                     f"{where}. Lower --lr, then --resume latest or start again.")
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if ema is not None:
-                    ema.update(params)
-                step += 1
-                updating = False  # the step is whole: an error from here on (validation, samples) loses nothing
-                losses.append(step_loss)
-                record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": norm,
-                          "seconds": time.perf_counter() - started, "skipped_total": skipped}
-                if device.type == "cuda":
-                    stats = runtime.runtime_of(model).step_stats()
-                    record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
-                metrics.write(json.dumps(record) + "\n")
-                if board is not None:
-                    for key, value in record.items():
-                        if key != "step":
-                            board.add_scalar(f"train/{key}", value, step)
-                metrics.flush()
-                recent = losses[-every:]
-                vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
-                status = (f"loss {step_loss:.4f} (avg {sum(recent) / len(recent):.4f}), lr {record['lr']:.2e}, "
-                          f"grad norm {norm:.3f}{vram}")
-                if bar is not None:
-                    bar.set_postfix_str(status, refresh=False)
-                    bar.update(1)
-                elif step % every == 0 or step == total:
-                    echo(f"step {step}/{total}: {status}, {1 / record['seconds']:.2f} it/s")
-                if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                    checkpoint()
-                if cfg.sample_every and step % cfg.sample_every == 0 and ranks.is_main:
-                    _save_samples(cfg, model, slab, out / "samples", step, device)
-                if step % validate_every == 0 or step == total:
-                    validate()
-                if after_step is not None:
-                    after_step(step)
-        except torch.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
-            knobs = ("Lower --resolution or --batch-size (raise --grad-accum to keep the effective batch) or use "
-                     "--prefetch 1, then --resume latest.")
-            last = latest_checkpoint(out)
-            if ranks.world > 1 or updating or checkpoint_dir(out, step).exists():
-                # Other ranks wait in a collective, or the state is half-updated, or already saved: keep what is on
-                # disk.
-                where = f"the last checkpoint is {last}" if last else "no checkpoint was written yet"
-                raise TrainError(f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB); "
-                                 f"{where}. {knobs}") from None
-            path = checkpoint(*step_start)  # the finished steps, with the data and RNG where the failed step began
-            raise TrainError(f"the GPU ran out of memory in step {step + 1} (peak reserved {peak / 1e9:.2f} GB); "
-                             f"steps up to {step} are saved in {path}. {knobs}") from None
-        checkpoint()
-    finally:
-        if bar is not None:
-            bar.close()
-        feed.close()
-        metrics.close()
-        if board is not None:
-            board.close()
-        runtime.runtime_of(model).close()
-    files = lora_paths(cfg, out)
-    if ema is not None:
-        ema.copy_to(params)  # the final LoRA is the average (the checkpoints keep the trained weights)
-    if ranks.is_main:
-        files = _write_lora(cfg, out, runtime.lora_state_dict(model), slab.manifest.model, objective, dataset,
-                            formats, step, run_started)
-    ranks.barrier()
-    written = [files[f] for f in formats]
-    echo(f"LoRA written to {' and '.join(map(str, written))} after {step} steps ({skipped} skipped)")
-    return TrainResult(step, skipped, losses, written[0], files["kohya"] if "kohya" in formats else None)
+    def close(self) -> None:
+        """Release the bar, the cache reader, the logs and the runtime's threads (also after an error)."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.feed is not None:
+            self.feed.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.board is not None:
+            self.board.close()
+        if self.model is not None:
+            runtime.runtime_of(self.model).close()
+
+    def finish(self) -> TrainResult:
+        """The LoRA files (the moving average when there is one), written by rank 0."""
+        cfg, formats = self.cfg, self.formats
+        files = lora_paths(cfg, self.out)
+        if self.ema is not None:
+            self.ema.copy_to(self.params)  # the final LoRA is the average (the checkpoints keep the trained weights)
+        if self.ranks.is_main:
+            files = _write_lora(cfg, self.out, runtime.lora_state_dict(self.model), self.slab.manifest.model,
+                                self.objective, self.data.dataset, formats, self.step, self.started)
+        self.ranks.barrier()
+        written = [files[f] for f in formats]
+        self.echo(f"LoRA written to {' and '.join(map(str, written))} after {self.step} steps ({self.skipped} "
+                  "skipped)")
+        return TrainResult(self.step, self.skipped, self.losses, written[0],
+                           files["kohya"] if "kohya" in formats else None)
 
 
 def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
