@@ -29,12 +29,10 @@ from ..models.tiny_pipeline import (
 )
 from ..runtime import release_module, stream_module
 from .cache import module_identity
+from .encoder_source import EncoderError, dtype_tag, pipeline_folder  # noqa: F401 (re-exported)
+from .family_encoders import open_family_pipeline
 
 STREAM_TEXT_ENCODER_BYTES = 2 << 30
-
-
-class EncoderError(ValueError):
-    """The VAE or text encoders cannot be found; the message names where SquareQ looked."""
 
 
 @dataclass
@@ -65,19 +63,6 @@ class Encoders:
                                                         max_sequence_length=max_sequence_length)
         return [{"prompt_embeds": p.float().cpu(), "pooled_prompt_embeds": q.float().cpu()}
                 for p, q in zip(prompt, pooled, strict=True)]
-
-
-def pipeline_folder(source: str | Path) -> Path | None:
-    """The diffusers pipeline folder holding the VAE and text encoders of ``source`` (None for a built-in tiny model,
-    whose encoders are built in); raises :class:`EncoderError` naming ``source`` when there is none. Loads nothing."""
-    if str(source) in BUILTIN_MODELS:
-        return None
-    source = Path(source).expanduser()
-    folder = source.parent if (source.parent / "model_index.json").is_file() else source
-    if not (folder / "model_index.json").is_file():
-        raise EncoderError(f"{source} is not a diffusers pipeline folder (no model_index.json there or in its parent), "
-                           "so SquareQ cannot find the VAE and text encoders; pass the pipeline folder with --model.")
-    return folder
 
 
 def _load_folder(source: Path, dtype: torch.dtype):
@@ -143,12 +128,6 @@ class ToyEncoders:
         return entries
 
 
-def dtype_tag(dtype: torch.dtype) -> str:
-    """The part of an encoder's cache identity that says which precision computed its entries (bf16 on a GPU and
-    fp32 on a CPU give different bits)."""
-    return f":{dtype}".replace("torch.", "")
-
-
 def builtin_family(source: str) -> str | None:
     """The family of a built-in tiny model name (None for anything else)."""
     return BUILTIN_MODELS[str(source)][0] if str(source) in BUILTIN_MODELS else None
@@ -182,7 +161,6 @@ def open_encoders(source: str, device: torch.device, family: str, config=None) -
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             return
-        from .family_encoders import open_family_pipeline
 
         with open_family_pipeline(source, family, device, dtype) as encoders:
             yield encoders

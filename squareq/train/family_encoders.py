@@ -18,7 +18,7 @@ import torch
 
 from ..models import ADAPTERS
 from .cache import module_identity
-from .encoders import EncoderError, dtype_tag, pipeline_folder
+from .encoder_source import EncoderError, dtype_tag, pipeline_folder
 
 # family -> the pipeline classes its folders may hold
 PIPELINES: dict[str, tuple[str, ...]] = {
