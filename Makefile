@@ -34,7 +34,7 @@ demo: $(STAMP)
 # a failing gate fails the build (exit status 3).
 test: $(STAMP) $(REAL_STAMP)
 	$(BIN)/ruff check squareq
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider --durations=15
 	$(BIN)/squareq compile tiny-flux --budget 2MB -o build/ci/tiny-flux.slab --force
 	$(BIN)/squareq accept build/ci/tiny-flux.slab --model tiny-flux --workdir build/ci/accept \
 		--report build/ci/accept.json --junit build/ci/accept.xml
