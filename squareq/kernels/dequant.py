@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
-from .. import quant
+from .. import quant, settings
 from ..quant import QuantizedWeight
 
 log = logging.getLogger("squareq.kernels")
@@ -31,13 +30,13 @@ def _triton_available() -> bool:
 def backend_for(device: torch.device | str) -> str:
     """Name of the backend :func:`dequantize_into` uses for tensors on ``device``."""
     device = torch.device(device)
-    if os.environ.get("SQUAREQ_KERNELS", "").lower() == "torch":
+    if settings.torch_kernels_forced():
         choice, why = "torch", "SQUAREQ_KERNELS=torch is set"
     elif not _triton_available():
         choice, why = "torch", "triton is not installed"
     elif device.type == "cuda":
         choice, why = "triton", "CUDA device"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
+    elif settings.triton_interpret():
         choice, why = "triton-interpret", "TRITON_INTERPRET=1 on a CPU tensor"
     else:
         choice, why = "torch", f"no CUDA for {device.type} tensors and TRITON_INTERPRET is not set"

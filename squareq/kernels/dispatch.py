@@ -9,16 +9,16 @@ experiments: one number for every format, or ``4:64,6:32,8:16`` per bit width; 0
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from .. import settings
 from ..quant import QuantizedWeight
 from .dequant import backend_for
 
 log = logging.getLogger("squareq.kernels")
 
-ENV = "SQUAREQ_FUSED_MAX_M"
+ENV = settings.FUSED_MAX_M
 # Devices not measured keep the dequantize + vendor matmul path: never slower than before the fused kernels.
 DEFAULT_MAX_M = {4: 0, 6: 0, 8: 0}
 # device name (torch.cuda.get_device_name) -> {bits: the largest M of the benchmark's grid (1, 16, 64, ...) at which
@@ -42,7 +42,7 @@ def _parse(value: str) -> dict[int, int]:
 
 def fused_max_m(device: torch.device, bits: int) -> int:
     """The largest M that runs fused for a ``bits``-bit layer on ``device`` (0: never)."""
-    override = os.environ.get(ENV)
+    override = settings.fused_max_m()
     if override is not None:
         return _parse(override).get(bits, 0)
     if device.type != "cuda":

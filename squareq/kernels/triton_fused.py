@@ -27,16 +27,16 @@ no bf16 matmul, and rounding to bf16 is done in integer arithmetic, since it tru
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ..quant import QuantizedWeight
 from .triton_dequant import _bf16_bits_rne, _biased_codes, _vec6_ok, packed_operands
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = settings.triton_interpret()  # fixed at import, with the autotuning list
 # the winning configuration per key also goes to Triton's on-disk cache, so later processes skip the tuning
 _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 _CACHE.update(warmup=5, rep=20)  # milliseconds per candidate: enough to rank tiles of a few-µs kernel
@@ -49,7 +49,7 @@ SPLIT_MAX_M = 64  # configurations for more rows than this do not split the redu
 def _configs(tiles, splits, fixed: dict) -> list[triton.Config]:
     """One configuration per (tile, split) of the lists, or ``fixed`` alone when tuning is off. The tuner times a
     kernel alone, so a split configuration's plane sum (one small extra launch) is not in its time."""
-    if _INTERPRET or os.environ.get("SQUAREQ_FUSED_AUTOTUNE") == "0":  # no tuning (interpreter, tests)
+    if _INTERPRET or not settings.fused_autotune():  # no tuning (interpreter, tests)
         return [triton.Config(fixed, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, **extra}, num_warps=warps, num_stages=3)
             for bn, bk, warps, extra in tiles for split in splits]
@@ -294,7 +294,7 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-VARIANT_ENV = "SQUAREQ_FUSED_VARIANT"  # gemv | mma: force one kernel shape where it applies (experiments)
+VARIANT_ENV = settings.FUSED_VARIANT
 _KERNELS = {("gemv", "forward"): _gemv_forward, ("gemv", "input grad"): _gemv_input_grad,
             ("mma", "forward"): _mma_forward, ("mma", "input grad"): _mma_input_grad}
 
@@ -303,7 +303,7 @@ def _variant(m: int, bits: int, direction: str) -> str:
     """The kernel shape for ``m`` rows: GEMV for one row, MMA otherwise (``SQUAREQ_FUSED_VARIANT=mma`` for one
     row too). The W6 input gradient stays on MMA: its GEMV ran at a third of bf16 speed on an H100 (the 48-byte
     chunks of W6 rows fit the narrow K tiles this kernel needs badly), where MMA reached two thirds."""
-    wanted = os.environ.get(VARIANT_ENV) or ("mma" if bits == 6 and direction == "input grad" else "gemv")
+    wanted = settings.fused_variant() or ("mma" if bits == 6 and direction == "input grad" else "gemv")
     if wanted not in ("gemv", "mma"):
         raise ValueError(f"{VARIANT_ENV}={wanted!r}: use gemv or mma (or leave it unset).")
     return wanted if m == 1 else "mma"

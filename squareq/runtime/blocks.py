@@ -48,7 +48,8 @@ class BlockRunner:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
-    def resident(self, phase: str, training: bool):
+    def in_slot(self, phase: str, training: bool):
+        """Hold this block in a device slot for the duration (nothing to do for a block kept on the device)."""
         timer = self.runtime.block_timer
         if self.index in self.runtime.resident_blocks:  # kept on the device (runtime/residency.py)
             slot = None
@@ -69,7 +70,7 @@ class BlockRunner:
         flat, spec = tree_flatten((args, kwargs))
         tensors = [v for v in flat if isinstance(v, torch.Tensor)]
         if not torch.is_grad_enabled() or not (params or any(t.requires_grad for t in tensors)):
-            with self.resident(FORWARD, training=False):
+            with self.in_slot(FORWARD, training=False):
                 return self.forward(*args, **kwargs)
         if not self.runtime.checkpointing:
             raise RuntimeError(NEEDS_CHECKPOINTING.format(model=self.runtime.class_name,
@@ -157,7 +158,7 @@ class _StreamedCheckpoint(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         key = (tuple(t.requires_grad for t in inputs), len(params))
         constant = runner.constant_outputs.get(key)
-        with runner.resident(FORWARD, training=True):
+        with runner.in_slot(FORWARD, training=True):
             if constant is None:
                 out = _forward_learning_constants(runner, skeleton, spec, inputs, key)
                 constant = runner.constant_outputs[key]
@@ -214,7 +215,7 @@ def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
     # forward made one cast per use; the gradients would then be summed in another dtype and order. A view is
     # not a leaf, so the recompute builds exactly the forward's graph.
     wanted = [t for t in inputs if t.requires_grad] + list(params)
-    with torch.enable_grad(), ctx.rng.restore(), runner.resident(BACKWARD, training=True):
+    with torch.enable_grad(), ctx.rng.restore(), runner.in_slot(BACKWARD, training=True):
         with ctx.amp.restore():  # the recompute runs under the forward's autocast; its backward, like any, does not
             args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
             out = runner.forward(*args, **kwargs)

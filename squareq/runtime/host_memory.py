@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .. import settings
+
 log = logging.getLogger("squareq.runtime")
 
 _PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context of the process
@@ -107,7 +109,7 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
 
 
 def _shm_dir() -> Path:
-    return Path(os.environ.get("SQUAREQ_SHM_DIR") or "/dev/shm")
+    return settings.shm_dir()
 
 
 class _SharedFile:

@@ -15,6 +15,7 @@ import weakref
 import torch
 from torch import nn
 
+from .. import settings
 from ..models.skeleton import skeleton_from_record
 from ..slab import Slab, SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, Manifest
@@ -262,7 +263,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     _install_quant_linears(model, m, scratch)
     _place_residents(model, s, device)
     binder = _Binder(model, s)
-    telemetry = Telemetry(device, trace if trace is not None else os.environ.get("SQUAREQ_TRACE") or None)
+    telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())
     sizes = [b.nbytes for b in m.blocks]
     streamer, device_blobs = None, []
     if stream:

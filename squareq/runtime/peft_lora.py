@@ -79,7 +79,7 @@ def _bound(module: nn.Module):
     from .streamer import FORWARD
 
     runner = module.__dict__.get("forward")
-    return runner.resident(FORWARD, training=False) if isinstance(runner, BlockRunner) else contextlib.nullcontext()
+    return runner.in_slot(FORWARD, training=False) if isinstance(runner, BlockRunner) else contextlib.nullcontext()
 
 
 def _regions(model: nn.Module, layers: list[str]) -> list[tuple[nn.Module, list[str]]]:

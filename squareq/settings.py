@@ -1,0 +1,49 @@
+"""Every environment variable SquareQ reads, in one place.
+
+Each is read when asked, not at import, so a test or a long-lived process that sets one sees it. The exception is
+the fused kernels' autotuning list (``fused_autotune`` and ``triton_interpret``), which Triton fixes when
+``squareq.kernels.triton_fused`` is imported.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+KERNELS = "SQUAREQ_KERNELS"  # "torch": the torch references instead of the Triton kernels
+FUSED_MAX_M = "SQUAREQ_FUSED_MAX_M"  # the largest M of the fused matmuls: one number, or bits:M pairs
+FUSED_VARIANT = "SQUAREQ_FUSED_VARIANT"  # gemv | mma: force one fused kernel shape (experiments)
+FUSED_AUTOTUNE = "SQUAREQ_FUSED_AUTOTUNE"  # "0": one fixed configuration instead of autotuning
+TRACE = "SQUAREQ_TRACE"  # a Chrome trace path for every runtime.load
+SHM_DIR = "SQUAREQ_SHM_DIR"  # where the host-shared copy of a slab lives (default /dev/shm)
+TRITON_INTERPRET = "TRITON_INTERPRET"  # "1": Triton kernels run on the CPU (how CI tests them)
+
+
+def torch_kernels_forced() -> bool:
+    """``SQUAREQ_KERNELS=torch``: every kernel call goes to its torch reference."""
+    return os.environ.get(KERNELS, "").lower() == "torch"
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, in its interpreter."""
+    return os.environ.get(TRITON_INTERPRET) == "1"
+
+
+def fused_max_m() -> str | None:
+    """The raw ``SQUAREQ_FUSED_MAX_M`` override (parsed by squareq.kernels.dispatch), or None."""
+    return os.environ.get(FUSED_MAX_M)
+
+
+def fused_variant() -> str | None:
+    return os.environ.get(FUSED_VARIANT) or None
+
+
+def fused_autotune() -> bool:
+    return os.environ.get(FUSED_AUTOTUNE) != "0"
+
+
+def trace_path() -> str | None:
+    return os.environ.get(TRACE) or None
+
+
+def shm_dir() -> Path:
+    return Path(os.environ.get(SHM_DIR) or "/dev/shm")
