@@ -186,8 +186,7 @@ def _progress_printer():
 @click.option("--budget", required=True, help="Largest slab size, e.g. 12GB, 11.5GiB, 800MB.")
 @click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
               help="size: the smallest plan whose measured model-output error meets τ_OUT; quality: then spend the "
-                   "rest "
-              "of the budget where that error falls most per byte.")
+                   "rest of the budget where that error falls most per byte.")
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
               help="TOML file with a [thresholds] table (out decides; mse, act, scale, block are diagnostics; drift, "
               "psnr, ssim, grad_cos, grad_norm and conv are for squareq accept); defaults in docs/compiler.md.")
@@ -205,8 +204,7 @@ def _progress_printer():
 @click.option("--calib-text", type=click.Path(path_type=Path), default=None,
               help="Text models: calibrate on this UTF-8 file, one sample per line (default: built-in English text).")
 @click.option("--encoders", default=None, help="Pipeline folder with the VAE and text encoders for --calib-data and "
-                                               "the "
-              "built-in photographs (default: the pipeline folder MODEL is in).")
+                                               "the built-in photographs (default: the pipeline folder MODEL is in).")
 @click.option("--calib-samples", type=click.IntRange(min=2), default=None,
               help="Calibration samples, a quarter held out (default: 32 for images, 512 for text).")
 @click.option("--calib-resolution", type=click.IntRange(min=64), default=512, show_default=True,

@@ -116,7 +116,7 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
     echo(f"[{total}/{total}] peak VRAM and size")
     gates.append(resources_gate(slab, opts.budget, records, opts.vram_budget, opts.require_gpu))
     context = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "squareq": __version__, "torch": torch.__version__, "thresholds": opts.thresholds.to_dict(),
         "workdir": str(workdir), "data": str(data)}

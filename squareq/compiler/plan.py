@@ -139,10 +139,8 @@ def make_plan(layers: list[LayerOptions], fixed: dict[int, int], tau: float, bud
             move = _best_down(s, [n for n, layer in s.layers.items() if layer.block == worst], None)
             if move is None:
                 raise PlanError(f"block {names.get(worst, worst)} takes {blocks[worst]:,} bytes with every layer at "
-                                "its "
-                                f"lowest rung, more than the block cap of {block_cap:,}; raise --max-block-bytes (or "
-                                "the "
-                                "VRAM it came from) or lower --min-bits.")
+                                f"its lowest rung, more than the block cap of {block_cap:,}; raise --max-block-bytes "
+                                "(or the VRAM it came from) or lower --min-bits.")
             s.apply(*move, f"block {names.get(worst, worst)} {blocks[worst]:,} bytes > block cap {block_cap:,}; "
                            "this layer's move down cost the least effect per byte saved")
     while (err := s.error()) > tau:

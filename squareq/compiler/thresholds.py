@@ -4,10 +4,9 @@ Defaults and what each one means are documented in docs/compiler.md.
 """
 from __future__ import annotations
 
+import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-
-import tomllib
 
 ACCEPT_ONLY = ("drift", "psnr", "ssim", "grad_cos", "grad_norm", "conv")  # squareq accept's limits, not the compiler's
 

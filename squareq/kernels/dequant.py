@@ -65,6 +65,12 @@ def dequantize_into(out: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     _check_out(out, qw.shape)
     if qw.spec.is_passthrough:
         return out.copy_(qw.tensors["weight"])
+    if qw.spec.format == "int" and backend_for(out.device) != "torch":
+        # one launch, without the prepared launcher's one-time check (the compiler calls this for every candidate)
+        _check_inputs(out, qw)
+        from .triton_dequant import triton_dequantize_into
+
+        return triton_dequantize_into(out, qw)
     return prepare_dequantize(out, qw)()
 
 

@@ -54,8 +54,7 @@ def ltx_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guida
     timestep t·1000."""
     if cfg.patch_size != 1 or cfg.patch_size_t != 1:
         raise ModelError(f"LTX-Video with patch size {cfg.patch_size}x{cfg.patch_size_t} packs latents in a way "
-                         "SquareQ's "
-                         "recipe does not; the released models use 1x1.")
+                         "SquareQ's recipe does not; the released models use 1x1.")
     frames, h, w = x_t.shape[-3:]
     return dict(hidden_states=x_t.flatten(2).transpose(1, 2), encoder_hidden_states=text["prompt_embeds"],
                 timestep=1000 * t, encoder_attention_mask=text["prompt_mask"], num_frames=frames, height=h, width=w,

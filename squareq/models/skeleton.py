@@ -88,8 +88,7 @@ def skeleton_from_record(class_name: str, config: dict[str, Any], tensors: int |
             RecursionError) as exc:
         raise ModelError(f"{where}: {class_name} cannot be built from the recorded config ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())[:200]}); the manifest is damaged or needs another library "
-                         "version, recompile "
-                         "the slab.") from None
+                         "version, recompile the slab.") from None
 
 
 def _skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:

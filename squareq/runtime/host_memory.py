@@ -154,8 +154,7 @@ class _SharedFile:
         if free < nbytes:
             raise HostMemoryError(
                 f"{base.parent} has {free / 1e9:.2f} GB free but one shared copy of the slab needs {nbytes / 1e9:.2f} "
-                "GB; "
-                "enlarge it (docker: --shm-size), point SQUAREQ_SHM_DIR at a larger tmpfs, or run with --host disk "
+                "GB; enlarge it (docker: --shm-size), point SQUAREQ_SHM_DIR at a larger tmpfs, or run with --host disk "
                 "(copies no job is using any more were already removed).")
         part = base.with_name(f"{base.name}.{os.getpid()}.part")
         try:

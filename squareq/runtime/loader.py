@@ -256,8 +256,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     if model_signature(model) != m.model.signature:
         raise SlabError(f"{s.path}: {m.model.class_name} built from the recorded config does not have the parameters "
                         "the slab was compiled for (an incompatible diffusers/transformers version?); recompile the "
-                        "slab "
-                        "with the installed libraries.")
+                        "slab with the installed libraries.")
     largest = max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=1)
     scratch = DequantScratch(largest, device)
     _install_quant_linears(model, m, scratch)

@@ -86,8 +86,7 @@ def _sequence_shape(slab: Slab, resolution: int, text_tokens: int) -> tuple[int,
     hidden = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("inner_dim")
     if not hidden:
         raise ValueError(f"{slab.path}: SquareQ does not know the hidden width of {model.class_name}, so it cannot "
-                         "plan "
-                         "its memory; it plans FLUX.1 and models whose config has hidden_size or d_model.")
+                         "plan its memory; it plans FLUX.1 and models whose config has hidden_size or d_model.")
     return text_tokens, int(hidden)
 
 

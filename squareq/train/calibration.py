@@ -40,8 +40,7 @@ def calibration_images(source, data: str | Path | None = None, encoders: str | N
     where = encoders or source.encoder_source
     if where is None:
         raise EncoderError(f"{source.description} is not inside a diffusers pipeline folder, so SquareQ cannot find "
-                           "the "
-                           "VAE and text encoders to encode calibration images with; pass the pipeline folder with "
+                           "the VAE and text encoders to encode calibration images with; pass the pipeline folder with "
                            "--encoders DIR, or a filled training cache with --calib-cache DIR.")
     if data is not None:
         dataset = scan_dataset(data)

@@ -11,11 +11,10 @@ import dataclasses
 import json
 import logging
 import math
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from ..models import ADAPTERS
 from ..runtime.lora import DEFAULT_TARGETS

@@ -194,8 +194,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
     if placeholders and not (cfg.trigger or "").strip():
         raise DataError(f"{len(placeholders)} captions use {TRIGGER_TOKEN} (e.g. the one of {placeholders[0].path}) "
-                        "but "
-                        "no trigger word is set; pass --trigger WORD.")
+                        "but no trigger word is set; pass --trigger WORD.")
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
     items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
@@ -238,8 +237,7 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     progress lines through ``echo``."""
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it "
-                         "for "
-                         "several) or set sample_every = 0.")
+                         "for several) or set sample_every = 0.")
     out = ensure_output_dir(Path(cfg.output), "-o/--out")
     device = _device()
     ranks = Ranks.from_env("nccl" if device.type == "cuda" else "gloo")
@@ -323,6 +321,8 @@ class _Run:
     def load(self) -> None:
         """The streamed model with its LoRA, the batch order, the optimizer, its schedule and the run's RNG."""
         cfg, ranks, data = self.cfg, self.ranks, self.data
+        # the other ranks wait here while rank 0 fills the cache, so encoders and slab are never in memory together
+        image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
         try:
@@ -347,7 +347,6 @@ class _Run:
         self.scheduler = lr_scheduler(cfg, self.optimizer, self.total)
         self.generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
         self.ema = LoraEma(self.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
-        image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
         self.feed = CacheFeed(data.cache, image_keys, text_keys, data.captions + [[c] for c in data.validation],
                               data.dropped, self.device)
         # the validation entries of the feed come after the training entries
@@ -409,8 +408,8 @@ class _Run:
         try:
             if cfg.sample_every and self.step == 0 and self.ranks.is_main:
                 self.samples()  # the base model's pictures, to compare
-            written = {r["step"] for r in validation_history(self.out)}
-            if self.step == 0 or (self.step % self.validate_every == 0 and self.step not in written):
+            if self.step == 0 or (self.step % self.validate_every == 0 and self.ranks.is_main
+                                  and self.step not in {r["step"] for r in validation_history(self.out)}):
                 self.validate()  # the base model's loss, to compare; or one a killed run did not get to write
             while self.step < self.total:
                 # where this step starts: what an out-of-memory save must record, so that a resume redoes it

@@ -67,7 +67,7 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
         "modelspec.architecture": f"{arch}/lora",
         "modelspec.implementation": _IMPLEMENTATIONS[layout],
         "modelspec.title": title,
-        "modelspec.date": datetime.datetime.fromtimestamp(finished, datetime.timezone.utc).isoformat(
+        "modelspec.date": datetime.datetime.fromtimestamp(finished, datetime.UTC).isoformat(
             timespec="seconds"),
         "modelspec.resolution": f"{cfg.largest_resolution}x{cfg.largest_resolution}",
         "ss_base_model_version": base_version,

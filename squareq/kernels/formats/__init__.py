@@ -25,7 +25,7 @@ def kernel_for(fmt) -> Callable | None:
     """The ``prepare`` of the kernel serving ``fmt`` (a :class:`squareq.quant.Format`), or None."""
     global _loaded
     if not _loaded:
-        _loaded = True
         for module in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{module.name}")
+            importlib.import_module(f"{__name__}.{module.name}")  # a kernel module that fails to import says so
+        _loaded = True
     return next((prepare for serves, prepare in _KERNELS if serves(fmt)), None)

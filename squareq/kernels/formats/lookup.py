@@ -42,15 +42,24 @@ def _lookup_kernel(q_ptr, table_ptr, s_ptr, inv_ptr, out_ptr, N, K, row_bytes, q
 
 
 def _serves(fmt) -> bool:
-    return fmt.table is not None and fmt.bits[0] in (4, 8)
+    return fmt.table is not None and all(bits in (4, 8) for bits in fmt.bits)
+
+
+_tables: dict[tuple[str, torch.device], torch.Tensor] = {}  # each format's table on each device, copied there once
+
+
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    from ...quant import FORMATS
+
+    if (name, device) not in _tables:
+        _tables[(name, device)] = torch.tensor(FORMATS[name].table, dtype=torch.float32, device=device)
+    return _tables[(name, device)]
 
 
 def prepare_lookup_dequantize(out: torch.Tensor, qw: QuantizedWeight):
     """A zero-argument launcher writing ``qw``'s bf16 weight into ``out`` (the table is copied to the device once)."""
-    from ...quant import FORMATS
-
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
-    table = torch.tensor(FORMATS[spec.format].table, dtype=torch.float32, device=out.device)
+    table = _table(spec.format, out.device)
     scales = t["scales"]
     inv = t.get("inv_smooth", scales)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
