@@ -35,6 +35,7 @@ from .rtn import (
     all_finite,
     assemble,
     group_params,
+    grouped,
     num_groups,
     quantize,
     round_to_grid,
@@ -267,9 +268,7 @@ def _static_codes(w: torch.Tensor, factor: InverseFactor, spec: QuantSpec, perm:
     """The sweep in ``act_order`` (``perm``) with group parameters fixed up front from the original weight."""
     n, k = w.shape
     g = spec.group_size
-    n_groups = num_groups(k, g)
-    wg = torch.nn.functional.pad(w, (0, n_groups * g - k)).reshape(n, n_groups, g)
-    scales, zeros = group_params(wg, spec)
+    scales, zeros = group_params(grouped(w, g), spec)
     order = perm.tolist()
     w = w[:, perm].contiguous()
     codes = torch.empty((n, k), dtype=torch.int32, device=w.device)

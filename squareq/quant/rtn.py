@@ -52,6 +52,18 @@ def num_groups(k: int, group_size: int) -> int:
     return -(-k // group_size)
 
 
+def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w [N, K]`` as ``[N, G, group_size]``, the last group padded with zeros."""
+    n, k = w.shape
+    groups = num_groups(k, group_size)
+    return torch.nn.functional.pad(w, (0, groups * group_size - k)).reshape(n, groups, group_size)
+
+
+def per_column(t: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
+    """A per-group ``t [N, G]`` repeated out to every one of the ``k`` columns, ``[N, k]``."""
+    return t.repeat_interleave(group_size, dim=1)[:, :k]
+
+
 def tensor_layout(spec: QuantSpec, shape: tuple[int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Dtype and shape of every stored tensor for a weight of ``shape`` under ``spec``.
 
@@ -138,10 +150,8 @@ def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | Non
 
 def codes_of(w: torch.Tensor, spec: QuantSpec):
     """Return (codes int32 [N, G*g], scales [N, G] stored dtype, zeros int32 [N, G] or None)."""
-    n, k = w.shape
-    g = spec.group_size
-    groups = num_groups(k, g)
-    wg = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, g)
+    n = w.shape[0]
+    wg = grouped(w, spec.group_size)
     scales, z = group_params(wg, spec)
     q = round_to_grid(wg, scales.float()[..., None], None if z is None else z[..., None], spec)
     return q.to(torch.int32).reshape(n, -1), scales, None if z is None else z.to(torch.int32)
@@ -149,9 +159,9 @@ def codes_of(w: torch.Tensor, spec: QuantSpec):
 
 def decode_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, k: int, g: int) -> torch.Tensor:
     """float32 ``(q - z) * scale`` of integer codes, group by group (the ``int`` format's rule before bf16)."""
-    s = scales.float().repeat_interleave(g, dim=1)[:, :k]
+    s = per_column(scales.float(), g, k)
     if zeros is not None:
-        q = q - zeros.to(torch.int32).repeat_interleave(g, dim=1)[:, :k]
+        q = q - per_column(zeros.to(torch.int32), g, k)
     return q.float() * s
 
 
@@ -206,9 +216,7 @@ def group_scales(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | 
         part = w[rows].detach().float()
         if smooth_scale is not None:
             part = part * smooth_scale.float()[None, :]
-        groups = num_groups(k, g)
-        wg = torch.nn.functional.pad(part, (0, groups * g - k)).reshape(part.shape[0], groups, g)
-        out.append(group_params(wg, spec)[0])
+        out.append(group_params(grouped(part, g), spec)[0])
     return torch.cat(out)
 
 

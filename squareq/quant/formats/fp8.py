@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Format, register
-from ..rtn import num_groups, store_scale
+from ..rtn import grouped, num_groups, per_column, store_scale
 
 E4M3_MAX = 448.0
 # the value of every byte read as E4M3 (bytes 0x7F and 0xFF are NaN, which no encoding produces)
@@ -38,9 +38,7 @@ class FP8E4M3Format(Format):
 
     def encode(self, w, spec):
         n, k = w.shape
-        g = min(spec.group_size, max(k, 1))
-        groups = num_groups(k, g)
-        wg = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, g)
+        wg = grouped(w, _width(spec, k))
         scales = store_scale(wg.abs().amax(dim=-1) * float(spec.clip_ratio) / E4M3_MAX, spec)
         x = (wg / scales.float()[..., None]).clamp_(-E4M3_MAX, E4M3_MAX)
         codes = x.reshape(n, -1)[:, :k].to(torch.float8_e4m3fn).view(torch.uint8)
@@ -48,8 +46,12 @@ class FP8E4M3Format(Format):
 
     def decode(self, tensors, spec, k):
         values = tensors["qweight"].view(torch.float8_e4m3fn).float()
-        s = tensors["scales"].float().repeat_interleave(min(spec.group_size, max(k, 1)), dim=1)[:, :k]
-        return values * s
+        return values * per_column(tensors["scales"].float(), _width(spec, k), k)
+
+
+def _width(spec, k: int) -> int:
+    """The columns one scale covers: a ``group_size`` past K is one scale per row, without padding the row to it."""
+    return min(spec.group_size, max(k, 1))
 
 
 register(FP8E4M3Format())

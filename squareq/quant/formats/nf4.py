@@ -15,7 +15,7 @@ import torch
 
 from ..packing import pack, packed_row_bytes, unpack
 from ..registry import Format, register
-from ..rtn import num_groups, store_scale
+from ..rtn import grouped, num_groups, per_column, store_scale
 
 LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
           -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -41,8 +41,7 @@ class NF4Format(Format):
 
     def encode(self, w, spec):
         n, k = w.shape
-        g = spec.group_size
-        wg = torch.nn.functional.pad(w, (0, num_groups(k, g) * g - k)).reshape(n, -1, g)
+        wg = grouped(w, spec.group_size)
         scales = store_scale(wg.abs().amax(dim=-1) * float(spec.clip_ratio), spec)
         levels = torch.tensor(LEVELS, dtype=torch.float32, device=w.device)
         x = (wg / scales.float()[..., None]).clamp_(-1.0, 1.0)
@@ -52,8 +51,7 @@ class NF4Format(Format):
     def decode(self, tensors, spec, k):
         u = unpack(tensors["qweight"], 4, k) + 8
         levels = torch.tensor(LEVELS, dtype=torch.float32, device=u.device)
-        s = tensors["scales"].float().repeat_interleave(spec.group_size, dim=1)[:, :k]
-        return levels[u] * s
+        return levels[u] * per_column(tensors["scales"].float(), spec.group_size, k)
 
 
 register(NF4Format())
