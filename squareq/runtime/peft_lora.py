@@ -16,7 +16,6 @@ naming (``<layer>.lora_A.weight``, ``<layer>.lora_magnitude_vector``) by :func:`
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .qlinear import QuantLinear
+from .qlinear import QuantLinear, lora_a_init
 
 ADAPTER = "default"
 
@@ -58,10 +57,6 @@ class LoraVariant:
     def plain(self) -> bool:
         return not (self.dora or self.rslora or self.dropout)
 
-    def scale(self, rank: int, alpha: float) -> float:
-        """The factor the adapter's product is multiplied by."""
-        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
-
 
 def file_name(name: str) -> str:
     """A PEFT parameter name in the LoRA file naming: ``x.lora_A.default.weight`` -> ``x.lora_A.weight``,
@@ -82,8 +77,8 @@ def _bound(module: nn.Module):
     return runner.in_slot(FORWARD, training=False) if isinstance(runner, BlockRunner) else contextlib.nullcontext()
 
 
-def _regions(model: nn.Module, layers: list[str]) -> list[tuple[nn.Module, list[str]]]:
-    """``layers`` grouped by the slab block holding them (names relative to it), the rest under the model."""
+def _regions(model: nn.Module, layers: list[str]) -> list[tuple[str, list[str]]]:
+    """``layers`` grouped by the name of the slab block holding them (names relative to it); the rest under ""."""
     from .loader import runtime_of
 
     blocks = [b.name for b in runtime_of(model).manifest.blocks]
@@ -91,7 +86,7 @@ def _regions(model: nn.Module, layers: list[str]) -> list[tuple[nn.Module, list[
     for layer in layers:
         owner = next((b for b in blocks if layer.startswith(b + ".")), "")
         grouped.setdefault(owner, []).append(layer[len(owner) + 1:] if owner else layer)
-    return [(model.get_submodule(owner) if owner else model, names) for owner, names in grouped.items()]
+    return list(grouped.items())
 
 
 def add_peft_lora(model: nn.Module, layers: list[str], rank: int, alpha: float, variant: LoraVariant,
@@ -107,10 +102,9 @@ def add_peft_lora(model: nn.Module, layers: list[str], rank: int, alpha: float, 
     for name in layers:
         base = model.get_submodule(name)
         base.exact_weight = variant.dora
-        bound = 1.0 / math.sqrt(base.in_features)
-        starts[name] = torch.empty((rank, base.in_features), dtype=torch.float32).uniform_(-bound, bound,
-                                                                                          generator=generator)
-    for region, names in _regions(model, layers):
+        starts[name] = lora_a_init(rank, base.in_features, generator)
+    for owner, names in _regions(model, layers):
+        region = model.get_submodule(owner) if owner else model
         config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=variant.dropout, use_dora=variant.dora,
                             use_rslora=variant.rslora, bias="none",
                             # exactly these layers: a suffix pattern would also take e.g. the model's own proj_out
@@ -120,9 +114,8 @@ def add_peft_lora(model: nn.Module, layers: list[str], rank: int, alpha: float, 
             # PEFT warns of any layer type it does not know; QuantLinear is the one this module maps, on purpose
             warnings.filterwarnings("ignore", message="Unsupported layer type", category=UserWarning)
             inject_adapter_in_model(config, region, adapter_name=ADAPTER)
-            prefix = "" if region is model else next(n for n, m in model.named_modules() if m is region) + "."
             for name in names:
-                _start(region.get_submodule(name), starts[prefix + name], variant)
+                _start(region.get_submodule(name), starts[f"{owner}.{name}" if owner else name], variant)
     params = []
     for name in layers:
         wrapper = model.get_submodule(name)

@@ -141,9 +141,7 @@ class QuantLinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device, dtype=torch.float32)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=torch.float32)
         with torch.no_grad():
-            bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform(a=sqrt(5)), as nn.Linear and PEFT use
-            a = torch.empty(self.lora_A.weight.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-            self.lora_A.weight.copy_(a)
+            self.lora_A.weight.copy_(lora_a_init(rank, self.in_features, generator))
             self.lora_B.weight.zero_()
         self.lora_scale = alpha / rank
 
@@ -156,6 +154,12 @@ class QuantLinear(nn.Module):
             x = x.to(torch.get_autocast_dtype(device_type))
         y = _DequantLinear.apply(x, self)
         return torch.add(y, lora_delta(x, self.lora_A.weight, self.lora_B.weight).to(y.dtype), alpha=self.lora_scale)
+
+
+def lora_a_init(rank: int, in_features: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A new LoRA ``A [rank, in]`` in fp32: kaiming_uniform(a=sqrt(5)), as nn.Linear and PEFT initialise it."""
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.empty((rank, in_features), dtype=torch.float32).uniform_(-bound, bound, generator=generator)
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -355,7 +355,7 @@ class _Run:
     def resume(self) -> None:
         """With ``resume``: the checkpoint's LoRA, optimizer, schedule, batch position, RNG and moving average."""
         cfg, out, echo = self.cfg, self.out, self.echo
-        path = (latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)) if cfg.resume else None
+        path = _resume_path(cfg, out)
         if cfg.resume and path is None:
             echo(f"no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         if path is not None:
@@ -639,6 +639,13 @@ class _Run:
                            files["kohya"] if "kohya" in formats else None)
 
 
+def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint ``resume`` names (``latest``: the newest in ``out``, None before the first), or None."""
+    if not cfg.resume:
+        return None
+    return latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
+
+
 def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
     """Before anything loads: peft is there for a variant; a resumed run keeps its checkpoint's DoRA and rsLoRA (a
     LoRA cannot change kind halfway); dropout runs in one process (its masks come from each process's CUDA random
@@ -648,7 +655,7 @@ def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
     if cfg.lora_dropout and world > 1:
         raise TrainError(f"lora_dropout = {cfg.lora_dropout} with {world} processes: a resumed run would draw other "
                          "dropout masks than an unbroken one; train with lora_dropout = 0, or in one process.")
-    path = (latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)) if cfg.resume else None
+    path = _resume_path(cfg, out)
     saved = checkpoint_config(path) if path is not None else {}
     for key, flag in (("use_dora", "--use-dora"), ("use_rslora", "--use-rslora")):
         if key in saved and bool(saved[key]) != getattr(cfg, key):
@@ -662,7 +669,7 @@ def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:
     default changed keeps its own), not the current default."""
     if not cfg.resume or cfg.targets is not None:
         return cfg
-    path = latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
+    path = _resume_path(cfg, out)
     saved = checkpoint_config(path).get("targets") if path is not None else None
     return dataclasses.replace(cfg, targets=list(saved)) if isinstance(saved, list) and saved else cfg
 

@@ -79,7 +79,7 @@ def test_rslora_scale_and_dropout_are_peft_s(tiny_slab):
     model = runtime.load(tiny_slab, "cpu", stream=False)
     runtime.add_lora(model, rank=4, alpha=8.0, targets=["to_q"], variant=LoraVariant(rslora=True, dropout=0.25))
     wrapper = model.get_submodule("transformer_blocks.0.attn.to_q")
-    assert wrapper.scaling["default"] == 8.0 / 2.0 == LoraVariant(rslora=True).scale(4, 8.0)
+    assert wrapper.scaling["default"] == 8.0 / 2.0  # alpha / sqrt(rank), not alpha / rank
     assert wrapper.lora_dropout["default"].p == 0.25
     assert all(p.dtype == torch.float32 and p.requires_grad for p in runtime.lora_parameters(model).values())
 
