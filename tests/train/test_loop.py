@@ -997,3 +997,17 @@ def test_validation_out_of_memory_skips_the_measurement_and_keeps_training(works
     assert any("validation pass ran out of GPU memory and was skipped" in line for line in lines)
     rows = [json.loads(line) for line in (tmp_path / "v" / "validation.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 4, 6]
+
+
+def test_lora_dropout_with_several_processes_and_two_validation_sources_are_refused(workspace, tmp_path):
+    from squareq.train.config import ConfigError
+    from squareq.train.loop import TrainError, _check_variant
+
+    cfg = _config(workspace, tmp_path / "d", lora_dropout=0.1)
+    _check_variant(cfg, tmp_path / "d", world=1)  # one process: fine
+    with pytest.raises(TrainError, match="lora_dropout = 0.1 with 2 processes: a resumed run would draw other"):
+        _check_variant(cfg, tmp_path / "d", world=2)
+    with pytest.raises(ConfigError, match="validation_split .* and validation_data both choose validation images"):
+        _config(workspace, tmp_path / "v", validation_split=0.2, validation_data=str(workspace / "data"))
+    with pytest.raises(ConfigError, match="validation_split = 1.0 must be in \\[0, 1\\)"):
+        _config(workspace, tmp_path / "v", validation_split=1.0)
