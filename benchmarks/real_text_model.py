@@ -57,7 +57,7 @@ from common import RECORDS, emit, git_commit, log
 
 from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
 from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES
-from squareq.quant import QuantSpec
+from squareq.compiler.ladder import ladder
 from squareq.slab import WriteOptions, open_slab
 from squareq.slab.summary import summarize
 from squareq.slab.writer import write_slab
@@ -131,7 +131,7 @@ def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict
         formats = totals["bits_histogram"]
         worse = [rec.name for rec in layers if "heldout_rel_mse" in rec.metrics
                  and rec.metrics["heldout_rel_mse"] > rec.metrics["heldout_rtn_rel_mse"]]
-        plan = {rec.name: rec.spec.bits for rec in layers}
+        plan = {rec.name: rec.spec.short_label for rec in layers}
         calibration = slab.manifest.calibration or {}
     return emit({"kind": "variant", "variant": variant, "bits_per_layer_weight": round(totals["bits_per_weight"], 4),
                  "slab_bytes": totals["file_bytes"], "formats": formats, "layers_above_rtn_heldout": worse,
@@ -142,13 +142,14 @@ def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict
                  **extra})
 
 
-def rtn_slab(folder: Path, out: Path, plan: dict[str, int] | None, bits: int = 4) -> Path:
+def rtn_slab(folder: Path, out: Path, plan: dict[str, str] | None, rung: str = "W4") -> Path:
+    """Plain round-to-nearest (group 64, no clip search): every layer at ``rung``, or at its rung in ``plan``."""
     from transformers import BertModel
 
     model = BertModel.from_pretrained(str(folder), local_files_only=True).eval()
     blocks = [f"encoder.layer.{i}" for i in range(model.config.num_hidden_layers)]
-    specs = {name: QuantSpec(bits=b) for name, b in (plan or {}).items()}
-    write_slab(model, blocks, specs, out, WriteOptions(default_spec=QuantSpec(bits=bits), clip_search=False,
+    specs = {name: ladder()[r] for name, r in (plan or {}).items()}
+    write_slab(model, blocks, specs, out, WriteOptions(default_spec=ladder()[rung], clip_search=False,
                                                        family="generic", source=str(folder), overwrite=True))
     return out
 
@@ -205,9 +206,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="squareq-real-"))
     log(f"work folder {work}")
 
-    slab_record(rtn_slab(folder, work / "bf16.slab", None, bits=16), evaluator, "bf16")
-    slab_record(rtn_slab(folder, work / "rtn4.slab", None, bits=4), evaluator, "rtn-w4-g64")
-    slab_record(rtn_slab(folder, work / "rtn6.slab", None, bits=6), evaluator, "rtn-w6-g64")
+    slab_record(rtn_slab(folder, work / "bf16.slab", None, "bf16"), evaluator, "bf16")
+    slab_record(rtn_slab(folder, work / "rtn4.slab", None, "W4"), evaluator, "rtn-w4-g64")
+    slab_record(rtn_slab(folder, work / "rtn6.slab", None, "W6"), evaluator, "rtn-w6-g64")
     for n in args.samples:
         log(f"squareq, every layer W4, {n} calibration samples")
         path, secs = compile_variant(folder, work / f"w4-{n}.slab", args.device, budget=10**12, thresholds=RELAXED,

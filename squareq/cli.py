@@ -13,6 +13,7 @@ import click
 from . import __version__
 from .acceptance import AcceptError
 from .compiler.budget import BudgetError
+from .compiler.ladder import DEFAULT_FORMATS, ladder
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
 from .models import ModelError
@@ -190,10 +191,11 @@ def _progress_printer():
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
               help="TOML file with a [thresholds] table (out decides; mse, act, scale, block are diagnostics; drift, "
               "psnr, ssim, grad_cos, grad_norm and conv are for squareq accept); defaults in docs/compiler.md.")
-@click.option("--min-bits", type=click.Choice(["4", "6", "8"]), default="4", show_default=True,
-              help="The ladder's first rung.")
-@click.option("--max-bits", type=click.Choice(["4", "6", "8", "16"]), default="16", show_default=True,
-              help="The ladder's last rung (16: bf16); fewer rungs measured, a faster compile.")
+@click.option("--formats", default=",".join(DEFAULT_FORMATS), show_default=True,
+              help=f"The ladder's rungs to measure, comma-separated, from: {', '.join(ladder())} (fewest bytes per "
+              "weight first; W is integer codes, NF4 the QLoRA lookup, FP8 E4M3). Each layer starts on the cheapest "
+              "and moves up where its measured effect on the output falls most per byte; fewer rungs, a faster "
+              "compile.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks "
                                               "(repeatable).")
 @click.option("--calib-data", type=click.Path(path_type=Path), default=None,
@@ -233,11 +235,12 @@ def _progress_printer():
               "what does not fit waits in pinned host memory, and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bits, blocks, calib_data, calib_cache,
+def compile_cmd(model, out, budget, objective, thresholds_file, formats, blocks, calib_data, calib_cache,
                 calib_text, encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding,
                 group_size, previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume,
                 force) -> None:
-    """Calibrate MODEL on real data, choose W4/W6/W8 per layer under a size budget, write a slab.
+    """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
+    slab.
 
     MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
     or, with --blocks, any diffusers/transformers model folder.
@@ -255,7 +258,7 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bi
     opts = CompileOptions(
         budget=parse_size(budget), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
-        min_bits=int(min_bits), max_bits=int(max_bits), rounding=rounding, group_size=group_size,
+        formats=formats, rounding=rounding, group_size=group_size,
         calib_samples=calib_samples,
         calib_cache=str(calib_cache) if calib_cache else None, calib_text=str(calib_text) if calib_text else None,
         calib_tokens=calib_tokens, calib_synthetic=calib_synthetic,
@@ -281,7 +284,7 @@ def compile_cmd(model, out, budget, objective, thresholds_file, min_bits, max_bi
     manifest = compile_slab(source, out, opts, progress=progress)
     counts = {}
     for layer in manifest.layers:
-        counts[layer.spec.label().split()[0]] = counts.get(layer.spec.label().split()[0], 0) + 1
+        counts[layer.spec.short_label] = counts.get(layer.spec.short_label, 0) + 1
     size = sum(p.stat().st_size for p in out.iterdir())
     click.echo(f"wrote {out}: {size:,} bytes (budget {opts.budget:,}); layers: "
                + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))

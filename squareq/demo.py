@@ -73,7 +73,7 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
     manifest = compile_slab(source, slab_path, CompileOptions(budget=budget, device=device, calib_images=images))
     rungs: dict[str, int] = {}
     for layer in manifest.layers:
-        label = layer.spec.label().split()[0]
+        label = layer.spec.short_label
         rungs[label] = rungs.get(label, 0) + 1
     with open_slab(slab_path, verify="eager") as slab:
         totals = summarize(slab)["totals"]

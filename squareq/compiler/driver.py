@@ -44,7 +44,7 @@ from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
 from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
 from .inputs import calibration_batch
-from .ladder import RUNGS, LayerDecision, diagnostics, measure_rungs
+from .ladder import DEFAULT_FORMATS, LayerDecision, diagnostics, ladder, measure_rungs, rung_specs
 from .layer_search import Candidate, weight_metrics
 from .plan import HYSTERESIS, LayerOptions, Plan, make_plan
 from .previous import Previous, read_previous
@@ -65,8 +65,7 @@ class CompileOptions:
     budget: int
     objective: str = "size"
     thresholds: Thresholds = field(default_factory=Thresholds)
-    min_bits: int = 4
-    max_bits: int = 16  # the highest rung measured (16: bf16)
+    formats: tuple[str, ...] = DEFAULT_FORMATS  # the rungs measured, by name (compiler/ladder.py)
     rounding: str = "gptq"
     group_size: int = 64
     calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
@@ -91,9 +90,15 @@ class CompileOptions:
         # checked when the options are made, before calibration data is encoded or any state folder is written: the
         # search builds its first spec only once the state exists, and that state would then refuse the fixed rerun
         try:
-            quant.QuantSpec(bits=self.min_bits, group_size=self.group_size)
+            quant.QuantSpec(group_size=self.group_size)
         except quant.SpecError as exc:
             raise quant.SpecError(f"--group-size {self.group_size}: {exc}") from None
+        if isinstance(self.formats, str):
+            self.formats = tuple(f.strip() for f in self.formats.split(",") if f.strip())
+        try:
+            self.formats = tuple(s.short_label for s in rung_specs(self.formats, self.group_size))
+        except ValueError as exc:
+            raise BudgetError(str(exc)) from None
         for flag, value, least in (("--calib-samples", self.calib_samples, 2), ("--calib-tokens", self.calib_tokens, 2),
                                    ("--effect-probes", self.effect_probes, 1), ("--ring-slots", self.ring_slots, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -101,7 +106,7 @@ class CompileOptions:
 
     def fingerprint(self) -> dict:
         """What the measurements depend on (the plan's thresholds, budget and objective are not among them)."""
-        keep = ("min_bits", "max_bits", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic",
+        keep = ("formats", "rounding", "group_size", "calib_samples", "calib_tokens", "calib_synthetic",
                 "max_rows", "seed", "effect_probes")
         return {k: getattr(self, k) for k in keep}
 
@@ -138,7 +143,7 @@ class _Run:
         self.source, self.opts, self.progress = source, opts, progress
         self.batch, self.axes, self.vram = batch, axes, vram
         self.state: CompileState | None = None
-        self.wanted: dict[str, int] | None = None
+        self.wanted: dict[str, str] | None = None
         self.started = time.perf_counter()
         self.done_blocks = 0
         self.forward_s = 0.0
@@ -159,10 +164,11 @@ class _Run:
         per = (time.perf_counter() - self.started) / self.done_blocks
         return f"ETA {per * (n - index):.0f}s"
 
-    def rungs_for(self, name: str) -> list[int] | None:
+    def rungs_for(self, name: str) -> list[quant.QuantSpec] | None:
+        """The specs to measure the layer at: every --formats rung, or for a rebuild only the rung it moved to."""
         if self.wanted is None:
-            return [b for b in RUNGS if self.opts.min_bits <= b <= self.opts.max_bits]
-        return [self.wanted[name]] if name in self.wanted else None
+            return rung_specs(self.opts.formats, self.opts.group_size)
+        return [ladder(self.opts.group_size)[self.wanted[name]]] if name in self.wanted else None
 
     def block(self, index: int, path: str, args, kwargs):
         n = len(self.source.block_paths)
@@ -207,7 +213,7 @@ class _Run:
                 for name in mine:
                     self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
                     weight = real.get_submodule(name[len(path) + 1:]).weight.float()
-                    decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.group_size)
+                    decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding)
                     measured[name] = _on_host(decision)  # every rung of every layer until the block is saved
                     del weight, decision
                     block_peaks.charge("search", self.peaks.lap("search"))
@@ -288,8 +294,6 @@ def _moved(tree, device):
 def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress):
     if out.exists() and not opts.overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
-    if opts.max_bits not in RUNGS or opts.max_bits < opts.min_bits:
-        raise BudgetError(f"--max-bits {opts.max_bits} must be one of {RUNGS} and at least --min-bits {opts.min_bits}.")
     if opts.objective not in OBJECTIVES:
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
     for debris in remove_debris(out):
@@ -397,24 +401,34 @@ def _measurements(source: Source, opts: CompileOptions, progress: Progress, setu
         setup.run.run(setup.shell)
         found = state.load_effects()
         if found is None:
-            quantized = lambda i: state.load_weights(i, lambda n, b: b < 16)  # noqa: E731 - bf16's effect is 0
+            quantized = lambda i: state.load_weights(i, lambda n, r: r != "bf16")  # noqa: E731 - bf16's effect is 0
             found = measure_effects(source, *setup.held, quantized, opts.device, opts.effect_probes, opts.seed,
                                     progress, axes=setup.axes, batched=setup.batched,
                                     keep=setup.vram.store(setup.vram.host_saved), lap=setup.run.peaks.lap)
             state.save_effects(*found)
         effects, effect_info = found
         layers, fixed, notes, measured_rungs = _from_state(source, state, effects)
-    starts = setup.previous.rungs if setup.previous is not None else {}
     for layer in layers:
-        wanted = starts.get(layer.name, opts.min_bits)
-        layer.start = min((b for b in layer.rungs if b >= wanted), default=max(layer.rungs))
+        layer.start = _start(layer, setup.previous)
     return layers, fixed, notes, measured_rungs, effect_info
+
+
+def _start(layer: LayerOptions, previous: Previous | None) -> str:
+    """Where the plan starts the layer: its cheapest rung, or for a rebuild its rung in the previous slab (when that
+    is no longer measured, the cheapest rung that stores at least as many bytes)."""
+    if previous is None or layer.name not in previous.records:
+        return layer.rungs[0]
+    rung = previous.rungs[layer.name]
+    if rung in layer.bytes:
+        return rung
+    had = previous.layer_bytes(layer.name)
+    return next((r for r in layer.rungs if layer.bytes[r] >= had), layer.rungs[-1])
 
 
 def _calibration_record(setup: _Setup, opts: CompileOptions, build: int, effect_info: dict) -> dict:
     """The manifest's calibration block, with placeholders of the widest form for numbers known only at the end."""
     return {**setup.batch.description, "objective": opts.objective, "budget_bytes": 10**15,
-            "rounding": opts.rounding, "min_bits": opts.min_bits, "group_size": opts.group_size,
+            "rounding": opts.rounding, "formats": list(opts.formats), "group_size": opts.group_size,
             "build": build, "from": str(opts.previous) if opts.previous else None, "measurement_key": setup.key,
             "measurements": f"reused from {opts.previous}" if setup.reused else "measured",
             "effect": effect_info, "tau_out": opts.thresholds.out, "hysteresis": HYSTERESIS,
@@ -489,24 +503,24 @@ def _block_cap(opts: CompileOptions, residents: dict) -> int | None:
 def _from_state(source: Source, state: CompileState, effects):
     """From the finished blocks' records, in one pass: each layer as the planner sees it, each block's fixed bytes,
     each layer's notes that are not moves (e.g. 'not called during calibration') and its measured rungs as
-    ``{bits: (spec, metrics)}``."""
+    ``{rung: (spec, metrics)}``."""
     layers, fixed, notes, measured = [], {}, {}, {}
     for i, _ in enumerate(source.block_paths):
         decisions, info = state.load_block(i, tensors=False)
         fixed[i] = info["fixed_bytes"]
         for d in decisions:
-            rungs = {c.bits: candidate_bytes(c) for c in d.tried}
-            effect = {b: (0.0 if b == 16 else effects.get(d.name, {}).get(b, 0.0)) for b in rungs}
-            layers.append(LayerOptions(d.name, i, rungs, effect, min(rungs)))
+            rungs = {c.rung: candidate_bytes(c) for c in d.tried}
+            effect = {r: (0.0 if r == "bf16" else effects.get(d.name, {}).get(r, 0.0)) for r in rungs}
+            layers.append(LayerOptions(d.name, i, rungs, effect, min(rungs, key=rungs.get)))
             notes[d.name] = list(d.reasons)
-            measured[d.name] = {c.bits: (c.qweight.spec.to_dict(), c.metrics) for c in d.tried}
+            measured[d.name] = {c.rung: (c.qweight.spec.to_dict(), c.metrics) for c in d.tried}
     return layers, fixed, notes, measured
 
 
 def _from_previous(previous: Previous):
     """The same four as :func:`_from_state`, from the records of a previous slab measured alike."""
     notes = {n: list(rec.history[0].get("notes", [])) if rec.history else [] for n, rec in previous.records.items()}
-    measured = {n: {int(b): (r["spec"], r["metrics"]) for b, r in rec.rungs.items()}
+    measured = {n: {rung: (r["spec"], r["metrics"]) for rung, r in rec.rungs.items()}
                 for n, rec in previous.records.items()}
     return previous.layer_options(), previous.fixed_bytes(), notes, measured
 
@@ -515,15 +529,15 @@ def _weights(state: CompileState, previous: Previous | None, index: int, path: s
     """The plan's quantized weights of one block: from the state's candidates (only the chosen rungs are read), or
     the previous slab's own tensors where a rebuild kept a layer on its rung."""
     chosen = {n: b for n, b in plan.rungs.items() if n.startswith(path + ".")}
-    found = state.load_weights(index, lambda n, b: chosen.get(n) == b) if state.has_block(index) else {}
+    found = state.load_weights(index, lambda n, r: chosen.get(n) == r) if state.has_block(index) else {}
     out = {}
-    for name, bits in chosen.items():
-        if bits in found.get(name, {}):
-            out[name] = found[name][bits]
-        elif previous is not None and previous.rungs.get(name) == bits:
+    for name, rung in chosen.items():
+        if rung in found.get(name, {}):
+            out[name] = found[name][rung]
+        elif previous is not None and previous.rungs.get(name) == rung:
             out[name] = previous.quantized_weight(name)
         else:
-            raise RuntimeError(f"layer {name} has no candidate at W{bits}; this is a bug in squareq's compiler.")
+            raise RuntimeError(f"layer {name} has no candidate at {rung}; this is a bug in squareq's compiler.")
     return out
 
 
@@ -532,21 +546,20 @@ def _annotations(path: str, layers, plan: Plan, notes, previous: Previous | None
     """(metrics, reasons, {history, rungs}) by layer name for one block under ``plan``."""
     metrics, reasons, annotations = {}, {}, {}
     for x in (x for x in layers if x.name.startswith(path + ".")):
-        bits = plan.rungs[x.name]
+        rung = plan.rungs[x.name]
         measured = specs[x.name]
-        metrics[x.name] = {**measured[bits][1], "effect": x.effect[bits]}
+        metrics[x.name] = {**measured[rung][1], "effect": x.effect[rung]}
         moves = plan.moves.get(x.name, [])
         reasons[x.name] = list(notes.get(x.name, [])) + moves
         before = list(previous.records[x.name].history) if previous is not None and x.name in previous.records else []
-        entry = {"build": build, "rung": bits, "moves": moves}
+        entry = {"build": build, "rung": rung, "moves": moves}
         if notes.get(x.name):
             entry["notes"] = notes[x.name]
-        flagged = diagnostics(bits, measured[bits][1], thresholds)
+        flagged = diagnostics(quant.QuantSpec.from_dict(measured[rung][0]), measured[rung][1], thresholds)
         if flagged:
             entry["diagnostics"] = flagged
-        rungs = {str(b): {"spec": measured[b][0], "bytes": x.bytes[b],
-                          "metrics": {**measured[b][1], "effect": x.effect[b]}}
-                 for b in x.rungs}
+        rungs = {r: {"spec": measured[r][0], "bytes": x.bytes[r], "metrics": {**measured[r][1], "effect": x.effect[r]}}
+                 for r in x.rungs}
         annotations[x.name] = {"history": before + [entry], "rungs": rungs}
     return metrics, reasons, annotations
 

@@ -96,7 +96,7 @@ def estimate_kernels(device):
 class _Products:
     """While a block is replayed for the backward pass: every linear's input, and once its output's gradient arrives,
     each rung's per-sample term ``Σ_rows δY ⊙ (X ΔW_rᵀ)`` added to
-    ``sums[name][bits][offset + start:offset + stop]``."""
+    ``sums[name][rung][offset + start:offset + stop]``."""
 
     def __init__(self, path: str, block: nn.Module, candidates: Mapping[str, Mapping[int, QuantizedWeight]],
                  sums: dict, offset: int = 0) -> None:
@@ -121,7 +121,7 @@ class _Products:
         weight = mod.weight.detach()
         xf, gf = x.float(), g.float()
         per_sample = x.shape[0] == stop - start
-        for bits, qw in self.candidates[name].items():
+        for rung, qw in self.candidates[name].items():
             deq = kernels.dequantize(qw.to(weight.device))
             per = None
             # a slice of output rows at a time: ΔW and the products are float32 temporaries of the slice's size
@@ -129,7 +129,7 @@ class _Products:
                 terms = gf[..., rows] * torch.nn.functional.linear(xf, weight[rows].float() - deq[rows].float())
                 part = terms.reshape(terms.shape[0], -1).sum(dim=1) if per_sample else terms.sum()[None]
                 per = part if per is None else per + part
-            row = self.sums[name][bits]
+            row = self.sums[name][rung]
             at = self.offset + start
             row[at:at + per.shape[0]] += per.to(row.device, row.dtype)
 
@@ -254,7 +254,7 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
                     progress: Callable[[str], None] = lambda s: None, axes: BatchAxes | None = None,
                     batched: set[str] | None = None, keep: Keep | None = None,
                     lap: Callable[[str], object] = lambda phase: None) -> tuple[dict[str, dict[int, float]], dict]:
-    """``{layer: {bits: effect}}`` for every candidate ``candidates_of(block index)`` returns, and a record of the
+    """``{layer: {rung: effect}}`` for every candidate ``candidates_of(block index)`` returns, and a record of the
     measurement (probes, samples' output power, seconds). Effects are relative to the output's power, so they are
     in the units of the model-output rel-MSE. ``batched`` names the batched keyword arguments, ``axes`` the blocks'
     batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass; ``lap(phase)`` is
@@ -271,7 +271,7 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
              + (f", {per_pass} probes per pass" if per_pass < probes else ""))
     powers = [passes.run(first * held, min(per_pass, probes - first)) for first in range(0, probes, per_pass)]
     power = max(powers[0], 1e-30)  # every copy of the held-out batch has the same output
-    effects = {name: {bits: float(t.square().sum()) / probes / power for bits, t in rungs.items()}
+    effects = {name: {rung: float(t.square().sum()) / probes / power for rung, t in rungs.items()}
                for name, rungs in passes.sums.items()}
     return effects, {"probes": probes, "output_power": power, "estimator": "per-sample",
                      "probes_per_pass": per_pass, "seconds": round(time.perf_counter() - started, 3)}
@@ -286,15 +286,15 @@ class _ProbePasses:
         self.source, self.kwargs, self.row_mask, self.candidates_of = source, kwargs, row_mask, candidates_of
         self.device, self.axes, self.batched, self.keep, self.total = device, axes, batched, keep, total
         self.generator, self.progress, self.lap = generator, progress, lap
-        self.sums: dict[str, dict[int, torch.Tensor]] = {}
+        self.sums: dict[str, dict[str, torch.Tensor]] = {}
 
     def _on_replay(self, index: int, path: str, offset: int):
         def on_replay(block):
             wanted = self.candidates_of(index)
             for name, rungs in wanted.items():
-                for bits in rungs:
+                for rung in rungs:
                     self.sums.setdefault(name, {}).setdefault(
-                        bits, torch.zeros(self.total, dtype=torch.float64, device=self.device))
+                        rung, torch.zeros(self.total, dtype=torch.float64, device=self.device))
             return _Products(path, block, wanted, self.sums, offset)
 
         return on_replay

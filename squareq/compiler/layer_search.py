@@ -1,4 +1,5 @@
-"""One layer at one bit width: search smoothing α and clip ratio, round, and keep only what beats plain rounding.
+"""One layer at one rung (a format at one width): search smoothing α and clip ratio, round, and keep only what beats
+plain rounding.
 
 Every choice is made on the layer's output error ``‖XWᵀ − XŴᵀ‖² / ‖XWᵀ‖²``, not on weight error. The search
 proposes on the calibration (fit) rows: the α and clip ratio whose round-to-nearest result is best there, and
@@ -9,7 +10,7 @@ model 35% worse than plain rounding (docs/compiler.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,15 +30,16 @@ ROUNDINGS = ("gptq", "nearest")
 
 @dataclass
 class Candidate:
-    """The best quantization of a layer at one bit width, with what was measured to choose it."""
+    """The best quantization of a layer at one rung, with what was measured to choose it."""
 
     qweight: QuantizedWeight
     alpha: float
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
-    def bits(self) -> int:
-        return self.qweight.spec.bits
+    def rung(self) -> str:
+        """The rung's name (``W4``, ``NF4``, ``bf16``, ...)."""
+        return self.qweight.spec.short_label
 
     @property
     def nbytes(self) -> int:
@@ -58,22 +60,23 @@ def group_scale_ratio(qw: QuantizedWeight, w: torch.Tensor, smooth: torch.Tensor
     """
     if qw.spec.is_passthrough:
         return 1.0
-    unclipped = QuantSpec(bits=qw.spec.bits, group_size=qw.spec.group_size, symmetric=qw.spec.symmetric,
-                          scale_dtype=qw.spec.scale_dtype)
+    unclipped = replace(qw.spec, clip_ratio=1.0, smooth=False)
     s = quant.group_scales(w, unclipped, smooth).float().reshape(-1)
     med = float(s.median())
     return float(s.max()) / med if med > 0 else float("inf")
 
 
-def search_layer(w: torch.Tensor, stats: LayerStats, bits: int, group_size: int = 64, symmetric: bool = False,
-                 rounding: str = "gptq", alphas=DEFAULT_ALPHAS) -> Candidate:
-    """The quantization of ``w [N, K]`` at ``bits`` with the lowest output rel-MSE on the held-out rows, among plain
-    round-to-nearest and the transforms the search proposes on the calibration rows (module docstring).
+def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: str = "gptq",
+                 alphas=DEFAULT_ALPHAS) -> Candidate:
+    """The quantization of ``w [N, K]`` in the format of ``spec`` (its width, group size and symmetry) with the
+    lowest output rel-MSE on the held-out rows, among plain round-to-nearest and the transforms the search proposes
+    on the calibration rows (module docstring).
 
     α = 0 means no smoothing. One clip ratio per layer, by activation-weighted error (per-group ratios minimise that
     proxy exactly but raised the medium model's held-out output error from 4.8e-3 to 8.5e-3, through its few-row
     adaLN layers: docs/compiler.md). α and clip are proposed with round-to-nearest; GPTQ then runs once, at the
-    proposed α and clip (a quarter of the GPTQ runs of trying it at every α, which dominates compile time at 12B).
+    proposed α and clip (a quarter of the GPTQ runs of trying it at every α, which dominates compile time at 12B), and
+    only for formats GPTQ can round onto (``int``).
     A tie keeps the simpler candidate. The metrics record the held-out error of the result (``output_rel_mse`` =
     ``heldout_rel_mse``), that of plain rounding (``heldout_rtn_rel_mse``), and the result's error on the calibration
     rows (``calib_rel_mse``).
@@ -82,23 +85,23 @@ def search_layer(w: torch.Tensor, stats: LayerStats, bits: int, group_size: int 
         raise ValueError(f"rounding={rounding!r} must be one of {ROUNDINGS}.")
     w = w.detach().float()
     fit, held = stats.rows, stats.judging_rows
-    if bits == 16:
+    if spec.is_passthrough:
         qw = quant.quantize(w, QuantSpec(bits=16))
         return Candidate(qw, 0.0, _measure(w, qw, fit, held, stats, 0.0, 0.0, False))
-    base = QuantSpec(bits=bits, group_size=group_size, symmetric=symmetric)
+    base = replace(spec, clip_ratio=1.0, smooth=False)
     plain = quant.quantize(w, base)
     proposal = None
     for alpha in alphas:
         smooth = quant.smoothing_scale(stats.absmax, w, alpha) if alpha > 0 else None
-        spec = QuantSpec(bits=bits, group_size=group_size, symmetric=symmetric, smooth=alpha > 0)
-        clip = quant.search_clip_ratio(w, spec, stats.second_moment, smooth, ratios=CLIP_RATIOS).clip_ratio
-        qw = quant.quantize(w, spec.with_clip(clip), smooth)
+        tried = replace(base, smooth=alpha > 0)
+        clip = quant.search_clip_ratio(w, tried, stats.second_moment, smooth, ratios=CLIP_RATIOS).clip_ratio
+        qw = quant.quantize(w, tried.with_clip(clip), smooth)
         err = quant.output_rel_mse(w, quant.dequantize(qw), fit)
         if proposal is None or err < proposal[0]:
             proposal = (err, qw, alpha, smooth)
     _, searched, alpha, smooth = proposal
     options = [(plain, 0.0, None, False), (searched, alpha, smooth, False)]
-    if rounding == "gptq" and stats.has_hessian:
+    if rounding == "gptq" and stats.has_hessian and quant.FORMATS[spec.format].gptq:
         options.append((quant.gptq_quantize(w, searched.spec, stats.hessian, smooth, damp=GPTQ_DAMP,
                                             sweep=kernels.gptq_sweep(w.device)), alpha, smooth,
                         True))
@@ -116,7 +119,7 @@ def _measure(w, qw, fit, held, stats: LayerStats, alpha: float, rtn_heldout: flo
         **weight_metrics(w, deq),
         "output_rel_mse": heldout,
         "heldout_rel_mse": heldout,
-        "heldout_rtn_rel_mse": rtn_heldout if qw.spec.bits < 16 else heldout,
+        "heldout_rtn_rel_mse": heldout if qw.spec.is_passthrough else rtn_heldout,
         "calib_rel_mse": quant.output_rel_mse(w, deq, fit),
         "act_outlier_score": stats.outlier_score(smooth),
         "scale_ratio": group_scale_ratio(qw, w, smooth),

@@ -1,8 +1,9 @@
 """Choose every layer's rung by measured effect on the model's output: one currency for the ladder and the budget.
 
-Each layer has, per rung, its bytes in the slab and its measured effect on the model's output (compiler/effect.py).
-The plan's predicted output error is the sum of its layers' effects. Starting from each layer's start rung
-(``--min-bits``, or its rung in the previous slab for ``--from``):
+Each layer has, per rung (a format at one width: ``W4``, ``NF4``, ``bf16``, ...), its bytes in the slab and its
+measured effect on the model's output (compiler/effect.py). "Up" means more bytes (or as many, for less effect),
+"down" fewer. The plan's predicted output error is the sum of its layers' effects. Starting from each layer's start
+rung (its cheapest measured rung, or its rung in the previous slab for ``--from``):
 
 1. **Block cap** (``--max-block-bytes``): while a block is over it, the layer of that block whose move down costs
    the least effect per byte saved moves down.
@@ -38,27 +39,28 @@ class LayerOptions:
 
     name: str
     block: int
-    bytes: dict[int, int]
-    effect: dict[int, float]
-    start: int
+    bytes: dict[str, int]
+    effect: dict[str, float]
+    start: str
 
     @property
-    def rungs(self) -> list[int]:
-        return sorted(self.bytes)
+    def rungs(self) -> list[str]:
+        """The measured rungs, from the fewest bytes to the most."""
+        return sorted(self.bytes, key=lambda r: (self.bytes[r], r))
 
 
 @dataclass
 class Plan:
     """The rung of every layer, each layer's moves with their reasons, and the plan's totals."""
 
-    rungs: dict[str, int]
+    rungs: dict[str, str]
     moves: dict[str, list[str]] = field(default_factory=dict)
     error: float = 0.0  # predicted: the sum of the layers' effects
     layer_bytes: int = 0
 
 
 class _State:
-    def __init__(self, layers: list[LayerOptions], fixed: dict[int, int]) -> None:
+    def __init__(self, layers: list[LayerOptions], fixed: dict[int, int]) -> None:  # fixed: by block index
         self.layers = {layer.name: layer for layer in layers}
         self.fixed = fixed
         self.rung = {layer.name: layer.start for layer in layers}
@@ -78,46 +80,46 @@ class _State:
         return out
 
     def moves_of(self, name: str, up: bool):
+        """(rung, Δeffect, Δbytes) of each move up (as many bytes or more) or down (fewer) from the layer's rung."""
         layer, cur = self.layers[name], self.rung[name]
-        for b in layer.rungs:
-            if (b > cur) == up and b != cur:
-                d_err = layer.effect[b] - layer.effect[cur]
-                d_bytes = layer.bytes[b] - layer.bytes[cur]
-                yield b, d_err, d_bytes
+        for r in layer.rungs:
+            d_bytes = layer.bytes[r] - layer.bytes[cur]
+            if r != cur and (d_bytes >= 0) == up:
+                yield r, layer.effect[r] - layer.effect[cur], d_bytes
 
-    def apply(self, name: str, bits: int, why: str) -> None:
+    def apply(self, name: str, rung: str, why: str) -> None:
         layer, cur = self.layers[name], self.rung[name]
-        direction = "up" if bits > cur else "down"
-        self.moves[name].append(f"{direction} W{cur}→W{bits}: {why} (effect {layer.effect[cur]:.3g} → "
-                                f"{layer.effect[bits]:.3g}, {layer.bytes[bits] - layer.bytes[cur]:+,} bytes)")
-        self.rung[name] = bits
+        direction = "up" if layer.bytes[rung] >= layer.bytes[cur] else "down"
+        self.moves[name].append(f"{direction} {cur}→{rung}: {why} (effect {layer.effect[cur]:.3g} → "
+                                f"{layer.effect[rung]:.3g}, {layer.bytes[rung] - layer.bytes[cur]:+,} bytes)")
+        self.rung[name] = rung
 
 
 def _best_up(s: _State, cap: int | None, room: int | None):
-    """(name, bits) of the move up with the largest effect reduction per byte that fits the cap and ``room``."""
+    """(name, rung) of the move up with the largest effect reduction per byte that fits the cap and ``room``."""
     blocks, best = s.block_bytes(), None
     for name, layer in s.layers.items():
-        for bits, d_err, d_bytes in s.moves_of(name, up=True):
+        for rung, d_err, d_bytes in s.moves_of(name, up=True):
             if d_err >= 0 or (cap is not None and blocks[layer.block] + d_bytes > cap) \
                     or (room is not None and d_bytes > room):
                 continue
             score = -d_err / max(d_bytes, 1)
             if best is None or score > best[0]:
-                best = (score, name, bits)
+                best = (score, name, rung)
     return best and best[1:]
 
 
 def _best_down(s: _State, names, limit: float | None):
-    """(name, bits) among ``names`` of the move down that costs the least effect per byte saved, keeping the plan's
+    """(name, rung) among ``names`` of the move down that costs the least effect per byte saved, keeping the plan's
     error at most ``limit`` (None: any)."""
     err, best = s.error(), None
     for name in names:
-        for bits, d_err, d_bytes in s.moves_of(name, up=False):
+        for rung, d_err, d_bytes in s.moves_of(name, up=False):
             if d_bytes >= 0 or (limit is not None and err + d_err > limit):
                 continue
             score = max(d_err, 0.0) / -d_bytes
             if best is None or score < best[0]:
-                best = (score, name, bits)
+                best = (score, name, rung)
     return best and best[1:]
 
 
@@ -140,7 +142,7 @@ def make_plan(layers: list[LayerOptions], fixed: dict[int, int], tau: float, bud
             if move is None:
                 raise PlanError(f"block {names.get(worst, worst)} takes {blocks[worst]:,} bytes with every layer at "
                                 f"its lowest rung, more than the block cap of {block_cap:,}; raise --max-block-bytes "
-                                "(or the VRAM it came from) or lower --min-bits.")
+                                "(or the VRAM it came from) or offer a rung of fewer bytes in --formats.")
             s.apply(*move, f"block {names.get(worst, worst)} {blocks[worst]:,} bytes > block cap {block_cap:,}; "
                            "this layer's move down cost the least effect per byte saved")
     while (err := s.error()) > tau:
@@ -168,14 +170,14 @@ def make_plan(layers: list[LayerOptions], fixed: dict[int, int], tau: float, bud
 def _spend(s: _State, block_cap: int | None, room: int) -> None:
     """Move up where the effect falls most per byte while the moves fit in ``room`` bytes (and the block cap)."""
     while (move := _best_up(s, block_cap, room)) is not None:
-        name, bits = move
-        room -= s.layers[name].bytes[bits] - s.layers[name].bytes[s.rung[name]]
-        s.apply(name, bits, "--objective quality spent budget here, where the effect fell most per byte")
+        name, rung = move
+        room -= s.layers[name].bytes[rung] - s.layers[name].bytes[s.rung[name]]
+        s.apply(name, rung, "--objective quality spent budget here, where the effect fell most per byte")
 
 
 def _fits_hint(layers, fixed, budget, overhead, block_cap) -> str:
     """', or relax τ_OUT: τ_OUT=X would fit' with the error the same greedy reaches within ``budget``."""
-    s = _State([LayerOptions(x.name, x.block, x.bytes, x.effect, min(x.rungs)) for x in layers], fixed)
+    s = _State([LayerOptions(x.name, x.block, x.bytes, x.effect, x.rungs[0]) for x in layers], fixed)
     total = overhead + sum(fixed.values()) + s.layer_bytes()
     if total > budget:
         return ""

@@ -29,14 +29,19 @@ class Previous:
     effect_info: dict | None
 
     @property
-    def rungs(self) -> dict[str, int]:
-        return {name: rec.spec.bits for name, rec in self.records.items()}
+    def rungs(self) -> dict[str, str]:
+        """Each layer's rung in PREV, by name."""
+        return {name: rec.spec.short_label for name, rec in self.records.items()}
+
+    def layer_bytes(self, name: str) -> int:
+        """Bytes the layer's stored tensors take in PREV's block blob."""
+        return sum(align_up(t.nbytes) for t in self.records[name].tensors.values())
 
     def layer_options(self) -> list[LayerOptions]:
         """Each layer's bytes and measured effect per rung, as PREV recorded them."""
-        return [LayerOptions(name, rec.block, {int(b): r["bytes"] for b, r in rec.rungs.items()},
-                             {int(b): float(r["metrics"].get("effect", 0.0)) for b, r in rec.rungs.items()},
-                             rec.spec.bits)
+        return [LayerOptions(name, rec.block, {r: m["bytes"] for r, m in rec.rungs.items()},
+                             {r: float(m["metrics"].get("effect", 0.0)) for r, m in rec.rungs.items()},
+                             rec.spec.short_label)
                 for name, rec in self.records.items()]
 
     def fixed_bytes(self) -> dict[int, int]:

@@ -65,7 +65,7 @@ class CompileState:
             tried = []
             for c in d.tried:
                 for role, t in c.qweight.tensors.items():
-                    tensors[f"{d.name}:{c.bits}:{role}"] = t.detach().contiguous().cpu()
+                    tensors[f"{d.name}:{c.rung}:{role}"] = t.detach().contiguous().cpu()
                 tried.append({"spec": c.qweight.spec.to_dict(), "shape": list(c.qweight.shape), "alpha": c.alpha,
                               "metrics": c.metrics})
             records.append({"name": d.name, "chosen": d.tried.index(d.chosen), "reasons": d.reasons, "tried": tried})
@@ -86,7 +86,7 @@ class CompileState:
             for c in layer["tried"]:
                 spec, shape = QuantSpec.from_dict(c["spec"]), tuple(c["shape"])
                 if tensors:
-                    prefix = f"{layer['name']}:{spec.bits}:"
+                    prefix = f"{layer['name']}:{spec.short_label}:"
                     qt = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
                     qw = QuantizedWeight(spec, shape, qt)
                 else:
@@ -95,33 +95,34 @@ class CompileState:
             decisions.append(LayerDecision(layer["name"], tried[layer["chosen"]], tried, layer["reasons"]))
         return decisions, record
 
-    def load_weights(self, index: int, wanted) -> dict[str, dict[int, QuantizedWeight]]:
-        """Only the candidates ``wanted(name, bits)`` selects from a finished block, read from its file one tensor
+    def load_weights(self, index: int, wanted) -> dict[str, dict[str, QuantizedWeight]]:
+        """Only the candidates ``wanted(name, rung)`` selects from a finished block, read from its file one tensor
         at a time (the effects pass needs the quantized rungs, the slab writer one rung per layer: reading every
         rung of every layer twice is most of a large model's state I/O)."""
         data, meta = self._paths(index)
-        out: dict[str, dict[int, QuantizedWeight]] = {}
+        out: dict[str, dict[str, QuantizedWeight]] = {}
         with safe_open(str(data), framework="pt", device="cpu") as f:
             for layer in self._json(meta)["layers"]:
                 for c in layer["tried"]:
                     spec, shape = QuantSpec.from_dict(c["spec"]), tuple(c["shape"])
-                    if wanted(layer["name"], spec.bits):
-                        prefix = f"{layer['name']}:{spec.bits}:"
+                    rung = spec.short_label
+                    if wanted(layer["name"], rung):
+                        prefix = f"{layer['name']}:{rung}:"
                         qt = {role: f.get_tensor(prefix + role) for role in tensor_layout(spec, shape)}
-                        out.setdefault(layer["name"], {})[spec.bits] = QuantizedWeight(spec, shape, qt)
+                        out.setdefault(layer["name"], {})[rung] = QuantizedWeight(spec, shape, qt)
         return out
 
     def save_effects(self, effects: dict, info: dict) -> None:
-        data = {"effects": {n: {str(b): e for b, e in r.items()} for n, r in effects.items()}, "info": info}
+        data = {"effects": effects, "info": info}
         atomic_write_bytes(self.folder / "effects.json", json.dumps(data, indent=1).encode())
 
-    def load_effects(self) -> tuple[dict[str, dict[int, float]], dict] | None:
+    def load_effects(self) -> tuple[dict[str, dict[str, float]], dict] | None:
         """The effects pass's results, or None when it has not finished."""
         path = self.folder / "effects.json"
         if not path.is_file():
             return None
         data = self._json(path)
-        return {n: {int(b): e for b, e in r.items()} for n, r in data["effects"].items()}, data["info"]
+        return data["effects"], data["info"]
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .factor import InverseFactor, inverse_factor
+from .registry import FORMATS
 from .rtn import (
     QuantizedWeight,
     _apply_smoothing,
@@ -116,7 +117,7 @@ def gptq_quantize_with_info(
         raise ValueError(f"block_size={block_size} must be positive.")
     if spec.is_passthrough:
         return quantize(w, spec, smooth_scale), GPTQInfo(False, 0.0, 0)
-    if spec.format != "int":
+    if not FORMATS[spec.format].gptq:
         raise SpecError(f"GPTQ rounds onto the int format's grid; a {spec.format} layer is quantized by rounding "
                         "(squareq.quant.quantize).")
     w = w.detach().float()

@@ -28,6 +28,7 @@ class Format:
     bits: tuple[int, ...] = ()
     table: tuple[float, ...] | None = None
     zero_points: bool = True  # whether an asymmetric spec (symmetric=False) is meaningful
+    gptq: bool = False  # whether GPTQ (squareq/quant/gptq.py) can round onto this format's grid
 
     def check(self, spec) -> str | None:
         """Why ``spec`` cannot be stored in this format (one sentence), or None."""
@@ -45,6 +46,11 @@ class Format:
         """A short human label (``W4 g64 asym``, ``NF4 g64``)."""
         raise NotImplementedError
 
+    def short_label(self, spec) -> str:
+        """The format's name at ``spec``'s width, as the compiler's ladder and ``squareq inspect`` show it
+        (``W4``, ``NF4``); unique among all formats and widths."""
+        return self.name.upper()
+
     def layout(self, spec, shape: tuple[int, int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Dtype and shape of every stored tensor of a weight of ``shape`` (smoothing's ``inv_smooth`` aside)."""
         raise NotImplementedError
@@ -56,6 +62,11 @@ class Format:
     def decode(self, tensors: dict[str, torch.Tensor], spec, k: int) -> torch.Tensor:
         """float32 ``[n, k]`` of stored rows, before smoothing is folded back and before the bf16 rounding."""
         raise NotImplementedError
+
+    def scales(self, w: torch.Tensor, spec) -> torch.Tensor:
+        """The stored scale of each group of float32 rows ``w [n, k]``, without the codes (a format may skip
+        them)."""
+        return self.encode(w, spec)["scales"]
 
     def fake(self, w: torch.Tensor, spec) -> torch.Tensor:
         """``decode(encode(w))``; a format may skip its packing here (searches try many specs)."""

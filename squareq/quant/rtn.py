@@ -210,13 +210,13 @@ def group_scales(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | 
     """The stored group scales :func:`quantize` would choose for ``w`` (``smooth_scale`` applied when given),
     without the codes."""
     n, k = w.shape
-    g = spec.group_size
+    fmt = FORMATS[spec.format]
     out = []
     for rows in row_chunks(n, k):
         part = w[rows].detach().float()
         if smooth_scale is not None:
             part = part * smooth_scale.float()[None, :]
-        out.append(group_params(grouped(part, g), spec)[0])
+        out.append(fmt.scales(part, spec))
     return torch.cat(out)
 
 

@@ -93,6 +93,11 @@ class QuantSpec:
             return "bf16"
         return FORMATS[self.format].label(self)
 
+    @property
+    def short_label(self) -> str:
+        """The format's name at this width (``W4``, ``NF4``, ``FP8``, ``bf16``): the compiler's rung names."""
+        return "bf16" if self.is_passthrough else FORMATS[self.format].short_label(self)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         if self.format == "int":

@@ -81,7 +81,7 @@ class LayerRecord:
     spec: QuantSpec
     tensors: dict[str, TensorRecord]  # role (qweight/scales/zeros/inv_smooth/weight) -> record
     metrics: dict[str, float] = field(default_factory=dict)
-    rung: int | None = None  # bits the layer is stored at (the writer sets it from the spec)
+    rung: str | None = None  # the format it is stored in, by name: W4, NF4, bf16... (the writer sets it from the spec)
     reason: list[str] = field(default_factory=list)  # why the layer moved in the build that wrote the slab
     history: list[dict] = field(default_factory=list)  # per build: {"build", "rung", "moves"}
     rungs: dict[str, dict] = field(default_factory=dict)  # per measured rung: {"spec", "bytes", "metrics"}
@@ -139,9 +139,24 @@ def layer_to_dict(rec: LayerRecord) -> dict:
     return {**asdict(rec), "spec": rec.spec.to_dict()}
 
 
+def rung_name(rung):
+    """A rung by name; slabs written before rungs had names recorded the bit width of the int format (16: bf16)."""
+    if isinstance(rung, bool) or not isinstance(rung, (int, str)) or not str(rung).isdigit():
+        return rung
+    return "bf16" if int(rung) == 16 else f"W{int(rung)}"
+
+
 def layer_from_dict(d: dict) -> LayerRecord:
     """Parse a layer record; raises KeyError/TypeError/SpecError on malformed input."""
-    return LayerRecord(**{**d, "spec": QuantSpec.from_dict(d["spec"]),
+    named = {}
+    if "rung" in d:
+        named["rung"] = rung_name(d["rung"])
+    if isinstance(d.get("history"), list):
+        named["history"] = [{**h, "rung": rung_name(h["rung"])} if isinstance(h, dict) and "rung" in h else h
+                            for h in d["history"]]
+    if isinstance(d.get("rungs"), dict):
+        named["rungs"] = {rung_name(k): v for k, v in d["rungs"].items()}
+    return LayerRecord(**{**d, **named, "spec": QuantSpec.from_dict(d["spec"]),
                           "tensors": {k: TensorRecord(**v) for k, v in d["tensors"].items()}})
 
 

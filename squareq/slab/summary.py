@@ -36,7 +36,7 @@ def summarize(slab: Slab) -> dict:
             "bytes": nbytes,
             "bits_per_weight": 8 * nbytes / weights,
             "metrics": rec.metrics,
-            "rung": rec.rung,
+            "rung": rec.rung or rec.spec.short_label,
             "reason": rec.reason,
             "history": rec.history,
         })
@@ -111,11 +111,11 @@ def _calibration_text(cal: dict | None) -> str:
 
 
 def _history_text(r: dict) -> list[str]:
-    """'  layer: build 1 W8 (up W4→W8: ...); build 2 W4 (down W8→W4: ...)' for a layer that ever moved."""
+    """'  layer: build 1 W8 (up W4→W8: ...); build 2 NF4 (down W8→NF4: ...)' for a layer that ever moved."""
     hist = r.get("history") or []
     if not any(h.get("moves") for h in hist):
         return []
-    steps = [f"build {h['build']} W{h['rung']}" + (f" ({'; '.join(h['moves'])})" if h.get("moves") else "")
+    steps = [f"build {h['build']} {h['rung']}" + (f" ({'; '.join(h['moves'])})" if h.get("moves") else "")
              for h in hist]
     return [f"  {r['layer']}: " + "; ".join(steps)]
 
@@ -129,13 +129,13 @@ def format_summary(s: dict) -> str:
     """The inspect report: layer table, block table, totals."""
     t = s["totals"]
     layer_rows = [
-        [r["layer"], str(r["block"]), r["format"].split()[0], str(r["group_size"] or "-"), human_bytes(r["bytes"]),
+        [r["layer"], str(r["block"]), r["rung"], str(r["group_size"] or "-"), human_bytes(r["bytes"]),
          f"{r['bits_per_weight']:.2f}", _metric_text(r["metrics"])]
         for r in s["layers"]
     ]
     block_rows = [[str(b["block"]), b["name"], str(b["layers"]), human_bytes(b["bytes"])] for b in s["blocks"]]
     m = s["model"]
-    why = [f"  {r['layer']} ({r['format'].split()[0]}): " + "; ".join(r["reason"]) for r in s["layers"]
+    why = [f"  {r['layer']} ({r['rung']}): " + "; ".join(r["reason"]) for r in s["layers"]
            if r["reason"] and not r.get("history")]
     history = [line for r in s["layers"] for line in _history_text(r)]
     flagged = [line for r in s["layers"] for line in _diagnostics_text(r)]
@@ -143,7 +143,7 @@ def format_summary(s: dict) -> str:
         f"slab {s['path']}  (format v{s['format_version']}, {m['class']} family={m['family']} source={m['source']})",
         _calibration_text(s.get("calibration")),
         "",
-        _table(["layer", "block", "bits", "group", "size", "bits/w", "metrics"], layer_rows),
+        _table(["layer", "block", "format", "group", "size", "bits/w", "metrics"], layer_rows),
         "",
         _table(["block", "name", "layers", "size"], block_rows),
         "",

@@ -139,7 +139,7 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
         measured = (weight_metrics(mod.weight, qw) if measure
                     else {"weight_rel_mse": PLACEHOLDER_FLOAT, "weight_sqnr_db": PLACEHOLDER_FLOAT})
         layers.append(LayerRecord(name, index, [mod.out_features, mod.in_features], qw.spec, tensors,
-                                  metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.bits,
+                                  metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.short_label,
                                   reason=list((reasons or {}).get(name, [])), **(annotations or {}).get(name, {})))
         taken.add(f"{rel}.weight")
     params = [packer.add(rel, stored_tensor(t, param_dtype))

@@ -17,13 +17,14 @@ def test_unparsable_sizes_are_refused(text):
         parse_size(text)
 
 
-BYTES = {4: 100, 6: 150, 8: 200, 16: 400}
+BYTES = {"W4": 100, "W6": 150, "W8": 200, "bf16": 400}
 
 
-def layers(start=4):
+def layers(start="W4"):
     """Three blocks of two layers; layer l0 of each block matters 4x more to the output than l1."""
-    return [LayerOptions(f"b.{i}.l{j}", i, dict(BYTES), {4: 4e-3 / (1 + 3 * j), 6: 1e-3 / (1 + 3 * j), 8: 1e-4, 16: 0.0},
-                         start) for i in range(3) for j in range(2)]
+    return [LayerOptions(f"b.{i}.l{j}", i, dict(BYTES),
+                         {"W4": 4e-3 / (1 + 3 * j), "W6": 1e-3 / (1 + 3 * j), "W8": 1e-4, "bf16": 0.0}, start)
+            for i in range(3) for j in range(2)]
 
 
 FIXED = {0: 50, 1: 50, 2: 50}
@@ -35,13 +36,13 @@ def total(plan, overhead=0):
 
 def test_nothing_moves_when_the_start_meets_tau_out():
     plan = make_plan(layers(), FIXED, tau=0.02)
-    assert set(plan.rungs.values()) == {4} and plan.moves == {}
+    assert set(plan.rungs.values()) == {"W4"} and plan.moves == {}
     assert plan.error == pytest.approx(3 * (4e-3 + 1e-3))
 
 
 def test_moves_up_where_the_error_falls_most_per_byte_and_says_why():
     plan = make_plan(layers(), FIXED, tau=0.01)
-    up = sorted(n for n, b in plan.rungs.items() if b > 4)
+    up = sorted(n for n, r in plan.rungs.items() if r != "W4")
     assert up == ["b.0.l0", "b.1.l0", "b.2.l0"][: len(up)] and up  # the layers that matter most, first
     assert plan.error <= 0.01
     (move,) = plan.moves[up[0]]
@@ -81,14 +82,14 @@ def test_quality_objective_spends_the_rest_where_the_error_falls_most_per_byte()
     base = make_plan(layers(), FIXED, tau=0.02)
     budget = total(base) + 100  # two W4→W6 moves
     plan = make_plan(layers(), FIXED, tau=0.02, budget=budget, objective="quality")
-    up = sorted(n for n, b in plan.rungs.items() if b > 4)
+    up = sorted(n for n, r in plan.rungs.items() if r != "W4")
     assert len(up) == 2 and all(n.endswith("l0") for n in up)
     assert total(plan) <= budget and plan.error < base.error
     assert all("--objective quality" in plan.moves[n][-1] for n in up)
 
 
 def test_the_block_cap_moves_layers_down_inside_the_biggest_blocks():
-    big = [LayerOptions(x.name, x.block, x.bytes, x.effect, 8) for x in layers()]
+    big = [LayerOptions(x.name, x.block, x.bytes, x.effect, "W8") for x in layers()]
     cap = 50 + 200 + 100  # one layer per block may stay at W8
     plan = make_plan(big, FIXED, tau=1.0, block_cap=cap)
     per_block = {}
@@ -101,3 +102,22 @@ def test_the_block_cap_moves_layers_down_inside_the_biggest_blocks():
     # an error limit the cap does not leave room for is refused, naming both
     with pytest.raises(PlanError, match="block cap allows"):
         make_plan(layers(), FIXED, tau=1e-6, block_cap=50 + 200)
+
+
+def test_rungs_are_ordered_by_bytes_not_by_name_and_a_cheaper_format_is_taken_first():
+    """A format of fewer bytes than W4 (NF4 here) is where a layer starts, and the planner moves by bytes and
+    measured effect whatever the rungs are called."""
+    nf4 = [LayerOptions(x.name, x.block, {**x.bytes, "NF4": 96}, {**x.effect, "NF4": x.effect["W4"] * 0.9}, "NF4")
+           for x in layers()]
+    assert nf4[0].rungs == ["NF4", "W4", "W6", "W8", "bf16"]
+    plan = make_plan(nf4, FIXED, tau=0.02)
+    assert set(plan.rungs.values()) == {"NF4"} and plan.moves == {}  # NF4 is cheaper and better: W4 is never taken
+    tight = make_plan(nf4, FIXED, tau=0.01)
+    assert "W4" not in tight.rungs.values() and any(m.startswith("up NF4→W6") for ms in tight.moves.values() for m in ms)
+
+
+def test_a_rung_of_the_same_bytes_and_less_effect_is_a_move_up():
+    same = [LayerOptions(x.name, x.block, {**x.bytes, "FP8": 200}, {**x.effect, "FP8": 5e-5}, "W8") for x in layers()]
+    plan = make_plan(same, FIXED, tau=4e-4)  # all six at W8 err 6e-4; four at FP8 meet it without a byte more
+    assert "bf16" not in plan.rungs.values() and plan.error <= 4e-4 and plan.layer_bytes <= 6 * 200
+    assert any(m.startswith("up W8→FP8") and "+0 bytes" in m for ms in plan.moves.values() for m in ms)

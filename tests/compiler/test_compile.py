@@ -53,13 +53,13 @@ def test_every_layer_records_its_measured_effect_and_every_move_says_why(size_sl
     for layer in m["layers"]:
         for key in ("effect", "output_rel_mse", "act_outlier_score", "scale_ratio", "alpha", "clip_ratio"):
             assert key in layer["metrics"], (layer["name"], key)
-        assert sorted(layer["rungs"], key=int) == ["4", "6", "8", "16"]
-        effects = [layer["rungs"][b]["metrics"]["effect"] for b in ("4", "6", "8", "16")]
+        assert list(layer["rungs"]) == ["W4", "W6", "W8", "bf16"]
+        effects = [layer["rungs"][r]["metrics"]["effect"] for r in ("W4", "W6", "W8", "bf16")]
         assert effects[0] > effects[2] >= 0 and effects[3] == 0
         chosen += layer["metrics"]["effect"]
         (entry,) = layer["history"]
         assert entry["build"] == 1 and entry["rung"] == layer["rung"]
-        if layer["rung"] > 4:
+        if layer["rung"] != "W4":
             assert entry["moves"] and all(mv.startswith("up W") and "> τ_OUT" in mv for mv in entry["moves"])
         else:
             assert entry["moves"] == []
@@ -173,7 +173,8 @@ def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
     (["/no/such/model", "--budget", "1GB"], "does not exist"),
     (["tiny-flux", "--budget", "1GB", "--max-block-bytes", "1MB", "--vram-cap", "1GB"], "give one of them"),
     (["tiny-flux", "--budget", "1GB", "--from", "/no/such.slab"], "--from /no/such.slab"),
-    (["tiny-flux", "--budget", "1GB", "--min-bits", "8", "--max-bits", "4"], "--max-bits 4 must be one of"),
+    (["tiny-flux", "--budget", "1GB", "--formats", "W4,W5"], "--formats W4,W5: name each rung once, from NF4, W4"),
+    (["tiny-flux", "--budget", "1GB", "--formats", ""], "--formats (empty): name each rung once"),
     (["tiny-flux", "--budget", "1GB", "--vram-cap", "1KB", "--calib-samples", "4", "--calib-resolution", "64",
       "--rounding", "nearest", "--effect-probes", "1"], "does not even hold the resident tensors"),
 ])
@@ -310,3 +311,30 @@ def test_a_damaged_state_file_is_refused_in_one_sentence(tmp_path):
             CompileState(folder, {"measurement_key": "k"}, resume=True)
     (folder / "state.json").write_text('{"measurement_key": "k"}')  # negative control
     CompileState(folder, {"measurement_key": "k"}, resume=True)
+
+
+def test_nf4_and_fp8_rungs_are_measured_planned_and_written(tmp_path, fast):
+    """--formats NF4,W4,FP8,bf16: every layer is measured at each, the plan starts each layer on its rung of fewest
+    bytes (NF4 unless smoothing's inv_smooth tips it) and moves by measured effect per byte, and the slab reads back
+    with each layer in the format the plan chose."""
+    from squareq.compiler import Thresholds
+
+    out = tmp_path / "formats.slab"
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=10**8, formats=("FP8", "bf16", "NF4", "W4"),
+                                                               thresholds=Thresholds(out=0.002), **fast))
+    m = manifest(out)
+    assert m["calibration"]["formats"] == ["NF4", "W4", "FP8", "bf16"]
+    for layer in m["layers"]:
+        if layer["history"][0].get("notes"):  # not called during calibration: bf16 only
+            continue
+        assert sorted(layer["rungs"]) == ["FP8", "NF4", "W4", "bf16"]
+        sizes = [layer["rungs"][r]["bytes"] for r in layer["rungs"]]
+        assert sizes == sorted(sizes)  # recorded from the fewest bytes to the most
+        if not layer["history"][0]["moves"]:  # a layer that never moved stays where it started: its cheapest rung
+            assert layer["rung"] == next(iter(layer["rungs"]))
+    chosen = {x["rung"] for x in m["layers"]}
+    assert "NF4" in chosen and chosen - {"NF4"}, chosen  # strict τ_OUT moves some layers up, not all
+    with open_slab(out) as slab:
+        for rec in slab.manifest.layers:
+            assert rec.spec.short_label == rec.rung
+            assert rec.spec.format == {"NF4": "nf4", "FP8": "fp8_e4m3"}.get(rec.rung, "int")

@@ -13,6 +13,7 @@ from torch import nn
 from squareq import quant
 from squareq.compiler.calibration import StatsCollector
 from squareq.compiler.layer_search import search_layer
+from squareq.quant import QuantSpec
 
 K, N, TOKENS, SAMPLES = 128, 64, 64, 8
 HELD = (1, 4)
@@ -56,11 +57,11 @@ def test_a_transform_that_only_fits_the_calibration_samples_is_rejected():
     assert quant.output_rel_mse(w, gptq, st.heldout_rows) > 1.2 * quant.output_rel_mse(w, plain, st.heldout_rows)
 
     # judged on the calibration rows themselves, the search keeps its transform
-    chosen_on_calibration = search_layer(w, dataclasses.replace(st, heldout_rows=None), 4).metrics
+    chosen_on_calibration = search_layer(w, dataclasses.replace(st, heldout_rows=None), QuantSpec(bits=4)).metrics
     assert chosen_on_calibration["gptq"] == 1.0
     assert chosen_on_calibration["calib_rel_mse"] < 0.5 * quant.output_rel_mse(w, plain, st.rows)
 
-    c = search_layer(w, st, 4)
+    c = search_layer(w, st, QuantSpec(bits=4))
     m = c.metrics
     assert m["gptq"] == 0.0 and m["alpha"] == 0.0 and m["clip_ratio"] == 1.0  # plain rounding, nothing else
     assert m["heldout_rel_mse"] == m["heldout_rtn_rel_mse"] == m["output_rel_mse"]
@@ -69,7 +70,7 @@ def test_a_transform_that_only_fits_the_calibration_samples_is_rejected():
 
 def test_a_transform_that_also_helps_the_held_out_samples_is_kept():
     w, st, _ = _collect(held_like_fit=True)
-    c = search_layer(w, st, 4)
+    c = search_layer(w, st, QuantSpec(bits=4))
     m = c.metrics
     assert m["gptq"] == 1.0 or m["alpha"] > 0 or m["clip_ratio"] < 1.0
     assert m["heldout_rel_mse"] < 0.5 * m["heldout_rtn_rel_mse"]

@@ -48,7 +48,7 @@ def _error(state, reference) -> float:
 
 def _compiled(out, **opts):
     compile_slab(open_source(str(FOLDER), ["encoder.layer"]), out,
-                 CompileOptions(budget=10**9, thresholds=RELAXED, calib_samples=128, max_bits=4,
+                 CompileOptions(budget=10**9, thresholds=RELAXED, calib_samples=128, formats=("W4",),
                                                 effect_probes=2, **opts))
     with open_slab(out) as slab:
         return slab.manifest, {k: v.clone() for k, v in slab.dequantized_state_dict().items()}

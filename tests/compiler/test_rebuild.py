@@ -42,11 +42,12 @@ def test_a_rebuild_with_default_thresholds_moves_layers_down_and_says_why(builds
     assert size(d / "2.slab") < size(d / "1.slab")
     down = [layer for layer in second["layers"] if any(m.startswith("down W") for m in layer["history"][-1]["moves"])]
     assert down
-    before = {layer["name"]: layer["rung"] for layer in first["layers"]}
+    before = {layer["name"]: layer for layer in first["layers"]}
     for layer in down:
-        assert layer["rung"] < before[layer["name"]]
+        was = before[layer["name"]]
+        assert layer["rungs"][layer["rung"]]["bytes"] < was["rungs"][was["rung"]]["bytes"]
         assert [h["build"] for h in layer["history"]] == [1, 2]
-        assert [h["rung"] for h in layer["history"]] == [before[layer["name"]], layer["rung"]]
+        assert [h["rung"] for h in layer["history"]] == [was["rung"], layer["rung"]]
         assert "the floor 0.8·τ_OUT" in layer["history"][-1]["moves"][0]
     cal = second["calibration"]
     assert cal["build"] == 2 and cal["measurements"].startswith("reused from") and cal["from"].endswith("1.slab")
@@ -92,7 +93,7 @@ def test_the_default_plan_buys_output_error_as_cheaply_as_the_budget_solver(tmp_
     compile_cli("-o", str(tmp_path / "w4.slab"), "--thresholds", str(loose))
     compile_cli("-o", str(tmp_path / "default.slab"))
     w4, plan = manifest(tmp_path / "w4.slab"), manifest(tmp_path / "default.slab")
-    assert {x["rung"] for x in w4["layers"]} == {4}
+    assert {x["rung"] for x in w4["layers"]} == {"W4"}
     extra = size(tmp_path / "default.slab") - size(tmp_path / "w4.slab")
     assert extra > 0, "the default thresholds should spend some bytes on tiny-flux at this calibration"
     budget = size(tmp_path / "w4.slab") + extra + 512 * len(w4["layers"])  # the compiler's manifest reserve
@@ -105,3 +106,27 @@ def test_the_default_plan_buys_output_error_as_cheaply_as_the_budget_solver(tmp_
     solver_rate = (err(w4) - err(solver)) / solver_extra
     assert plan_rate > 0 and solver_rate > 0
     assert plan_rate >= 0.9 * solver_rate, (plan_rate, solver_rate)
+
+
+def test_a_slab_written_before_rungs_had_names_reads_with_names_and_rebuilds(builds, tmp_path):
+    """Slabs before the format registry recorded a rung as its bit width (4, 6, 8; 16 for bf16): they read with
+    names, show them in inspect, and serve as --from like any other."""
+    import shutil
+
+    d, _ = builds
+    legacy = tmp_path / "legacy.slab"
+    shutil.copytree(d / "2.slab", legacy)
+    m = manifest(legacy)
+    bits = {"W4": 4, "W6": 6, "W8": 8, "bf16": 16}
+    for layer in m["layers"]:
+        layer["rung"] = bits[layer["rung"]]
+        for h in layer["history"]:
+            h["rung"] = bits[h["rung"]]
+        layer["rungs"] = {str(bits[r]): v for r, v in layer["rungs"].items()}
+    (legacy / "manifest.json").write_text(json.dumps(m))
+    shown = CliRunner().invoke(main, ["inspect", str(legacy)]).output
+    assert "build 2 W4 (down W" in shown and "build 2 4" not in shown
+    compile_cli("-o", str(tmp_path / "3.slab"), "--from", str(legacy))
+    third, second = manifest(tmp_path / "3.slab"), manifest(d / "2.slab")
+    assert [(x["name"], x["rung"]) for x in third["layers"]] == [(x["name"], x["rung"]) for x in second["layers"]]
+    assert [list(x["rungs"]) for x in third["layers"]] == [list(x["rungs"]) for x in second["layers"]]

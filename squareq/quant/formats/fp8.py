@@ -31,6 +31,9 @@ class FP8E4M3Format(Format):
     def label(self, spec) -> str:
         return f"FP8 g{spec.group_size}"
 
+    def short_label(self, spec) -> str:
+        return "FP8"
+
     def layout(self, spec, shape):
         n, k = shape
         groups = num_groups(k, spec.group_size)

@@ -9,7 +9,7 @@ import torch
 
 from ..packing import pack, packed_row_bytes, unpack
 from ..registry import Format, register
-from ..rtn import codes_of, decode_codes, num_groups
+from ..rtn import codes_of, decode_codes, group_params, grouped, num_groups
 
 # Packing ids are part of the slab format: never renumber, only add.
 PACKING_FOR_BITS = {4: "u4x2", 6: "u6x4", 8: "i8"}
@@ -18,12 +18,16 @@ PACKING_FOR_BITS = {4: "u4x2", 6: "u6x4", 8: "i8"}
 class IntegerFormat(Format):
     name = "int"
     bits = (4, 6, 8)
+    gptq = True
 
     def packing(self, spec) -> str:
         return PACKING_FOR_BITS[spec.bits]
 
     def label(self, spec) -> str:
         return f"W{spec.bits} g{spec.group_size} {'sym' if spec.symmetric else 'asym'}"
+
+    def short_label(self, spec) -> str:
+        return f"W{spec.bits}"
 
     def layout(self, spec, shape):
         n, k = shape
@@ -44,6 +48,9 @@ class IntegerFormat(Format):
     def decode(self, tensors, spec, k):
         q = unpack(tensors["qweight"], spec.bits, k)
         return decode_codes(q, tensors["scales"], tensors.get("zeros"), k, spec.group_size)
+
+    def scales(self, w, spec):
+        return group_params(grouped(w, spec.group_size), spec)[0]
 
     def fake(self, w, spec):
         """decode(encode(w)) without packing: the searches try many specs."""

