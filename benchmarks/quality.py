@@ -8,7 +8,7 @@ For each model it writes real slabs and measures each one by rebuilding the mode
 ``open_slab(...).dequantized_state_dict()``:
 
 * ``bf16``: every block linear stored as bf16 (the floor: what storing the rest in bf16 costs);
-* ``rtn-w4-g64`` / ``rtn-w8-g64``: uniform round-to-nearest through ``write_slab`` (asymmetric, g64,
+* ``rtn-w4-g64`` / ``rtn-w8-g64``: uniform round-to-nearest through ``write_rtn_slab`` (asymmetric, g64,
   clip search on);
 * ``squareq-size``: ``compile_slab`` with ``--objective size`` and the default thresholds (no budget
   pressure: the size the thresholds ask for);
@@ -99,10 +99,9 @@ from squareq.models.noising import DEFAULT_GUIDANCE, noised
 from squareq.models.recipe import stack_captions
 from squareq.train.calibration import calibration_images
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions
 from squareq.slab.manifest import MANIFEST_FILE, align_up
 from squareq.slab.reader import open_slab
-from squareq.slab.writer import write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 # A bigger FLUX than tiny-flux: hidden 256 = 4 heads x 64, 4 double + 8 single blocks.
 MEDIUM_FLUX_CONFIG = dict(
@@ -403,7 +402,7 @@ class Bench:
     def uniform(self, variant: str, spec: QuantSpec) -> dict:
         out = self.work / variant
         t = time.perf_counter()
-        write_slab(self.model.to("cpu"), self.blocks, {}, out, WriteOptions(default_spec=spec))
+        write_rtn_slab(self.model.to("cpu"), self.blocks, {}, out, PlainOptions(default_spec=spec))
         self.model.to(self.device)
         return self.measure_slab(variant, out, {"write_s": round(time.perf_counter() - t, 3), "spec": spec.label()})
 
@@ -414,7 +413,7 @@ class Bench:
                     for layer in slab.manifest.layers}
         out = self.work / variant.replace(" ", "_")
         t = time.perf_counter()
-        write_slab(self.model.to("cpu"), self.blocks, plan, out, WriteOptions(clip_search=clip_search))
+        write_rtn_slab(self.model.to("cpu"), self.blocks, plan, out, PlainOptions(clip_search=clip_search))
         self.model.to(self.device)
         return self.measure_slab(variant, out, {"write_s": round(time.perf_counter() - t, 3),
                                                 "plan_from": like.name})

@@ -58,9 +58,9 @@ from common import RECORDS, emit, git_commit, log
 from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
 from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES
 from squareq.compiler.ladder import ladder
-from squareq.slab import WriteOptions, open_slab
+from squareq.slab import open_slab
 from squareq.slab.summary import summarize
-from squareq.slab.writer import write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 RELAXED = Thresholds(out=1e9, mse=1e9, act=1e9, scale=1e9, block=1e9)
 BLOCKS = ["encoder.layer"]
@@ -149,7 +149,7 @@ def rtn_slab(folder: Path, out: Path, plan: dict[str, str] | None, rung: str = "
     model = BertModel.from_pretrained(str(folder), local_files_only=True).eval()
     blocks = [f"encoder.layer.{i}" for i in range(model.config.num_hidden_layers)]
     specs = {name: ladder()[r] for name, r in (plan or {}).items()}
-    write_slab(model, blocks, specs, out, WriteOptions(default_spec=ladder()[rung], clip_search=False,
+    write_rtn_slab(model, blocks, specs, out, PlainOptions(default_spec=ladder()[rung], clip_search=False,
                                                        family="generic", source=str(folder), overwrite=True))
     return out
 

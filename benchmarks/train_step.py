@@ -298,7 +298,8 @@ def existing_slab(setup: Setup):
 
 def phase_slab(setup: Setup) -> None:
     from squareq.quant import QuantSpec
-    from squareq.slab.writer import WriteOptions, block_linears, write_slab
+    from squareq.compiler.plain import PlainOptions, write_rtn_slab
+    from squareq.slab.writer import block_linears
 
     rec = {"what": "slab", "device": setup.device_name, "path": str(setup.slab)}
     manifest = existing_slab(setup)
@@ -321,7 +322,7 @@ def phase_slab(setup: Setup) -> None:
                                f"over {MAX_BITS}; change mix_spec.")
         setup.slab.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        manifest = write_slab(model, blocks, plan, setup.slab, WriteOptions(
+        manifest = write_rtn_slab(model, blocks, plan, setup.slab, PlainOptions(
             default_spec=QuantSpec(bits=4, group_size=128), clip_search=False, family=setup.family,
             source=SLAB_SOURCE, overwrite=True))
         rec.update(reused=False, write_s=time.perf_counter() - start)

@@ -28,7 +28,7 @@ def tiny_flux():
 def tiny_slab(tmp_path_factory, tiny_flux):
     """A W4 slab of tiny-flux with a mix of formats, written once for the session (read-only in tests)."""
     from squareq.quant import QuantSpec
-    from squareq.slab import WriteOptions, write_slab
+    from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
     model, adapter = tiny_flux
     blocks = adapter.blocks(model)
@@ -39,7 +39,7 @@ def tiny_slab(tmp_path_factory, tiny_flux):
         "single_transformer_blocks.0.proj_out": QuantSpec(bits=4, group_size=128, scale_dtype="bfloat16"),
     }
     out = tmp_path_factory.mktemp("slab") / "tiny.slab"
-    write_slab(model, blocks, plan, out, WriteOptions(default_spec=QuantSpec(bits=4), family="flux", source="tiny-flux"))
+    write_rtn_slab(model, blocks, plan, out, PlainOptions(default_spec=QuantSpec(bits=4), family="flux", source="tiny-flux"))
     return out
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,8 @@ from .. import quant
 from ..compiler.sources import Source
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth
-from ..slab import Slab, SlabError, open_slab
-from ..slab.writer import WriteOptions, assemble_slab, block_linears, encode_block
+from ..slab import BlockContent, Slab, SlabBuilder, SlabError, WriteOptions, open_slab
+from ..slab.writer import block_linears
 from ..train.config import TrainConfig, load_config
 from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
@@ -100,16 +99,15 @@ def reference_slab(source: Source, folder: Path, echo) -> Path:
         except SlabError:
             pass
     echo(f"writing the bf16 reference slab {path} (block by block from {source.description})")
-    with tempfile.TemporaryDirectory(prefix=".reference-blocks-", dir=folder) as work:
-        encoded = []
+    options = WriteOptions(family=source.family, source=source.description, overwrite=True,
+                           calibration={"kind": "bf16-reference", "source_fingerprint": fingerprint})
+    with SlabBuilder(path, skeleton, options) as slab:
         for i, block_path in enumerate(source.block_paths):
             block = source.load_block(block_path, "cpu", torch.float32)
             weights = {name: quant.quantize(m.weight.detach().float(), quant.QuantSpec(bits=16))
                        for name, m in block_linears(block_path, block)}
-            encoded.append(encode_block(i, block_path, block, weights, Path(work) / f"block.{i}.bin"))
-        assemble_slab(path, skeleton, encoded, source.resident_state("cpu", torch.float32),
-                      WriteOptions(family=source.family, source=source.description, overwrite=True,
-                                   calibration={"kind": "bf16-reference", "source_fingerprint": fingerprint}))
+            slab.add_block(BlockContent(i, block_path, block, weights))
+        slab.finish(source.resident_state("cpu", torch.float32))
     return path
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,19 +25,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .. import quant
 from ..models.calibration import CalibrationSet
 from ..sizes import format_size
-from ..slab import SlabError, WriteOptions
+from ..slab import BlockContent, SlabBuilder, SlabError, WriteOptions
 from ..slab.atomic import OutputError, os_error_sentence, remove_debris
-from ..slab.manifest import ResidentRecord, align_up, dtype_name, resident_tensor_name
-from ..slab.writer import (
-    PLACEHOLDER_FLOAT,
-    assemble_slab,
-    block_linears,
-    build_manifest,
-    encode_block,
-    header_bytes,
-    layout_block,
-    stored_tensor,
-)
+from ..slab.manifest import align_up
+from ..slab.writer import PLACEHOLDER_FLOAT, block_linears, stored_tensor
 from .budget import OBJECTIVES, BudgetError, candidate_bytes
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
@@ -473,18 +463,16 @@ def _plan(setup: _Setup, opts: CompileOptions, state: CompileState, names, layer
 def _write(source: Source, out: Path, opts: CompileOptions, setup: _Setup, plan: Plan, layers, notes, measured_rungs,
            build: int, weights_of, write_opts: WriteOptions, started: float):
     """Encode each block's blob from the plan's weights and assemble the slab (atomically)."""
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.blobs-", dir=out.parent) as work:
-        encoded = []
+    with SlabBuilder(out, setup.skeleton, write_opts) as slab:
         for i, path in enumerate(source.block_paths):
             qws = weights_of(i)
             metrics, reasons, annotations = _annotations(path, layers, plan, notes, setup.previous, build,
                                                          measured_rungs, opts.thresholds)
             measured_here = all("weight_rel_mse" in metrics[n] for n in qws)
             real = source.load_block(path, "cpu", torch.float32, linear_weights=not measured_here)
-            encoded.append(encode_block(i, path, real, qws, Path(work) / f"block.{i}.bin", metrics=metrics,
-                                        reasons=reasons, measure=not measured_here, annotations=annotations))
+            slab.add_block(BlockContent(i, path, real, qws, metrics, reasons, annotations, measure=not measured_here))
         write_opts.calibration.update(compile_seconds=round(time.perf_counter() - started, 3))
-        return assemble_slab(out, setup.skeleton, encoded, setup.residents, write_opts, max_bytes=opts.budget)
+        return slab.finish(setup.residents, max_bytes=opts.budget)
 
 
 def _block_cap(opts: CompileOptions, residents: dict) -> int | None:
@@ -568,23 +556,16 @@ def _metadata_bytes(skeleton, names: dict[int, str], layers, fixed, plan: Plan, 
                     residents: dict, write_opts: WriteOptions, thresholds: Thresholds) -> int:
     """Bytes of everything but the blobs (header, resident tensors, manifest) for ``plan``, planned from the
     skeleton: an upper bound, since unknown numbers are given their longest JSON form."""
-    block_records, layer_records = [], []
+    blocks = []
     for i, path in names.items():
         qws = {}
         for x in (x for x in layers if x.name.startswith(path + ".")):
             spec = quant.QuantSpec.from_dict(specs[x.name][plan.rungs[x.name]][0])
             qws[x.name] = quant.QuantizedWeight.placeholder(spec, tuple(skeleton.get_submodule(x.name).weight.shape))
         metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs, thresholds)
-        rec, block_layers, _ = layout_block(i, path, skeleton.get_submodule(path), qws, metrics=metrics,
-                                            reasons=reasons, measure=False, annotations=annotations)
-        block_records.append(rec)
-        layer_records += block_layers
-    stored = {n: stored_tensor(t, write_opts.param_dtype) for n, t in residents.items()}
-    resident = [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), "0" * 64)
-                for n, t in stored.items()]
-    manifest = build_manifest(skeleton, block_records, layer_records, resident, write_opts)
-    return (header_bytes(block_records, residents, write_opts.param_dtype) + len(manifest.to_json().encode())
-            + sum(t.numel() * t.element_size() for t in stored.values()))
+        blocks.append(BlockContent(i, path, skeleton.get_submodule(path), qws, metrics, reasons, annotations,
+                                   measure=False))
+    return SlabBuilder.metadata_bytes(skeleton, blocks, residents, write_opts)
 
 
 def _calibration_line(d: dict) -> str:

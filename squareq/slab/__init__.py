@@ -1,4 +1,4 @@
-"""The slab format: manifest dataclasses, an atomic writer and a safe, memory-mapped reader."""
+"""The slab format: manifest dataclasses, an atomic block-by-block writer and a safe, memory-mapped reader."""
 from .errors import SlabError
 from .manifest import (
     ALIGNMENT,
@@ -14,23 +14,24 @@ from .manifest import (
 )
 from .reader import Slab, open_slab
 from .signature import model_signature
-from .writer import WriteOptions, write_slab
+from .writer import BlockContent, SlabBuilder, WriteOptions
 
 __all__ = [
     "ALIGNMENT",
     "DATA_FILE",
     "FORMAT_VERSION",
     "MANIFEST_FILE",
+    "BlockContent",
     "BlockRecord",
     "LayerRecord",
     "Manifest",
     "ModelRecord",
     "ResidentRecord",
     "Slab",
+    "SlabBuilder",
     "SlabError",
     "TensorRecord",
     "WriteOptions",
     "model_signature",
     "open_slab",
-    "write_slab",
 ]

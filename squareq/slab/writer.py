@@ -1,21 +1,24 @@
-"""Write a slab: quantize each streamed block's linear layers (RTN + clip search) into one blob per block.
+"""Write a slab from quantized weights: :class:`SlabBuilder` takes one block at a time and assembles the directory.
 
-The byte layout depends only on shapes and specs, so it is planned first; blocks are then quantized
-and written one at a time (host memory holds one blob), and the directory appears only when complete.
+A block's byte layout depends only on shapes and specs, so the manifest's size can be planned before any weight is
+read (:meth:`SlabBuilder.metadata_bytes`). Each block's blob goes to a temporary file as it comes (host memory holds
+one blob); :meth:`SlabBuilder.finish` writes the slab directory atomically. Choosing the quantized weights is the
+caller's: the compiler (squareq/compiler/driver.py), plain rounding for tests and baselines
+(squareq/compiler/plain.py), the acceptance suite's bf16 reference.
 """
 from __future__ import annotations
 
 import hashlib
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import quant
-from ..quant import QuantizedWeight, QuantSpec
+from ..quant import QuantizedWeight
 from .atomic import atomic_directory, atomic_write_bytes, fsync_file
 from .errors import SlabError
 from .manifest import (
@@ -42,14 +45,9 @@ from .signature import jsonable_config, model_signature
 
 @dataclass
 class WriteOptions:
-    """Knobs of :func:`write_slab` beyond the plan itself."""
+    """What a slab records besides its blocks: how other tensors are stored, where it came from, and whether it may
+    replace an existing directory."""
 
-    default_spec: QuantSpec | None = None  # for block linears the plan does not name
-    clip_search: bool = True  # search the clip ratio per layer (else use the spec's)
-    smoothing: Mapping[str, torch.Tensor] = field(default_factory=dict)  # layer -> s, for smooth specs
-    act_second_moments: Mapping[str, torch.Tensor] = field(default_factory=dict)  # layer -> E[x²] per channel
-    metrics: Mapping[str, dict] = field(default_factory=dict)  # extra measured metrics per layer
-    reasons: Mapping[str, list] = field(default_factory=dict)  # ladder reasons per layer
     param_dtype: torch.dtype = torch.bfloat16  # storage dtype of floating non-quantized tensors
     family: str = "generic"
     source: str = ""
@@ -59,7 +57,25 @@ class WriteOptions:
 
 
 @dataclass
-class EncodedBlock:
+class BlockContent:
+    """One streamed block as the writer takes it: its module (every tensor but its linears' weights is stored raw),
+    its linears' quantized weights by canonical name, and what the manifest says about each layer. With
+    ``measure=False`` the caller's ``metrics`` already hold every layer's weight metrics and the linears' weights are
+    not read (they may be on the meta device). ``annotations``: more LayerRecord fields by layer name (the
+    compiler's ``history`` and ``rungs``)."""
+
+    index: int
+    prefix: str
+    module: nn.Module
+    quantized: Mapping[str, QuantizedWeight]
+    metrics: Mapping[str, dict] | None = None
+    reasons: Mapping[str, list] | None = None
+    annotations: Mapping[str, dict] | None = None
+    measure: bool = True
+
+
+@dataclass
+class _EncodedBlock:
     """A block turned into its blob: the records for the manifest and the file holding the bytes."""
 
     record: BlockRecord
@@ -93,13 +109,6 @@ class _Packer:
         return blob
 
 
-def _resolve_spec(name: str, plan: Mapping[str, QuantSpec], opts: WriteOptions) -> QuantSpec:
-    spec = plan.get(name, opts.default_spec)
-    if spec is None:
-        raise SlabError(f"layer {name} has no QuantSpec in the plan and no default spec was given.")
-    return spec
-
-
 def block_linears(prefix: str, block: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(canonical name, module) of every ``nn.Linear`` in a block, in module order."""
     return [(f"{prefix}.{rel}", mod) for rel, mod in block.named_modules() if isinstance(mod, nn.Linear)]
@@ -115,16 +124,11 @@ def weight_metrics(w: torch.Tensor, qw: QuantizedWeight) -> dict[str, float]:
 PLACEHOLDER_FLOAT = -1.2345678901234567e-123
 
 
-def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
-                 param_dtype: torch.dtype = torch.bfloat16, metrics: Mapping[str, dict] | None = None,
-                 reasons: Mapping[str, list] | None = None, measure: bool = True,
-                 annotations: Mapping[str, dict] | None = None) -> tuple[BlockRecord, list, _Packer]:
-    """Records and tensor placement of one block (its linears from ``quantized``, every other tensor raw).
-    ``annotations``: more LayerRecord fields by layer name (the compiler's ``history`` and ``rungs``).
-
-    With ``measure=False`` the block may be on the meta device: weight metrics get placeholder values
-    of maximal JSON length, so the manifest's size can be planned before any weight is read.
-    """
+def _layout_block(c: BlockContent, param_dtype: torch.dtype) -> tuple[BlockRecord, list, _Packer]:
+    """Records and tensor placement of one block. With ``measure=False`` the block may be on the meta device: weight
+    metrics not given get placeholder values of maximal JSON length."""
+    index, prefix, block, quantized = c.index, c.prefix, c.module, c.quantized
+    metrics, reasons, annotations = c.metrics, c.reasons, c.annotations
     packer, layers, taken = _Packer(), [], set()
     for name, mod in block_linears(prefix, block):
         qw = quantized.get(name)
@@ -136,7 +140,7 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
             raise SlabError(f"layer {name}: stored tensors do not match {qw.spec.label()} for shape {list(qw.shape)}.")
         rel = name[len(prefix) + 1 :]
         tensors = {role: packer.add(f"{rel}.{role}", t) for role, t in qw.tensors.items()}
-        measured = (weight_metrics(mod.weight, qw) if measure
+        measured = (weight_metrics(mod.weight, qw) if c.measure
                     else {"weight_rel_mse": PLACEHOLDER_FLOAT, "weight_sqnr_db": PLACEHOLDER_FLOAT})
         layers.append(LayerRecord(name, index, [mod.out_features, mod.in_features], qw.spec, tensors,
                                   metrics={**measured, **(metrics or {}).get(name, {})}, rung=qw.spec.short_label,
@@ -148,33 +152,6 @@ def layout_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[s
                          [rec.name for rec in layers], params)
     record.layout_sha256 = layout_digest(record, layers)
     return record, layers, packer
-
-
-def encode_block(index: int, prefix: str, block: nn.Module, quantized: Mapping[str, QuantizedWeight],
-                 blob_path: Path, param_dtype: torch.dtype = torch.bfloat16,
-                 metrics: Mapping[str, dict] | None = None, reasons: Mapping[str, list] | None = None,
-                 measure: bool = True, annotations: Mapping[str, dict] | None = None) -> EncodedBlock:
-    """Lay out one block and write its blob to ``blob_path`` (temporary name, then rename). ``measure=False``: the
-    caller's ``metrics`` already hold every layer's weight metrics, and the block's linear weights are not read
-    (they may be on the meta device)."""
-    record, layers, packer = layout_block(index, prefix, block, quantized, param_dtype, metrics, reasons, measure,
-                                          annotations)
-    blob = packer.blob()
-    record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
-    atomic_write_bytes(Path(blob_path), blob.numpy().data)
-    return EncodedBlock(record, layers, Path(blob_path))
-
-
-def rtn_quantize(name: str, w: torch.Tensor, spec: QuantSpec, opts: WriteOptions) -> QuantizedWeight:
-    """Round-to-nearest with the writer's optional clip search (the compiler has its own searches)."""
-    w = w.detach().float()
-    smooth = opts.smoothing.get(name)
-    if spec.smooth and smooth is None:
-        raise SlabError(f"layer {name} asks for smoothing but no smoothing scale was provided.")
-    if opts.clip_search and not spec.is_passthrough:
-        found = quant.search_clip_ratio(w, spec, opts.act_second_moments.get(name), smooth)
-        spec = spec.with_clip(found.clip_ratio)
-    return quant.quantize(w, spec, smooth)
 
 
 def _header(entries: list[tuple[str, str, list[int], int]]) -> bytes:
@@ -192,7 +169,7 @@ def _copy_file_into(fh, path: Path, nbytes: int, chunk: int = 64 << 20) -> None:
         raise SlabError(f"{path} holds {copied} bytes but its block record says {nbytes}; recompute that block.")
 
 
-def build_manifest(skeleton: nn.Module, blocks: list[BlockRecord], layers: list[LayerRecord],
+def _build_manifest(skeleton: nn.Module, blocks: list[BlockRecord], layers: list[LayerRecord],
                    resident: list[ResidentRecord], options: WriteOptions) -> Manifest:
     """The manifest object for a slab of ``skeleton`` (only its class, config and shapes are used)."""
     return Manifest(
@@ -237,78 +214,95 @@ def _entries(blocks: list[BlockRecord], stored: Mapping[str, torch.Tensor]) -> l
     return entries
 
 
-def header_bytes(blocks: list[BlockRecord], residents: Mapping[str, torch.Tensor], param_dtype=torch.bfloat16) -> int:
-    """Length of the safetensors header for these blobs and resident tensors."""
-    return len(_header(_entries(blocks, {n: stored_tensor(t, param_dtype) for n, t in residents.items()})))
+class SlabBuilder:
+    """Write the slab directory ``out`` of ``skeleton`` one block at a time::
 
+        with SlabBuilder(out, skeleton, options) as slab:
+            for content in blocks:
+                slab.add_block(content)
+            manifest = slab.finish(residents, max_bytes=budget)
 
-def assemble_slab(out: str | Path, skeleton: nn.Module, blocks: Sequence[EncodedBlock],
-                  residents: Mapping[str, torch.Tensor], options: WriteOptions,
-                  max_bytes: int | None = None) -> Manifest:
-    """Write the slab directory from encoded blocks (blobs on disk) and resident tensors, atomically.
-
-    ``skeleton`` may live on the meta device: only its class, config and shapes are used. The header
-    and manifest are built first, so with ``max_bytes`` a slab that would be larger is refused
-    (:class:`SlabError` stating the exact size) before anything is written.
+    ``skeleton`` may live on the meta device: only its class, config and shapes are used. Blocks wait as blobs in a
+    temporary folder beside ``out`` (removed on exit, whatever happens); nothing appears at ``out`` before
+    :meth:`finish` has written everything.
     """
-    stored = {n: stored_tensor(t, options.param_dtype) for n, t in residents.items()}
-    raws = {n: t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data for n, t in stored.items()}
-    entries = _entries([b.record for b in blocks], stored)
-    header = _header(entries)
-    manifest = build_manifest(skeleton, [b.record for b in blocks], [rec for b in blocks for rec in b.layers],
-                              [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape),
-                                              hashlib.sha256(raws[n]).hexdigest()) for n, t in stored.items()], options)
-    text = manifest.to_json()
-    total = len(header) + sum(e[3] for e in entries) + len(text.encode())
-    if max_bytes is not None and total > max_bytes:
-        raise SlabError(f"the slab for {out} would be {total:,} bytes with its header and manifest, over the "
-                        f"{max_bytes:,}-byte budget; raise --budget to at least {total:,}. Nothing was written.")
-    with atomic_directory(Path(out), overwrite=options.overwrite) as tmp:
-        data_path = tmp / DATA_FILE
-        with open(data_path, "wb") as fh:
-            fh.write(header)
-            for b in blocks:
-                _copy_file_into(fh, b.blob_path, b.record.nbytes)
-            for raw in raws.values():
-                fh.write(raw)
-        fsync_file(data_path)
-        (tmp / MANIFEST_FILE).write_text(text)
-        fsync_file(tmp / MANIFEST_FILE)
-    return manifest
 
+    def __init__(self, out: str | Path, skeleton: nn.Module, options: WriteOptions | None = None) -> None:
+        self.out, self.skeleton, self.options = Path(out), skeleton, options or WriteOptions()
+        if self.out.exists() and not self.options.overwrite:
+            raise SlabError(f"{self.out} already exists; choose another output path or pass overwrite (--force).")
+        self._blocks: list[_EncodedBlock] = []
+        self._work: tempfile.TemporaryDirectory | None = None
 
-def _module(model: nn.Module, path: str) -> nn.Module:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        raise SlabError(f"the model has no block module {path!r}; check the block list.") from None
+    def __enter__(self) -> SlabBuilder:
+        parent = self.out.parent if self.out.parent.exists() else None
+        self._work = tempfile.TemporaryDirectory(prefix=f".{self.out.name}.blocks-", dir=parent)
+        return self
 
+    def __exit__(self, *exc) -> None:
+        if self._work is not None:
+            self._work.cleanup()
+            self._work = None
 
-def write_slab(model: nn.Module, blocks: Sequence[str], plan: Mapping[str, QuantSpec], out: str | Path,
-               options: WriteOptions | None = None) -> Manifest:
-    """Quantize ``model``'s streamed ``blocks`` (module paths) by ``plan`` and write the slab directory ``out``.
+    def add_block(self, content: BlockContent) -> None:
+        """Lay out one block and write its blob to the temporary folder (temporary name, then rename)."""
+        if self._work is None:
+            raise RuntimeError("SlabBuilder.add_block is called inside `with SlabBuilder(...) as slab:`.")
+        record, layers, packer = _layout_block(content, self.options.param_dtype)
+        blob = packer.blob()
+        record.sha256 = hashlib.sha256(blob.numpy().data).hexdigest()
+        path = Path(self._work.name) / f"block.{content.index}.bin"
+        atomic_write_bytes(path, blob.numpy().data)
+        self._blocks.append(_EncodedBlock(record, layers, path))
 
-    Every ``nn.Linear`` inside a block is stored under its spec (16 = bf16), round to nearest with
-    clip search; every other tensor of a block is stored raw inside that block's blob; tensors
-    outside the blocks are stored as resident.
-    """
-    opts = options or WriteOptions()
-    out = Path(out)
-    if out.exists() and not opts.overwrite:
-        raise SlabError(f"{out} already exists; choose another output path or pass overwrite (--force).")
-    modules = [_module(model, p) for p in blocks]
-    specs = {name: _resolve_spec(name, plan, opts) for p, m in zip(blocks, modules) for name, _ in block_linears(p, m)}
-    prefixes = tuple(f"{p}." for p in blocks)
-    residents = {n: t for n, t in model.state_dict().items() if not n.startswith(prefixes)}
-    parent = out.parent if out.parent.exists() else None
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.blocks-", dir=parent) as work:
-        encoded = []
-        for i, (prefix, block) in enumerate(zip(blocks, modules)):
-            quantized = {name: rtn_quantize(name, mod.weight, specs[name], opts)
-                         for name, mod in block_linears(prefix, block)}
-            encoded.append(encode_block(i, prefix, block, quantized, Path(work) / f"block.{i}.bin", opts.param_dtype,
-                                        opts.metrics, opts.reasons))
-        return assemble_slab(out, model, encoded, residents, opts)
+    def finish(self, residents: Mapping[str, torch.Tensor], max_bytes: int | None = None) -> Manifest:
+        """Write the slab directory from the blocks added and the resident tensors, atomically. The header and
+        manifest are built first, so with ``max_bytes`` a slab that would be larger is refused (:class:`SlabError`
+        stating the exact size) before anything is written."""
+        options, blocks = self.options, self._blocks
+        stored = {n: stored_tensor(t, options.param_dtype) for n, t in residents.items()}
+        raws = {n: t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().data for n, t in stored.items()}
+        entries = _entries([b.record for b in blocks], stored)
+        header = _header(entries)
+        resident = [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape),
+                                   hashlib.sha256(raws[n]).hexdigest()) for n, t in stored.items()]
+        manifest = _build_manifest(self.skeleton, [b.record for b in blocks], [rec for b in blocks for rec in b.layers],
+                                   resident, options)
+        text = manifest.to_json()
+        total = len(header) + sum(e[3] for e in entries) + len(text.encode())
+        if max_bytes is not None and total > max_bytes:
+            raise SlabError(f"the slab for {self.out} would be {total:,} bytes with its header and manifest, over the "
+                            f"{max_bytes:,}-byte budget; raise --budget to at least {total:,}. Nothing was written.")
+        with atomic_directory(self.out, overwrite=options.overwrite) as tmp:
+            data_path = tmp / DATA_FILE
+            with open(data_path, "wb") as fh:
+                fh.write(header)
+                for b in blocks:
+                    _copy_file_into(fh, b.blob_path, b.record.nbytes)
+                for raw in raws.values():
+                    fh.write(raw)
+            fsync_file(data_path)
+            (tmp / MANIFEST_FILE).write_text(text)
+            fsync_file(tmp / MANIFEST_FILE)
+        return manifest
+
+    @staticmethod
+    def metadata_bytes(skeleton: nn.Module, blocks: Sequence[BlockContent], residents: Mapping[str, torch.Tensor],
+                       options: WriteOptions) -> int:
+        """Bytes of everything but the blobs (header, resident tensors, manifest) of a slab of ``blocks``, planned
+        without reading a weight: ``blocks`` may hold placeholder weights and meta-device modules (``measure=False``),
+        whose unknown numbers count at their longest JSON form, so this is an upper bound."""
+        records, layers = [], []
+        for content in blocks:
+            rec, block_layers, _ = _layout_block(content, options.param_dtype)
+            records.append(rec)
+            layers += block_layers
+        stored = {n: stored_tensor(t, options.param_dtype) for n, t in residents.items()}
+        resident = [ResidentRecord(n, resident_tensor_name(n), dtype_name(t.dtype), list(t.shape), "0" * 64)
+                    for n, t in stored.items()]
+        manifest = _build_manifest(skeleton, records, layers, resident, options)
+        return (len(_header(_entries(records, stored))) + len(manifest.to_json().encode())
+                + sum(t.numel() * t.element_size() for t in stored.values()))
 
 
 def _created_by() -> str:

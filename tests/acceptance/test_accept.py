@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from squareq.cli import main
 from squareq.models import load_builtin
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 from ..text_models import save_text_model
 
@@ -39,8 +39,8 @@ def _write(tmp_path, name, spec, edit=None, **opts):
         with torch.no_grad():
             edit(model, adapter)
     out = tmp_path / name
-    write_slab(model, adapter.blocks(model), {}, out,
-               WriteOptions(default_spec=spec, family="flux", source="tiny-flux", **opts))
+    write_rtn_slab(model, adapter.blocks(model), {}, out,
+               PlainOptions(default_spec=spec, family="flux", source="tiny-flux", **opts))
     return out
 
 
@@ -208,8 +208,8 @@ def test_a_slab_of_another_model_is_refused_in_one_sentence(tmp_path):
     model, adapter = load_builtin("tiny-flux")
     other = FluxTransformer2DModel(**{**dict(model.config), "num_single_layers": 1})
     out = tmp_path / "other.slab"
-    write_slab(other, adapter.blocks(other), {}, out,
-               WriteOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    write_rtn_slab(other, adapter.blocks(other), {}, out,
+               PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
     result, _, _ = _accept(out, tmp_path)
     assert result.exit_code == 1
     assert re.search(r"error: .*other\.slab was not compiled from --model tiny-flux", result.output)

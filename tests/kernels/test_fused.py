@@ -101,7 +101,7 @@ def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fus
     backward, and either path gives the reference's output and input gradient."""
     from squareq import runtime
     from squareq.kernels import triton_fused
-    from squareq.slab import WriteOptions, write_slab
+    from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
     monkeypatch.setenv("SQUAREQ_FUSED_MAX_M", max_m)
     calls = []
@@ -111,8 +111,8 @@ def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fus
     from squareq.models import load_builtin
 
     model, adapter = load_builtin("tiny-flux")
-    write_slab(model, adapter.blocks(model), {}, tmp_path / "s.slab",
-               WriteOptions(default_spec=QuantSpec(bits=4, group_size=16), family="flux", source="tiny-flux"))
+    write_rtn_slab(model, adapter.blocks(model), {}, tmp_path / "s.slab",
+               PlainOptions(default_spec=QuantSpec(bits=4, group_size=16), family="flux", source="tiny-flux"))
     loaded = runtime.load(tmp_path / "s.slab", "cpu", stream=False)
     layer = loaded.transformer_blocks[0].norm1.linear  # a modulation layer: M = batch size in a model
     x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, requires_grad=True)

@@ -9,7 +9,7 @@ import torch
 from squareq import runtime
 from squareq.models import ADAPTERS, BUILTIN_MODELS, load_builtin
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.cache import EmbeddingCache
 from squareq.train.config import load_config
 from squareq.train.loop import TrainError, train
@@ -33,8 +33,8 @@ def data(tmp_path_factory):
 def _slab(name, folder):
     model, adapter = load_builtin(name)
     path = folder / f"{name}.slab"
-    write_slab(model, adapter.blocks(model), {}, path,
-               WriteOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source=name))
+    write_rtn_slab(model, adapter.blocks(model), {}, path,
+               PlainOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source=name))
     return path
 
 

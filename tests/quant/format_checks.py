@@ -32,12 +32,13 @@ def check_slab_streams_like_resident(spec: QuantSpec, tmp_path, layers=("transfo
     the same output streamed as resident; the layers' weights are the format's dequantization."""
     from squareq import runtime
     from squareq.models import load_builtin, tiny_flux_inputs
-    from squareq.slab import WriteOptions, open_slab, write_slab
+    from squareq.compiler.plain import PlainOptions, write_rtn_slab
+    from squareq.slab import open_slab
 
     model, adapter = load_builtin("tiny-flux")
     path = tmp_path / "fmt.slab"
-    write_slab(model, adapter.blocks(model), dict.fromkeys(layers, spec), path,
-               WriteOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    write_rtn_slab(model, adapter.blocks(model), dict.fromkeys(layers, spec), path,
+               PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
     slab = open_slab(path)
     recorded = {layer.name: layer.spec for layer in slab.manifest.layers}
     # the writer may search the clip ratio; everything else is the spec as given

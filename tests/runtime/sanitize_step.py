@@ -13,7 +13,7 @@ import torch
 from squareq import runtime
 from squareq.models import load_builtin
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 from .harness import inputs, step, with_lora
 
@@ -24,7 +24,7 @@ def main() -> int:
     plan = {"transformer_blocks.0.attn.to_q": QuantSpec(bits=8), "transformer_blocks.1.attn.to_k": QuantSpec(bits=6)}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tiny.slab"
-        write_slab(model, adapter.blocks(model), plan, out, WriteOptions(default_spec=QuantSpec(bits=4), family="flux"))
+        write_rtn_slab(model, adapter.blocks(model), plan, out, PlainOptions(default_spec=QuantSpec(bits=4), family="flux"))
         for host in ("pinned", "disk"):
             streamed = runtime.load(out, "cuda", prefetch=2, host=host)
             with_lora(streamed)

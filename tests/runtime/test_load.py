@@ -4,7 +4,7 @@ import torch
 
 from squareq import runtime
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +41,8 @@ def test_generic_mode_slab_loads_as_its_transformers_class(tmp_path):
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     source = T5EncoderModel(cfg).eval()
     out = tmp_path / "t5.slab"
-    write_slab(source, ["encoder.block.0", "encoder.block.1"], {}, out,
-               WriteOptions(default_spec=QuantSpec(bits=8), family="generic"))
+    write_rtn_slab(source, ["encoder.block.0", "encoder.block.1"], {}, out,
+               PlainOptions(default_spec=QuantSpec(bits=8), family="generic"))
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     resident = runtime.load(out, "cpu", stream=False)
     streamed = runtime.load(out, "cpu", prefetch=1)
@@ -90,8 +90,8 @@ def test_generic_mode_transformers_model_trains_streamed_like_resident(tmp_path)
     torch.manual_seed(0)
     cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, dropout_rate=0.0)
     out = tmp_path / "t5.slab"
-    write_slab(T5EncoderModel(cfg).eval(), [f"encoder.block.{i}" for i in range(3)], {}, out,
-               WriteOptions(default_spec=QuantSpec(bits=8), family="generic"))
+    write_rtn_slab(T5EncoderModel(cfg).eval(), [f"encoder.block.{i}" for i in range(3)], {}, out,
+               PlainOptions(default_spec=QuantSpec(bits=8), family="generic"))
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     grads = []
     for stream in (False, True):

@@ -4,7 +4,8 @@ from safetensors import safe_open
 
 from squareq.kernels import dequantize_into
 from squareq.quant import QuantSpec, dequantize, quantize
-from squareq.slab import SlabError, WriteOptions, model_signature, open_slab, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
+from squareq.slab import SlabError, model_signature, open_slab
 
 
 def test_every_layer_reads_back_bit_for_bit(tiny_flux, tiny_slab):
@@ -59,7 +60,7 @@ def test_writer_refuses_to_overwrite_and_leaves_nothing_on_failure(tiny_flux, tm
     blocks = adapter.blocks(model)
     out = tmp_path / "a.slab"
     with pytest.raises(SlabError, match="no QuantSpec"):
-        write_slab(model, blocks, {}, out)
+        write_rtn_slab(model, blocks, {}, out)
     assert list(tmp_path.iterdir()) == []
 
     from squareq.slab import writer
@@ -72,32 +73,59 @@ def test_writer_refuses_to_overwrite_and_leaves_nothing_on_failure(tiny_flux, tm
             raise RuntimeError("disk full")
         return original(*args, **kwargs)
 
-    original = writer.encode_block
-    monkeypatch.setattr(writer, "encode_block", failing)
+    original = writer._layout_block
+    monkeypatch.setattr(writer, "_layout_block", failing)
     with pytest.raises(RuntimeError, match="disk full"):
-        write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
-    assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(writer, "encode_block", original)
+        write_rtn_slab(model, blocks, {}, out, PlainOptions(default_spec=QuantSpec()))
+    assert list(tmp_path.iterdir()) == []  # neither the slab nor the builder's blobs
+    monkeypatch.setattr(writer, "_layout_block", original)
 
-    write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
+    write_rtn_slab(model, blocks, {}, out, PlainOptions(default_spec=QuantSpec()))
     with pytest.raises(SlabError, match="already exists"):
-        write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec()))
-    write_slab(model, blocks, {}, out, WriteOptions(default_spec=QuantSpec(bits=8), overwrite=True))
+        write_rtn_slab(model, blocks, {}, out, PlainOptions(default_spec=QuantSpec()))
+    write_rtn_slab(model, blocks, {}, out, PlainOptions(default_spec=QuantSpec(bits=8), overwrite=True))
     with open_slab(out) as slab:
         assert {layer.spec.bits for layer in slab.manifest.layers} == {8}
     assert [p.name for p in tmp_path.iterdir()] == ["a.slab"]
 
 
-def test_encode_block_writes_exactly_the_planned_blob(tiny_flux, tmp_path):
-    from squareq.slab.writer import block_linears, encode_block, layout_block
+def test_the_builder_writes_block_by_block_and_plans_its_metadata_without_weights(tiny_flux, tmp_path):
+    """SlabBuilder: the slab it writes holds exactly the blobs laid out; metadata_bytes, planned from placeholder
+    weights on the meta device, bounds the real header + manifest + resident bytes from above, closely; its blobs'
+    folder is gone afterwards; and finish refuses a slab over max_bytes before writing anything."""
+    from squareq.quant import QuantizedWeight
+    from squareq.slab import BlockContent, SlabBuilder, WriteOptions
+    from squareq.slab.writer import block_linears
 
     model, adapter = tiny_flux
-    prefix = adapter.blocks(model)[2]
-    block = model.get_submodule(prefix)
-    quantized = {name: quantize(mod.weight.detach(), QuantSpec(bits=6)) for name, mod in block_linears(prefix, block)}
-    enc = encode_block(2, prefix, block, quantized, tmp_path / "b.bin")
-    assert (tmp_path / "b.bin").stat().st_size == enc.record.nbytes
-    assert [p.name for p in tmp_path.iterdir()] == ["b.bin"]  # no temporary file left
-    planned, layers, _ = layout_block(2, prefix, block, quantized, measure=False)
-    assert planned.nbytes == enc.record.nbytes and [t.offset for t in planned.params] == [t.offset for t in enc.record.params]
-    assert all(layer.spec.bits == 6 for layer in enc.layers)
+    prefixes = adapter.blocks(model)
+    residents = {n: t for n, t in model.state_dict().items() if not n.startswith(tuple(f"{p}." for p in prefixes))}
+    contents = []
+    for i, prefix in enumerate(prefixes):
+        block = model.get_submodule(prefix)
+        quantized = {n: quantize(m.weight.detach(), QuantSpec(bits=6)) for n, m in block_linears(prefix, block)}
+        contents.append(BlockContent(i, prefix, block, quantized))
+    options = WriteOptions(family="flux", source="tiny-flux")
+    with pytest.raises(SlabError, match="over the 1,000-byte budget; raise --budget"):
+        with SlabBuilder(tmp_path / "small.slab", model, options) as slab:
+            for c in contents:
+                slab.add_block(c)
+            slab.finish(residents, max_bytes=1000)
+    assert list(tmp_path.iterdir()) == []
+    with SlabBuilder(tmp_path / "a.slab", model, options) as slab:
+        for c in contents:
+            slab.add_block(c)
+        manifest = slab.finish(residents)
+    assert [p.name for p in tmp_path.iterdir()] == ["a.slab"]
+    blobs = sum(b.nbytes for b in manifest.blocks)
+    actual = sum(p.stat().st_size for p in (tmp_path / "a.slab").iterdir()) - blobs
+    with torch.device("meta"):
+        skeleton = type(model).from_config(model.config)
+    planned = [BlockContent(c.index, c.prefix, skeleton.get_submodule(c.prefix),
+                            {n: QuantizedWeight.placeholder(q.spec, q.shape) for n, q in c.quantized.items()},
+                            measure=False) for c in contents]
+    bound = SlabBuilder.metadata_bytes(skeleton, planned, residents, options)
+    assert actual <= bound <= actual + 64 * len(manifest.layers)
+    with open_slab(tmp_path / "a.slab") as read:
+        assert [b.nbytes for b in read.manifest.blocks] == [b.nbytes for b in manifest.blocks]
+        assert all(layer.spec.bits == 6 and layer.rung == "W6" for layer in read.manifest.layers)

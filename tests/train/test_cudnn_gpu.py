@@ -8,7 +8,7 @@ import torch
 
 from squareq.models import load_builtin
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.config import load_config
 from squareq.train.loop import train
 from squareq.train.tiny_dataset import write_tiny_dataset
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 def test_training_with_cudnn_attention_on_loses_no_step(tmp_path, caplog):
     model, adapter = load_builtin("tiny-flux")
     slab = tmp_path / "tiny.slab"
-    write_slab(model, adapter.blocks(model), {}, slab,
-               WriteOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    write_rtn_slab(model, adapter.blocks(model), {}, slab,
+               PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
     cfg = load_config(None, {"slab": str(slab), "data": str(write_tiny_dataset(tmp_path / "data")),
                              "output": str(tmp_path / "run"), "steps": 12, "resolution": 64, "max_sequence_length": 32,
                              "lr": 5e-3, "rank": 8, "save_every": 0, "seed": 0, "nan_patience": 2})

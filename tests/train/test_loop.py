@@ -9,7 +9,7 @@ from PIL import Image
 from squareq import runtime
 from squareq.models import load_builtin
 from squareq.quant import QuantSpec
-from squareq.slab import WriteOptions, write_slab
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.config import load_config
 from squareq.train.lora_files import load_lora
 from squareq.train.loop import TrainError, train
@@ -24,8 +24,8 @@ def torch_kernels(monkeypatch):
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     model, adapter = load_builtin("tiny-flux")
-    write_slab(model, adapter.blocks(model), {}, root / "tiny.slab",
-               WriteOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    write_rtn_slab(model, adapter.blocks(model), {}, root / "tiny.slab",
+               PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
     data = root / "data"
     data.mkdir()
     for i, (color, caption) in enumerate([((220, 30, 30), "a red square"), ((30, 30, 220), "a blue square"),
