@@ -77,7 +77,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from squareq.kernels.dequant import dequantize_into
+    from squareq.kernels.backend import dequantize_into
     from squareq.kernels import triton_fused
     from squareq.kernels.triton_fused import fused_input_grad, fused_linear
     from squareq.quant import QuantSpec, dequantize, quantize

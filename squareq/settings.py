@@ -29,7 +29,7 @@ def triton_interpret() -> bool:
 
 
 def fused_max_m() -> str | None:
-    """The raw ``SQUAREQ_FUSED_MAX_M`` override (parsed by squareq.kernels.dispatch), or None."""
+    """The raw ``SQUAREQ_FUSED_MAX_M`` override (parsed by squareq.kernels.crossover), or None."""
     return os.environ.get(FUSED_MAX_M)
 
 

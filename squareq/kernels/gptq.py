@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.gptq import BlockSweep
-from .dequant import backend_for
+from .backend import backend_for
 
 
 def gptq_sweep(device: torch.device | str) -> BlockSweep | None:

@@ -2,7 +2,7 @@
 
 Its autograd Function dequantizes the weight into a shared bf16 scratch buffer and calls the vendor
 matmul, in the forward and again in the backward; for few rows of input (modulation layers run with
-M = batch size) it calls a fused kernel that reads the packed codes directly instead (kernels/dispatch.py). It
+M = batch size) it calls a fused kernel that reads the packed codes directly instead (kernels/crossover.py). It
 returns only the input gradient: the base weight
 is frozen, so no weight gradient is ever computed or stored, and nothing of the weight is saved for the
 backward (the backward dequantizes again from the slot, which then holds the same bytes).
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import prepare_dequantize
-from ..kernels.dispatch import fused_limit
+from ..kernels.crossover import fused_limit
 from ..quant import QuantizedWeight
 
 
@@ -54,7 +54,7 @@ class _DequantLinear(torch.autograd.Function):
         ctx.layer = layer
         qw = layer.quantized
         if layer.fused_limit is None and qw is not None:
-            layer.fused_limit = fused_limit(qw, x.device)  # settled once per layer (kernels/dispatch.py)
+            layer.fused_limit = fused_limit(qw, x.device)  # settled once per layer (kernels/crossover.py)
         ctx.fused = qw is not None and x.numel() // max(1, x.shape[-1]) <= layer.fused_limit
         if ctx.fused:
             from ..kernels.triton_fused import fused_linear

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from squareq.kernels import backend_for, dequantize_into
-from squareq.kernels import dequant as dispatch
+from squareq.kernels import backend as dispatch
 from squareq.quant import QuantSpec, dequantize, quantize
 
 interpreted = pytest.mark.skipif(

@@ -82,7 +82,7 @@ def test_a_batch_of_rows_keeps_its_leading_shape():
 
 
 def test_the_env_override_and_its_refusal(monkeypatch):
-    from squareq.kernels.dispatch import fused_max_m
+    from squareq.kernels.crossover import fused_max_m
 
     cpu = torch.device("cpu")
     monkeypatch.setenv("SQUAREQ_FUSED_MAX_M", "4:64,8:2")
@@ -126,7 +126,7 @@ def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fus
 
 def test_the_crossover_is_looked_up_by_device_name(monkeypatch):
     """A measured device gets its table; any other device keeps dequantize + matmul (0)."""
-    from squareq.kernels import dispatch
+    from squareq.kernels import crossover as dispatch
 
     monkeypatch.delenv("SQUAREQ_FUSED_MAX_M", raising=False)
     monkeypatch.setattr(dispatch, "CROSSOVERS", {"Measured GPU": {4: 64, 6: 16, 8: 32}})

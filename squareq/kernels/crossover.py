@@ -14,7 +14,7 @@ import torch
 
 from .. import settings
 from ..quant import QuantizedWeight
-from .dequant import backend_for
+from .backend import backend_for
 
 log = logging.getLogger("squareq.kernels")
 
