@@ -16,6 +16,7 @@ from .compiler.budget import BudgetError
 from .compiler.ladder import DEFAULT_FORMATS, ladder
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
+from .devices import default_device
 from .models import ModelError
 from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
@@ -347,7 +348,6 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
 @click.option("--max-sequence-length", type=int, help=HELP["max_sequence_length"])
 def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, caption_ext, max_sequence_length) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
-    import torch
 
     from .train.loop import prepare_data
 
@@ -356,7 +356,7 @@ def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, ca
                                     "max_sequence_length": max_sequence_length})
     with open_slab(slab, verify="off") as s:
         record = s.manifest.model
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device()
     prepared = prepare_data(cfg, record, device, echo=click.echo)
     n = prepared.computed
     click.echo(f"{len(prepared.dataset)} images cached in {cache_dir} ({n} {'entry' if n == 1 else 'entries'} "

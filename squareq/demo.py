@@ -13,11 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .acceptance import AcceptOptions, AcceptReport, accept
 from .acceptance.convergence import ConvergenceSettings
 from .compiler import CompileOptions, compile_slab, open_source
+from .devices import default_device
 from .models import load_builtin
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
@@ -59,7 +58,7 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
     status during training (``"      training: step 40/200"``, meant to overwrite itself on a terminal)."""
     folder = Path(folder)
     _prepare(folder, overwrite)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = default_device().type
     model, adapter = load_builtin("tiny-flux")
     bf16 = sum(2 * p.numel() for p in model.parameters())
     echo(f"[1/5] tiny-flux: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters, "

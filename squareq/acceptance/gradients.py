@@ -18,6 +18,7 @@ import torch
 
 from .. import runtime
 from ..compiler.sources import Source
+from ..devices import default_device
 from ..models import ADAPTERS
 from ..models.noising import calibration_times, image_tokens
 from ..slab import Slab, open_slab
@@ -44,7 +45,7 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
     why_not = cannot_run(source, model)
     if why_not:
         return skipped(NAME, why_not)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = default_device(device)
     ref_path = reference_slab(source, workdir, echo)
     family = slab.manifest.model.family
     cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache",

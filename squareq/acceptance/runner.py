@@ -12,6 +12,7 @@ import torch
 from .. import __version__
 from ..compiler.sources import open_source
 from ..compiler.thresholds import Thresholds
+from ..devices import default_device
 from ..models import ModelError
 from ..slab import SlabError, open_slab
 from ..slab.signature import model_signature
@@ -55,10 +56,6 @@ class AcceptOptions:
     drift_blocks: int = 8
 
 
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
     """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes."""
     with open_slab(opts.slab, verify="eager") as slab:  # a corrupted slab fails here, before any measurement
@@ -81,7 +78,7 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
             raise AcceptError(str(exc)) from None
     workdir = Path(opts.workdir or f"{opts.slab}.accept")
     workdir.mkdir(parents=True, exist_ok=True)
-    device = _device()
+    device = default_device()
     if opts.require_gpu and device.type != "cuda":
         echo("no CUDA device: the GPU measurements will fail (--require-gpu)")
 

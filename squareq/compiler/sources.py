@@ -31,7 +31,7 @@ from torch import nn
 
 from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, load_builtin
 from ..models.base import diffusers_class
-from ..models.skeleton import build_meta
+from ..models.skeleton import build_meta, place_tensor
 from ..slab.signature import model_signature
 
 __all__ = ["Source", "open_source"]
@@ -372,12 +372,7 @@ class Source:
         tracing = torch.device(device).type == "meta"  # shapes only: the skeleton's meta tensors are the residents
         state = {} if tracing else self.resident_state(device, dtype, keep=frozenset(linears))
         for name, t in state.items():
-            owner, _, attr = name.rpartition(".")
-            mod = model.get_submodule(owner) if owner else model
-            if attr in mod._parameters:
-                mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
-            else:
-                mod._buffers[attr] = t
+            place_tensor(model, name, t)
         _upcast([model.get_submodule(name.rpartition(".")[0]) for name in linears])
         for i, path in enumerate(self.block_paths):
             owner, _, idx = path.rpartition(".")
@@ -497,8 +492,7 @@ def _materialize(module: nn.Module, state: Mapping[str, torch.Tensor], device, d
     for names in {tuple(g) for g in aliases.values()}:  # assign=True unties shared parameters; tie them again
         shared = module.get_parameter(names[0])
         for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._parameters[attr] = shared
+            place_tensor(module, name, shared)
     for sub in module.modules():  # non-persistent buffers were built real on the host
         for name, buf in sub._buffers.items():
             if buf is not None and not buf.is_meta:

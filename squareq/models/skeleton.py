@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
@@ -114,3 +115,15 @@ def _skeleton_from_record(class_name: str, config: dict[str, Any]) -> nn.Module:
         raise ModelError(f"transformers cannot rebuild the {model_type} config this slab records "
                          f"({' '.join(str(exc).split())[:200]}).") from None
     return build_meta(lambda: cls(cfg))
+
+
+def place_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put ``value`` at the parameter or buffer ``name`` (dotted, from ``model``) in place of what is there (on a
+    skeleton, a meta tensor). A parameter slot takes an ``nn.Parameter`` as it is (tied weights stay tied) and
+    wraps a plain tensor as a frozen one."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    if attr in owner._parameters:
+        owner._parameters[attr] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[attr] = value

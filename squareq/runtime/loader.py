@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import settings
-from ..models.skeleton import skeleton_from_record
+from ..models.skeleton import place_tensor, skeleton_from_record
 from ..slab import Slab, SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
@@ -185,13 +185,7 @@ def _install_quant_linears(model: nn.Module, manifest: Manifest, scratch: Dequan
 
 def _place_residents(model: nn.Module, slab: Slab, device: torch.device) -> None:
     for name, t in slab.resident_tensors().items():
-        owner_path, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_path) if owner_path else model
-        value = t.to(device, copy=True)
-        if attr in owner._parameters:
-            owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
-        else:
-            owner._buffers[attr] = value
+        place_tensor(model, name, t.to(device, copy=True))
     for module in model.modules():  # non-persistent buffers were built real on the host
         for attr, buf in module._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:

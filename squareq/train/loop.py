@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .. import runtime
+from ..devices import default_device
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
 from ..runtime.host_memory import HostMemoryError
@@ -83,10 +84,6 @@ class TrainResult:
     losses: list[float]
     lora_file: Path  # the diffusers layout (pytorch_lora_weights.safetensors)
     kohya_file: Path | None = None  # the kohya / ComfyUI layout, when save_format has it
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def lr_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total: int):
@@ -239,7 +236,7 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it "
                          "for several) or set sample_every = 0.")
     out = ensure_output_dir(Path(cfg.output), "-o/--out")
-    device = _device()
+    device = default_device()
     ranks = Ranks.from_env("nccl" if device.type == "cuda" else "gloo")
     try:
         return _train(cfg, out, device, ranks, echo if ranks.is_main else (lambda s: None), after_step, on_gradients,

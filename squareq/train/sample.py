@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import runtime
+from ..devices import default_device
 from ..models import ADAPTERS
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
@@ -79,9 +80,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
     it then, so a failure later keeps what was drawn)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = default_device(device)
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
     if family not in ADAPTERS or not ADAPTERS[family].samples:
