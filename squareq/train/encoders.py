@@ -146,6 +146,30 @@ def check_encoder_source(source: str, family: str) -> None:
     pipeline_folder(source)
 
 
+def open_decoder(source: str, family: str, dtype: torch.dtype):
+    """The FLUX pipeline of ``source`` with its VAE and scheduler only, on the host: all that drawing an image from
+    cached prompt embeddings needs (the trainer's sample images), without the text encoders (FLUX.1's T5 is 9.5 GB)."""
+    check_encoder_source(source, family)
+    if family != "flux":
+        raise EncoderError(f"sample images during training are drawn for FLUX.1 only, not the {family} family.")
+    if source == "tiny-flux":
+        pipe = build_tiny_flux_pipeline()
+        for name in ("transformer", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+            setattr(pipe, name, None)
+        pipe.vae.to(dtype=dtype)
+        return pipe
+    from diffusers import FluxPipeline
+
+    folder = pipeline_folder(Path(source).expanduser())
+    try:
+        return FluxPipeline.from_pretrained(str(folder), transformer=None, text_encoder=None, text_encoder_2=None,
+                                            tokenizer=None, tokenizer_2=None, torch_dtype=dtype,
+                                            local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise EncoderError(f"cannot load the VAE from {folder} ({exc}); pass a complete FLUX pipeline folder with "
+                           "--model.") from None
+
+
 @contextlib.contextmanager
 def open_encoders(source: str, device: torch.device, family: str, config=None) -> Iterator[Encoders]:
     """The encoders of ``source`` (a built-in tiny model or a pipeline folder) for a ``family`` model with

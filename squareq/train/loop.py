@@ -60,7 +60,7 @@ from .data import (
 )
 from .distributed import Ranks
 from .ema import LoraEma
-from .encoders import Encoders, open_encoders
+from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
@@ -211,7 +211,9 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
         with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
-            texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions))
+            # the sample prompts too: sample images then need the VAE only, never the text encoders again
+            texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
+                           | set(cfg.sample_prompts))
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo)
         image_keys, text_keys = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
@@ -280,7 +282,7 @@ class _Run:
         self.after_step, self.on_gradients = after_step, on_gradients
         self.step = self.skipped = self.skipped_in_row = 0
         self.losses: list[float] = []
-        self.metrics = self.board = self.bar = self.feed = self.model = None
+        self.metrics = self.board = self.bar = self.feed = self.model = self.decoder = None
 
     # ------------------------------------------------------------------------------------------ before training
 
@@ -307,7 +309,8 @@ class _Run:
             raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} "
                              "family yet; set sample_every = 0 (--sample-every 0).")
         self.recipe = ADAPTERS[family].recipe
-        self.objective = objective = training_objective(cfg.model or slab.manifest.model.source, family)
+        self.encoder_source = cfg.model or slab.manifest.model.source  # the pipeline folder or built-in model
+        self.objective = objective = training_objective(self.encoder_source, family)
         if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
             raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} "
                              f"are for flow-matching models; this {family} model trains with the {objective} "
@@ -604,7 +607,14 @@ class _Run:
                   + (f" (step {first['step']}: {first['val_loss']:.4f})" if first["step"] != step else ""))
 
     def samples(self) -> None:
-        _save_samples(self.cfg, self.model, self.slab, self.out / "samples", self.step, self.device)
+        """Sample images of the prompts, from their cached embeddings through the VAE, which stays on the host
+        between samples (loaded at the first)."""
+        if self.decoder is None:
+            self.decoder = open_decoder(self.encoder_source, self.family,
+                                        torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        text_keys = self.data.keys[1]
+        embeds = [self.data.cache.load("text", text_keys[p]) for p in self.cfg.sample_prompts]
+        _save_samples(self.cfg, self.model, self.decoder, embeds, self.out / "samples", self.step, self.device)
 
     def close(self) -> None:
         """Release the bar, the cache reader, the logs and the runtime's threads (also after an error)."""
@@ -725,21 +735,25 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     return files
 
 
-def _save_samples(cfg: TrainConfig, model, slab, folder: Path, step: int, device: torch.device) -> None:
-    """PNG samples of ``cfg.sample_prompts`` from the model being trained (streamed forward under no_grad). The
-    training RNG is set aside while sampling, so samples do not change the run."""
+def _save_samples(cfg: TrainConfig, model, pipe, embeds: list[dict], folder: Path, step: int,
+                  device: torch.device) -> None:
+    """PNG samples of ``cfg.sample_prompts`` (their cached ``embeds``) from the model being trained (streamed forward
+    under no_grad) through ``pipe``, a pipeline without text encoders whose VAE waits on the host. The training RNG is
+    set aside while sampling, so samples do not change the run."""
     folder.mkdir(parents=True, exist_ok=True)
-    with _forward_only(model, device), open_encoders(cfg.model or slab.manifest.model.source, device,
-                                                     "flux") as encoders:
-        pipe = encoders.pipeline
-        pipe.transformer = model
-        images = []
-        for i, prompt in enumerate(cfg.sample_prompts):
-            images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
-                                     cfg.sample_seed, cfg.max_sequence_length, device))
-            write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
-        write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
+    pipe.transformer = model
+    pipe.vae.to(device)
+    try:
+        with _forward_only(model, device):
+            images = []
+            for i, (prompt, entry) in enumerate(zip(cfg.sample_prompts, embeds, strict=True)):
+                images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
+                                         cfg.sample_seed, cfg.max_sequence_length, device, embeds=entry))
+                write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
+            write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
+    finally:
         pipe.transformer = None
+        pipe.vae.to("cpu")
 
 
 @contextlib.contextmanager

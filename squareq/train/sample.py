@@ -60,12 +60,18 @@ def check_sample_options(resolution: int, steps: int, guidance: float, max_seque
 
 
 def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, seed: int, max_sequence_length: int,
-               device: torch.device, on_step_end=None):
+               device: torch.device, on_step_end=None, embeds: dict[str, torch.Tensor] | None = None):
     """One image from a FLUX pipeline whose transformer is a runtime model (bf16 autocast, no gradients);
-    ``on_step_end``: diffusers' ``callback_on_step_end`` (a StreamTuner's). :class:`SampleError` if the
-    latents turn NaN/Inf."""
+    ``on_step_end``: diffusers' ``callback_on_step_end`` (a StreamTuner's). ``embeds``: the prompt's cached
+    ``prompt_embeds`` and ``pooled_prompt_embeds`` (a cache entry), for a pipeline without text encoders.
+    :class:`SampleError` if the latents turn NaN/Inf."""
+    text = {"prompt": prompt}
+    if embeds is not None:
+        dtype = pipe.vae.dtype  # the encoders' dtype when the entry was computed: the same values come back
+        text = {"prompt": None, **{k: embeds[k][None].to(device, dtype) for k in
+                                   ("prompt_embeds", "pooled_prompt_embeds")}}
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-        return pipe(prompt, height=resolution, width=resolution, num_inference_steps=steps, guidance_scale=guidance,
+        return pipe(**text, height=resolution, width=resolution, num_inference_steps=steps, guidance_scale=guidance,
                     max_sequence_length=max_sequence_length, callback_on_step_end=_FiniteLatents(prompt, on_step_end),
                     generator=torch.Generator(device).manual_seed(seed)).images[0]
 

@@ -225,10 +225,18 @@ def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
     assert bad.exit_code == 1 and str(empty) in bad.output and bad.output.startswith("error:")
 
 
-def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path):
+def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path, monkeypatch):
+    from squareq.train import loop
+
     plain = train(_config(workspace, tmp_path / "plain", steps=4), echo=lambda s: None)
-    sampled = train(_config(workspace, tmp_path / "sampled", steps=4, sample_every=2,
+    opened, decoders, original, original_decoder = [], [], loop.open_encoders, loop.open_decoder
+    monkeypatch.setattr(loop, "open_encoders", lambda *a, **k: opened.append(a) or original(*a, **k))
+    monkeypatch.setattr(loop, "open_decoder", lambda *a, **k: decoders.append(a) or original_decoder(*a, **k))
+    sampled = train(_config(workspace, tmp_path / "sampled", steps=4, sample_every=2, cache_dir=str(tmp_path / "c"),
                             sample_prompts=["a red square", "a blue square"], sample_steps=2), echo=lambda s: None)
+    # the text encoders ran once, to fill the cache (the sample prompts' embeddings too); the VAE was loaded once for
+    # the three sample steps
+    assert len(opened) == 1 and len(decoders) == 1
     # the base model's samples before the first step, then every 2 steps; each step's prompts side by side in a grid
     assert sorted(p.name for p in (tmp_path / "sampled" / "samples").iterdir()) == [
         f"step-0000000{k}-{i}.png" for k in (0, 2, 4) for i in ("0", "1", "grid")]
@@ -241,6 +249,27 @@ def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path):
     a, _ = load_lora(plain.lora_file)
     b, _ = load_lora(sampled.lora_file)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the base model's sample from the cached embeddings is the image `squareq sample` draws encoding the prompt then,
+    # up to the text encoders' precision: the cache encodes in the encoders' dtype, `squareq sample` under the
+    # drawing's bf16 autocast (on the CPU: fp32 against bf16 T5 outputs); another prompt is far further off
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    drawn = CliRunner().invoke(main, ["sample", str(workspace / "tiny.slab"), "--prompt", "a red square", "--resolution",
+                                      "64", "--steps", "2", "--max-sequence-length", "16", "--guidance", "3.5",
+                                      "--seed", "42", "-o", str(tmp_path / "drawn")])
+    assert drawn.exit_code == 0, drawn.output
+    import numpy as np
+
+    def pixels(path):
+        with Image.open(path) as image:
+            return np.asarray(image).astype(int)
+
+    reference = pixels(tmp_path / "drawn" / "sample-000.png")
+    same = np.abs(pixels(tmp_path / "sampled" / "samples" / "step-00000000-0.png") - reference)
+    other = np.abs(pixels(tmp_path / "sampled" / "samples" / "step-00000000-1.png") - reference)
+    assert same.max() <= 8 and same.mean() < 1.0 and other.mean() > 3 * same.mean()
 
 
 def test_sample_and_export_commands(workspace, tmp_path, caplog):
@@ -757,8 +786,8 @@ def test_flow_options_are_refused_for_a_ddpm_model_before_encoding(tmp_path):
     from squareq.train.loop import TrainError
 
     model, adapter = load_builtin("tiny-sd15")
-    write_slab(model, adapter.blocks(model), {}, tmp_path / "sd.slab",
-               WriteOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source="tiny-sd15"))
+    write_rtn_slab(model, adapter.blocks(model), {}, tmp_path / "sd.slab",
+               PlainOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source="tiny-sd15"))
     cfg = load_config(None, {"slab": str(tmp_path / "sd.slab"), "data": str(tmp_path / "nodata"),
                              "output": str(tmp_path / "out"), "resolution": 64, "loss_weighting": "cosmap"})
     with pytest.raises(TrainError, match="for flow-matching models; this sd-unet model trains with the epsilon"):
