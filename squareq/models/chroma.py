@@ -7,7 +7,7 @@ import torch
 from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
 from .flux import flux_sequence_shape
 from .flux_latents import image_ids, pack_latents, text_ids
-from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, unpack_2x2_output
 
 TINY_CHROMA_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
                           num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
@@ -41,9 +41,17 @@ def chroma_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance
                 attention_mask=torch.cat([text["prompt_mask"].bool(), image], dim=1))
 
 
+def chroma_captions(pipe, texts, length, device):
+    """T5's states with their attention mask, through ``ChromaPipeline.encode_prompt``."""
+    embeds, _, mask, *_ = pipe.encode_prompt(texts, device=device, do_classifier_free_guidance=False,
+                                             max_sequence_length=length)
+    return caption_entries(embeds, mask=mask)
+
+
 CHROMA = FamilyAdapter(family="chroma", class_name="ChromaTransformer2DModel",
                        block_lists=("transformer_blocks", "single_transformer_blocks"),
                        calibration_inputs=chroma_synthetic_inputs, sequence_shape=flux_sequence_shape,
                        recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                                              text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, mask=True),
-                                             forward=chroma_forward, prediction=unpack_2x2_output))
+                                             forward=chroma_forward, prediction=unpack_2x2_output,
+                                             pipeline=PipelineFolder(("ChromaPipeline",), chroma_captions)))

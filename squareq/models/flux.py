@@ -5,7 +5,7 @@ import torch
 
 from .base import CalibrationBatch, FamilyAdapter
 from .flux_latents import image_ids, pack_latents, text_ids
-from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, unpack_2x2_output
 
 
 def flux_synthetic_inputs(model, samples: int, seed: int, side: int | None = None, text_tokens: int | None = None,
@@ -64,9 +64,16 @@ def flux_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: 
     return kwargs
 
 
+def flux_captions(pipe, texts, length, device):
+    """T5's ``prompt_embeds`` and CLIP's ``pooled_prompt_embeds``, through ``FluxPipeline.encode_prompt``."""
+    prompt, pooled, _ = pipe.encode_prompt(list(texts), prompt_2=None, device=device, max_sequence_length=length)
+    return caption_entries(prompt, pooled)
+
+
 FLUX_RECIPE = TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                              text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, cfg.pooled_projection_dim),
-                             forward=flux_forward, prediction=unpack_2x2_output)
+                             forward=flux_forward, prediction=unpack_2x2_output,
+                             pipeline=PipelineFolder(("FluxPipeline",), flux_captions))
 
 
 # Every attention and MLP linear of both streams, the adaLN modulation left out: kohya sd-scripts' FLUX.1 default

@@ -7,7 +7,7 @@ import torch
 from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
 from .flux import flux_sequence_shape
 from .flux_latents import pack_latents
-from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, unpack_2x2_output
 
 TINY_FLUX2_CONFIG = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16,
@@ -55,9 +55,15 @@ def flux2_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance:
     return kwargs
 
 
+def flux2_captions(pipe, texts, length, device):
+    """Mistral's stacked hidden states, through ``Flux2Pipeline.encode_prompt``."""
+    return caption_entries(pipe.encode_prompt(texts, device=device, max_sequence_length=length)[0])
+
+
 FLUX2 = FamilyAdapter(family="flux2", class_name="Flux2Transformer2DModel",
                       block_lists=("transformer_blocks", "single_transformer_blocks"),
                       calibration_inputs=flux2_synthetic_inputs, sequence_shape=flux_sequence_shape,
                       recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                                             text_fields=lambda cfg: TextFields(cfg.joint_attention_dim),
-                                            forward=flux2_forward, prediction=unpack_2x2_output))
+                                            forward=flux2_forward, prediction=unpack_2x2_output,
+                                            pipeline=PipelineFolder(("Flux2Pipeline",), flux2_captions)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
-from .recipe import TextFields, TrainingRecipe, first_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, first_output
 
 TINY_HUNYUAN_VIDEO_CONFIG = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16,
                                  num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=2,
@@ -59,6 +59,12 @@ def hunyuan_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, g
     return kwargs
 
 
+def hunyuan_video_captions(pipe, texts, length, device):
+    """Llama's states with their mask and CLIP's pooled vector, through ``HunyuanVideoPipeline.encode_prompt``."""
+    embeds, pooled, mask = pipe.encode_prompt(texts, prompt_2=None, device=device, max_sequence_length=length)
+    return caption_entries(embeds, pooled, mask)
+
+
 HUNYUAN_VIDEO = FamilyAdapter(family="hunyuan-video", class_name="HunyuanVideoTransformer3DModel",
                               block_lists=("transformer_blocks", "single_transformer_blocks"),
                               calibration_inputs=hunyuan_video_synthetic_inputs,
@@ -68,4 +74,5 @@ HUNYUAN_VIDEO = FamilyAdapter(family="hunyuan-video", class_name="HunyuanVideoTr
                                                                                        cfg.pooled_projection_dim,
                                                                                        mask=True),
                                                     forward=hunyuan_video_forward, prediction=first_output,
-                                                    frames=True))
+                                                    frames=True, pipeline=PipelineFolder(("HunyuanVideoPipeline",),
+                                                                                         hunyuan_video_captions)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, ModelError, build_seeded
-from .recipe import TextFields, TrainingRecipe
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries
 
 TINY_LTX_VIDEO_CONFIG = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
                              cross_attention_dim=32, num_layers=2, caption_channels=16)
@@ -66,10 +66,18 @@ def ltx_video_prediction(output, x_t: torch.Tensor) -> torch.Tensor:
     return output[0].transpose(1, 2).reshape(x_t.shape)
 
 
+def ltx_video_captions(pipe, texts, length, device):
+    """T5's states with their attention mask, through ``LTXPipeline.encode_prompt``."""
+    embeds, mask, *_ = pipe.encode_prompt(texts, do_classifier_free_guidance=False, max_sequence_length=length,
+                                          device=device)
+    return caption_entries(embeds, mask=mask)
+
+
 LTX_VIDEO = FamilyAdapter(family="ltx-video", class_name="LTXVideoTransformer3DModel",
                           block_lists=("transformer_blocks",), calibration_inputs=ltx_video_synthetic_inputs,
                           sequence_shape=ltx_video_sequence_shape,
                           recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                                 text_fields=lambda cfg: TextFields(cfg.caption_channels, mask=True),
                                                 forward=ltx_video_forward, prediction=ltx_video_prediction,
-                                                frames=True))
+                                                frames=True, pipeline=PipelineFolder(("LTXPipeline",),
+                                                                                     ltx_video_captions)))

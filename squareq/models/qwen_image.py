@@ -5,7 +5,7 @@ import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded, packed_noise_inputs
 from .flux_latents import pack_latents
-from .recipe import TextFields, TrainingRecipe, unpack_2x2_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, unpack_2x2_output
 
 TINY_QWEN_IMAGE_CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                               num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
@@ -45,9 +45,16 @@ def qwen_image_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guid
                 img_shapes=[[(1, h // 2, w // 2)]] * x_t.shape[0])
 
 
+def qwen_image_captions(pipe, texts, length, device):
+    """Qwen2.5-VL's states of the caption's real tokens only (the pipeline trims its padding too)."""
+    embeds, mask = pipe.encode_prompt(texts, device=device, max_sequence_length=length)
+    return caption_entries(embeds, mask=mask, trim=True)
+
+
 QWEN_IMAGE = FamilyAdapter(family="qwen-image", class_name="QwenImageTransformer2DModel",
                            block_lists=("transformer_blocks",), calibration_inputs=qwen_image_synthetic_inputs,
                            sequence_shape=qwen_image_sequence_shape,
                            recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                                                  text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, mask=True),
-                                                 forward=qwen_image_forward, prediction=unpack_2x2_output))
+                                                 forward=qwen_image_forward, prediction=unpack_2x2_output,
+                                                 pipeline=PipelineFolder(("QwenImagePipeline",), qwen_image_captions)))

@@ -35,9 +35,46 @@ class TextFields:
     mask: bool = False  # prompt_mask is passed to the model
 
 
+def caption_entries(embeds: torch.Tensor, pooled: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                    trim: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Per-caption cache entries from a pipeline's batched ``encode_prompt`` outputs (fp32 on the CPU). ``trim``: keep
+    only the tokens the mask marks (the pipeline pads to the batch's longest caption, so padding would depend on the
+    neighbours). A mask of None with ``trim`` means every token is real."""
+    if trim and mask is None:
+        mask = torch.ones(embeds.shape[:2], device=embeds.device)
+    out = []
+    for i, seq in enumerate(embeds):
+        entry = {"prompt_embeds": seq.float().cpu()}
+        if mask is not None:
+            m = mask[i].float().cpu()
+            if trim:
+                entry["prompt_embeds"] = entry["prompt_embeds"][m.bool()]
+                m = m[m.bool()]
+            entry["prompt_mask"] = m
+        if pooled is not None:
+            entry["pooled_prompt_embeds"] = pooled[i].float().cpu()
+        out.append(entry)
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineFolder:
+    """Where a family's cache comes from: the diffusers pipeline classes its folders hold, and how one of them turns
+    captions into cache entries (``encode(pipeline, captions, max_sequence_length, device)``, one entry per caption,
+    the module docstring's caption layout). ``objective``: for families whose scheduler decides what the model
+    predicts (the UNets), the objective a scheduler config means; it refuses one SquareQ cannot train with a
+    ``ValueError`` sentence."""
+
+    classes: tuple[str, ...]
+    encode: Callable[..., list[dict[str, torch.Tensor]]]
+    objective: Callable[[dict], str] | None = None
+
+
 @dataclass(frozen=True)
 class TrainingRecipe:
-    """A family's training interface (see the module docstring for the conventions)."""
+    """A family's training interface (see the module docstring for the conventions). ``pipeline``: the pipeline
+    folder its cache is encoded through; ``no_pipeline``: for a family no pipeline folder can encode, what is
+    missing."""
 
     objective: str
     latent_channels: Callable[[Any], int]  # config -> VAE latent channels
@@ -48,6 +85,8 @@ class TrainingRecipe:
     # The built-in toy encoders' stand-in for an image embedding the denoiser takes next to its latent (cached with
     # the latent as ``effnet``; Würstchen's decoder): latent -> embedding. None: the denoiser takes none.
     image_conditioning: Callable[[torch.Tensor], torch.Tensor] | None = None
+    pipeline: PipelineFolder | None = None
+    no_pipeline: str | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
-from .recipe import TextFields, TrainingRecipe, first_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, first_output
 
 TINY_SD3_CONFIG = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
                        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
@@ -49,9 +49,17 @@ def sd3_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: f
                 pooled_projections=text["pooled_prompt_embeds"], timestep=1000 * t)
 
 
+def sd3_captions(pipe, texts, length, device):
+    """The joint CLIP + T5 states and the pooled CLIP vectors, through ``StableDiffusion3Pipeline.encode_prompt``."""
+    embeds, _, pooled, _ = pipe.encode_prompt(texts, None, None, device=device, do_classifier_free_guidance=False,
+                                              max_sequence_length=length)
+    return caption_entries(embeds, pooled)
+
+
 SD3 = FamilyAdapter(family="sd3", class_name="SD3Transformer2DModel", block_lists=("transformer_blocks",),
                     calibration_inputs=sd3_synthetic_inputs, sequence_shape=sd3_sequence_shape,
                     recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                           text_fields=lambda cfg: TextFields(cfg.joint_attention_dim,
                                                                              cfg.pooled_projection_dim),
-                                          forward=sd3_forward, prediction=first_output))
+                                          forward=sd3_forward, prediction=first_output,
+                                          pipeline=PipelineFolder(("StableDiffusion3Pipeline",), sd3_captions)))

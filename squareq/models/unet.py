@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
-from .recipe import TextFields, TrainingRecipe, first_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, first_output
 
 _TINY_UNET = dict(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
                   cross_attention_dim=32, norm_num_groups=8)
@@ -77,9 +77,40 @@ def unet_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: 
     return kwargs
 
 
+def unet_captions(pipe, texts, length, device):
+    """CLIP's states (SDXL: both CLIPs', and the pooled vector), through the pipeline's ``encode_prompt``."""
+    if type(pipe).__name__ == "StableDiffusionXLPipeline":
+        embeds, _, pooled, _ = pipe.encode_prompt(texts, device=device, do_classifier_free_guidance=False)
+        return caption_entries(embeds, pooled)
+    embeds, _ = pipe.encode_prompt(texts, device, 1, False)
+    return caption_entries(embeds)
+
+
+# The DDPM schedule SquareQ trains the UNets with (squareq/train/objective.py); a scheduler config that differs is
+# refused rather than trained against the wrong noise levels.
+DDPM_DEFAULTS = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+                 "beta_schedule": "scaled_linear", "rescale_betas_zero_snr": False}
+
+
+def unet_objective(scheduler: dict) -> str:
+    """What a UNet pipeline's scheduler config says the model predicts: epsilon or v_prediction (SD 2.x 768-v)."""
+    kind = scheduler.get("prediction_type", "epsilon")
+    if kind not in ("epsilon", "v_prediction"):
+        raise ValueError(f"sets prediction_type = {kind!r}; SquareQ trains epsilon or v_prediction, so pass a pipeline "
+                         "folder whose scheduler predicts one of them with --model.")
+    other = {k: scheduler[k] for k, v in DDPM_DEFAULTS.items() if k in scheduler and scheduler[k] != v}
+    if other:
+        raise ValueError(f"sets {other}; SquareQ trains SD's noise schedule {DDPM_DEFAULTS} only, so pass a pipeline "
+                         "folder with that schedule with --model.")
+    return kind
+
+
 SD_UNET = FamilyAdapter(family="sd-unet", class_name="UNet2DConditionModel", block_lists=("down_blocks", "up_blocks"),
                         calibration_inputs=unet_synthetic_inputs, sequence_shape=unet_sequence_shape, component="unet",
                         recipe=TrainingRecipe(objective="epsilon", latent_channels=lambda cfg: cfg.in_channels,
                                               text_fields=lambda cfg: TextFields(cfg.cross_attention_dim,
                                                                                  _pooled_width(cfg)),
-                                              forward=unet_forward, prediction=first_output))
+                                              forward=unet_forward, prediction=first_output,
+                                              pipeline=PipelineFolder(("StableDiffusionXLPipeline",
+                                                                       "StableDiffusionPipeline"), unet_captions,
+                                                                      objective=unet_objective)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
-from .recipe import TextFields, TrainingRecipe, first_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, first_output
 
 TINY_WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
                        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
@@ -50,8 +50,15 @@ def wan_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: f
     return dict(hidden_states=x_t, encoder_hidden_states=text["prompt_embeds"], timestep=1000 * t)
 
 
+def wan_captions(pipe, texts, length, device):
+    """UMT5's states, through ``WanPipeline.encode_prompt``."""
+    return caption_entries(pipe.encode_prompt(texts, do_classifier_free_guidance=False, max_sequence_length=length,
+                                              device=device)[0])
+
+
 WAN = FamilyAdapter(family="wan", class_name="WanTransformer3DModel", block_lists=("blocks",),
                     calibration_inputs=wan_synthetic_inputs, sequence_shape=wan_sequence_shape,
                     recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                           text_fields=lambda cfg: TextFields(cfg.text_dim), forward=wan_forward,
-                                          prediction=first_output, frames=True))
+                                          prediction=first_output, frames=True,
+                                          pipeline=PipelineFolder(("WanPipeline",), wan_captions)))

@@ -102,16 +102,19 @@ def toy_image_embedding(latent: torch.Tensor) -> torch.Tensor:
     return F.avg_pool2d(latent[None], 2)[0]
 
 
+NO_EFFNET = "Würstchen's EfficientNet image encoder"  # what no Würstchen pipeline folder holds
+
 WUERSTCHEN_PRIOR = FamilyAdapter(
     family="wuerstchen-prior", class_name="WuerstchenPrior", block_lists=("blocks",),
     calibration_inputs=prior_synthetic_inputs, sequence_shape=prior_sequence_shape, component="prior",
     recipe=TrainingRecipe(objective="cosine_epsilon", latent_channels=lambda cfg: cfg.c_in,
                           text_fields=lambda cfg: TextFields(cfg.c_cond), forward=prior_forward,
-                          prediction=first_output))
+                          prediction=first_output, no_pipeline=NO_EFFNET + " (the prior's latents are its embeddings)"))
 
 WUERSTCHEN_DECODER = FamilyAdapter(
     family="wuerstchen-decoder", class_name="WuerstchenDiffNeXt", block_lists=("down_blocks.*", "up_blocks.*"),
     calibration_inputs=decoder_synthetic_inputs, sequence_shape=decoder_sequence_shape, component="decoder",
     recipe=TrainingRecipe(objective="cosine_epsilon", latent_channels=lambda cfg: cfg.c_in,
                           text_fields=lambda cfg: TextFields(cfg.clip_embd), forward=decoder_forward,
-                          prediction=first_output, image_conditioning=toy_image_embedding))
+                          prediction=first_output, image_conditioning=toy_image_embedding,
+                          no_pipeline=NO_EFFNET + " (the decoder is conditioned on its embeddings)"))

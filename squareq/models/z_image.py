@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter, build_seeded
-from .recipe import TextFields, TrainingRecipe
+from .recipe import PipelineFolder, TextFields, TrainingRecipe
 
 TINY_Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
                            n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
@@ -53,9 +53,17 @@ def z_image_prediction(output, x_t: torch.Tensor) -> torch.Tensor:
     return -torch.stack(output[0]).squeeze(2)
 
 
+def z_image_captions(pipe, texts, length, device):
+    """Qwen3's states, one tensor per caption of its real tokens (the pipeline returns them unpadded)."""
+    embeds, _ = pipe.encode_prompt(texts, device=device, do_classifier_free_guidance=False,
+                                   max_sequence_length=length)
+    return [{"prompt_embeds": e.float().cpu(), "prompt_mask": torch.ones(e.shape[0])} for e in embeds]
+
+
 Z_IMAGE = FamilyAdapter(family="z-image", class_name="ZImageTransformer2DModel",
                         block_lists=("noise_refiner", "context_refiner", "layers"),
                         calibration_inputs=z_image_synthetic_inputs, sequence_shape=z_image_sequence_shape,
                         recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                               text_fields=lambda cfg: TextFields(cfg.cap_feat_dim, mask=True),
-                                              forward=z_image_forward, prediction=z_image_prediction))
+                                              forward=z_image_forward, prediction=z_image_prediction,
+                                              pipeline=PipelineFolder(("ZImagePipeline",), z_image_captions)))

@@ -59,10 +59,7 @@ class Encoders:
     @torch.no_grad()
     def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
         """One cache entry per text: T5 ``prompt_embeds`` [L, D] and CLIP ``pooled_prompt_embeds`` [D] (fp32)."""
-        prompt, pooled, _ = self.pipeline.encode_prompt(list(texts), prompt_2=None, device=self.device,
-                                                        max_sequence_length=max_sequence_length)
-        return [{"prompt_embeds": p.float().cpu(), "pooled_prompt_embeds": q.float().cpu()}
-                for p, q in zip(prompt, pooled, strict=True)]
+        return ADAPTERS["flux"].recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)
 
 
 def _load_folder(source: Path, dtype: torch.dtype):
