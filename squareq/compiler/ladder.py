@@ -20,8 +20,9 @@ from .calibration import LayerStats
 from .layer_search import Candidate, search_layer
 from .thresholds import Thresholds
 
-# The int ladder squareq has always climbed. NF4 and FP8 are offered through --formats; on the real text model of
-# docs/benchmarks.md ("Formats on the ladder") neither lowered the error per byte enough to be measured by default.
+# The int ladder. NF4 and FP8 are offered through --formats: on the real text model of docs/benchmarks.md ("Formats
+# on the ladder"), with every rung offered the planner took NF4 for 1 layer of 36 and FP8 for none, and the error per
+# byte stayed within 2.6% of this ladder's, for a quarter more compile time.
 DEFAULT_FORMATS = ("W4", "W6", "W8", "bf16")
 _REFERENCE_SHAPE = (256, 3072)  # for ordering rungs by bytes per weight (scales and zero points included)
 
