@@ -19,7 +19,9 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
 * ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
   this script already exists in ``--workdir``;
 * ``squareq RES K HOST``: ``squareq.runtime.load(slab, prefetch=K, host=HOST)`` + ``add_lora``; reports
-  copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction;
+  copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction. K ``auto`` is
+  ``squareq train``'s default: two slots, then a StreamTuner sizes the ring from the second (warm-up) step, as the
+  trainer does, and the record says how many slots it chose;
 * ``resident RES``: the bf16 model fully on the GPU with PEFT LoRA, the speed to match;
 * ``bnb RES``: bitsandbytes NF4 linears (QLoRA) with PEFT LoRA, when bitsandbytes imports;
 * ``group_offload RES``: diffusers block-level group offloading with streams and PEFT LoRA.
@@ -340,7 +342,7 @@ def phase_slab(setup: Setup) -> None:
 LORA_LAYERS = ("squareq", "peft", "dora")
 
 
-def phase_squareq(setup: Setup, res: int, prefetch: int, host: str, lora: str = "squareq") -> None:
+def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq") -> None:
     import squareq.runtime as rt
 
     rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora,
@@ -355,7 +357,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str, lora: str = 
     if hasattr(rt, "plan"):
         try:
             predicted = rt.plan(setup.slab, resolution=res, batch=1, text_tokens=setup.text_tokens,
-                                prefetch=prefetch, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS)
+                                prefetch=2 if prefetch == "auto" else prefetch, lora_rank=LORA_RANK,
+                                lora_targets=LORA_TARGETS)
             # MemoryPlan has peak_allocated and peak_reserved; an older draft had only peak_bytes.
             peak = getattr(predicted, "peak_allocated", None) or predicted.peak_bytes
             rec["plan_peak_GB"] = peak / 1e9
@@ -366,7 +369,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str, lora: str = 
     start = time.perf_counter()
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
-    model = rt.load(setup.slab, setup.device, prefetch=prefetch, host=host, verify="off", trace=trace)
+    model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
+                    trace=trace)
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -375,8 +379,24 @@ def phase_squareq(setup: Setup, res: int, prefetch: int, host: str, lora: str = 
                lora_params=sum(p.numel() for p in params))
     runtime = rt.runtime_of(model)
     log(f"squareq {res} K={prefetch} {host}: loaded in {rec['load_s']:.1f} s")
-    result = train(setup, model, params, res, lambda: runtime.step_stats().to_dict(),
+    tuner = None
+    if prefetch == "auto":  # as squareq train: measure the second step, then size the ring
+        from squareq.runtime.residency import StreamTuner
+        tuner = StreamTuner(model, prefetch="auto", probe_step=1)
+    steps = iter(range(-1, 1 << 30))
+
+    def after_step() -> dict:
+        i = next(steps)
+        if tuner is not None:
+            if i >= 0:
+                tuner.after_step(i)
+            tuner.before_step(i + 1)
+        return runtime.step_stats().to_dict()
+
+    result = train(setup, model, params, res, after_step,
                    label=f"squareq_{res}_{prefetch}_{host}" + ("" if lora == "squareq" else f"_{lora}"))
+    if tuner is not None:
+        rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
     stats = result.pop("median_figures")
     rec.update(result)
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
@@ -461,7 +481,8 @@ def phase_record(phase: list[str]) -> dict:
     if phase[0] != "slab":
         rec["res"] = int(phase[1])
     if phase[0] == "squareq":
-        rec.update(prefetch=int(phase[2]), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq")
+        k = phase[2]
+        rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq")
     return rec
 
 
@@ -580,6 +601,8 @@ def table(records: list[dict]) -> str:
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}" + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
+            if r.get("slots") is not None:
+                notes.append(f"auto chose {r['slots']} slots")
             if "step_s" in r:
                 notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
             if "plan_peak_GB" in r:
@@ -609,7 +632,8 @@ def main() -> None:
     ap.add_argument("--disk-res", type=int, nargs="*", help="resolutions for squareq host=disk K=3 (512)")
     ap.add_argument("--offload-res", type=int, nargs="*", help="resolutions for group offload (512)")
     ap.add_argument("--bnb-res", type=int, nargs="*", help="resolutions for bnb (same as --res)")
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 3], help="ring sizes K for host=pinned")
+    ap.add_argument("--prefetch", nargs="+", default=["2", "3"],
+                    help="ring sizes K for host=pinned: whole numbers, or auto (squareq train's default)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="slab,squareq,resident,bnb,group_offload")

@@ -305,7 +305,9 @@ def _config_options(command):
                                    help=HELP[f.name])(command)
         else:
             kind = str(f.type)
-            typ = str if "list" in kind else float if "float" in kind else int if "int" in kind else str
+            # a word or a count (prefetch: auto or 3) is read as text and settled by the config
+            typ = str if "list" in kind or "str" in kind else float if "float" in kind else \
+                int if "int" in kind else str
             command = click.option(flag, f.name, type=typ, default=None, help=HELP[f.name])(command)
     return command
 

@@ -50,7 +50,9 @@ class BlockRunner:
     @contextlib.contextmanager
     def in_slot(self, phase: str, training: bool):
         """Hold this block in a device slot for the duration (nothing to do for a block kept on the device)."""
-        timer = self.runtime.block_timer
+        # a probe times forward passes only: a training step's forward has the least compute per copied block, so
+        # a ring that hides its copies hides the backward's too
+        timer = self.runtime.block_timer if phase == FORWARD else None
         if self.index in self.runtime.resident_blocks:  # kept on the device (runtime/residency.py)
             slot = None
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,13 +123,13 @@ class StreamTuner:
     """Measures step ``probe_step`` of a streamed model and applies :func:`plan_stream` after it.
 
     Call :meth:`before_step` / :meth:`after_step` around each step (a diffusers pipeline: pass
-    :meth:`pipeline_callback` as ``callback_on_step_end``). ``budget_bytes``: free device memory to plan with
-    (default: what the device, or for a CPU model the host, reports free after the probe step, less a margin for
-    activations).
+    :meth:`pipeline_callback` as ``callback_on_step_end``). ``budget_bytes``: free device memory to plan with, or a
+    function that says it after the probe step (default: what the device, or for a CPU model the host, reports free
+    after the probe step, less a margin for activations). The plan applied is :attr:`plan`.
     """
 
     def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
-                 probe_step: int = 1, budget_bytes: int | None = None) -> None:
+                 probe_step: int = 1, budget_bytes: int | Callable[[], int] | None = None) -> None:
         from .loader import runtime_of
 
         self.rt = runtime_of(model)
@@ -160,6 +161,8 @@ class StreamTuner:
                  self.plan.describe(), bandwidth / 1e9)
 
     def _budget(self) -> int:
+        if callable(self.budget_bytes):
+            return self.budget_bytes()
         if self.budget_bytes is not None:
             return self.budget_bytes
         if self.rt.device.type == "cuda":

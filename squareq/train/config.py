@@ -96,7 +96,9 @@ HELP = {
     "log": "Metrics: jsonl, or tensorboard.",
     "resume": "Continue from a checkpoint: latest, or a checkpoint folder.",
     "nan_patience": "Stop after this many steps in a row with NaN/Inf losses or gradients.",
-    "prefetch": "Block slots on the GPU (the runtime's ring size).",
+    "prefetch": "Block slots on the GPU (the runtime's ring size): auto (measure the second step and add slots until "
+                "the block copies hide behind compute, as squareq sample does; within vram_budget when set), or a "
+                "whole number.",
     "host": "Where block blobs wait: pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
@@ -174,7 +176,7 @@ class TrainConfig:
     resume: str | None = None  # "latest" or a checkpoint folder
     nan_patience: int = 5  # consecutive skipped steps (NaN/Inf) before the run stops
     # runtime
-    prefetch: int = 2
+    prefetch: int | str = "auto"
     host: str = "pinned"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
@@ -215,7 +217,10 @@ class TrainConfig:
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")
-        for key in ("rank", "batch_size", "grad_accum", "prefetch", "nan_patience", "sample_steps",
+        if self.prefetch != "auto" and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
+                                        or self.prefetch < 1):
+            raise bad("prefetch", "must be auto or a whole number of at least 1")
+        for key in ("rank", "batch_size", "grad_accum", "nan_patience", "sample_steps",
                     "max_sequence_length", "keep_last"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
@@ -336,6 +341,10 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     if value is None:
         return None
     try:
+        if kind == "int | str":  # a count or a word (prefetch: "auto")
+            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value) if isinstance(value, (int, float)) or str(value).strip().isdigit() else str(value)
         if kind == "bool":
             if isinstance(value, bool):
                 return value

@@ -34,6 +34,7 @@ from ..devices import default_device
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
 from ..runtime.host_memory import HostMemoryError
+from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence
 from .cache import EmbeddingCache, content_key, file_digest
@@ -294,7 +295,7 @@ class _Run:
         _check_variant(cfg, self.out, self.ranks.world)
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
-                                text_tokens=cfg.max_sequence_length, prefetch=cfg.prefetch, lora_rank=cfg.rank,
+                                text_tokens=cfg.max_sequence_length, prefetch=_start_slots(cfg), lora_rank=cfg.rank,
                                 lora_targets=cfg.targets)
             echo("expected device memory:\n" + str(plan))
             if cfg.use_dora:
@@ -326,13 +327,14 @@ class _Run:
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
         try:
-            model = runtime.load(self.slab, self.device, prefetch=cfg.prefetch, host=host, verify="off")
+            model = runtime.load(self.slab, self.device, prefetch=_start_slots(cfg), host=host, verify="off")
         except HostMemoryError as exc:
             if host == cfg.host:
                 raise TrainError(f"--host {cfg.host}: {exc}") from None
             log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
-            model = runtime.load(self.slab, self.device, prefetch=cfg.prefetch, host="pinned", verify="off")
+            model = runtime.load(self.slab, self.device, prefetch=_start_slots(cfg), host="pinned", verify="off")
         self.model = model
+        self.tuner = self._tuner(model)
         self.params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets,
                                        seed=cfg.seed, variant=cfg.lora_variant)
         self.names = list(runtime.lora_parameters(model))
@@ -423,6 +425,7 @@ class _Run:
         """One optimizer step over ``grad_accum`` micro-batches; a non-finite one is retried or skipped."""
         started = time.perf_counter()
         self.updating = False
+        self.tune(before=True)
         step_loss = self.micro_batches()
         params = self.params
         self.ranks.average_grads(params)
@@ -439,8 +442,35 @@ class _Run:
         if self.cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
         self.update()
+        self.tune(before=False)
         self.record(step_loss, float(norm), started)
         self.after_update()
+
+    def _tuner(self, model) -> StreamTuner | None:
+        """``prefetch = "auto"``: a StreamTuner that measures this process's second step and grows the ring until the
+        copies hide behind compute, within what ``vram_budget`` leaves beyond that step's peak (or what the device has
+        free). Streamed results do not depend on the ring, so a resumed run that sizes it otherwise trains the same."""
+        if self.cfg.prefetch != "auto" or not runtime.runtime_of(model).streamed:
+            return None
+        budget = None
+        if self.cfg.vram_budget_bytes is not None and self.device.type == "cuda":
+            device, limit = self.device, self.cfg.vram_budget_bytes
+            budget = lambda: max(0, limit - torch.cuda.max_memory_reserved(device))  # noqa: E731
+        self.steps_here = 0
+        return StreamTuner(model, prefetch="auto", probe_step=1, budget_bytes=budget)
+
+    def tune(self, before: bool) -> None:
+        """Around each optimizer step of this process: time the probe step, then size the ring and say so."""
+        if self.tuner is None:
+            return
+        if before:
+            self.tuner.before_step(self.steps_here)
+            return
+        planned = self.tuner.plan
+        self.tuner.after_step(self.steps_here)
+        self.steps_here += 1
+        if planned is None and self.tuner.plan is not None:
+            self.echo(f"prefetch auto: {self.tuner.plan.describe()}")
 
     def micro_batches(self) -> float:
         """Forward and backward over ``grad_accum`` batches; the summed loss (each divided by ``grad_accum``)."""
@@ -733,6 +763,11 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
         files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, kohya_alpha, cfg.targets,
                                          extra_metadata=provenance, header=header("kohya"))
     return files
+
+
+def _start_slots(cfg: TrainConfig) -> int:
+    """The ring the model is loaded with: ``prefetch``, or for ``auto`` two slots until the second step is measured."""
+    return 2 if cfg.prefetch == "auto" else cfg.prefetch
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: list[dict], folder: Path, step: int,

@@ -190,3 +190,16 @@ def test_lora_variants_are_checked_and_kohya_network_dropout_is_refused(tmp_path
     path.write_text("network_dim = 8\nnetwork_dropout = 0.1\n")
     with pytest.raises(ConfigError, match="network_dropout: kohya drops the LoRA's rank activations.*set lora_dropout"):
         load_config(path)
+
+
+def test_prefetch_is_auto_by_default_or_a_count_from_a_file_or_a_flag(tmp_path):
+    assert load_config(None, {}).prefetch == "auto"
+    assert load_config(None, {"prefetch": "3"}).prefetch == 3
+    path = tmp_path / "ring.toml"
+    path.write_text('prefetch = 4\n')
+    assert load_config(path).prefetch == 4
+    path.write_text('prefetch = "auto"\n')
+    assert load_config(path).prefetch == "auto"
+    for bad in ("0", "lots", "2.5"):
+        with pytest.raises(ConfigError, match="--prefetch: prefetch = .* must be auto or a whole number of at least 1"):
+            load_config(None, {"prefetch": bad})
