@@ -404,7 +404,9 @@ class AutoOrInt(click.ParamType):
 @click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
               help="Blocks kept on the GPU after the second step, those whose copy outweighs their compute "
                    "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
-@click.option("--host", type=click.Choice(["pinned", "disk"]), default="pinned", show_default=True)
+@click.option("--host", type=click.Choice(["auto", "pinned", "disk"]), default="auto", show_default=True,
+              help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
+                   "spare, else disk), pinned (RAM) or disk (read from the slab file).")
 def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
            resident_blocks, host):
     """Generate images with the streamed slab, optionally with a LoRA."""

@@ -8,6 +8,7 @@ reference the streamed one must equal, and the fastest choice when the whole sla
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -22,11 +23,14 @@ from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
 from .blocks import BlockRunner
 from .host import DiskStaging, PinnedArena
+from .host_choice import choose_host
 from .qlinear import DequantScratch, QuantLinear
 from .streamer import Streamer
 from .telemetry import StepStats, Telemetry
 
-HOSTS = ("pinned", "shared", "disk")
+log = logging.getLogger("squareq.runtime")
+
+HOSTS = ("pinned", "shared", "disk", "auto")
 RUNTIME_ATTR = "_squareq_runtime"
 
 
@@ -46,6 +50,7 @@ class Runtime:
         self.binder: _Binder | None = None
         self.resident_blocks: dict[int, torch.Tensor] = {}  # streamed model: blocks kept on the device, their blob
         self.block_timer = None  # a residency.BlockTimer while a step is measured
+        self.host, self.host_reason = "pinned", ""  # where the blobs wait, and why (host="auto" says)
 
     def measure_copy_bandwidth(self, blocks: int = 3) -> float:
         """Host-to-device bytes per second of this model's block copies (the largest ``blocks`` blocks, each
@@ -229,7 +234,9 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
         computing; 1 means no overlap). host: "pinned" keeps every blob in page-locked RAM; "shared" does
         too, with one copy for all processes of the host (data-parallel ranks; a file in /dev/shm); "disk"
-        reads them from the slab file through two page-locked staging buffers. stream=False puts every block on
+        reads them from the slab file through two page-locked staging buffers; "auto" is "pinned" when the blobs fit
+        in the host memory available with room to spare, else "disk" (runtime/host_choice.py; the choice and why are
+        ``runtime_of(model).host`` and ``.host_reason``, and logged). stream=False puts every block on
         the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
         returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
         (default: the ``SQUAREQ_TRACE`` environment variable).
@@ -258,7 +265,11 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     binder = _Binder(model, s)
     telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())
     sizes = [b.nbytes for b in m.blocks]
-    streamer, device_blobs = None, []
+    streamer, device_blobs, reason = None, [], "asked for"
+    if host == "auto":
+        host, reason = choose_host(sum(sizes))
+        # reading from disk is much slower: a user who did not ask for it is told even without --verbose
+        (log.warning if host == "disk" else log.info)("host auto: %s: %s.", host, reason)
     if stream:
         source = DiskStaging(s, device) if host == "disk" else PinnedArena.for_slab(s, device, shared=host == "shared")
         try:
@@ -276,6 +287,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     model.eval()
     rt = Runtime(model, m, device, streamer, telemetry, scratch, device_blobs)
     rt.binder = binder
+    rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if streamer is not None:
         weakref.finalize(model, streamer.close)  # the disk reader thread and its file go with the model

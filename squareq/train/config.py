@@ -27,7 +27,7 @@ from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, LOSS_WEIGHTINGS, TIMESTE
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "cosine")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
-HOSTS = ("pinned", "shared", "disk")
+HOSTS = ("auto", "pinned", "shared", "disk")
 LOGGERS = ("jsonl", "tensorboard")
 SAVE_FORMATS = ("diffusers", "kohya")
 
@@ -99,7 +99,8 @@ HELP = {
     "prefetch": "Block slots on the GPU (the runtime's ring size): auto (measure the second step and add slots until "
                 "the block copies hide behind compute, as squareq sample does; within vram_budget when set), or a "
                 "whole number.",
-    "host": "Where block blobs wait: pinned (RAM; shared by the ranks of a host when several run), shared "
+    "host": "Where block blobs wait: auto (pinned when they fit in the host memory available with room to spare, "
+            "else disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
@@ -177,7 +178,7 @@ class TrainConfig:
     nan_patience: int = 5  # consecutive skipped steps (NaN/Inf) before the run stops
     # runtime
     prefetch: int | str = "auto"
-    host: str = "pinned"
+    host: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families

@@ -33,6 +33,7 @@ from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
+from ..runtime.host_choice import choose_host
 from ..runtime.host_memory import HostMemoryError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
@@ -324,12 +325,16 @@ class _Run:
         cfg, ranks, data = self.cfg, self.ranks, self.data
         # the other ranks wait here while rank 0 fills the cache, so encoders and slab are never in memory together
         image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
+        asked = cfg.host
+        if asked == "auto":
+            asked, why = choose_host(sum(b.nbytes for b in self.slab.manifest.blocks))
+            self.echo(f"host auto: {asked}: {why}")
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
-        host = "shared" if cfg.host == "pinned" and ranks.local_world > 1 else cfg.host
+        host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
         try:
             model = runtime.load(self.slab, self.device, prefetch=_start_slots(cfg), host=host, verify="off")
         except HostMemoryError as exc:
-            if host == cfg.host:
+            if host == asked:
                 raise TrainError(f"--host {cfg.host}: {exc}") from None
             log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
             model = runtime.load(self.slab, self.device, prefetch=_start_slots(cfg), host="pinned", verify="off")

@@ -78,7 +78,7 @@ def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, 
 
 def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None = None, model: str | None = None,
                   resolution: int = 1024, steps: int = 20, guidance: float = 3.5, seed: int = 42,
-                  max_sequence_length: int = 512, prefetch: int | str = "auto", host: str = "pinned", device=None,
+                  max_sequence_length: int = 512, prefetch: int | str = "auto", host: str = "auto", device=None,
                   resident_blocks: int | str = 0, on_image: Callable[[int, object], None] | None = None):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it

@@ -1042,15 +1042,18 @@ def test_lora_dropout_with_several_processes_and_two_validation_sources_are_refu
         _config(workspace, tmp_path / "v", validation_split=1.0)
 
 
-def test_prefetch_auto_sizes_the_ring_after_the_second_step_and_trains_the_same(workspace, tmp_path):
-    """The default ring (prefetch = "auto") is measured on the second step of the run and sized then, and the LoRA is
-    the one a fixed ring trains, bit for bit; a fixed ring is the negative control that says nothing."""
+def test_prefetch_and_host_auto_say_what_they_chose_and_train_the_same(workspace, tmp_path):
+    """The defaults: the ring (prefetch = "auto") is measured on the second step of the run and sized then, and the
+    blobs' host (host = "auto") is chosen from the memory available; the LoRA is the one a fixed ring on a pinned host
+    trains, bit for bit. The fixed settings are the negative control that says nothing."""
     said_auto, said_fixed = [], []
     auto = train(_config(workspace, tmp_path / "auto", steps=3), echo=said_auto.append)
-    fixed = train(_config(workspace, tmp_path / "fixed", steps=3, prefetch=2), echo=said_fixed.append)
+    fixed = train(_config(workspace, tmp_path / "fixed", steps=3, prefetch=2, host="pinned"), echo=said_fixed.append)
     (line,) = [s for s in said_auto if s.startswith("prefetch auto: ")]
     assert " slots, 0 blocks kept on the GPU; per step the streamed copies take " in line
-    assert not any(s.startswith("prefetch auto") for s in said_fixed)
+    (line,) = [s for s in said_auto if s.startswith("host auto: ")]
+    assert line.startswith("host auto: pinned: the 0.0 GB of blocks fit in the ")
+    assert not any(s.startswith(("prefetch auto", "host auto")) for s in said_fixed)
     a, _ = load_lora(auto.lora_file)
     b, _ = load_lora(fixed.lora_file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
