@@ -295,6 +295,11 @@ class TrainConfig:
         return dataclasses.replace(self, targets=list(targets))
 
     @property
+    def start_prefetch(self) -> int:
+        """The ring a model is loaded with: ``prefetch``, or for ``auto`` two slots until a step is measured."""
+        return 2 if self.prefetch == "auto" else self.prefetch
+
+    @property
     def largest_resolution(self) -> int:
         """The largest training side: what memory plans and sample images use."""
         return max(self.resolution)

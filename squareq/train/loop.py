@@ -296,7 +296,7 @@ class _Run:
         _check_variant(cfg, self.out, self.ranks.world)
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
-                                text_tokens=cfg.max_sequence_length, prefetch=_start_slots(cfg), lora_rank=cfg.rank,
+                                text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
                                 lora_targets=cfg.targets)
             echo("expected device memory:\n" + str(plan))
             if cfg.use_dora:
@@ -332,12 +332,12 @@ class _Run:
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
         try:
-            model = runtime.load(self.slab, self.device, prefetch=_start_slots(cfg), host=host, verify="off")
+            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host=host, verify="off")
         except HostMemoryError as exc:
             if host == asked:
                 raise TrainError(f"--host {cfg.host}: {exc}") from None
             log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
-            model = runtime.load(self.slab, self.device, prefetch=_start_slots(cfg), host="pinned", verify="off")
+            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host="pinned", verify="off")
         self.model = model
         self.tuner = self._tuner(model)
         self.params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets,
@@ -768,11 +768,6 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
         files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, kohya_alpha, cfg.targets,
                                          extra_metadata=provenance, header=header("kohya"))
     return files
-
-
-def _start_slots(cfg: TrainConfig) -> int:
-    """The ring the model is loaded with: ``prefetch``, or for ``auto`` two slots until the second step is measured."""
-    return 2 if cfg.prefetch == "auto" else cfg.prefetch
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: list[dict], folder: Path, step: int,
