@@ -95,7 +95,7 @@ def predictors(model: str, source, base: dict, work: Path, device: str) -> None:
             exact[rec.name] = plan_output_error(
                 source, batch.heldout_kwargs, batch.heldout_row_mask,
                 lambda i, n=rec.name, q=qw, b=rec.block: {n: q} if i == b else {}, device)
-            w4 = rec.rungs["4"]["metrics"]
+            w4 = rec.rungs["W4"]["metrics"]
             rows.append(emit({"kind": "layer", "model": model, "layer": rec.name, "exact_effect": exact[rec.name],
                               "estimated_effect": w4["effect"], "layer_heldout_rel_mse": w4["heldout_rel_mse"],
                               "act_outlier_score": w4["act_outlier_score"], "scale_ratio": w4["scale_ratio"]}))

@@ -197,6 +197,8 @@ def _progress_printer():
               "weight first; W is integer codes, NF4 the QLoRA lookup, FP8 E4M3). Each layer starts on the cheapest "
               "and moves up where its measured effect on the output falls most per byte; fewer rungs, a faster "
               "compile.")
+@click.option("--min-bits", "old_min_bits", hidden=True, help="Gone: see --formats.")
+@click.option("--max-bits", "old_max_bits", hidden=True, help="Gone: see --formats.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks "
                                               "(repeatable).")
 @click.option("--calib-data", type=click.Path(path_type=Path), default=None,
@@ -236,10 +238,10 @@ def _progress_printer():
               "what does not fit waits in pinned host memory, and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, formats, blocks, calib_data, calib_cache,
-                calib_text, encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic, rounding,
-                group_size, previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume,
-                force) -> None:
+def compile_cmd(model, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks, calib_data,
+                calib_cache, calib_text, encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic,
+                rounding, group_size, previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device,
+                vram_budget, resume, force) -> None:
     """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
     slab.
 
@@ -252,6 +254,9 @@ def compile_cmd(model, out, budget, objective, thresholds_file, formats, blocks,
 
     if max_block_bytes and vram_cap:
         raise click.UsageError("--max-block-bytes and --vram-cap each cap the largest block; give one of them.")
+    if old_min_bits or old_max_bits:
+        raise click.UsageError("--min-bits and --max-bits are gone: name the rungs with --formats instead (--formats "
+                               "W6,W8,bf16 for --min-bits 6, --formats W4,W6,W8 for --max-bits 8).")
     given = [flag for flag, v in (("--calib-data", calib_data), ("--calib-cache", calib_cache),
                                   ("--calib-text", calib_text), ("--calib-synthetic", calib_synthetic)) if v]
     if len(given) > 1:

@@ -175,6 +175,7 @@ def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
     (["tiny-flux", "--budget", "1GB", "--from", "/no/such.slab"], "--from /no/such.slab"),
     (["tiny-flux", "--budget", "1GB", "--formats", "W4,W5"], "--formats W4,W5: name each rung once, from NF4, W4"),
     (["tiny-flux", "--budget", "1GB", "--formats", ""], "--formats (empty): name each rung once"),
+    (["tiny-flux", "--budget", "1GB", "--min-bits", "6"], "--min-bits and --max-bits are gone: name the rungs with"),
     (["tiny-flux", "--budget", "1GB", "--vram-cap", "1KB", "--calib-samples", "4", "--calib-resolution", "64",
       "--rounding", "nearest", "--effect-probes", "1"], "does not even hold the resident tensors"),
 ])
