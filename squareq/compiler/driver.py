@@ -140,6 +140,8 @@ class _Run:
         self.cursor = axes.cursor()
         self.peaks = PeakLog(opts.device)
         self.block_peaks = PeakLog(opts.device)
+        self.offered = ladder(opts.group_size)  # every rung by name, worked out once for the whole compile
+        self.rungs = [self.offered[r] for r in opts.formats]
 
     def run(self, shell) -> None:
         """One calibration pass of the model's own forward over the batch (on the device for this pass only)."""
@@ -157,8 +159,8 @@ class _Run:
     def rungs_for(self, name: str) -> list[quant.QuantSpec] | None:
         """The specs to measure the layer at: every --formats rung, or for a rebuild only the rung it moved to."""
         if self.wanted is None:
-            return rung_specs(self.opts.formats, self.opts.group_size)
-        return [ladder(self.opts.group_size)[self.wanted[name]]] if name in self.wanted else None
+            return self.rungs
+        return [self.offered[self.wanted[name]]] if name in self.wanted else None
 
     def block(self, index: int, path: str, args, kwargs):
         n = len(self.source.block_paths)
