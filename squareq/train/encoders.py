@@ -62,15 +62,21 @@ class Encoders:
         return ADAPTERS["flux"].recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)
 
 
-def _load_folder(source: Path, dtype: torch.dtype):
+TEXT_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+def _load_folder(source: Path, dtype: torch.dtype, text: bool = True):
+    """The FLUX pipeline of the folder holding ``source`` without its transformer (and, ``text=False``, without its
+    text encoders and tokenizers)."""
     from diffusers import FluxPipeline
 
     folder = pipeline_folder(source)
+    left_out = dict.fromkeys(("transformer",) + (() if text else TEXT_PARTS))
     try:
-        return FluxPipeline.from_pretrained(str(folder), transformer=None, torch_dtype=dtype, local_files_only=True)
+        return FluxPipeline.from_pretrained(str(folder), **left_out, torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({exc}); pass a complete FLUX "
-                           "pipeline folder with --model.") from None
+        raise EncoderError(f"cannot load the VAE{' and text encoders' if text else ''} from {folder} ({exc}); pass a "
+                           "complete FLUX pipeline folder with --model.") from None
 
 
 class ToyEncoders:
@@ -151,20 +157,11 @@ def open_decoder(source: str, family: str, dtype: torch.dtype):
         raise EncoderError(f"sample images during training are drawn for FLUX.1 only, not the {family} family.")
     if source == "tiny-flux":
         pipe = build_tiny_flux_pipeline()
-        for name in ("transformer", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        for name in ("transformer", *TEXT_PARTS):
             setattr(pipe, name, None)
         pipe.vae.to(dtype=dtype)
         return pipe
-    from diffusers import FluxPipeline
-
-    folder = pipeline_folder(Path(source).expanduser())
-    try:
-        return FluxPipeline.from_pretrained(str(folder), transformer=None, text_encoder=None, text_encoder_2=None,
-                                            tokenizer=None, tokenizer_2=None, torch_dtype=dtype,
-                                            local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise EncoderError(f"cannot load the VAE from {folder} ({exc}); pass a complete FLUX pipeline folder with "
-                           "--model.") from None
+    return _load_folder(Path(source).expanduser(), dtype, text=False)
 
 
 @contextlib.contextmanager

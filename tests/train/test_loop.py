@@ -1057,3 +1057,15 @@ def test_prefetch_and_host_auto_say_what_they_chose_and_train_the_same(workspace
     a, _ = load_lora(auto.lora_file)
     b, _ = load_lora(fixed.lora_file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_sample_decoder_of_a_pipeline_folder_holds_the_vae_and_no_text_encoders(tmp_path):
+    from squareq.models import write_tiny_flux_pipeline
+    from squareq.train.encoders import EncoderError, open_decoder
+
+    folder = write_tiny_flux_pipeline(tmp_path / "pipe")
+    pipe = open_decoder(str(folder / "transformer"), "flux", torch.float32)
+    assert pipe.vae is not None and pipe.transformer is None
+    assert all(getattr(pipe, name) is None for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))
+    with pytest.raises(EncoderError, match="not a diffusers pipeline folder"):
+        open_decoder(str(tmp_path), "flux", torch.float32)
