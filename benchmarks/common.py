@@ -18,6 +18,14 @@ def emit(rec: dict) -> dict:
     return rec
 
 
+def write_records(out, name: str) -> None:
+    """With ``--out DIR``: every kept line to ``DIR/name`` (nothing without it)."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS))
+
+
 def log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import tempfile
@@ -36,7 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch
-from common import RECORDS, emit, git_commit, log
+from common import RECORDS, emit, git_commit, log, write_records
 from real_text_model import RELAXED, Evaluator, budget_for, compile_variant, model_folder, rtn_slab, slab_record
 
 from squareq.compiler.ladder import DEFAULT_FORMATS, ladder
@@ -114,9 +113,7 @@ def main() -> None:
                                      formats=offered)
         slab_record(path, evaluator, f"size@default-tau/{label}", compile_s=secs, offered=list(offered))
     verdicts(RECORDS)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "ladder_formats.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS))
+    write_records(args.out, "ladder_formats.jsonl")
     print()
     print(table(RECORDS))
 

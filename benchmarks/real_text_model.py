@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import re
 import sys
@@ -53,7 +52,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch
-from common import RECORDS, emit, git_commit, log
+from common import RECORDS, emit, git_commit, log, write_records
 
 from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
 from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES
@@ -245,9 +244,7 @@ def main() -> None:
     emit({"kind": "target", "variant": q["variant"], "bits_per_layer_weight": q["bits_per_layer_weight"],
           "bits_ok": q["bits_per_layer_weight"] <= args.target_bits, "ratio_to_rtn_w4": ratios,
           "ratio_ok": all(r <= 0.5 for r in ratios.values()), "layers_above_rtn_heldout": q["layers_above_rtn_heldout"]})
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "real_text_model.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS))
+    write_records(args.out, "real_text_model.jsonl")
     print()
     print(table(RECORDS))
 
