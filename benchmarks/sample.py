@@ -9,7 +9,8 @@ and inputs of ``benchmarks/train_step.py`` (whose slab phase writes, or reuses, 
 in its own process so memory statistics start clean:
 
 * ``resident``: the bf16 model on the GPU, the speed to match;
-* ``squareq K``: ``squareq.runtime.load(slab, prefetch=K)``, blocks streamed forward-only through K slots;
+* ``squareq K``: ``squareq.runtime.load(slab, prefetch=K, compute=C)``, blocks streamed forward-only through K
+  slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with FP8 tensor cores);
 * ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
   does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
   ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
@@ -86,12 +87,14 @@ def phase(args) -> None:
             from squareq.runtime.residency import StreamTuner
             from squareq.train.sample import FORWARD_SLOTS
 
-            k = args.phase[1]
+            k, *rest = args.phase[1:]
+            compute = next((a.split("=", 1)[1] for a in rest if a.startswith("compute=")), "bf16")
             rec["prefetch"] = k if k == "auto" else int(k)
             model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
-                            host="pinned", verify="off")
+                            host="pinned", verify="off", compute=compute)
+            rec.update(compute=compute, compute_used=rt.runtime_of(model).compute)
             if k == "auto":
-                resident = "auto" if args.phase[2:] == ["resident"] else 0
+                resident = "auto" if "resident" in rest else 0
                 rec["resident_blocks"] = resident
                 tuner = StreamTuner(model, prefetch="auto", resident=resident)
         else:
@@ -131,6 +134,7 @@ def main() -> None:
     ap.add_argument("--sequential-steps", type=int, default=2)
     ap.add_argument("--prefetch", nargs="+", default=["2", "3", "auto", "auto+resident"],
                     help="ring sizes K, auto, auto+resident")
+    ap.add_argument("--compute", nargs="+", default=["auto"], help="SquareQ compute modes: bf16, fp8, auto")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
@@ -151,7 +155,8 @@ def main() -> None:
     only = args.only.split(",")
     phases = []
     for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
-        phases += [["squareq", *str(k).split("+")] for k in args.prefetch] if s == "squareq" else [[s]]
+        phases += [["squareq", *str(k).split("+"), f"compute={c}"] for k in args.prefetch for c in args.compute] \
+            if s == "squareq" else [[s]]
     for p in phases:
         cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
                "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)] + (
@@ -184,7 +189,8 @@ def main() -> None:
                 print(f"| {r['what']} | | | | | | {r.get('error', '')} |")
             continue
         label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
-            " +resident" if r.get("resident_blocks") == "auto" else "")
+            " +resident" if r.get("resident_blocks") == "auto" else "") + (
+            f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
         ratio = f"{r['step_s'] / resident:.2f}" if resident else ""
         steady = f"{r['steady_step_s']:.3f}"
         note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "")

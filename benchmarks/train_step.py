@@ -18,10 +18,14 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
 
 * ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
   this script already exists in ``--workdir``;
-* ``squareq RES K HOST``: ``squareq.runtime.load(slab, prefetch=K, host=HOST)`` + ``add_lora``; reports
+* ``squareq RES K HOST LORA COMPUTE``: ``squareq.runtime.load(slab, prefetch=K, host=HOST, compute=COMPUTE)`` +
+  ``add_lora``; COMPUTE ``auto`` (``--compute``'s default, as squareq train's) is FP8 on GPUs with FP8 tensor cores; reports
   copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction. K ``auto`` is
   ``squareq train``'s default: two slots, then a StreamTuner sizes the ring from the second (warm-up) step, as the
   trainer does, and the record says how many slots it chose;
+* ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
+  LoRA (B nudged off zero so every factor has a gradient): the cosine and norm ratio of the LoRA gradients and the
+  output's rel-MSE, FP8 against bf16;
 * ``resident RES``: the bf16 model fully on the GPU with PEFT LoRA, the speed to match;
 * ``bnb RES``: bitsandbytes NF4 linears (QLoRA) with PEFT LoRA, when bitsandbytes imports;
 * ``group_offload RES``: diffusers block-level group offloading with streams and PEFT LoRA.
@@ -342,10 +346,11 @@ def phase_slab(setup: Setup) -> None:
 LORA_LAYERS = ("squareq", "peft", "dora")
 
 
-def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq") -> None:
+def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
+                  compute: str = "bf16") -> None:
     import squareq.runtime as rt
 
-    rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora,
+    rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
            "device": setup.device_name}
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
     trace = None
@@ -356,9 +361,11 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         rec["note"] = "the slab is far smaller than host RAM, so reads after the first come from the page cache"
     if hasattr(rt, "plan"):
         try:
+            from squareq.runtime.compute import resolve_compute
+
             predicted = rt.plan(setup.slab, resolution=res, batch=1, text_tokens=setup.text_tokens,
                                 prefetch=2 if prefetch == "auto" else prefetch, lora_rank=LORA_RANK,
-                                lora_targets=LORA_TARGETS)
+                                lora_targets=LORA_TARGETS, compute=resolve_compute(compute, setup.device)[0])
             # MemoryPlan has peak_allocated and peak_reserved; an older draft had only peak_bytes.
             peak = getattr(predicted, "peak_allocated", None) or predicted.peak_bytes
             rec["plan_peak_GB"] = peak / 1e9
@@ -370,7 +377,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
-                    trace=trace)
+                    trace=trace, compute=compute)
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -378,7 +385,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     rec.update(load_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
                lora_params=sum(p.numel() for p in params))
     runtime = rt.runtime_of(model)
-    log(f"squareq {res} K={prefetch} {host}: loaded in {rec['load_s']:.1f} s")
+    rec["compute_used"] = runtime.compute
+    log(f"squareq {res} K={prefetch} {host} {runtime.compute}: loaded in {rec['load_s']:.1f} s")
     tuner = None
     if prefetch == "auto":  # as squareq train: measure the second step, then size the ring
         from squareq.runtime.residency import StreamTuner
@@ -394,7 +402,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         return runtime.step_stats().to_dict()
 
     result = train(setup, model, params, res, after_step,
-                   label=f"squareq_{res}_{prefetch}_{host}" + ("" if lora == "squareq" else f"_{lora}"))
+                   label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}"))
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
     stats = result.pop("median_figures")
@@ -404,6 +412,56 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
                bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],
                demand_loads=stats["demand_loads"])
     runtime.close()
+    emit(rec)
+
+
+def lora_step(setup: Setup, res: int, compute: str) -> tuple:
+    """One LoRA step of the streamed slab in ``compute``: the output and every LoRA gradient, on the host."""
+    import gc
+
+    import torch
+
+    import squareq.runtime as rt
+
+    model = rt.load(setup.slab, setup.device, prefetch=3, host="pinned", verify="off", compute=compute)
+    params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B off zero: every A gets a gradient too
+        for p in params:
+            p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
+    model.enable_gradient_checkpointing()
+    model.train()
+    batch, target = make_batch(setup, res, model)
+    with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+        out = model(**batch, return_dict=False)[0]
+    loss = torch.nn.functional.mse_loss(out.float(), target.float())
+    loss.backward()
+    grads = {n: p.grad.float().cpu() for n, p in rt.lora_parameters(model).items()}
+    result = out.float().cpu(), grads, loss.item(), rt.runtime_of(model).compute
+    rt.runtime_of(model).close()
+    del model, params, out, loss
+    gc.collect()
+    if setup.cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def phase_gradients(setup: Setup, res: int) -> None:
+    import torch
+
+    rec = {"what": "gradients", "res": res, "device": setup.device_name}
+    out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
+    out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
+    cos = {n: torch.nn.functional.cosine_similarity(grads_b[n].flatten(), grads_f[n].flatten(), dim=0).item()
+           for n in grads_b}
+    flat_b = torch.cat([g.flatten() for g in grads_b.values()])
+    flat_f = torch.cat([grads_f[n].flatten() for n in grads_b])
+    worst = min(cos, key=cos.get)
+    rec.update(compute_used=used, tensors=len(cos),
+               cos_global=torch.nn.functional.cosine_similarity(flat_b, flat_f, dim=0).item(),
+               cos_median=statistics.median(cos.values()), cos_min=cos[worst], cos_min_tensor=worst,
+               norm_ratio=(flat_f.norm() / flat_b.norm()).item(), loss_bf16=loss_b, loss_fp8=loss_f,
+               out_rel_mse=((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item())
     emit(rec)
 
 
@@ -482,7 +540,8 @@ def phase_record(phase: list[str]) -> dict:
         rec["res"] = int(phase[1])
     if phase[0] == "squareq":
         k = phase[2]
-        rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq")
+        rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
+                   compute=phase[5] if len(phase) > 5 else "bf16")
     return rec
 
 
@@ -498,9 +557,10 @@ def run_phase(args) -> None:
         if name == "slab":
             phase_slab(setup)
         elif name == "squareq":
-            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"])
+            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"])
         else:
-            {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
+            {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload,
+             "gradients": phase_gradients}[name](setup, rec["res"])
     except Exception as exc:
         import traceback
         traceback.print_exc()
@@ -573,7 +633,7 @@ def write_jsonl(out: Path, records: list[dict]) -> None:
     os.replace(tmp, out / "train_step.jsonl")  # readers never see a half-written file
 
 
-LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4",
+LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4", "gradients": "FP8 vs bf16 grads",
           "group_offload": "diffusers group offload"}
 
 
@@ -598,8 +658,12 @@ def table(records: list[dict]) -> str:
             continue
         setup = LABELS.get(what, what)
         notes = []
+        if what == "gradients" and "cos_global" in r:
+            notes.append(f"LoRA grad cos {r['cos_global']:.4f} (median {r['cos_median']:.4f}, min {r['cos_min']:.4f}), "
+                         f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
         if what == "squareq":
-            setup += f" K={r.get('prefetch')} {r.get('host')}" + (
+            setup += f" K={r.get('prefetch')} {r.get('host')} {r.get('compute', 'bf16')}" + (
+                f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
             if r.get("slots") is not None:
                 notes.append(f"auto chose {r['slots']} slots")
@@ -634,6 +698,11 @@ def main() -> None:
     ap.add_argument("--bnb-res", type=int, nargs="*", help="resolutions for bnb (same as --res)")
     ap.add_argument("--prefetch", nargs="+", default=["2", "3"],
                     help="ring sizes K for host=pinned: whole numbers, or auto (squareq train's default)")
+    ap.add_argument("--compute", nargs="+", default=["auto"],
+                    help="compute modes of the SquareQ setups: bf16, fp8, auto (squareq train's default)")
+    ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
+    ap.add_argument("--gradients-res", type=int, nargs="*", default=[],
+                    help="resolutions at which to compare LoRA gradients in FP8 and bf16 compute (e.g. 512)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="slab,squareq,resident,bnb,group_offload")
@@ -688,9 +757,11 @@ def main() -> None:
         if "resident" in only:
             phases.append(["resident", str(r)])
         if "squareq" in only:
-            phases += [["squareq", str(r), str(k), "pinned", lora] for k in args.prefetch for lora in lora_layers]
+            phases += [["squareq", str(r), str(k), "pinned", lora, c] for k in args.prefetch for lora in lora_layers
+                       for c in args.compute]
     if "squareq" in only:
-        phases += [["squareq", str(r), "3", "disk"] for r in disk_res]
+        phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", c] for r in disk_res for c in args.compute]
+        phases += [["gradients", str(r)] for r in args.gradients_res]
     skipped = []
     for name, rs in (("bnb", bnb_res), ("group_offload", offload_res)):
         if name not in only:

@@ -20,6 +20,7 @@ from .devices import default_device
 from .models import ModelError
 from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
+from .runtime.compute import MODES as COMPUTE_MODES
 from .slab import SlabError, open_slab
 from .slab.atomic import OutputError, os_error_sentence
 from .slab.summary import format_summary, summarize
@@ -126,9 +127,12 @@ def quiet_third_parties(verbose: bool) -> None:
 @click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--junit", type=click.Path(path_type=Path), help="Write a JUnit XML report here (for CI systems).")
 @click.option("--require-gpu", is_flag=True, help="A gate that needs a GPU fails instead of being skipped.")
+@click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True,
+              help="The slab's base-layer arithmetic in the gradient, image-drift and convergence gates, as squareq "
+              "train and sample run it (auto: fp8 on GPUs with FP8 tensor cores); the bf16 references run in bf16.")
 def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train_config, resolution,
            max_sequence_length, lr, rank, samples, images, sample_steps, clip_model, workdir, report, junit,
-           require_gpu) -> None:
+           require_gpu, compute) -> None:
     """Gate SLAB before anyone trains on it: layer MSE and block drift on fresh inputs, image drift and LoRA
     gradient agreement against the bf16 source, convergence decided by paired tests, peak VRAM and size. Exit
     status 0 when every gate passes, 3 when one fails, 4 when none fails but one cannot decide (INCONCLUSIVE),
@@ -152,7 +156,7 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
                                      rank=rank,
                                      resolution=resolution or (64 if builtin else None),
                                      max_sequence_length=max_sequence_length or (32 if builtin else None),
-                                     base=str(train_config) if train_config else None))
+                                     base=str(train_config) if train_config else None, compute=compute))
     result = run_accept(opts, echo=lambda line: click.echo(line, err=True))
     click.echo(result.table())
     if report:
@@ -412,8 +416,9 @@ class AutoOrInt(click.ParamType):
 @click.option("--host", type=click.Choice(["auto", "pinned", "disk"]), default="auto", show_default=True,
               help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
                    "spare, else disk), pinned (RAM) or disk (read from the slab file).")
+@click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True, help=HELP["compute"])
 def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
-           resident_blocks, host):
+           resident_blocks, host, compute):
     """Generate images with the streamed slab, optionally with a LoRA."""
     from .plot import write_png
     from .slab.atomic import ensure_output_dir
@@ -432,7 +437,7 @@ def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, m
 
     sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
-                  resident_blocks=resident_blocks, on_image=save)
+                  resident_blocks=resident_blocks, on_image=save, compute=compute)
 
 
 @main.command("export-lora")

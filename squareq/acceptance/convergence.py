@@ -54,6 +54,7 @@ class ConvergenceSettings:
     rank: int | None = None
     seed: int = 0
     base: str | None = None
+    compute: str = "auto"  # the slab run's base-layer arithmetic; the bf16 references always run in bf16
 
 
 # Below the base TOML: a short run needs a higher learning rate than a long one for its loss to move.
@@ -112,10 +113,10 @@ def reference_slab(source: Source, folder: Path, echo) -> Path:
 
 
 def _run(slab_path: Path, model: str, out: Path, cache: Path, steps: int, s: ConvergenceSettings, echo,
-         frozen: bool = False):
+         frozen: bool = False, compute: str = "bf16"):
     if out.exists():
         shutil.rmtree(out)  # this gate's own folder: every run starts from step 0
-    cfg = training_config(s, slab_path, model, out, cache, steps)
+    cfg = dataclasses.replace(training_config(s, slab_path, model, out, cache, steps), compute=compute)
     # frozen: every LoRA gradient zeroed before AdamW sees it, so B stays 0 and the LoRA adds nothing
     zero = (lambda step, grads: [g.zero_() for g in grads if g is not None]) if frozen else None
     train(cfg, echo=echo, progress=False, on_gradients=zero)
@@ -166,7 +167,8 @@ def convergence_gate(source: Source, slab: Slab, model: str, workdir: Path, sett
                               ("bf16", ref_path, "bf16 reference"), ("quantized", slab.path, "slab")):
         echo(f"convergence: training the {what} for {s.steps} steps")
         config, runs[label] = _run(Path(path), model, workdir / f"{label}-run", workdir / "cache", s.steps, s,
-                                   lambda line, label=label: echo(f"  [{label}] {line}"), frozen=label == "frozen")
+                                   lambda line, label=label: echo(f"  [{label}] {line}"), frozen=label == "frozen",
+                                   compute=s.compute if label == "quantized" else "bf16")
     frozen, ref, got = ([r["loss"] for r in runs[k]] for k in ("frozen", "bf16", "quantized"))
     verdict = decide(frozen, ref, got, s.tau)
     window = max(1, min(10, s.steps // 3))

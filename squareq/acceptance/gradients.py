@@ -58,7 +58,7 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
     try:
         for label, path in (("bf16", ref_path), ("slab", slab.path)):
             models[label] = runtime.load(open_slab(path, verify="off"), device, prefetch=cfg.start_prefetch,
-                                         verify="off")
+                                         verify="off", compute=settings.compute if label == "slab" else "bf16")
             runtime.add_lora(models[label], rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
             models[label].enable_gradient_checkpointing()
             models[label].train()

@@ -123,8 +123,10 @@ def write_grid(path: Path, reference, images, gain: float = 4.0) -> Path:
 
 def image_drift_gate(source: Source, slab: Slab, model: str, workdir: Path, tau_psnr: float, tau_ssim: float,
                      prompts: int = 4, resolution: int = 512, steps: int = 20, max_sequence_length: int = 512,
-                     seed: int = 0, clip_model: str | Path | None = None, echo=print) -> GateResult:
-    """Draw ``prompts`` of the built-in prompts from the bf16 reference and from the slab; compare them."""
+                     seed: int = 0, clip_model: str | Path | None = None, echo=print,
+                     compute: str = "auto") -> GateResult:
+    """Draw ``prompts`` of the built-in prompts from the bf16 reference (in bf16 compute) and from the slab (in
+    ``compute``); compare them."""
     from ..train.sample import sample_images
 
     started = time.perf_counter()
@@ -139,7 +141,8 @@ def image_drift_gate(source: Source, slab: Slab, model: str, workdir: Path, tau_
     for label, path in (("bf16", ref_path), ("slab", slab.path)):
         echo(f"image drift: drawing {len(chosen)} images from the {label} {'reference' if label == 'bf16' else 'slab'}")
         drawn[label] = sample_images(path, chosen, model=model, resolution=resolution, steps=steps,
-                                     max_sequence_length=max_sequence_length, seed=seed)
+                                     max_sequence_length=max_sequence_length, seed=seed,
+                                     compute=compute if label == "slab" else "bf16")
     ref_t, got_t = to_tensor(drawn["bf16"]), to_tensor(drawn["slab"])
     psnr, ssim = image_metrics(ref_t, got_t)
     grid = write_grid(workdir / "image-drift.png", drawn["bf16"], drawn["slab"])

@@ -14,6 +14,7 @@ from ..compiler.sources import open_source
 from ..compiler.thresholds import Thresholds
 from ..devices import default_device
 from ..models import ModelError
+from ..runtime.compute import ComputeError, resolve_compute
 from ..slab import SlabError, open_slab
 from ..slab.signature import model_signature
 from ..train.tiny_dataset import write_tiny_dataset
@@ -84,7 +85,12 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
 
     thresholds = opts.thresholds
     data = Path(opts.training.data) if opts.training.data else write_tiny_dataset(workdir / "data")
-    settings = dataclasses.replace(opts.training, tau=thresholds.conv, data=str(data))
+    try:
+        compute, why = resolve_compute(opts.training.compute, device)
+    except ComputeError as exc:
+        raise AcceptError(f"--compute {opts.training.compute}: {exc}") from None
+    echo(f"the slab computes in {compute} ({why}); the bf16 references in bf16")
+    settings = dataclasses.replace(opts.training, tau=thresholds.conv, data=str(data), compute=compute)
     resolution = settings.resolution or GATE_DEFAULTS["resolution"]
     tokens = settings.max_sequence_length or GATE_DEFAULTS["max_sequence_length"]
     steps = [
@@ -94,7 +100,8 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
          lambda: block_drift_gate(source, slab, thresholds.drift, opts.samples, opts.drift_blocks, device)),
         ("image drift", f"{opts.images} images from the bf16 source and from the slab, same prompts and seeds",
          lambda: image_drift_gate(source, slab, opts.model, workdir, thresholds.psnr, thresholds.ssim, opts.images,
-                                  resolution, opts.sample_steps, tokens, settings.seed, opts.clip_model, echo)),
+                                  resolution, opts.sample_steps, tokens, settings.seed, opts.clip_model, echo,
+                                  settings.compute)),
         ("gradient agreement", f"LoRA gradients on {opts.gradient_steps} batches × {opts.gradient_times} times",
          lambda: gradient_gate(source, slab, opts.model, workdir, settings, thresholds.grad_cos, thresholds.grad_norm,
                                opts.gradient_steps, opts.gradient_times, device, echo)),
@@ -116,7 +123,7 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "squareq": __version__, "torch": torch.__version__, "thresholds": opts.thresholds.to_dict(),
-        "workdir": str(workdir), "data": str(data)}
+        "workdir": str(workdir), "data": str(data), "compute": compute}
     return AcceptReport(str(opts.slab), opts.model, gates, context)
 
 

@@ -113,6 +113,30 @@ def _bf16_bits_rne(x):
 
 
 @triton.jit
+def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
+                 s_row_stride, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    """The fp32 weights (before bf16 rounding) of ``rows`` x columns [k0, k0 + BLOCK_K)."""
+    q = _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
+    # BLOCK_K is a multiple of GROUP, so a tile holds whole groups: view it as [N, groups, GROUP].
+    NG: tl.constexpr = BLOCK_K // GROUP
+    g = k0 // GROUP + tl.arange(0, NG)
+    gm = row_mask[:, None] & (g[None, :] < n_groups)
+    g_off = rows[:, None].to(tl.int64) * s_row_stride + g[None, :]
+    s = tl.load(s_ptr + g_off, mask=gm, other=1.0).to(tl.float32)
+    q3 = tl.reshape(q, (BLOCK_N, NG, GROUP))
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g_off, mask=gm, other=0).to(tl.int32)
+        q3 = q3 - z[:, :, None]
+    w = tl.reshape(q3.to(tl.float32) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    if HAS_SMOOTH:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        inv = tl.load(inv_ptr + cols, mask=cols < K, other=1.0)
+        w = w * inv[None, :]
+    return w
+
+
+@triton.jit
 def _dequant_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr,
                     N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
@@ -126,24 +150,9 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr,
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     k0 = pid_k * BLOCK_K
-    q = _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
-
-    # BLOCK_K is a multiple of GROUP, so a tile holds whole groups: view it as [N, groups, GROUP].
-    NG: tl.constexpr = BLOCK_K // GROUP
-    g = pid_k * NG + tl.arange(0, NG)
-    gm = row_mask[:, None] & (g[None, :] < n_groups)
-    g_off = rows[:, None].to(tl.int64) * s_row_stride + g[None, :]
-    s = tl.load(s_ptr + g_off, mask=gm, other=1.0).to(tl.float32)
-    q3 = tl.reshape(q, (BLOCK_N, NG, GROUP))
-    if HAS_ZERO:
-        z = tl.load(z_ptr + g_off, mask=gm, other=0).to(tl.int32)
-        q3 = q3 - z[:, :, None]
-    w = tl.reshape(q3.to(tl.float32) * s[:, :, None], (BLOCK_N, BLOCK_K))
-
+    w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
+                     s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
     cols = k0 + tl.arange(0, BLOCK_K)
-    if HAS_SMOOTH:
-        inv = tl.load(inv_ptr + cols, mask=cols < K, other=1.0)
-        w = w * inv[None, :]
     out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
     # Streaming (.cs, evict-first) stores together with evict_first packed loads measured 5-9 points of
     # copy bandwidth better than plain ones on an H200 (either alone gained about half of that). The

@@ -22,6 +22,7 @@ from ..slab import Slab, SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
 from .blocks import BlockRunner
+from .compute import resolve_compute
 from .host import DiskStaging, PinnedArena
 from .host_choice import choose_host
 from .qlinear import DequantScratch, QuantLinear
@@ -51,6 +52,7 @@ class Runtime:
         self.resident_blocks: dict[int, torch.Tensor] = {}  # streamed model: blocks kept on the device, their blob
         self.block_timer = None  # a residency.BlockTimer while a step is measured
         self.host, self.host_reason = "pinned", ""  # where the blobs wait, and why (host="auto" says)
+        self.compute, self.compute_reason = "bf16", ""  # the base layers' arithmetic, and why (compute="auto" says)
 
     def measure_copy_bandwidth(self, blocks: int = 3) -> float:
         """Host-to-device bytes per second of this model's block copies (the largest ``blocks`` blocks, each
@@ -138,7 +140,7 @@ class _Binder:
         for name in rec.layers:
             qw = self.slab.quantized_weight(name, blob=buffer)  # views into the buffer, laid out as the manifest says
             module = self.modules[name]
-            ops.append((module, "bind", (qw, module.scratch.prepare(qw))))
+            ops.append((module, "bind", (qw, module.scratch.prepare(qw), module.scratch.prepare_fp8(qw))))
         for pname, t in self.slab.block_params(block, blob=buffer).items():
             owner_path, _, attr = pname.rpartition(".")
             # a layer's bias goes to the layer found at load, even where PEFT has since wrapped it in a LoRA layer
@@ -228,7 +230,8 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
 
 
 def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
-         stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None) -> nn.Module:
+         stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
+         compute: str = "bf16") -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
@@ -239,7 +242,9 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         ``runtime_of(model).host`` and ``.host_reason``, and logged). stream=False puts every block on
         the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
         returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
-        (default: the ``SQUAREQ_TRACE`` environment variable).
+        (default: the ``SQUAREQ_TRACE`` environment variable). compute: the base layers' forward arithmetic,
+        "bf16", "fp8" (E4M3 x E4M3 with per-token and per-channel scales; input gradients stay bf16) or "auto"
+        (fp8 where the GPU has FP8 tensor cores; runtime/compute.py; the choice is ``runtime_of(model).compute``).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -258,8 +263,12 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         raise SlabError(f"{s.path}: {m.model.class_name} built from the recorded config does not have the parameters "
                         "the slab was compiled for (an incompatible diffusers/transformers version?); recompile the "
                         "slab with the installed libraries.")
+    compute, compute_reason = resolve_compute(compute, device)
     largest = max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=1)
     scratch = DequantScratch(largest, device)
+    if compute == "fp8":  # bf16 layers too are quantized to E4M3 rows for the FP8 matmul
+        scratch.add_fp8(max((l.shape[0] * l.shape[1] for l in m.layers), default=1),
+                        max((l.shape[0] for l in m.layers), default=1))
     _install_quant_linears(model, m, scratch)
     _place_residents(model, s, device)
     binder = _Binder(model, s)
@@ -287,6 +296,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     model.eval()
     rt = Runtime(model, m, device, streamer, telemetry, scratch, device_blobs)
     rt.binder = binder
+    rt.compute, rt.compute_reason = compute, compute_reason
+    log.info("compute: %s (%s).", compute, compute_reason)
     rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if streamer is not None:

@@ -3,7 +3,7 @@
 The peak is the sum of what stays for the whole run and what one step adds on top:
 
 * resident tensors (embedders, final norm and projection), the K ring slots (each as large as the largest
-  block blob) and the dequant scratch (the largest layer in bf16);
+  block blob) and the dequant scratch (the largest layer in bf16, and under FP8 compute in E4M3 too);
 * LoRA factors with their gradients and AdamW's two moments (16 bytes per fp32 parameter);
 * the checkpointed block inputs, one hidden-state tensor per block (batch x tokens x hidden, bf16);
 * the recompute of the one block whose backward is running: ``RECOMPUTE_WIDTHS`` hidden-state tensors
@@ -91,11 +91,12 @@ def _sequence_shape(slab: Slab, resolution: int, text_tokens: int) -> tuple[int,
 
 
 def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1, text_tokens: int = 512,
-         prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS) -> MemoryPlan:
+         prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS, compute: str = "bf16") -> MemoryPlan:
     """Expected peak device memory of a streamed LoRA training step on ``slab`` (gradient checkpointing on).
 
     ``resolution`` is the image side in pixels (FLUX: (resolution/16)² image tokens); for a generic-mode
-    model only ``text_tokens`` counts. ``print(plan(...))`` shows the parts.
+    model only ``text_tokens`` counts. ``compute`` is the settled mode ("bf16" or "fp8", not "auto").
+    ``print(plan(...))`` shows the parts.
     """
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify="off")
     m = s.manifest
@@ -103,6 +104,8 @@ def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1,
     resident = sum(itemsize(r.dtype) * math.prod(r.shape) for r in m.resident)
     ring = prefetch * max(b.nbytes for b in m.blocks)
     scratch = 2 * max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=0)
+    if compute == "fp8":  # one byte per weight of the largest layer, and its row scales
+        scratch += max((l.shape[0] * (l.shape[1] + 4) for l in m.layers), default=0)
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     lora_params = sum(lora_rank * (l.shape[0] + l.shape[1]) for l in m.layers if matches(l.name, targets))
     lora = 16 * lora_params

@@ -1,11 +1,15 @@
 """QuantLinear: a frozen linear layer whose weight lives, quantized, in a block slot of the runtime.
 
 Its autograd Function dequantizes the weight into a shared bf16 scratch buffer and calls the vendor
-matmul, in the forward and again in the backward; for few rows of input (modulation layers run with
-M = batch size) it calls a fused kernel that reads the packed codes directly instead (kernels/crossover.py). It
-returns only the input gradient: the base weight
-is frozen, so no weight gradient is ever computed or stored, and nothing of the weight is saved for the
-backward (the backward dequantizes again from the slot, which then holds the same bytes).
+matmul, in the forward and again in the backward. For few rows of input (modulation layers run with M = batch size)
+it calls a fused kernel that reads the packed codes directly instead (kernels/crossover.py). Under FP8 compute
+(``runtime.load(compute="fp8")``) the forward, and so the checkpointed recompute, dequantizes into a shared E4M3
+scratch with one scale per output channel and runs ``torch._scaled_mm`` on the input quantized per token
+(kernels/fp8.py); the input gradient stays in bf16.
+
+It returns only the input gradient: the base weight is frozen, so no weight gradient is ever computed or stored, and
+nothing of the weight is saved for the backward (the backward dequantizes again from the slot, which then holds the
+same bytes).
 
 Optional LoRA factors (``lora_A``, ``lora_B``) sit on the layer itself, so their state-dict names are the
 ones diffusers/PEFT LoRA files use (``<layer>.lora_A.weight``).
@@ -20,11 +24,13 @@ from torch import nn
 
 from ..kernels import prepare_dequantize
 from ..kernels.crossover import fused_limit
+from ..kernels.fp8 import FP8, fp8_linear, fp8_shape_ok, prepare_weight_fp8
 from ..quant import QuantizedWeight
 
 
 class DequantScratch:
-    """One reusable bf16 buffer per device, large enough for the biggest layer that dequantizes into it.
+    """One reusable bf16 buffer per device, large enough for the biggest layer that dequantizes into it, and with
+    (after :meth:`add_fp8`) an E4M3 buffer and a row-scale buffer for FP8 compute.
 
     Every QuantLinear of a model shares it. Uses are ordered on one compute stream (dequantize, then the
     matmul that reads it, then the next layer's dequantize), so sharing is safe and memory stays flat.
@@ -32,6 +38,13 @@ class DequantScratch:
 
     def __init__(self, numel: int, device: torch.device | str) -> None:
         self.buffer = torch.empty(max(numel, 1), dtype=torch.bfloat16, device=device)
+        self.fp8 = False
+
+    def add_fp8(self, numel: int, rows: int) -> None:
+        """Room for FP8 compute: ``numel`` E4M3 weights and ``rows`` row scales (the largest layer's)."""
+        self.fp8 = True
+        self.fp8_buffer = torch.empty(max(numel, 1), dtype=FP8, device=self.buffer.device)
+        self.row_scales = torch.empty(max(rows, 1), dtype=torch.float32, device=self.buffer.device)
 
     def view(self, shape: tuple[int, int]) -> torch.Tensor:
         n, k = shape
@@ -44,6 +57,16 @@ class DequantScratch:
             weight = qw.tensors["weight"]
             return lambda: weight
         return prepare_dequantize(self.view(qw.shape), qw)
+
+    def prepare_fp8(self, qw: QuantizedWeight):
+        """A zero-argument callable returning ``qw``'s weight as (E4M3 rows, fp32 row scales) in the scratch, or
+        None where the forward stays in bf16: bf16 compute, or a shape ``torch._scaled_mm`` does not take."""
+        n, k = qw.shape
+        if not self.fp8 or not fp8_shape_ok(n, k):
+            return None
+        codes = self.fp8_buffer[: n * k].view(n, k)
+        bf16 = None if qw.spec.is_passthrough else self.view(qw.shape)
+        return prepare_weight_fp8(codes, self.row_scales[:n], qw, bf16)
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -60,6 +83,8 @@ class _DequantLinear(torch.autograd.Function):
             from ..kernels.triton_fused import fused_linear
 
             return fused_linear(x.to(torch.bfloat16), qw, layer.bias)
+        if layer.dequant_fp8 is not None:
+            return fp8_linear(x.to(torch.bfloat16), layer.dequant_fp8(), layer.bias)
         w = layer.dequant()
         bias = layer.bias
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -94,6 +119,7 @@ class QuantLinear(nn.Module):
         self.scratch = scratch
         self.quantized: QuantizedWeight | None = None
         self.dequant = self._unbound  # the runtime binds a prepared dequantizer with each qweight
+        self.dequant_fp8 = None  # and, under FP8 compute, one into the E4M3 scratch
         self.register_parameter("bias", None)  # bound to a slot view when the layer has a bias
         self.lora_A: nn.Linear | None = None
         self.lora_B: nn.Linear | None = None
@@ -107,14 +133,17 @@ class QuantLinear(nn.Module):
         raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "
                            "runtime (use squareq.runtime.load) before it runs.")
 
-    def bind(self, quantized: QuantizedWeight, dequant=None) -> None:
-        """Point the layer at stored tensors (views into a slot) and the callable that dequantizes them."""
+    def bind(self, quantized: QuantizedWeight, dequant=None, dequant_fp8=None) -> None:
+        """Point the layer at stored tensors (views into a slot) and the callables that dequantize them (to bf16,
+        and to E4M3 rows under FP8 compute; prepared here when not given)."""
         self.quantized = quantized
         self.dequant = dequant or self.scratch.prepare(quantized)
+        self.dequant_fp8 = dequant_fp8 if dequant is not None else self.scratch.prepare_fp8(quantized)
 
     def unbind(self) -> None:
         self.quantized = None
         self.dequant = self._unbound
+        self.dequant_fp8 = None
 
     @property
     def weight(self) -> torch.Tensor:

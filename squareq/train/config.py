@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import ADAPTERS
+from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
 from ..runtime.peft_lora import LoraVariant
 from ..sizes import SizeError, parse_size
@@ -99,6 +100,9 @@ HELP = {
     "prefetch": "Block slots on the GPU (the runtime's ring size): auto (measure the second step and add slots until "
                 "the block copies hide behind compute, as squareq sample does; within vram_budget when set), or a "
                 "whole number.",
+    "compute": "The frozen base layers' arithmetic: auto (fp8 on GPUs with FP8 tensor cores, such as Ada and Hopper; "
+               "bf16 elsewhere), fp8 (E4M3 forward and recompute with per-token and per-channel scales; input "
+               "gradients and the LoRA stay bf16/fp32), or bf16. docs/tuning.md says when to choose which.",
     "host": "Where block blobs wait: auto (pinned when they fit in the host memory available with room to spare, "
             "else disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",
@@ -179,6 +183,7 @@ class TrainConfig:
     # runtime
     prefetch: int | str = "auto"
     host: str = "auto"
+    compute: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
@@ -214,6 +219,7 @@ class TrainConfig:
     def _check_numbers(self, bad) -> None:
         """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
+                             ("compute", COMPUTE_MODES),
                              ("loss_weighting", LOSS_WEIGHTINGS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:

@@ -33,6 +33,7 @@ from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
+from ..runtime.compute import ComputeError, resolve_compute
 from ..runtime.host_choice import choose_host
 from ..runtime.host_memory import HostMemoryError
 from ..runtime.residency import StreamTuner
@@ -285,6 +286,7 @@ class _Run:
         self.step = self.skipped = self.skipped_in_row = 0
         self.losses: list[float] = []
         self.metrics = self.board = self.bar = self.feed = self.model = self.decoder = None
+        self.compute = "bf16"  # the base layers' arithmetic, settled in setup()
 
     # ------------------------------------------------------------------------------------------ before training
 
@@ -294,10 +296,11 @@ class _Run:
         self.slab = slab = open_slab(cfg.slab, verify="eager")
         self.cfg = cfg = _resumed_targets(cfg, self.out).with_family_defaults(slab.manifest.model.family)
         _check_variant(cfg, self.out, self.ranks.world)
+        self.compute = self._compute()
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                                 text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
-                                lora_targets=cfg.targets)
+                                lora_targets=cfg.targets, compute=self.compute)
             echo("expected device memory:\n" + str(plan))
             if cfg.use_dora:
                 log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: "
@@ -320,6 +323,16 @@ class _Run:
         self.data = prepare_data(cfg, slab.manifest.model, self.device, echo, encode=self.ranks.is_main)
         echo(f"training a {family} LoRA with the {objective} objective")
 
+    def _compute(self) -> str:
+        """The base layers' arithmetic for ``cfg.compute`` on this device; ``auto`` says what it chose."""
+        try:
+            compute, why = resolve_compute(self.cfg.compute, self.device)
+        except ComputeError as exc:
+            raise TrainError(f"--compute {self.cfg.compute}: {exc}") from None
+        if self.cfg.compute == "auto":
+            self.echo(f"compute auto: {compute}: {why}")
+        return compute
+
     def load(self) -> None:
         """The streamed model with its LoRA, the batch order, the optimizer, its schedule and the run's RNG."""
         cfg, ranks, data = self.cfg, self.ranks, self.data
@@ -332,12 +345,14 @@ class _Run:
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
         try:
-            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host=host, verify="off")
+            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host=host, verify="off",
+                                 compute=self.compute)
         except HostMemoryError as exc:
             if host == asked:
                 raise TrainError(f"--host {cfg.host}: {exc}") from None
             log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
-            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host="pinned", verify="off")
+            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host="pinned", verify="off",
+                                 compute=self.compute)
         self.model = model
         self.tuner = self._tuner(model)
         self.params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets,

@@ -14,6 +14,7 @@ import torch
 from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS
+from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from .encoders import open_encoders
@@ -79,12 +80,13 @@ def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, 
 def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None = None, model: str | None = None,
                   resolution: int = 1024, steps: int = 20, guidance: float = 3.5, seed: int = 42,
                   max_sequence_length: int = 512, prefetch: int | str = "auto", host: str = "auto", device=None,
-                  resident_blocks: int | str = 0, on_image: Callable[[int, object], None] | None = None):
+                  resident_blocks: int | str = 0, on_image: Callable[[int, object], None] | None = None,
+                  compute: str = "auto"):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
-    it then, so a failure later keeps what was drawn)."""
+    it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
     device = default_device(device)
     s = open_slab(slab, verify="eager")
@@ -93,7 +95,10 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         sampled = ", ".join(f for f, a in ADAPTERS.items() if a.samples)
         raise SampleError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
-    transformer = runtime.load(s, device, prefetch=start, host=host, verify="off")
+    try:
+        transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute)
+    except ComputeError as exc:
+        raise SampleError(f"--compute {compute}: {exc}") from None
     tuner = None
     if prefetch == "auto" or resident_blocks:
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""One frozen linear layer's forward on FLUX shapes: bf16 compute against FP8 compute, parts and whole (issue 21).
+
+    python benchmarks/fp8_linear.py [--out DIR] [--rows 1536,5120]
+
+For each FLUX linear shape (out N, in K), a W4 g64 weight (seeded random: speed only, never a quality claim) and M
+input rows (1,536 and 5,120 are the token counts of a FLUX.1 step at 512² and 1024² with 512 text tokens):
+
+* ``bf16``: the runtime's bf16 path, dequantize into bf16 + ``F.linear``;
+* ``fp8``: the runtime's FP8 path (squareq/kernels/fp8.py): the weight straight to E4M3 rows, the input quantized
+  per token, ``torch._scaled_mm``; with ``fast_accum`` on and off;
+* its parts: the weight kernel, the activation kernel, and ``torch._scaled_mm`` alone;
+* ``bf16 resident``: ``F.linear`` on a bf16 weight already in memory, what the resident model runs.
+
+Times are CUDA-graph medians over copies whose weights exceed the L2 cache (benchmarks/matmul.py's ``time_graph``).
+Each FP8 row also gives the output's rel-MSE against the bf16 path on the same input. It checks first that the
+kernels equal their torch reference on the GPU. Prints one JSON line per measurement and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from common import RECORDS, emit, git_commit, log, write_records  # noqa: E402
+from matmul import L2_BYTES, SHAPES, time_graph  # noqa: E402
+
+
+def variants(n: int, k: int, m: int):
+    """{name: [callables]} of one shape, each over enough weight copies to exceed L2, and the rel-MSE per FP8 name."""
+    import torch
+    import torch.nn.functional as F
+
+    from squareq import quant
+    from squareq.kernels import fp8 as kfp8
+    from squareq.kernels.backend import prepare_dequantize
+    from squareq.quant.fp8_rows import quantize_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    spec = quant.QuantSpec(bits=4, group_size=64)
+    copies = max(2, -(-L2_BYTES // (n * k)))
+    weights = [quant.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02, spec) for _ in range(copies)]
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    bf16 = torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
+    codes = torch.empty(n, k, dtype=kfp8.FP8, device="cuda")
+    scales = torch.empty(n, dtype=torch.float32, device="cuda")
+    deq = [prepare_dequantize(bf16, qw) for qw in weights]
+    to_fp8 = [kfp8.prepare_weight_fp8(codes, scales, qw, bf16) for qw in weights]
+    # the kernels against their torch reference on this device, bit for bit
+    to_fp8[0]()
+    ref_codes, ref_scales = quantize_rows(quant.dequantize(weights[0]))
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and torch.equal(scales, ref_scales), \
+        "the E4M3 weight kernel differs from its torch reference"
+    xq, xs = kfp8.quantize_activations(x)
+    rq, rs = quantize_rows(x)
+    assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs), \
+        "the per-token activation kernel differs from its torch reference"
+    resident = [quant.dequantize(qw) for qw in weights]
+
+    def scaled(fast: bool):
+        return torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scales[None, :], out_dtype=torch.bfloat16,
+                                use_fast_accum=fast)
+
+    def fp8_path(i: int, fast: bool):
+        kfp8.FAST_ACCUM = fast
+        return kfp8.fp8_linear(x, to_fp8[i](), None)
+
+    out = {
+        "bf16 resident": [lambda w=w: F.linear(x, w) for w in resident],
+        "bf16 (dequant + F.linear)": [lambda i=i: F.linear(x, deq[i]()) for i in range(copies)],
+        "fp8": [lambda i=i: fp8_path(i, False) for i in range(copies)],
+        "fp8 fast_accum": [lambda i=i: fp8_path(i, True) for i in range(copies)],
+        "part: weight to E4M3": [lambda i=i: to_fp8[i]() for i in range(copies)],
+        "part: activations to E4M3": [lambda: kfp8.quantize_activations(x)] * copies,
+        "part: _scaled_mm": [lambda: scaled(False)] * copies,
+        "part: _scaled_mm fast_accum": [lambda: scaled(True)] * copies,
+    }
+    errors = {}
+    reference = F.linear(x, deq[0]()).float()
+    for name, fast in (("fp8", False), ("fp8 fast_accum", True)):
+        y = fp8_path(0, fast).float()
+        errors[name] = ((y - reference).pow(2).mean() / reference.pow(2).mean()).item()
+    kfp8.FAST_ACCUM = False
+    return out, errors
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| shape | M | variant | ms | × bf16 resident | rel-MSE vs bf16 path |", "|---|---|---|---|---|---|"]
+    base = {(r["shape"], r["m"]): r["ms"] for r in records if r.get("variant") == "bf16 resident"}
+    for r in records:
+        if "variant" not in r:
+            continue
+        ratio = r["ms"] / base[(r["shape"], r["m"])] if (r["shape"], r["m"]) in base else None
+        err = f"{r['rel_mse']:.2e}" if r.get("rel_mse") is not None else ""
+        lines.append(f"| {r['shape']} | {r['m']} | {r['variant']} | {r['ms']:.3f} | "
+                     f"{'' if ratio is None else f'{ratio:.2f}'} | {err} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--rows", default="1536,5120", help="comma-separated M values")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/fp8_linear.py measures CUDA kernels; run it on the GPU machine.")
+    env = emit({"what": "env", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "commit": git_commit(), "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+    for shape, (n, k) in SHAPES.items():
+        for m in (int(v) for v in args.rows.split(",")):
+            log(f"{shape} M={m}")
+            calls, errors = variants(n, k, m)
+            for name, fns in calls.items():
+                emit({"shape": shape, "n": n, "k": k, "m": m, "variant": name, "ms": 1e3 * time_graph(fns),
+                      "rel_mse": errors.get(name)})
+            torch.cuda.empty_cache()
+    write_records(args.out, "fp8_linear.jsonl")
+    print(f"\n{env['device']}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}\n")
+    print(table(RECORDS))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""FP8 compute for a frozen linear layer: its weight as E4M3 rows with one scale per output channel, the input
+quantized per token, and one ``torch._scaled_mm`` between them (fp32 accumulation, bf16 output).
+
+The operands are made by the Triton kernels of :mod:`.triton_fp8` on the Triton backends and by
+:mod:`squareq.quant.fp8_rows` (their exact reference) on the torch backend; :func:`.backend.backend_for` picks, as
+it does for dequantization. ``torch._scaled_mm`` needs K and N to be multiples of 16 (:func:`fp8_shape_ok`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import quant
+from ..quant import QuantizedWeight
+from ..quant.fp8_rows import quantize_rows
+from .backend import backend_for, prepare_dequantize
+
+FP8 = torch.float8_e4m3fn
+MULTIPLE = 16  # torch._scaled_mm's rule for every matrix dimension
+# Fast accumulation adds partial products in the tensor cores' reduced precision; the precise mode promotes them to
+# fp32. Measured on the H100 in benchmarks/matmul.py --fp8 (docs/benchmarks.md, "FP8 compute"); quality first.
+FAST_ACCUM = False
+
+
+def fp8_shape_ok(n: int, k: int) -> bool:
+    """Whether an ``[n, k]`` weight can run through ``torch._scaled_mm``."""
+    return n % MULTIPLE == 0 and k % MULTIPLE == 0
+
+
+def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight,
+                       bf16: torch.Tensor | None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """A zero-argument callable writing ``qw``'s weight as E4M3 rows into ``out`` (float8_e4m3fn ``[N, K]``) and
+    their scales into ``scales`` (fp32 ``[N]``), returning both. Formats other than ``int`` dequantize into
+    ``bf16`` (a ``[N, K]`` scratch view; None for a bf16 layer, read in place) first; ``int`` layers go straight from
+    their codes."""
+    if backend_for(out.device) == "torch":
+        def reference() -> tuple[torch.Tensor, torch.Tensor]:
+            codes, s = quantize_rows(quant.dequantize(qw))
+            out.copy_(codes)
+            scales.copy_(s)
+            return out, scales
+
+        return reference
+    from .triton_fp8 import prepare_int_fp8, prepare_rows_fp8
+
+    if qw.spec.is_passthrough:
+        dequant = None
+        launch = prepare_rows_fp8(out, scales, qw.tensors["weight"])
+    elif qw.spec.format == "int":
+        dequant = None
+        launch = prepare_int_fp8(out, scales, qw)
+    else:
+        dequant = prepare_dequantize(bf16, qw)
+        launch = prepare_rows_fp8(out, scales, bf16)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        if dequant is not None:
+            dequant()
+        launch()
+        return out, scales
+
+    return run
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of 2-D bf16 ``x`` quantized per row (per token): float8_e4m3fn and fp32 ``[M]``."""
+    if backend_for(x.device) == "torch":
+        return quantize_rows(x)
+    from .triton_fp8 import prepare_rows_fp8
+
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    prepare_rows_fp8(codes, scales, x)()
+    return codes, scales
+
+
+def fp8_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """``x Wᵀ + b`` in bf16 from bf16 ``x [..., K]`` and ``weight`` = (E4M3 ``[N, K]``, fp32 scales ``[N]``)."""
+    codes, w_scales = weight
+    lead = x.shape[:-1]
+    xq, x_scales = quantize_activations(x.reshape(-1, x.shape[-1]))
+    y = torch._scaled_mm(xq, codes.t(), scale_a=x_scales[:, None], scale_b=w_scales[None, :],
+                         bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
+                         use_fast_accum=FAST_ACCUM)
+    return y.view(*lead, codes.shape[0])

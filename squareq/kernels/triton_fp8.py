@@ -1,0 +1,159 @@
+"""Triton kernels that make FP8 compute operands: rows to E4M3 codes with one fp32 scale per row.
+
+* :func:`prepare_rows_fp8`: bf16 rows (activations per token, or a weight already in bf16) to codes + scales.
+* :func:`prepare_int_fp8`: packed int codes + group scales straight to E4M3 rows, one byte written per weight
+  (the bf16 weight of :mod:`.triton_dequant` is formed in registers and never stored).
+
+Both compute exactly what :func:`squareq.quant.fp8_rows.quantize_rows` defines (for weights: of the bf16 weight
+:func:`squareq.quant.dequantize` gives), bit for bit. E4M3 rounding is done in integer arithmetic because the
+Triton interpreter's float8 conversion rounds wrongly; CPU-interpreted and CUDA results are then the same bits.
+Each program takes a few whole rows: a pass over K finds the row's largest magnitude, a second writes the codes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant import QuantizedWeight
+from .triton_dequant import _bf16_bits_rne, _vec6_ok, _weight_tile, default_tile, packed_operands
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """E4M3 ("fn") bits, as uint8, of fp32 ``y`` with |y| ≤ 448, rounded to nearest, ties to even."""
+    b = y.to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    r = a + 0x7FFFF + ((a >> 20) & 1)  # round the 23-bit mantissa to 3 bits; a carry moves into the exponent
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # rebias the exponent from 127 to 7
+    # below 2^-6 E4M3 is subnormal: steps of 2^-9, i.e. round(|y| * 512), here by the 2^23 magic number
+    f = a.to(tl.float32, bitcast=True) * 512.0
+    sub = ((f + 8388608.0) - 8388608.0).to(tl.uint32)
+    return (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _row_inverse(amax):
+    """(scale, inverse) of rows with largest magnitude ``amax``, as quant.fp8_rows.row_scales computes them."""
+    nonzero = amax > 0
+    inverse = tl.where(nonzero, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.where(nonzero, amax, 1.0)),
+                       0.0)
+    return tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), inverse
+
+
+@triton.jit
+def _codes(x, inverse):
+    return _e4m3_bits(tl.minimum(tl.maximum(x * inverse[:, None], -448.0), 448.0))
+
+
+@triton.jit
+def _bf16_value(w):
+    """fp32 ``w`` rounded to its bf16 value, kept in fp32."""
+    return (_bf16_bits_rne(w).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    x_base = x_ptr + rows[:, None].to(tl.int64) * x_stride
+    out_base = out_ptr + rows[:, None].to(tl.int64) * out_stride
+    cols = tl.arange(0, BLOCK_K)
+    if ONE_PASS:  # the whole row fits one tile: read it once
+        m = row_mask[:, None] & (cols[None, :] < K)
+        x = tl.load(x_base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        scale, inverse = _row_inverse(tl.max(tl.abs(x), axis=1))
+        tl.store(out_base + cols[None, :], _codes(x, inverse), mask=m)
+    else:
+        amax = tl.zeros((BLOCK_R,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            m = row_mask[:, None] & (k0 + cols[None, :] < K)
+            x = tl.load(x_base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale, inverse = _row_inverse(amax)
+        for k0 in range(0, K, BLOCK_K):
+            m = row_mask[:, None] & (k0 + cols[None, :] < K)
+            x = tl.load(x_base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            tl.store(out_base + k0 + cols[None, :], _codes(x, inverse), mask=m)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, scale_ptr,
+                    N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    amax = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
+                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.where(cols[None, :] < K, _bf16_value(w), 0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+    scale, inverse = _row_inverse(amax)
+    out_base = out_ptr + rows[:, None].to(tl.int64) * out_row_stride
+    for k0 in range(0, K, BLOCK_K):
+        w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
+                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_base + cols[None, :], _codes(_bf16_value(w), inverse),
+                 mask=row_mask[:, None] & (cols[None, :] < K), cache_modifier=".cs")
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> None:
+    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != tuple(shape) or out.stride(-1) != 1:
+        raise ValueError(f"FP8 output must be float8_e4m3fn {tuple(shape)} with unit column stride; got {out.dtype} "
+                         f"{tuple(out.shape)} stride {out.stride()}.")
+    if scales.dtype != torch.float32 or scales.shape != (shape[0],):
+        raise ValueError(f"row scales must be float32 [{shape[0]}]; got {scales.dtype} {tuple(scales.shape)}.")
+
+
+MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)
+
+
+def prepare_rows_fp8(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> Callable[[], None]:
+    """A zero-argument launcher writing E4M3 rows of 2-D bf16 ``x`` into ``out`` and their scales into ``scales``."""
+    _check(out, scales, tuple(x.shape))
+    if x.stride(-1) != 1:
+        raise ValueError("FP8 row quantization reads rows with unit column stride; make the input contiguous.")
+    rows, k = x.shape
+    block_k = triton.next_power_of_2(max(k, 16))
+    one_pass = block_k <= MAX_ONE_PASS
+    if not one_pass:
+        block_k = 4096
+    warps = 8 if block_k >= 8192 else 4
+    grid = (rows,)
+    args = (x, out.view(torch.uint8), scales, rows, k, x.stride(0), out.stride(0))
+
+    def launch() -> None:
+        _rows_kernel[grid](*args, BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps)
+
+    return launch
+
+
+def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight) -> Callable[[], None]:
+    """A zero-argument launcher writing the E4M3 rows of int-format ``qw``'s bf16 weight, and their scales."""
+    _check(out, scales, qw.shape)
+    spec, (n, k), t = qw.spec, qw.shape, qw.tensors
+    block_n, block_k, warps = default_tile(spec.group_size, k, spec.bits, spec.smooth)
+    vec6 = spec.bits == 6 and block_k % 64 == 0 and _vec6_ok(t["qweight"])
+    qweight, group_scales, zeros, inv = packed_operands(qw, vec6)
+    grid = (triton.cdiv(n, block_n),)
+    args = (qweight, group_scales, zeros, inv, out.view(torch.uint8), scales,
+            n, k, t["qweight"].shape[1], group_scales.shape[1], qweight.stride(0), group_scales.stride(0),
+            out.stride(0))
+    kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
+                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, num_warps=warps)
+
+    def launch() -> None:
+        _int_fp8_kernel[grid](*args, **kwargs)
+
+    return launch
+

@@ -1,0 +1,45 @@
+"""Which arithmetic the frozen base layers run in: ``bf16``, ``fp8`` or ``auto``.
+
+``fp8`` runs each quantized layer's forward (and a training step's checkpointed recompute) as an E4M3 x E4M3 matmul
+with per-token and per-channel scales (kernels/fp8.py); the input gradient and the LoRA path stay in bf16/fp32.
+``auto`` is ``fp8`` on GPUs with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper, Blackwell) and
+``bf16`` everywhere else. docs/tuning.md says when to choose which.
+"""
+from __future__ import annotations
+
+import torch
+
+MODES = ("bf16", "fp8", "auto")
+FP8_CAPABILITY = (8, 9)
+
+
+class ComputeError(ValueError):
+    """A compute mode this device cannot run, or no mode at all."""
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_compute(mode: str, device: torch.device | str) -> tuple[str, str]:
+    """``(mode, why)`` with ``auto`` settled for ``device``; refuses (:class:`ComputeError`) ``fp8`` on a GPU without
+    FP8 tensor cores.
+
+    On the CPU ``fp8`` is allowed (torch emulates the FP8 matmul; tests use it) but ``auto`` stays ``bf16``."""
+    device = torch.device(device)
+    if mode not in MODES:
+        raise ComputeError(f"compute={mode!r}: choose one of {', '.join(MODES)}.")
+    if device.type != "cuda":
+        if mode == "auto":
+            return "bf16", f"{device.type} has no FP8 tensor cores"
+        return mode, "asked for"
+    capability = _capability(device)
+    has_fp8 = capability >= FP8_CAPABILITY
+    name = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    if mode == "fp8" and not has_fp8:
+        raise ComputeError(f"the {name} has no FP8 tensor cores (they need compute capability 8.9 or newer); "
+                           "choose compute bf16 or auto.")
+    if mode == "auto":
+        return ("fp8", f"the {name} has FP8 tensor cores") if has_fp8 else (
+            "bf16", f"the {name} has no FP8 tensor cores")
+    return mode, "asked for"

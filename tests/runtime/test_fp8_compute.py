@@ -1,0 +1,106 @@
+"""FP8 compute (runtime.load(compute=...)): streamed equals resident within the mode, the forward really runs
+through torch._scaled_mm, it stays close to bf16, and the mode is settled and refused where it cannot run."""
+import pytest
+import torch
+
+from squareq import runtime
+from squareq.runtime import compute as compute_mode
+from squareq.runtime.compute import ComputeError, resolve_compute
+
+from .harness import assert_same, inputs, step, with_lora
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels(monkeypatch):
+    """The torch reference for the operands (tests/kernels checks the Triton kernels equal it)."""
+    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+
+
+def _run(slab, compute, stream, k=2):
+    model = runtime.load(slab, "cpu", stream=stream, prefetch=k, compute=compute)
+    with_lora(model)
+    return step(model, inputs("cpu"), checkpointing=stream)
+
+
+@pytest.fixture(scope="module")
+def fp8_resident(tiny_slab):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SQUAREQ_KERNELS", "torch")
+        return _run(tiny_slab, "fp8", stream=False)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fp8_streamed_step_equals_fp8_resident(tiny_slab, fp8_resident, k):
+    assert_same(_run(tiny_slab, "fp8", stream=True, k=k), fp8_resident)
+
+
+def test_fp8_forward_goes_through_scaled_mm_and_bf16_does_not(tiny_slab, monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", counting)
+    model = runtime.load(tiny_slab, "cpu", stream=False, compute="bf16")
+    with torch.no_grad():
+        model(**inputs("cpu"), return_dict=False)
+    assert calls == []  # negative control: bf16 compute never quantizes an input
+    model = runtime.load(tiny_slab, "cpu", stream=False, compute="fp8")
+    assert runtime.runtime_of(model).compute == "fp8"
+    with torch.no_grad():
+        model(**inputs("cpu"), return_dict=False)
+    layers = sum(isinstance(m, runtime.QuantLinear) for m in model.modules())
+    assert len(calls) >= layers // 2  # the modulation layers (one row per image) may take the fused path
+
+
+def test_fp8_stays_close_to_bf16_and_is_not_bf16(tiny_slab, fp8_resident):
+    bf16 = _run(tiny_slab, "bf16", stream=False)
+    out8, grads8 = fp8_resident
+    out, grads = bf16
+    rel = ((out8.float() - out.float()).pow(2).mean() / out.float().pow(2).mean()).item()
+    assert 0 < rel < 1e-2
+    flat8 = torch.cat([g.flatten() for g in grads8.values()])
+    flat = torch.cat([grads[n].flatten() for n in grads8])
+    assert torch.nn.functional.cosine_similarity(flat8, flat, dim=0) > 0.99
+
+
+def test_auto_is_bf16_on_the_cpu(tiny_slab):
+    model = runtime.load(tiny_slab, "cpu", stream=False, compute="auto")
+    rt = runtime.runtime_of(model)
+    assert rt.compute == "bf16" and "no FP8 tensor cores" in rt.compute_reason
+    assert not rt.scratch.fp8
+
+
+def _gpu(monkeypatch, capability, name="NVIDIA Test GPU"):
+    monkeypatch.setattr(compute_mode, "_capability", lambda device: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_auto_is_fp8_on_hopper_and_ada_and_bf16_on_ampere(monkeypatch):
+    _gpu(monkeypatch, (9, 0))
+    assert resolve_compute("auto", "cuda:0")[0] == "fp8"
+    _gpu(monkeypatch, (8, 9))
+    assert resolve_compute("auto", "cuda:0")[0] == "fp8"
+    _gpu(monkeypatch, (8, 0))
+    mode, why = resolve_compute("auto", "cuda:0")
+    assert mode == "bf16" and "no FP8 tensor cores" in why
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
+    _gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ComputeError, match="A100.*no FP8 tensor cores.*choose compute bf16 or auto"):
+        resolve_compute("fp8", "cuda:0")
+    assert resolve_compute("bf16", "cuda:0")[0] == "bf16"  # negative control: bf16 runs anywhere
+
+
+def test_an_unknown_mode_is_refused(tiny_slab):
+    with pytest.raises(ComputeError, match="compute='fp16': choose one of bf16, fp8, auto"):
+        runtime.load(tiny_slab, "cpu", stream=False, compute="fp16")
+
+
+def test_the_memory_plan_counts_the_fp8_scratch(tiny_slab):
+    bf16 = runtime.plan(tiny_slab, resolution=128, text_tokens=16, compute="bf16")
+    fp8 = runtime.plan(tiny_slab, resolution=128, text_tokens=16, compute="fp8")
+    assert fp8.scratch > bf16.scratch and fp8.peak_allocated - bf16.peak_allocated == fp8.scratch - bf16.scratch
