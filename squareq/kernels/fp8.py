@@ -18,9 +18,10 @@ from .backend import backend_for, prepare_dequantize
 
 FP8 = torch.float8_e4m3fn
 MULTIPLE = 16  # torch._scaled_mm's rule for every matrix dimension
-# Fast accumulation adds partial products in the tensor cores' reduced precision; the precise mode promotes them to
-# fp32. Measured on the H100 in benchmarks/matmul.py --fp8 (docs/benchmarks.md, "FP8 compute"); quality first.
-FAST_ACCUM = False
+# Fast accumulation keeps partial sums in the tensor cores' own precision instead of promoting them to fp32 every few
+# products. On the H100 it made torch._scaled_mm 3-13% faster on FLUX shapes with the same output rel-MSE against
+# the bf16 path (1.42e-3 either way, K up to 15,360): benchmarks/fp8_linear.py, docs/benchmarks.md "FP8 compute".
+FAST_ACCUM = True
 
 
 def fp8_shape_ok(n: int, k: int) -> bool:
@@ -28,12 +29,12 @@ def fp8_shape_ok(n: int, k: int) -> bool:
     return n % MULTIPLE == 0 and k % MULTIPLE == 0
 
 
-def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight,
-                       bf16: torch.Tensor | None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight, bf16: torch.Tensor | None,
+                       amax: torch.Tensor | None = None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A zero-argument callable writing ``qw``'s weight as E4M3 rows into ``out`` (float8_e4m3fn ``[N, K]``) and
     their scales into ``scales`` (fp32 ``[N]``), returning both. Formats other than ``int`` dequantize into
     ``bf16`` (a ``[N, K]`` scratch view; None for a bf16 layer, read in place) first; ``int`` layers go straight from
-    their codes."""
+    their codes, gathering each row's largest magnitude in ``amax`` (fp32 ``[N]``; allocated here when None)."""
     if backend_for(out.device) == "torch":
         def reference() -> tuple[torch.Tensor, torch.Tensor]:
             codes, s = quantize_rows(quant.dequantize(qw))
@@ -49,7 +50,9 @@ def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWei
         launch = prepare_rows_fp8(out, scales, qw.tensors["weight"])
     elif qw.spec.format == "int":
         dequant = None
-        launch = prepare_int_fp8(out, scales, qw)
+        if amax is None:
+            amax = torch.empty_like(scales)
+        launch = prepare_int_fp8(out, scales, qw, amax)
     else:
         dequant = prepare_dequantize(bf16, qw)
         launch = prepare_rows_fp8(out, scales, bf16)

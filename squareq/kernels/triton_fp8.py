@@ -7,7 +7,8 @@
 Both compute exactly what :func:`squareq.quant.fp8_rows.quantize_rows` defines (for weights: of the bf16 weight
 :func:`squareq.quant.dequantize` gives), bit for bit. E4M3 rounding is done in integer arithmetic because the
 Triton interpreter's float8 conversion rounds wrongly; CPU-interpreted and CUDA results are then the same bits.
-Each program takes a few whole rows: a pass over K finds the row's largest magnitude, a second writes the codes.
+The row kernel's programs each take one whole row: a pass over K finds its largest magnitude, a second writes the
+codes. The int weight kernel works in the dequant kernel's tiles, in two launches (see :func:`prepare_int_fp8`).
 """
 from __future__ import annotations
 
@@ -83,28 +84,44 @@ def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
 
 
 @triton.jit
-def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, scale_ptr,
+def _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride, s_row_stride,
+              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    """This program's tile of the bf16 weight (as fp32 values; 0 outside the matrix), its rows and columns."""
+    pid_k = tl.program_id(0)  # consecutive programs walk along K within one row block, as the dequant kernel's
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    k0 = pid_k * BLOCK_K
+    w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
+                     s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return tl.where(row_mask[:, None] & (cols[None, :] < K), _bf16_value(w), 0.0), rows, row_mask, cols
+
+
+@triton.jit
+def _int_amax_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr,
+                     N, K, row_bytes, n_groups, q_row_stride, s_row_stride,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+    """Each row's largest magnitude, gathered over the K tiles with an atomic max (``amax`` starts at 0)."""
+    w, rows, row_mask, cols = _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride,
+                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+    tl.atomic_max(amax_ptr + rows, tl.max(tl.abs(w), axis=1), mask=row_mask)
+
+
+@triton.jit
+def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr, out_ptr, scale_ptr,
                     N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    amax = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.where(cols[None, :] < K, _bf16_value(w), 0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
-    scale, inverse = _row_inverse(amax)
-    out_base = out_ptr + rows[:, None].to(tl.int64) * out_row_stride
-    for k0 in range(0, K, BLOCK_K):
-        w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        tl.store(out_base + cols[None, :], _codes(_bf16_value(w), inverse),
-                 mask=row_mask[:, None] & (cols[None, :] < K), cache_modifier=".cs")
-    tl.store(scale_ptr + rows, scale, mask=row_mask)
+    w, rows, row_mask, cols = _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride,
+                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+    scale, inverse = _row_inverse(tl.load(amax_ptr + rows, mask=row_mask, other=0.0))
+    out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
+    tl.store(out_ptr + out_off, _codes(w, inverse), mask=row_mask[:, None] & (cols[None, :] < K),
+             cache_modifier=".cs")
+    if tl.program_id(0) == 0:  # one program per row block writes the scales
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
 def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> None:
@@ -138,22 +155,31 @@ def prepare_rows_fp8(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -
     return launch
 
 
-def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight) -> Callable[[], None]:
-    """A zero-argument launcher writing the E4M3 rows of int-format ``qw``'s bf16 weight, and their scales."""
+def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight,
+                    amax: torch.Tensor) -> Callable[[], None]:
+    """A zero-argument launcher writing the E4M3 rows of int-format ``qw``'s bf16 weight, and their scales; ``amax``
+    (fp32 ``[N]``, its own buffer) gathers the rows' largest magnitudes first.
+
+    Two launches over the dequant kernel's tiles, so the whole GPU works on every layer: the first reduces each row's
+    largest magnitude (an atomic max per row and tile), the second writes the codes. Codes are read twice; one
+    byte per weight is written."""
     _check(out, scales, qw.shape)
+    if amax.dtype != torch.float32 or amax.shape != scales.shape or amax.data_ptr() == scales.data_ptr():
+        raise ValueError("amax must be its own float32 buffer of one value per row.")
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     block_n, block_k, warps = default_tile(spec.group_size, k, spec.bits, spec.smooth)
     vec6 = spec.bits == 6 and block_k % 64 == 0 and _vec6_ok(t["qweight"])
     qweight, group_scales, zeros, inv = packed_operands(qw, vec6)
-    grid = (triton.cdiv(n, block_n),)
-    args = (qweight, group_scales, zeros, inv, out.view(torch.uint8), scales,
-            n, k, t["qweight"].shape[1], group_scales.shape[1], qweight.stride(0), group_scales.stride(0),
-            out.stride(0))
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    shared = (n, k, t["qweight"].shape[1], group_scales.shape[1], qweight.stride(0), group_scales.stride(0))
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
                   BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, num_warps=warps)
+    codes = out.view(torch.uint8)
 
     def launch() -> None:
-        _int_fp8_kernel[grid](*args, **kwargs)
+        amax.zero_()
+        _int_amax_kernel[grid](qweight, group_scales, zeros, inv, amax, *shared, **kwargs)
+        _int_fp8_kernel[grid](qweight, group_scales, zeros, inv, amax, codes, scales, *shared, out.stride(0),
+                              **kwargs)
 
     return launch
-

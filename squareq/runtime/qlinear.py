@@ -44,7 +44,8 @@ class DequantScratch:
         """Room for FP8 compute: ``numel`` E4M3 weights and ``rows`` row scales (the largest layer's)."""
         self.fp8 = True
         self.fp8_buffer = torch.empty(max(numel, 1), dtype=FP8, device=self.buffer.device)
-        self.row_scales = torch.empty(max(rows, 1), dtype=torch.float32, device=self.buffer.device)
+        # row scales, and the rows' largest magnitudes the int weight kernel gathers before it writes codes
+        self.row_scales = torch.empty(2, max(rows, 1), dtype=torch.float32, device=self.buffer.device)
 
     def view(self, shape: tuple[int, int]) -> torch.Tensor:
         n, k = shape
@@ -66,7 +67,7 @@ class DequantScratch:
             return None
         codes = self.fp8_buffer[: n * k].view(n, k)
         bf16 = None if qw.spec.is_passthrough else self.view(qw.shape)
-        return prepare_weight_fp8(codes, self.row_scales[:n], qw, bf16)
+        return prepare_weight_fp8(codes, self.row_scales[0, :n], qw, bf16, self.row_scales[1, :n])
 
 
 class _DequantLinear(torch.autograd.Function):
