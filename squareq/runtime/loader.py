@@ -237,9 +237,10 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
         computing; 1 means no overlap). host: "pinned" keeps every blob in page-locked RAM; "shared" does
         too, with one copy for all processes of the host (data-parallel ranks; a file in /dev/shm); "disk"
-        reads them from the slab file through two page-locked staging buffers; "auto" is "pinned" when the blobs fit
-        in the host memory available with room to spare, else "disk" (runtime/host_choice.py; the choice and why are
-        ``runtime_of(model).host`` and ``.host_reason``, and logged). stream=False puts every block on
+        reads them from the slab file through three page-locked staging buffers, several threads per blob; "auto"
+        is "pinned" when the blobs fit in the host memory available with room to spare, else "disk"
+        (runtime/host_choice.py; the choice and why are ``runtime_of(model).host`` and ``.host_reason``, and
+        logged). stream=False puts every block on
         the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
         returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
         (default: the ``SQUAREQ_TRACE`` environment variable). compute: the base layers' forward arithmetic,
