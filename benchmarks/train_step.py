@@ -346,18 +346,31 @@ def phase_slab(setup: Setup) -> None:
 LORA_LAYERS = ("squareq", "peft", "dora")
 
 
+def evict_page_cache(slab: Path) -> None:
+    """Ask the kernel to drop the slab's files from the page cache (posix_fadvise DONTNEED: no root needed)."""
+    for path in Path(slab).iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
-                  compute: str = "bf16") -> None:
+                  compute: str = "bf16", cold: bool = False) -> None:
     import squareq.runtime as rt
 
     rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
            "device": setup.device_name}
+    if cold:
+        rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
     trace = None
     if trace_dir and host == "pinned" and prefetch == 3 and res == (128 if setup.tiny else 512):
         trace = str(Path(trace_dir) / f"trace_{res}_{prefetch}.json")
         rec["trace"] = trace  # tracing adds events per block: this phase's timings carry that overhead
-    if host == "disk":
+    if host == "disk" and not cold:
         rec["note"] = "the slab is far smaller than host RAM, so reads after the first come from the page cache"
     if hasattr(rt, "plan"):
         try:
@@ -399,7 +412,11 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
             if i >= 0:
                 tuner.after_step(i)
             tuner.before_step(i + 1)
-        return runtime.step_stats().to_dict()
+        stats = runtime.step_stats().to_dict()
+        if cold:  # outside the timed step; the ring's prefetched blocks are already in flight
+            runtime.streamer.settle()
+            evict_page_cache(setup.slab)
+        return stats
 
     result = train(setup, model, params, res, after_step,
                    label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}"))
@@ -541,7 +558,7 @@ def phase_record(phase: list[str]) -> dict:
     if phase[0] == "squareq":
         k = phase[2]
         rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
-                   compute=phase[5] if len(phase) > 5 else "bf16")
+                   compute=phase[5] if len(phase) > 5 else "bf16", cold=phase[6:] == ["cold"])
     return rec
 
 
@@ -557,7 +574,7 @@ def run_phase(args) -> None:
         if name == "slab":
             phase_slab(setup)
         elif name == "squareq":
-            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"])
+            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"])
         else:
             {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload,
              "gradients": phase_gradients}[name](setup, rec["res"])
@@ -662,7 +679,8 @@ def table(records: list[dict]) -> str:
             notes.append(f"LoRA grad cos {r['cos_global']:.4f} (median {r['cos_median']:.4f}, min {r['cos_min']:.4f}), "
                          f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
         if what == "squareq":
-            setup += f" K={r.get('prefetch')} {r.get('host')} {r.get('compute', 'bf16')}" + (
+            setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
+                f" {r.get('compute', 'bf16')}" + (
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
             if r.get("slots") is not None:
@@ -701,6 +719,8 @@ def main() -> None:
     ap.add_argument("--compute", nargs="+", default=["auto"],
                     help="compute modes of the SquareQ setups: bf16, fp8, auto (squareq train's default)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
+    ap.add_argument("--disk-cold", action="store_true",
+                    help="also run each host=disk setup with the slab dropped from the page cache before every step")
     ap.add_argument("--gradients-res", type=int, nargs="*", default=[],
                     help="resolutions at which to compare LoRA gradients in FP8 and bf16 compute (e.g. 512)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
@@ -760,7 +780,8 @@ def main() -> None:
             phases += [["squareq", str(r), str(k), "pinned", lora, c] for k in args.prefetch for lora in lora_layers
                        for c in args.compute]
     if "squareq" in only:
-        phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", c] for r in disk_res for c in args.compute]
+        phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold
+                   for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])]
         phases += [["gradients", str(r)] for r in args.gradients_res]
     skipped = []
     for name, rs in (("bnb", bnb_res), ("group_offload", offload_res)):
