@@ -80,12 +80,13 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
             reference_sum = None
             for t in times:
                 t = t.expand(len(indices)).to(device)
-                grads = {}
-                for label, m in models.items():
-                    denoising_loss(m, recipe, objective, latents, noise, t, text, cfg.guidance).backward()
-                    grads[label] = _flat(params[label])
-                    for p in params[label].values():
-                        p.grad = None
+                batch = (recipe, objective, latents, noise, t, text, cfg.guidance)
+                grads = _lora_grads(models, params, batch)
+                # as the trainer does: a cuDNN attention backward that returns NaN/Inf is turned off, and the
+                # measurement redone (the same batch, noise and time)
+                if not all(bool(torch.isfinite(v).all()) for v in grads.values()) and \
+                        runtime.retry_without_cudnn(device):
+                    grads = _lora_grads(models, params, batch)
                 g, r = grads["slab"], grads["bf16"]
                 rows.append({"step": step + 1, "t": round(float(t[0]), 4),
                              "cosine": float(torch.nn.functional.cosine_similarity(g, r, dim=0)),
@@ -107,6 +108,17 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
                       f"cosine ≥ {tau_cos:g}, norm ratio 1 ± {tau_norm:g}", note, time.perf_counter() - started,
                       {"cosine": cosine, "norm_ratio": ratio, "tau_cos": tau_cos, "tau_norm": tau_norm,
                        "steps": steps, "timesteps": timesteps, "per_step": rows, "reference_slab": str(ref_path)})
+
+
+def _lora_grads(models: dict, params: dict, batch: tuple) -> dict:
+    """Each model's LoRA gradient (flattened) of the denoising loss on ``batch``; the gradients are cleared after."""
+    grads = {}
+    for label, m in models.items():
+        denoising_loss(m, *batch).backward()
+        grads[label] = _flat(params[label])
+        for p in params[label].values():
+            p.grad = None
+    return grads
 
 
 def _follow_reference(params: dict, reference_grad: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:

@@ -1,7 +1,7 @@
 """The runtime: a slab attached to the family's own model class, blocks streamed through a ring of device
 slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`; docs/runtime.md explains it.
 :func:`stream_module` streams an in-memory module's blocks the same way, for inference (large text encoders)."""
-from .blocks import disable_cudnn_attention
+from .blocks import disable_cudnn_attention, retry_without_cudnn
 from .loader import Runtime, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .memory_plan import MemoryPlan, PlanError, plan
@@ -29,6 +29,7 @@ __all__ = [
     "plan",
     "release_module",
     "require_peft",
+    "retry_without_cudnn",
     "runtime_of",
     "stream_module",
 ]

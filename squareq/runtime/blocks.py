@@ -143,6 +143,12 @@ def disable_cudnn_attention(what: str) -> bool:
     return True
 
 
+def retry_without_cudnn(device: torch.device) -> bool:
+    """Non-finite gradients on a GPU with cuDNN attention on: on some driver/cuDNN builds its backward returns
+    NaN/Inf without raising. Turn it off (said once) and report whether the work is worth redoing."""
+    return device.type == "cuda" and disable_cudnn_attention("returned NaN/Inf gradients")
+
+
 def _is_cudnn_attention_failure(exc: BaseException) -> bool:
     text = str(exc)
     return "mha_graph" in text or ("cudnn" in text.lower() and "attention" in text.lower())

@@ -527,7 +527,7 @@ class _Run:
         """A NaN/Inf loss or gradient: the same step again without cuDNN attention when that may be the cause,
         otherwise skipped; ``nan_patience`` skips in a row stop the run."""
         self.optimizer.zero_grad(set_to_none=True)
-        if _retry_without_cudnn(self.device):
+        if runtime.retry_without_cudnn(self.device):
             # the same step again (same batch, noise and timesteps) with the cuDNN attention backend off
             self.batches.load_state_dict(step_start[0])
             self.generator.set_state(step_start[1])
@@ -884,12 +884,6 @@ def _tensorboard(out: Path):
         raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard, or use --log "
                          "jsonl.") from None
     return SummaryWriter(str(out / "tensorboard"))
-
-
-def _retry_without_cudnn(device: torch.device) -> bool:
-    """Non-finite gradients on a GPU with cuDNN attention on: on some driver/cuDNN builds its backward returns
-    NaN/Inf without raising. Turn it off (said once) and report that the step is worth redoing."""
-    return device.type == "cuda" and runtime.disable_cudnn_attention("returned NaN/Inf gradients")
 
 
 def _above_bar(bar, echo):

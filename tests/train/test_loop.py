@@ -123,7 +123,7 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
 
     retries = []
     monkeypatch.setattr(objective, "flow_loss", poisoned_once)
-    monkeypatch.setattr(loop, "_retry_without_cudnn", lambda device: not retries and not retries.append(device))
+    monkeypatch.setattr(loop.runtime, "retry_without_cudnn", lambda device: not retries and not retries.append(device))
     redone = train(_config(workspace, tmp_path / "redone", steps=6, save_every=0), echo=lambda s: None)
     assert len(retries) == 1 and calls["n"] == 7 and redone.skipped_steps == 0
     a, _ = load_lora(straight.lora_file)
