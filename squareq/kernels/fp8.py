@@ -8,6 +8,7 @@ it does for dequantization. ``torch._scaled_mm`` needs K and N to be multiples o
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,17 +25,26 @@ MULTIPLE = 16  # torch._scaled_mm's rule for every matrix dimension
 FAST_ACCUM = True
 
 
+@dataclass
+class RowMax:
+    """A layer's row maxima of its bf16 weight (fp32 ``[N]``), found on first use and then kept: the weight is frozen,
+    so every later conversion to E4M3 reads the codes once."""
+
+    values: torch.Tensor
+    ready: bool = False
+
+
 def fp8_shape_ok(n: int, k: int) -> bool:
     """Whether an ``[n, k]`` weight can run through ``torch._scaled_mm``."""
     return n % MULTIPLE == 0 and k % MULTIPLE == 0
 
 
 def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight, bf16: torch.Tensor | None,
-                       amax: torch.Tensor | None = None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+                       row_max: RowMax | None = None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """A zero-argument callable writing ``qw``'s weight as E4M3 rows into ``out`` (float8_e4m3fn ``[N, K]``) and
     their scales into ``scales`` (fp32 ``[N]``), returning both. Formats other than ``int`` dequantize into
     ``bf16`` (a ``[N, K]`` scratch view; None for a bf16 layer, read in place) first; ``int`` layers go straight from
-    their codes, gathering each row's largest magnitude in ``amax`` (fp32 ``[N]``; allocated here when None)."""
+    their codes, with the rows' largest magnitudes kept in ``row_max`` (the layer's own; a new one when None)."""
     if backend_for(out.device) == "torch":
         def reference() -> tuple[torch.Tensor, torch.Tensor]:
             codes, s = quantize_rows(quant.dequantize(qw))
@@ -50,9 +60,7 @@ def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWei
         launch = prepare_rows_fp8(out, scales, qw.tensors["weight"])
     elif qw.spec.format == "int":
         dequant = None
-        if amax is None:
-            amax = torch.empty_like(scales)
-        launch = prepare_int_fp8(out, scales, qw, amax)
+        launch = prepare_int_fp8(out, scales, qw, row_max or RowMax(torch.empty_like(scales)))
     else:
         dequant = prepare_dequantize(bf16, qw)
         launch = prepare_rows_fp8(out, scales, bf16)

@@ -8,7 +8,8 @@ Both compute exactly what :func:`squareq.quant.fp8_rows.quantize_rows` defines (
 :func:`squareq.quant.dequantize` gives), bit for bit. E4M3 rounding is done in integer arithmetic because the
 Triton interpreter's float8 conversion rounds wrongly; CPU-interpreted and CUDA results are then the same bits.
 The row kernel's programs each take one whole row: a pass over K finds its largest magnitude, a second writes the
-codes. The int weight kernel works in the dequant kernel's tiles, in two launches (see :func:`prepare_int_fp8`).
+codes. The int weight kernel works in the dequant kernel's tiles, with the row maxima found once per layer (see
+:func:`prepare_int_fp8`).
 """
 from __future__ import annotations
 
@@ -155,17 +156,17 @@ def prepare_rows_fp8(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -
     return launch
 
 
-def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight,
-                    amax: torch.Tensor) -> Callable[[], None]:
-    """A zero-argument launcher writing the E4M3 rows of int-format ``qw``'s bf16 weight, and their scales; ``amax``
-    (fp32 ``[N]``, its own buffer) gathers the rows' largest magnitudes first.
+def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight, row_max) -> Callable[[], None]:
+    """A zero-argument launcher writing the E4M3 rows of int-format ``qw``'s bf16 weight, and their scales.
 
-    Two launches over the dequant kernel's tiles, so the whole GPU works on every layer: the first reduces each row's
-    largest magnitude (an atomic max per row and tile), the second writes the codes. Codes are read twice; one
-    byte per weight is written."""
+    It works over the dequant kernel's tiles, so the whole GPU works on every layer. The rows' largest magnitudes
+    (``row_max``, a :class:`squareq.kernels.fp8.RowMax`) are reduced by a first launch (an atomic max per row and
+    tile) the first time only: the weight is frozen. From then on one launch reads the codes once and writes one
+    byte per weight."""
     _check(out, scales, qw.shape)
+    amax = row_max.values
     if amax.dtype != torch.float32 or amax.shape != scales.shape or amax.data_ptr() == scales.data_ptr():
-        raise ValueError("amax must be its own float32 buffer of one value per row.")
+        raise ValueError("row maxima must be their own float32 buffer of one value per row.")
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     block_n, block_k, warps = default_tile(spec.group_size, k, spec.bits, spec.smooth)
     vec6 = spec.bits == 6 and block_k % 64 == 0 and _vec6_ok(t["qweight"])
@@ -177,8 +178,10 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     codes = out.view(torch.uint8)
 
     def launch() -> None:
-        amax.zero_()
-        _int_amax_kernel[grid](qweight, group_scales, zeros, inv, amax, *shared, **kwargs)
+        if not row_max.ready:
+            amax.zero_()
+            _int_amax_kernel[grid](qweight, group_scales, zeros, inv, amax, *shared, **kwargs)
+            row_max.ready = True  # launches after it on this stream see the maxima
         _int_fp8_kernel[grid](qweight, group_scales, zeros, inv, amax, codes, scales, *shared, out.stride(0),
                               **kwargs)
 

@@ -104,8 +104,9 @@ def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1,
     resident = sum(itemsize(r.dtype) * math.prod(r.shape) for r in m.resident)
     ring = prefetch * max(b.nbytes for b in m.blocks)
     scratch = 2 * max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=0)
-    if compute == "fp8":  # one byte per weight of the largest layer, its row scales and row maxima
-        scratch += max((l.shape[0] * (l.shape[1] + 8) for l in m.layers), default=0)
+    if compute == "fp8":  # one byte per weight of the largest layer and its row scales, and every layer's row maxima
+        scratch += max((l.shape[0] * (l.shape[1] + 4) for l in m.layers), default=0)
+        scratch += 4 * sum(l.shape[0] for l in m.layers)
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     lora_params = sum(lora_rank * (l.shape[0] + l.shape[1]) for l in m.layers if matches(l.name, targets))
     lora = 16 * lora_params

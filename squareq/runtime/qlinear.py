@@ -24,7 +24,7 @@ from torch import nn
 
 from ..kernels import prepare_dequantize
 from ..kernels.crossover import fused_limit
-from ..kernels.fp8 import FP8, fp8_linear, fp8_shape_ok, prepare_weight_fp8
+from ..kernels.fp8 import FP8, RowMax, fp8_linear, fp8_shape_ok, prepare_weight_fp8
 from ..quant import QuantizedWeight
 
 
@@ -44,8 +44,7 @@ class DequantScratch:
         """Room for FP8 compute: ``numel`` E4M3 weights and ``rows`` row scales (the largest layer's)."""
         self.fp8 = True
         self.fp8_buffer = torch.empty(max(numel, 1), dtype=FP8, device=self.buffer.device)
-        # row scales, and the rows' largest magnitudes the int weight kernel gathers before it writes codes
-        self.row_scales = torch.empty(2, max(rows, 1), dtype=torch.float32, device=self.buffer.device)
+        self.row_scales = torch.empty(max(rows, 1), dtype=torch.float32, device=self.buffer.device)
 
     def view(self, shape: tuple[int, int]) -> torch.Tensor:
         n, k = shape
@@ -59,15 +58,16 @@ class DequantScratch:
             return lambda: weight
         return prepare_dequantize(self.view(qw.shape), qw)
 
-    def prepare_fp8(self, qw: QuantizedWeight):
+    def prepare_fp8(self, qw: QuantizedWeight, row_max: RowMax | None = None):
         """A zero-argument callable returning ``qw``'s weight as (E4M3 rows, fp32 row scales) in the scratch, or
-        None where the forward stays in bf16: bf16 compute, or a shape ``torch._scaled_mm`` does not take."""
+        None where the forward stays in bf16: bf16 compute, or a shape ``torch._scaled_mm`` does not take.
+        ``row_max``: the layer's kept row maxima (kernels/fp8.py)."""
         n, k = qw.shape
         if not self.fp8 or not fp8_shape_ok(n, k):
             return None
         codes = self.fp8_buffer[: n * k].view(n, k)
         bf16 = None if qw.spec.is_passthrough else self.view(qw.shape)
-        return prepare_weight_fp8(codes, self.row_scales[0, :n], qw, bf16, self.row_scales[1, :n])
+        return prepare_weight_fp8(codes, self.row_scales[:n], qw, bf16, row_max)
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -121,6 +121,7 @@ class QuantLinear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         self.dequant = self._unbound  # the runtime binds a prepared dequantizer with each qweight
         self.dequant_fp8 = None  # and, under FP8 compute, one into the E4M3 scratch
+        self.row_max: RowMax | None = None  # FP8 compute: the weight's row maxima, found once
         self.register_parameter("bias", None)  # bound to a slot view when the layer has a bias
         self.lora_A: nn.Linear | None = None
         self.lora_B: nn.Linear | None = None
@@ -139,7 +140,15 @@ class QuantLinear(nn.Module):
         and to E4M3 rows under FP8 compute; prepared here when not given)."""
         self.quantized = quantized
         self.dequant = dequant or self.scratch.prepare(quantized)
-        self.dequant_fp8 = dequant_fp8 if dequant is not None else self.scratch.prepare_fp8(quantized)
+        self.dequant_fp8 = dequant_fp8 if dequant is not None else self.prepare_fp8(quantized)
+
+    def prepare_fp8(self, quantized: QuantizedWeight):
+        """The scratch's E4M3 converter for ``quantized`` (see :meth:`DequantScratch.prepare_fp8`), sharing this
+        layer's row maxima between the slots its block visits."""
+        if self.row_max is None and self.scratch.fp8:
+            device = self.scratch.buffer.device
+            self.row_max = RowMax(torch.empty(self.out_features, dtype=torch.float32, device=device))
+        return self.scratch.prepare_fp8(quantized, self.row_max)
 
     def unbind(self) -> None:
         self.quantized = None

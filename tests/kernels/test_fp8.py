@@ -54,3 +54,16 @@ def test_int_weights_straight_to_e4m3_rows():
 def test_other_formats_through_bf16(spec):
     qw = quantize(torch.randn(32, 128, generator=torch.Generator().manual_seed(3)), spec)
     _same(*_weight(qw), quantize_rows(dequantize(qw)))
+
+
+def test_row_maxima_are_found_once_per_layer_and_kept():
+    qw = quantize(torch.randn(16, 128, generator=torch.Generator().manual_seed(4)), QuantSpec(bits=4, group_size=64))
+    row_max = kfp8.RowMax(torch.empty(16))
+    out = [(torch.empty(16, 128, dtype=kfp8.FP8), torch.empty(16)) for _ in range(2)]
+    first = kfp8.prepare_weight_fp8(*out[0], qw, None, row_max)  # two slots of one layer share its maxima
+    second = kfp8.prepare_weight_fp8(*out[1], qw, None, row_max)
+    _same(*first(), quantize_rows(dequantize(qw)))
+    assert row_max.ready
+    row_max.values.mul_(2)  # kept, not found again: doubled maxima halve the codes' scale
+    codes, scales = second()
+    assert torch.equal(scales, 2 * out[0][1])
