@@ -68,15 +68,20 @@ def variants(n: int, k: int, m: int):
         return torch._scaled_mm(xq, codes.t(), scale_a=xs[:, None], scale_b=scales[None, :], out_dtype=torch.bfloat16,
                                 use_fast_accum=fast)
 
-    def fp8_path(i: int, fast: bool):
-        kfp8.FAST_ACCUM = fast
-        return kfp8.fp8_linear(x, to_fp8[i](), None)
+    bias = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+
+    def fp8_path(i: int, fast: bool, with_bias=None, epilogue: bool = False):
+        kfp8.FAST_ACCUM, kfp8.BIAS_IN_EPILOGUE = fast, epilogue
+        return kfp8.fp8_linear(x, to_fp8[i](), with_bias)
 
     out = {
         "bf16 resident": [lambda w=w: F.linear(x, w) for w in resident],
         "bf16 (dequant + F.linear)": [lambda i=i: F.linear(x, deq[i]()) for i in range(copies)],
         "fp8": [lambda i=i: fp8_path(i, False) for i in range(copies)],
         "fp8 fast_accum": [lambda i=i: fp8_path(i, True) for i in range(copies)],
+        "fp8 fast_accum + bias (separate add)": [lambda i=i: fp8_path(i, True, bias) for i in range(copies)],
+        "fp8 fast_accum + bias (epilogue)": [lambda i=i: fp8_path(i, True, bias, True) for i in range(copies)],
+        "bf16 resident + bias": [lambda w=w: F.linear(x, w, bias) for w in resident],
         "part: weight to E4M3": [lambda i=i: to_fp8[i]() for i in range(copies)],
         "part: activations to E4M3": [lambda: kfp8.quantize_activations(x)] * copies,
         "part: _scaled_mm": [lambda: scaled(False)] * copies,
@@ -87,7 +92,7 @@ def variants(n: int, k: int, m: int):
     for name, fast in (("fp8", False), ("fp8 fast_accum", True)):
         y = fp8_path(0, fast).float()
         errors[name] = ((y - reference).pow(2).mean() / reference.pow(2).mean()).item()
-    kfp8.FAST_ACCUM = False
+    kfp8.FAST_ACCUM, kfp8.BIAS_IN_EPILOGUE = True, False
     return out, errors
 
 

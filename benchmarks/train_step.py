@@ -469,10 +469,11 @@ def phase_gradients(setup: Setup, res: int) -> None:
     rec = {"what": "gradients", "res": res, "device": setup.device_name}
     out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
     out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
-    cos = {n: torch.nn.functional.cosine_similarity(grads_b[n].flatten(), grads_f[n].flatten(), dim=0).item()
-           for n in grads_b}
-    flat_b = torch.cat([g.flatten() for g in grads_b.values()])
-    flat_f = torch.cat([grads_f[n].flatten() for n in grads_b])
+    # float64: a float32 dot product over 65M entries rounds past a cosine of 1
+    cos = {n: torch.nn.functional.cosine_similarity(grads_b[n].double().flatten(), grads_f[n].double().flatten(),
+                                                    dim=0).item() for n in grads_b}
+    flat_b = torch.cat([g.double().flatten() for g in grads_b.values()])
+    flat_f = torch.cat([grads_f[n].double().flatten() for n in grads_b])
     worst = min(cos, key=cos.get)
     rec.update(compute_used=used, tensors=len(cos),
                cos_global=torch.nn.functional.cosine_similarity(flat_b, flat_f, dim=0).item(),

@@ -23,6 +23,8 @@ MULTIPLE = 16  # torch._scaled_mm's rule for every matrix dimension
 # products. On the H100 it made torch._scaled_mm 3-13% faster on FLUX shapes with the same output rel-MSE against
 # the bf16 path (1.42e-3 either way, K up to 15,360): benchmarks/fp8_linear.py, docs/benchmarks.md "FP8 compute".
 FAST_ACCUM = True
+# The bias added by torch._scaled_mm's epilogue, or by a separate add after it (benchmarks/fp8_linear.py times both).
+BIAS_IN_EPILOGUE = False
 
 
 @dataclass
@@ -92,7 +94,9 @@ def fp8_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias:
     codes, w_scales = weight
     lead = x.shape[:-1]
     xq, x_scales = quantize_activations(x.reshape(-1, x.shape[-1]))
-    y = torch._scaled_mm(xq, codes.t(), scale_a=x_scales[:, None], scale_b=w_scales[None, :],
-                         bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
-                         use_fast_accum=FAST_ACCUM)
+    epilogue = bias if BIAS_IN_EPILOGUE and bias is not None else None
+    y = torch._scaled_mm(xq, codes.t(), scale_a=x_scales[:, None], scale_b=w_scales[None, :], bias=epilogue,
+                         out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+    if bias is not None and epilogue is None:
+        y.add_(bias)
     return y.view(*lead, codes.shape[0])
