@@ -23,8 +23,9 @@ MULTIPLE = 16  # torch._scaled_mm's rule for every matrix dimension
 # products. On the H100 it made torch._scaled_mm 3-13% faster on FLUX shapes with the same output rel-MSE against
 # the bf16 path (1.42e-3 either way, K up to 15,360): benchmarks/fp8_linear.py, docs/benchmarks.md "FP8 compute".
 FAST_ACCUM = True
-# The bias added by torch._scaled_mm's epilogue, or by a separate add after it (benchmarks/fp8_linear.py times both).
-BIAS_IN_EPILOGUE = False
+# The bias added in torch._scaled_mm's epilogue costs nothing measurable; a separate add after it made FLUX's linears
+# 5-50% slower on the H100 (benchmarks/fp8_linear.py times both).
+BIAS_IN_EPILOGUE = True
 
 
 @dataclass
@@ -80,12 +81,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scales)`` of 2-D bf16 ``x`` quantized per row (per token): float8_e4m3fn and fp32 ``[M]``."""
     if backend_for(x.device) == "torch":
         return quantize_rows(x)
-    from .triton_fp8 import prepare_rows_fp8
+    from .triton_fp8 import rows_fp8_into
 
     x = x.contiguous()
     codes = torch.empty(x.shape, dtype=FP8, device=x.device)
     scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    prepare_rows_fp8(codes, scales, x)()
+    rows_fp8_into(codes, scales, x)
     return codes, scales
 
 

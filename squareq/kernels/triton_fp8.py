@@ -136,24 +136,63 @@ def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> N
 MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)
 
 
+def _specialization(args: tuple) -> tuple:
+    """What Triton specializes a kernel on, per argument: a tensor's dtype and 16-byte alignment, an integer's being
+    1 or a multiple of 16. Two calls with equal keys (and equal constants) run the same compiled kernel."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
+                 for a in args)
+
+
+class _Direct:
+    """Launches ``kernel`` with the compiled kernel Triton's dispatcher chose for arguments of the same
+    specialization, without the dispatcher: its per-call work (binding, specialization keys, cache lookup) cost more
+    host time than FP8 saved on the GPU, and a FLUX step launches these kernels about two thousand times. CUDA only:
+    the interpreter always goes through the dispatcher."""
+
+    def __init__(self, kernel, constants: dict) -> None:
+        self.kernel, self.constants = kernel, constants
+        self.names = kernel.arg_names
+        self.compiled: dict[tuple, object] = {}
+
+    def __call__(self, grid: tuple, args: tuple) -> None:
+        key = _specialization(args)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **self.constants)
+            if args[0].is_cuda and hasattr(compiled, "__getitem__"):
+                self.compiled[key] = compiled
+            return
+        compiled[grid](*args, *[self.constants[n] for n in self.names[len(args):]])
+
+
+_row_launchers: dict[int, tuple] = {}  # K -> (BLOCK_K, direct launcher)
+
+
+def _rows_launcher(k: int) -> tuple:
+    entry = _row_launchers.get(k)
+    if entry is None:
+        block_k = triton.next_power_of_2(max(k, 16))
+        one_pass = block_k <= MAX_ONE_PASS
+        if not one_pass:
+            block_k = 4096
+        constants = dict(BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=8 if block_k >= 8192 else 4)
+        entry = _row_launchers[k] = _Direct(_rows_kernel, constants)
+    return entry
+
+
+def rows_fp8_into(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
+    """Write E4M3 rows of 2-D bf16 ``x`` (unit column stride) into ``out`` and their scales into ``scales``
+    (shapes are the caller's to get right: this runs on every layer call)."""
+    rows, k = x.shape
+    _rows_launcher(k)((rows,), (x, out.view(torch.uint8), scales, rows, k, x.stride(0), out.stride(0)))
+
+
 def prepare_rows_fp8(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> Callable[[], None]:
     """A zero-argument launcher writing E4M3 rows of 2-D bf16 ``x`` into ``out`` and their scales into ``scales``."""
     _check(out, scales, tuple(x.shape))
     if x.stride(-1) != 1:
         raise ValueError("FP8 row quantization reads rows with unit column stride; make the input contiguous.")
-    rows, k = x.shape
-    block_k = triton.next_power_of_2(max(k, 16))
-    one_pass = block_k <= MAX_ONE_PASS
-    if not one_pass:
-        block_k = 4096
-    warps = 8 if block_k >= 8192 else 4
-    grid = (rows,)
-    args = (x, out.view(torch.uint8), scales, rows, k, x.stride(0), out.stride(0))
-
-    def launch() -> None:
-        _rows_kernel[grid](*args, BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=warps)
-
-    return launch
+    return lambda: rows_fp8_into(out, scales, x)
 
 
 def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight, row_max) -> Callable[[], None]:
@@ -175,14 +214,14 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     shared = (n, k, t["qweight"].shape[1], group_scales.shape[1], qweight.stride(0), group_scales.stride(0))
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
                   BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, num_warps=warps)
-    codes = out.view(torch.uint8)
+    args = (qweight, group_scales, zeros, inv, amax, out.view(torch.uint8), scales, *shared, out.stride(0))
+    direct = _Direct(_int_fp8_kernel, kwargs)
 
     def launch() -> None:
         if not row_max.ready:
             amax.zero_()
             _int_amax_kernel[grid](qweight, group_scales, zeros, inv, amax, *shared, **kwargs)
             row_max.ready = True  # launches after it on this stream see the maxima
-        _int_fp8_kernel[grid](qweight, group_scales, zeros, inv, amax, codes, scales, *shared, out.stride(0),
-                              **kwargs)
+        direct(grid, args)
 
     return launch

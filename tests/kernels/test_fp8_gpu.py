@@ -18,6 +18,20 @@ def test_activation_rows_on_cuda():
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)) and torch.equal(scales, ref_scales)
 
 
+def test_direct_launches_equal_the_dispatchers_for_every_specialization():
+    """The second call of a shape goes past Triton's dispatcher (kernels/triton_fp8.py's _Direct)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for rows in (1, 5, 16, 33, 1536):
+        for k in (48, 3072, 15360):
+            base = torch.randn(rows * k + 8, generator=g, device="cuda").to(torch.bfloat16)
+            for x in (base[: rows * k].view(rows, k), base[8:].view(rows, k)):  # 16-byte aligned, then not
+                ref_codes, ref_scales = quantize_rows(x)
+                for _ in range(2):
+                    codes, scales = kfp8.quantize_activations(x)
+                    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), (rows, k)
+                    assert torch.equal(scales, ref_scales), (rows, k)
+
+
 NF4 = QuantSpec(bits=4, group_size=64, symmetric=True, format="nf4")
 
 
@@ -29,10 +43,13 @@ def test_weights_on_cuda(spec):
         n, k = qw.shape
         codes, scales = torch.empty(n, k, dtype=kfp8.FP8, device="cuda"), torch.empty(n, device="cuda")
         bf16 = None if qw.spec.is_passthrough else torch.empty(n, k, dtype=torch.bfloat16, device="cuda")
-        kfp8.prepare_weight_fp8(codes, scales, qw, bf16)()
+        run = kfp8.prepare_weight_fp8(codes, scales, qw, bf16)
         ref_codes, ref_scales = quantize_rows(dequantize(qw))
-        assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), label
-        assert torch.equal(scales, ref_scales), label
+        for _ in range(2):  # the second launch goes past Triton's dispatcher
+            codes.view(torch.uint8).fill_(0x7F)
+            run()
+            assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), label
+            assert torch.equal(scales, ref_scales), label
 
 
 @pytest.mark.parametrize("m", [16, 1536, 4])
