@@ -100,9 +100,10 @@ HELP = {
     "prefetch": "Block slots on the GPU (the runtime's ring size): auto (measure the second step and add slots until "
                 "the block copies hide behind compute, as squareq sample does; within vram_budget when set), or a "
                 "whole number.",
-    "compute": "The frozen base layers' arithmetic: auto (fp8 on GPUs with FP8 tensor cores, such as Ada and Hopper; "
-               "bf16 elsewhere), fp8 (E4M3 forward and recompute with per-token and per-channel scales; input "
-               "gradients and the LoRA stay bf16/fp32), or bf16. docs/tuning.md says when to choose which.",
+    "compute": "The frozen base layers' arithmetic: bf16; fp8 (E4M3 forward and recompute with per-token and "
+               "per-channel scales on GPUs with FP8 tensor cores, Ada and Hopper; input gradients and the LoRA stay "
+               "bf16/fp32); or auto, bf16 for now, since FP8 measured no faster for a whole step on the H100. "
+               "docs/tuning.md says when to choose which.",
     "host": "Where block blobs wait: auto (pinned when they fit in the host memory available with room to spare, "
             "else disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",

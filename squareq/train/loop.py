@@ -286,7 +286,7 @@ class _Run:
         self.step = self.skipped = self.skipped_in_row = 0
         self.losses: list[float] = []
         self.metrics = self.board = self.bar = self.feed = self.model = self.decoder = None
-        self.compute = "bf16"  # the base layers' arithmetic, settled in setup()
+        self.compute, self.compute_why = "bf16", ""  # the base layers' arithmetic and why, settled in setup()
 
     # ------------------------------------------------------------------------------------------ before training
 
@@ -329,8 +329,7 @@ class _Run:
             compute, why = resolve_compute(self.cfg.compute, self.device)
         except ComputeError as exc:
             raise TrainError(f"--compute {self.cfg.compute}: {exc}") from None
-        if self.cfg.compute == "auto":
-            self.echo(f"compute auto: {compute}: {why}")
+        self.compute_why = why
         return compute
 
     def load(self) -> None:
@@ -338,6 +337,8 @@ class _Run:
         cfg, ranks, data = self.cfg, self.ranks, self.data
         # the other ranks wait here while rank 0 fills the cache, so encoders and slab are never in memory together
         image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
+        if cfg.compute == "auto":
+            self.echo(f"compute auto: {self.compute}: {self.compute_why}")
         asked = cfg.host
         if asked == "auto":
             asked, why = choose_host(sum(b.nbytes for b in self.slab.manifest.blocks))
