@@ -31,9 +31,12 @@ def log(msg: str) -> None:
 
 
 def git_commit() -> str:
-    """The checkout's short commit; on the device, which receives no git history, ``SQUAREQ_COMMIT``."""
+    """``SQUAREQ_COMMIT`` when set (the device receives a working tree whose git history is stale), else the
+    checkout's short commit."""
+    if os.environ.get("SQUAREQ_COMMIT"):
+        return os.environ["SQUAREQ_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SQUAREQ_COMMIT", "unknown")
+        return "unknown"
