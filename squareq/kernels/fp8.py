@@ -95,7 +95,7 @@ def fp8_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias:
     codes, w_scales = weight
     lead = x.shape[:-1]
     xq, x_scales = quantize_activations(x.reshape(-1, x.shape[-1]))
-    epilogue = bias if BIAS_IN_EPILOGUE and bias is not None else None
+    epilogue = bias.to(torch.bfloat16) if BIAS_IN_EPILOGUE and bias is not None else None
     y = torch._scaled_mm(xq, codes.t(), scale_a=x_scales[:, None], scale_b=w_scales[None, :], bias=epilogue,
                          out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
     if bias is not None and epilogue is None:
