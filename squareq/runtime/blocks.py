@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .block_graphs import uncached_autocast
+from .graph_keys import autocast_state
 from .streamer import BACKWARD, FORWARD, Streamer
 
 log = logging.getLogger("squareq.runtime")
@@ -49,7 +51,8 @@ class BlockRunner:
 
     @contextlib.contextmanager
     def in_slot(self, phase: str, training: bool):
-        """Hold this block in a device slot for the duration (nothing to do for a block kept on the device)."""
+        """Hold this block in a device slot for the duration (nothing to do for a block kept on the device); yields
+        the slot's index (:data:`RESIDENT` for a block kept on the device), which names the addresses it reads."""
         # a probe times forward passes only: a training step's forward has the least compute per copied block, so
         # a ring that hides its copies hides the backward's too
         timer = self.runtime.block_timer if phase == FORWARD else None
@@ -60,7 +63,7 @@ class BlockRunner:
         try:
             if timer is not None:
                 timer.start(self.index)
-            yield
+            yield RESIDENT if slot is None else slot.index
             if timer is not None:
                 timer.stop(self.index)
         finally:
@@ -71,13 +74,15 @@ class BlockRunner:
         params = self.trainable() if torch.is_grad_enabled() else []
         flat, spec = tree_flatten((args, kwargs))
         tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+        skeleton = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
         if not torch.is_grad_enabled() or not (params or any(t.requires_grad for t in tensors)):
-            with self.in_slot(FORWARD, training=False):
-                return self.forward(*args, **kwargs)
+            with self.in_slot(FORWARD, training=False) as slot:
+                if self.runtime.graphs is None:
+                    return self.forward(*args, **kwargs)
+                return self.run_forward(slot, skeleton, spec, tensors)
         if not self.runtime.checkpointing:
             raise RuntimeError(NEEDS_CHECKPOINTING.format(model=self.runtime.class_name,
                                                           slots=len(self.streamer.slots)))
-        skeleton = [_TENSOR if isinstance(v, torch.Tensor) else v for v in flat]
         box: dict[str, Any] = {}
         outs = _StreamedCheckpoint.apply(self, skeleton, spec, box, len(tensors), *tensors, *params)
         leaves = list(box["leaves"])
@@ -85,8 +90,46 @@ class BlockRunner:
             leaves[pos] = t
         return tree_unflatten(leaves, box["spec"])
 
+    def run_forward(self, slot: int, skeleton: list, spec, tensors: list[torch.Tensor]):
+        """The block's own forward on ``tensors`` (put back into its arguments by ``skeleton`` and ``spec``), replayed
+        from its CUDA graph for ``slot`` when the runtime keeps graphs (runtime/block_graphs.py)."""
+        graphs = self.runtime.graphs
+        device_type = self.streamer.device.type
+        key = None if graphs is None else self.graph_key(FORWARD, slot, skeleton, spec, autocast_state(device_type),
+                                                         tensors)
+        if key is None:
+            args, kwargs = _rebuild(skeleton, spec, tensors)
+            return self.forward(*args, **kwargs)
+
+        def run(values: list[torch.Tensor], capturing: bool):
+            args, kwargs = _rebuild(skeleton, spec, values)
+            with uncached_autocast(device_type) if capturing else contextlib.nullcontext():
+                out = self.forward(*args, **kwargs)
+            leaves, out_spec = tree_flatten(out)
+            where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+            return [leaves[i] for i in where], (out_spec, _without(leaves, where), where)
+
+        outs, (out_spec, leaves, where) = graphs.call(key, tensors, run)
+        leaves = list(leaves)
+        for i, t in zip(where, outs, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, out_spec)
+
+    def graph_key(self, phase: str, slot: int, skeleton: list, spec, extra: tuple, tensors: list[torch.Tensor]):
+        """The runtime's CUDA-graph key for this block called with these arguments (None: run it eagerly)."""
+        layout = tuple(v is _TENSOR for v in skeleton)
+        values = tuple(v for v in skeleton if v is not _TENSOR)
+        return self.runtime.graphs.key(phase, self.index, slot, spec, layout, values, extra, tensors, self.module)
+
 
 _TENSOR = object()  # marks where a tensor argument goes back into a flattened call
+RESIDENT = -1  # the slot "index" of a block kept on the device
+
+
+def _without(leaves: list, positions: list[int]) -> list:
+    """``leaves`` with the entries at ``positions`` (tensors) set to None, so they are not kept past the call."""
+    gone = set(positions)
+    return [None if i in gone else v for i, v in enumerate(leaves)]
 
 
 def _rebuild(skeleton: list, spec, tensors) -> tuple[tuple, dict]:
@@ -105,12 +148,15 @@ class _AmpState:
         self.states = [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
                        for dt in dict.fromkeys((device_type, "cpu"))]
         self.cache = torch.is_autocast_cache_enabled()
+        self.key = (tuple(self.states), self.cache)
 
     @contextlib.contextmanager
-    def restore(self):
+    def restore(self, cache: bool = True):
+        """The forward's autocast; ``cache=False`` turns its cast cache off (for a CUDA graph capture)."""
         with contextlib.ExitStack() as stack:
             for dt, enabled, dtype in self.states:
-                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=self.cache))
+                stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.cache and cache))
             yield
 
 
@@ -166,13 +212,12 @@ class _StreamedCheckpoint(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         key = (tuple(t.requires_grad for t in inputs), len(params))
         constant = runner.constant_outputs.get(key)
-        with runner.in_slot(FORWARD, training=True):
+        with runner.in_slot(FORWARD, training=True) as slot:
             if constant is None:
                 out = _forward_learning_constants(runner, skeleton, spec, inputs, key)
                 constant = runner.constant_outputs[key]
             else:
-                args, kwargs = _rebuild(skeleton, spec, inputs)
-                out = runner.forward(*args, **kwargs)
+                out = runner.run_forward(slot, skeleton, spec, list(inputs))
         leaves, out_spec = tree_flatten(out)
         box["spec"] = out_spec
         box["tensor_positions"] = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
@@ -218,17 +263,36 @@ def _forward_learning_constants(runner: BlockRunner, skeleton, spec, inputs, key
 
 
 def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
+    """The block's input and LoRA gradients: it is brought back into a slot and recomputed, eagerly or by replaying
+    its CUDA graph for that slot (runtime/block_graphs.py)."""
+    with torch.enable_grad(), ctx.rng.restore(), runner.in_slot(BACKWARD, training=True) as slot:
+        graphs, key = runner.runtime.graphs, None
+        given = [g for g in grad_outs if g is not None]
+        if graphs is not None:
+            extra = (ctx.amp.key, tuple(g is None for g in grad_outs))
+            key = runner.graph_key(BACKWARD, slot, ctx.skeleton, ctx.spec, extra, [*inputs, *given])
+
+        def run(values: list[torch.Tensor], capturing: bool):
+            it = iter(values[len(inputs):])
+            full = [None if g is None else next(it) for g in grad_outs]
+            return _grads_of_recompute(ctx, runner, values[: len(inputs)], params, full, cache=not capturing), None
+
+        if key is None:
+            return run([*inputs, *given], False)[0]
+        return graphs.call(key, [*inputs, *given], run)[0]
+
+
+def _grads_of_recompute(ctx, runner: BlockRunner, inputs, params, grad_outs, cache: bool = True):
     # The forward saw these inputs as non-leaf tensors (outputs of the previous block). A detached input that
     # requires grad is a leaf, and autocast caches its casts to bf16 (one cast shared by every use) where the
     # forward made one cast per use; the gradients would then be summed in another dtype and order. A view is
     # not a leaf, so the recompute builds exactly the forward's graph.
     wanted = [t for t in inputs if t.requires_grad] + list(params)
-    with torch.enable_grad(), ctx.rng.restore(), runner.in_slot(BACKWARD, training=True):
-        with ctx.amp.restore():  # the recompute runs under the forward's autocast; its backward, like any, does not
-            args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
-            out = runner.forward(*args, **kwargs)
-        outs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]
-        if not pairs or not wanted:
-            return [None] * len(wanted)
-        return list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+    with ctx.amp.restore(cache):  # the recompute runs under the forward's autocast; its backward, like any, does not
+        args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
+        out = runner.forward(*args, **kwargs)
+    outs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]
+    pairs = [(o, g) for o, g in zip(outs, grad_outs) if o.requires_grad and g is not None]
+    if not pairs or not wanted:
+        return [None] * len(wanted)
+    return list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))

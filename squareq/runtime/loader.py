@@ -21,6 +21,7 @@ from ..models.skeleton import place_tensor, skeleton_from_record
 from ..slab import Slab, SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
+from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
 from .compute import resolve_compute
 from .host import DiskStaging, PinnedArena
@@ -51,6 +52,7 @@ class Runtime:
         self.binder: _Binder | None = None
         self.resident_blocks: dict[int, torch.Tensor] = {}  # streamed model: blocks kept on the device, their blob
         self.block_timer = None  # a residency.BlockTimer while a step is measured
+        self.graphs: BlockGraphs | None = None  # cuda_graphs=True: the streamed blocks' CUDA graphs
         self.host, self.host_reason = "pinned", ""  # where the blobs wait, and why (host="auto" says)
         self.compute, self.compute_reason = "bf16", ""  # the base layers' arithmetic, and why (compute="auto" says)
 
@@ -89,13 +91,22 @@ class Runtime:
             self.binder.bind(b, -1, blob)
         streamer.add_slots(plan.slots - len(streamer.slots))
 
+    def forget_slot(self, slot: int) -> None:
+        """Slot ``slot``'s buffer is gone: drop the views into it and the CUDA graphs that read it."""
+        self.binder.forget(slot)
+        if self.graphs is not None:
+            self.graphs.forget_slot(slot)
+
     @property
     def streamed(self) -> bool:
         return self.streamer is not None
 
     def step_stats(self) -> StepStats:
         """Copies, copy wait and peak memory since the previous call (call once per training step)."""
-        return self.telemetry.step()
+        stats = self.telemetry.step()
+        if self.graphs is not None:
+            self.graphs.end_step()
+        return stats
 
     def close(self) -> None:
         if self.streamer is not None:
@@ -199,6 +210,19 @@ def _place_residents(model: nn.Module, slab: Slab, device: torch.device) -> None
                 module._buffers[attr] = buf.to(device)
 
 
+def _streamer(slab: Slab, rt: Runtime, host: str, prefetch: int, sizes: list[int]) -> Streamer:
+    """The ring of ``prefetch`` device slots fed from ``host`` ("pinned", "shared" or "disk")."""
+    device = rt.device
+    source = DiskStaging(slab, device) if host == "disk" else PinnedArena.for_slab(slab, device,
+                                                                                    shared=host == "shared")
+    try:
+        return Streamer(source, device, prefetch, max(sizes), sizes, rt.binder.bind, rt.binder.unbind, rt.telemetry,
+                        rt.forget_slot)
+    except BaseException:
+        source.close()
+        raise
+
+
 def _call_through(function, *args, **kwargs):
     """The checkpoint function handed to the model class: streamed blocks checkpoint themselves (diffusers passes
     the block, transformers a partial of its ``__call__``); anything else keeps torch's checkpoint."""
@@ -231,7 +255,7 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
 
 def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
          stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
-         compute: str = "bf16") -> nn.Module:
+         compute: str = "bf16", cuda_graphs: bool = False) -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
@@ -246,6 +270,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         (default: the ``SQUAREQ_TRACE`` environment variable). compute: the base layers' forward arithmetic,
         "bf16", "fp8" (E4M3 x E4M3 with per-token and per-channel scales; input gradients stay bf16) or "auto"
         (fp8 where the GPU has FP8 tensor cores; runtime/compute.py; the choice is ``runtime_of(model).compute``).
+        cuda_graphs: capture each streamed block's forward, and a training step's recompute + backward of it, as CUDA
+        graphs once per block and slot, and replay them (runtime/block_graphs.py); CUDA and streamed blocks only.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -254,6 +280,9 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         raise ValueError(f"host={host!r}: choose one of {', '.join(HOSTS)}.")
     if not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch={prefetch!r}: the number of block slots must be an integer of at least 1.")
+    if cuda_graphs and (device.type != "cuda" or not stream):
+        raise ValueError(f"cuda_graphs=True needs streamed blocks on a CUDA device (here: {device}, stream={stream}); "
+                         "load on a GPU with stream=True, or leave CUDA graphs off.")
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify=verify)
     m = s.manifest
     if isinstance(slab, Slab) and verify in ("eager", True):
@@ -280,14 +309,11 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         host, reason = choose_host(sum(sizes))
         # reading from disk is much slower: a user who did not ask for it is told even without --verbose
         (log.warning if host == "disk" else log.info)("host auto: %s: %s.", host, reason)
+    rt = Runtime(model, m, device, None, telemetry, scratch, device_blobs)
+    rt.binder = binder
+    rt.graphs = BlockGraphs(device) if cuda_graphs else None
     if stream:
-        source = DiskStaging(s, device) if host == "disk" else PinnedArena.for_slab(s, device, shared=host == "shared")
-        try:
-            streamer = Streamer(source, device, prefetch, max(sizes), sizes, binder.bind, binder.unbind, telemetry,
-                                binder.forget)
-        except BaseException:
-            source.close()
-            raise
+        streamer = _streamer(s, rt, host, prefetch, sizes)
     else:
         for b in m.blocks:
             blob = s.block_bytes(b.index).to(device, copy=True)
@@ -295,8 +321,7 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
             binder.bind(b.index, -1, blob)
     model.requires_grad_(False)
     model.eval()
-    rt = Runtime(model, m, device, streamer, telemetry, scratch, device_blobs)
-    rt.binder = binder
+    rt.streamer = streamer
     rt.compute, rt.compute_reason = compute, compute_reason
     log.info("compute: %s (%s).", compute, compute_reason)
     rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")

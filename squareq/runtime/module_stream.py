@@ -55,6 +55,7 @@ class _InferenceOnly:
     checkpointing: bool = False
     resident_blocks: tuple = ()  # nothing is kept on the device and nothing is timed (runtime/residency.py)
     block_timer: None = None
+    graphs: None = None  # no CUDA graphs (runtime/block_graphs.py): these run once per caption batch
 
 
 def largest_block_list(module: nn.Module) -> str:

@@ -49,3 +49,20 @@ def assert_same(a, b) -> None:
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), f"LoRA gradient of {name} differs"
+
+
+def train_steps(model, device, steps: int, autocast: bool = False):
+    """``steps`` LoRA training steps on seeded batches (LoRA from :func:`with_lora`, an SGD step between them): each
+    step's output and LoRA gradients, and the runtime's CUDA-graph counts of each step (None without graphs)."""
+    params = with_lora(model)
+    opt = torch.optim.SGD(params, lr=0.5)
+    graphs = runtime.runtime_of(model).graphs
+    results, counts = [], []
+    for i in range(steps):
+        out, grads = step(model, inputs(device, seed=i), checkpointing=True, autocast=autocast)
+        for name, p in runtime.lora_parameters(model).items():
+            p.grad = grads[name].clone()
+        opt.step()
+        results.append((out, grads))
+        counts.append(graphs.reset_stats() if graphs is not None else None)
+    return results, counts

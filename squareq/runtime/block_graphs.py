@@ -1,0 +1,351 @@
+"""CUDA graphs per streamed block (``runtime.load(cuda_graphs=True)``): a block's forward, and a training step's
+recompute + backward of it, are each captured once and replayed from then on, so a step's host time no longer grows
+with the kernel launches of its blocks (about 1,400 per FLUX.1 training step at 512², where the GPU sat idle waiting
+for Python: docs/benchmarks.md, "LoRA training step").
+
+Why a replay computes what the eager run would: every address a block's kernels touch is fixed for a (block, slot)
+pair. The quantized weights and block parameters are views into the slot (the binder caches them per pair), the
+dequant scratch is shared and fixed, and the LoRA factors are updated in place by the optimizer. So a graph is kept
+per (block, slot, everything else that shapes the kernels: runtime/graph_keys.py) and replayed whenever that block is
+in that slot again. Inputs are copied into static buffers before a replay and outputs copied out of static buffers
+after it. Those buffers are shared by every graph with the same signature, and every graph's temporaries come from
+one memory pool, so memory grows by about one block's working set, not by one per graph.
+
+* A key is captured only after it ran eagerly :data:`WARMUP` times: Triton compiles, each layer's one-time launch
+  checks and FP8 compute's row maxima happen then, not during a capture.
+* A key whose capture fails runs eagerly from then on (said once); after :data:`MAX_FAILURES` failures no block is
+  graphed any more.
+* Static buffers are capped at :data:`STATIC_BYTES_CAP`: when shapes keep changing (many aspect buckets), the graphs
+  used longest ago go, with their buffers, between steps.
+
+Forward hooks on modules inside a block run during the eager runs and the capture only.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .graph_keys import (
+    NotKeyable,
+    argument_values,
+    autocast_state,
+    module_state,
+    sdpa_backends,
+    spec_key,
+    tensor_signature,
+)
+
+log = logging.getLogger("squareq.runtime")
+
+WARMUP = 2  # eager runs of a key before it is captured
+MAX_FAILURES = 3  # failed captures after which the runtime stops graphing
+STATIC_BYTES_CAP = 1 << 30  # static input/output buffers kept across shapes (FLUX.1 at 1024²: ~0.25 GB per shape)
+
+Run = Callable[[list[torch.Tensor], bool], tuple[list[torch.Tensor | None], Any]]
+
+
+@contextlib.contextmanager
+def uncached_autocast(device_type: str):
+    """The current autocast without its cast cache: a cast cached during a capture would live in the graph's pool and
+    be handed to later eager code, and one cached before it would be read by every replay (torch requires the cache
+    off for captures)."""
+    enabled, dtype = autocast_state(device_type)
+    with torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False):
+        yield
+
+
+def cuda_capture(body: Callable[[], None], pool, stream) -> Callable[[], None]:
+    """Capture ``body``'s kernels into a CUDA graph on ``stream`` (``pool`` shared by every capture); returns its
+    replay, which launches them on the current stream. Other threads (a disk reader's copies) may keep working.
+
+    Unlike ``torch.cuda.graph`` this empties no cache and, when the body or the capture fails, ends the capture and
+    the pool's allocation routing and gives the current stream back, so eager work can go on."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            body()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                graph.capture_end()
+            _end_pool_routing(stream.device, pool)
+            raise
+        try:
+            graph.capture_end()
+        except BaseException:
+            _end_pool_routing(stream.device, pool)
+            raise
+    return graph.replay
+
+
+def _end_pool_routing(device: torch.device, pool) -> None:
+    """Stop routing this thread's allocations to the graphs' pool after a failed capture (some torch versions leave
+    it on when the capture was invalidated; where it was already ended, this does nothing)."""
+    with contextlib.suppress(Exception):
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+
+
+@dataclass
+class _Entry:
+    """One key's state: eager runs so far, then its graph and the static buffers it reads and writes."""
+
+    runs: int = 0
+    failed: bool = False
+    outputs: list | None = None  # per output: None, or (shape, dtype, strides) of the last eager run's tensor
+    replay: Callable[[], None] | None = None
+    static_in: list[torch.Tensor] = field(default_factory=list)
+    static_out: list[torch.Tensor | None] = field(default_factory=list)
+    extra: Any = None  # what the run returned beside its tensors, at capture
+    used: int = 0  # the step it last ran in
+
+
+@dataclass
+class GraphStats:
+    """Counts since the runtime was loaded (or :meth:`BlockGraphs.reset_stats`)."""
+
+    eager: int = 0  # runs of a graphable key before its capture
+    captures: int = 0
+    replays: int = 0
+    failures: int = 0
+    ungraphed: int = 0  # calls that could not be graphed (dropout, unusual arguments, a failed key)
+    evicted: int = 0  # graphs dropped to keep the static buffers under STATIC_BYTES_CAP
+
+
+class BlockGraphs:
+    """The CUDA graphs of one runtime's streamed blocks, their shared static buffers and memory pool.
+
+    ``capture(body, pool, stream) -> replay``: :func:`cuda_capture` on a GPU; tests on a CPU pass one that replays by
+    running ``body`` again, which checks the static-buffer plumbing without CUDA."""
+
+    def __init__(self, device: torch.device, capture: Callable = cuda_capture) -> None:
+        self.device = device
+        self.capture = capture
+        self.entries: dict[tuple, _Entry] = {}
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.stats = GraphStats()
+        self.enabled = True  # off after MAX_FAILURES failed captures
+        self._failures = 0
+        self._step = 0
+        self._pool = self._stream = None
+        self._said: set[str] = set()
+        self._settling = False  # this step ran keys eagerly before their capture, or captured
+
+    # ------------------------------------------------------------------ keys
+
+    def key(self, phase: str, block: int, slot: int, spec, layout: tuple, values: tuple, extra: tuple,
+            tensors: list[torch.Tensor], module: nn.Module) -> tuple | None:
+        """The graph key of one call of block ``module`` (number ``block``, in slot ``slot``), or None where it must
+        run eagerly (said once per reason). ``spec``, ``layout`` and ``values``: the call's argument structure, where
+        its tensors go in it, and its other arguments; ``extra``: whatever else its kernels depend on."""
+        if not self.enabled:
+            self.stats.ungraphed += 1
+            return None
+        try:
+            if any(t.device != self.device for t in tensors):
+                raise NotKeyable("a streamed block got a tensor on another device; that block runs without a graph")
+            return (phase, block, slot, spec_key(spec), layout, argument_values(values), extra,
+                    tuple(tensor_signature(t) for t in tensors), module_state(module), sdpa_backends())
+        except NotKeyable as why:
+            self._say(str(why), f"{why}.")
+            self.stats.ungraphed += 1
+            return None
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, key: tuple | None, tensors: list[torch.Tensor], run: Run) -> tuple[list, Any]:
+        """``run(tensors, capturing=False)`` eagerly, or its graph replayed on ``tensors``; returns its
+        (tensors-or-None, extra). ``run`` must depend on nothing but its tensors and what the key holds."""
+        entry = self.entries.get(key) if key is not None else None
+        if key is not None and entry is None:
+            entry = self.entries[key] = _Entry()
+        if entry is None or entry.failed or not self.enabled:
+            self.stats.ungraphed += 1
+            return run(tensors, False)
+        entry.used = self._step
+        if entry.replay is None and entry.runs < WARMUP:
+            outs, extra = run(tensors, False)
+            entry.runs += 1
+            entry.outputs = [None if o is None else (tuple(o.shape), o.dtype, o.stride()) for o in outs]
+            self.stats.eager += 1
+            self._settling = True
+            return outs, extra
+        self._load_inputs(entry, tensors)
+        if entry.replay is None:
+            try:
+                self._capture(entry, run)
+            except Exception as exc:  # noqa: BLE001 - any failed capture falls back to eager, said once
+                self._failed(entry, exc)
+                return run(tensors, False)
+        entry.replay()
+        self.stats.replays += 1
+        return [None if s is None else copy_in_layout(s) for s in entry.static_out], entry.extra
+
+    def _failed(self, entry: _Entry, exc: Exception) -> None:
+        entry.failed, entry.replay = True, None
+        self.stats.failures += 1
+        self._failures += 1
+        self._say("capture", f"capturing a streamed block as a CUDA graph failed ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); such calls run without graphs "
+                             "from now on, which is correct but slower.")
+        if self._failures >= MAX_FAILURES:
+            self.enabled = False
+            self.clear()
+            self._say("off", f"{MAX_FAILURES} captures failed; this run goes on without CUDA graphs.")
+
+    def _load_inputs(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
+        if not entry.static_in:
+            entry.static_in = [self._buffer("in", i, t) for i, t in enumerate(tensors)]
+        with torch.no_grad():
+            for static, t in zip(entry.static_in, tensors, strict=True):
+                static.copy_(t)
+
+    def _capture(self, entry: _Entry, run: Run) -> None:
+        entry.static_out = [None if o is None else self._output_buffer(i, *o) for i, o in enumerate(entry.outputs)]
+        box: dict[str, Any] = {}
+
+        def body() -> None:
+            outs, box["extra"] = run(entry.static_in, True)
+            shapes = [None if o is None else (tuple(o.shape), o.dtype, o.stride()) for o in outs]
+            if shapes != entry.outputs:
+                raise RuntimeError("the block's outputs changed shape or dtype between its eager runs and the capture")
+            for static, o in zip(entry.static_out, outs):
+                if static is not None:
+                    static.copy_(o)
+
+        if self.device.type == "cuda" and self._pool is None:
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), self._warm_stream()
+        entry.replay = self.capture(body, self._pool, self._stream)
+        entry.extra = box["extra"]
+        self.stats.captures += 1
+        self._settling = True
+
+    def _warm_stream(self) -> torch.cuda.Stream:
+        """The stream every capture runs on, after one small matmul there: cuBLAS sets up its handle and workspace
+        for a stream on first use, which a capture should not be the one to do."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for dtype in (torch.bfloat16, torch.float32):
+                a = torch.ones(16, 16, dtype=dtype, device=self.device)
+                torch.mm(a, a)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return stream
+
+    # ------------------------------------------------------------------ buffers
+
+    def _buffer(self, role: str, position: int, like: torch.Tensor) -> torch.Tensor:
+        """The static buffer for argument ``position`` of graphs whose argument there looks like ``like``: shared by
+        every such graph (they run one after another on one stream, each fed just before it runs)."""
+        key = (role, position, *tensor_signature(like))
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            buffer = empty_in_layout(like.shape, like.dtype, like.stride(), self.device)
+            self.buffers[key] = buffer.requires_grad_(like.requires_grad)
+        return buffer
+
+    def _output_buffer(self, position: int, shape, dtype, stride) -> torch.Tensor:
+        key = ("out", position, shape, dtype, stride)
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            buffer = self.buffers[key] = empty_in_layout(shape, dtype, stride, self.device)
+        return buffer
+
+    def static_bytes(self) -> int:
+        """Bytes held by the static buffers."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    # ------------------------------------------------------------------ upkeep
+
+    def end_step(self) -> None:
+        """Between steps (``Runtime.step_stats`` and ``squareq sample`` call it). Over :data:`STATIC_BYTES_CAP`, the
+        graphs used longest ago go with the buffers only they used. After a step that ran blocks eagerly or captured
+        them, the caching allocator's free memory goes back: the blocks' temporaries now live in the graphs' pool,
+        and what the eager runs cached for them would otherwise stay reserved beside it for the rest of the run."""
+        self._step += 1
+        if self.static_bytes() > STATIC_BYTES_CAP:
+            self._evict()
+        if self._settling and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._settling = False
+
+    def _evict(self) -> None:
+        """Drop the graphs used longest ago (never the last step's) until the buffers the rest use fit the cap."""
+        users: dict[int, int] = {}  # buffer id -> entries using it
+        for e in self.entries.values():
+            for b in _buffers_of(e):
+                users[id(b)] = users.get(id(b), 0) + 1
+        held = self.static_bytes()
+        for key in sorted(self.entries, key=lambda k: self.entries[k].used):
+            entry = self.entries[key]
+            if entry.used >= self._step - 1 or held <= STATIC_BYTES_CAP:
+                break
+            del self.entries[key]
+            self.stats.evicted += 1
+            for b in _buffers_of(entry):
+                users[id(b)] -= 1
+                held -= 0 if users[id(b)] else b.numel() * b.element_size()
+        self.buffers = {k: b for k, b in self.buffers.items() if users.get(id(b), 0) > 0}
+        self._say("evict", f"the shapes of this run need more than {STATIC_BYTES_CAP / 2**30:g} GiB of CUDA-graph "
+                           "buffers, so graphs of shapes not seen lately are dropped and captured again when their "
+                           "shape returns; with many aspect buckets, --cuda-graphs may not pay.")
+
+    def forget_slot(self, slot: int) -> None:
+        """Slot ``slot``'s buffer is gone: drop its graphs, which read it."""
+        for key in [k for k in self.entries if k[2] == slot]:
+            del self.entries[key]
+
+    def clear(self) -> None:
+        """Drop every graph and static buffer (they are captured again as calls come)."""
+        self.entries.clear()
+        self.buffers.clear()
+
+    def reset_stats(self) -> GraphStats:
+        """The counts so far, and start counting again."""
+        stats, self.stats = self.stats, GraphStats()
+        return stats
+
+    def _say(self, reason: str, message: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            log.warning("CUDA graphs: %s", message)
+
+
+def _buffers_of(entry: _Entry):
+    """The static buffers ``entry`` reads and writes (each once)."""
+    return {id(b): b for b in (*entry.static_in, *entry.static_out) if b is not None}.values()
+
+
+def non_overlapping(shape, stride) -> bool:
+    """Whether no two elements of a ``shape`` tensor with ``stride`` share memory (gaps allowed: a slice's layout)."""
+    extent = 0  # one past the largest offset reached by the dimensions taken so far
+    for size, step in sorted(((n, st) for n, st in zip(shape, stride) if n > 1), key=lambda p: p[1]):
+        if step < max(extent, 1):
+            return False
+        extent = step * (size - 1) + extent + (1 if extent == 0 else 0)
+    return True
+
+
+def empty_in_layout(shape, dtype, stride, device) -> torch.Tensor:
+    """An uninitialized tensor with ``stride`` where that layout has no overlaps (a slice of a wider tensor keeps its
+    strides, with unused gaps), else contiguous (an expanded tensor: the same values, each stored once). The eager
+    block saw the first layout; handing its graph and its successors the same keeps their keys and kernels the same.
+    Never an inference tensor, even under ``torch.inference_mode``: static buffers are written again outside it."""
+    with torch.inference_mode(False):
+        return _empty(shape, dtype, stride, device)
+
+
+def _empty(shape, dtype, stride, device) -> torch.Tensor:
+    if non_overlapping(shape, stride):
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def copy_in_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides (``clone`` makes a slice's copy contiguous)."""
+    return _empty(t.shape, t.dtype, t.stride(), t.device).copy_(t)
