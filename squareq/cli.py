@@ -417,8 +417,10 @@ class AutoOrInt(click.ParamType):
               help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
                    "spare, else disk), pinned (RAM) or disk (read from the slab file).")
 @click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True, help=HELP["compute"])
+@click.option("--cuda-graphs", is_flag=True, help="Replay each block's forward from a CUDA graph once the first "
+              "denoising steps have captured it (CUDA only; docs/tuning.md says when it pays).")
 def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
-           resident_blocks, host, compute):
+           resident_blocks, host, compute, cuda_graphs):
     """Generate images with the streamed slab, optionally with a LoRA."""
     from .plot import write_png
     from .slab.atomic import ensure_output_dir
@@ -437,7 +439,7 @@ def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, m
 
     sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
-                  resident_blocks=resident_blocks, on_image=save, compute=compute)
+                  resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs)
 
 
 @main.command("export-lora")

@@ -107,6 +107,9 @@ HELP = {
     "host": "Where block blobs wait: auto (pinned when they fit in the host memory available with room to spare, "
             "else disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",
+    "cuda_graphs": "Capture each streamed block's forward and its recompute + backward as CUDA graphs once (the first "
+                   "steps run eagerly while they are captured) and replay them, which takes the host's kernel launches "
+                   "out of the step; CUDA only. docs/tuning.md says when it pays.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
@@ -185,6 +188,7 @@ class TrainConfig:
     prefetch: int | str = "auto"
     host: str = "auto"
     compute: str = "auto"
+    cuda_graphs: bool = False
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
@@ -278,7 +282,7 @@ class TrainConfig:
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
             raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
-        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora"):
+        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora", "cuda_graphs"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \

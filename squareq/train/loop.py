@@ -297,6 +297,9 @@ class _Run:
         self.cfg = cfg = _resumed_targets(cfg, self.out).with_family_defaults(slab.manifest.model.family)
         _check_variant(cfg, self.out, self.ranks.world)
         self.compute = self._compute()
+        if cfg.cuda_graphs and self.device.type != "cuda":
+            raise TrainError(f"--cuda-graphs needs a CUDA GPU and this run trains on {self.device}; leave "
+                             "cuda_graphs off.")
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                                 text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
@@ -345,15 +348,14 @@ class _Run:
             self.echo(f"host auto: {asked}: {why}")
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
+        load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=cfg.cuda_graphs)
         try:
-            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host=host, verify="off",
-                                 compute=self.compute)
+            model = runtime.load(self.slab, self.device, host=host, **load)
         except HostMemoryError as exc:
             if host == asked:
                 raise TrainError(f"--host {cfg.host}: {exc}") from None
             log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
-            model = runtime.load(self.slab, self.device, prefetch=cfg.start_prefetch, host="pinned", verify="off",
-                                 compute=self.compute)
+            model = runtime.load(self.slab, self.device, host="pinned", **load)
         self.model = model
         self.tuner = self._tuner(model)
         self.params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets,

@@ -41,7 +41,19 @@ class _FiniteLatents:
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
                               "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
+        _end_graph_step(pipe.transformer)
         return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
+
+
+def _end_graph_step(transformer) -> None:
+    """A denoising step is a step for the runtime's CUDA graphs (BlockGraphs.end_step): what their warm-up and captures
+    left in the caching allocator goes back."""
+    try:
+        graphs = runtime.runtime_of(transformer).graphs
+    except ValueError:  # not a runtime model
+        return
+    if graphs is not None:
+        graphs.end_step()
 
 
 def check_sample_options(resolution: int, steps: int, guidance: float, max_sequence_length: int) -> None:
@@ -81,12 +93,13 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   resolution: int = 1024, steps: int = 20, guidance: float = 3.5, seed: int = 42,
                   max_sequence_length: int = 512, prefetch: int | str = "auto", host: str = "auto", device=None,
                   resident_blocks: int | str = 0, on_image: Callable[[int, object], None] | None = None,
-                  compute: str = "auto"):
+                  compute: str = "auto", cuda_graphs: bool = False):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
-    it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py)."""
+    it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py).
+    ``cuda_graphs``: replay each block's forward from a CUDA graph once it is captured (runtime/block_graphs.py)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
     device = default_device(device)
     s = open_slab(slab, verify="eager")
@@ -95,8 +108,11 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         sampled = ", ".join(f for f, a in ADAPTERS.items() if a.samples)
         raise SampleError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
+    if cuda_graphs and device.type != "cuda":
+        raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
     try:
-        transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute)
+        transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute,
+                                   cuda_graphs=cuda_graphs)
     except ComputeError as exc:
         raise SampleError(f"--compute {compute}: {exc}") from None
     tuner = None

@@ -10,7 +10,7 @@ from squareq import runtime
 from squareq.models import load_builtin
 from squareq.quant import QuantSpec
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
-from squareq.train.config import load_config
+from squareq.train.config import ConfigError, TrainConfig, load_config
 from squareq.train.lora_files import load_lora
 from squareq.train.loop import TrainError, train
 
@@ -195,6 +195,22 @@ def test_lr_inf_is_refused_in_one_sentence_and_writes_no_lora(workspace, tmp_pat
                                        str(out), "--resolution", "64", "--steps", "1", "--lr", "inf"])
     assert result.exit_code != 0 and "lr" in result.output and "finite positive number" in result.output
     assert "Traceback" not in result.output and not (out / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_cuda_graphs_without_a_gpu_are_refused_before_caching(workspace, tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "graphs"
+    base = ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"), "-o", str(out), "--resolution",
+            "64", "--steps", "1"]
+    result = CliRunner().invoke(main, base + ["--cuda-graphs"])
+    assert result.exit_code != 0 and "--cuda-graphs needs a CUDA GPU" in result.output, result.output
+    assert "Traceback" not in result.output and not (out / "cache").exists()
+    assert TrainConfig(slab="x", data="d", output="o", steps=1).cuda_graphs is False  # off unless asked for
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        TrainConfig(slab="x", data="d", output="o", steps=1, cuda_graphs="yes")
 
 
 def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
@@ -550,6 +566,9 @@ def test_sample_refuses_bad_options_and_keeps_what_it_drew(workspace, tmp_path, 
         assert result.exit_code == 1 and "Traceback" not in result.output, result.output
         assert result.output.startswith(f"error: {flag} {value} must be"), result.output
     assert not (tmp_path / "never").exists()
+    result = runner.invoke(main, base + ["-o", str(tmp_path / "never"), "--cuda-graphs"])
+    assert result.exit_code == 1 and "--cuda-graphs needs a CUDA GPU" in result.output, result.output
+    assert not any((tmp_path / "never").glob("*.png"))
 
     taken = tmp_path / "a-file"
     taken.write_text("x")
