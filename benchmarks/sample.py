@@ -11,6 +11,8 @@ in its own process so memory statistics start clean:
 * ``resident``: the bf16 model on the GPU, the speed to match;
 * ``squareq K``: ``squareq.runtime.load(slab, prefetch=K, compute=C)``, blocks streamed forward-only through K
   slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with FP8 tensor cores);
+* ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq sample --cuda-graphs``):
+  each block's forward is captured as a CUDA graph per slot during the first steps and replayed after;
 * ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
   does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
   ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
@@ -44,9 +46,10 @@ import train_step as ts  # noqa: E402  (the model, inputs and slab of the traini
 SETUPS = ("slab", "resident", "squareq", "group_offload", "model_offload", "sequential_offload")
 
 
-def run_steps(setup, model, batch, steps: int, tuner=None) -> dict:
+def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
     """``steps`` forwards under no_grad, timed as one sampling run (synchronized at its ends); ``tuner``: a
-    StreamTuner told where each step begins and ends (its probe and plan count in the steps' time)."""
+    StreamTuner told where each step begins and ends (its probe and plan count in the steps' time); ``graphs``: the
+    runtime's BlockGraphs, told where each step ends."""
     import torch
 
     ts.memory_peaks(setup)  # reset the peaks
@@ -60,6 +63,8 @@ def run_steps(setup, model, batch, steps: int, tuner=None) -> dict:
             model(**batch, return_dict=False)
             if tuner is not None:
                 tuner.after_step(i)
+            if graphs is not None:  # as squareq sample does after every denoising step
+                graphs.end_step()
             setup.sync()
             times.append(time.perf_counter() - start)
     peaks = ts.memory_peaks(setup)
@@ -89,10 +94,11 @@ def phase(args) -> None:
 
             k, *rest = args.phase[1:]
             compute = next((a.split("=", 1)[1] for a in rest if a.startswith("compute=")), "bf16")
+            graphs = "graphs" in rest
             rec["prefetch"] = k if k == "auto" else int(k)
             model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
-                            host="pinned", verify="off", compute=compute)
-            rec.update(compute=compute, compute_used=rt.runtime_of(model).compute)
+                            host="pinned", verify="off", compute=compute, cuda_graphs=graphs)
+            rec.update(compute=compute, compute_used=rt.runtime_of(model).compute, cuda_graphs=graphs)
             if k == "auto":
                 resident = "auto" if "resident" in rest else 0
                 rec["resident_blocks"] = resident
@@ -116,10 +122,13 @@ def phase(args) -> None:
         model.eval()
         batch, _ = ts.make_batch(setup, args.res, model)
         steps = args.sequential_steps if name == "sequential_offload" else args.steps
-        rec.update(run_steps(setup, model, batch, steps, tuner))
+        graphs = rt.runtime_of(model).graphs if name == "squareq" else None
+        rec.update(run_steps(setup, model, batch, steps, tuner, graphs))
         if tuner is not None and tuner.plan is not None:
             p = tuner.plan
             rec.update(plan_slots=p.slots, plan_resident=len(p.resident), plan=p.describe())
+        if graphs is not None:
+            rec["graphs"] = vars(graphs.stats)  # captures and replays over the run
     except Exception as exc:  # a failed setup is a row, not the end of the benchmark
         rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
     ts.emit(rec)
@@ -135,6 +144,8 @@ def main() -> None:
     ap.add_argument("--prefetch", nargs="+", default=["2", "3", "auto", "auto+resident"],
                     help="ring sizes K, auto, auto+resident")
     ap.add_argument("--compute", nargs="+", default=["auto"], help="SquareQ compute modes: bf16, fp8, auto")
+    ap.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
+                    help="SquareQ without and/or with CUDA graphs per block (squareq sample --cuda-graphs)")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
@@ -155,8 +166,8 @@ def main() -> None:
     only = args.only.split(",")
     phases = []
     for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
-        phases += [["squareq", *str(k).split("+"), f"compute={c}"] for k in args.prefetch for c in args.compute] \
-            if s == "squareq" else [[s]]
+        phases += [["squareq", *str(k).split("+"), f"compute={c}"] + (["graphs"] if g == "on" else [])
+                   for k in args.prefetch for c in args.compute for g in args.graphs] if s == "squareq" else [[s]]
     for p in phases:
         cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
                "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)] + (
@@ -191,9 +202,11 @@ def main() -> None:
         label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
             " +resident" if r.get("resident_blocks") == "auto" else "") + (
             f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
+        label += " graphs" if r.get("cuda_graphs") else ""
         ratio = f"{r['step_s'] / resident:.2f}" if resident else ""
         steady = f"{r['steady_step_s']:.3f}"
-        note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "")
+        note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "") + (
+            f"; {r['graphs']['captures']} graphs captured, {r['graphs']['replays']} replays" if "graphs" in r else "")
         print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratio} | {r['first_step_s']:.3f} | "
               f"{r['peak_reserved_GB']:.2f} | {note} |")
 

@@ -23,6 +23,8 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction. K ``auto`` is
   ``squareq train``'s default: two slots, then a StreamTuner sizes the ring from the second (warm-up) step, as the
   trainer does, and the record says how many slots it chose;
+* ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq train --cuda-graphs``); the
+  warm-up goes on while a step still captures graphs, and the record counts the graph replays of each step;
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
   LoRA (B nudged off zero so every factor has a gradient): the cosine and norm ratio of the LoRA gradients and the
   output's rel-MSE, FP8 against bf16;
@@ -70,6 +72,7 @@ MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this 
 # Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
 SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"
 T0 = time.perf_counter()
+MAX_CAPTURE_STEPS = 8  # extra warm-up steps allowed while CUDA graphs are still being captured
 
 
 def log(msg: str) -> None:
@@ -216,7 +219,9 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for i in range(setup.warmup + setup.steps):
+    warmup, i = setup.warmup, -1
+    while i + 1 < warmup + setup.steps:
+        i += 1
         setup.sync()
         start, cpu_start = time.perf_counter(), time.thread_time()
         loss = one_step()
@@ -225,17 +230,20 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         dt = time.perf_counter() - start
         fig = after_step()  # outside the timed region: it synchronizes and resolves events
         losses.append(loss.item())
-        if i >= setup.warmup:
+        if i >= warmup:
             times.append(dt)
             cpu.append(cpu_s)
             figures.append(fig)
-        log(f"  step {i}{' (warm-up)' if i < setup.warmup else ''}: {dt:.3f} s (host thread busy {cpu_s:.3f} s), "
-            f"loss {losses[-1]:.5f}")
+        log(f"  step {i}{' (warm-up)' if i < warmup else ''}: {dt:.3f} s (host thread busy {cpu_s:.3f} s), "
+            f"loss {losses[-1]:.5f}" + (f", {fig['graph_captures']} graphs captured, {fig['graph_replays']} replayed"
+                                        if "graph_captures" in fig else ""))
+        if i == warmup - 1 and fig.get("graph_captures") and warmup < setup.warmup + MAX_CAPTURE_STEPS:
+            warmup += 1  # CUDA graphs are still being captured: measure the steps that only replay them
     profile = os.environ.get("SQUAREQ_PROFILE_DIR")
     if profile and label:
         gpu_busy = profile_step(one_step, setup, Path(profile) / f"profile_{label}.txt")
     median_step = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
-    return {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times],
+    return {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times], "warmup_steps": warmup,
             "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
             "peak_alloc_GB": max(f["peak_allocated"] for f in figures) / 1e9,
             "peak_reserved_GB": max(f["peak_reserved"] for f in figures) / 1e9,
@@ -358,11 +366,11 @@ def evict_page_cache(slab: Path) -> None:
 
 
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
-                  compute: str = "bf16", cold: bool = False) -> None:
+                  compute: str = "bf16", cold: bool = False, graphs: bool = False) -> None:
     import squareq.runtime as rt
 
     rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
-           "device": setup.device_name}
+           "cuda_graphs": graphs, "device": setup.device_name}
     if cold:
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
@@ -390,7 +398,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
-                    trace=trace, compute=compute)
+                    trace=trace, compute=compute, cuda_graphs=graphs)
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -413,17 +421,25 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
                 tuner.after_step(i)
             tuner.before_step(i + 1)
         stats = runtime.step_stats().to_dict()
+        if runtime.graphs is not None:  # captures in a step make train() warm up one step more
+            counts = runtime.graphs.reset_stats()
+            stats.update(graph_captures=counts.captures, graph_replays=counts.replays, graph_eager=counts.eager,
+                         graph_failures=counts.failures, graph_ungraphed=counts.ungraphed)
         if cold:  # outside the timed step; the ring's prefetched blocks are already in flight
             runtime.streamer.settle()
             evict_page_cache(setup.slab)
         return stats
 
     result = train(setup, model, params, res, after_step,
-                   label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}"))
+                   label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}")
+                   + ("_graphs" if graphs else ""))
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
     stats = result.pop("median_figures")
     rec.update(result)
+    if graphs:
+        rec.update({k: stats[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures",
+                                          "graph_ungraphed")})
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
                read_wait_s=stats.get("read_wait_s", 0.0),
                bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],
@@ -559,7 +575,8 @@ def phase_record(phase: list[str]) -> dict:
     if phase[0] == "squareq":
         k = phase[2]
         rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
-                   compute=phase[5] if len(phase) > 5 else "bf16", cold=phase[6:] == ["cold"])
+                   compute=phase[5] if len(phase) > 5 else "bf16", cold="cold" in phase[6:],
+                   graphs="graphs" in phase[6:])
     return rec
 
 
@@ -575,7 +592,8 @@ def run_phase(args) -> None:
         if name == "slab":
             phase_slab(setup)
         elif name == "squareq":
-            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"])
+            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
+                          rec["graphs"])
         else:
             {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload,
              "gradients": phase_gradients}[name](setup, rec["res"])
@@ -681,11 +699,14 @@ def table(records: list[dict]) -> str:
                          f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
-                f" {r.get('compute', 'bf16')}" + (
+                f"{' graphs' if r.get('cuda_graphs') else ''} {r.get('compute', 'bf16')}" + (
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
             if r.get("slots") is not None:
                 notes.append(f"auto chose {r['slots']} slots")
+            if r.get("cuda_graphs") and "graph_replays" in r:
+                notes.append(f"{r['graph_replays']} graph replays/step after {r['warmup_steps']} warm-up steps"
+                             + (f", {r['graph_failures']} failed captures" if r["graph_failures"] else ""))
             if "step_s" in r:
                 notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
             if "plan_peak_GB" in r:
@@ -719,6 +740,10 @@ def main() -> None:
                     help="ring sizes K for host=pinned: whole numbers, or auto (squareq train's default)")
     ap.add_argument("--compute", nargs="+", default=["auto"],
                     help="compute modes of the SquareQ setups: bf16, fp8, auto (squareq train's default)")
+    ap.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
+                    help="SquareQ setups without and/or with CUDA graphs per block (squareq train --cuda-graphs); "
+                         "with them, warm-up goes on while a step still captures graphs (at most "
+                         f"{MAX_CAPTURE_STEPS} steps more)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
     ap.add_argument("--disk-cold", action="store_true",
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
@@ -758,6 +783,9 @@ def main() -> None:
     unknown = only - {"slab", "squareq", "resident", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
+    graph_tokens = [["graphs"] if g == "on" else [] for g in dict.fromkeys(args.graphs)]
+    if not cuda and ["graphs"] in graph_tokens:
+        ap.error("--graphs on needs a CUDA device (CUDA graphs)")
     lora_layers = args.lora_layers.split(",")
     if not set(lora_layers) <= set(LORA_LAYERS):
         ap.error(f"--lora-layers: choose from {', '.join(LORA_LAYERS)}")
@@ -778,11 +806,12 @@ def main() -> None:
         if "resident" in only:
             phases.append(["resident", str(r)])
         if "squareq" in only:
-            phases += [["squareq", str(r), str(k), "pinned", lora, c] for k in args.prefetch for lora in lora_layers
-                       for c in args.compute]
+            phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs for k in args.prefetch
+                       for lora in lora_layers for c in args.compute for graphs in graph_tokens]
     if "squareq" in only:
-        phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold
-                   for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])]
+        phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold + graphs
+                   for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])
+                   for graphs in graph_tokens]
         phases += [["gradients", str(r)] for r in args.gradients_res]
     skipped = []
     for name, rs in (("bnb", bnb_res), ("group_offload", offload_res)):
