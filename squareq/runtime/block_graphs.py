@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from .graph_keys import (
+    ModuleState,
     NotKeyable,
     argument_values,
     autocast_state,
-    module_state,
     sdpa_backends,
     spec_key,
     tensor_signature,
@@ -135,6 +135,7 @@ class BlockGraphs:
         self._pool = self._stream = None
         self._said: set[str] = set()
         self._settling = False  # this step ran keys eagerly before their capture, or captured
+        self._states: dict[int, ModuleState] = {}  # per block module
 
     # ------------------------------------------------------------------ keys
 
@@ -149,8 +150,11 @@ class BlockGraphs:
         try:
             if any(t.device != self.device for t in tensors):
                 raise NotKeyable("a streamed block got a tensor on another device; that block runs without a graph")
+            state = self._states.get(id(module))
+            if state is None or state.module is not module:
+                state = self._states[id(module)] = ModuleState(module)
             return (phase, block, slot, spec_key(spec), layout, argument_values(values), extra,
-                    tuple(tensor_signature(t) for t in tensors), module_state(module), sdpa_backends())
+                    tuple(tensor_signature(t) for t in tensors), state(), sdpa_backends())
         except NotKeyable as why:
             self._say(str(why), f"{why}.")
             self.stats.ungraphed += 1
