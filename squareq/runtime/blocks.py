@@ -269,7 +269,7 @@ def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
         graphs, key = runner.runtime.graphs, None
         given = [g for g in grad_outs if g is not None]
         if graphs is not None:
-            extra = (ctx.amp.key, tuple(g is None for g in grad_outs))
+            extra = (ctx.amp.key, tuple(g is None for g in grad_outs), len(params))
             key = runner.graph_key(BACKWARD, slot, ctx.skeleton, ctx.spec, extra, [*inputs, *given])
 
         def run(values: list[torch.Tensor], capturing: bool):
