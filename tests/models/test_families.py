@@ -22,10 +22,10 @@ def torch_kernels(monkeypatch):
 
 @pytest.fixture(scope="module")
 def slabs(tmp_path_factory):
-    """Streaming and LoRA mechanics, not quality: calibrated on synthetic inputs (fast); every family calibrating
-    on real images is tested below."""
+    """Streaming and LoRA mechanics, not quality: calibrated on synthetic inputs and rounded to nearest, without
+    the search (fast); every family calibrating on real images is tested below."""
     folder = tmp_path_factory.mktemp("families")
-    opts = CompileOptions(budget=4_000_000, calib_synthetic=True, effect_probes=4)
+    opts = CompileOptions(budget=4_000_000, calib_synthetic=True, effect_probes=4, rounding="nearest")
     return {name: compile_slab(open_source(name), folder / f"{name}.slab", opts) and folder / f"{name}.slab"
             for name in FAMILIES}
 
