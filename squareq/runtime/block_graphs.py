@@ -150,8 +150,8 @@ class BlockGraphs:
         try:
             if any(t.device != self.device for t in tensors):
                 raise NotKeyable("a streamed block got a tensor on another device; that block runs without a graph")
-            state = self._states.get(id(module))
-            if state is None or state.module is not module:
+            state = self._states.get(id(module))  # the state holds its module, so the id stays that module's
+            if state is None:
                 state = self._states[id(module)] = ModuleState(module)
             return (phase, block, slot, spec_key(spec), layout, argument_values(values), extra,
                     tuple(tensor_signature(t) for t in tensors), state(), sdpa_backends())
@@ -162,20 +162,19 @@ class BlockGraphs:
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, key: tuple | None, tensors: list[torch.Tensor], run: Run) -> tuple[list, Any]:
+    def call(self, key: tuple, tensors: list[torch.Tensor], run: Run) -> tuple[list, Any]:
         """``run(tensors, capturing=False)`` eagerly, or its graph replayed on ``tensors``; returns its
-        (tensors-or-None, extra). ``run`` must depend on nothing but its tensors and what the key holds."""
-        entry = self.entries.get(key) if key is not None else None
-        if key is not None and entry is None:
-            entry = self.entries[key] = _Entry()
-        if entry is None or entry.failed or not self.enabled:
+        (tensors-or-None, extra). ``key``: from :meth:`key` (never None: such a call runs without this class). ``run``
+        must depend on nothing but its tensors and what the key holds."""
+        entry = self.entries.setdefault(key, _Entry())
+        if entry.failed:
             self.stats.ungraphed += 1
             return run(tensors, False)
         entry.used = self._step
         if entry.replay is None and entry.runs < WARMUP:
             outs, extra = run(tensors, False)
             entry.runs += 1
-            entry.outputs = [None if o is None else (tuple(o.shape), o.dtype, o.stride()) for o in outs]
+            entry.outputs = _layouts(outs)
             self.stats.eager += 1
             self._settling = True
             return outs, extra
@@ -204,19 +203,18 @@ class BlockGraphs:
 
     def _load_inputs(self, entry: _Entry, tensors: list[torch.Tensor]) -> None:
         if not entry.static_in:
-            entry.static_in = [self._buffer("in", i, t) for i, t in enumerate(tensors)]
+            entry.static_in = [self._buffer("in", i, *tensor_signature(t)) for i, t in enumerate(tensors)]
         with torch.no_grad():
             for static, t in zip(entry.static_in, tensors, strict=True):
                 static.copy_(t)
 
     def _capture(self, entry: _Entry, run: Run) -> None:
-        entry.static_out = [None if o is None else self._output_buffer(i, *o) for i, o in enumerate(entry.outputs)]
+        entry.static_out = [None if o is None else self._buffer("out", i, *o) for i, o in enumerate(entry.outputs)]
         box: dict[str, Any] = {}
 
         def body() -> None:
             outs, box["extra"] = run(entry.static_in, True)
-            shapes = [None if o is None else (tuple(o.shape), o.dtype, o.stride()) for o in outs]
-            if shapes != entry.outputs:
+            if _layouts(outs) != entry.outputs:
                 raise RuntimeError("the block's outputs changed shape or dtype between its eager runs and the capture")
             for static, o in zip(entry.static_out, outs):
                 if static is not None:
@@ -243,21 +241,15 @@ class BlockGraphs:
 
     # ------------------------------------------------------------------ buffers
 
-    def _buffer(self, role: str, position: int, like: torch.Tensor) -> torch.Tensor:
-        """The static buffer for argument ``position`` of graphs whose argument there looks like ``like``: shared by
-        every such graph (they run one after another on one stream, each fed just before it runs)."""
-        key = (role, position, *tensor_signature(like))
+    def _buffer(self, role: str, position: int, shape, dtype, stride, requires_grad: bool = False) -> torch.Tensor:
+        """The static buffer for input or output (``role``) ``position`` of graphs whose tensor there has this shape,
+        dtype, layout and need of a gradient: shared by every such graph (they run one after another on one stream,
+        each fed just before it runs, its outputs copied out just after)."""
+        key = (role, position, shape, dtype, stride, requires_grad)
         buffer = self.buffers.get(key)
         if buffer is None:
-            buffer = empty_in_layout(like.shape, like.dtype, like.stride(), self.device)
-            self.buffers[key] = buffer.requires_grad_(like.requires_grad)
-        return buffer
-
-    def _output_buffer(self, position: int, shape, dtype, stride) -> torch.Tensor:
-        key = ("out", position, shape, dtype, stride)
-        buffer = self.buffers.get(key)
-        if buffer is None:
-            buffer = self.buffers[key] = empty_in_layout(shape, dtype, stride, self.device)
+            buffer = empty_in_layout(shape, dtype, stride, self.device).requires_grad_(requires_grad)
+            self.buffers[key] = buffer
         return buffer
 
     def static_bytes(self) -> int:
@@ -318,6 +310,11 @@ class BlockGraphs:
         if reason not in self._said:
             self._said.add(reason)
             log.warning("CUDA graphs: %s", message)
+
+
+def _layouts(outs: list[torch.Tensor | None]) -> list:
+    """Per output: None, or the (shape, dtype, strides) its static buffer must have."""
+    return [None if o is None else (tuple(o.shape), o.dtype, o.stride()) for o in outs]
 
 
 def _buffers_of(entry: _Entry):
