@@ -85,10 +85,7 @@ class BlockRunner:
                                                           slots=len(self.streamer.slots)))
         box: dict[str, Any] = {}
         outs = _StreamedCheckpoint.apply(self, skeleton, spec, box, len(tensors), *tensors, *params)
-        leaves = list(box["leaves"])
-        for pos, t in zip(box["tensor_positions"], outs):
-            leaves[pos] = t
-        return tree_unflatten(leaves, box["spec"])
+        return _join(outs, box["parts"])
 
     def run_forward(self, slot: int, skeleton: list, spec, tensors: list[torch.Tensor]):
         """The block's own forward on ``tensors`` (put back into its arguments by ``skeleton`` and ``spec``), replayed
@@ -104,16 +101,9 @@ class BlockRunner:
         def run(values: list[torch.Tensor], capturing: bool):
             args, kwargs = _rebuild(skeleton, spec, values)
             with uncached_autocast(device_type) if capturing else contextlib.nullcontext():
-                out = self.forward(*args, **kwargs)
-            leaves, out_spec = tree_flatten(out)
-            where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-            return [leaves[i] for i in where], (out_spec, _without(leaves, where), where)
+                return _split(self.forward(*args, **kwargs))
 
-        outs, (out_spec, leaves, where) = graphs.call(key, tensors, run)
-        leaves = list(leaves)
-        for i, t in zip(where, outs, strict=True):
-            leaves[i] = t
-        return tree_unflatten(leaves, out_spec)
+        return _join(*graphs.call(key, tensors, run))
 
     def graph_key(self, phase: str, slot: int, skeleton: list, spec, extra: tuple, tensors: list[torch.Tensor]):
         """The runtime's CUDA-graph key for this block called with these arguments (None: run it eagerly)."""
@@ -126,10 +116,20 @@ _TENSOR = object()  # marks where a tensor argument goes back into a flattened c
 RESIDENT = -1  # the slot "index" of a block kept on the device
 
 
-def _without(leaves: list, positions: list[int]) -> list:
-    """``leaves`` with the entries at ``positions`` (tensors) set to None, so they are not kept past the call."""
-    gone = set(positions)
-    return [None if i in gone else v for i, v in enumerate(leaves)]
+def _split(out) -> tuple[list[torch.Tensor], tuple]:
+    """A block's output as its tensors and what puts them back in place (:func:`_join`); the parts hold no tensor."""
+    leaves, spec = tree_flatten(out)
+    where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    return [leaves[i] for i in where], (spec, [None if isinstance(v, torch.Tensor) else v for v in leaves], where)
+
+
+def _join(tensors, parts: tuple):
+    """The output :func:`_split` took apart, with ``tensors`` in its tensors' places."""
+    spec, leaves, where = parts
+    leaves = list(leaves)
+    for i, t in zip(where, tensors, strict=True):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def _rebuild(skeleton: list, spec, tensors) -> tuple[tuple, dict]:
@@ -218,11 +218,8 @@ class _StreamedCheckpoint(torch.autograd.Function):
                 constant = runner.constant_outputs[key]
             else:
                 out = runner.run_forward(slot, skeleton, spec, list(inputs))
-        leaves, out_spec = tree_flatten(out)
-        box["spec"] = out_spec
-        box["tensor_positions"] = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        box["leaves"] = [None if isinstance(v, torch.Tensor) else v for v in leaves]
-        outs = tuple(v for v in leaves if isinstance(v, torch.Tensor))
+        outs, box["parts"] = _split(out)
+        outs = tuple(outs)
         # An output the recompute would not connect to any input or LoRA factor must not look differentiable
         # to the next block, or its backward would grow a branch the resident model does not have.
         ctx.mark_non_differentiable(*[t for i, t in enumerate(outs) if i in constant or not t.is_floating_point()])
