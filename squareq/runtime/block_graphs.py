@@ -68,27 +68,41 @@ def cuda_capture(body: Callable[[], None], pool, stream) -> Callable[[], None]:
     the pool's allocation routing and gives the current stream back, so eager work can go on."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
+        try:  # capture_begin too: it can fail after it has put the random generator in capture mode
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             body()
         except BaseException:
             with contextlib.suppress(Exception):
                 graph.capture_end()
-            _end_pool_routing(stream.device, pool)
+            _clean_up_failed_capture(stream.device, pool)
             raise
         try:
             graph.capture_end()
         except BaseException:
-            _end_pool_routing(stream.device, pool)
+            _clean_up_failed_capture(stream.device, pool)
             raise
     return graph.replay
 
 
-def _end_pool_routing(device: torch.device, pool) -> None:
-    """Stop routing this thread's allocations to the graphs' pool after a failed capture (some torch versions leave
-    it on when the capture was invalidated; where it was already ended, this does nothing)."""
+def _clean_up_failed_capture(device: torch.device, pool) -> None:
+    """Undo what a failed capture left behind (call on the capture stream, no longer capturing).
+
+    torch's capture_end raises before its epilogue then: this thread's allocations still go to the graphs' pool,
+    and the device's random generator state stays in capture mode, so its next draw outside a graph raises
+    ("Offset increment outside graph capture"), and so does the replay of every graph captured earlier, which holds
+    the same state. The routing is ended here, and an empty capture runs the generator's prologue and epilogue once
+    more, which takes that state out of capture mode (its seed and offset are kept). Should that capture fail too,
+    the generator gets a fresh copy of its seed and offset instead."""
     with contextlib.suppress(Exception):
         torch._C._cuda_endAllocateToPool(device.index, pool)
+    try:
+        reset = torch.cuda.CUDAGraph()
+        reset.capture_begin(pool=pool, capture_error_mode="thread_local")
+        reset.capture_end()
+    except Exception:  # noqa: BLE001 - the fallback below
+        with contextlib.suppress(Exception):
+            generator = torch.cuda.default_generators[device.index if device.index is not None else 0]
+            generator.graphsafe_set_state(generator.clone_state())
 
 
 @dataclass
@@ -220,8 +234,12 @@ class BlockGraphs:
                 if static is not None:
                     static.copy_(o)
 
-        if self.device.type == "cuda" and self._pool is None:
-            self._pool, self._stream = torch.cuda.graph_pool_handle(), self._warm_stream()
+        if self.device.type == "cuda":
+            if self._pool is None:
+                self._pool, self._stream = torch.cuda.graph_pool_handle(), self._warm_stream()
+            # What the eager runs cached is not needed by the graph, whose temporaries come from its own pool:
+            # given back first, the two are not reserved side by side at the capture steps' peak.
+            torch.cuda.empty_cache()
         entry.replay = self.capture(body, self._pool, self._stream)
         entry.extra = box["extra"]
         self.stats.captures += 1

@@ -247,6 +247,25 @@ class _StreamedCheckpoint(torch.autograd.Function):
         return (None, None, None, None, None, *per_input, *grads[len(wanted):])
 
 
+@contextlib.contextmanager
+def _parameters_as_fresh_leaves(module: nn.Module, params: list[torch.Tensor]):
+    """Inside, ``module`` uses a new leaf on the same storage in place of each of ``params``; yields those leaves.
+
+    Why: the step's autograd graph keeps each parameter's gradient accumulator alive, made on the stream of the
+    forward. A CUDA-graph capture on another stream that fed it would make that stream wait on the capturing one,
+    which CUDA refuses. A fresh leaf gets its accumulator where it is first used, and its gradient is the
+    parameter's."""
+    leaves = {id(p): p.detach().requires_grad_() for p in params}
+    swapped = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if id(p) in leaves]
+    try:
+        for m, name, p in swapped:
+            m._parameters[name] = leaves[id(p)]
+        yield [leaves[id(p)] for p in params]
+    finally:
+        for m, name, p in swapped:
+            m._parameters[name] = p
+
+
 def _forward_learning_constants(runner: BlockRunner, skeleton, spec, inputs, key):
     """Run the block once with autograd recording (saved tensors discarded, so memory is that of a no-grad
     forward) to learn which tensor outputs carry no gradient; return its outputs, detached."""
@@ -272,20 +291,24 @@ def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
         def run(values: list[torch.Tensor], capturing: bool):
             it = iter(values[len(inputs):])
             full = [None if g is None else next(it) for g in grad_outs]
-            return _grads_of_recompute(ctx, runner, values[: len(inputs)], params, full, cache=not capturing), None
+            grads = _grads_of_recompute(ctx, runner, values[: len(inputs)], params, full, cache=not capturing,
+                                        fresh_leaves=key is not None)
+            return grads, None
 
         if key is None:
             return run([*inputs, *given], False)[0]
         return graphs.call(key, [*inputs, *given], run)[0]
 
 
-def _grads_of_recompute(ctx, runner: BlockRunner, inputs, params, grad_outs, cache: bool = True):
+def _grads_of_recompute(ctx, runner: BlockRunner, inputs, params, grad_outs, cache: bool = True,
+                        fresh_leaves: bool = False):
     # The forward saw these inputs as non-leaf tensors (outputs of the previous block). A detached input that
     # requires grad is a leaf, and autocast caches its casts to bf16 (one cast shared by every use) where the
     # forward made one cast per use; the gradients would then be summed in another dtype and order. A view is
     # not a leaf, so the recompute builds exactly the forward's graph.
-    wanted = [t for t in inputs if t.requires_grad] + list(params)
-    with ctx.amp.restore(cache):  # the recompute runs under the forward's autocast; its backward, like any, does not
+    leaves = _parameters_as_fresh_leaves(runner.module, params) if fresh_leaves else contextlib.nullcontext(params)
+    with ctx.amp.restore(cache), leaves as params:  # the forward's autocast; its backward, like any, runs without
+        wanted = [t for t in inputs if t.requires_grad] + list(params)
         args, kwargs = _rebuild(ctx.skeleton, ctx.spec, [t.view_as(t) if t.requires_grad else t for t in inputs])
         out = runner.forward(*args, **kwargs)
     outs = [v for v in tree_flatten(out)[0] if isinstance(v, torch.Tensor)]

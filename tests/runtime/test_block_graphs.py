@@ -266,3 +266,31 @@ def test_layouts_kept_for_slices_and_made_plain_for_overlaps():
     assert copy.stride() == view.stride() and torch.equal(copy, view) and copy.data_ptr() != view.data_ptr()
     expanded = torch.arange(3.0).expand(2, 3)
     assert block_graphs.copy_in_layout(expanded).stride() == (3, 1)
+
+
+def test_the_graphed_recompute_differentiates_fresh_leaves_and_puts_the_parameters_back():
+    """A capture must not feed the gradient accumulators the step's graph keeps alive (made on another stream): the
+    graphed recompute swaps in new leaves on the same storage, whose gradients are the parameters'."""
+    from torch import nn
+
+    from squareq.runtime.blocks import _parameters_as_fresh_leaves
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).requires_grad_(False)
+    trained = [block[1].weight.requires_grad_(), block[1].bias.requires_grad_()]
+    x = torch.randn(3, 4)
+    expected = torch.autograd.grad(block(x).square().sum(), trained)
+    with _parameters_as_fresh_leaves(block, trained) as leaves:
+        assert all(a is not p and a.is_leaf and a.data_ptr() == p.data_ptr() for a, p in zip(leaves, trained))
+        assert block[1].weight is leaves[0] and block[1].bias is leaves[1]
+        got = torch.autograd.grad(block(x).square().sum(), leaves)
+    assert block[1].weight is trained[0] and block[1].bias is trained[1]
+    assert all(isinstance(p, nn.Parameter) for p in block.parameters())
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    try:  # put back even when the recompute fails
+        with _parameters_as_fresh_leaves(block, trained):
+            raise RuntimeError("recompute failed")
+    except RuntimeError:
+        pass
+    assert block[1].weight is trained[0]
