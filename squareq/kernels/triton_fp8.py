@@ -5,14 +5,17 @@
   (the bf16 weight of :mod:`.triton_dequant` is formed in registers and never stored).
 
 Both compute exactly what :func:`squareq.quant.fp8_rows.quantize_rows` defines (for weights: of the bf16 weight
-:func:`squareq.quant.dequantize` gives), bit for bit. E4M3 rounding is done in integer arithmetic because the
-Triton interpreter's float8 conversion rounds wrongly; CPU-interpreted and CUDA results are then the same bits.
+:func:`squareq.quant.dequantize` gives), bit for bit. On a GPU the rounding to E4M3 and to bf16 is the hardware's
+conversion. Under the Triton interpreter, whose float8 conversion rounds wrongly, the same rounding is done in
+integer arithmetic (it was the GPU path too until the profile of a FLUX step showed the weight kernel at a quarter
+of the memory bandwidth); CPU-interpreted and CUDA results are the same bits.
 The row kernel's programs each take one whole row: a pass over K finds its largest magnitude, a second writes the
 codes. The int weight kernel works in the dequant kernel's tiles, with the row maxima found once per layer (see
 :func:`prepare_int_fp8`).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -47,19 +50,24 @@ def _row_inverse(amax):
 
 
 @triton.jit
-def _codes(x, inverse):
-    return _e4m3_bits(tl.minimum(tl.maximum(x * inverse[:, None], -448.0), 448.0))
+def _codes(x, inverse, HW: tl.constexpr):
+    y = tl.minimum(tl.maximum(x * inverse[:, None], -448.0), 448.0)
+    if HW:  # the GPU's own conversion: the same rounding, a fraction of the integer work
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return _e4m3_bits(y)
 
 
 @triton.jit
-def _bf16_value(w):
+def _bf16_value(w, HW: tl.constexpr):
     """fp32 ``w`` rounded to its bf16 value, kept in fp32."""
+    if HW:
+        return w.to(tl.bfloat16).to(tl.float32)
     return (_bf16_bits_rne(w).to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     x_base = x_ptr + rows[:, None].to(tl.int64) * x_stride
@@ -69,7 +77,7 @@ def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
         m = row_mask[:, None] & (cols[None, :] < K)
         x = tl.load(x_base + cols[None, :], mask=m, other=0.0).to(tl.float32)
         scale, inverse = _row_inverse(tl.max(tl.abs(x), axis=1))
-        tl.store(out_base + cols[None, :], _codes(x, inverse), mask=m)
+        tl.store(out_base + cols[None, :], _codes(x, inverse, HW), mask=m)
     else:
         amax = tl.zeros((BLOCK_R,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -80,14 +88,14 @@ def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
         for k0 in range(0, K, BLOCK_K):
             m = row_mask[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(out_base + k0 + cols[None, :], _codes(x, inverse), mask=m)
+            tl.store(out_base + k0 + cols[None, :], _codes(x, inverse, HW), mask=m)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
 @triton.jit
 def _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride, s_row_stride,
               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr):
     """This program's tile of the bf16 weight (as fp32 values; 0 outside the matrix), its rows and columns."""
     pid_k = tl.program_id(0)  # consecutive programs walk along K within one row block, as the dequant kernel's
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,17 +104,17 @@ def _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_str
     w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
                      s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
     cols = k0 + tl.arange(0, BLOCK_K)
-    return tl.where(row_mask[:, None] & (cols[None, :] < K), _bf16_value(w), 0.0), rows, row_mask, cols
+    return tl.where(row_mask[:, None] & (cols[None, :] < K), _bf16_value(w, HW), 0.0), rows, row_mask, cols
 
 
 @triton.jit
 def _int_amax_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr,
                      N, K, row_bytes, n_groups, q_row_stride, s_row_stride,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr):
     """Each row's largest magnitude, gathered over the K tiles with an atomic max (``amax`` starts at 0)."""
     w, rows, row_mask, cols = _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride,
-                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW)
     tl.atomic_max(amax_ptr + rows, tl.max(tl.abs(w), axis=1), mask=row_mask)
 
 
@@ -114,12 +122,12 @@ def _int_amax_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr,
 def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr, out_ptr, scale_ptr,
                     N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr):
     w, rows, row_mask, cols = _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride,
-                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW)
     scale, inverse = _row_inverse(tl.load(amax_ptr + rows, mask=row_mask, other=0.0))
     out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
-    tl.store(out_ptr + out_off, _codes(w, inverse), mask=row_mask[:, None] & (cols[None, :] < K),
+    tl.store(out_ptr + out_off, _codes(w, inverse, HW), mask=row_mask[:, None] & (cols[None, :] < K),
              cache_modifier=".cs")
     if tl.program_id(0) == 0:  # one program per row block writes the scales
         tl.store(scale_ptr + rows, scale, mask=row_mask)
@@ -131,6 +139,12 @@ def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> N
                          f"{tuple(out.shape)} stride {out.stride()}.")
     if scales.dtype != torch.float32 or scales.shape != (shape[0],):
         raise ValueError(f"row scales must be float32 [{shape[0]}]; got {scales.dtype} {tuple(scales.shape)}.")
+
+
+def _hardware_conversion() -> bool:
+    """Whether the kernels round with the GPU's fp32 -> E4M3 and fp32 -> bf16 conversions (round to nearest even,
+    as the integer code does). Not under the Triton interpreter, whose float8 conversion rounds wrongly."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)
@@ -190,7 +204,8 @@ def _rows_launcher(k: int) -> _Direct:
         one_pass = block_k <= MAX_ONE_PASS
         if not one_pass:
             block_k = 4096
-        constants = dict(BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=8 if block_k >= 8192 else 4)
+        constants = dict(BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, HW=_hardware_conversion(),
+                         num_warps=8 if block_k >= 8192 else 4)
         entry = _row_launchers[k] = _Direct(_rows_kernel, constants, outputs=(1, 2))
     return entry
 
@@ -228,7 +243,7 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     shared = (n, k, t["qweight"].shape[1], group_scales.shape[1], qweight.stride(0), group_scales.stride(0))
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
-                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, num_warps=warps)
+                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, HW=_hardware_conversion(), num_warps=warps)
     args = (qweight, group_scales, zeros, inv, amax, out.view(torch.uint8), scales, *shared, out.stride(0))
     direct = _Direct(_int_fp8_kernel, kwargs, outputs=(5, 6))
 
