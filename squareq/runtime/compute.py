@@ -2,11 +2,12 @@
 
 ``fp8`` runs each quantized layer's forward (and a training step's checkpointed recompute) as an E4M3 x E4M3 matmul
 with per-token and per-channel scales (kernels/fp8.py); the input gradient and the LoRA path stay in bf16/fp32.
-``auto`` is ``bf16`` for now. It was meant to be ``fp8`` on GPUs with FP8 tensor cores (compute capability 8.9 and up:
-Ada, Hopper, Blackwell), but on the H100 a whole FLUX.1 training step measured no faster in FP8 and sampling slower
-(docs/benchmarks.md, "FP8 compute"): the layers' matmuls are faster, the host time of the extra launches eats it.
-:data:`FP8_BY_DEFAULT` turns ``auto`` back to FP8 on such GPUs once it measures faster. docs/tuning.md says when to
-choose which.
+``auto`` is ``fp8`` on GPUs with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper, Blackwell) and
+``bf16`` elsewhere. Until the blocks ran as CUDA graphs it was ``bf16``: on the H100 a whole FLUX.1 step measured no
+faster in FP8, because the host time of the extra launches ate what the faster matmuls saved. With the launches
+replayed from graphs, FP8 measured faster at 1024² for training and sampling, and level at 512²
+(docs/benchmarks.md, "CUDA graphs per block"). :data:`FP8_BY_DEFAULT` turns ``auto`` back to bf16. docs/tuning.md
+says when to choose which.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 MODES = ("bf16", "fp8", "auto")
 FP8_CAPABILITY = (8, 9)
-FP8_BY_DEFAULT = False  # see the module docstring
+FP8_BY_DEFAULT = True  # see the module docstring
 
 
 class ComputeError(ValueError):
@@ -47,7 +48,6 @@ def resolve_compute(mode: str, device: torch.device | str) -> tuple[str, str]:
         if not has_fp8:
             return "bf16", f"the {name} has no FP8 tensor cores"
         if not FP8_BY_DEFAULT:
-            return "bf16", (f"the {name} has FP8 tensor cores, but FP8 compute measured no faster than bf16 for a "
-                            "whole step on the H100 (docs/benchmarks.md); --compute fp8 uses them")
+            return "bf16", f"the {name} has FP8 tensor cores, but SquareQ's default is bf16; --compute fp8 uses them"
         return "fp8", f"the {name} has FP8 tensor cores"
     return mode, "asked for"

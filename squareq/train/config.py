@@ -29,6 +29,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "cosine")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("auto", "pinned", "shared", "disk")
+CUDA_GRAPHS = ("auto", "on", "off")
 LOGGERS = ("jsonl", "tensorboard")
 SAVE_FORMATS = ("diffusers", "kohya")
 
@@ -102,14 +103,15 @@ HELP = {
                 "whole number.",
     "compute": "The frozen base layers' arithmetic: bf16; fp8 (E4M3 forward and recompute with per-token and "
                "per-channel scales on GPUs with FP8 tensor cores, Ada and Hopper; input gradients and the LoRA stay "
-               "bf16/fp32); or auto, bf16 for now, since FP8 measured no faster for a whole step on the H100. "
+               "bf16/fp32); or auto: fp8 on GPUs with FP8 tensor cores, bf16 elsewhere. "
                "docs/tuning.md says when to choose which.",
     "host": "Where block blobs wait: auto (pinned when they fit in the host memory available with room to spare, "
             "else disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared "
             "(one RAM copy per host, in /dev/shm), or disk.",
     "cuda_graphs": "Capture each streamed block's forward and its recompute + backward as CUDA graphs once (the first "
                    "steps run eagerly while they are captured) and replay them, which takes the host's kernel launches "
-                   "out of the step; CUDA only. docs/tuning.md says when it pays.",
+                   "out of the step: auto (on with a CUDA GPU, unless lora_dropout is set), on, or off. "
+                   "docs/tuning.md says when it pays.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
@@ -188,7 +190,7 @@ class TrainConfig:
     prefetch: int | str = "auto"
     host: str = "auto"
     compute: str = "auto"
-    cuda_graphs: bool = False
+    cuda_graphs: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
@@ -199,6 +201,8 @@ class TrainConfig:
             self.resolution = [self.resolution]
         if isinstance(self.caption_ext, str) and self.caption_ext and not self.caption_ext.startswith("."):
             self.caption_ext = "." + self.caption_ext  # ai-toolkit writes caption_ext = "txt"
+        if isinstance(self.cuda_graphs, bool):  # a config file of the days when it was a switch
+            self.cuda_graphs = "on" if self.cuda_graphs else "off"
         self.validate()
 
     def validate(self, where: str = "the configuration") -> None:
@@ -224,7 +228,7 @@ class TrainConfig:
     def _check_numbers(self, bad) -> None:
         """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
-                             ("compute", COMPUTE_MODES),
+                             ("compute", COMPUTE_MODES), ("cuda_graphs", CUDA_GRAPHS),
                              ("loss_weighting", LOSS_WEIGHTINGS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:
@@ -282,7 +286,7 @@ class TrainConfig:
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
             raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
-        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora", "cuda_graphs"):
+        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \

@@ -297,9 +297,12 @@ class _Run:
         self.cfg = cfg = _resumed_targets(cfg, self.out).with_family_defaults(slab.manifest.model.family)
         _check_variant(cfg, self.out, self.ranks.world)
         self.compute = self._compute()
-        if cfg.cuda_graphs and self.device.type != "cuda":
-            raise TrainError(f"--cuda-graphs needs a CUDA GPU and this run trains on {self.device}; leave "
-                             "cuda_graphs off.")
+        if cfg.cuda_graphs == "on" and self.device.type != "cuda":
+            raise TrainError(f"--cuda-graphs on needs a CUDA GPU and this run trains on {self.device}; use auto or "
+                             "off.")
+        # auto: on with a GPU; active dropout would leave every block eager (it is never captured), so off with it
+        self.cuda_graphs = cfg.cuda_graphs == "on" or (cfg.cuda_graphs == "auto" and self.device.type == "cuda"
+                                                       and not cfg.lora_dropout)
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                                 text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
@@ -348,7 +351,7 @@ class _Run:
             self.echo(f"host auto: {asked}: {why}")
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
-        load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=cfg.cuda_graphs)
+        load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=self.cuda_graphs)
         try:
             model = runtime.load(self.slab, self.device, host=host, **load)
         except HostMemoryError as exc:
@@ -574,6 +577,9 @@ class _Run:
         if self.device.type == "cuda":
             stats = runtime.runtime_of(self.model).step_stats()
             record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
+            if self.ranks.world > 1:  # each GPU's own figures: memory and copy waits can differ between ranks
+                peaks, waits = self.ranks.gather([record["peak_reserved_GB"], stats.copy_wait_s], self.device)
+                record.update(rank_peak_reserved_GB=peaks, rank_copy_wait_s=waits)
         self.metrics.write(json.dumps(record) + "\n")
         if self.board is not None:
             for key, value in record.items():

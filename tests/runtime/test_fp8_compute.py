@@ -78,16 +78,19 @@ def _gpu(monkeypatch, capability, name="NVIDIA Test GPU"):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
 
 
-def test_auto_is_bf16_until_fp8_measures_faster_and_fp8_only_where_there_are_fp8_tensor_cores(monkeypatch):
+def test_auto_is_fp8_only_where_there_are_fp8_tensor_cores_and_bf16_when_the_default_is_turned_off(monkeypatch):
     _gpu(monkeypatch, (9, 0))
     mode, why = resolve_compute("auto", "cuda:0")
-    assert mode == "bf16" and "measured no faster" in why  # the H100 measurement (docs/benchmarks.md)
+    assert mode == "fp8" and "has FP8 tensor cores" in why
     assert resolve_compute("fp8", "cuda:0")[0] == "fp8"
-    monkeypatch.setattr(compute_mode, "FP8_BY_DEFAULT", True)
-    assert resolve_compute("auto", "cuda:0")[0] == "fp8"
     _gpu(monkeypatch, (8, 9))
     assert resolve_compute("auto", "cuda:0")[0] == "fp8"
+    monkeypatch.setattr(compute_mode, "FP8_BY_DEFAULT", False)
+    mode, why = resolve_compute("auto", "cuda:0")
+    assert mode == "bf16" and "--compute fp8 uses them" in why
+    assert resolve_compute("fp8", "cuda:0")[0] == "fp8"
     _gpu(monkeypatch, (8, 0))
+    monkeypatch.setattr(compute_mode, "FP8_BY_DEFAULT", True)
     mode, why = resolve_compute("auto", "cuda:0")
     assert mode == "bf16" and "no FP8 tensor cores" in why
 

@@ -205,10 +205,12 @@ def test_cuda_graphs_without_a_gpu_are_refused_before_caching(workspace, tmp_pat
     out = tmp_path / "graphs"
     base = ["train", str(workspace / "tiny.slab"), "--data", str(workspace / "data"), "-o", str(out), "--resolution",
             "64", "--steps", "1"]
-    result = CliRunner().invoke(main, base + ["--cuda-graphs"])
-    assert result.exit_code != 0 and "--cuda-graphs needs a CUDA GPU" in result.output, result.output
+    result = CliRunner().invoke(main, base + ["--cuda-graphs", "on"])
+    assert result.exit_code != 0 and "--cuda-graphs on needs a CUDA GPU" in result.output, result.output
     assert "Traceback" not in result.output and not (out / "cache").exists()
-    assert TrainConfig(slab="x", data="d", output="o", steps=1).cuda_graphs is False  # off unless asked for
+    # auto (the default) is on with a GPU only: every CPU training test runs with it and would fail if it were on
+    assert TrainConfig(slab="x", data="d", output="o", steps=1).cuda_graphs == "auto"
+    assert TrainConfig(slab="x", data="d", output="o", steps=1, cuda_graphs=True).cuda_graphs == "on"  # old files
     with pytest.raises(ConfigError, match="cuda_graphs"):
         TrainConfig(slab="x", data="d", output="o", steps=1, cuda_graphs="yes")
 
