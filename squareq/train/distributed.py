@@ -70,6 +70,15 @@ class Ranks:
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
 
+    def gather(self, values: list[float], device) -> list[list[float]]:
+        """Each of ``values`` from every rank: one list per value, in rank order (every rank must call it)."""
+        if self.world == 1:
+            return [[v] for v in values]
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        return [[float(t[i]) for t in every] for i in range(len(values))]
+
     def mean(self, value: float, device) -> float:
         if self.world == 1:
             return value
