@@ -208,7 +208,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
     batch, target = make_batch(setup, res, model)
     model.train()
     after_step()  # start counting at the first step, not at load
-    times, cpu, figures, losses = [], [], [], []
+    times, cpu, figures, losses, every_step = [], [], [], [], []
 
     def one_step():
         with torch.autocast(setup.device.type, dtype=torch.bfloat16):
@@ -230,6 +230,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         dt = time.perf_counter() - start
         fig = after_step()  # outside the timed region: it synchronizes and resolves events
         losses.append(loss.item())
+        every_step.append(fig)
         if i >= warmup:
             times.append(dt)
             cpu.append(cpu_s)
@@ -237,8 +238,9 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         log(f"  step {i}{' (warm-up)' if i < warmup else ''}: {dt:.3f} s (host thread busy {cpu_s:.3f} s), "
             f"loss {losses[-1]:.5f}" + (f", {fig['graph_captures']} graphs captured, {fig['graph_replays']} replayed"
                                         if "graph_captures" in fig else ""))
-        if i == warmup - 1 and fig.get("graph_captures") and warmup < setup.warmup + MAX_CAPTURE_STEPS:
-            warmup += 1  # CUDA graphs are still being captured: measure the steps that only replay them
+        settling = fig.get("graph_captures") or fig.get("graph_eager")  # a graph's eager runs, or its capture
+        if i == warmup - 1 and settling and warmup < setup.warmup + MAX_CAPTURE_STEPS:
+            warmup += 1  # CUDA graphs are still being made: measure the steps that only replay them
     profile = os.environ.get("SQUAREQ_PROFILE_DIR")
     if profile and label:
         gpu_busy = profile_step(one_step, setup, Path(profile) / f"profile_{label}.txt")
@@ -247,6 +249,8 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
             "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
             "peak_alloc_GB": max(f["peak_allocated"] for f in figures) / 1e9,
             "peak_reserved_GB": max(f["peak_reserved"] for f in figures) / 1e9,
+            # warm-up included: the steps that capture CUDA graphs hold the eager cache and the graph pool at once
+            "peak_reserved_all_steps_GB": max(f["peak_reserved"] for f in every_step) / 1e9,
             "reserved_GB_per_step": [round(f["reserved"] / 1e9, 3) for f in figures],
             "loss_first": losses[0], "loss": losses[-1], "median_figures": figures[median_step]}
 
@@ -706,7 +710,9 @@ def table(records: list[dict]) -> str:
                 notes.append(f"auto chose {r['slots']} slots")
             if r.get("cuda_graphs") and "graph_replays" in r:
                 notes.append(f"{r['graph_replays']} graph replays/step after {r['warmup_steps']} warm-up steps"
-                             + (f", {r['graph_failures']} failed captures" if r["graph_failures"] else ""))
+                             + (f", {r['graph_failures']} failed captures" if r["graph_failures"] else "")
+                             + (f"; {r['peak_reserved_all_steps_GB']:.2f} GB reserved at peak with the warm-up"
+                                if "peak_reserved_all_steps_GB" in r else ""))
             if "step_s" in r:
                 notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
             if "plan_peak_GB" in r:
