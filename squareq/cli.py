@@ -129,7 +129,8 @@ def quiet_third_parties(verbose: bool) -> None:
 @click.option("--require-gpu", is_flag=True, help="A gate that needs a GPU fails instead of being skipped.")
 @click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True,
               help="The slab's base-layer arithmetic in the gradient, image-drift and convergence gates, as squareq "
-              "train and sample run it (auto: bf16 for now, see docs/tuning.md); the bf16 references run in bf16.")
+              "train and sample run it (auto: FP8 on GPUs with FP8 tensor cores, see docs/tuning.md); the bf16 "
+              "references run in bf16.")
 def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train_config, resolution,
            max_sequence_length, lr, rank, samples, images, sample_steps, clip_model, workdir, report, junit,
            require_gpu, compute) -> None:
