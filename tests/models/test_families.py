@@ -23,9 +23,11 @@ def torch_kernels(monkeypatch):
 @pytest.fixture(scope="module")
 def slabs(tmp_path_factory):
     """Streaming and LoRA mechanics, not quality: calibrated on synthetic inputs and rounded to nearest, without
-    the search (fast); every family calibrating on real images is tested below."""
+    the search, on three rungs (W6 left out, a third of the compile time: the others keep a mix of formats, and bf16
+    meets τ_OUT where W8 cannot); every family calibrating on real images is tested below."""
     folder = tmp_path_factory.mktemp("families")
-    opts = CompileOptions(budget=4_000_000, calib_synthetic=True, effect_probes=4, rounding="nearest")
+    opts = CompileOptions(budget=4_000_000, calib_synthetic=True, effect_probes=4, rounding="nearest",
+                          formats=("W4", "W8", "bf16"))
     return {name: compile_slab(open_source(name), folder / f"{name}.slab", opts) and folder / f"{name}.slab"
             for name in FAMILIES}
 
