@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -148,12 +149,13 @@ def torchrun(args, ranks: int, out: Path, res: int, steps: int, save_every: int 
         env["CUDA_VISIBLE_DEVICES"] = ""
     log(f"{ranks} rank(s): {out.name} ({res}², {steps} steps{', killed after ' + str(kill_at) if kill_at else ''}"
         f"{', resumed' if resume else ''})")
-    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
+    # its own process group: on a timeout the ranks go too, not only the launcher (they would keep their GPUs)
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
     memory = HostMemory(proc.pid)
     try:
         code = proc.wait(timeout=args.run_timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
     return code, memory.finish()
 

@@ -26,7 +26,7 @@ from .slab.atomic import OutputError, os_error_sentence
 from .slab.summary import format_summary, summarize
 from .train.cache import CacheError
 from .train.checkpoint import CheckpointError
-from .train.config import HELP, ConfigError, TrainConfig, load_config
+from .train.config import CUDA_GRAPHS, HELP, ConfigError, TrainConfig, load_config
 from .train.data import DataError
 from .train.encoders import EncoderError
 from .train.loop import TrainError
@@ -310,6 +310,9 @@ def _config_options(command):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "sample_prompts":
             command = click.option(flag, f.name, multiple=True, help=HELP[f.name])(command)
+        elif f.name == "cuda_graphs":  # a bare --cuda-graphs, as before it took a value, means on
+            command = click.option(flag, f.name, type=click.Choice(CUDA_GRAPHS), is_flag=False, flag_value="on",
+                                   default=None, help=HELP[f.name])(command)
         elif str(f.type) == "bool":  # --no-upscale; None when not given, so a config file's value stands
             command = click.option(flag, f.name, is_flag=True, flag_value=True, default=None,
                                    help=HELP[f.name])(command)

@@ -144,7 +144,7 @@ def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> N
 def _hardware_conversion() -> bool:
     """Whether the kernels round with the GPU's fp32 -> E4M3 and fp32 -> bf16 conversions (round to nearest even,
     as the integer code does). Not under the Triton interpreter, whose float8 conversion rounds wrongly."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("1", "true", "on", "yes")
 
 
 MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)

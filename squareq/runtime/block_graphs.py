@@ -92,7 +92,8 @@ def _clean_up_failed_capture(device: torch.device, pool) -> None:
     ("Offset increment outside graph capture"), and so does the replay of every graph captured earlier, which holds
     the same state. The routing is ended here, and an empty capture runs the generator's prologue and epilogue once
     more, which takes that state out of capture mode (its seed and offset are kept). Should that capture fail too,
-    the generator gets a fresh copy of its seed and offset instead."""
+    the generator gets a fresh copy of its seed and offset, so eager random draws work; graphs captured before still
+    hold the old state then, and their replays may raise (none was seen: the empty capture worked in every GPU run)."""
     with contextlib.suppress(Exception):
         torch._C._cuda_endAllocateToPool(device.index, pool)
     try:

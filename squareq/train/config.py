@@ -361,6 +361,8 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     kind = _FIELD_TYPES[name]
     if value is None:
         return None
+    if name == "cuda_graphs" and isinstance(value, bool):  # a config file of the days when it was a switch
+        return "on" if value else "off"
     try:
         if kind == "int | str":  # a count or a word (prefetch: "auto")
             if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():

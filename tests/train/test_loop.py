@@ -211,8 +211,28 @@ def test_cuda_graphs_without_a_gpu_are_refused_before_caching(workspace, tmp_pat
     # auto (the default) is on with a GPU only: every CPU training test runs with it and would fail if it were on
     assert TrainConfig(slab="x", data="d", output="o", steps=1).cuda_graphs == "auto"
     assert TrainConfig(slab="x", data="d", output="o", steps=1, cuda_graphs=True).cuda_graphs == "on"  # old files
+    old_file = tmp_path / "old.toml"
+    old_file.write_text("cuda_graphs = false\n")
+    assert load_config(old_file, {"slab": "x", "data": "d", "output": "o"}).cuda_graphs == "off"
     with pytest.raises(ConfigError, match="cuda_graphs"):
         TrainConfig(slab="x", data="d", output="o", steps=1, cuda_graphs="yes")
+    printed = CliRunner().invoke(main, base + ["--cuda-graphs", "--print-config"])  # a bare flag, as before: on
+    assert printed.exit_code == 0 and 'cuda_graphs = "on"' in printed.output, printed.output
+
+
+def test_cuda_graphs_auto_is_on_with_a_gpu_unless_dropout_or_a_vram_budget_would_make_it_wrong():
+    from squareq.train.loop import _use_cuda_graphs
+
+    gpu, cpu, said = torch.device("cuda", 0), torch.device("cpu"), []
+
+    def settle(device, **values):
+        return _use_cuda_graphs(TrainConfig(slab="x", data="d", output="o", steps=1, **values), device, said.append)
+
+    assert settle(gpu) and settle(gpu, cuda_graphs="on") and not settle(gpu, cuda_graphs="off")
+    assert not settle(cpu) and not settle(cpu, cuda_graphs="off")
+    assert not settle(gpu, lora_dropout=0.1) and said == []
+    assert not settle(gpu, vram_budget="12GB") and "vram_budget" in said[-1]  # the plan does not count graphs
+    assert settle(gpu, vram_budget="12GB", cuda_graphs="on")
 
 
 def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
