@@ -159,7 +159,10 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
 def _use_cuda_graphs(cfg: TrainConfig, device: torch.device, echo) -> bool:
     """``cuda_graphs`` settled for this run. ``auto`` is on with a CUDA GPU, except with an active LoRA dropout (its
     blocks are never captured, so graphs would only cost memory) and under a ``vram_budget``: the memory plan does not
-    count the graphs' pool and static buffers (+0.3-0.5 GB on FLUX.1-12B), so it could not keep its promise."""
+    count the graphs' pool and static buffers (+0.3-0.5 GB on FLUX.1-12B), so it could not keep its promise. ``on``
+    without a CUDA GPU is refused (:class:`TrainError`)."""
+    if cfg.cuda_graphs == "on" and device.type != "cuda":
+        raise TrainError(f"--cuda-graphs on needs a CUDA GPU and this run trains on {device}; use auto or off.")
     if cfg.cuda_graphs == "off" or device.type != "cuda":
         return False
     if cfg.cuda_graphs == "on":
@@ -317,9 +320,6 @@ class _Run:
         self.cfg = cfg = _resumed_targets(cfg, self.out).with_family_defaults(slab.manifest.model.family)
         _check_variant(cfg, self.out, self.ranks.world)
         self.compute = self._compute()
-        if cfg.cuda_graphs == "on" and self.device.type != "cuda":
-            raise TrainError(f"--cuda-graphs on needs a CUDA GPU and this run trains on {self.device}; use auto or "
-                             "off.")
         self.cuda_graphs = _use_cuda_graphs(cfg, self.device, echo)
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,

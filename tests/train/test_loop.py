@@ -230,6 +230,8 @@ def test_cuda_graphs_auto_is_on_with_a_gpu_unless_dropout_or_a_vram_budget_would
 
     assert settle(gpu) and settle(gpu, cuda_graphs="on") and not settle(gpu, cuda_graphs="off")
     assert not settle(cpu) and not settle(cpu, cuda_graphs="off")
+    with pytest.raises(TrainError, match="--cuda-graphs on needs a CUDA GPU"):
+        settle(cpu, cuda_graphs="on")
     assert not settle(gpu, lora_dropout=0.1) and said == []
     assert not settle(gpu, vram_budget="12GB") and "vram_budget" in said[-1]  # the plan does not count graphs
     assert settle(gpu, vram_budget="12GB", cuda_graphs="on")
