@@ -13,6 +13,9 @@ in its own process so memory statistics start clean:
   slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with FP8 tensor cores);
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq sample --cuda-graphs``):
   each block's forward is captured as a CUDA graph per slot during the first steps and replayed after;
+* ``... attention=fused`` / ``attention=stock`` (``--attention``): FLUX attention with SquareQ's fused query/key
+  norm + rotary embedding (runtime/flux_attention.py; what ``squareq.runtime.load`` installs by default) or with
+  diffusers' stock processor; for the resident model too, so the share of the step it saves is measured apart;
 * ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
   does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
   ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
@@ -24,7 +27,9 @@ in its own process so memory statistics start clean:
 
 Each setup reports seconds per step (a whole run of ``--steps`` steps, first step included, divided by the steps;
 the first step is also reported on its own) and peak reserved memory. Prints one JSON line per setup and a markdown
-table; ``--out DIR`` writes DIR/sample.jsonl.
+table; ``--out DIR`` writes DIR/sample.jsonl. ``SQUAREQ_PROFILE_DIR=DIR`` profiles one more step of each setup
+(left out of its figures): DIR/profile_sample_<setup>.txt has the kernel table, and the record the step's GPU time
+by kind of kernel (``gpu_ms``).
 """
 from __future__ import annotations
 
@@ -74,13 +79,47 @@ def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
             "peak_alloc_GB": peaks["peak_allocated"] / 1e9}
 
 
+# kind of kernel -> name fragments (lower case); the first kind that matches a kernel's name takes it
+KERNEL_KINDS = (("copy", ("memcpy", "memset")), ("attention", ("flash", "fmha", "attention")),
+                ("fp8 operands", ("_rows_kernel", "_int_fp8", "_int_amax")),
+                ("dequant", ("dequant", "_fused_", "fused_linear", "_gptq")),
+                ("matmul", ("gemm", "nvjet", "sm90", "sm80", "cutlass", "xmma", "ampere", "cublas")))
+
+
+def profile_step(setup, model, batch, path: Path) -> dict:
+    """One more denoising step under torch.profiler: its kernel table to ``path``; returns the step's wall time and
+    GPU milliseconds by kind of kernel (a kernel inside a replayed CUDA graph counts where the profiler sees it)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    setup.sync()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        model(**batch, return_dict=False)
+        setup.sync()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kinds: dict[str, float] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.self_device_time_total <= 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in name for f in frags)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by="self_device_time_total", row_limit=45))
+    return {"profiled_step_s": wall, "gpu_ms": {k: round(v, 2) for k, v in sorted(kinds.items())},
+            "gpu_ms_total": round(sum(kinds.values()), 2)}
+
+
 def phase(args) -> None:
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     setup = ts.Setup(args)
     name = args.phase[0]
-    rec = {"what": name, "res": args.res, "device": setup.device_name}
+    attention = next((a.split("=", 1)[1] for a in args.phase if a.startswith("attention=")), "stock")
+    rec = {"what": name, "res": args.res, "device": setup.device_name, "attention": attention}
     tuner = None
     try:
         if name == "slab":
@@ -97,7 +136,8 @@ def phase(args) -> None:
             graphs = "graphs" in rest
             rec["prefetch"] = k if k == "auto" else int(k)
             model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
-                            host="pinned", verify="off", compute=compute, cuda_graphs=graphs)
+                            host="pinned", verify="off", compute=compute, cuda_graphs=graphs,
+                            fused_attention=attention == "fused")
             rec.update(compute=compute, compute_used=rt.runtime_of(model).compute, cuda_graphs=graphs)
             if k == "auto":
                 resident = "auto" if "resident" in rest else 0
@@ -105,6 +145,10 @@ def phase(args) -> None:
                 tuner = StreamTuner(model, prefetch="auto", resident=resident)
         else:
             model = ts.build_model(setup)
+            if attention == "fused":
+                from squareq.runtime.flux_attention import install_fused_attention
+
+                rec["fused_modules"] = install_fused_attention(model)
             if name != "resident":
                 model = model.to("cpu")
                 torch.cuda.empty_cache()
@@ -129,6 +173,10 @@ def phase(args) -> None:
             rec.update(plan_slots=p.slots, plan_resident=len(p.resident), plan=p.describe())
         if graphs is not None:
             rec["graphs"] = vars(graphs.stats)  # captures and replays over the run
+        profile_dir = os.environ.get("SQUAREQ_PROFILE_DIR")
+        if profile_dir and setup.cuda:
+            label = "_".join(args.phase).replace("=", "-")
+            rec.update(profile_step(setup, model, batch, Path(profile_dir) / f"profile_sample_{label}.txt"))
     except Exception as exc:  # a failed setup is a row, not the end of the benchmark
         rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
     ts.emit(rec)
@@ -146,6 +194,8 @@ def main() -> None:
     ap.add_argument("--compute", nargs="+", default=["auto"], help="SquareQ compute modes: bf16, fp8, auto")
     ap.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ without and/or with CUDA graphs per block (squareq sample --cuda-graphs)")
+    ap.add_argument("--attention", nargs="+", choices=("stock", "fused"), default=["fused"],
+                    help="FLUX attention processors for resident and SquareQ setups (other peers: stock)")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
@@ -166,8 +216,14 @@ def main() -> None:
     only = args.only.split(",")
     phases = []
     for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
-        phases += [["squareq", *str(k).split("+"), f"compute={c}"] + (["graphs"] if g == "on" else [])
-                   for k in args.prefetch for c in args.compute for g in args.graphs] if s == "squareq" else [[s]]
+        if s == "squareq":
+            phases += [["squareq", *str(k).split("+"), f"compute={c}", f"attention={a}"] + (["graphs"] if g == "on"
+                                                                                         else [])
+                       for k in args.prefetch for c in args.compute for a in args.attention for g in args.graphs]
+        elif s == "resident":
+            phases += [["resident", f"attention={a}"] for a in sorted(args.attention, reverse=True)]  # stock first
+        else:
+            phases.append([s])
     for p in phases:
         cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
                "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)] + (
@@ -183,7 +239,8 @@ def main() -> None:
                 if rec.get("what") in SETUPS:
                     records.append(rec)
                     print(line, flush=True)
-    resident = next((r["step_s"] for r in records if r.get("what") == "resident" and "step_s" in r), None)
+    base = next((r for r in records if r.get("what") == "resident" and "step_s" in r and r["attention"] == "stock"),
+                None)  # the stock diffusers model on the GPU: every ratio divides by it
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tmp = os.path.join(args.out, ".sample.jsonl.tmp")
@@ -192,22 +249,25 @@ def main() -> None:
         os.replace(tmp, os.path.join(args.out, "sample.jsonl"))
     print(f"\n{records[1].get('device') if len(records) > 1 else ''}, {env['date_utc']}, commit {commit}; "
           f"{args.res}², {args.steps} steps\n")
-    print("| setup | run s / step | steady s / step | × bf16 resident (run) | first step s | peak reserved GB | note |"
-          "\n|---|---|---|---|---|---|---|")
+    print("| setup | run s / step | steady s / step | × bf16 resident (run) | × bf16 resident (steady) | first step s "
+          "| peak reserved GB | note |\n|---|---|---|---|---|---|---|---|")
     for r in records[1:]:
         if "step_s" not in r:
             if r.get("what") != "slab" or "error" in r:
-                print(f"| {r['what']} | | | | | | {r.get('error', '')} |")
+                print(f"| {r['what']} | | | | | | | {r.get('error', '')} |")
             continue
         label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
             " +resident" if r.get("resident_blocks") == "auto" else "") + (
             f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
         label += " graphs" if r.get("cuda_graphs") else ""
-        ratio = f"{r['step_s'] / resident:.2f}" if resident else ""
+        label += f", {r['attention']} attention" if r["what"] in ("resident", "squareq") else ""
+        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else ""
+        steady_ratio = f"{r['steady_step_s'] / base['steady_step_s']:.2f}" if base else ""
         steady = f"{r['steady_step_s']:.3f}"
         note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "") + (
             f"; {r['graphs']['captures']} graphs captured, {r['graphs']['replays']} replays" if "graphs" in r else "")
-        print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratio} | {r['first_step_s']:.3f} | "
+        note += f"; profiled step {r['profiled_step_s']:.3f} s, GPU ms {r['gpu_ms']}" if "gpu_ms" in r else ""
+        print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratio} | {steady_ratio} | {r['first_step_s']:.3f} | "
               f"{r['peak_reserved_GB']:.2f} | {note} |")
 
 

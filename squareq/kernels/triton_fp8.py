@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..quant import QuantizedWeight
 from .triton_dequant import _bf16_bits_rne, _vec6_ok, _weight_tile, default_tile, packed_operands
+from .triton_launch import DirectLaunch
 
 
 @triton.jit
@@ -150,54 +151,10 @@ def _hardware_conversion() -> bool:
 MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)
 
 
-def _specialization(args: tuple) -> tuple:
-    """What Triton specializes a kernel on, per argument: a tensor's dtype and 16-byte alignment, an integer's being
-    1 or a multiple of 16. Two calls with equal keys (and equal constants) run the same compiled kernel."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
-                 for a in args)
+_row_launchers: dict[int, DirectLaunch] = {}  # K -> its launcher
 
 
-class _Direct:
-    """Launches ``kernel`` with the compiled kernel Triton's dispatcher chose for arguments of the same
-    specialization, without the dispatcher: its per-call work (binding, specialization keys, cache lookup) cost more
-    host time than FP8 saved on the GPU, and a FLUX step launches these kernels about two thousand times.
-
-    The first direct launch of each specialization is checked against the dispatcher's (the arguments at
-    ``outputs`` must come out equal); if it differs or fails, that specialization keeps the dispatcher. CUDA only:
-    the interpreter always goes through the dispatcher."""
-
-    def __init__(self, kernel, constants: dict, outputs: tuple[int, ...]) -> None:
-        self.kernel, self.constants, self.outputs = kernel, constants, outputs
-        self.trailing = [constants[n] for n in kernel.arg_names if n in constants]
-        self.state: dict[tuple, tuple | None] = {}  # key -> (checked, compiled); None: the dispatcher only
-
-    def __call__(self, grid: tuple, args: tuple) -> None:
-        key = _specialization(args)
-        state = self.state.get(key, ())
-        if not state:
-            compiled = self.kernel[grid](*args, **self.constants)
-            if state == () and args[0].is_cuda and hasattr(compiled, "__getitem__"):
-                self.state[key] = (False, compiled)
-            return
-        checked, compiled = state
-        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-        if checked:
-            runner(*args, *self.trailing)
-            return
-        try:
-            runner(*args, *self.trailing)
-            direct = [args[i].clone() for i in self.outputs]
-        except Exception:  # a Triton whose compiled kernels launch otherwise: keep the dispatcher
-            direct = None
-        self.kernel[grid](*args, **self.constants)
-        same = direct is not None and all(torch.equal(d, args[i]) for d, i in zip(direct, self.outputs, strict=True))
-        self.state[key] = (True, compiled) if same else None
-
-
-_row_launchers: dict[int, _Direct] = {}  # K -> its launcher
-
-
-def _rows_launcher(k: int) -> _Direct:
+def _rows_launcher(k: int) -> DirectLaunch:
     entry = _row_launchers.get(k)
     if entry is None:
         block_k = triton.next_power_of_2(max(k, 16))
@@ -206,7 +163,7 @@ def _rows_launcher(k: int) -> _Direct:
             block_k = 4096
         constants = dict(BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, HW=_hardware_conversion(),
                          num_warps=8 if block_k >= 8192 else 4)
-        entry = _row_launchers[k] = _Direct(_rows_kernel, constants, outputs=(1, 2))
+        entry = _row_launchers[k] = DirectLaunch(_rows_kernel, constants, outputs=(1, 2))
     return entry
 
 
@@ -245,7 +202,7 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
                   BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, HW=_hardware_conversion(), num_warps=warps)
     args = (qweight, group_scales, zeros, inv, amax, out.view(torch.uint8), scales, *shared, out.stride(0))
-    direct = _Direct(_int_fp8_kernel, kwargs, outputs=(5, 6))
+    direct = DirectLaunch(_int_fp8_kernel, kwargs, outputs=(5, 6))
 
     def launch() -> None:
         if not row_max.ready:

@@ -24,6 +24,7 @@ from ..slab.signature import model_signature
 from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
 from .compute import resolve_compute
+from .flux_attention import install_fused_attention
 from .host import DiskStaging, PinnedArena
 from .host_choice import choose_host
 from .qlinear import DequantScratch, QuantLinear
@@ -255,7 +256,7 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
 
 def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
          stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
-         compute: str = "bf16", cuda_graphs: bool = False) -> nn.Module:
+         compute: str = "bf16", cuda_graphs: bool = False, fused_attention: bool = True) -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
@@ -272,6 +273,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         (fp8 where the GPU has FP8 tensor cores; runtime/compute.py; the choice is ``runtime_of(model).compute``).
         cuda_graphs: capture each streamed block's forward, and a training step's recompute + backward of it, as CUDA
         graphs once per block and slot, and replay them (runtime/block_graphs.py); CUDA and streamed blocks only.
+        fused_attention: give FLUX attention modules the processor that fuses each query's and key's norm and rotary
+        embedding (runtime/flux_attention.py); it runs in eval mode without autograd, and the stock one otherwise.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -300,6 +303,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         scratch.add_fp8(max((l.shape[0] * l.shape[1] for l in m.layers), default=1),
                         max((l.shape[0] for l in m.layers), default=1))
     _install_quant_linears(model, m, scratch)
+    if fused_attention:
+        install_fused_attention(model)
     _place_residents(model, s, device)
     binder = _Binder(model, s)
     telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())

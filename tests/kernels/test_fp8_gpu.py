@@ -19,7 +19,7 @@ def test_activation_rows_on_cuda():
 
 
 def test_direct_launches_equal_the_dispatchers_for_every_specialization():
-    """The second call of a shape goes past Triton's dispatcher (kernels/triton_fp8.py's _Direct)."""
+    """The second call of a shape goes past Triton's dispatcher (kernels/triton_launch.py's DirectLaunch)."""
     g = torch.Generator(device="cuda").manual_seed(5)
     for rows in (1, 5, 16, 33, 1536):
         for k in (48, 3072, 15360):

@@ -22,6 +22,27 @@ def test_load_returns_the_diffusers_class_with_quant_linears(tiny_slab):
     assert not any(p.requires_grad for p in model.parameters())
 
 
+def test_load_fuses_flux_attention_unless_told_not_to(tiny_slab):
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from squareq.runtime.flux_attention import FusedFluxAttnProcessor
+
+    fused = runtime.load(tiny_slab, "cpu")
+    stock = runtime.load(tiny_slab, "cpu", fused_attention=False)
+    assert all(type(b.attn.processor) is FusedFluxAttnProcessor for b in fused.transformer_blocks)
+    assert all(type(b.attn.processor) is FluxAttnProcessor for b in stock.single_transformer_blocks)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() and "ids" not in k else v
+              for k, v in _tiny_inputs().items()}
+    with torch.no_grad():
+        assert torch.equal(fused(**inputs, return_dict=False)[0], stock(**inputs, return_dict=False)[0])
+
+
+def _tiny_inputs():
+    from squareq.models.tiny import tiny_flux_inputs
+
+    return tiny_flux_inputs(side=4, text_tokens=8)
+
+
 def test_lora_names_follow_peft_and_targets_are_configurable(tiny_slab):
     model = runtime.load(tiny_slab, "cpu")
     params = runtime.add_lora(model, rank=4, targets=["to_q", "ff.net.2"])

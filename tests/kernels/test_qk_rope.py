@@ -1,0 +1,66 @@
+"""The fused query/key norm + rotary embedding (kernels/qk_rope.py) equals diffusers' RMSNorm then apply_rotary_emb."""
+import os
+
+import pytest
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+
+from squareq.kernels.qk_rope import kernel_fits, qk_norm_rope, qk_norm_rope_into
+
+
+def _angles(tokens: int, head_dim: int, seed: int = 1):
+    ang = torch.randn(tokens, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 3
+    return ang.cos().repeat_interleave(2, 1), ang.sin().repeat_interleave(2, 1)
+
+
+def _stock(x, weight, eps, cos, sin):
+    norm = torch.nn.RMSNorm(x.shape[-1], eps=eps, elementwise_affine=weight is not None).to(x.dtype)
+    if weight is not None:
+        norm.weight.data.copy_(weight)
+    return apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)
+
+
+def _case(batch=2, tokens=37, heads=3, head_dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # a projection's output viewed as heads, and a slice of it: token rows with a stride wider than heads x head_dim
+    wide = (torch.randn(batch, tokens, heads * head_dim + 8, generator=g) * 4).bfloat16()
+    x = wide[..., : heads * head_dim].unflatten(-1, (heads, head_dim))
+    weight = (torch.rand(head_dim, generator=g) + 0.5).bfloat16()
+    return x, weight, *_angles(tokens, head_dim)
+
+
+def test_definition_is_diffusers_norm_then_rotation():
+    x, weight, cos, sin = _case()
+    assert torch.equal(qk_norm_rope(x, weight, 1e-6, cos, sin), _stock(x, weight, 1e-6, cos, sin))
+    assert not torch.equal(qk_norm_rope(x, weight, 1e-6, sin, cos), _stock(x, weight, 1e-6, cos, sin))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel in the Triton interpreter")
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_kernel_writes_the_stock_values_into_its_slice(with_weight):
+    x, weight, cos, sin = _case()
+    weight = weight if with_weight else None
+    joint = torch.full((2, 37 + 5, 3, 32), 7.0, dtype=torch.bfloat16)
+    target = joint[:, 5:]
+    assert kernel_fits(x, target, cos, sin)
+    qk_norm_rope_into(target, x, weight, 1e-6, cos, sin)
+    assert torch.equal(target, _stock(x, weight, 1e-6, cos, sin))
+    assert torch.equal(joint[:, :5], torch.full_like(joint[:, :5], 7.0))  # the text part is left alone
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel in the Triton interpreter")
+def test_kernel_catches_a_wrong_angle():
+    """Negative control: rotating by the wrong token's angles must not pass for the stock values."""
+    x, weight, cos, sin = _case()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    qk_norm_rope_into(out, x, weight, 1e-6, cos.roll(1, 0), sin.roll(1, 0))
+    assert not torch.equal(out, _stock(x, weight, 1e-6, cos, sin))
+
+
+def test_operands_the_kernel_does_not_take_go_to_the_definition():
+    x, weight, cos, sin = _case()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    assert not kernel_fits(x.float(), out, cos, sin)
+    assert not kernel_fits(x, torch.empty(x.shape, dtype=torch.bfloat16).transpose(1, 2), cos, sin)
+    qk_norm_rope_into(out, x.float(), weight.float(), 1e-6, cos, sin)
+    assert torch.equal(out, _stock(x.float(), weight.float(), 1e-6, cos, sin))
