@@ -4,7 +4,8 @@
 them: ``torch.nn.RMSNorm`` over ``head_dim`` (its output rounded to the input's dtype), then the rotation of each pair
 ``(x[2i], x[2i+1])`` by the token's angle, in float32 (``x·cos + rotate(x)·sin``). :func:`qk_norm_rope_into` writes
 the result into a slice of a larger tensor (the joint text + image sequence), by the Triton kernel of
-:mod:`.triton_qk_rope` on a GPU and by the definition elsewhere.
+:mod:`.triton_qk_rope` on a GPU and by the definition elsewhere: on a CPU the definition is the same values, and
+the interpreted kernel would cost a tenth of a second a call (tests/kernels/test_qk_rope.py runs it there).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def qk_norm_rope_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor |
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Write :func:`qk_norm_rope` of ``x`` into ``out`` (a ``[B, S, H, D]`` view, e.g. a slice of the joint
     sequence); returns ``out``."""
-    if backend_for(x.device) != "torch" and kernel_fits(x, out, cos, sin):
+    if backend_for(x.device) == "triton" and kernel_fits(x, out, cos, sin):
         from .triton_qk_rope import qk_norm_rope_into as launch
 
         launch(out, x, weight, eps, cos, sin)
