@@ -15,7 +15,8 @@ in its own process so memory statistics start clean:
   each block's forward is captured as a CUDA graph per slot during the first steps and replayed after;
 * ``... attention=fused`` / ``attention=stock`` (``--attention``): FLUX attention with SquareQ's fused query/key
   norm + rotary embedding (runtime/flux_attention.py; what ``squareq.runtime.load`` installs by default) or with
-  diffusers' stock processor; for the resident model too, so the share of the step it saves is measured apart;
+  diffusers' stock processor; the resident model runs the stock one always (every ratio divides by it) and also
+  the fused one when ``--attention`` names it, so the share of the step the processor saves is measured apart;
 * ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
   does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
   ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
@@ -80,7 +81,7 @@ def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
 
 
 # kind of kernel -> name fragments (lower case); the first kind that matches a kernel's name takes it
-KERNEL_KINDS = (("copy", ("memcpy", "memset")), ("attention", ("flash", "fmha", "attention")),
+KERNEL_KINDS = (("copy", ("memcpy", "memset")),  # host-to-device mostly (streamed blocks), on their own stream ("attention", ("flash", "fmha", "attention")),
                 ("fp8 operands", ("_rows_kernel", "_int_fp8", "_int_amax")),
                 ("dequant", ("dequant", "_fused_", "fused_linear", "_gptq")),
                 ("matmul", ("gemm", "nvjet", "sm90", "sm80", "cutlass", "xmma", "ampere", "cublas")))
@@ -195,7 +196,8 @@ def main() -> None:
     ap.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ without and/or with CUDA graphs per block (squareq sample --cuda-graphs)")
     ap.add_argument("--attention", nargs="+", choices=("stock", "fused"), default=["fused"],
-                    help="FLUX attention processors for resident and SquareQ setups (other peers: stock)")
+                    help="FLUX attention processors of the SquareQ setups; with fused, the resident model runs both "
+                         "(other peers: stock)")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
@@ -221,7 +223,9 @@ def main() -> None:
                                                                                          else [])
                        for k in args.prefetch for c in args.compute for a in args.attention for g in args.graphs]
         elif s == "resident":
-            phases += [["resident", f"attention={a}"] for a in sorted(args.attention, reverse=True)]  # stock first
+            # the stock model always runs: every ratio divides by it
+            phases += [["resident", "attention=stock"]] + ([["resident", "attention=fused"]]
+                                                           if "fused" in args.attention else [])
         else:
             phases.append([s])
     for p in phases:

@@ -25,20 +25,25 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: 
     return (y.float() * cos[None, :, None, :] + rotated.float() * sin[None, :, None, :]).to(x.dtype)
 
 
-def kernel_fits(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def kernel_fits(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                weight: torch.Tensor | None = None) -> bool:
     """Whether the Triton kernel takes these operands: bf16 heads with contiguous ``head_dim`` (a power of two) and
-    heads in ``x`` and ``out``, float32 angles with contiguous rows."""
+    heads in ``x`` and ``out`` of one shape, float32 angles ``[S, D]`` with contiguous rows, a contiguous ``[D]``
+    weight (or none), all on one device."""
     d = x.shape[-1]
-    return (x.dtype == out.dtype == torch.bfloat16 and cos.dtype == sin.dtype == torch.float32
+    same_device = all(t.device == x.device for t in (out, cos, sin) + (() if weight is None else (weight,)))
+    return (same_device and x.dim() == 4 and out.shape == x.shape and x.dtype == out.dtype == torch.bfloat16
+            and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (x.shape[1], d)
             and d >= 2 and d & (d - 1) == 0 and x.stride(3) == 1 and x.stride(2) == d and out.stride(3) == 1
-            and out.stride(2) == d and cos.stride(1) == 1 and sin.stride() == cos.stride())
+            and out.stride(2) == d and cos.stride(1) == 1 and sin.stride() == cos.stride()
+            and (weight is None or (weight.shape == (d,) and weight.stride(0) == 1)))
 
 
 def qk_norm_rope_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Write :func:`qk_norm_rope` of ``x`` into ``out`` (a ``[B, S, H, D]`` view, e.g. a slice of the joint
     sequence); returns ``out``."""
-    if backend_for(x.device) == "triton" and kernel_fits(x, out, cos, sin):
+    if backend_for(x.device) == "triton" and kernel_fits(x, out, cos, sin, weight):
         from .triton_qk_rope import qk_norm_rope_into as launch
 
         launch(out, x, weight, eps, cos, sin)

@@ -21,8 +21,9 @@ class DirectLaunch:
     host time than FP8 saved on the GPU, and a FLUX step launches these kernels about two thousand times.
 
     The first direct launch of each specialization is checked against the dispatcher's (the arguments at
-    ``outputs`` must come out equal); if it differs or fails, that specialization keeps the dispatcher. CUDA only:
-    the interpreter always goes through the dispatcher."""
+    ``outputs`` must come out equal); if it differs or fails, that specialization keeps the dispatcher. A call during
+    a CUDA-graph capture goes through the dispatcher until a call outside one has made the check. CUDA only: the
+    interpreter always goes through the dispatcher."""
 
     def __init__(self, kernel, constants: dict, outputs: tuple[int, ...]) -> None:
         self.kernel, self.constants, self.outputs = kernel, constants, outputs
@@ -41,6 +42,9 @@ class DirectLaunch:
         runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
         if checked:
             runner(*args, *self.trailing)
+            return
+        if torch.cuda.is_current_stream_capturing():  # the check reads results on the host: not inside a capture
+            self.kernel[grid](*args, **self.constants)
             return
         try:
             runner(*args, *self.trailing)

@@ -11,6 +11,7 @@ streamer had already evicted.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from typing import Any
 
@@ -30,6 +31,26 @@ NEEDS_CHECKPOINTING = (
     "for diffusers models, model.gradient_checkpointing_enable() for transformers models; the backward then "
     "re-streams each block in reverse order), or run this forward under torch.no_grad()."
 )
+
+
+# True while a streamed block runs for a training step: its checkpointed forward runs without autograd, as inference
+# does, and code that may only act at inference (runtime/flux_attention.py) has to tell the two apart
+_TRAINING_PASS = contextvars.ContextVar("squareq_training_pass", default=False)
+
+
+def in_training_pass() -> bool:
+    """Whether a streamed block is running for a training step now (its forward, or its recompute and backward)."""
+    return _TRAINING_PASS.get()
+
+
+@contextlib.contextmanager
+def training_pass(on: bool):
+    """Mark what runs inside as a training step's pass (``on``) or not, for :func:`in_training_pass`."""
+    token = _TRAINING_PASS.set(on)
+    try:
+        yield
+    finally:
+        _TRAINING_PASS.reset(token)
 
 
 class BlockRunner:
@@ -61,11 +82,12 @@ class BlockRunner:
         else:
             slot = self.streamer.acquire(self.index, phase, training)
         try:
-            if timer is not None:
-                timer.start(self.index)
-            yield RESIDENT if slot is None else slot.index
-            if timer is not None:
-                timer.stop(self.index)
+            with training_pass(training):
+                if timer is not None:
+                    timer.start(self.index)
+                yield RESIDENT if slot is None else slot.index
+                if timer is not None:
+                    timer.stop(self.index)
         finally:
             if slot is not None:
                 self.streamer.release(slot, phase)

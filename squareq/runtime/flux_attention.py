@@ -8,10 +8,11 @@ values with :func:`squareq.kernels.qk_rope.qk_norm_rope_into`, which writes each
 joint sequence. Everything else (the projections, SDPA through diffusers' attention dispatcher, the output projections)
 is the stock processor's.
 
-It takes over only where its result is the stock one's in value: no autograd (training keeps the stock ops, whose
-backward it does not have), eval mode, the rotary embedding given as ``(cos, sin)`` and no attention mask; any other
-call goes to the stock processor. :func:`install_fused_attention` sets it on a model's FLUX attention modules that
-run the stock processor; ``squareq.runtime.load`` does this unless told not to.
+It takes over only where its result is the stock one's in value: no autograd, eval mode and no streamed training
+pass (training keeps the stock ops, whose backward it does not have, also in a checkpointed forward that runs
+without autograd), the rotary embedding given as ``(cos, sin)`` of the joint sequence's length, no attention mask
+and unfused projections; any other call goes to the stock processor. :func:`install_fused_attention` sets it on a
+model's FLUX attention modules that run the stock processor; ``squareq.runtime.load`` does this unless told not to.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from ..kernels.qk_rope import qk_norm_rope_into
+from .blocks import in_training_pass
 
 
 def _stock_processor_class():
@@ -46,12 +48,19 @@ class FusedFluxAttnProcessor:
 
     def _fits(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states, attention_mask,
               image_rotary_emb) -> bool:
+        if (torch.is_grad_enabled() or attn.training or in_training_pass() or attention_mask is not None
+                or self._parallel_config is not None or getattr(attn, "fused_projections", False)
+                or hidden_states.dtype != torch.bfloat16
+                or (encoder_hidden_states is not None and attn.added_kv_proj_dim is None)):
+            return False
         norms = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if encoder_hidden_states is not None else ())
-        return (not torch.is_grad_enabled() and not attn.training and attention_mask is None
-                and self._parallel_config is None and isinstance(image_rotary_emb, tuple | list)
-                and len(image_rotary_emb) == 2 and hidden_states.dtype == torch.bfloat16
-                and (encoder_hidden_states is None or attn.added_kv_proj_dim is not None)
-                and all(isinstance(getattr(attn, n, None), nn.RMSNorm) for n in norms))
+        if not all(isinstance(getattr(attn, n, None), nn.RMSNorm) for n in norms):
+            return False
+        if not isinstance(image_rotary_emb, tuple | list) or len(image_rotary_emb) != 2:
+            return False
+        length = hidden_states.shape[1] + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
+        # the stock processor broadcasts (or refuses) any other table; leave those to it
+        return all(t.shape == (length, attn.head_dim) for t in image_rotary_emb)
 
     def _stock(self, *args) -> torch.Tensor:
         self.stock._attention_backend, self.stock._parallel_config = self._attention_backend, self._parallel_config
@@ -76,7 +85,7 @@ class FusedFluxAttnProcessor:
         shape = (q0.shape[0], sum(p[0].shape[1] for p in parts), *q0.shape[2:])
         query = torch.empty(shape, dtype=q0.dtype, device=q0.device)
         key = torch.empty_like(query)
-        cos, sin = image_rotary_emb
+        cos, sin = (t.to(q0.device) for t in image_rotary_emb)  # as apply_rotary_emb moves them
         start = 0
         for states, q, k, _, norm_q, norm_k in projected:
             end = start + states.shape[1]

@@ -164,7 +164,7 @@ def test_a_bf16_slab_draws_the_same_images_and_passes_every_gate(tmp_path):
 
 
 def test_a_run_that_learns_nothing_is_inconclusive_never_a_pass(good_slab, tmp_path):
-    result, report, junit = _accept(good_slab, tmp_path, "--lr", "1e-7", "--steps", "12", *FEW_IMAGES)
+    result, report, junit = _accept(good_slab, tmp_path, "--lr", "1e-7", *FEW_IMAGES)
     assert result.exit_code == 4, result.output
     data = json.loads(report.read_text())
     conv = data["gates"][4]
