@@ -274,7 +274,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         cuda_graphs: capture each streamed block's forward, and a training step's recompute + backward of it, as CUDA
         graphs once per block and slot, and replay them (runtime/block_graphs.py); CUDA and streamed blocks only.
         fused_attention: give FLUX attention modules the processor that fuses each query's and key's norm and rotary
-        embedding (runtime/flux_attention.py); it runs in eval mode without autograd, and the stock one otherwise.
+        embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
+        the stock one otherwise.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
