@@ -113,13 +113,18 @@ def profile_step(setup, model, batch, path: Path) -> dict:
             "gpu_ms_total": round(sum(kinds.values()), 2)}
 
 
+def _phase_value(words: list[str], name: str, default: str) -> str:
+    """The value of ``name=value`` among a phase's words, or ``default``."""
+    return next((w.split("=", 1)[1] for w in words if w.startswith(f"{name}=")), default)
+
+
 def phase(args) -> None:
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     setup = ts.Setup(args)
     name = args.phase[0]
-    attention = next((a.split("=", 1)[1] for a in args.phase if a.startswith("attention=")), "stock")
+    attention = _phase_value(args.phase, "attention", "stock")
     rec = {"what": name, "res": args.res, "device": setup.device_name, "attention": attention}
     tuner = None
     try:
@@ -133,7 +138,7 @@ def phase(args) -> None:
             from squareq.train.sample import FORWARD_SLOTS
 
             k, *rest = args.phase[1:]
-            compute = next((a.split("=", 1)[1] for a in rest if a.startswith("compute=")), "bf16")
+            compute = _phase_value(rest, "compute", "bf16")
             graphs = "graphs" in rest
             rec["prefetch"] = k if k == "auto" else int(k)
             model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),

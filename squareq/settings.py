@@ -24,8 +24,9 @@ def torch_kernels_forced() -> bool:
 
 
 def triton_interpret() -> bool:
-    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, in its interpreter."""
-    return os.environ.get(TRITON_INTERPRET) == "1"
+    """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, in its interpreter. Read as Triton reads it (1,
+    true, on or yes, in any case), so SquareQ and Triton never disagree on whether the interpreter runs."""
+    return os.environ.get(TRITON_INTERPRET, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def fused_max_m() -> str | None:

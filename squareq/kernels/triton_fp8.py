@@ -15,13 +15,13 @@ codes. The int weight kernel works in the dequant kernel's tiles, with the row m
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ..quant import QuantizedWeight
 from .triton_dequant import _bf16_bits_rne, _vec6_ok, _weight_tile, default_tile, packed_operands
 from .triton_launch import DirectLaunch
@@ -145,7 +145,7 @@ def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> N
 def _hardware_conversion() -> bool:
     """Whether the kernels round with the GPU's fp32 -> E4M3 and fp32 -> bf16 conversions (round to nearest even,
     as the integer code does). Not under the Triton interpreter, whose float8 conversion rounds wrongly."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("1", "true", "on", "yes")
+    return not settings.triton_interpret()
 
 
 MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)

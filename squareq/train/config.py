@@ -201,8 +201,7 @@ class TrainConfig:
             self.resolution = [self.resolution]
         if isinstance(self.caption_ext, str) and self.caption_ext and not self.caption_ext.startswith("."):
             self.caption_ext = "." + self.caption_ext  # ai-toolkit writes caption_ext = "txt"
-        if isinstance(self.cuda_graphs, bool):  # a config file of the days when it was a switch
-            self.cuda_graphs = "on" if self.cuda_graphs else "off"
+        self.cuda_graphs = _graphs_word(self.cuda_graphs)
         self.validate()
 
     def validate(self, where: str = "the configuration") -> None:
@@ -356,13 +355,18 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
+def _graphs_word(value: Any) -> Any:
+    """``cuda_graphs`` as a word: true and false (a config file of the days when it was a switch) are on and off."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
 def _coerce(name: str, value: Any, where: str) -> Any:
     """Values from TOML or flags into the field's type (ints stay ints, a float field accepts an int)."""
     kind = _FIELD_TYPES[name]
     if value is None:
         return None
-    if name == "cuda_graphs" and isinstance(value, bool):  # a config file of the days when it was a switch
-        return "on" if value else "off"
+    if name == "cuda_graphs":
+        value = _graphs_word(value)
     try:
         if kind == "int | str":  # a count or a word (prefetch: "auto")
             if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
