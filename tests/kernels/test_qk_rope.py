@@ -71,6 +71,10 @@ def test_the_cpu_and_operands_the_kernel_does_not_take_go_to_the_definition():
     out = torch.empty(x.shape, dtype=torch.float32)
     assert not kernel_fits(x.float(), out, cos, sin)
     assert not kernel_fits(x, torch.empty(x.shape, dtype=torch.bfloat16).transpose(1, 2), cos, sin)
+    bf16_out = torch.empty(x.shape, dtype=torch.bfloat16)
+    assert kernel_fits(x, bf16_out, cos, sin, weight)  # the control: these operands fit
+    assert not kernel_fits(x, bf16_out, cos[:-1], sin[:-1], weight)  # an angle table one token short
+    assert not kernel_fits(x, bf16_out, cos, sin, weight[:-1])  # a weight of the wrong length
     qk_norm_rope_into(out, x.float(), weight.float(), 1e-6, cos, sin)
     assert torch.equal(out, _stock(x.float(), weight.float(), 1e-6, cos, sin))
     joint = torch.zeros((2, 40, 3, 32), dtype=torch.bfloat16)
