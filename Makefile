@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 REAL_STAMP := $(VENV)/.installed-real-data
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install clean
 
@@ -30,11 +31,14 @@ demo: $(STAMP)
 	$(BIN)/squareq demo --force
 
 # TRITON_INTERPRET=1 runs the Triton kernels on the CPU, so CI checks them without a GPU.
+# The tests run in TEST_WORKERS processes of one torch thread each, whole files per process: the tiny models gain
+# nothing from a second thread, so two processes on CI's two cores take about 0.6x the time of one.
 # Then the acceptance gate runs on a freshly compiled slab of the tiny model, as a user's CI job would:
 # a failing gate fails the build (exit status 3).
 test: $(STAMP) $(REAL_STAMP)
 	$(BIN)/ruff check squareq
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider --durations=15
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider --durations=15 \
+		-n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/squareq compile tiny-flux --budget 2MB -o build/ci/tiny-flux.slab --force
 	$(BIN)/squareq accept build/ci/tiny-flux.slab --model tiny-flux --workdir build/ci/accept \
 		--report build/ci/accept.json --junit build/ci/accept.xml

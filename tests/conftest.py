@@ -8,7 +8,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# `make test` runs two xdist workers that take whole files in collection order. These files take one to two
+# minutes each; started last, they would leave the other worker idle that long, so they are collected first.
+SLOW_FILES = ("compiler/test_real_model.py", "models/test_families.py", "acceptance/test_accept.py", "test_cli.py",
+              "compiler/test_rebuild.py", "test_fuzz.py")
+
+
+def _slow_rank(item) -> int:
+    path = item.path.as_posix()
+    return next((i for i, name in enumerate(SLOW_FILES) if path.endswith(f"tests/{name}")), len(SLOW_FILES))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)  # stable: each file keeps its own order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
