@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# `make test` runs two xdist workers that take whole files in collection order. These files take one to two
+# `make test` runs two xdist workers that take whole files in collection order. These files take half a minute to two
 # minutes each; started last, they would leave the other worker idle that long, so they are collected first.
 SLOW_FILES = ("compiler/test_real_model.py", "models/test_families.py", "acceptance/test_accept.py", "test_cli.py",
               "compiler/test_rebuild.py", "test_fuzz.py")
