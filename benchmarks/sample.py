@@ -81,7 +81,8 @@ def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
 
 
 # kind of kernel -> name fragments (lower case); the first kind that matches a kernel's name takes it
-KERNEL_KINDS = (("copy", ("memcpy", "memset")),  # host-to-device mostly (streamed blocks), on their own stream ("attention", ("flash", "fmha", "attention")),
+KERNEL_KINDS = (("copy", ("memcpy", "memset")),  # host-to-device mostly (streamed blocks), on their own stream
+                ("attention", ("flash", "fmha", "attention")),
                 ("fp8 operands", ("_rows_kernel", "_int_fp8", "_int_amax")),
                 ("dequant", ("dequant", "_fused_", "fused_linear", "_gptq")),
                 ("matmul", ("gemm", "nvjet", "sm90", "sm80", "cutlass", "xmma", "ampere", "cublas")))
