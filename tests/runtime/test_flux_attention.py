@@ -96,8 +96,7 @@ def _fused_linears(attn):
 
 def test_the_fused_path_runs_only_without_autograd_in_eval_mode(monkeypatch):
     """Negative control: with the fused op broken, only the eval, no-grad, bf16 forward may notice."""
-    broken = _broken
-    monkeypatch.setattr(flux_attention, "qk_norm_rope_into", broken)
+    monkeypatch.setattr(flux_attention, "qk_norm_rope_into", _broken)
     model = _bf16_model()
     install_fused_attention(model)
     model(**_inputs(), return_dict=False)  # autograd on: stock
