@@ -16,7 +16,7 @@ from .compiler.budget import BudgetError
 from .compiler.ladder import DEFAULT_FORMATS, ladder
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
-from .devices import default_device
+from .devices import DeviceError, describe, run_on
 from .models import ModelError
 from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
@@ -28,6 +28,7 @@ from .train.cache import CacheError
 from .train.checkpoint import CheckpointError
 from .train.config import CUDA_GRAPHS, HELP, ConfigError, TrainConfig, load_config
 from .train.data import DataError
+from .train.encoder_source import SINGLE_FILE_FLAGS, cli_flag
 from .train.encoders import EncoderError
 from .train.loop import TrainError
 from .train.lora_files import LoraFileError
@@ -35,7 +36,7 @@ from .train.sample import SampleError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError, OutputError, PeftMissing)
+               TrainError, SampleError, OutputError, PeftMissing, DeviceError)
 
 
 class _Group(click.Group):
@@ -92,10 +93,28 @@ def quiet_third_parties(verbose: bool) -> None:
         warnings.filterwarnings("ignore", module=rf"{name}(\.|$)")
 
 
+def _encoder_file_options(command):
+    """--clip-l, --clip-g, --t5 and --vae: encoders as single files, with `squareq train`'s help (train.config)."""
+    for name in reversed(SINGLE_FILE_FLAGS):
+        command = click.option(cli_flag(name), name, type=click.Path(path_type=Path), help=HELP[name])(command)
+    return command
+
+
+def _device_option(what_runs: str, cpu_note: str = "else the CPU"):
+    return click.option("--device", default="auto", show_default=True,
+                        help=f"Where {what_runs}: auto (the GPU when PyTorch sees one; {cpu_note}), cpu, cuda or "
+                        "cuda:N.")
+
+
+_REVISION = click.option("--revision", help="The branch, tag or commit of a Hugging Face Hub ID given as the model.")
+
+
 @main.command()
 @click.argument("slab", type=click.Path(path_type=Path))
-@click.option("--model", required=True, help="The source the slab was compiled from: tiny-flux, a diffusers folder or "
-              "a BFL FLUX.1 file (the bf16 reference for every gate).")
+@click.option("--model", required=True, help="The source the slab was compiled from: a Hugging Face Hub ID, a "
+              "diffusers folder, a BFL FLUX.1 file or tiny-flux (the bf16 reference for every gate).")
+@_REVISION
+@_encoder_file_options
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
               help="The compiler's TOML file; [thresholds] mse, drift, psnr, ssim, grad_cos, grad_norm and conv "
               "apply here (docs/accept.md).")
@@ -131,9 +150,11 @@ def quiet_third_parties(verbose: bool) -> None:
               help="The slab's base-layer arithmetic in the gradient, image-drift and convergence gates, as squareq "
               "train and sample run it (auto: FP8 on GPUs with FP8 tensor cores, see docs/tuning.md); the bf16 "
               "references run in bf16.")
-def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train_config, resolution,
-           max_sequence_length, lr, rank, samples, images, sample_steps, clip_model, workdir, report, junit,
-           require_gpu, compute) -> None:
+@_device_option("every gate runs", "on a CPU, auto refuses a model over 1B parameters and says how long it "
+                "would take")
+def accept(slab, model, revision, clip_l, clip_g, t5, vae, thresholds_file, budget, vram_budget, steps, data,
+           train_config, resolution, max_sequence_length, lr, rank, samples, images, sample_steps, clip_model, workdir,
+           report, junit, require_gpu, compute, device) -> None:
     """Gate SLAB before anyone trains on it: layer MSE and block drift on fresh inputs, image drift and LoRA
     gradient agreement against the bf16 source, convergence decided by paired tests, peak VRAM and size. Exit
     status 0 when every gate passes, 3 when one fails, 4 when none fails but one cannot decide (INCONCLUSIVE),
@@ -149,7 +170,8 @@ def accept(slab, model, thresholds_file, budget, vram_budget, steps, data, train
                                      "elsewhere.", param_hint=flag)
     builtin = data is None and train_config is None  # the built-in 64 px images and short captions
     opts = AcceptOptions(
-        slab=slab, model=model, thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
+        slab=slab, model=model, revision=revision, files=_given_files(clip_l, clip_g, t5, vae), device=device,
+        thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         budget=parse_size(budget) if budget else None, vram_budget=parse_size(vram_budget) if vram_budget else None,
         workdir=workdir, require_gpu=require_gpu, samples=samples, images=images, sample_steps=sample_steps,
         clip_model=str(clip_model) if clip_model else None,
@@ -187,8 +209,13 @@ def _progress_printer():
     return show
 
 
+def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
+    return {k: str(v) for k, v in zip(SINGLE_FILE_FLAGS, (clip_l, clip_g, t5, vae)) if v is not None}
+
+
 @main.command("compile")
 @click.argument("model")
+@_REVISION
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="The slab directory to write.")
 @click.option("--budget", required=True, help="Largest slab size, e.g. 12GB, 11.5GiB, 800MB.")
 @click.option("--objective", type=click.Choice(["size", "quality"]), default="size", show_default=True,
@@ -213,8 +240,10 @@ def _progress_printer():
               help="Calibrate on a training cache (squareq cache / squareq train).")
 @click.option("--calib-text", type=click.Path(path_type=Path), default=None,
               help="Text models: calibrate on this UTF-8 file, one sample per line (default: built-in English text).")
-@click.option("--encoders", default=None, help="Pipeline folder with the VAE and text encoders for --calib-data and "
-                                               "the built-in photographs (default: the pipeline folder MODEL is in).")
+@click.option("--encoders", default=None, help="The pipeline with the VAE and text encoders that encode the "
+              "calibration images: a folder or Hub ID (default: MODEL's own pipeline; for a BFL FLUX.1 file with "
+              "--clip-l/--t5/--vae, black-forest-labs/FLUX.1-dev's configs and tokenizers).")
+@_encoder_file_options
 @click.option("--calib-samples", type=click.IntRange(min=2), default=None,
               help="Calibration samples, a quarter held out (default: 32 for images, 512 for text).")
 @click.option("--calib-resolution", type=click.IntRange(min=64), default=512, show_default=True,
@@ -238,24 +267,29 @@ def _progress_printer():
               "(this - the resident tensors) / --ring-slots.")
 @click.option("--ring-slots", type=click.IntRange(min=1), default=2, show_default=True,
               help="Ring slots the runtime will use, for --vram-cap.")
-@click.option("--device", default="cpu", show_default=True, help="Where calibration runs, e.g. cuda.")
+@_device_option("the compile runs", "on a CPU, auto refuses a model over 1B parameters and says how long it would "
+                "take")
 @click.option("--vram-budget", help="GPU memory this compile may use, e.g. 8GB (default: what the device has free); "
               "what does not fit waits in pinned host memory, and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
-def compile_cmd(model, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks, calib_data,
-                calib_cache, calib_text, encoders, calib_samples, calib_resolution, calib_tokens, calib_synthetic,
-                rounding, group_size, previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device,
-                vram_budget, resume, force) -> None:
+def compile_cmd(model, revision, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks,
+                calib_data, calib_cache, calib_text, encoders, clip_l, clip_g, t5, vae, calib_samples,
+                calib_resolution, calib_tokens, calib_synthetic, rounding, group_size, previous, effect_probes,
+                max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume, force) -> None:
     """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
     slab.
 
-    MODEL is tiny-flux, a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file,
-    or, with --blocks, any diffusers/transformers model folder.
+    MODEL is a Hugging Face Hub ID (black-forest-labs/FLUX.1-dev; from the local cache, or downloading only what
+    the compile reads), a diffusers folder (pipeline or transformer/), a BFL FLUX.1 .safetensors file (ComfyUI's
+    flux1-dev.safetensors, with --clip-l, --t5 and --vae), tiny-flux, or, with --blocks, any diffusers/transformers
+    model folder or Hub ID.
     """
     from .compiler import CompileOptions, Thresholds, compile_slab, open_source, parse_size
+    from .compiler.device_choice import choose_device, compile_flops
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
     from .compiler.vram import memory_cap
+    from .train.encoder_source import encoder_source_for, pinned
 
     if max_block_bytes and vram_cap:
         raise click.UsageError("--max-block-bytes and --vram-cap each cap the largest block; give one of them.")
@@ -276,22 +310,38 @@ def compile_cmd(model, out, budget, objective, thresholds_file, formats, old_min
         max_block_bytes=parse_size(max_block_bytes) if max_block_bytes else None,
         vram_cap=parse_size(vram_cap) if vram_cap else None, ring_slots=ring_slots,
         previous=str(previous) if previous else None, effect_probes=effect_probes,
-        device=device, vram_budget=parse_size(vram_budget) if vram_budget else None, resume=resume, overwrite=force,
+        vram_budget=parse_size(vram_budget) if vram_budget else None, resume=resume, overwrite=force,
     )
-    source = open_source(model, list(blocks) or None)
+    files = _given_files(clip_l, clip_g, t5, vae)
+
+    def on_device(candidate) -> None:  # before a Hub ID's weights are downloaded
+        opts.device = choose_device(device, candidate,
+                                    lambda skeleton: compile_flops(candidate, skeleton, opts, calib_resolution))
+
+    source = open_source(model, list(blocks) or None, revision, check=on_device)
     progress = _progress_printer()
+    progress(f"compiling {source.description} on {describe(opts.device)}")
     trains = source.family_adapter is not None and source.family_adapter.recipe is not None
     if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
         from .train.calibration import calibration_images
 
-        with memory_cap(opts.vram_budget, device):  # the encoders run on the GPU too
-            opts.calib_images = calibration_images(source, data=calib_data, encoders=encoders,
-                                                   resolution=calib_resolution, device=device,
+        where = None
+        if encoders or files:
+            where = encoder_source_for(source.encoder_source or source.description, source.family,
+                                       source.skeleton().config, model=encoders, files=files)
+            opts.encoders = pinned(where).record()  # train and sample find the same encoders
+        with memory_cap(opts.vram_budget, opts.device):  # the encoders run on the GPU too
+            opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
+                                                   resolution=calib_resolution, device=opts.device,
                                                    limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
                                                    echo=progress)
     elif calib_data:
         raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
                                "--calib-text FILE instead.")
+    elif encoders or files:
+        given = ", ".join([*(cli_flag(k) for k in files), *(["--encoders"] if encoders else [])])
+        raise click.UsageError(f"{given} encode calibration images, and this compile encodes none "
+                               "(--calib-cache, --calib-text, --calib-synthetic or a text model); leave them out.")
     manifest = compile_slab(source, out, opts, progress=progress)
     counts = {}
     for layer in manifest.layers:
@@ -356,23 +406,28 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
 @click.option("--data", type=click.Path(path_type=Path), required=True, help="Folder of images with captions.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), required=True, help="Where the cache goes.")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
-@click.option("--model", help="Pipeline folder with the VAE and text encoders (default: the slab's source).")
+@click.option("--model", help=HELP["model"])
+@_REVISION
+@_encoder_file_options
 @click.option("--resolution", help=HELP["resolution"])
 @click.option("--trigger", help=HELP["trigger"])
 @click.option("--caption-ext", help=HELP["caption_ext"])
 @click.option("--max-sequence-length", type=int, help=HELP["max_sequence_length"])
-def cache_cmd(slab, data, cache_dir, config_file, model, resolution, trigger, caption_ext, max_sequence_length) -> None:
+@_device_option("the VAE and text encoders run")
+def cache_cmd(slab, data, cache_dir, config_file, model, revision, clip_l, clip_g, t5, vae, resolution, trigger,
+              caption_ext, max_sequence_length, device) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
 
     from .train.loop import prepare_data
 
     cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), "model": model,
-                                    "resolution": resolution, "trigger": trigger, "caption_ext": caption_ext,
-                                    "max_sequence_length": max_sequence_length})
+                                    "revision": revision, "resolution": resolution, "trigger": trigger,
+                                    "caption_ext": caption_ext, "max_sequence_length": max_sequence_length,
+                                    **_given_files(clip_l, clip_g, t5, vae)})
     with open_slab(slab, verify="off") as s:
         record = s.manifest.model
-    device = default_device()
-    prepared = prepare_data(cfg, record, device, echo=click.echo)
+    with run_on(device) as where:
+        prepared = prepare_data(cfg, record, where, echo=click.echo)
     n = prepared.computed
     click.echo(f"{len(prepared.dataset)} images cached in {cache_dir} ({n} {'entry' if n == 1 else 'entries'} "
                "computed now)")
@@ -405,7 +460,9 @@ class AutoOrInt(click.ParamType):
 @click.option("--lora", type=click.Path(path_type=Path), help="A LoRA file or folder (diffusers or kohya layout).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("samples"), show_default=True,
               help="Folder for the PNG files.")
-@click.option("--model", help="Pipeline folder with the VAE and text encoders (default: the slab's source).")
+@click.option("--model", help=HELP["model"])
+@_REVISION
+@_encoder_file_options
 @click.option("--resolution", type=int, default=1024, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=3.5, show_default=True)
@@ -423,8 +480,8 @@ class AutoOrInt(click.ParamType):
 @click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True, help=HELP["compute"])
 @click.option("--cuda-graphs", is_flag=True, help="Replay each block's forward from a CUDA graph once the first "
               "denoising steps have captured it (CUDA only; docs/tuning.md says when it pays).")
-def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, max_sequence_length, prefetch,
-           resident_blocks, host, compute, cuda_graphs):
+def sample(slab, prompts, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps, guidance, seed,
+           max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs):
     """Generate images with the streamed slab, optionally with a LoRA."""
     from .plot import write_png
     from .slab.atomic import ensure_output_dir
@@ -443,7 +500,8 @@ def sample(slab, prompts, lora, out, model, resolution, steps, guidance, seed, m
 
     sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
-                  resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs)
+                  resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
+                  revision=revision, files=_given_files(clip_l, clip_g, t5, vae))
 
 
 @main.command("export-lora")

@@ -16,6 +16,8 @@ FUSED_AUTOTUNE = "SQUAREQ_FUSED_AUTOTUNE"  # "0": one fixed configuration instea
 TRACE = "SQUAREQ_TRACE"  # a Chrome trace path for every runtime.load
 SHM_DIR = "SQUAREQ_SHM_DIR"  # where the host-shared copy of a slab lives (default /dev/shm)
 TRITON_INTERPRET = "TRITON_INTERPRET"  # "1": Triton kernels run on the CPU (how CI tests them)
+HF_HUB_OFFLINE = "HF_HUB_OFFLINE"  # "1": Hub IDs resolve from the local cache only (huggingface_hub's own switch)
+HF_HUB_CACHE = "HF_HUB_CACHE"  # the Hugging Face cache folder (huggingface_hub's; unset: its default)
 
 
 def torch_kernels_forced() -> bool:
@@ -27,6 +29,17 @@ def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors, in its interpreter. Read as Triton reads it (1,
     true, on or yes, in any case), so SquareQ and Triton never disagree on whether the interpreter runs."""
     return os.environ.get(TRITON_INTERPRET, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as huggingface_hub reads it (1, true, on or yes), read now: huggingface_hub itself reads it
+    once, when first imported."""
+    return os.environ.get(HF_HUB_OFFLINE, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def hub_cache() -> str | None:
+    """``HF_HUB_CACHE`` read now (None: huggingface_hub's default, which also follows HF_HOME)."""
+    return os.environ.get(HF_HUB_CACHE) or None
 
 
 def fused_max_m() -> str | None:

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 # `make test` runs two xdist workers that take whole files in collection order. These files take half a minute to two
 # minutes each; started last, they would leave the other worker idle that long, so they are collected first.
 SLOW_FILES = ("compiler/test_real_model.py", "models/test_families.py", "acceptance/test_accept.py", "test_cli.py",
-              "compiler/test_rebuild.py", "test_fuzz.py")
+              "compiler/test_rebuild.py", "test_fuzz.py", "test_first_run.py")
 
 
 def _slow_rank(item) -> int:

@@ -33,6 +33,7 @@ from ..plot import plot_curves, smooth
 from ..slab import BlockContent, Slab, SlabBuilder, SlabError, WriteOptions, open_slab
 from ..slab.writer import block_linears
 from ..train.config import TrainConfig, load_config
+from ..train.encoder_source import EncoderSource
 from ..train.encoders import EncoderError, check_encoder_source
 from ..train.loop import METRICS_FILE, train
 from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
@@ -62,20 +63,23 @@ GATE_DEFAULTS = {"resolution": 512, "max_sequence_length": 512, "lr": 1e-3, "ran
 ALPHA = 0.05  # the tests' significance level
 
 
-def training_config(s: ConvergenceSettings, slab_path: Path, model: str, out: Path, cache: Path, steps: int):
+def training_config(s: ConvergenceSettings, slab_path: Path, encoders: EncoderSource | str, out: Path, cache: Path,
+                    steps: int):
     """The trainer configuration of one run: flags (non-None settings) > base TOML > gate defaults > trainer's."""
+    encoders = EncoderSource.of(encoders)
     trainer_defaults = TrainConfig().to_dict()  # default_factory fields (resolution, ...) included
     base = load_config(s.base) if s.base else None
     values = {k: v for k, v in GATE_DEFAULTS.items() if base is None or getattr(base, k) == trainer_defaults[k]}
     values.update({k: getattr(s, k) for k in GATE_DEFAULTS if getattr(s, k) is not None})
-    values.update({"slab": str(slab_path), "data": s.data, "output": str(out), "model": model,
+    values.update({"slab": str(slab_path), "data": s.data, "output": str(out), "model": encoders.where,
+                   **encoders.file_map,
                    "cache_dir": str(cache), "steps": steps, "seed": s.seed, "schedule": "constant", "warmup": 0,
                    "save_every": 0, "sample_every": 0, "log": "jsonl"})
     # a base config's epochs, resume or VRAM refusal would break the pairing of the two runs: this gate decides them
     return dataclasses.replace(load_config(s.base, values), epochs=None, resume=None, vram_budget=None)
 
 
-def cannot_run(source: Source, model: str) -> str | None:
+def cannot_run(source: Source, model: EncoderSource | str) -> str | None:
     """Why this gate cannot run for ``source`` (None when it can): the trainer's families and its encoders."""
     adapter = ADAPTERS.get(source.family)
     if adapter is None or adapter.recipe is None:
@@ -112,7 +116,7 @@ def reference_slab(source: Source, folder: Path, echo) -> Path:
     return path
 
 
-def _run(slab_path: Path, model: str, out: Path, cache: Path, steps: int, s: ConvergenceSettings, echo,
+def _run(slab_path: Path, model: EncoderSource | str, out: Path, cache: Path, steps: int, s: ConvergenceSettings, echo,
          frozen: bool = False, compute: str = "bf16"):
     if out.exists():
         shutil.rmtree(out)  # this gate's own folder: every run starts from step 0
@@ -152,8 +156,8 @@ def decide(frozen: list[float], ref: list[float], got: list[float], tau: float, 
             "relative_difference": diff, "mean_difference": mean, "interval": [low, high], "p_equivalence": p_equiv}
 
 
-def convergence_gate(source: Source, slab: Slab, model: str, workdir: Path, settings: ConvergenceSettings,
-                     echo=print) -> tuple[GateResult, list[dict]]:
+def convergence_gate(source: Source, slab: Slab, model: EncoderSource | str, workdir: Path,
+                     settings: ConvergenceSettings, echo=print) -> tuple[GateResult, list[dict]]:
     """Train the frozen and bf16 references and the slab; returns the gate result and the slab run's metric records."""
     started = time.perf_counter()
     why_not = cannot_run(source, model)

@@ -23,9 +23,10 @@ from ..models import ADAPTERS
 from ..models.noising import calibration_times, image_tokens
 from ..slab import Slab, open_slab
 from ..train.data import BucketBatches
+from ..train.encoder_source import EncoderSource
 from ..train.family_encoders import training_objective
 from ..train.feed import CacheFeed
-from ..train.loop import prepare_data
+from ..train.loop import prepare_data, run_encoders
 from ..train.objective import denoising_loss
 from .convergence import ConvergenceSettings, cannot_run, reference_slab, training_config
 from .gates import FAIL, PASS, GateResult, skipped
@@ -38,8 +39,9 @@ def _flat(params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
                       else torch.zeros(params[n].numel(), device=params[n].device) for n in sorted(params)])
 
 
-def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: ConvergenceSettings, tau_cos: float,
-                  tau_norm: float, steps: int = 4, timesteps: int = 4, device=None, echo=print) -> GateResult:
+def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdir, settings: ConvergenceSettings,
+                  tau_cos: float, tau_norm: float, steps: int = 4, timesteps: int = 4, device=None,
+                  echo=print) -> GateResult:
     """Compare the slab's LoRA gradients with the bf16 reference's over ``steps`` × ``timesteps`` shared batches."""
     started = time.perf_counter()
     why_not = cannot_run(source, model)
@@ -51,7 +53,7 @@ def gradient_gate(source: Source, slab: Slab, model: str, workdir, settings: Con
     cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache",
                           steps).with_family_defaults(family)
     recipe = ADAPTERS[family].recipe
-    objective = training_objective(cfg.model or slab.manifest.model.source, family)
+    objective = training_objective(run_encoders(cfg, slab.manifest.model), family)
     data = prepare_data(cfg, slab.manifest.model, device, echo)
     feed = CacheFeed(data.cache, *data.keys, data.captions, data.dropped, device)
     models, params = {}, {}

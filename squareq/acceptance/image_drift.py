@@ -21,6 +21,7 @@ from ..models import ADAPTERS
 from ..models.prompts import CALIBRATION_PROMPTS
 from ..plot import write_png
 from ..slab import Slab
+from ..train.encoder_source import EncoderSource
 from .convergence import reference_slab
 from .gates import FAIL, PASS, GateResult, skipped
 
@@ -121,9 +122,9 @@ def write_grid(path: Path, reference, images, gain: float = 4.0) -> Path:
     return write_png(grid, path)
 
 
-def image_drift_gate(source: Source, slab: Slab, model: str, workdir: Path, tau_psnr: float, tau_ssim: float,
-                     prompts: int = 4, resolution: int = 512, steps: int = 20, max_sequence_length: int = 512,
-                     seed: int = 0, clip_model: str | Path | None = None, echo=print,
+def image_drift_gate(source: Source, slab: Slab, model: EncoderSource | str, workdir: Path, tau_psnr: float,
+                     tau_ssim: float, prompts: int = 4, resolution: int = 512, steps: int = 20,
+                     max_sequence_length: int = 512, seed: int = 0, clip_model: str | Path | None = None, echo=print,
                      compute: str = "auto") -> GateResult:
     """Draw ``prompts`` of the built-in prompts from the bf16 reference (in bf16 compute) and from the slab (in
     ``compute``); compare them."""

@@ -10,13 +10,16 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..compiler.device_choice import block_weights, choose_device, tokens_per_sample
 from ..compiler.sources import open_source
 from ..compiler.thresholds import Thresholds
-from ..devices import default_device
+from ..devices import default_device, parse_device, run_on
 from ..models import ModelError
+from ..models.hub import hub_ref, like_recorded
 from ..runtime.compute import ComputeError, resolve_compute
 from ..slab import SlabError, open_slab
 from ..slab.signature import model_signature
+from ..train.encoder_source import EncoderError, encoder_source_for, recorded_encoders
 from ..train.tiny_dataset import write_tiny_dataset
 from .block_drift import block_drift_gate
 from .convergence import GATE_DEFAULTS, ConvergenceSettings, convergence_gate
@@ -41,7 +44,10 @@ class AcceptOptions:
     measures."""
 
     slab: Path
-    model: str
+    model: str  # the source: a Hub ID, a folder, a BFL file or a built-in model
+    revision: str | None = None  # of a Hub ID
+    files: dict[str, str] = field(default_factory=dict)  # encoders as single files (--clip-l, --t5, --vae, --clip-g)
+    device: str | None = None  # every gate's device (None or auto: the GPU when there is one)
     thresholds: Thresholds = field(default_factory=Thresholds)
     budget: int | None = None
     vram_budget: int | None = None
@@ -59,19 +65,54 @@ class AcceptOptions:
 
 def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
     """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes."""
+    parse_device(opts.device)  # a wrong --device is refused before the slab is hashed
     with open_slab(opts.slab, verify="eager") as slab:  # a corrupted slab fails here, before any measurement
-        return _accept(opts, slab, echo)
+        source, encoders, device = _open_source(opts, slab)
+        with run_on(device):
+            return _accept(opts, slab, source, encoders, echo)
 
 
-def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
+def _open_source(opts: AcceptOptions, slab):
+    """The source (at the slab's recorded commit when ``--model`` names its Hub repository without a revision), the
+    encoders the gates use, and the device they run on (a model over 1B parameters is not gated on a CPU unasked)."""
     recorded = slab.manifest.model
+    chosen = []
+
+    def on_device(candidate) -> None:
+        chosen.append(choose_device(opts.device, candidate, lambda skeleton: _least_flops(opts, candidate, skeleton),
+                                    "gating it"))
+
+    ref = hub_ref(opts.model, opts.revision)
+    revision = like_recorded(ref, recorded.source).revision if ref is not None else opts.revision
     try:  # a generic-mode slab names its block lists; a family's adapter knows its own
-        source = open_source(opts.model, recorded.block_lists if recorded.family == "generic" else None)
+        source = open_source(opts.model, recorded.block_lists if recorded.family == "generic" else None, revision,
+                             check=on_device)
     except ModelError as exc:
         raise AcceptError(f"--model {opts.model}: {exc}") from None
     if model_signature(source.skeleton()) != recorded.signature:
         raise AcceptError(f"{opts.slab} was not compiled from --model {opts.model} (the model class, config or tensor "
                           "shapes differ); pass the model the slab was compiled from.")
+    # the encoders the slab was compiled with (what squareq train uses), else the source's own; single files in place
+    own = recorded_encoders(recorded) if recorded.encoders else (source.encoder_source or opts.model)
+    try:
+        encoders = encoder_source_for(own, source.family, recorded.config, files=opts.files)
+    except EncoderError as exc:
+        raise AcceptError(str(exc)) from None
+    return source, encoders, chosen[0]
+
+
+def _least_flops(opts: AcceptOptions, source, skeleton) -> float:
+    """The convergence gate alone: three training runs of ``steps`` steps, each a forward, a recompute and a
+    backward of one image at the gate's resolution."""
+    settings = opts.training
+    builtin = not settings.data and not settings.base
+    resolution = settings.resolution or (64 if builtin else GATE_DEFAULTS["resolution"])
+    tokens = tokens_per_sample(source, skeleton, resolution,
+                               settings.max_sequence_length or GATE_DEFAULTS["max_sequence_length"])
+    return 2.0 * block_weights(source, skeleton) * tokens * 3 * 3 * settings.steps
+
+
+def _accept(opts: AcceptOptions, slab, source, encoders, echo) -> AcceptReport:
     if opts.clip_model:
         try:
             check_clip_folder(opts.clip_model)
@@ -99,11 +140,11 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
         ("block drift", f"the model's output with one block quantized, up to {opts.drift_blocks} blocks",
          lambda: block_drift_gate(source, slab, thresholds.drift, opts.samples, opts.drift_blocks, device)),
         ("image drift", f"{opts.images} images from the bf16 source and from the slab, same prompts and seeds",
-         lambda: image_drift_gate(source, slab, opts.model, workdir, thresholds.psnr, thresholds.ssim, opts.images,
+         lambda: image_drift_gate(source, slab, encoders, workdir, thresholds.psnr, thresholds.ssim, opts.images,
                                   resolution, opts.sample_steps, tokens, settings.seed, opts.clip_model, echo,
                                   settings.compute)),
         ("gradient agreement", f"LoRA gradients on {opts.gradient_steps} batches × {opts.gradient_times} times",
-         lambda: gradient_gate(source, slab, opts.model, workdir, settings, thresholds.grad_cos, thresholds.grad_norm,
+         lambda: gradient_gate(source, slab, encoders, workdir, settings, thresholds.grad_cos, thresholds.grad_norm,
                                opts.gradient_steps, opts.gradient_times, device, echo)),
     ]
     total = len(steps) + 2
@@ -114,7 +155,7 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
         echo(f"      {_summary(gates[-1])}")
     echo(f"[{total - 1}/{total}] convergence: LoRA on a frozen and a trained bf16 source vs the slab, "
          f"{settings.steps} steps on {data}")
-    conv, records = convergence_gate(source, slab, opts.model, workdir, settings, echo)
+    conv, records = convergence_gate(source, slab, encoders, workdir, settings, echo)
     gates.append(conv)
     echo(f"      {_summary(conv)}")
     echo(f"[{total}/{total}] peak VRAM and size")
@@ -124,7 +165,7 @@ def _accept(opts: AcceptOptions, slab, echo) -> AcceptReport:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "squareq": __version__, "torch": torch.__version__, "thresholds": opts.thresholds.to_dict(),
         "workdir": str(workdir), "data": str(data), "compute": compute}
-    return AcceptReport(str(opts.slab), opts.model, gates, context)
+    return AcceptReport(str(opts.slab), source.description, gates, context)
 
 
 def _summary(gate) -> str:

@@ -60,6 +60,7 @@ class CompileOptions:
     group_size: int = 64
     calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
     calib_images: CalibrationSet | None = None  # encoded images + captions (squareq.train.calibration)
+    encoders: dict[str, str] | None = None  # recorded: the encoders calib_images came from, when not the source's
     calib_cache: str | None = None  # a training cache folder to calibrate on (squareq cache / squareq train)
     calib_text: str | None = None  # a text file, one sample per line (text models)
     calib_tokens: int | None = None  # most tokens per text sample (None: the default)
@@ -72,7 +73,7 @@ class CompileOptions:
     ring_slots: int = 2
     vram_budget: int | None = None  # the compile's own GPU memory (None: what the device has free)
     previous: str | None = None  # --from: a slab built before, whose rungs each layer starts at
-    device: str = "cpu"
+    device: str = "cpu"  # where it runs (the CLI resolves --device auto: compiler/device_choice.py)
     resume: bool = False
     overwrite: bool = False
 
@@ -349,8 +350,8 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
     layers, fixed, notes, measured_rungs, effect_info = _measurements(source, opts, progress, setup, state)
     calibrate_s = time.perf_counter() - started
     build = previous.build + 1 if previous is not None else 1
-    write_opts = WriteOptions(family=source.family, source=source.description, overwrite=opts.overwrite,
-                              thresholds=opts.thresholds.to_dict(),
+    write_opts = WriteOptions(family=source.family, source=source.description, encoders=opts.encoders,
+                              overwrite=opts.overwrite, thresholds=opts.thresholds.to_dict(),
                               calibration=_calibration_record(setup, opts, build, effect_info))
     names = dict(enumerate(source.block_paths))
     plan = _plan(setup, opts, state, names, layers, fixed, notes, measured_rungs, build, write_opts)

@@ -1,11 +1,12 @@
 """Where the compiler reads a model from, one block at a time.
 
-``open_source(MODEL)`` accepts a built-in name (``tiny-flux``), a diffusers pipeline folder (its
-``transformer/`` is used) or model folder, a transformers model folder, or a BFL single-file FLUX.1
-checkpoint. It builds the model's own class on the meta device (the skeleton), checks every tensor
-name and shape in the checkpoint headers against it, and then reads weights lazily: ``load_block``
-reads only that block's tensors through a safetensors mmap, so host memory stays near one block and the
-whole model never has to fit anywhere. Every tensor read is checked for NaN/Inf.
+``open_source(MODEL)`` accepts a built-in name (``tiny-flux``), a diffusers pipeline folder (its ``transformer/`` is
+used) or model folder, a transformers model folder, a BFL single-file FLUX.1 checkpoint, or a Hugging Face Hub ID of
+a pipeline or model (squareq.models.hub: from the local cache, or downloading only the files the compile reads). It
+builds the model's own class on the meta device (the skeleton), checks every tensor name and shape in the checkpoint
+headers against it, and then reads weights lazily: ``load_block`` reads only that block's tensors through a
+safetensors mmap, so host memory stays near one block and the whole model never has to fit anywhere. Every tensor
+read is checked for NaN/Inf.
 
 Bad input raises ``ModelError`` with one sentence naming the file or tensor and what to do.
 """
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, load_builtin
-from ..models.base import diffusers_class
+from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, hub, load_builtin
+from ..models.base import PIPELINE_DENOISER, diffusers_class, read_json_object
 from ..models.skeleton import build_meta, place_tensor
 from ..slab.signature import model_signature
 
@@ -38,7 +39,7 @@ __all__ = ["Source", "open_source"]
 
 log = logging.getLogger("squareq.compiler")
 
-_WHAT_TO_PASS = "pass a diffusers folder, a BFL .safetensors file or tiny-flux"
+_WHAT_TO_PASS = "pass a Hugging Face Hub ID, a diffusers folder, a BFL .safetensors file or tiny-flux"
 _MISMATCH = "the checkpoint does not match its config"
 
 
@@ -239,6 +240,7 @@ class Source:
         self.description = description
         self.pipeline: Path | None = None  # the diffusers pipeline folder around the model, if any
         self.folder: Path | None = None  # the model's own folder (config.json, tokenizer files), if it has one
+        self.hub: hub.HubRef | None = None  # the Hub repository and commit it came from, if it came from the Hub
         self._skeleton = skeleton
         self._tensors = tensors
         self.adapter = _adapter(skeleton, blocks, description)
@@ -259,10 +261,13 @@ class Source:
 
     @property
     def encoder_source(self) -> str | None:
-        """Where the family's VAE and text encoders are: the built-in model's name, the pipeline folder, or None."""
+        """Where the family's VAE and text encoders are: the built-in model's name, the pipeline folder or its Hub ID,
+        or None."""
         if self.description in BUILTIN_MODELS:
             return self.description
-        return str(self.pipeline) if self.pipeline is not None else None
+        if self.pipeline is None:
+            return None
+        return str(self.hub) if self.hub is not None else str(self.pipeline)
 
     # -- checks, at open time, from headers only
 
@@ -443,8 +448,12 @@ def _family_of(skeleton: nn.Module) -> FamilyAdapter | None:
 
 
 def _convert(t: torch.Tensor, device, dtype) -> torch.Tensor:
-    t = t.to(device)
-    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    """``t`` on ``device``, floating tensors in ``dtype`` (None: as stored), always in an allocation of its own. A
+    tensor read through the safetensors mmap sits wherever its file put it, a split BFL projection at an offset into
+    the fused one, and a CPU matmul on such an address takes another path: the same model read from a BFL file and
+    from a diffusers folder gave outputs 1.2e-6 apart, and a compile's measured effects with them, until both were
+    copied."""
+    return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True)
 
 
 class _UpcastLinear(torch.autograd.Function):
@@ -528,16 +537,6 @@ def _adapter(skeleton: nn.Module, blocks: Sequence[str] | None, where: str) -> F
 # --------------------------------------------------------------------------- opening
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise ModelError(f"{path} is not valid JSON ({exc}); re-save the model.") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{path} does not hold a JSON object; re-save the model.")
-    return data
-
-
 def _diffusers_skeleton(folder: Path, config: dict) -> nn.Module:
     import diffusers
 
@@ -567,27 +566,32 @@ def _transformers_skeleton(folder: Path) -> nn.Module:
         raise ModelError(f"transformers has no model class for {folder / 'config.json'} ({exc}).") from None
 
 
-def _open_folder(folder: Path, blocks) -> Source:
+def _folder_model(folder: Path) -> tuple[nn.Module, Path, Path | None]:
+    """The model a folder holds, built on the meta device from its config alone: the skeleton, the model's own folder
+    (a pipeline's ``transformer/``) and the pipeline folder around it (None when there is none)."""
     pipeline = None
     if (folder / "model_index.json").is_file():
-        if not (folder / "transformer").is_dir():
+        if not (folder / PIPELINE_DENOISER).is_dir():
             raise ModelError(f"{folder} is a pipeline folder without transformer/; pass one of its component "
                              f"folders (e.g. {folder / 'text_encoder'}) with --blocks ATTR.")
-        pipeline, folder = folder, folder / "transformer"
+        pipeline, folder = folder, folder / PIPELINE_DENOISER
     elif (folder.parent / "model_index.json").is_file():
         pipeline = folder.parent
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{folder} has no config.json, so it is not a diffusers or transformers model folder; "
                          f"{_WHAT_TO_PASS}.")
-    config = _read_json(config_file)
+    config = read_json_object(config_file, "re-save the model")
     if "_class_name" in config:
-        skeleton = _diffusers_skeleton(folder, config)
-    elif "architectures" in config or "model_type" in config:
-        skeleton = _transformers_skeleton(folder)
-    else:
-        raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
-                         f"(transformers); {_WHAT_TO_PASS}.")
+        return _diffusers_skeleton(folder, config), folder, pipeline
+    if "architectures" in config or "model_type" in config:
+        return _transformers_skeleton(folder), folder, pipeline
+    raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
+                     f"(transformers); {_WHAT_TO_PASS}.")
+
+
+def _open_folder(folder: Path, blocks) -> Source:
+    skeleton, folder, pipeline = _folder_model(folder)
     tensors = _SafetensorsFiles(_folder_weights(folder), label=str(folder))
     source = Source(str(folder), skeleton, tensors, blocks)
     source.pipeline, source.folder = pipeline, folder
@@ -622,16 +626,67 @@ def _open_builtin(name: str, blocks) -> Source:
     return Source(name, skeleton, _MemoryTensors(model.state_dict(), label=f"built-in {name}"), blocks)
 
 
-def open_source(model: str | os.PathLike, blocks: Sequence[str] | None = None) -> Source:
-    """Open MODEL: a built-in name, a diffusers pipeline/model folder, a transformers folder or a BFL file.
+class _ShapesOnly(_Tensors):
+    """A model's own tensor names and shapes, no data: a source to plan for before its weights are fetched."""
+
+    def __init__(self, skeleton: nn.Module, label: str):
+        self.label = label
+        self.shapes = {n: tuple(t.shape) for n, t in skeleton.state_dict(keep_vars=True).items()}
+
+    def read(self, names):
+        raise ModelError(f"{self.label}: its weights are not fetched yet.")
+
+
+def _open_hub(ref: hub.HubRef, blocks, check) -> Source:
+    """A Hub repository: a pipeline's transformer (its VAE and text encoders are fetched where they are loaded,
+    squareq.train.encoder_source), or a one-model repository's configs, tokenizer and weights. The configs come
+    first, so ``check`` can refuse the model before gigabytes of weights are downloaded. The source is named by the
+    commit it resolved to, and every fetch reads that commit."""
+    folder, index = hub.index_of(ref)
+    ref = hub.resolved(ref, folder)
+    if index is None:
+        configs, weights = ["*.json"], hub.MODEL_FILES
+    else:
+        if PIPELINE_DENOISER not in hub.pipeline_components(index, (PIPELINE_DENOISER,)):
+            raise ModelError(f"{ref} is a {index.get('_class_name', 'pipeline')} without a transformer/ component, "
+                             "which SquareQ compiles from a pipeline; download it and pass its denoiser's folder with "
+                             "--blocks ATTR.")
+        configs, weights = hub.pipeline_patterns([], [PIPELINE_DENOISER]), hub.pipeline_patterns([PIPELINE_DENOISER])
+    if check is not None:
+        skeleton = _folder_model(hub.fetch(ref, configs))[0]
+        check(Source(str(ref), skeleton, _ShapesOnly(skeleton, str(ref)), blocks))
+    folder = hub.fetch(ref, weights)
+    if index is not None:
+        hub.require(folder, ref, [PIPELINE_DENOISER], weights=[PIPELINE_DENOISER])
+    source = _open_folder(folder, blocks)
+    source.hub = ref
+    source.description = str(ref)
+    return source
+
+
+def open_source(model: str | os.PathLike, blocks: Sequence[str] | None = None, revision: str | None = None,
+                check: Callable[[Source], None] | None = None) -> Source:
+    """Open MODEL: a built-in name, a diffusers pipeline/model folder, a transformers folder, a BFL file or a Hub ID
+    (``revision``: its branch, tag or commit).
 
     ``blocks`` names the ``nn.ModuleList`` attributes holding the blocks (``["encoder.layer"]``) for a
-    model without a family adapter (generic mode); None uses the family adapter.
+    model without a family adapter (generic mode); None uses the family adapter. ``check`` sees the source before
+    any weight is read (a Hub ID's before its weights are downloaded) and may refuse it by raising.
     """
     if isinstance(model, str) and model in BUILTIN_MODELS:
-        return _open_builtin(model, blocks)
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelError(f"{model} does not exist; {_WHAT_TO_PASS}.")
-    path = path.resolve()
-    return _open_folder(path, blocks) if path.is_dir() else _open_file(path, blocks)
+        if revision:
+            raise ModelError(f"--revision {revision}: {model} is a built-in model, not a Hugging Face Hub ID.")
+        source = _open_builtin(model, blocks)
+    elif (ref := hub.hub_ref(model, revision)) is not None:
+        return _open_hub(ref, blocks, check)
+    elif revision:
+        raise ModelError(f"--revision {revision} is for a Hugging Face Hub ID, and {model} is a local path.")
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ModelError(f"{model} does not exist; {_WHAT_TO_PASS}.")
+        path = path.resolve()
+        source = _open_folder(path, blocks) if path.is_dir() else _open_file(path, blocks)
+    if check is not None:
+        check(source)
+    return source

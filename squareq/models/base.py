@@ -49,6 +49,26 @@ class ModelError(ValueError):
     """A model does not have the structure its family adapter expects."""
 
 
+def read_json_object(path, remedy: str) -> dict:
+    """A JSON file that must hold an object (a model's config, a pipeline's index); one sentence ending in ``remedy``
+    when it does not."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ModelError(f"{path} is not valid JSON ({exc}); {remedy}.") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path} does not hold a JSON object; {remedy}.")
+    return data
+
+
+# A diffusers pipeline's components by name: the denoiser a slab replaces, and those that encode images and text
+# (model_index.json names them; prefixes, since a pipeline may have several text encoders and tokenizers).
+PIPELINE_DENOISER = "transformer"
+PIPELINE_ENCODER_PARTS = ("vae", "scheduler", "text_encoder", "tokenizer")
+
+
 @dataclass(frozen=True)
 class FamilyAdapter:
     """A family's static facts: its diffusers class and the ``nn.ModuleList`` attributes holding its blocks."""
@@ -71,6 +91,12 @@ class FamilyAdapter:
     # the layers `squareq train` wraps with LoRA by default (PEFT target_modules names); None: the attention
     # projections (runtime.DEFAULT_TARGETS)
     lora_targets: tuple[str, ...] | None = None
+    # the Hub pipeline (for a recorded config) whose configs, tokenizers and scheduler go with the family's encoders
+    # given as single files (ComfyUI's), as diffusers' from_single_file reads them; None: the user names one
+    reference_pipeline: Callable[[Any], str] | None = field(default=None, compare=False)
+    # the encoders a model file needs beside it as single files when that pipeline gives only configs (FLUX.1:
+    # ComfyUI's clip_l, t5xxl and ae)
+    single_file_encoders: tuple[str, ...] = ()
 
     @property
     def supports(self) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from .noising import DEFAULT_GUIDANCE, DEFAULT_SHIFT, calibration_times, image_t
 from .recipe import TrainingRecipe, stack_captions
 
 HELDOUT_FRACTION = 0.25
+DEFAULT_CAPTION_TOKENS = 512  # T5 tokens per calibration caption: the trainer's default, FLUX.1-dev's T5 length
 
 
 @dataclass

@@ -80,6 +80,13 @@ FLUX_RECIPE = TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.i
 # (networks/lora_flux.py wraps each Linear of the double and single blocks, and excludes img_mod, txt_mod and
 # modulation by default since 2025) in diffusers' names. BFL's fused qkv (and a single block's linear1 = qkv + MLP
 # input) are diffusers' to_q, to_k, to_v (+ proj_mlp); linear2 is the single block's proj_out.
+def flux_reference_pipeline(config) -> str:
+    """FLUX.1-dev's pipeline for a guidance-distilled transformer, else FLUX.1-schnell's (diffusers' choice for their
+    single files)."""
+    guidance = config.get("guidance_embeds") if isinstance(config, dict) else getattr(config, "guidance_embeds", None)
+    return "black-forest-labs/FLUX.1-dev" if guidance else "black-forest-labs/FLUX.1-schnell"
+
+
 FLUX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                      "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
                      "proj_out")
@@ -93,4 +100,6 @@ FLUX = FamilyAdapter(
     recipe=FLUX_RECIPE,
     samples=True,
     lora_targets=FLUX_LORA_TARGETS,
+    reference_pipeline=flux_reference_pipeline,
+    single_file_encoders=("clip_l", "t5", "vae"),
 )

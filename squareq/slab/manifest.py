@@ -120,6 +120,9 @@ class ModelRecord:
     signature: str
     source: str
     block_lists: list[str]
+    # where the VAE and text encoders came from when not the source's own pipeline: {"where": pipeline folder or Hub
+    # ID, "clip_l"/"clip_g"/"t5"/"vae": single files}; empty otherwise (squareq.train.encoder_source)
+    encoders: dict[str, str] = field(default_factory=dict)
 
 
 def layout_digest(block: BlockRecord, layers: list[LayerRecord]) -> str:
@@ -230,6 +233,8 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["layers"] = [layer_to_dict(rec) for rec in self.layers]
+        if not d["model"]["encoders"]:  # written only when it says something, so older readers still read the slab
+            del d["model"]["encoders"]
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod

@@ -51,6 +51,7 @@ class WriteOptions:
     param_dtype: torch.dtype = torch.bfloat16  # storage dtype of floating non-quantized tensors
     family: str = "generic"
     source: str = ""
+    encoders: dict[str, str] | None = None  # the encoders calibration used, when not the source's own
     thresholds: dict | None = None
     calibration: dict | None = None
     overwrite: bool = False
@@ -175,7 +176,7 @@ def _build_manifest(skeleton: nn.Module, blocks: list[BlockRecord], layers: list
     return Manifest(
         model=ModelRecord(options.family, type(skeleton).__name__, jsonable_config(getattr(skeleton, "config", {})),
                           model_signature(skeleton), options.source,
-                          list(dict.fromkeys(b.name.rsplit(".", 1)[0] for b in blocks))),
+                          list(dict.fromkeys(b.name.rsplit(".", 1)[0] for b in blocks)), dict(options.encoders or {})),
         blocks=blocks,
         layers=layers,
         resident=resident,

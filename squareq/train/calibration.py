@@ -14,25 +14,26 @@ from pathlib import Path
 import torch
 
 from ..models.builtin_data import builtin_photos, skimage_version, spread
-from ..models.calibration import CalibrationSet
+from ..models.calibration import DEFAULT_CAPTION_TOKENS, CalibrationSet
 from .data import load_image, scan_dataset
+from .encoder_source import EncoderSource
 from .encoders import EncoderError, open_encoders
 
 # The calibration resolution: FLUX LoRAs are trained at 512-1024 px, and block statistics at 512 px (1024 image
 # tokens for FLUX.1) keep a 12B compile within its time budget (docs/compiler.md).
 DEFAULT_RESOLUTION = 512
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the trainer's default (FLUX.1-dev's T5 maximum)
+DEFAULT_MAX_SEQUENCE_LENGTH = DEFAULT_CAPTION_TOKENS
 TEXT_BATCH = 8
 
 
-def calibration_images(source, data: str | Path | None = None, encoders: str | None = None,
+def calibration_images(source, data: str | Path | None = None, encoders: EncoderSource | str | None = None,
                        resolution: int = DEFAULT_RESOLUTION, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
                        device: str | torch.device = "cpu", limit: int | None = None, seed: int = 0,
                        echo: Callable[[str], None] = lambda s: None) -> CalibrationSet:
     """The images of ``data`` (the built-in photographs when None) with their captions, encoded for ``source`` (a
     compiler ``Source`` of a family SquareQ trains) by the VAE and text encoders of ``encoders`` (a pipeline folder or
-    built-in model name; default: the source's own). A folder with more than ``limit`` images gives a seeded spread of
-    ``limit`` of them (the compile uses no more)."""
+    built-in model name or Hub ID, with any single files; default: the source's own). A folder with more than
+    ``limit`` images gives a seeded spread of ``limit`` of them (the compile uses no more)."""
     family = source.family_adapter
     if family is None or family.recipe is None:
         raise EncoderError(f"{source.description} is not a model family SquareQ trains, so it has no VAE and text "
@@ -40,8 +41,9 @@ def calibration_images(source, data: str | Path | None = None, encoders: str | N
     where = encoders or source.encoder_source
     if where is None:
         raise EncoderError(f"{source.description} is not inside a diffusers pipeline folder, so SquareQ cannot find "
-                           "the VAE and text encoders to encode calibration images with; pass the pipeline folder with "
-                           "--encoders DIR, or a filled training cache with --calib-cache DIR.")
+                           "the VAE and text encoders to encode calibration images with; pass them as files with "
+                           "--clip-l, --t5 and --vae, or their pipeline's folder or Hub ID with --encoders, or a "
+                           "filled training cache with --calib-cache DIR.")
     if data is not None:
         dataset = scan_dataset(data)
         items = [(it.path, it.caption) for it in dataset.items]

@@ -21,6 +21,7 @@ from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
 from ..runtime.peft_lora import LoraVariant
 from ..sizes import SizeError, parse_size
+from .encoder_source import SINGLE_FILE_FLAGS
 from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, LOSS_WEIGHTINGS, TIMESTEP_MODES
@@ -36,7 +37,16 @@ SAVE_FORMATS = ("diffusers", "kohya")
 
 # One line per key for `squareq train --help` and docs/cli.md (the CLI makes a flag of every key).
 HELP = {
-    "model": "Pipeline folder with the VAE and text encoders (default: the slab's recorded source).",
+    "model": "The pipeline with the VAE and text encoders: a diffusers folder or a Hugging Face Hub ID (default: what "
+             "the slab records, the encoders it was compiled with).",
+    "revision": "The branch, tag or commit of a Hub ID given as model.",
+    "clip_l": "CLIP-L text encoder as a single file (ComfyUI's clip_l.safetensors), in place of the pipeline's, whose "
+              "configs and tokenizers still come from the pipeline (for a FLUX.1 file with no pipeline: "
+              "black-forest-labs/FLUX.1-dev's, a few MB).",
+    "clip_g": "CLIP-G text encoder as a single file (SD3/SDXL's second CLIP), in place of the pipeline's.",
+    "t5": "T5 text encoder as a single file (ComfyUI's t5xxl_fp16.safetensors, or t5xxl_fp8_e4m3fn.safetensors, "
+          "upcast on load), in place of the pipeline's.",
+    "vae": "VAE as a single file (BFL's ae.safetensors for FLUX.1), in place of the pipeline's.",
     "cache_dir": "Where cached latents and text embeddings go (default: OUT/cache).",
     "rank": "LoRA rank.",
     "alpha": "LoRA alpha; the update is scaled by alpha/rank (default: alpha = rank).",
@@ -135,7 +145,12 @@ class TrainConfig:
     slab: str = ""
     data: str = ""
     output: str = ""
-    model: str | None = None  # folder with the VAE and text encoders (default: the slab's recorded source)
+    model: str | None = None  # pipeline folder or Hub ID with the VAE and text encoders (default: the slab's record)
+    revision: str | None = None  # of a Hub ID given as model
+    clip_l: str | None = None  # encoders as single files (ComfyUI's), in place of the pipeline's own
+    clip_g: str | None = None
+    t5: str | None = None
+    vae: str | None = None
     cache_dir: str | None = None  # default: <output>/cache
     # LoRA
     rank: int = 16
@@ -326,6 +341,11 @@ class TrainConfig:
     def lora_variant(self) -> LoraVariant:
         """DoRA, rsLoRA and dropout as the runtime takes them (any of them: PEFT's layers)."""
         return LoraVariant(dora=self.use_dora, rslora=self.use_rslora, dropout=float(self.lora_dropout))
+
+    @property
+    def encoder_files(self) -> dict[str, str | None]:
+        """The encoders given as single files, by key (None: the pipeline's own)."""
+        return {key: getattr(self, key) for key in SINGLE_FILE_FLAGS}
 
     @property
     def vram_budget_bytes(self) -> int | None:

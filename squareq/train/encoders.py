@@ -1,10 +1,11 @@
 """The VAE and text encoders the cache needs, found from the slab's recorded source or ``--model``.
 
-``tiny-flux`` uses the built-in toy VAE, CLIP and T5 (squareq.models.tiny_pipeline); a diffusers FLUX
-pipeline folder (or its ``transformer/`` subfolder) supplies its own ``vae``, ``text_encoder`` and
-``text_encoder_2``. The other families' built-in tiny models (``tiny-sd3``, ``tiny-wan``, ...) get a toy VAE
-with their latent channels and a tiny T5 (and CLIP, where the family takes pooled text) at the widths their
-denoiser expects (:class:`ToyEncoders`); their pipeline folders go through the family's diffusers pipeline
+``tiny-flux`` uses the built-in toy VAE, CLIP and T5 (squareq.models.tiny_pipeline); a diffusers FLUX pipeline
+folder (or its ``transformer/`` subfolder), or its Hub ID, supplies its own ``vae``, ``text_encoder`` and
+``text_encoder_2``, except those given as single files (``--clip-l``, ``--t5``, ``--vae``: train/single_files.py).
+The other families' built-in tiny models (``tiny-sd3``, ``tiny-wan``, ...) get a toy VAE with their latent channels
+and a tiny T5 (and CLIP, where the family takes pooled text) at the widths their denoiser expects
+(:class:`ToyEncoders`); their pipeline folders go through the family's diffusers pipeline
 (``squareq.train.family_encoders``). They are held only while the cache is filled, then released.
 
 On a GPU, a T5 encoder larger than :data:`STREAM_TEXT_ENCODER_BYTES` (FLUX.1's T5-XXL is 9.5 GB) stays in
@@ -17,7 +18,6 @@ import contextlib
 import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -28,9 +28,17 @@ from ..models.tiny_pipeline import (
     build_tiny_vae,
 )
 from ..runtime import release_module, stream_module
+from ..slab.errors import brief
 from .cache import module_identity
-from .encoder_source import EncoderError, dtype_tag, pipeline_folder  # noqa: F401 (re-exported)
+from .encoder_source import (  # noqa: F401 (EncoderError re-exported)
+    EncoderError,
+    EncoderSource,
+    cli_flag,
+    dtype_tag,
+    pipeline_folder,
+)
 from .family_encoders import open_family_pipeline
+from .single_files import load_single_files
 
 STREAM_TEXT_ENCODER_BYTES = 2 << 30
 
@@ -65,18 +73,22 @@ class Encoders:
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
-def _load_folder(source: Path, dtype: torch.dtype, text: bool = True):
-    """The FLUX pipeline of the folder holding ``source`` without its transformer (and, ``text=False``, without its
-    text encoders and tokenizers)."""
+def _load_folder(source: EncoderSource, dtype: torch.dtype, text: bool = True):
+    """The FLUX pipeline of ``source`` without its transformer (and, ``text=False``, without its text encoders and
+    tokenizers), its single files in place of the components they replace."""
     from diffusers import FluxPipeline
+
+    from ..models.hub import read_index
 
     folder = pipeline_folder(source)
     left_out = dict.fromkeys(("transformer",) + (() if text else TEXT_PARTS))
+    given = load_single_files(source, folder, read_index(folder), dtype, only=None if text else ("vae",))
     try:
-        return FluxPipeline.from_pretrained(str(folder), **left_out, torch_dtype=dtype, local_files_only=True)
+        return FluxPipeline.from_pretrained(str(folder), **{**left_out, **given}, torch_dtype=dtype,
+                                            local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise EncoderError(f"cannot load the VAE{' and text encoders' if text else ''} from {folder} ({exc}); pass a "
-                           "complete FLUX pipeline folder with --model.") from None
+        raise EncoderError(f"cannot load the VAE{' and text encoders' if text else ''} from {source} ({brief(exc)}); "
+                           "pass a complete FLUX pipeline folder or Hub ID with --model.") from None
 
 
 class ToyEncoders:
@@ -131,14 +143,16 @@ class ToyEncoders:
         return entries
 
 
-def builtin_family(source: str) -> str | None:
+def builtin_family(source: EncoderSource | str) -> str | None:
     """The family of a built-in tiny model name (None for anything else)."""
-    return BUILTIN_MODELS[str(source)][0] if str(source) in BUILTIN_MODELS else None
+    where = EncoderSource.of(source).where
+    return BUILTIN_MODELS[where][0] if where in BUILTIN_MODELS else None
 
 
-def check_encoder_source(source: str, family: str) -> None:
+def check_encoder_source(source: EncoderSource | str, family: str) -> None:
     """Refuse, in one sentence, encoders that cannot serve a ``family`` model: another family's built-in, or a
-    folder that is not a diffusers pipeline. Loads nothing."""
+    folder that is not a diffusers pipeline. Reads no weights (a Hub ID's encoder files are fetched)."""
+    source = EncoderSource.of(source)
     if family not in ADAPTERS or ADAPTERS[family].recipe is None:
         raise EncoderError(f"SquareQ has no VAE and text encoders for the {family} family (it cannot train it); "
                            f"the families it trains: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
@@ -146,28 +160,33 @@ def check_encoder_source(source: str, family: str) -> None:
     if other is not None and other != family:
         raise EncoderError(f"{source} is the built-in {other} model, so its encoders do not fit a {family} model; pass "
                            f"the {family} pipeline folder with --model.")
+    if source.files and builtin_family(source) is not None:
+        raise EncoderError(f"{source.where} has built-in encoders; leave out "
+                           f"{', '.join(cli_flag(k) for k, _ in source.files)}.")
     pipeline_folder(source)
 
 
-def open_decoder(source: str, family: str, dtype: torch.dtype):
+def open_decoder(source: EncoderSource | str, family: str, dtype: torch.dtype):
     """The FLUX pipeline of ``source`` with its VAE and scheduler only, on the host: all that drawing an image from
     cached prompt embeddings needs (the trainer's sample images), without the text encoders (FLUX.1's T5 is 9.5 GB)."""
+    source = EncoderSource.of(source)
     check_encoder_source(source, family)
     if family != "flux":
         raise EncoderError(f"sample images during training are drawn for FLUX.1 only, not the {family} family.")
-    if source == "tiny-flux":
+    if source.where == "tiny-flux":
         pipe = build_tiny_flux_pipeline()
         for name in ("transformer", *TEXT_PARTS):
             setattr(pipe, name, None)
         pipe.vae.to(dtype=dtype)
         return pipe
-    return _load_folder(Path(source).expanduser(), dtype, text=False)
+    return _load_folder(source, dtype, text=False)
 
 
 @contextlib.contextmanager
-def open_encoders(source: str, device: torch.device, family: str, config=None) -> Iterator[Encoders]:
-    """The encoders of ``source`` (a built-in tiny model or a pipeline folder) for a ``family`` model with
-    ``config`` (the slab's recorded model config) on ``device``, released on exit."""
+def open_encoders(source: EncoderSource | str, device: torch.device, family: str, config=None) -> Iterator[Encoders]:
+    """The encoders of ``source`` (a built-in tiny model, a pipeline folder or Hub ID, and single files) for a
+    ``family`` model with ``config`` (the slab's recorded model config) on ``device``, released on exit."""
+    source = EncoderSource.of(source)
     check_encoder_source(source, family)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if family != "flux":
@@ -183,11 +202,11 @@ def open_encoders(source: str, device: torch.device, family: str, config=None) -
         with open_family_pipeline(source, family, device, dtype) as encoders:
             yield encoders
         return
-    if source == "tiny-flux":
+    if source.where == "tiny-flux":
         pipe = build_tiny_flux_pipeline()
         pipe.transformer = None
     else:
-        pipe = _load_folder(Path(source).expanduser(), dtype)
+        pipe = _load_folder(source, dtype)
     where = dtype_tag(dtype)
     vae_id = module_identity(pipe.vae, "vae") + where
     text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where

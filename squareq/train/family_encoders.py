@@ -16,8 +16,11 @@ from pathlib import Path
 import torch
 
 from ..models import ADAPTERS
+from ..models.base import PIPELINE_ENCODER_PARTS
+from ..slab.errors import brief
 from .cache import module_identity
-from .encoder_source import EncoderError, dtype_tag, pipeline_folder
+from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
+from .single_files import load_single_files
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
@@ -86,7 +89,7 @@ class PipelineEncoders:
         return self.recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)
 
 
-def training_objective(source: str | Path, family: str) -> str:
+def training_objective(source: EncoderSource | str | Path, family: str) -> str:
     """The objective a ``family`` model from ``source`` trains with: the family's, except that a UNet pipeline's
     scheduler decides between epsilon and v-prediction (SD 2.x 768-v predicts v)."""
     import json
@@ -109,9 +112,10 @@ def training_objective(source: str | Path, family: str) -> str:
 
 
 @contextlib.contextmanager
-def open_family_pipeline(source: str | Path, family: str, device: torch.device,
+def open_family_pipeline(source: EncoderSource | str | Path, family: str, device: torch.device,
                          dtype: torch.dtype) -> Iterator[PipelineEncoders]:
-    """The VAE and text encoders of the ``family`` pipeline folder holding ``source``, on ``device``."""
+    """The VAE and text encoders of the ``family`` pipeline of ``source`` (a folder or Hub ID, and single files), on
+    ``device``."""
     import json
 
     from diffusers import DiffusionPipeline
@@ -132,13 +136,14 @@ def open_family_pipeline(source: str | Path, family: str, device: torch.device,
                            "folder with --model.")
     # only the VAE and the text encoders: the denoiser is the slab, and a second expert (Wan 2.2's transformer_2),
     # a safety checker or an image encoder would only take memory
-    kept = ("_", "vae", "scheduler", "text_encoder", "tokenizer")
-    unused = {name: None for name in index if not name.startswith(kept)}
+    unused = {name: None for name in index if not name.startswith(("_",) + PIPELINE_ENCODER_PARTS)}
+    given = load_single_files(EncoderSource.of(source), folder, index, dtype)
     try:
-        pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, torch_dtype=dtype, local_files_only=True)
+        pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given, torch_dtype=dtype,
+                                                 local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({exc}); pass a complete {found} "
-                           "folder with --model.") from None
+        raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
+                           f"{found} folder with --model.") from None
     pipe.to(device)
     try:
         yield PipelineEncoders(pipe, family, device, dtype)

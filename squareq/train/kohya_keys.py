@@ -94,6 +94,8 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "network_module": (None, _network_module),
     "weighting_scheme": ("loss_weighting", _weighting),
     "validate_every_n_steps": ("validate_every", None),
+    "t5xxl": ("t5", None),
+    "ae": ("vae", None),
 }
 
 # what SquareQ always does: dropped with this sentence as a warning
@@ -120,10 +122,7 @@ ALWAYS = {
 # kohya keys SquareQ has no counterpart for: refused with this sentence
 UNSUPPORTED = {
     "pretrained_model_name_or_path": "the model is the slab: give it as `squareq train SLAB` (compile it first with "
-                                     "`squareq compile`), and the encoders' folder as model",
-    "clip_l": "the text encoders come from the model folder; set model to the diffusers pipeline folder",
-    "t5xxl": "the text encoders come from the model folder; set model to the diffusers pipeline folder",
-    "ae": "the VAE comes from the model folder; set model to the diffusers pipeline folder",
+                                     "`squareq compile`), and the encoders' pipeline folder or Hub ID as model",
     "dataset_config": "SquareQ reads one data folder (kohya repeat folders, caption files or metadata.jsonl); set "
                       "data to it",
     "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",

@@ -63,6 +63,7 @@ from .data import (
 )
 from .distributed import Ranks
 from .ema import LoraEma
+from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
@@ -199,6 +200,13 @@ class PreparedData:
     validation: list[str] = field(default_factory=list)  # the caption of each validation entry
 
 
+def run_encoders(cfg: TrainConfig, record) -> EncoderSource:
+    """The VAE and text encoders of a run on a slab with model ``record``: ``cfg.model`` (at ``cfg.revision``) or the
+    slab's recorded ones, with ``cfg``'s single files in place of their components."""
+    return encoder_source_for(recorded_encoders(record), record.family, record.config, cfg.model, cfg.revision,
+                              cfg.encoder_files)
+
+
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
@@ -236,7 +244,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
-        with open_encoders(cfg.model or model.source, device, model.family, FrozenDict(model.config)) as encoders:
+        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config)) as encoders:
             # the sample prompts too: sample images then need the VAE only, never the text encoders again
             texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
                            | set(cfg.sample_prompts))
@@ -338,7 +346,7 @@ class _Run:
             raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} "
                              "family yet; set sample_every = 0 (--sample-every 0).")
         self.recipe = ADAPTERS[family].recipe
-        self.encoder_source = cfg.model or slab.manifest.model.source  # the pipeline folder or built-in model
+        self.encoder_source = run_encoders(cfg, slab.manifest.model)
         self.objective = objective = training_objective(self.encoder_source, family)
         if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
             raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} "

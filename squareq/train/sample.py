@@ -17,6 +17,7 @@ from ..models import ADAPTERS
 from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
+from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import open_encoders
 from .lora_files import attach_lora, load_lora
 
@@ -89,17 +90,21 @@ def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, 
                     generator=torch.Generator(device).manual_seed(seed)).images[0]
 
 
-def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None = None, model: str | None = None,
-                  resolution: int = 1024, steps: int = 20, guidance: float = 3.5, seed: int = 42,
-                  max_sequence_length: int = 512, prefetch: int | str = "auto", host: str = "auto", device=None,
-                  resident_blocks: int | str = 0, on_image: Callable[[int, object], None] | None = None,
-                  compute: str = "auto", cuda_graphs: bool = False):
+def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None = None,
+                  model: EncoderSource | str | None = None, resolution: int = 1024, steps: int = 20,
+                  guidance: float = 3.5, seed: int = 42, max_sequence_length: int = 512,
+                  prefetch: int | str = "auto", host: str = "auto", device=None, resident_blocks: int | str = 0,
+                  on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
+                  cuda_graphs: bool = False, revision: str | None = None,
+                  files: dict[str, str | None] | None = None):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
     it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py).
-    ``cuda_graphs``: replay each block's forward from a CUDA graph once it is captured (runtime/block_graphs.py)."""
+    ``cuda_graphs``: replay each block's forward from a CUDA graph once it is captured (runtime/block_graphs.py).
+    ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
+    records)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
     device = default_device(device)
     s = open_slab(slab, verify="eager")
@@ -107,6 +112,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     if family not in ADAPTERS or not ADAPTERS[family].samples:
         sampled = ", ".join(f for f, a in ADAPTERS.items() if a.samples)
         raise SampleError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
+    record = s.manifest.model
+    encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
@@ -122,8 +129,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         attach_lora(transformer, *load_lora(lora))
     images = []
     try:
-        with open_encoders(model or s.manifest.model.source, device, family) as encoders:
-            pipe = encoders.pipeline
+        with open_encoders(encoders, device, family) as opened:
+            pipe = opened.pipeline
             pipe.transformer = transformer
             for prompt in prompts:
                 images.append(draw_image(pipe, prompt, resolution, steps, guidance, seed, max_sequence_length, device,

@@ -70,3 +70,22 @@ def test_the_effects_replay_runs_lean_attention_on_cuda(tmp_path, tiny_flux_imag
     compile_slab(open_source("tiny-flux"), tmp_path / "t.slab",
                  CompileOptions(budget=2_000_000, device="cuda", calib_samples=8, calib_images=tiny_flux_images))
     assert any(calls), "no attention call with a graph went through lean_attention"
+
+
+@pytest.mark.gpu
+def test_squareq_compile_runs_on_the_gpu_without_device_flag(tmp_path):
+    """`--device auto`, the default: the compile's calibration, search and effects run on CUDA."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.cuda.reset_peak_memory_stats()
+    out = tmp_path / "tiny.slab"
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "--budget", "2MB", "-o", str(out),
+                                       "--calib-resolution", "64", "--calib-samples", "4"])
+    assert result.exit_code == 0, result.output
+    assert "compiling tiny-flux on cuda:" in result.output and torch.cuda.get_device_name() in result.output
+    vram = json.loads((out / "manifest.json").read_text())["calibration"]["vram"]
+    assert vram["peak_reserved_bytes"] and vram["peak_reserved_bytes"] > 0  # None when a compile runs on the CPU
+    assert torch.cuda.max_memory_allocated() > 0

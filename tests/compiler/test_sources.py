@@ -213,7 +213,8 @@ def test_transformers_encoder_generic(t5):
 
 
 def test_missing_path(tmp_path):
-    with pytest.raises(ModelError, match="does not exist; pass a diffusers folder, a BFL .safetensors file or tiny-flux"):
+    with pytest.raises(ModelError, match="does not exist; pass a Hugging Face Hub ID, a diffusers folder, a BFL "
+                                         ".safetensors file or tiny-flux"):
         open_source(str(tmp_path / "nope"))
     with pytest.raises(ModelError, match="has no config.json"):
         open_source(str(tmp_path))
@@ -307,3 +308,19 @@ def test_bfl_errors_name_bfl_tensors(tmp_path, tiny_state):
     save_file({"some.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ModelError, match="is not a BFL FLUX.1 checkpoint"):
         open_source(str(tmp_path / "other.safetensors"))
+
+
+def test_revision_is_for_hub_ids_and_encoder_files_for_encoding(tmp_path):
+    with pytest.raises(ModelError, match="--revision v1: tiny-flux is a built-in model, not a Hugging Face Hub ID"):
+        open_source("tiny-flux", revision="v1")
+    with pytest.raises(ModelError, match="--revision v1 is for a Hugging Face Hub ID, and .* is a local path"):
+        open_source(str(tmp_path), revision="v1")
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "--budget", "2MB", "-o", str(tmp_path / "s.slab"),
+                                       "--calib-synthetic", "--t5", str(tmp_path / "t5.safetensors")])
+    assert result.exit_code == 2, result.output
+    assert "--t5 encode calibration images, and this compile encodes none" in result.output
+    assert not (tmp_path / "s.slab").exists()

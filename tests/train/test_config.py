@@ -136,7 +136,8 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
                     'optimizer_type = "AdamW8bit"\nlr_scheduler = "constant_with_warmup"\nlr_warmup_steps = 10\n'
                     'resolution = "768,768"\ncaption_extension = ".caption"\nbucket_no_upscale = true\n'
                     'output_name = "my-lora"\nnetwork_module = "networks.lora_flux"\ngradient_checkpointing = true\n'
-                    'discrete_flow_shift = 3.1582\nweighting_scheme = "cosmap"\ntimestep_sampling = "sigmoid"\n')
+                    'discrete_flow_shift = 3.1582\nweighting_scheme = "cosmap"\ntimestep_sampling = "sigmoid"\n'
+                    'clip_l = "m/clip_l.safetensors"\nt5xxl = "m/t5xxl_fp16.safetensors"\nae = "m/ae.safetensors"\n')
     with caplog.at_level("WARNING", logger="squareq.train"):
         cfg = load_config(path)
     assert (cfg.rank, cfg.lora_alpha, cfg.lr, cfg.steps, cfg.optimizer, cfg.schedule, cfg.warmup) == \
@@ -144,6 +145,8 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
     assert (cfg.resolution, cfg.caption_ext, cfg.no_upscale, cfg.title, cfg.shift) == \
         ([768], ".caption", True, "my-lora", 3.1582)
     assert (cfg.loss_weighting, cfg.timestep_sampling) == ("cosmap", "logit_normal")
+    assert cfg.encoder_files == {"clip_l": "m/clip_l.safetensors", "clip_g": None, "t5": "m/t5xxl_fp16.safetensors",
+                                 "vae": "m/ae.safetensors"}  # kohya's encoder files, as --clip-l/--t5/--vae
     assert any("gradient_checkpointing" in r.getMessage() and "always checkpoints" in r.getMessage()
                for r in caplog.records)
     path.write_text('network_dim = 8\nnetwork_args = ["x=1"]\npretrained_model_name_or_path = "flux1-dev.safetensors"\n'

@@ -1,6 +1,8 @@
 """The example configurations in examples/ parse, and each names its slab, data and a VRAM budget."""
+import shlex
 from pathlib import Path
 
+import click
 import pytest
 
 from squareq.train.config import ConfigError, load_config
@@ -25,3 +27,29 @@ def test_each_example_parses_into_a_complete_config(path, tmp_path):
     broken.write_text(path.read_text() + "\nlearnig_rate = 1e-4\n")
     with pytest.raises(ConfigError, match="learnig_rate"):
         load_config(broken)
+
+
+def example_commands(path: Path) -> list[list[str]]:
+    """The squareq command lines in an example's comments (a trailing backslash continues a line; parentheses
+    around an alternative are dropped)."""
+    text = "\n".join(line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    text = text.replace("\\\n", " ").replace("(or from ComfyUI's files: ", "").replace(")", "")
+    return [shlex.split(line[line.index("squareq "):])[1:] for line in text.splitlines() if "squareq " in line]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_the_commands_an_example_names_are_valid_command_lines(path):
+    """Every `squareq ...` line an example gives parses with today's CLI (flags renamed or gone would fail), and the
+    compile lines take no --device: the GPU is the default."""
+    from squareq.cli import main
+
+    commands = example_commands(path)
+    assert any(c[0] == "compile" for c in commands) and any(c[0] == "train" for c in commands)
+    for args in commands + [["compile", "m", "--budget", "1GB", "-o", "x", "--cpu-only"]]:
+        command = main.commands[args[0]]
+        if args[-1] == "--cpu-only":  # negative control: an unknown flag is refused
+            with pytest.raises(click.UsageError):
+                command.make_context(args[0], args[1:])
+            continue
+        command.make_context(args[0], args[1:])
+        assert "--device" not in args
