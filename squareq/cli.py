@@ -209,6 +209,11 @@ def _progress_printer():
     return show
 
 
+def _given_calibration(calib_cache, calib_text) -> str:
+    """The flag that chose data other than images to encode, for a sentence."""
+    return "--calib-cache" if calib_cache else "--calib-text" if calib_text else "--calib-synthetic"
+
+
 def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
     return {k: str(v) for k, v in zip(SINGLE_FILE_FLAGS, (clip_l, clip_g, t5, vae)) if v is not None}
 
@@ -313,6 +318,10 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         vram_budget=parse_size(vram_budget) if vram_budget else None, resume=resume, overwrite=force,
     )
     files = _given_files(clip_l, clip_g, t5, vae)
+    given = ", ".join([*(cli_flag(k) for k in files), *(["--encoders"] if encoders else [])])
+    if given and (calib_cache or calib_text or calib_synthetic):  # before anything is downloaded
+        raise click.UsageError(f"{given} encode calibration images, and {_given_calibration(calib_cache, calib_text)} "
+                               "encodes none; leave them out.")
 
     def on_device(candidate) -> None:  # before a Hub ID's weights are downloaded
         opts.device = choose_device(device, candidate,
@@ -338,10 +347,8 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     elif calib_data:
         raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
                                "--calib-text FILE instead.")
-    elif encoders or files:
-        given = ", ".join([*(cli_flag(k) for k in files), *(["--encoders"] if encoders else [])])
-        raise click.UsageError(f"{given} encode calibration images, and this compile encodes none "
-                               "(--calib-cache, --calib-text, --calib-synthetic or a text model); leave them out.")
+    elif given:
+        raise click.UsageError(f"{given} encode calibration images, and {model} is calibrated on text; leave them out.")
     manifest = compile_slab(source, out, opts, progress=progress)
     counts = {}
     for layer in manifest.layers:

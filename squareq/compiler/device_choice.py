@@ -1,11 +1,12 @@
-"""Where `squareq compile` runs: ``--device auto`` (the default) takes the GPU when PyTorch sees one.
+"""Where `squareq compile` and `squareq accept` run: ``--device auto`` (the default) takes the GPU when PyTorch sees
+one.
 
-A model over :data:`CPU_LIMIT_PARAMETERS` is not compiled on a CPU unless ``--device cpu`` says so: a 12B FLUX.1
-compile takes about ten minutes on an H100 and a day or more on a workstation's CPU. The refusal says how long, from
-this machine's measured matrix-multiply speed on the model's largest layer shape and the least arithmetic a compile
-does: every block's linear layers over every calibration sample once, and over the held-out quarter ``probes`` times
-in the effects pass's forward, recompute and backward. That is a lower bound: it leaves out attention, the GPTQ
-statistics and the search.
+A model over :data:`CPU_LIMIT_PARAMETERS` is not run on a CPU unless ``--device cpu`` says so: a 12B FLUX.1 compile
+takes about ten minutes on an H100 and a day or more on a workstation's CPU. The refusal says how long, from this
+machine's measured matrix-multiply speed on the model's largest layer shape and the least arithmetic the command
+does (a compile: every block's linear layers over every calibration sample once, and over the held-out quarter
+``probes`` times in the effects pass's forward, recompute and backward). That is a lower bound: it leaves out
+attention, the GPTQ statistics and the search.
 """
 from __future__ import annotations
 

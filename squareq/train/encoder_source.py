@@ -21,8 +21,8 @@ from ..models.base import PIPELINE_ENCODER_PARTS
 # the single-file flags, each naming the pipeline component it replaces by that component's class
 SINGLE_FILE_FLAGS = ("clip_l", "clip_g", "t5", "vae")
 CLIP_CLASSES = ("CLIPTextModel", "CLIPTextModelWithProjection")
-WEIGHTED_PARTS = ("vae", "text_encoder")  # the encoder components with weights (tokenizers and schedulers have none)
 T5_CLASSES = ("T5EncoderModel", "UMT5EncoderModel")
+WEIGHTED_PARTS = ("vae", "text_encoder")  # the encoder components with weights (tokenizers and schedulers have none)
 
 
 class EncoderError(ValueError):

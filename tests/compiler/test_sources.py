@@ -322,5 +322,5 @@ def test_revision_is_for_hub_ids_and_encoder_files_for_encoding(tmp_path):
     result = CliRunner().invoke(main, ["compile", "tiny-flux", "--budget", "2MB", "-o", str(tmp_path / "s.slab"),
                                        "--calib-synthetic", "--t5", str(tmp_path / "t5.safetensors")])
     assert result.exit_code == 2, result.output
-    assert "--t5 encode calibration images, and this compile encodes none" in result.output
+    assert "--t5 encode calibration images, and --calib-synthetic encodes none; leave them out" in result.output
     assert not (tmp_path / "s.slab").exists()
