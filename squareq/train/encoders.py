@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models import ADAPTERS, BUILTIN_MODELS, build_tiny_flux_pipeline
+from ..models.hub import read_index
 from ..models.tiny_pipeline import (
     CLIP_MAX_LENGTH,
     build_tiny_text_encoders,
@@ -77,8 +78,6 @@ def _load_folder(source: EncoderSource, dtype: torch.dtype, text: bool = True):
     """The FLUX pipeline of ``source`` without its transformer (and, ``text=False``, without its text encoders and
     tokenizers), its single files in place of the components they replace."""
     from diffusers import FluxPipeline
-
-    from ..models.hub import read_index
 
     folder = pipeline_folder(source)
     left_out = dict.fromkeys(("transformer",) + (() if text else TEXT_PARTS))

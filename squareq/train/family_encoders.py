@@ -17,6 +17,7 @@ import torch
 
 from ..models import ADAPTERS
 from ..models.base import PIPELINE_ENCODER_PARTS
+from ..models.hub import read_index
 from ..slab.errors import brief
 from .cache import module_identity
 from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
@@ -116,8 +117,6 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
                          dtype: torch.dtype) -> Iterator[PipelineEncoders]:
     """The VAE and text encoders of the ``family`` pipeline of ``source`` (a folder or Hub ID, and single files), on
     ``device``."""
-    import json
-
     from diffusers import DiffusionPipeline
 
     folder = pipeline_folder(source)
@@ -129,7 +128,7 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
         raise EncoderError(f"{folder}: training {family} from a pipeline folder needs {recipe.no_pipeline}, which the "
                            "folder does not hold; train the built-in tiny model, or fill the cache yourself.")
     classes = recipe.pipeline.classes
-    index = json.loads((folder / "model_index.json").read_text())
+    index = read_index(folder)
     found = index.get("_class_name", "pipeline without a _class_name")
     if found not in classes:
         raise EncoderError(f"{folder} holds a {found}, not a {' or '.join(classes)}; pass the {family} pipeline "
