@@ -3,19 +3,21 @@
 safetensors) (issues 3, 15, 23).
 
     python benchmarks/compile.py --workdir DIR [--out DIR] [--model flux1|flux2] [--budget 8GB]
-        [--vram-budgets free,8GB] [--layers N] [--single-layers N] [--samples N] [--phase all|source|compile]
+        [--vram-budgets free,8GB] [--host-budget 32GB] [--layers N] [--single-layers N] [--samples N]
+        [--phase all|source|compile]
 
 Phase 1 writes the source unless it is already in the work dir. flux1: a FluxPipeline folder whose transformer
 (FLUX.1-dev's config, 11.9 B parameters), VAE (FLUX.1's AutoencoderKL config), CLIP-L and T5-XXL text encoders have
 FLUX.1-dev's shapes, with random bf16 N(0, 0.02) weights written shard by shard, and the built-in tiny tokenizers
 (their ids fit both vocabularies). flux2: a FLUX.2-dev-shaped transformer folder alone (its 24B Mistral encoder is
 not written; the calibration set is random latents and text states of the real shapes). Phase 2 does what
-`squareq compile FOLDER --device cuda [--vram-budget B]` does with its defaults, once per budget in
+`squareq compile FOLDER --device cuda [--vram-budget B] [--host-budget H]` does with its defaults, once per budget in
 ``--vram-budgets``: for flux1 the built-in photographs and captions encoded by that VAE and those text encoders (512 px,
-512 T5 tokens), then the compile; it measures wall time, host RSS peak and GPU memory peaks, and whether the slabs of
-the different budgets have the same tensor bytes. Random weights measure speed and memory, not quality. One JSON line
-per measurement, a markdown table last; the progress log has a timestamp per block, so a run cut short still shows
-the per-block rate (and a rerun resumes it).
+512 T5 tokens), then the compile; it measures wall time, host RSS peak (each compile's own on Linux, where the peak
+can be reset; else the process's so far), GPU memory peaks and the host plan (which parts waited in pinned memory or
+were spilled to disk), and whether the slabs of the different budgets have the same tensor bytes. Random weights
+measure speed and memory, not quality. One JSON line per measurement, a markdown table last; the progress log has a
+timestamp per block, so a run cut short still shows the per-block rate (and a rerun resumes it).
 """
 from __future__ import annotations
 
@@ -159,6 +161,9 @@ def main() -> None:
     ap.add_argument("--vram-budgets", default="free",
                     help="comma-separated --vram-budget values, one compile each in this run ('free': the default); "
                          "the slabs' tensor bytes are compared")
+    ap.add_argument("--host-budget", default=None,
+                    help="--host-budget for every compile of the run (default: the compile's, what the machine has "
+                         "available less a margin)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--single-layers", type=int, default=None)
     ap.add_argument("--samples", type=int, default=None, help="calibration samples (default: the compiler's)")
@@ -178,7 +183,7 @@ def main() -> None:
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     env = {"kind": "env", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
            "model": args.model}
     emit(env, records)
     base = FLUX_DEV if args.model == "flux1" else FLUX2_DEV
@@ -203,15 +208,44 @@ def main() -> None:
     if not runs:
         return
     print(f"\n{env['device']}, {args.model}, {runs[0]['blocks']} blocks; slabs identical across budgets: {same}\n")
-    print("| --vram-budget | wall s | encode s | calibrate s | target s | slab GB | bits/w | host RSS peak GB | "
-          "VRAM peak alloc / reserved GB | expected GB | recorded inputs on host | effect inputs on host |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| --vram-budget | --host-budget | wall s | encode s | calibrate s | target s | slab GB | bits/w | "
+          "host RSS peak / expected GB | VRAM peak alloc / reserved GB | expected GB | recorded inputs | "
+          "effect inputs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['vram_budget']} | {r['wall_s']:.0f} | {r['encode_s']:.0f} | {r['calibrate_s']:.0f} | 900 | "
-              f"{r['slab_bytes'] / 1e9:.2f} | {r['bits_per_layer_weight']:.2f} | {r['host_rss_peak_gb']:.1f} | "
+        v = r["vram"]
+        print(f"| {r['vram_budget']} | {r['host_budget']} | {r['wall_s']:.0f} | {r['encode_s']:.0f} | "
+              f"{r['calibrate_s']:.0f} | 900 | {r['slab_bytes'] / 1e9:.2f} | {r['bits_per_layer_weight']:.2f} | "
+              f"{r['host_rss_peak_gb']:.1f} / {v['host_expected_peak_bytes'] / 1e9:.1f} | "
               f"{r['vram_peak_allocated_gb']:.2f} / {r['vram_peak_reserved_gb']:.2f} | "
-              f"{r['vram']['expected_peak_bytes'] / 1e9:.2f} | {r['vram']['recorded_inputs_on_host']} | "
-              f"{r['vram']['effect_inputs_on_host']} |")
+              f"{v['expected_peak_bytes'] / 1e9:.2f} | {where(v, 'recorded_inputs')} | {where(v, 'effect_inputs')} |")
+
+
+def where(vram: dict, part: str) -> str:
+    """Where a part waited (gpu, pinned or spilled), with the bytes written to its spill file."""
+    spilled = vram.get(f"{part}_spilled_bytes") or 0
+    return f"{vram[part]} ({spilled / 1e9:.2f} GB written)" if vram[part] == "spilled" else vram[part]
+
+
+def reset_peak_rss() -> bool:
+    """Start a new resident-memory peak for this process (Linux: clear_refs 5 resets VmHWM); False where it cannot."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """This process's resident-memory peak in bytes: VmHWM on Linux (since the last reset), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def calibration(args, source, budgets, records):
@@ -252,24 +286,32 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     out = args.workdir / f"{folder.name if folder else args.model}-{budget or 'free'}.slab"
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    own_peak = reset_peak_rss()
     start = time.perf_counter()
+    plan_lines = []
 
     def progress(line: str) -> None:
         if LAYER_LINE.match(line):  # one line per layer: too many to print
             return
+        if line.startswith(("VRAM plan:", "Host plan:")):
+            plan_lines.append(line)
         # the compile resets the peak counters phase by phase (its log lines carry the peaks): these are current
         gb, alloc = torch.cuda.memory_reserved() / 1e9, torch.cuda.memory_allocated() / 1e9
-        print(f"[{time.perf_counter() - start:8.1f}s] [now alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}", flush=True)
+        print(f"[{time.perf_counter() - start:8.1f}s] [now alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}",
+              flush=True)
 
     state = out.parent / f"{out.name}.state"  # may exist empty (e.g. a link to a roomier disk) or hold a cut-off run
     reused = len(list(state.glob("block.*.json"))) if state.exists() else 0
     opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
                           rounding=args.rounding, overwrite=True, calib_images=images,
-                          vram_budget=parse_size(budget) if budget else None, resume=state.exists())
+                          vram_budget=parse_size(budget) if budget else None,
+                          host_budget=parse_size(args.host_budget) if args.host_budget else None,
+                          resume=state.exists())
     try:
         manifest = compile_slab(source, out, opts, progress=progress)
     except BudgetError as exc:  # a budget the plan refuses, or an estimate that fell short: recorded, not fatal
-        emit({"kind": "refused", "vram_budget": budget, "message": str(exc)}, records)
+        emit({"kind": "refused", "vram_budget": budget, "host_budget": args.host_budget, "message": str(exc)},
+             records)
         return None
     wall = time.perf_counter() - start
     size = sum(p.stat().st_size for p in out.iterdir())
@@ -285,7 +327,12 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     rec = {"kind": "compile", "vram_budget": budget or "free", "blocks": len(manifest.blocks),
            "layers": len(manifest.layers), "wall_s": wall + encode_s, "compile_s": wall, "encode_s": encode_s,
            "slab_bytes": size, "slab_sha256": digest.hexdigest(), "bits_per_layer_weight": 8 * layer_bytes / weights,
-           "rungs": rungs, "host_rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+           "rungs": rungs, "host_budget": args.host_budget or "default", "host_rss_peak_gb": peak_rss() / 1e9,
+           "host_rss_peak_of": "this compile" if own_peak else "the process so far",
+           "host_plan": {k: manifest.calibration["vram"].get(k) for k in (
+               "recorded_inputs", "effect_inputs", "host_budget_bytes", "host_expected_peak_bytes",
+               "recorded_inputs_spilled_bytes", "effect_inputs_spilled_bytes")},
+           "plan_lines": plan_lines,
            "vram_peak_allocated_gb": manifest.calibration["vram"]["peak_allocated_bytes"] / 1e9,
            "vram_peak_reserved_gb": manifest.calibration["vram"]["peak_reserved_bytes"] / 1e9,
            "vram": manifest.calibration["vram"], "effect": manifest.calibration["effect"],

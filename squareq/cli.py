@@ -276,12 +276,15 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
                 "take")
 @click.option("--vram-budget", help="GPU memory this compile may use, e.g. 8GB (default: what the device has free); "
               "what does not fit waits in pinned host memory, and the slab is the same.")
+@click.option("--host-budget", help="Host memory (RAM) this compile may use, e.g. 32GB (default: what the machine has "
+              "available, less 10% or 2 GB); what does not fit is spilled to a scratch file in the state folder "
+              "(<out>.state), and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
 def compile_cmd(model, revision, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks,
                 calib_data, calib_cache, calib_text, encoders, clip_l, clip_g, t5, vae, calib_samples,
                 calib_resolution, calib_tokens, calib_synthetic, rounding, group_size, previous, effect_probes,
-                max_block_bytes, vram_cap, ring_slots, device, vram_budget, resume, force) -> None:
+                max_block_bytes, vram_cap, ring_slots, device, vram_budget, host_budget, resume, force) -> None:
     """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
     slab.
 
@@ -315,7 +318,8 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         max_block_bytes=parse_size(max_block_bytes) if max_block_bytes else None,
         vram_cap=parse_size(vram_cap) if vram_cap else None, ring_slots=ring_slots,
         previous=str(previous) if previous else None, effect_probes=effect_probes,
-        vram_budget=parse_size(vram_budget) if vram_budget else None, resume=resume, overwrite=force,
+        vram_budget=parse_size(vram_budget) if vram_budget else None,
+        host_budget=parse_size(host_budget) if host_budget else None, resume=resume, overwrite=force,
     )
     files = _given_files(clip_l, clip_g, t5, vae)
     given = ", ".join([*(cli_flag(k) for k in files), *(["--encoders"] if encoders else [])])
@@ -343,7 +347,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
             opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
                                                    resolution=calib_resolution, device=opts.device,
                                                    limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
-                                                   echo=progress)
+                                                   echo=progress, vram_budget=opts.vram_budget)
     elif calib_data:
         raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
                                "--calib-text FILE instead.")

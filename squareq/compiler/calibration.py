@@ -15,7 +15,8 @@ neither. Fitting and judging on the same rows reported errors 13x too small on h
 of another: judging on other samples is what tells a transform that fits the calibration data from one that helps.
 
 The forward pass only *records* each layer's inputs (once per distinct tensor: ``to_q``, ``to_k`` and ``to_v`` read
-the same one), on the GPU or, when the compile's VRAM plan says so, in pinned host memory. The statistics are then
+the same one), on the GPU or, when the compile's VRAM plan says so, in pinned host memory, or when its host plan says
+so in a spill file (compiler/spill.py: read back one recording at a time). The statistics are then
 built one group of layers at a time, so a block's Gram matrices are never all in memory at once (a FLUX.1 double
 block's are 3.3 GB in float64, a FLUX.2 block's 8.4 GB), with the same arithmetic wherever the inputs were kept.
 """
@@ -98,7 +99,8 @@ class LayerStats:
 
 @dataclass
 class _Entry:
-    """One recorded input: its real rows ``x [rows, K]`` (float32) and which of them are held out (on the host)."""
+    """One recorded input: its real rows ``x [rows, K]`` (float32; a tensor, or a spill file's handle to one, which
+    has ``to`` and ``device`` too) and which of them are held out (on the host)."""
 
     x: torch.Tensor
     held: torch.Tensor
@@ -216,7 +218,7 @@ class StatsCollector:
         force_held = self.holdout > 0 and not self.heldout_samples.any()
         for e in entries:
             dev = device if device is not None else e.x.device
-            x, held = e.x.to(dev, non_blocking=True), e.held.to(dev, non_blocking=True)
+            x, held = e.x.to(dev, non_blocking=True), e.held.to(dev, non_blocking=True)  # a spilled one is read back
             if st is None:
                 k = x.shape[1]
                 st = LayerStats(torch.zeros(k, device=dev), torch.zeros(k, dtype=torch.float64, device=dev))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import spill
+
 # Block input bytes (float32) per chunk: FLUX.1 at 512 px gets 3 samples (19 MB each: 1,536 tokens x 3,072), FLUX.2
 # one, a 128-token text model hundreds.
 CHUNK_BYTES = 64 << 20
@@ -37,6 +39,12 @@ class CallAxes:
     outputs: tuple[bool, ...]
     sample_bytes: int  # float32 bytes per sample of the batched floating inputs
     tape_bytes: int = 0  # float32 bytes per sample of the distinct inputs its linear layers read
+    # bytes of each tensor among its arguments and among its outputs (per sample for a batched one; floating ones
+    # as float32) and float32 bytes per sample of each distinct input its linear layers read: the host plan counts
+    # the pinned copies one by one, as the pinned allocator rounds each up to a power of two (compiler/host_budget.py)
+    input_bytes: tuple[int, ...] = ()
+    output_bytes: tuple[int, ...] = ()
+    tape_inputs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def probe_batch_axes(source, kwargs: Mapping, batched: set[str], samples: int,
         block = templates.get_submodule(path)
         with _LinearInputs(block, batch) as tape:
             out = block(*args, **kw)
-        seen[batch].append((index, _shapes((args, kw)), _shapes(out), tape.sample_bytes))
+        seen[batch].append((index, _shapes((args, kw)), _shapes(out), tape.inputs))
         return out
 
     try:
@@ -164,8 +172,9 @@ def probe_batch_axes(source, kwargs: Mapping, batched: set[str], samples: int,
         pairs = list(zip(in2, in3, inputs)) + list(zip(out2, out3, outputs))
         if any(a[0] != b[0] and not batched_leaf for a, b, batched_leaf in pairs):
             return BatchAxes(why="a block argument carries the batch on an axis other than the first")
-        per_sample = sum(4 * math.prod(s[1:]) for (s, fl), batched_leaf in zip(in2, inputs) if batched_leaf and fl)
-        calls.append((i2, CallAxes(inputs, outputs, per_sample, tape2)))
+        per_sample = sum(4 * math.prod(s[1:]) for (s, fl, _), batched_leaf in zip(in2, inputs) if batched_leaf and fl)
+        calls.append((i2, CallAxes(inputs, outputs, per_sample, sum(tape2), _bytes(in2, inputs),
+                                   _bytes(out2, outputs), tuple(tape2))))
     largest = max(c.sample_bytes for _, c in calls)
     return BatchAxes(tuple(calls), max(1, (chunk_bytes or CHUNK_BYTES) // max(largest, 1)))
 
@@ -174,7 +183,7 @@ class _LinearInputs:
     """Counts the float32 bytes per sample of the distinct inputs a block's linear layers read (meta tensors)."""
 
     def __init__(self, block: torch.nn.Module, batch: int) -> None:
-        self.block, self.batch, self.sample_bytes, self.handles = block, batch, 0, []
+        self.block, self.batch, self.inputs, self.handles = block, batch, [], []
         self.seen: dict[int, torch.Tensor] = {}  # holding the inputs keeps their ids from being reused
 
     def __enter__(self) -> _LinearInputs:
@@ -191,16 +200,23 @@ class _LinearInputs:
         if id(x) not in self.seen:
             self.seen[id(x)] = x
             per = x.numel() // self.batch if x.dim() and x.shape[0] == self.batch else x.numel()
-            self.sample_bytes += 4 * per
+            self.inputs.append(4 * per)
 
 
-def _shapes(tree) -> list[tuple[tuple[int, ...], bool]]:
+def _shapes(tree) -> list[tuple[tuple[int, ...], bool, int]]:
+    """(shape, floating, bytes per element as the compile holds it: 4 for a floating one) of each tensor leaf."""
     leaves, _ = tree_flatten(tree)
-    return [(tuple(x.shape), x.is_floating_point()) for x in leaves if torch.is_tensor(x)]
+    return [(tuple(x.shape), x.is_floating_point(), 4 if x.is_floating_point() else x.element_size())
+            for x in leaves if torch.is_tensor(x)]
+
+
+def _bytes(shapes, batched: tuple[bool, ...]) -> tuple[int, ...]:
+    """Bytes of each tensor of ``shapes``, per sample for a batched one."""
+    return tuple(size * math.prod(s[1:] if b else s) for (s, _, size), b in zip(shapes, batched))
 
 
 def _scales(a, b) -> bool:
-    (sa, _), (sb, _) = a, b
+    (sa, _, _), (sb, _, _) = a, b
     return len(sa) > 0 and sa[0] == 2 and sb[0] == 3 and sa[1:] == sb[1:]
 
 
@@ -242,11 +258,12 @@ def split_leaves(leaves: list, batched: tuple[bool, ...], start: int, stop: int)
 
 
 def join_outputs(outs: list, batched: tuple[bool, ...]):
-    """The chunks' outputs as one: batched tensors concatenated along the batch axis, the others taken from the
-    first chunk."""
+    """The chunks' outputs as one: batched tensors concatenated along the batch axis (spilled ones joined as one
+    spilled tensor, read back when consumed), the others taken from the first chunk."""
     flat = [tree_flatten(o) for o in outs]
     spec = flat[0][1]
     columns = list(zip(*[leaves for leaves, _ in flat]))
     it = iter(batched)
-    joined = [torch.cat(col) if torch.is_tensor(col[0]) and next(it) else col[0] for col in columns]
+    joined = [(spill.join(col) if spill.is_spilled(col[0]) else torch.cat(col))
+              if (torch.is_tensor(col[0]) or spill.is_spilled(col[0])) and next(it) else col[0] for col in columns]
     return tree_unflatten(joined, spec)

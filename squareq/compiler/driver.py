@@ -33,12 +33,14 @@ from .budget import OBJECTIVES, BudgetError, candidate_bytes
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
 from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
+from .host_budget import SAVED, TAPE, HostPlan, empty_host_cache, estimate_host, plan_host
 from .inputs import calibration_batch
 from .ladder import DEFAULT_FORMATS, LayerDecision, diagnostics, ladder, measure_rungs, rung_specs
 from .layer_search import Candidate, weight_metrics
 from .plan import HYSTERESIS, LayerOptions, Plan, make_plan
 from .previous import Previous, read_previous
 from .sources import Source
+from .spill import fetch
 from .state import CompileState
 from .thresholds import Thresholds
 from .vram import PHASES, PeakLog, VramPlan, estimate_needs, plan_vram, vram_cap
@@ -72,6 +74,7 @@ class CompileOptions:
     vram_cap: int | None = None  # or: GPU memory for the streamed weights, shared by ring_slots slots
     ring_slots: int = 2
     vram_budget: int | None = None  # the compile's own GPU memory (None: what the device has free)
+    host_budget: int | None = None  # the compile's host memory (None: what the machine has available, less a margin)
     previous: str | None = None  # --from: a slab built before, whose rungs each layer starts at
     device: str = "cpu"  # where it runs (the CLI resolves --device auto: compiler/device_choice.py)
     resume: bool = False
@@ -130,9 +133,10 @@ class _Run:
     chunk (``axes``), measured or not, so a resumed compile passes on the same outputs."""
 
     def __init__(self, source: Source, opts: CompileOptions, progress: Progress, batch, axes: BatchAxes,
-                 vram: VramPlan) -> None:
+                 vram: VramPlan, host: HostPlan) -> None:
         self.source, self.opts, self.progress = source, opts, progress
-        self.batch, self.axes, self.vram = batch, axes, vram
+        self.batch, self.axes, self.vram, self.host = batch, axes, vram, host
+        self.last_call = None
         self.state: CompileState | None = None
         self.wanted: dict[str, str] | None = None
         self.started = time.perf_counter()
@@ -148,8 +152,12 @@ class _Run:
         """One calibration pass of the model's own forward over the batch (on the device for this pass only)."""
         self.cursor = self.axes.cursor()
         kwargs = _moved(self.batch.kwargs, self.opts.device)
-        with torch.no_grad():
-            shell(**kwargs)
+        try:
+            with torch.no_grad():
+                shell(**kwargs)
+        finally:
+            self.host.close(TAPE)  # the pass's spill file, and the pinned copies it kept for reuse
+            empty_host_cache()
 
     def _eta(self, index: int, n: int) -> str:
         if self.done_blocks == 0:
@@ -173,6 +181,11 @@ class _Run:
         if self.state.has_block(index) or (self.wanted is not None and not todo):
             return run_chunked(real, args, kwargs, call, ranges)
         self.progress(f"block {index + 1}/{n} {path}: calibrating and searching ({self._eta(index, n)})")
+        if self.vram.host_tape and call != self.last_call:
+            # the pinned allocator keeps freed copies for reuse by copies of the same size: a block of another kind
+            # would add its own beside them (the host plan counts one kind's)
+            empty_host_cache()
+        self.last_call = call
         started = time.perf_counter()
         out = self._measure(index, path, real, set(todo), args, kwargs, call, ranges)
         self.done_blocks += 1
@@ -184,10 +197,12 @@ class _Run:
     def _measure(self, index: int, path: str, real: nn.Module, todo: set[str], args, kwargs, call, ranges):
         """Measure the block's layers at their rungs, save them, and return the original block's output."""
         o, b = self.opts, self.batch
-        store = self.vram.store(self.vram.host_tape)
-        # on the host the block's outputs wait with the recorded inputs while the layers are searched
+        spill = self.host.spill_file(TAPE) if self.host.spill_tape else None
+        store = spill.put if spill is not None else self.vram.store(self.vram.host_tape)
+        # off the GPU (or out of host memory) the block's outputs wait with the recorded inputs while the layers are
+        # searched
         parked = (lambda *a, **kw: tree_map(lambda t: store(t) if torch.is_tensor(t) else t, real(*a, **kw))) \
-            if self.vram.host_tape else real
+            if self.vram.host_tape or spill is not None else real
         with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index,
                             samples=b.description.get("samples"), heldout_samples=b.heldout,
                             row_mask=b.row_mask, store=store) as col:
@@ -214,7 +229,9 @@ class _Run:
             col.release(names)
         decisions = {name: measured.get(name) or _unmeasured(name, mod.weight)
                      for name, mod in block_linears(path, real) if name in todo}
-        ref = tree_map(lambda t: t.to(o.device) if torch.is_tensor(t) else t, ref)
+        ref = tree_map(lambda t: fetch(t, o.device), ref)
+        if spill is not None:
+            spill.reset()  # the block's tape is consumed: its disk space back before the next block's
         # Bytes of the block's other tensors in its blob, as the writer stores them (floating ones as bf16).
         weights = {f"{x[len(path) + 1:]}.weight" for x, _ in block_linears(path, real)}
         kept = (stored_tensor(t) for n, t in real.state_dict().items() if n not in weights)
@@ -259,6 +276,7 @@ class _Setup:
     batched: set
     axes: BatchAxes
     vram: VramPlan
+    host: HostPlan
     key: str
     run: _Run
     shell: nn.Module
@@ -291,7 +309,7 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
     for debris in remove_debris(out):
         progress(f"removed {debris}, left by a compile that was killed")
-    setup = _setup(source, opts, progress)
+    setup = _setup(source, out, opts, progress)
     with vram_cap(setup.vram):
         try:
             return _build(source, out, opts, progress, setup)
@@ -299,7 +317,7 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress
             raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out), setup.run.peaks)) from None
 
 
-def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
+def _setup(source: Source, out: Path, opts: CompileOptions, progress: Progress) -> _Setup:
     skeleton = source.skeleton()
     previous = read_previous(opts.previous, source, skeleton) if opts.previous else None
     batch = calibration_batch(source, skeleton, opts)
@@ -312,12 +330,16 @@ def _setup(source: Source, opts: CompileOptions, progress: Progress) -> _Setup:
     # between the passes that read it, the calibration batch waits in host memory (FLUX.2's text states are 1 GB)
     batch.kwargs = _moved(batch.kwargs, "cpu")
     vram = plan_vram(needs, opts.vram_budget, opts.device)
+    host_needs = estimate_host(needs, vram, skeleton, source.block_paths, batch, axes,
+                               rung_specs(opts.formats, opts.group_size), opts.effect_probes, opts.rounding == "gptq")
+    host = plan_host(host_needs, opts.host_budget, vram, state_folder(out))
     progress(vram.describe(axes.chunk_samples, axes.why))
-    run = _Run(source, opts, progress, batch, axes, vram)
+    progress(host.describe())
+    run = _Run(source, opts, progress, batch, axes, vram, host)
     shell = source.shell(run.block, opts.device, upcast_linears=True)  # checks the checkpoint
     residents = source.resident_state("cpu", torch.float32)
     key = measurement_key(source, batch, opts, axes.chunk_samples)
-    return _Setup(skeleton, previous, batch, batched, axes, vram, key, run, shell, residents,
+    return _Setup(skeleton, previous, batch, batched, axes, vram, host, key, run, shell, residents,
                   _block_cap(opts, residents))
 
 
@@ -375,7 +397,7 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
                  f"{run.peaks.describe()}")
     write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
                                   measured_output_rel_mse=measured, calibrate_seconds=round(calibrate_s, 3),
-                                  vram=_vram_record(setup.vram, run.peaks))
+                                  vram=_vram_record(setup.vram, run.peaks, setup.host))
     manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build, weights_of, write_opts,
                       started)
     if previous is not None:
@@ -395,9 +417,12 @@ def _measurements(source: Source, opts: CompileOptions, progress: Progress, setu
         found = state.load_effects()
         if found is None:
             quantized = lambda i: state.load_weights(i, lambda n, r: r != "bf16")  # noqa: E731 - bf16's effect is 0
-            found = measure_effects(source, *setup.held, quantized, opts.device, opts.effect_probes, opts.seed,
-                                    progress, axes=setup.axes, batched=setup.batched,
-                                    keep=setup.vram.store(setup.vram.host_saved), lap=setup.run.peaks.lap)
+            with setup.host.spilling(SAVED) as spill:
+                keep = spill.put if spill is not None else setup.vram.store(setup.vram.host_saved)
+                found = measure_effects(source, *setup.held, quantized, opts.device, opts.effect_probes, opts.seed,
+                                        progress, axes=setup.axes, batched=setup.batched, keep=keep,
+                                        lap=setup.run.peaks.lap, end_pass=spill.reset if spill is not None else None)
+            empty_host_cache()  # the pass's pinned copies, kept for reuse by the allocator
             state.save_effects(*found)
         effects, effect_info = found
         layers, fixed, notes, measured_rungs = _from_state(source, state, effects)
@@ -428,12 +453,12 @@ def _calibration_record(setup: _Setup, opts: CompileOptions, build: int, effect_
             "chunk_samples": setup.axes.chunk_samples,
             "predicted_output_rel_mse": PLACEHOLDER_FLOAT, "measured_output_rel_mse": PLACEHOLDER_FLOAT,
             "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT,
-            "vram": _vram_record(setup.vram, None)}
+            "vram": _vram_record(setup.vram, None, setup.host)}
 
 
-def _vram_record(vram: VramPlan, peaks: PeakLog | None) -> dict:
-    """The VRAM plan and the measured peaks, for the manifest (integers; the widest form while planning, when
-    ``peaks`` is None)."""
+def _vram_record(vram: VramPlan, peaks: PeakLog | None, host: HostPlan) -> dict:
+    """The VRAM and host plans and the measured peaks, for the manifest (integers; the widest form while planning,
+    when ``peaks`` is None)."""
     wide = 10**15
     phases = dict.fromkeys(PHASES, wide) if peaks is None else \
         {p: b if peaks.cuda else None for p, b in peaks.record().items()}
@@ -442,7 +467,8 @@ def _vram_record(vram: VramPlan, peaks: PeakLog | None) -> dict:
             "peak_reserved_bytes": wide if peaks is None else peaks.peak_reserved,
             "peak_allocated_bytes": wide if peaks is None else peaks.peak_allocated,
             "phase_peak_allocated_bytes": phases,
-            "recorded_inputs_on_host": vram.host_tape, "effect_inputs_on_host": vram.host_saved}
+            "recorded_inputs_on_host": vram.host_tape, "effect_inputs_on_host": vram.host_saved,
+            **host.record(final=peaks is not None)}
 
 
 def _plan(setup: _Setup, opts: CompileOptions, state: CompileState, names, layers, fixed, notes, measured_rungs,

@@ -17,8 +17,9 @@ effect with a relative spread of about 25%, where a sum over samples per probe n
 The model runs its own forward over those copies one block at a time: each block runs without a graph, on a few
 samples at a time (compiler/chunks.py), and is loaded again and re-run during the backward pass (activation
 checkpointing), so memory stays near one block, one chunk's activations and the blocks' inputs (kept in pinned host
-memory when the VRAM plan says so), at any model size. On a GPU its matrix products run in TF32: the effect is an
-estimate, and TF32's 1e-3 relative error is far below its sampling spread.
+memory when the VRAM plan says so, or in a spill file when the host plan does), at any model size. On a GPU its
+matrix products run in TF32: the effect is an estimate, and TF32's 1e-3 relative error is far below its sampling
+spread.
 
 Effects add up to the plan's output error when the layers' errors are small and independent; the compiler checks
 that by measuring the chosen plan's output error directly (:func:`plan_output_error`) and records both.
@@ -46,6 +47,7 @@ from .chunks import (
     run_chunked,
     split_leaves,
 )
+from .spill import Spilled
 
 DEFAULT_PROBES = 4
 
@@ -195,9 +197,11 @@ class _BlockRunner:
         got = _Gradients(self.saved, in_flags, self.device)
         try:
             for start, stop in (self.ranges if chunked else [self.ranges[0]]):
-                # only this chunk's inputs come to the device (from pinned host memory when the plan put them there)
+                # only this chunk's inputs come to the device (from pinned host memory or the spill file when the
+                # plan put them there)
                 part = [x.to(self.device, non_blocking=True).detach().requires_grad_(x.is_floating_point())
-                        for x in (split_leaves(self.saved, in_flags, start, stop) if chunked else self.saved)]
+                        for x in (_saved_rows(self.saved, in_flags, start, stop) if chunked
+                                  else [_whole(x) for x in self.saved])]
                 g_part = split_leaves(list(grads), out_flags, start, stop) if chunked else list(grads)
                 products.window = (start, stop)
                 with torch.enable_grad(), estimate_kernels(self.device):
@@ -212,6 +216,19 @@ class _BlockRunner:
         self.saved = []
         return got.result
 
+
+
+def _saved_rows(saved: list, batched: tuple[bool, ...], start: int, stop: int) -> list:
+    """A chunk's part of a block call's saved inputs: the batched ones cut to samples ``[start, stop)``, only those
+    rows read back where they were spilled."""
+    if not any(isinstance(x, Spilled) for x in saved):
+        return split_leaves(saved, batched, start, stop)
+    return [(x.load(start, stop) if isinstance(x, Spilled) else x[start:stop]) if b else _whole(x)
+            for x, b in zip(saved, batched)]
+
+
+def _whole(x):
+    return x.load() if isinstance(x, Spilled) else x
 
 
 class _Tensor:
@@ -253,12 +270,14 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
                     probes: int = DEFAULT_PROBES, seed: int = 0,
                     progress: Callable[[str], None] = lambda s: None, axes: BatchAxes | None = None,
                     batched: set[str] | None = None, keep: Keep | None = None,
-                    lap: Callable[[str], object] = lambda phase: None) -> tuple[dict[str, dict[int, float]], dict]:
+                    lap: Callable[[str], object] = lambda phase: None,
+                    end_pass: Callable[[], object] | None = None) -> tuple[dict[str, dict[int, float]], dict]:
     """``{layer: {rung: effect}}`` for every candidate ``candidates_of(block index)`` returns, and a record of the
     measurement (probes, samples' output power, seconds). Effects are relative to the output's power, so they are
     in the units of the model-output rel-MSE. ``batched`` names the batched keyword arguments, ``axes`` the blocks'
-    batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass; ``lap(phase)`` is
-    called at the end of each forward and backward pass (the compile's memory log). The probes run a few at a time
+    batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass (``end_pass()`` is
+    called once a pass's backward has consumed them: a spill file's space back); ``lap(phase)`` is called at the
+    end of each forward and backward pass (the compile's memory log). The probes run a few at a time
     (:meth:`BatchAxes.probes_per_pass`: a number that depends on the model only, so every budget computes the same)."""
     started = time.perf_counter()
     axes = axes or BatchAxes()
@@ -266,7 +285,8 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
     held = _batch_size(kwargs, batched)
     per_pass = axes.probes_per_pass(held, probes)
     passes = _ProbePasses(source, kwargs, row_mask, candidates_of, device, axes, batched, keep or (lambda t: t),
-                          probes * held, torch.Generator().manual_seed(seed), progress, lap)
+                          probes * held, torch.Generator().manual_seed(seed), progress, lap,
+                          end_pass or (lambda: None))
     progress(f"measuring each layer's effect on the model output: {probes} probes on {held} held-out samples"
              + (f", {per_pass} probes per pass" if per_pass < probes else ""))
     powers = [passes.run(first * held, min(per_pass, probes - first)) for first in range(0, probes, per_pass)]
@@ -282,10 +302,10 @@ class _ProbePasses:
     batch; every sample's terms go to its row of ``sums`` (``total`` rows: probes x held-out samples)."""
 
     def __init__(self, source, kwargs, row_mask, candidates_of, device, axes: BatchAxes, batched, keep: Keep,
-                 total: int, generator: torch.Generator, progress, lap) -> None:
+                 total: int, generator: torch.Generator, progress, lap, end_pass) -> None:
         self.source, self.kwargs, self.row_mask, self.candidates_of = source, kwargs, row_mask, candidates_of
         self.device, self.axes, self.batched, self.keep, self.total = device, axes, batched, keep, total
-        self.generator, self.progress, self.lap = generator, progress, lap
+        self.generator, self.progress, self.lap, self.end_pass = generator, progress, lap, end_pass
         self.sums: dict[str, dict[str, torch.Tensor]] = {}
 
     def _on_replay(self, index: int, path: str, offset: int):
@@ -330,6 +350,7 @@ class _ProbePasses:
             self.lap("effects backward")
         del y, v, mask, shell, copies
         gc.collect()  # the graph's last references, before the next pass needs the memory
+        self.end_pass()
         return power
 
 

@@ -4,7 +4,9 @@
 search options; not the thresholds, the budget or the objective, which only the plan reads); ``block.<k>.safetensors``
 holds every candidate measured for the block's layers and ``block.<k>.json`` their measurements. The JSON is
 written last, so a block counts as finished only when both files are complete. ``effects.json`` holds each
-layer's measured effect on the model's output once that pass has run.
+layer's measured effect on the model's output once that pass has run. ``spill.<part>.scratch`` files are not state:
+a pass's tensors that did not fit ``--host-budget`` (compiler/spill.py), deleted when the pass ends and, left by a
+killed compile, when the folder is opened again.
 """
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ class StateError(ValueError):
     """The state folder cannot be used for this compile."""
 
 
+SPILL_GLOB = "spill.*.scratch"
+
+
+def spill_path(folder: Path, part: str) -> Path:
+    """The scratch file of one pass's spilled tensors in the state folder ``folder`` (matches :data:`SPILL_GLOB`)."""
+    return Path(folder) / f"spill.{part}.scratch"
+
+
 class CompileState:
     """Read and write one compile's state folder."""
 
@@ -41,7 +51,8 @@ class CompileState:
                 raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
                                  "rerun with the same model and options, or delete the folder to start over.")
         self.folder.mkdir(parents=True, exist_ok=True)
-        for leftover in self.folder.glob(".*.tmp"):  # a write a kill interrupted: never read, only filling the disk
+        # a write a kill interrupted and a killed pass's spill files (tens of GB): never read, only filling the disk
+        for leftover in [*self.folder.glob(".*.tmp"), *self.folder.glob(SPILL_GLOB)]:
             leftover.unlink(missing_ok=True)
         atomic_write_bytes(meta, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
 

@@ -66,6 +66,10 @@ class Needs:
     layer_shape: tuple[int, int] = (0, 0)
 
     def peak(self, host_tape: bool, host_saved: bool) -> int:
+        return int(SLACK * max(self.phases(host_tape, host_saved))) + FIXED
+
+    def phases(self, host_tape: bool, host_saved: bool) -> tuple[int, int]:
+        """(the calibration pass's bytes, the effects pass's), before the allocator's slack."""
         # the block's inputs and outputs and a glue copy; with the recorded inputs on the host, the outputs wait there
         # too, and the search sees the inputs and a part of the next call's arguments (measured 1.3x on FLUX.2)
         tape, forward, search = (0, 2 * self.hidden, 3 * self.hidden // 2) if host_tape else \
@@ -74,7 +78,7 @@ class Needs:
         calibrate = self.base + max(forward + self.block + self.chunk + tape, search + tape + searching)
         # the replayed block and the one whose outputs' gradients are being consumed
         effects = self.held_base + 2 * self.block + self.effects + (0 if host_saved else self.saved)
-        return int(SLACK * max(calibrate, effects)) + FIXED
+        return calibrate, effects
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,8 @@ class VramPlan:
                 f"hidden states {format_size(n.hidden)} each, the largest block {format_size(n.block)} "
                 f"({n.block_name}), the largest layer's "
                 f"search {format_size(n.search)} ({n.layer_name} {n.layer_shape[0]}x{n.layer_shape[1]}); "
-                + (f"kept in pinned host memory: {' and '.join(moved)}." if moved else "everything stays on the GPU."))
+                + (f"moved off the GPU (the host plan says where they wait): {' and '.join(moved)}." if moved
+                   else "everything stays on the GPU."))
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

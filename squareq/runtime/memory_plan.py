@@ -22,6 +22,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from ..models import ADAPTERS
+from ..sizes import format_size_up
 from ..slab import Slab, open_slab
 from ..slab.manifest import itemsize
 from .lora import DEFAULT_TARGETS, matches
@@ -74,7 +75,7 @@ class MemoryPlan:
             raise PlanError(
                 f"this run needs about {self.peak_reserved / GB:.2f} GB of GPU memory at its peak, over the "
                 f"{budget_bytes / GB:.2f} GB of {flag}; lower the resolution or batch size, use fewer prefetch slots, "
-                f"or raise {flag}.")
+                f"or give {flag} at least {format_size_up(self.peak_reserved)} (the smallest card it fits).")
 
 
 def _sequence_shape(slab: Slab, resolution: int, text_tokens: int) -> tuple[int, int]:

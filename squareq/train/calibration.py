@@ -16,6 +16,7 @@ import torch
 from ..models.builtin_data import builtin_photos, skimage_version, spread
 from ..models.calibration import DEFAULT_CAPTION_TOKENS, CalibrationSet
 from .data import load_image, scan_dataset
+from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource
 from .encoders import EncoderError, open_encoders
 
@@ -29,11 +30,12 @@ TEXT_BATCH = 8
 def calibration_images(source, data: str | Path | None = None, encoders: EncoderSource | str | None = None,
                        resolution: int = DEFAULT_RESOLUTION, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
                        device: str | torch.device = "cpu", limit: int | None = None, seed: int = 0,
-                       echo: Callable[[str], None] = lambda s: None) -> CalibrationSet:
+                       echo: Callable[[str], None] = lambda s: None, vram_budget: int | None = None) -> CalibrationSet:
     """The images of ``data`` (the built-in photographs when None) with their captions, encoded for ``source`` (a
     compiler ``Source`` of a family SquareQ trains) by the VAE and text encoders of ``encoders`` (a pipeline folder or
     built-in model name or Hub ID, with any single files; default: the source's own). A folder with more than
-    ``limit`` images gives a seeded spread of ``limit`` of them (the compile uses no more)."""
+    ``limit`` images gives a seeded spread of ``limit`` of them (the compile uses no more). The encoders run within
+    ``vram_budget`` (--vram-budget; default what the device has free), the large text encoders streamed if need be."""
     family = source.family_adapter
     if family is None or family.recipe is None:
         raise EncoderError(f"{source.description} is not a model family SquareQ trains, so it has no VAE and text "
@@ -57,7 +59,12 @@ def calibration_images(source, data: str | Path | None = None, encoders: Encoder
                             "captions of its data docstrings"}
     device = torch.device(device)
     config = source.skeleton().config
-    with open_encoders(where, device, family.family, config) as enc:
+    # a CPU has no VRAM to budget: the compile's own plan refuses a --vram-budget it cannot work within
+    run = EncoderRun(vram_budget if device.type == "cuda" else None, max_sequence_length, resolution * resolution,
+                     "--vram-budget")
+    with open_encoders(where, device, family.family, config, run) as enc:
+        if enc.placement is not None:
+            echo(enc.placement.describe())
         echo(f"encoding {len(items)} calibration images at {resolution} px with the encoders of {where}")
         latents = [_entry(enc.encode_image(load_image(path, (resolution, resolution)))) for path, _ in items]
         captions = [caption for _, caption in items]

@@ -8,9 +8,9 @@ and a tiny T5 (and CLIP, where the family takes pooled text) at the widths their
 (:class:`ToyEncoders`); their pipeline folders go through the family's diffusers pipeline
 (``squareq.train.family_encoders``). They are held only while the cache is filled, then released.
 
-On a GPU, a T5 encoder larger than :data:`STREAM_TEXT_ENCODER_BYTES` (FLUX.1's T5-XXL is 9.5 GB) stays in
-page-locked host memory and streams through the device block by block (``squareq.runtime.stream_module``),
-so the cache fills on a GPU with a few GB free; the VAE and CLIP are small and load whole.
+Encoders that do not fit the run's VRAM budget with the others (FLUX.1's T5-XXL is 9.5 GB, FLUX.2's Mistral 48 GB)
+stay in page-locked host memory and stream through the device block by block (train/encoder_placement.py), so the
+cache fills on a GPU with a few GB free; the VAE and the small encoders load whole.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from ..models.tiny_pipeline import (
     build_tiny_text_encoders,
     build_tiny_vae,
 )
-from ..runtime import release_module, stream_module
 from ..slab.errors import brief
 from .cache import module_identity
+from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, place, release
 from .encoder_source import (  # noqa: F401 (EncoderError re-exported)
     EncoderError,
     EncoderSource,
@@ -41,8 +41,6 @@ from .encoder_source import (  # noqa: F401 (EncoderError re-exported)
 from .family_encoders import open_family_pipeline
 from .single_files import load_single_files
 
-STREAM_TEXT_ENCODER_BYTES = 2 << 30
-
 
 @dataclass
 class Encoders:
@@ -51,7 +49,7 @@ class Encoders:
     dtype: torch.dtype
     vae_identity: str  # cache-key parts: which weights computed an entry
     text_identity: str
-    streamed_text_encoder: bool = False
+    placement: Placement | None = None  # where the encoders run (None: the built-in toys, whole)
 
     @property
     def vae(self):
@@ -110,7 +108,7 @@ class ToyEncoders:
         self.vae_identity = module_identity(self.vae, "vae") + where
         self.text_identity = (family + module_identity(self.t5, "t5")
                               + (module_identity(self.clip, "clip") if self.fields.pooled else "") + where)
-        self.streamed_text_encoder = False
+        self.placement = None  # built-in toys: whole, wherever they run
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -182,9 +180,11 @@ def open_decoder(source: EncoderSource | str, family: str, dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def open_encoders(source: EncoderSource | str, device: torch.device, family: str, config=None) -> Iterator[Encoders]:
+def open_encoders(source: EncoderSource | str, device: torch.device, family: str, config=None,
+                  run: EncoderRun = DEFAULT_RUN) -> Iterator[Encoders]:
     """The encoders of ``source`` (a built-in tiny model, a pipeline folder or Hub ID, and single files) for a
-    ``family`` model with ``config`` (the slab's recorded model config) on ``device``, released on exit."""
+    ``family`` model with ``config`` (the slab's recorded model config) on ``device``, placed for ``run`` (whole, or
+    the large text encoders streamed: train/encoder_placement.py), released on exit."""
     source = EncoderSource.of(source)
     check_encoder_source(source, family)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -198,7 +198,7 @@ def open_encoders(source: EncoderSource | str, device: torch.device, family: str
                     torch.cuda.empty_cache()
             return
 
-        with open_family_pipeline(source, family, device, dtype) as encoders:
+        with open_family_pipeline(source, family, device, dtype, run) as encoders:
             yield encoders
         return
     if source.where == "tiny-flux":
@@ -209,19 +209,12 @@ def open_encoders(source: EncoderSource | str, device: torch.device, family: str
     where = dtype_tag(dtype)
     vae_id = module_identity(pipe.vae, "vae") + where
     text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where
-    t5 = pipe.text_encoder_2
-    stream = device.type == "cuda" and sum(p.numel() * p.element_size() for p in t5.parameters()) > \
-        STREAM_TEXT_ENCODER_BYTES
-    for name in ("vae", "text_encoder") if stream else ("vae", "text_encoder", "text_encoder_2"):
-        getattr(pipe, name).to(device=device, dtype=dtype).eval()
-    if stream:
-        stream_module(t5.to(dtype=dtype), device)
     try:
-        yield Encoders(pipe, device, dtype, vae_id, text_id, stream)
+        placement = place(pipe, ("vae", "text_encoder", "text_encoder_2"), device, dtype, run)
+        yield Encoders(pipe, device, dtype, vae_id, text_id, placement)
     finally:
-        if stream:
-            release_module(t5)  # now, not at some later garbage collection: training needs the memory
-        del t5
+        if "placement" in locals():
+            release(pipe, placement)
         for name in ("vae", "text_encoder", "text_encoder_2"):
             setattr(pipe, name, None)
         del pipe

@@ -20,6 +20,7 @@ from ..models.base import PIPELINE_ENCODER_PARTS
 from ..models.hub import read_index
 from ..slab.errors import brief
 from .cache import module_identity
+from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, place, release
 from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
 from .single_files import load_single_files
 
@@ -57,7 +58,8 @@ def normalize_latent(vae, z: torch.Tensor) -> torch.Tensor:
 class PipelineEncoders:
     """A family pipeline's VAE and text encoders, for the cache."""
 
-    def __init__(self, pipe, family: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, pipe, family: str, device: torch.device, dtype: torch.dtype,
+                 placement: Placement | None = None) -> None:
         self.pipeline, self.family = pipe, family
         self.recipe = ADAPTERS[family].recipe
         self.device, self.dtype = device, dtype
@@ -70,7 +72,7 @@ class PipelineEncoders:
         self.vae_identity = module_identity(pipe.vae, "vae") + where
         self.text_identity = family + "".join(module_identity(getattr(pipe, n), n) for n in TEXT_ENCODERS
                                               if getattr(pipe, n, None) is not None) + where
-        self.streamed_text_encoder = False
+        self.placement = placement
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
@@ -114,9 +116,9 @@ def training_objective(source: EncoderSource | str | Path, family: str) -> str:
 
 @contextlib.contextmanager
 def open_family_pipeline(source: EncoderSource | str | Path, family: str, device: torch.device,
-                         dtype: torch.dtype) -> Iterator[PipelineEncoders]:
+                         dtype: torch.dtype, run: EncoderRun = DEFAULT_RUN) -> Iterator[PipelineEncoders]:
     """The VAE and text encoders of the ``family`` pipeline of ``source`` (a folder or Hub ID, and single files), on
-    ``device``."""
+    ``device``: whole, or the text encoders that do not fit ``run``'s budget streamed (train/encoder_placement.py)."""
     from diffusers import DiffusionPipeline
 
     folder = pipeline_folder(source)
@@ -143,10 +145,14 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
                            f"{found} folder with --model.") from None
-    pipe.to(device)
     try:
-        yield PipelineEncoders(pipe, family, device, dtype)
+        placement = place(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run)
+        yield PipelineEncoders(pipe, family, device, dtype, placement)
     finally:
+        if "placement" in locals():
+            release(pipe, placement)
+        for name in ("vae", *TEXT_ENCODERS):
+            setattr(pipe, name, None)
         del pipe
         gc.collect()
         if device.type == "cuda":

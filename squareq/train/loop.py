@@ -63,6 +63,7 @@ from .data import (
 )
 from .distributed import Ranks
 from .ema import LoraEma
+from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
@@ -244,7 +245,11 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
-        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config)) as encoders:
+        run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget")
+        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config), run) as encoders:
+            if encoders.placement is not None:
+                echo(encoders.placement.describe())
+                cache.record_encoders(encoders.text_identity, encoders.placement.record())
             # the sample prompts too: sample images then need the VAE only, never the text encoders again
             texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
                            | set(cfg.sample_prompts))
@@ -602,7 +607,8 @@ class _Run:
                   "seconds": time.perf_counter() - started, "skipped_total": self.skipped}
         if self.device.type == "cuda":
             stats = runtime.runtime_of(self.model).step_stats()
-            record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s)
+            record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s,
+                          copied_GB=stats.bytes_copied / 1e9)
             if self.ranks.world > 1:  # each GPU's own figures: memory and copy waits can differ between ranks
                 peaks, waits = self.ranks.gather([record["peak_reserved_GB"], stats.copy_wait_s], self.device)
                 record.update(rank_peak_reserved_GB=peaks, rank_copy_wait_s=waits)

@@ -17,8 +17,9 @@ from ..models import ADAPTERS
 from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
+from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
-from .encoders import open_encoders
+from .encoders import open_decoder, open_encoders
 from .lora_files import attach_lora, load_lora
 
 # ring slots that hide a forward-only pass's copies of FLUX.1-dev at 1024² on an H100 (two do not: docs/benchmarks.md);
@@ -129,15 +130,22 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         attach_lora(transformer, *load_lora(lora))
     images = []
     try:
-        with open_encoders(encoders, device, family) as opened:
-            pipe = opened.pipeline
-            pipe.transformer = transformer
-            for prompt in prompts:
-                images.append(draw_image(pipe, prompt, resolution, steps, guidance, seed, max_sequence_length, device,
-                                         tuner.pipeline_callback if tuner is not None else None))
-                if on_image is not None:
-                    on_image(len(images) - 1, images[-1])
-            pipe.transformer = None
+        # the prompts first, within what the device has free beside the streamed transformer (FLUX.1's T5 streams on a
+        # small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and the VAE's
+        # decode (several GB at 1024²) have the GPU to themselves
+        run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
+        with open_encoders(encoders, device, family, run=run) as opened:
+            entries = [opened.encode_prompts([prompt], max_sequence_length)[0] for prompt in prompts]
+            dtype = opened.dtype
+        pipe = open_decoder(encoders, family, dtype)
+        pipe.vae.to(device)
+        pipe.transformer = transformer
+        for prompt, entry in zip(prompts, entries, strict=True):
+            images.append(draw_image(pipe, prompt, resolution, steps, guidance, seed, max_sequence_length, device,
+                                     tuner.pipeline_callback if tuner is not None else None, embeds=entry))
+            if on_image is not None:
+                on_image(len(images) - 1, images[-1])
+        pipe.transformer = None
     finally:
         runtime.runtime_of(transformer).close()
     return images

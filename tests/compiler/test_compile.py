@@ -25,8 +25,11 @@ def manifest(slab):
 
 
 def without_timings(m):
+    """The manifest less what depends on the moment: timings, and the default host budget (what the machine had
+    available then)."""
     m["calibration"] = {k: v for k, v in m["calibration"].items() if not k.endswith("_seconds")}
     m["calibration"]["effect"] = {k: v for k, v in m["calibration"]["effect"].items() if k != "seconds"}
+    m["calibration"]["vram"] = {k: v for k, v in m["calibration"]["vram"].items() if k != "host_budget_bytes"}
     return m
 
 

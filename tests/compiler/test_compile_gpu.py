@@ -29,8 +29,7 @@ def test_compile_on_cuda_matches_the_cpu_decisions(tmp_path, tiny_flux_images):
 def test_a_tight_vram_budget_builds_the_same_slab(tmp_path, tiny_flux_images, monkeypatch):
     """Recorded inputs and the effect pass's block inputs in pinned host memory (the tightest budget the plan
     accepts) against everything on the GPU: the same tensor bytes and rungs, blocks run two samples at a time."""
-    from squareq.compiler import chunks
-    from squareq.compiler import driver
+    from squareq.compiler import chunks, driver
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)  # one sample per chunk: the chunked paths run
@@ -89,3 +88,42 @@ def test_squareq_compile_runs_on_the_gpu_without_device_flag(tmp_path):
     vram = json.loads((out / "manifest.json").read_text())["calibration"]["vram"]
     assert vram["peak_reserved_bytes"] and vram["peak_reserved_bytes"] > 0  # None when a compile runs on the CPU
     assert torch.cuda.max_memory_allocated() > 0
+
+
+@pytest.mark.gpu
+def test_a_tight_host_budget_spills_and_builds_the_same_slab_on_cuda(tmp_path, tiny_flux_images, monkeypatch):
+    """On CUDA, at the tightest VRAM budget (recorded and effect inputs off the GPU) and the tightest host budget
+    (both spilled to the state folder through the pinned staging buffer): the same slab bytes and rungs as with
+    everything on the GPU, and as with them in pinned host memory."""
+    from squareq.compiler import chunks, driver, host_budget, spill
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)  # one sample per chunk: the joins and the row reads run
+    # a 4 KB staging buffer and checksum segment: tiny-flux's waiting tensors (KBs) then cost more than it, so the
+    # plan spills them, and each goes through the staging buffer in many pieces
+    monkeypatch.setattr(spill, "SEGMENT", 4096)
+    monkeypatch.setattr(host_budget, "SEGMENT", 4096)
+    vram_plans, host_plans = [], []
+    real_vram, real_host = driver.plan_vram, driver.plan_host
+    monkeypatch.setattr(driver, "plan_vram", lambda *a, **kw: vram_plans.append(real_vram(*a, **kw)) or vram_plans[-1])
+    monkeypatch.setattr(driver, "plan_host", lambda *a, **kw: host_plans.append(real_host(*a, **kw)) or host_plans[-1])
+    opts = dict(budget=2_000_000, device="cuda", calib_samples=8, calib_images=tiny_flux_images)
+    compile_slab(open_source("tiny-flux"), tmp_path / "gpu.slab", CompileOptions(**opts, host_budget=10**13))
+    tight_vram = vram_plans[0].needs.peak(True, True)
+    compile_slab(open_source("tiny-flux"), tmp_path / "pinned.slab",
+                 CompileOptions(**opts, vram_budget=tight_vram, host_budget=10**13))
+    least = host_plans[1].needs.peak(True, True)
+    compile_slab(open_source("tiny-flux"), tmp_path / "spilled.slab",
+                 CompileOptions(**opts, vram_budget=tight_vram, host_budget=least))
+    wheres = [(p.tape_where, p.saved_where) for p in host_plans]
+    assert wheres[:2] == [("gpu", "gpu"), ("pinned", "pinned")] and "spilled" in wheres[2], wheres
+    assert host_plans[1].needs.saved > 0 and host_plans[2].expected_peak <= least
+    names = ("gpu", "pinned", "spilled")
+    slabs = [(tmp_path / f"{n}.slab" / "slab.safetensors").read_bytes() for n in names]
+    assert slabs[0] == slabs[1] == slabs[2]
+    manifests = [json.loads((tmp_path / f"{n}.slab" / "manifest.json").read_text()) for n in names]
+    assert [layer["rung"] for layer in manifests[0]["layers"]] == [layer["rung"] for layer in manifests[2]["layers"]]
+    vram = manifests[2]["calibration"]["vram"]
+    spilled = vram["recorded_inputs_spilled_bytes"] + vram["effect_inputs_spilled_bytes"]
+    assert spilled > 0 and vram["recorded_inputs_on_host"] and vram["effect_inputs_on_host"]
+    assert not (tmp_path / "spilled.slab.state").exists()

@@ -22,12 +22,13 @@ def _clip(tokenizer, width: int, projection: bool = False):
     return cls(CLIPTextConfig(**{**tiny_clip_config(len(tokenizer), width), "num_attention_heads": 2})).eval()
 
 
-def _t5(tokenizer, width: int, umt5: bool = False):
+def _t5(tokenizer, width: int, umt5: bool = False, layers: int = 2):
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
+    config = {**tiny_t5_config(len(tokenizer), width), "num_layers": layers}
     if umt5:
-        return UMT5EncoderModel(UMT5Config(**tiny_t5_config(len(tokenizer), width))).eval()
-    return T5EncoderModel(T5Config(**tiny_t5_config(len(tokenizer), width))).eval()
+        return UMT5EncoderModel(UMT5Config(**config)).eval()
+    return T5EncoderModel(T5Config(**config)).eval()
 
 
 def _wan_vae():
@@ -60,13 +61,13 @@ def _flux2_parts():
     return dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, transformer=transformer)
 
 
-def _qwen_image_parts(denoiser):
+def _qwen_image_parts(denoiser, layers: int = 2):
     """Qwen-Image's pipeline parts at toy size: a Qwen2.5-VL text encoder as wide as the transformer's text input, a
     character tokenizer and the Qwen-Image (video-style) VAE."""
     import diffusers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
                 num_key_value_heads=1, bos_token_id=2, eos_token_id=3, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2)
@@ -76,12 +77,19 @@ def _qwen_image_parts(denoiser):
     return dict(vae=vae, text_encoder=encoder, tokenizer=char_tokenizer(), transformer=denoiser)
 
 
-def build_pipeline(name: str, prediction_type: str = "epsilon"):
+def build_pipeline(name: str, prediction_type: str = "epsilon", text_layers: int = 2):
     """The diffusers pipeline of built-in model ``name`` (tiny-sd15, tiny-sdxl, tiny-sd3, tiny-chroma, tiny-wan,
-    tiny-qwen-image) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder)."""
+    tiny-qwen-image, tiny-flux) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder).
+    ``text_layers``: the T5, UMT5 and Qwen2.5-VL text encoders' layers (FLUX.2's Mistral has 31)."""
     import diffusers
 
     torch.manual_seed(11)
+    if name == "tiny-flux":  # FLUX.1's folder: the tiny-flux pipeline, its T5 ``text_layers`` deep
+        from squareq.models import build_tiny_flux_pipeline
+
+        pipe = build_tiny_flux_pipeline()
+        pipe.text_encoder_2 = _t5(pipe.tokenizer_2, pipe.text_encoder_2.config.d_model, layers=text_layers)
+        return pipe
     if name == "tiny-flux2":
         return diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), **_flux2_parts())
     denoiser, _ = load_builtin(name)
@@ -108,14 +116,15 @@ def build_pipeline(name: str, prediction_type: str = "epsilon"):
         return diffusers.ChromaPipeline(scheduler=flow, vae=build_tiny_vae(), text_encoder=_t5(t5_tok, 32),
                                         tokenizer=t5_tok, transformer=denoiser)
     if name == "tiny-qwen-image":
-        return diffusers.QwenImagePipeline(scheduler=flow, **_qwen_image_parts(denoiser))
+        return diffusers.QwenImagePipeline(scheduler=flow, **_qwen_image_parts(denoiser, text_layers))
     if name == "tiny-wan":
-        return diffusers.WanPipeline(tokenizer=t5_tok, text_encoder=_t5(t5_tok, 32, umt5=True), transformer=denoiser,
+        return diffusers.WanPipeline(tokenizer=t5_tok, text_encoder=_t5(t5_tok, 32, umt5=True, layers=text_layers),
+                                     transformer=denoiser,
                                      vae=_wan_vae(), scheduler=flow)
     raise KeyError(name)
 
 
-def write_pipeline(name: str, folder: Path, prediction_type: str = "epsilon") -> Path:
+def write_pipeline(name: str, folder: Path, prediction_type: str = "epsilon", text_layers: int = 2) -> Path:
     """``build_pipeline(name)`` saved as a diffusers folder (safetensors)."""
-    build_pipeline(name, prediction_type).save_pretrained(folder, safe_serialization=True)
+    build_pipeline(name, prediction_type, text_layers).save_pretrained(folder, safe_serialization=True)
     return folder

@@ -64,3 +64,20 @@ def test_no_partial_files_are_left_after_a_failed_compute(tmp_path):
     with pytest.raises(RuntimeError):
         cache.fill("latents", ["a", "b"], compute)
     assert list((tmp_path / "latents").iterdir()) == []
+
+
+def test_module_identity_sums_a_large_tensor_a_chunk_at_a_time(monkeypatch):
+    """Chunked (no float64 copy of a whole embedding table) and still sensitive to a change in the last chunk."""
+    from squareq.train import cache
+
+    emb = torch.nn.Embedding(50, 8)
+    whole = module_identity(emb, "enc")
+    monkeypatch.setattr(cache, "IDENTITY_CHUNK", 64)  # 400 elements: 7 chunks
+    total, squares = cache._sums(emb.weight.detach())
+    values = emb.weight.detach().double()
+    assert abs(total - float(values.sum())) < 1e-9 and abs(squares - float(values.square().sum())) < 1e-9
+    chunked = module_identity(emb, "enc")
+    assert chunked == module_identity(emb, "enc")
+    with torch.no_grad():
+        emb.weight[-1, -1] += 0.5
+    assert module_identity(emb, "enc") not in (chunked, whole)

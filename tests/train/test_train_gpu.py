@@ -20,15 +20,21 @@ def math_attention():
         yield
 
 
-def test_streamed_t5_gives_the_cache_entries_of_the_whole_t5(monkeypatch):
+def test_streamed_t5_gives_the_cache_entries_of_the_whole_t5(tmp_path):
+    from squareq.train.encoder_placement import EncoderRun
+
+    from ..models.tiny_folders import write_pipeline
+
+    folder = str(write_pipeline("tiny-flux", tmp_path / "flux", text_layers=4))  # more blocks than device slots
     texts = ["a red square", "two blue circles on a grey floor", ""]
     cuda = torch.device("cuda")
-    with encoders.open_encoders("tiny-flux", cuda, "flux") as enc:
-        assert not enc.streamed_text_encoder
+    with encoders.open_encoders(folder, cuda, "flux", run=EncoderRun(tokens=16, pixels=64 * 64)) as enc:
+        assert enc.placement.streamed == ()  # the free memory of the device holds it whole
         whole = enc.encode_prompts(texts, 16)
-    monkeypatch.setattr(encoders, "STREAM_TEXT_ENCODER_BYTES", 0)
-    with encoders.open_encoders("tiny-flux", cuda, "flux") as enc:
-        assert enc.streamed_text_encoder and next(enc.pipeline.text_encoder_2.encoder.block.parameters()).is_pinned()
+        need = enc.placement.expected
+    with encoders.open_encoders(folder, cuda, "flux", run=EncoderRun(need - 1, 16, 64 * 64)) as enc:
+        assert enc.placement.streamed == ("text_encoder_2",)
+        assert next(enc.pipeline.text_encoder_2.encoder.block.parameters()).is_pinned()
         streamed = enc.encode_prompts(texts, 16)
     for a, b in zip(whole, streamed, strict=True):
         for key in a:

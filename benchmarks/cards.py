@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""Every example config on the card it names (issue 39): caching, training steps and a sample image under that
+card's memory.
+
+    python benchmarks/cards.py --workdir DIR [--out DIR] [--configs flux1-dev-8gb,qwen-image] [--steps 5] [--tiny]
+
+For each config in ``examples/`` (its card below, :data:`CARDS`), in a process of its own:
+
+* the CUDA caching allocator is capped (``torch.cuda.set_per_process_memory_fraction``) at the card's memory less
+  the CUDA context this process holds on the device, which a card of that size holds too;
+* the family's text encoders and VAE are built in host memory at their released shapes with seeded random weights
+  (FLUX.1: CLIP-L and T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B),
+  and the trainer's own caching (``squareq.train.loop``) runs through them: the encoders are placed within the
+  config's ``vram_budget`` by ``squareq.train.encoder_placement``, so those that do not fit stream block by block;
+* ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring and host)
+  on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same random weights and W4/W6/W8 mix);
+* where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution.
+
+The tokenizers are the offline tiny ones (char-level; FLUX.2's and Qwen-Image's pad or template to the same lengths as
+the real ones do), so token counts are like the real ones' but ids are not. Each process reports the peak reserved
+memory of caching, of the steps and of sampling against the card, the median step, the bytes copied into the ring per
+step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not measured). One JSON
+line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as wide as them, no
+caps (a smoke test anywhere).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+for p in (str(ROOT), str(HERE)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from common import RECORDS, emit, git_commit, log, write_records  # noqa: E402
+from train_e2e import write_data  # noqa: E402  (noise images with captions)
+
+GIB = 1 << 30
+# example config -> (family, the card it names in GiB)
+CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-dev-24gb": ("flux", 24),
+         "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16)}
+PCIE4_BYTES_PER_S = 25e9  # a PCIe 4.0 x16 link's practical host-to-device rate
+SAMPLE_PROMPT = "a photo of sks on a beach"
+IMAGES = 8  # noise images: enough for the largest batch (4) in every bucket
+
+# the released text encoders' shapes (their config.json on the Hub)
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
+MISTRAL_SMALL = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                     rope_theta=1e9)
+PIXTRAL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, image_size=1540,
+               patch_size=14, head_dim=64)
+QWEN25_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rope_theta=1e6,
+                    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+QWEN25_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                        fullatt_block_indexes=[7, 15, 23, 31])
+
+
+@contextlib.contextmanager
+def fast_init(dtype):
+    """Modules built in ``dtype`` with their initializers skipped (the weights are filled by :func:`fill_random`)."""
+    import torch
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def fill_random(module, seed: int) -> None:
+    """Seeded N(0, 0.02) matrices, norm weights 1, other vectors 0 (as benchmarks/train_step.py's models), generated
+    on the GPU when there is one and copied into the host tensors."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=p.dtype).mul_(0.02))
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def chat_tokenizer():
+    """The offline tiny T5 tokenizer with a chat template that keeps the user's text (FLUX.2's pipeline asks for
+    one)."""
+    from squareq.models.tiny_pipeline import build_tiny_tokenizers
+
+    tok = build_tiny_tokenizers()[1]
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'user' %}{% if m['content'] is string %}"
+                         "{{ m['content'] }}{% else %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}"
+                         "{% endif %}{% endfor %}")
+    return tok
+
+
+def _scaled(real: dict, **tiny) -> dict:
+    return {**real, **tiny}
+
+
+def build_encoders(family: str, config: dict, tiny: bool):
+    """The family's diffusers pipeline without its transformer: VAE and text encoders at their released shapes
+    (``tiny``: a few layers, as wide as the tiny slab's text input), seeded random weights, in host memory."""
+    import diffusers
+    import torch
+
+    from squareq.models.tiny_pipeline import build_tiny_tokenizers, build_tiny_vae
+
+    dtype = torch.bfloat16
+    flow = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    if family == "flux":
+        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+        clip_tok, t5_tok = build_tiny_tokenizers()
+        t5 = _scaled(T5_XXL, d_model=config["joint_attention_dim"], d_kv=8, d_ff=64, num_layers=3, num_heads=4) \
+            if tiny else T5_XXL
+        clip = _scaled(CLIP_L, hidden_size=config["pooled_projection_dim"], intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, projection_dim=config["pooled_projection_dim"]) if tiny else CLIP_L
+        clip = {**clip, "bos_token_id": clip_tok.bos_token_id, "eos_token_id": clip_tok.eos_token_id}
+        with fast_init(dtype):
+            parts = dict(text_encoder=CLIPTextModel(CLIPTextConfig(**clip)),
+                         text_encoder_2=T5EncoderModel(T5Config(**t5)))
+        vae = build_tiny_vae() if tiny else diffusers.AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, sample_size=1024,
+            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+        pipe = diffusers.FluxPipeline(scheduler=flow, vae=vae.to(dtype), tokenizer=clip_tok, tokenizer_2=t5_tok,
+                                      transformer=None, **parts)
+    elif family == "flux2":
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+        text = _scaled(MISTRAL_SMALL, hidden_size=config["joint_attention_dim"] // 3,
+                       intermediate_size=64, num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=8) if tiny else MISTRAL_SMALL
+        vision = _scaled(PIXTRAL, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         image_size=32, patch_size=16, head_dim=8) if tiny else PIXTRAL
+        tok = chat_tokenizer()
+        with fast_init(dtype):
+            encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+                text_config=MistralConfig(**text, pad_token_id=tok.pad_token_id),
+                vision_config=PixtralVisionConfig(**vision)))
+        vae = diffusers.AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
+                                           norm_num_groups=4) if tiny else diffusers.AutoencoderKLFlux2()
+        pipe = diffusers.Flux2Pipeline(scheduler=flow, vae=vae.to(dtype), text_encoder=encoder, tokenizer=tok,
+                                       transformer=None)
+    elif family == "qwen-image":
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        text = _scaled(QWEN25_VL_7B, hidden_size=config["joint_attention_dim"], intermediate_size=64,
+                       num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                       rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}) if tiny else QWEN25_VL_7B
+        vision = _scaled(QWEN25_VL_VISION, depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                         out_hidden_size=config["joint_attention_dim"], fullatt_block_indexes=[0]) if tiny \
+            else QWEN25_VL_VISION
+        with fast_init(dtype):
+            encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+        z = config["in_channels"] // 4  # the transformer packs 2x2 latent patches
+        vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                               latents_mean=[0.0] * z, latents_std=[1.0] * z) if tiny \
+            else diffusers.AutoencoderKLQwenImage()
+        pipe = diffusers.QwenImagePipeline(scheduler=flow, vae=vae.to(dtype), text_encoder=encoder,
+                                           tokenizer=chat_tokenizer(), transformer=None)
+    else:
+        raise ValueError(f"no encoders for {family}")
+    for name in ("text_encoder", "text_encoder_2"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            fill_random(module, seed=hash(name) % 1000)
+            module.eval()
+    return pipe
+
+
+@contextlib.contextmanager
+def encoders_of(pipe, family: str, run, measure: dict):
+    """The trainer's encoder objects around the in-memory ``pipe``, placed as ``open_encoders`` places them; the
+    caching's wall time and peak reserved memory go into ``measure``."""
+    import torch
+
+    from squareq.train.cache import module_identity
+    from squareq.train.encoder_placement import place, release
+    from squareq.train.encoder_source import dtype_tag
+    from squareq.train.encoders import Encoders
+    from squareq.train.family_encoders import TEXT_ENCODERS, PipelineEncoders
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    placement = place(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run)
+    measure["placement"] = placement.record()
+    measure["placement_line"] = placement.describe()
+    log(placement.describe())
+    if family == "flux":
+        where = dtype_tag(dtype)
+        enc = Encoders(pipe, device, dtype, module_identity(pipe.vae, "vae") + where,
+                       module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where,
+                       placement)
+    else:
+        enc = PipelineEncoders(pipe, family, device, dtype, placement)
+    try:
+        yield enc
+    finally:
+        release(pipe, placement)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            measure["cache_peak_reserved_GB"] = torch.cuda.max_memory_reserved() / 1e9
+            measure["cache_peak_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
+        measure["cache_s"] = time.perf_counter() - start
+        for name in ("vae", *TEXT_ENCODERS):
+            if getattr(pipe, name, None) is not None:
+                setattr(pipe, name, None)
+        import gc
+
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def cap_to_card(card_gib: int) -> dict:
+    """Cap this process's CUDA caching allocator at the card's memory less the CUDA context it holds here."""
+    import torch
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # the context and the allocator exist now
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    limit = card_gib * GIB - context
+    torch.cuda.set_per_process_memory_fraction(limit / total)
+    return {"card_GiB": card_gib, "cuda_context_GB": context / 1e9, "allocator_cap_GB": limit / 1e9,
+            "device": torch.cuda.get_device_name(0), "device_total_GB": total / 1e9}
+
+
+def slab_path(workdir: Path, family: str, tiny: bool) -> Path:
+    return workdir / f"{'tiny' if tiny else 'full'}-{family}.slab"
+
+
+def run_config(args, name: str) -> None:
+    """One example config in this process (module docstring)."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)  # the cuDNN attention backward fails on the device image
+    from squareq.slab import open_slab
+    from squareq.train import loop, sample
+    from squareq.train.config import load_config
+
+    family, card = CARDS[name]
+    work = Path(args.workdir)
+    rec = {"what": "card", "config": name, "family": family, "commit": git_commit(),
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    cuda = torch.cuda.is_available()
+    slab = slab_path(work, family, args.tiny)
+    model_config = open_slab(slab, verify="off").manifest.model.config
+    start = time.perf_counter()
+    pipe = build_encoders(family, model_config, args.tiny)
+    rec["encoders_build_s"] = time.perf_counter() - start
+    rec["encoder_params_B"] = sum(p.numel() for n in ("text_encoder", "text_encoder_2")
+                                  if getattr(pipe, n, None) is not None for p in getattr(pipe, n).parameters()) / 1e9
+    if cuda and not args.tiny:
+        torch.cuda.empty_cache()
+        rec.update(cap_to_card(card))
+    overrides = {"slab": str(slab), "output": str(work / f"out-{name}-{int(time.time())}"),
+                 "cache_dir": str(work / f"cache-{name}-{int(time.time())}"), "steps": args.steps, "save_every": 0,
+                 "sample_every": 0, "seed": 0}
+    if args.tiny:
+        overrides.update(resolution=64, max_sequence_length=16, vram_budget=None)
+    cfg = load_config(ROOT / "examples" / f"{name}.toml", overrides)
+    res = max(cfg.resolution)
+    cfg.data = str(work / f"data-{res}")
+    write_data(Path(cfg.data), IMAGES, res)
+    rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
+               prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
+
+    measure: dict = {}
+    loop.open_encoders = lambda source, device, fam, config=None, run=None: encoders_of(pipe, family, run, measure)
+    loop.run_encoders = lambda cfg, record: str(slab)  # the encoders are the in-memory ones above
+    start = time.perf_counter()
+    loop.train(cfg, echo=lambda s: log(s))
+    rec["train_wall_s"] = time.perf_counter() - start
+    rec.update(measure)
+    rows = [json.loads(line) for line in (Path(cfg.output) / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[1:] or rows  # the first step compiles kernels and sizes the ring
+    rec["steps"] = len(rows)
+    rec["step_s"] = statistics.median(r["seconds"] for r in timed)
+    rec["step_times"] = [round(r["seconds"], 3) for r in rows]
+    rec["losses_finite"] = all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in rows)
+    if cuda:
+        rec["train_peak_reserved_GB"] = max(r.get("peak_reserved_GB", 0) for r in rows)
+        rec["copied_GB_per_step"] = statistics.median(r.get("copied_GB", 0) for r in timed)
+        rec["pcie4_copy_s_arithmetic"] = rec["copied_GB_per_step"] * 1e9 / PCIE4_BYTES_PER_S
+    if family == "flux":
+        pipe = build_encoders(family, model_config, args.tiny)  # the caching released the first ones
+        sample_measure: dict = {}
+        vae = pipe.vae  # the decoder keeps it after the encoders are released
+        sample.encoder_source_for = lambda *a, **k: None  # the encoders are the in-memory ones
+        sample.open_encoders = lambda source, device, fam, config=None, run=None: \
+            encoders_of(pipe, family, run, sample_measure)
+        sample.open_decoder = lambda source, fam, dtype: type(pipe)(
+            scheduler=pipe.scheduler, vae=vae.to(dtype), text_encoder=None, tokenizer=None, text_encoder_2=None,
+            tokenizer_2=None, transformer=None)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        images = sample.sample_images(slab, [SAMPLE_PROMPT], resolution=res, steps=args.sample_steps,
+                                      max_sequence_length=cfg.max_sequence_length)
+        rec["sample_s"] = time.perf_counter() - start
+        rec["sample_steps"] = args.sample_steps
+        rec["sample_size"] = list(images[0].size)
+        rec["sample_placement"] = sample_measure.get("placement", {}).get("streamed")
+        if cuda:
+            rec["sample_peak_reserved_GB"] = max(torch.cuda.max_memory_reserved() / 1e9,
+                                                 sample_measure.get("cache_peak_reserved_GB", 0))
+    peaks = [rec.get(k, 0) for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB", "sample_peak_reserved_GB")]
+    rec["peak_reserved_GB"] = max(peaks)
+    rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB
+    rec["host_rss_peak_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    emit(rec)
+
+
+def tiny_flux2_slab(path: Path) -> None:
+    """A toy FLUX.2 slab whose text width is three stacked Mistral layers' (3 x 16): the built-in tiny-flux2's (32) is
+    not a multiple of three, so FLUX.2's pipeline could not encode for it."""
+    import diffusers
+    import torch
+
+    from squareq.compiler.plain import PlainOptions, write_rtn_slab
+    from squareq.models import ADAPTERS
+    from squareq.quant import QuantSpec
+
+    torch.manual_seed(0)
+    model = diffusers.Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                              timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4)).eval()
+    write_rtn_slab(model, ADAPTERS["flux2"].blocks(model), {}, path, PlainOptions(
+        default_spec=QuantSpec(bits=8, group_size=16), clip_search=False, family="flux2", source="cards.py tiny",
+        overwrite=True))
+
+
+def ensure_slab(args, family: str) -> None:
+    work = Path(args.workdir)
+    if args.tiny and family == "flux2":
+        tiny_flux2_slab(slab_path(work, family, True))
+        return
+    cmd = [sys.executable, str(HERE / "train_step.py"), "--family", family, "--only", "slab", "--workdir", str(work),
+           "--out", str(work / f"slab-{family}")] + (["--tiny"] if args.tiny else [])
+    log(f"slab for {family}: {' '.join(cmd[1:])}")
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+
+
+def table(records: list[dict]) -> str:
+    rows = ["| config | card | encoders (streamed) | cache s / peak GB | step s | train peak GB | copied GB / step | "
+            "at PCIe 4.0 x16 (arithmetic) s | sample s / peak GB | fits |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r:
+            rows.append(f"| {r.get('config')} | | error: {r['error'][:120]} | | | | | | | |")
+            continue
+        streamed = ", ".join(r.get("placement", {}).get("streamed", [])) or "none"
+        sample = f"{r['sample_s']:.1f} / {r.get('sample_peak_reserved_GB', 0):.2f}" if "sample_s" in r else "-"
+        rows.append(f"| {r['config']} | {r['card_GiB'] if 'card_GiB' in r else '-'} GiB | "
+                    f"{r['encoder_params_B']:.2f} B ({streamed}) | {r['cache_s']:.1f} / "
+                    f"{r.get('cache_peak_reserved_GB', 0):.2f} "
+                    f"(planned {r['placement']['expected_peak_bytes'] / 1e9:.2f}) | "
+                    f"{r['step_s']:.3f} | "
+                    f"{r.get('train_peak_reserved_GB', 0):.2f} | {r.get('copied_GB_per_step', 0):.1f} | "
+                    f"{r.get('pcie4_copy_s_arithmetic', 0):.2f} | {sample} | {r['fits_card']} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--configs", default=",".join(CARDS))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--sample-steps", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # one config, in this process
+    parser.add_argument("--timeout", type=float, default=540)
+    args = parser.parse_args()
+    if args.run:
+        run_config(args, args.run)
+        return
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CARDS]
+    if unknown:
+        parser.error(f"--configs: {', '.join(unknown)} are not example configs; choose from {', '.join(CARDS)}.")
+    for family in dict.fromkeys(CARDS[n][0] for n in names):
+        ensure_slab(args, family)
+    for name in names:
+        cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--steps", str(args.steps),
+               "--sample-steps", str(args.sample_steps)] + (["--tiny"] if args.tiny else [])
+        log(f"config {name}")
+        try:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+            lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode != 0 or not lines:
+                raise RuntimeError(f"exit code {done.returncode}")
+            for rec in lines:
+                RECORDS.append(rec)
+                print(json.dumps(rec, sort_keys=True), flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            emit({"what": "card", "config": name, "error": str(exc)})
+        write_records(args.out, "cards.jsonl")
+    print(table(RECORDS))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,198 @@
+"""Where the cache's encoders run: whole on the GPU when they fit the run's VRAM budget, else the largest text
+encoders streamed block by block (``squareq.runtime.stream_module``), the rest whole.
+
+The budget is the run's ``vram_budget`` (``--vram-budget``), or what the device has free. What the encoders need is
+counted from the loaded modules (their bytes in the dtype they run in) plus a workspace for their activations: the
+text encoders' hidden states and logits for a batch of captions, and the VAE's feature maps for one image. A streamed
+encoder needs its tensors outside the block list (embeddings, heads, a vision tower) and ``prefetch`` blocks. When
+even streaming every text encoder does not fit, one sentence names the smallest budget that does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..runtime import release_module, stream_module
+from ..runtime.module_stream import largest_block_list
+from ..sizes import format_size, format_size_up
+from .encoder_source import EncoderError
+
+TEXT_BATCH = 8  # captions per encoder call (EmbeddingCache.fill's batch)
+STREAM_PREFETCH = 2  # device slots of a streamed encoder
+# bytes of the VAE encoder's feature maps per image pixel at 2 bytes an element: a 128-channel map at full resolution,
+# about four alive at once (the FLUX.1 VAE's down path); the video VAEs' causal convolutions keep a cache beside it
+VAE_BYTES_PER_PIXEL = 2048
+# what any CUDA program reserves beside its tensors (cuBLAS workspace, the allocator's rounding)
+FIXED = 512 << 20
+
+
+@dataclass(frozen=True)
+class EncoderRun:
+    """What the encoders are placed for: the budget (None: what the device has free), the caption length and the
+    largest image's pixels, and the flag or key that set the budget (for messages)."""
+
+    budget: int | None = None
+    tokens: int = 512
+    pixels: int = 1024 * 1024
+    flag: str = "vram_budget"
+
+
+DEFAULT_RUN = EncoderRun()
+
+
+class PlacementError(EncoderError):
+    """The encoders cannot run within the budget, even streamed."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The encoders' placement: which run whole on the device and which stream, and what each needs there."""
+
+    budget: int | None
+    sizes: dict[str, int]  # each encoder's bytes in its run dtype
+    streamed_sizes: dict[str, int]  # a streamed encoder's bytes on the device: outside its blocks + prefetch blocks
+    workspace: int
+    streamed: tuple[str, ...] = ()
+    device: str = "cpu"
+    names: dict[str, str] = field(default_factory=dict)  # component -> class name, for the log
+
+    @property
+    def expected(self) -> int:
+        return sum(self.streamed_sizes[n] if n in self.streamed else s for n, s in self.sizes.items()) \
+            + self.workspace + FIXED
+
+    def describe(self) -> str:
+        """One line for the log: the choice and why."""
+        whole = sum(self.sizes.values()) + self.workspace + FIXED
+        parts = ", ".join(f"{n} ({self.names.get(n, n)}) {format_size(s)}" for n, s in self.sizes.items())
+        if self.budget is None:
+            return f"encoders on {self.device}, whole: {parts}; with activations {format_size(whole)}."
+        budget = f"the budget {format_size(self.budget)}"
+        if not self.streamed:
+            return f"encoders on {self.device}, whole: {parts}; with activations {format_size(whole)}, within {budget}."
+        streamed = ", ".join(f"{n} ({format_size(self.streamed_sizes[n])} on the device at a time)"
+                             for n in self.streamed)
+        return (f"encoders on {self.device}: {parts}; whole they need {format_size(whole)} with activations, more than "
+                f"{budget}, so {streamed} stream block by block from host memory; expected peak "
+                f"{format_size(self.expected)}.")
+
+    def record(self) -> dict:
+        """What the cache keeps beside the entries' identity (EmbeddingCache.record_encoders)."""
+        return {"device": self.device, "budget_bytes": self.budget, "streamed": list(self.streamed),
+                "bytes": dict(self.sizes), "expected_peak_bytes": self.expected}
+
+
+def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of ``module``'s tensors once its floating ones are cast to ``dtype``."""
+    tensors = [t for t in (*module.parameters(), *module.buffers())]
+    return sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in tensors)
+
+
+def streamed_bytes(module: nn.Module, dtype: torch.dtype, prefetch: int = STREAM_PREFETCH) -> int:
+    """Device bytes of ``module`` streamed: everything outside its largest block list, and ``prefetch`` blocks."""
+    blocks = list(module.get_submodule(largest_block_list(module)))
+    per_block = [module_bytes(b, dtype) for b in blocks]
+    return module_bytes(module, dtype) - sum(per_block) + prefetch * max(per_block)
+
+
+def _streamable(module: nn.Module) -> bool:
+    try:
+        largest_block_list(module)
+    except ValueError:
+        return False
+    return True
+
+
+def _text_config(module: nn.Module):
+    config = getattr(module, "config", None)
+    return getattr(config, "text_config", None) or config
+
+
+def text_workspace(module: nn.Module, tokens: int, dtype: torch.dtype, batch: int = TEXT_BATCH) -> int:
+    """Activation bytes of one caption batch through a text encoder: every layer's hidden states (the pipelines ask
+    for them), the MLP's widest intermediate twice, and the logits where the model has a language-model head (the
+    pipelines read hidden states, but the model's forward computes them)."""
+    cfg = _text_config(module)
+    first = lambda *names: next((int(v) for v in (getattr(cfg, n, None) for n in names) if v), 0)  # noqa: E731
+    hidden = first("d_model", "hidden_size")
+    layers = first("num_layers", "num_hidden_layers")
+    ffn = first("d_ff", "intermediate_size")
+    head = getattr(module, "get_output_embeddings", lambda: None)()
+    vocab = first("vocab_size") if head is not None else 0
+    rows = batch * tokens
+    return rows * dtype.itemsize * (hidden * (layers + 4) + 2 * ffn + vocab)
+
+
+def vae_workspace(pixels: int) -> int:
+    """Activation bytes of the VAE encoding one image of ``pixels`` pixels."""
+    return VAE_BYTES_PER_PIXEL * pixels
+
+
+def plan_placement(parts: dict[str, nn.Module], budget: int | None, device: torch.device, dtype: torch.dtype,
+                   tokens: int, pixels: int, flag: str = "vram_budget") -> Placement:
+    """Whole on ``device`` when everything fits ``budget`` (None: no limit); else stream the largest streamable text
+    encoders, one at a time, until it fits. ``parts``: component name -> module (``vae`` is never streamed)."""
+    sizes = {n: module_bytes(m, dtype) for n, m in parts.items()}
+    texts = {n: m for n, m in parts.items() if n != "vae"}
+    workspace = max([text_workspace(m, tokens, dtype) for m in texts.values()], default=0) + \
+        (vae_workspace(pixels) if "vae" in parts else 0)
+    streamed_sizes = {n: streamed_bytes(m, dtype) for n, m in texts.items() if _streamable(m)}
+    # only encoders with more blocks than slots save memory streamed
+    streamable = sorted((n for n, b in streamed_sizes.items() if b < sizes[n]), key=lambda n: -sizes[n])
+    names = {n: type(m).__name__ for n, m in parts.items()}
+    placement = Placement(budget, sizes, streamed_sizes, workspace, (), str(device), names)
+    if budget is None or placement.expected <= budget:
+        return placement
+    for i in range(1, len(streamable) + 1):
+        placement = Placement(budget, sizes, streamed_sizes, workspace, tuple(streamable[:i]), str(device), names)
+        if placement.expected <= budget:
+            return placement
+    raise PlacementError(
+        f"{flag} {format_size(budget)} cannot hold the cache's encoders even with "
+        f"{' and '.join(streamable) or 'nothing'} streamed block by block: "
+        + ", ".join(f"{n} {format_size(placement.streamed_sizes.get(n, s) if n in placement.streamed else s)}"
+                    for n, s in sizes.items())
+        + f" and {format_size(workspace)} of activations need {format_size(placement.expected)}; give {flag} at least "
+        f"{format_size_up(placement.expected)}, or cache on a larger card with `squareq cache`.")
+
+
+def place(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderRun) -> Placement:
+    """Plan the placement of ``owner``'s components ``names`` (a pipeline's ``vae``, ``text_encoder``, ...; missing
+    ones skipped) for ``run`` and apply it: whole ones moved to ``device`` in ``dtype``, streamed ones streamed."""
+    parts = {n: getattr(owner, n) for n in names if getattr(owner, n, None) is not None}
+    placement = plan_placement(parts, run_budget(run.budget, device), device, dtype, run.tokens, run.pixels,
+                               run.flag)
+    for name, module in parts.items():
+        if name in placement.streamed:
+            stream_module(module.to(dtype=dtype), device, prefetch=STREAM_PREFETCH)
+        else:
+            module.to(device=device, dtype=dtype).eval()
+    return placement
+
+
+def release(owner, placement: Placement) -> None:
+    """Unlock and drop the streamed encoders' host blobs and device slots now, not at a later garbage collection
+    (training needs the memory)."""
+    for name in placement.streamed:
+        module = getattr(owner, name, None)
+        if module is not None:
+            release_module(module)
+
+
+def run_budget(budget: int | None, device: torch.device) -> int | None:
+    """The budget the encoders are placed within: ``budget``, or on a GPU what this process can still take there
+    (None on a CPU without one): the device's free memory plus what the allocator holds unused, within the
+    allocator's cap when one is set (``torch.cuda.set_per_process_memory_fraction``: the compile's ``--vram-budget``,
+    a benchmark's card)."""
+    if budget is not None or device.type != "cuda":
+        return budget
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    allocated = torch.cuda.memory_allocated(index)
+    available = free + torch.cuda.memory_reserved(index) - allocated
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        available = min(available, int(fraction(index) * total) - allocated)
+    return max(available, 0)
