@@ -367,7 +367,7 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
     # a rebuild's state holds only the layers it searched again, so it must never pass for a full compile's
     state = run.state = CompileState(state_folder(out), {"measurement_key": setup.key,
                                                          "rebuild_of": str(previous.path) if setup.reused else None},
-                                     opts.resume)
+                                     opts.resume, echo=progress)
     started = time.perf_counter()
     layers, fixed, notes, measured_rungs, effect_info = _measurements(source, opts, progress, setup, state)
     calibrate_s = time.perf_counter() - started

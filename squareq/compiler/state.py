@@ -10,6 +10,7 @@ killed compile, when the folder is opened again.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors.torch import load_file, save
 
 from ..quant import QuantizedWeight, QuantSpec, tensor_layout
 from ..slab.atomic import atomic_write_bytes
+from ..slab.digest import file_sha256
 from .ladder import LayerDecision
 from .layer_search import Candidate
 
@@ -35,11 +37,18 @@ def spill_path(folder: Path, part: str) -> Path:
     return Path(folder) / f"spill.{part}.scratch"
 
 
+def _record_hash(record: dict) -> str:
+    """sha256 of a record's canonical JSON (key order and spacing do not matter, every value does)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 class CompileState:
     """Read and write one compile's state folder."""
 
-    def __init__(self, folder: Path, fingerprint: dict, resume: bool) -> None:
+    def __init__(self, folder: Path, fingerprint: dict, resume: bool, echo=lambda line: None) -> None:
         self.folder = Path(folder)
+        self.echo = echo  # says so when a damaged block is measured again
+        self._verified: set[int] = set()
         meta = self.folder / "state.json"
         if self.folder.exists() and not resume:
             raise StateError(f"{self.folder} holds an earlier, unfinished compile; pass --resume to continue it, "
@@ -68,7 +77,41 @@ class CompileState:
         return self.folder / f"block.{index}.safetensors", self.folder / f"block.{index}.json"
 
     def has_block(self, index: int) -> bool:
-        return self._paths(index)[1].is_file()
+        """Whether block ``index`` finished and its files are as they were written: the tensors' sha256 and the
+        record's are checked (once per compile), so a damaged block is measured again, never built into a slab
+        whose own hashes would then match the damage."""
+        data, meta = self._paths(index)
+        if not meta.is_file():
+            return False
+        if index in self._verified:
+            return True
+        why = self._damage(data, meta)
+        if why is None:
+            self._verified.add(index)
+            return True
+        self.echo(f"{data.name} and {meta.name} {why} in {self.folder}; measuring that block again.")
+        meta.unlink(missing_ok=True)
+        data.unlink(missing_ok=True)
+        return False
+
+    def _damage(self, data: Path, meta: Path) -> str | None:
+        """Why a finished block's files cannot be trusted, or None."""
+        try:
+            record = json.loads(meta.read_text())
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return "have an unreadable record"
+        if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+            return "carry no hash (an older SquareQ wrote them)"
+        body = {k: v for k, v in record.items() if k != "record_sha256"}
+        if record.get("record_sha256") != _record_hash(body):
+            return "have a record that changed after it was written"
+        try:
+            found = file_sha256(data)
+        except OSError:
+            return "have no readable tensors file"
+        if found != record["sha256"]:
+            return "have tensors whose bytes changed after they were written"
+        return None
 
     def save_block(self, index: int, decisions: list[LayerDecision], info: dict) -> None:
         tensors, records = {}, []
@@ -81,15 +124,21 @@ class CompileState:
                               "metrics": c.metrics})
             records.append({"name": d.name, "chosen": d.tried.index(d.chosen), "reasons": d.reasons, "tried": tried})
         data, meta = self._paths(index)
+        blob = save(tensors)
+        record = {"layers": records, **info, "sha256": hashlib.sha256(blob).hexdigest()}
+        record["record_sha256"] = _record_hash(record)
         # Tensors first, then the JSON that marks the block finished: both fsynced before their rename.
-        atomic_write_bytes(data, save(tensors))
-        atomic_write_bytes(meta, json.dumps({"layers": records, **info}, indent=1).encode())
+        atomic_write_bytes(data, blob)
+        atomic_write_bytes(meta, json.dumps(record, indent=1).encode())
+        self._verified.add(index)
 
     def load_block(self, index: int, tensors: bool = True) -> tuple[list[LayerDecision], dict]:
         """A finished block's decisions. With ``tensors=False`` the candidates' tensors are meta-device
         stand-ins of the right dtype and shape: enough to plan sizes without reading the data."""
         data, meta = self._paths(index)
         record = self._json(meta)
+        record.pop("sha256", None)
+        record.pop("record_sha256", None)
         stored = load_file(str(data)) if tensors else {}
         decisions = []
         for layer in record.pop("layers"):
@@ -125,14 +174,20 @@ class CompileState:
 
     def save_effects(self, effects: dict, info: dict) -> None:
         data = {"effects": effects, "info": info}
+        data["record_sha256"] = _record_hash(data)
         atomic_write_bytes(self.folder / "effects.json", json.dumps(data, indent=1).encode())
 
     def load_effects(self) -> tuple[dict[str, dict[str, float]], dict] | None:
-        """The effects pass's results, or None when it has not finished."""
+        """The effects pass's results, or None when it has not finished or its file changed after it was written
+        (then the pass runs again, and a line says so)."""
         path = self.folder / "effects.json"
         if not path.is_file():
             return None
         data = self._json(path)
+        if not isinstance(data, dict) or data.pop("record_sha256", None) != _record_hash(data):
+            self.echo(f"{path} changed after it was written; measuring the effects again.")
+            path.unlink(missing_ok=True)
+            return None
         return data["effects"], data["info"]
 
     def remove(self) -> None:

@@ -172,14 +172,23 @@ def text_batch(model, tokenizer, texts: list[str], samples: int, seed: int, max_
 PAIRS_FILE = "pairs.json"  # written by the trainer's cache fill: [[latent key, text key], ...] per image
 
 
+def _entry(path: Path, root: Path) -> dict[str, torch.Tensor]:
+    """A cache entry's tensors, its hash checked."""
+    from ..slab.digest import DigestError, read_hashed
+
+    try:
+        return read_hashed(path)
+    except DigestError as exc:
+        raise ModelError(f"cache entry {path} {exc}; fill the cache again with `squareq cache SLAB --data DIR "
+                         f"--cache-dir {root}` (it re-encodes what is damaged) or a training run.") from None
+
+
 def read_training_cache(cache_dir: str | Path, recipe: TrainingRecipe, config, family: str) -> CalibrationSet:
     """The images and captions of a training cache (``squareq cache`` / ``squareq train``: ``latents/<key>.safetensors``
     and ``text/<key>.safetensors``), each image with its own caption as the trainer's last fill paired them
     (``pairs.json``; a cache without it pairs them in file order). Only the most common latent shape is kept (one
     bucket, so they batch)."""
     import json
-
-    from safetensors.torch import load_file
 
     root = Path(cache_dir).expanduser()
     latent_files = sorted((root / "latents").glob("*.safetensors"))
@@ -195,10 +204,10 @@ def read_training_cache(cache_dir: str | Path, recipe: TrainingRecipe, config, f
         recorded = [(a, b) for a, b in recorded if a.is_file() and b.is_file()]
         if recorded:
             pairs, pairing = list(dict.fromkeys(recorded)), "each image with its caption"
-    latents = [load_file(str(a)) for a, _ in pairs]
+    latents = [_entry(a, root) for a, _ in pairs]
     shape, _ = Counter(tuple(e["latents"].shape) for e in latents).most_common(1)[0]
     keep = [i for i, e in enumerate(latents) if tuple(e["latents"].shape) == shape]
-    texts = [load_file(str(pairs[i][1])) for i in keep]
+    texts = [_entry(pairs[i][1], root) for i in keep]
     fields = recipe.text_fields(config)
     width, pooled = texts[0]["prompt_embeds"].shape[-1], texts[0].get("pooled_prompt_embeds")
     if shape[0] != recipe.latent_channels(config) or width != fields.width or \

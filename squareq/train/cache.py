@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
 
 from ..slab.atomic import atomic_write_bytes
+from ..slab.digest import DigestError, file_sha256, hashed_safetensors, read_hashed
 
 KINDS = ("latents", "text")
 ENCODERS_FILE = "encoders.json"
@@ -39,13 +39,9 @@ def content_key(*parts) -> str:
     return h.hexdigest()
 
 
-def file_digest(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes (an image's identity in the cache)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def module_identity(module: torch.nn.Module, name: str) -> str:
@@ -84,8 +80,9 @@ def _sums(t: torch.Tensor) -> tuple[float, float]:
 class EmbeddingCache:
     """Content-addressed tensors under ``root/<kind>/<key>.safetensors``."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, echo: Callable[[str], None] | None = None) -> None:
         self.root = Path(root)
+        self.echo = echo or (lambda line: print(line, file=sys.stderr))  # a re-encoded entry is said
         for kind in KINDS:
             (self.root / kind).mkdir(parents=True, exist_ok=True)
         self.computed = 0  # entries written by this object (tests and progress lines read it)
@@ -99,16 +96,29 @@ class EmbeddingCache:
         return self.path(kind, key).is_file()
 
     def load(self, kind: str, key: str) -> dict[str, torch.Tensor]:
+        """An entry's tensors, their hash checked (a damaged entry is a :class:`CacheError` naming the file)."""
         path = self.path(kind, key)
         try:
-            return load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CacheError(f"cache entry {path} is unreadable ({exc}); delete it and the next run recomputes "
-                             "it.") from None
+            return read_hashed(path)
+        except DigestError as exc:
+            raise CacheError(f"cache entry {path} {exc}; delete it and the next run recomputes it.") from None
+
+    def intact(self, kind: str, key: str) -> bool:
+        """Whether the entry is there and as it was written; a damaged one is deleted, with a line saying so, so
+        that the fill encodes it again."""
+        path = self.path(kind, key)
+        if not path.is_file():
+            return False
+        try:
+            read_hashed(path)
+        except DigestError as exc:
+            self.echo(f"cache entry {path} {exc}; encoding it again.")
+            path.unlink(missing_ok=True)
+            return False
+        return True
 
     def store(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
-        atomic_write_bytes(self.path(kind, key), data)
+        atomic_write_bytes(self.path(kind, key), hashed_safetensors(tensors))
         self.computed += 1
 
     def record_pairs(self, pairs: list[tuple[str, str]]) -> None:
@@ -147,7 +157,7 @@ class EmbeddingCache:
         made = 0
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            if all(self.has(kind, key) for key, _ in chunk):
+            if all([self.intact(kind, key) for key, _ in chunk]):  # every entry checked: damaged ones are deleted
                 continue
             for (key, _), tensors in zip(chunk, compute([i for _, i in chunk]), strict=True):
                 if not self.has(kind, key):

@@ -240,7 +240,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     held_items = held.training_items * len(cfg.resolution) if held else []
     held_buckets = entry_buckets(held, buckets, cfg.no_upscale) if held else []
     held_captions = [caption_for(item.caption, cfg.trigger) for item in held_items]
-    cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache")
+    cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo)
     keys = None
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model

@@ -1,5 +1,6 @@
 """End to end: `squareq compile` on the tiny model, its BFL twin and a small transformers encoder."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,11 +8,10 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from squareq.cli import main
-from squareq.compiler import BudgetError, CompileOptions, compile_slab, open_source
-from squareq.compiler import driver
+from squareq.compiler import BudgetError, CompileOptions, compile_slab, driver, open_source
+from squareq.models import load_builtin
 from squareq.models.flux_bfl import diffusers_to_bfl
 from squareq.models.tiny import MLP_OUTLIER_LAYER, ROW_OUTLIER_LAYER
-from squareq.models import load_builtin
 from squareq.slab import open_slab
 from squareq.slab.writer import block_linears
 
@@ -134,6 +134,55 @@ def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
     compile_slab(open_source("tiny-flux"), out, resumed)
     assert (out / "slab.safetensors").read_bytes() == (whole / "slab.safetensors").read_bytes()
     assert without_timings(manifest(out)) == without_timings(manifest(whole))
+
+
+def _flip_a_tensor_byte(path: Path) -> None:
+    """Flip the bits of one byte inside the first tensor of a safetensors file (after its header)."""
+    raw = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    raw[header + 3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["tensor bytes", "record", "none"])
+def test_resume_measures_a_damaged_state_block_again(tmp_path, monkeypatch, fast, damage):
+    """Issue 40, item 1: state bytes changed after they were written are measured again, never built into the slab
+    (its own hashes would then match the damage); the undamaged state is reused (the positive control)."""
+    opts = CompileOptions(budget=2_000_000, **fast)
+    whole = tmp_path / "whole.slab"
+    compile_slab(open_source("tiny-flux"), whole, opts)
+    original, calls = driver._Run._measure, []
+
+    def dies_at_third_block(self, index, *args):
+        if index == 2:
+            raise KeyboardInterrupt
+        return original(self, index, *args)
+
+    monkeypatch.setattr(driver._Run, "_measure", dies_at_third_block)
+    out = tmp_path / "resumed.slab"
+    with pytest.raises(KeyboardInterrupt):
+        compile_slab(open_source("tiny-flux"), out, opts)
+    state = driver.state_folder(out)
+    if damage == "tensor bytes":
+        _flip_a_tensor_byte(state / "block.1.safetensors")
+    elif damage == "record":
+        record = json.loads((state / "block.1.json").read_text())
+        record["layers"][0]["chosen"] = 1 - record["layers"][0]["chosen"]  # another candidate, valid JSON
+        (state / "block.1.json").write_text(json.dumps(record))
+
+    def counts(self, index, *args):
+        calls.append(index)
+        return original(self, index, *args)
+
+    monkeypatch.setattr(driver._Run, "_measure", counts)
+    lines = []
+    compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast), lines.append)
+    again = [line for line in lines if "measuring that block again" in line]
+    if damage == "none":
+        assert calls == [2, 3] and not again
+    else:
+        assert calls == [1, 2, 3] and len(again) == 1 and "block.1.safetensors" in again[0]
+    assert (out / "slab.safetensors").read_bytes() == (whole / "slab.safetensors").read_bytes()
 
 
 def test_bfl_and_diffusers_sources_give_identical_slabs(tmp_path, tiny_flux, fast):
@@ -342,3 +391,17 @@ def test_nf4_and_fp8_rungs_are_measured_planned_and_written(tmp_path, fast):
         for rec in slab.manifest.layers:
             assert rec.spec.short_label == rec.rung
             assert rec.spec.format == {"NF4": "nf4", "FP8": "fp8_e4m3"}.get(rec.rung, "int")
+
+
+def test_an_edited_effects_record_is_measured_again(tmp_path):
+    """Issue 40, item 1: effects.json edited after it was written is not used; the untouched one is (control)."""
+    from squareq.compiler.state import CompileState
+
+    lines = []
+    state = CompileState(tmp_path / "s.state", {"measurement_key": "k"}, resume=False, echo=lines.append)
+    state.save_effects({"a.to_q": {"W4": 0.25}}, {"probes": 4})
+    assert state.load_effects() == ({"a.to_q": {"W4": 0.25}}, {"probes": 4}) and not lines
+    path = tmp_path / "s.state" / "effects.json"
+    path.write_text(path.read_text().replace("0.25", "0.0"))
+    assert state.load_effects() is None and not path.exists()
+    assert len(lines) == 1 and "effects.json changed after it was written" in lines[0]

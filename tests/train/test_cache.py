@@ -81,3 +81,44 @@ def test_module_identity_sums_a_large_tensor_a_chunk_at_a_time(monkeypatch):
     with torch.no_grad():
         emb.weight[-1, -1] += 0.5
     assert module_identity(emb, "enc") not in (chunked, whole)
+
+
+def _sign_flipped(path):
+    """The entry with every value's sign flipped and written back as a plain safetensors file (what the audit did)."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({k: -v for k, v in load_file(str(path)).items()}, str(path))
+
+
+def _without_a_key(path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors.pop("embeds")
+    save_file({**tensors, "other": torch.zeros(1)}, str(path))
+
+
+def _bytes_changed(path):
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # the last value's last byte: the header still parses
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", [_sign_flipped, _without_a_key, _bytes_changed, None])
+def test_a_damaged_entry_is_encoded_again_with_a_line_saying_so(tmp_path, damage):
+    """Issue 40, item 2: entries are hashed when written and checked when read; a damaged one is deleted and encoded
+    again by the next fill (one line each), and an intact cache is used as it is (the positive control)."""
+    captions = ["a cat", "a dog", "a fox"]
+    keys, _ = _encode_all(EmbeddingCache(tmp_path / "cache"), captions, [])
+    lines, calls = [], []
+    cache = EmbeddingCache(tmp_path / "cache", echo=lines.append)
+    if damage is not None:
+        damage(cache.path("text", keys[1]))
+        with pytest.raises(CacheError, match=f"{keys[1]}.safetensors"):
+            cache.load("text", keys[1])
+    _, made = _encode_all(cache, captions, calls)
+    if damage is None:
+        assert made == 0 and calls == [] and lines == []
+    else:
+        assert made == 1 and len(lines) == 1 and keys[1] in lines[0] and "encoding it again" in lines[0]
+    assert torch.equal(cache.load("text", keys[1])["embeds"], torch.full((2, 3), 5.0))
