@@ -107,15 +107,14 @@ def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, fa
     assert m["calibration"]["measured_output_rel_mse"] < manifest(size)["calibration"]["measured_output_rel_mse"]
 
 
-def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
+def _whole_and_killed(tmp_path, monkeypatch, fast):
+    """(an uninterrupted slab, the output of a compile killed at its third block, the options, the real _measure)."""
     opts = CompileOptions(budget=2_000_000, **fast)
     whole = tmp_path / "whole.slab"
     compile_slab(open_source("tiny-flux"), whole, opts)
-
-    original, calls = driver._Run._measure, []
+    original = driver._Run._measure
 
     def dies_at_third_block(self, index, *args):
-        calls.append(index)
         if index == 2:
             raise KeyboardInterrupt
         return original(self, index, *args)
@@ -124,12 +123,16 @@ def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
     out = tmp_path / "resumed.slab"
     with pytest.raises(KeyboardInterrupt):
         compile_slab(open_source("tiny-flux"), out, opts)
+    return whole, out, opts, original
+
+
+def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
+    whole, out, opts, original = _whole_and_killed(tmp_path, monkeypatch, fast)
     assert not out.exists() and sorted(p.name for p in driver.state_folder(out).glob("block.*.json")) == [
         "block.0.json", "block.1.json"]
     with pytest.raises(Exception, match="--resume"):
         compile_slab(open_source("tiny-flux"), out, opts)
     monkeypatch.setattr(driver._Run, "_measure", original)
-    calls.clear()
     resumed = CompileOptions(budget=2_000_000, resume=True, **fast)
     compile_slab(open_source("tiny-flux"), out, resumed)
     assert (out / "slab.safetensors").read_bytes() == (whole / "slab.safetensors").read_bytes()
@@ -148,20 +151,8 @@ def _flip_a_tensor_byte(path: Path) -> None:
 def test_resume_measures_a_damaged_state_block_again(tmp_path, monkeypatch, fast, damage):
     """Issue 40, item 1: state bytes changed after they were written are measured again, never built into the slab
     (its own hashes would then match the damage); the undamaged state is reused (the positive control)."""
-    opts = CompileOptions(budget=2_000_000, **fast)
-    whole = tmp_path / "whole.slab"
-    compile_slab(open_source("tiny-flux"), whole, opts)
-    original, calls = driver._Run._measure, []
-
-    def dies_at_third_block(self, index, *args):
-        if index == 2:
-            raise KeyboardInterrupt
-        return original(self, index, *args)
-
-    monkeypatch.setattr(driver._Run, "_measure", dies_at_third_block)
-    out = tmp_path / "resumed.slab"
-    with pytest.raises(KeyboardInterrupt):
-        compile_slab(open_source("tiny-flux"), out, opts)
+    whole, out, _, original = _whole_and_killed(tmp_path, monkeypatch, fast)
+    calls = []
     state = driver.state_folder(out)
     if damage == "tensor bytes":
         _flip_a_tensor_byte(state / "block.1.safetensors")
