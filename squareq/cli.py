@@ -523,13 +523,19 @@ def sample(slab, prompts, lora, out, model, revision, clip_l, clip_g, t5, vae, r
 def export_lora(lora: Path, out: Path, fmt: str) -> None:
     """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT)."""
     from .runtime import LoraVariant
-    from .train.lora_files import load_lora, save_diffusers_lora, save_kohya_lora
+    from .train.lora_files import WEIGHT_NAME, load_lora, save_diffusers_lora, save_kohya_lora
 
+    source = lora / WEIGHT_NAME if lora.is_dir() else lora
+    target = out if fmt == "kohya" else out / WEIGHT_NAME
+    if source.exists() and target.exists() and source.resolve() == target.resolve():
+        raise click.UsageError(f"-o {out} would overwrite the LoRA being exported ({source}); write the {fmt} layout "
+                               "to another path.")
     factors, info = load_lora(lora)
     save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
     provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
     prefix = {"prefix": info["component"], "variant": LoraVariant(dora=info["use_dora"])} if fmt == "diffusers" else {}
-    path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance, **prefix)
+    path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance,
+                header=info["header"], **prefix)
     click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
 
 

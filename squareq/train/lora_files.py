@@ -625,6 +625,10 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "targets": list(targets) if targets is not None else sorted(per_layer),
         "metadata": provenance,
         "use_dora": bool(magnitudes),
+        # the training run's own header keys (modelspec.*, ss_*), for a re-export to carry; SquareQ's and the
+        # layout's own keys are written anew
+        "header": {k: v for k, v in header.items() if not k.startswith("squareq.")
+                   and k not in ("format", ADAPTER_METADATA_KEY)},
     }
     return lora, info
 

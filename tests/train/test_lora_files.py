@@ -524,3 +524,33 @@ def test_dora_magnitudes_stay_fp32_in_a_bf16_file(tiny_slab, tmp_path):
     assert dtypes == {"lora_magnitude_vector": torch.float32, "factor": torch.bfloat16}
     back, _ = load_lora(tmp_path)
     assert all(torch.equal(back[k], lora[k]) for k in lora if k.endswith(".lora_magnitude_vector"))
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
+def test_export_lora_keeps_the_run_s_header_and_never_overwrites_its_input(trained, tmp_path, fmt):
+    """Issue 40, item 6: ``export-lora X -o X`` is refused with the input untouched; an export elsewhere carries the
+    training run's modelspec.* and ss_* keys (the control: the header is there to carry)."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    lora, _ = trained
+    run_header = {"modelspec.title": "sks dog", "modelspec.date": "2026-11-26", "ss_training_started_at": "1",
+                  "ss_num_train_images": "12", "ss_tag_frequency": json.dumps({"sks": 12})}
+    if fmt == "kohya":
+        src = save_kohya_lora(lora, tmp_path / "in.safetensors", RANK, ALPHA, targets=["to_q"], header=run_header)
+        same = src
+    else:
+        src = save_diffusers_lora(lora, tmp_path / "in", RANK, ALPHA, ["to_q"], header=run_header)
+        same = tmp_path / "in"
+    before = src.read_bytes()
+    refused = CliRunner().invoke(main, ["export-lora", str(same), "-o", str(same), "--format", fmt])
+    assert refused.exit_code == 2 and "would overwrite the LoRA being exported" in refused.output
+    assert src.read_bytes() == before
+    out = tmp_path / ("out.safetensors" if fmt == "kohya" else "out")
+    done = CliRunner().invoke(main, ["export-lora", str(same), "-o", str(out), "--format", fmt])
+    assert done.exit_code == 0, done.output
+    written = out if fmt == "kohya" else out / "pytorch_lora_weights.safetensors"
+    with safe_open(str(written), "pt") as f:
+        header = f.metadata()
+    assert {k: header.get(k) for k in run_header} == run_header
