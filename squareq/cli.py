@@ -172,7 +172,8 @@ def accept(slab, model, revision, clip_l, clip_g, t5, vae, thresholds_file, budg
     opts = AcceptOptions(
         slab=slab, model=model, revision=revision, files=_given_files(clip_l, clip_g, t5, vae), device=device,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
-        budget=parse_size(budget) if budget else None, vram_budget=parse_size(vram_budget) if vram_budget else None,
+        budget=parse_size(budget, "--budget") if budget else None,
+        vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None,
         workdir=workdir, require_gpu=require_gpu, samples=samples, images=images, sample_steps=sample_steps,
         clip_model=str(clip_model) if clip_model else None,
         training=ConvergenceSettings(steps=steps, data=str(data) if data else "", lr=lr or (5e-3 if builtin else None),
@@ -309,17 +310,17 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     if len(given) > 1:
         raise click.UsageError(f"{' and '.join(given)} each name the calibration data; give one of them.")
     opts = CompileOptions(
-        budget=parse_size(budget), objective=objective,
+        budget=parse_size(budget, "--budget"), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         formats=formats, rounding=rounding, group_size=group_size,
         calib_samples=calib_samples,
         calib_cache=str(calib_cache) if calib_cache else None, calib_text=str(calib_text) if calib_text else None,
         calib_tokens=calib_tokens, calib_synthetic=calib_synthetic,
-        max_block_bytes=parse_size(max_block_bytes) if max_block_bytes else None,
-        vram_cap=parse_size(vram_cap) if vram_cap else None, ring_slots=ring_slots,
+        max_block_bytes=parse_size(max_block_bytes, "--max-block-bytes") if max_block_bytes else None,
+        vram_cap=parse_size(vram_cap, "--vram-cap") if vram_cap else None, ring_slots=ring_slots,
         previous=str(previous) if previous else None, effect_probes=effect_probes,
-        vram_budget=parse_size(vram_budget) if vram_budget else None,
-        host_budget=parse_size(host_budget) if host_budget else None, resume=resume, overwrite=force,
+        vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None,
+        host_budget=parse_size(host_budget, "--host-budget") if host_budget else None, resume=resume, overwrite=force,
     )
     files = _given_files(clip_l, clip_g, t5, vae)
     given = ", ".join([*(cli_flag(k) for k in files), *(["--encoders"] if encoders else [])])
@@ -600,7 +601,8 @@ def demo(out: Path, budget: str, steps: int, force: bool) -> None:
 
     started = time.perf_counter()
     status = _StatusLine(every=max(1, steps // 4))
-    result = run_demo(out, parse_size(budget), overwrite=force, steps=steps, echo=status.echo, status=status)
+    result = run_demo(out, parse_size(budget, "--budget"), overwrite=force, steps=steps, echo=status.echo,
+                      status=status)
     details = {g.name: g.details for g in result.report.gates}
     verdict = {"PASSED": "all gates passed", "FAILED": "a gate FAILED", "INCONCLUSIVE": "a gate was INCONCLUSIVE"}
     click.echo(f"\nslab:   {result.slab}  (squareq inspect {result.slab})\nLoRA:   {result.lora}\n"

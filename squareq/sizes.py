@@ -11,13 +11,23 @@ class SizeError(ValueError):
     """A size cannot be read."""
 
 
-def parse_size(text: str) -> int:
-    """'12GB', '11.5GiB', '800MB', '123456' -> bytes (decimal units for KB/MB/GB, binary for KiB/MiB/GiB)."""
+# more bytes than any memory or disk holds (16 EiB): a size past it is a typo, and past a float's range an overflow
+LARGEST = 2**64
+
+
+def parse_size(text: str, flag: str | None = None) -> int:
+    """'12GB', '11.5GiB', '800MB', '123456' -> bytes (decimal units for KB/MB/GB, binary for KiB/MiB/GiB). ``flag``:
+    the option or key the size was given as, named in the error."""
+    where = f"{flag}: " if flag else ""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).upper() if m else None
     if not m or unit not in _UNITS:
-        raise SizeError(f"cannot read the size {text!r}; write it like 12GB, 11.5GiB or 800MB.")
-    return int(float(m.group(1)) * _UNITS[unit])
+        raise SizeError(f"{where}cannot read the size {str(text)[:40]!r}; write it like 12GB, 11.5GiB or 800MB.")
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value < LARGEST:  # inf included
+        raise SizeError(f"{where}the size {str(text)[:40]!r} is more than any memory or disk holds; write it like "
+                        "12GB, 11.5GiB or 800MB.")
+    return int(value)
 
 
 def format_size(nbytes: int) -> str:

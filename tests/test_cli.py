@@ -117,3 +117,26 @@ def test_third_party_warnings_are_quiet_unless_verbose(verbose, caplog, monkeypa
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["compile", "tiny-flux", "-o", "OUT", "--budget", HUGE + "GB"], "--budget"),
+    (["compile", "tiny-flux", "-o", "OUT", "--budget", "2MB", "--vram-budget", HUGE], "--vram-budget"),
+    (["compile", "tiny-flux", "-o", "OUT", "--budget", "2MB", "--host-budget", HUGE], "--host-budget"),
+    (["compile", "tiny-flux", "-o", "OUT", "--budget", "2MB", "--max-block-bytes", HUGE], "--max-block-bytes"),
+    (["compile", "tiny-flux", "-o", "OUT", "--budget", "2MB", "--vram-cap", "1e999"], "--vram-cap"),
+])
+def test_an_enormous_or_unreadable_size_is_one_sentence_naming_its_flag(tmp_path, args, flag):
+    """Issue 40, items 5 and 9: a 400-digit size was an OverflowError traceback, and size errors named the value
+    only; the control is a readable size, which passes this check."""
+    args = [str(tmp_path / "t.slab") if a == "OUT" else a for a in args]
+    result = CliRunner().invoke(main, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)  # not a traceback
+    assert len(errors) == 1 and errors[0].startswith(f"error: {flag}: "), result.output
+    from squareq.sizes import parse_size
+
+    assert parse_size("12GB", flag) == 12 * 10**9  # the control: a size it can read

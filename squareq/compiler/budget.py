@@ -14,10 +14,10 @@ class BudgetError(ValueError):
     """The thresholds cannot be met within the budget (or the budget cannot be parsed)."""
 
 
-def parse_size(text: str) -> int:
-    """'12GB', '11.5GiB', '800MB', '123456' -> bytes; :class:`BudgetError` when unreadable."""
+def parse_size(text: str, flag: str | None = None) -> int:
+    """'12GB', '11.5GiB', '800MB', '123456' -> bytes; :class:`BudgetError` (naming ``flag``) when unreadable."""
     try:
-        return sizes.parse_size(text)
+        return sizes.parse_size(text, flag)
     except sizes.SizeError as exc:
         raise BudgetError(str(exc)) from None
 

@@ -206,3 +206,11 @@ def test_prefetch_is_auto_by_default_or_a_count_from_a_file_or_a_flag(tmp_path):
     for bad in ("0", "lots", "2.5"):
         with pytest.raises(ConfigError, match="--prefetch: prefetch = .* must be auto or a whole number of at least 1"):
             load_config(None, {"prefetch": bad})
+
+
+def test_a_400_digit_vram_budget_is_one_sentence_naming_the_key():
+    """Issue 40, item 5: it was an OverflowError traceback; the control: 12GB is read."""
+    with pytest.raises(ConfigError, match=r"vram_budget: the size '1000.*' is more than any memory or disk holds"):
+        load_config(None, {"slab": "s", "data": "d", "output": "o", "vram_budget": "1" + "0" * 400})
+    assert load_config(None, {"slab": "s", "data": "d", "output": "o", "vram_budget": "12GB"}).vram_budget_bytes \
+        == 12 * 10**9
