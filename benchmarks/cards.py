@@ -202,7 +202,7 @@ def encoders_of(pipe, family: str, run, measure: dict):
     import torch
 
     from squareq.train.cache import module_identity
-    from squareq.train.encoder_placement import place, release
+    from squareq.train.encoder_placement import placed
     from squareq.train.encoder_source import dtype_tag
     from squareq.train.encoders import Encoders
     from squareq.train.family_encoders import TEXT_ENCODERS, PipelineEncoders
@@ -212,21 +212,19 @@ def encoders_of(pipe, family: str, run, measure: dict):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    placement = place(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run)
-    measure["placement"] = placement.record()
-    measure["placement_line"] = placement.describe()
-    log(placement.describe())
-    if family == "flux":
-        where = dtype_tag(dtype)
-        enc = Encoders(pipe, device, dtype, module_identity(pipe.vae, "vae") + where,
-                       module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where,
-                       placement)
-    else:
-        enc = PipelineEncoders(pipe, family, device, dtype, placement)
     try:
-        yield enc
+        with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run) as placement:
+            measure["placement"] = placement.record()
+            measure["placement_line"] = placement.describe()
+            log(placement.describe())
+            if family == "flux":
+                where = dtype_tag(dtype)
+                yield Encoders(pipe, device, dtype, module_identity(pipe.vae, "vae") + where,
+                               module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5")
+                               + where, placement)
+            else:
+                yield PipelineEncoders(pipe, family, device, dtype, placement)
     finally:
-        release(pipe, placement)
         if device.type == "cuda":
             torch.cuda.synchronize()
             measure["cache_peak_reserved_GB"] = torch.cuda.max_memory_reserved() / 1e9

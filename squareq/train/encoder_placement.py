@@ -9,6 +9,8 @@ even streaming every text encoder does not fit, one sentence names the smallest 
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -158,26 +160,25 @@ def plan_placement(parts: dict[str, nn.Module], budget: int | None, device: torc
         f"{format_size_up(placement.expected)}, or cache on a larger card with `squareq cache`.")
 
 
-def place(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderRun) -> Placement:
+@contextlib.contextmanager
+def placed(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderRun) -> Iterator[Placement]:
     """Plan the placement of ``owner``'s components ``names`` (a pipeline's ``vae``, ``text_encoder``, ...; missing
-    ones skipped) for ``run`` and apply it: whole ones moved to ``device`` in ``dtype``, streamed ones streamed."""
+    ones skipped) for ``run`` and apply it: whole ones moved to ``device`` in ``dtype``, streamed ones streamed. On
+    exit the streamed ones' host blobs and device slots are released now, not at a later garbage collection
+    (training needs the memory), also after an error half-way through."""
     parts = {n: getattr(owner, n) for n in names if getattr(owner, n, None) is not None}
     placement = plan_placement(parts, run_budget(run.budget, device), device, dtype, run.tokens, run.pixels,
                                run.flag)
-    for name, module in parts.items():
-        if name in placement.streamed:
-            stream_module(module.to(dtype=dtype), device, prefetch=STREAM_PREFETCH)
-        else:
-            module.to(device=device, dtype=dtype).eval()
-    return placement
-
-
-def release(owner, placement: Placement) -> None:
-    """Unlock and drop the streamed encoders' host blobs and device slots now, not at a later garbage collection
-    (training needs the memory)."""
-    for name in placement.streamed:
-        module = getattr(owner, name, None)
-        if module is not None:
+    streamed = []
+    try:
+        for name, module in parts.items():
+            if name in placement.streamed:
+                streamed.append(stream_module(module.to(dtype=dtype), device, prefetch=STREAM_PREFETCH))
+            else:
+                module.to(device=device, dtype=dtype).eval()
+        yield placement
+    finally:
+        for module in streamed:
             release_module(module)
 
 

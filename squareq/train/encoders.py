@@ -30,7 +30,7 @@ from ..models.tiny_pipeline import (
 )
 from ..slab.errors import brief
 from .cache import module_identity
-from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, place, release
+from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
 from .encoder_source import (  # noqa: F401 (EncoderError re-exported)
     EncoderError,
     EncoderSource,
@@ -210,11 +210,9 @@ def open_encoders(source: EncoderSource | str, device: torch.device, family: str
     vae_id = module_identity(pipe.vae, "vae") + where
     text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where
     try:
-        placement = place(pipe, ("vae", "text_encoder", "text_encoder_2"), device, dtype, run)
-        yield Encoders(pipe, device, dtype, vae_id, text_id, placement)
+        with placed(pipe, ("vae", "text_encoder", "text_encoder_2"), device, dtype, run) as placement:
+            yield Encoders(pipe, device, dtype, vae_id, text_id, placement)
     finally:
-        if "placement" in locals():
-            release(pipe, placement)
         for name in ("vae", "text_encoder", "text_encoder_2"):
             setattr(pipe, name, None)
         del pipe

@@ -20,7 +20,7 @@ from ..models.base import PIPELINE_ENCODER_PARTS
 from ..models.hub import read_index
 from ..slab.errors import brief
 from .cache import module_identity
-from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, place, release
+from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
 from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
 from .single_files import load_single_files
 
@@ -146,11 +146,9 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
         raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
                            f"{found} folder with --model.") from None
     try:
-        placement = place(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run)
-        yield PipelineEncoders(pipe, family, device, dtype, placement)
+        with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run) as placement:
+            yield PipelineEncoders(pipe, family, device, dtype, placement)
     finally:
-        if "placement" in locals():
-            release(pipe, placement)
         for name in ("vae", *TEXT_ENCODERS):
             setattr(pipe, name, None)
         del pipe

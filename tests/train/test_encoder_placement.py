@@ -121,3 +121,19 @@ def test_a_budget_nothing_fits_names_the_smallest_that_works():
     assert set(placement.streamed) == {"text_encoder", "text_encoder_2"} and placement.expected == streamed_all
     with pytest.raises(PlacementError):
         plan_placement(parts, streamed_all - 1, cpu, torch.bfloat16, TOKENS, PIXELS)
+
+
+def test_streamed_encoders_are_released_on_exit_even_after_an_error():
+    from types import SimpleNamespace
+
+    from squareq.train.encoder_placement import placed
+
+    parts = _deep_parts()
+    cpu = torch.device("cpu")
+    whole = plan_placement(parts, None, cpu, torch.float32, TOKENS, PIXELS)
+    owner = SimpleNamespace(**parts)
+    with pytest.raises(RuntimeError, match="the caption batch failed"):
+        with placed(owner, list(parts), cpu, torch.float32, EncoderRun(whole.expected - 1, TOKENS, PIXELS)) as p:
+            assert p.streamed == ("text_encoder_2",) and _streamed(owner.text_encoder_2)
+            raise RuntimeError("the caption batch failed")
+    assert not _streamed(owner.text_encoder_2)  # its pinned blobs and slots are gone, not waiting for a collection
