@@ -133,8 +133,8 @@ _REVISION = click.option("--revision", help="The branch, tag or commit of a Hugg
 @click.option("--lr", type=float, help="Learning rate of the convergence runs (default: --train-config's; else 5e-3 "
               "on the built-in dataset, 1e-3 otherwise).")
 @click.option("--rank", type=click.IntRange(min=1), help="LoRA rank of both runs (default: --train-config's, else 16).")
-@click.option("--samples", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Fresh calibration samples for layer MSE and block drift.")
+@click.option("--samples", type=click.IntRange(min=2), default=2, show_default=True,
+              help="Fresh calibration samples for layer MSE and block drift (at least 2: one is held out).")
 @click.option("--images", type=click.IntRange(min=1, max=16), default=4, show_default=True,
               help="Image drift: how many of the built-in prompts to draw, from the bf16 source and from the slab.")
 @click.option("--sample-steps", type=click.IntRange(min=1), default=20, show_default=True,

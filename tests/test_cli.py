@@ -140,3 +140,13 @@ def test_an_enormous_or_unreadable_size_is_one_sentence_naming_its_flag(tmp_path
     from squareq.sizes import parse_size
 
     assert parse_size("12GB", flag) == 12 * 10**9  # the control: a size it can read
+
+
+def test_accept_samples_below_two_is_refused_naming_samples(tmp_path):
+    """Issue 40, item 9: `accept --samples 1`, which the help allowed, was refused as "--calib-samples 1"; the
+    control: --samples 2 passes the option check (the run then stops at the next missing thing)."""
+    result = CliRunner().invoke(main, ["accept", str(tmp_path / "none.slab"), "--samples", "1"])
+    assert result.exit_code == 2 and "'--samples': 1 is not in the range" in result.output
+    assert "calib-samples" not in result.output
+    result = CliRunner().invoke(main, ["accept", str(tmp_path / "none.slab"), "--samples", "2"])
+    assert "--samples" not in result.output
