@@ -256,6 +256,7 @@ def calibration(args, source, budgets, records):
     from squareq.compiler import parse_size
     from squareq.compiler.vram import memory_cap
 
+    own_peak = reset_peak_rss()  # the encoders' host memory, apart from the source writing before it
     start = time.perf_counter()
     if args.model == "flux2":
         side = 512 // 8
@@ -270,7 +271,8 @@ def calibration(args, source, budgets, records):
             images = calibration_images(source, device="cuda", limit=args.samples or 32, echo=print)
     seconds = time.perf_counter() - start
     emit({"kind": "encode", "seconds": seconds, "images": images.description["images"],
-          "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}, records)
+          "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9, "host_rss_peak_gb": peak_rss() / 1e9,
+          "host_rss_peak_of": "the encoding" if own_peak else "the process so far"}, records)
     return images, seconds
 
 
