@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..quant import row_chunks
+from .prefetch import read_ahead
 
 GRAM_COLUMNS = 2048  # columns of a Gram matrix added per product (a K x 2048 float32 temporary)
 
@@ -216,18 +217,20 @@ class StatsCollector:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + position)
         st = None
         force_held = self.holdout > 0 and not self.heldout_samples.any()
-        for e in entries:
-            dev = device if device is not None else e.x.device
-            x, held = e.x.to(dev, non_blocking=True), e.held.to(dev, non_blocking=True)  # a spilled one is read back
-            if st is None:
-                k = x.shape[1]
-                st = LayerStats(torch.zeros(k, device=dev), torch.zeros(k, dtype=torch.float64, device=dev))
-                if self.hessian:
-                    st.gram = torch.zeros(k, k, dtype=torch.float64, device=dev)
-            if force_held and st.heldout_rows is None and not held.any() and held.numel() > 1:
-                held = held.clone()
-                held[-1] = True  # every layer holds out at least one row
-            _update(st, x, held, self.max_rows, gen)
+        spilled = not all(torch.is_tensor(e.x) for e in entries)  # a spill file's handles: read back, one ahead
+        with read_ahead(lambda e: e.x if torch.is_tensor(e.x) else e.x.load(), entries, ahead=spilled) as reads:
+            for e, x in reads:
+                dev = device if device is not None else e.x.device
+                x, held = x.to(dev, non_blocking=True), e.held.to(dev, non_blocking=True)
+                if st is None:
+                    k = x.shape[1]
+                    st = LayerStats(torch.zeros(k, device=dev), torch.zeros(k, dtype=torch.float64, device=dev))
+                    if self.hessian:
+                        st.gram = torch.zeros(k, k, dtype=torch.float64, device=dev)
+                if force_held and st.heldout_rows is None and not held.any() and held.numel() > 1:
+                    held = held.clone()
+                    held[-1] = True  # every layer holds out at least one row
+                _update(st, x, held, self.max_rows, gen)
         return st
 
     def release(self, names: list[str]) -> None:

@@ -32,6 +32,7 @@ from ..slab.writer import PLACEHOLDER_FLOAT, block_linears, stored_tensor
 from .budget import OBJECTIVES, BudgetError, candidate_bytes
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
+from .disk import check_disk, estimate_disk
 from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
 from .host_budget import SAVED, TAPE, HostPlan, empty_host_cache, estimate_host, plan_host
 from .inputs import calibration_batch
@@ -330,15 +331,20 @@ def _setup(source: Source, out: Path, opts: CompileOptions, progress: Progress) 
     # between the passes that read it, the calibration batch waits in host memory (FLUX.2's text states are 1 GB)
     batch.kwargs = _moved(batch.kwargs, "cpu")
     vram = plan_vram(needs, opts.vram_budget, opts.device)
-    host_needs = estimate_host(needs, vram, skeleton, source.block_paths, batch, axes,
-                               rung_specs(opts.formats, opts.group_size), opts.effect_probes, opts.rounding == "gptq")
+    specs = rung_specs(opts.formats, opts.group_size)
+    host_needs = estimate_host(needs, vram, skeleton, source.block_paths, batch, axes, specs, opts.effect_probes,
+                               opts.rounding == "gptq")
     host = plan_host(host_needs, opts.host_budget, vram, state_folder(out))
     progress(vram.describe(axes.chunk_samples, axes.why))
     progress(host.describe())
+    key = measurement_key(source, batch, opts, axes.chunk_samples)
+    spilled = max(needs.tape if host.spill_tape else 0, needs.saved if host.spill_saved else 0)
+    disk = estimate_disk(skeleton, source.block_paths, specs, spilled, opts.budget, state_folder(out),
+                         rebuild=previous is not None and previous.key == key)
+    progress(check_disk(disk, state_folder(out), out))
     run = _Run(source, opts, progress, batch, axes, vram, host)
     shell = source.shell(run.block, opts.device, upcast_linears=True)  # checks the checkpoint
     residents = source.resident_state("cpu", torch.float32)
-    key = measurement_key(source, batch, opts, axes.chunk_samples)
     return _Setup(skeleton, previous, batch, batched, axes, vram, host, key, run, shell, residents,
                   _block_cap(opts, residents))
 

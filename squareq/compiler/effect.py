@@ -47,6 +47,7 @@ from .chunks import (
     run_chunked,
     split_leaves,
 )
+from .prefetch import read_ahead
 from .spill import Spilled
 
 DEFAULT_PROBES = 4
@@ -189,30 +190,35 @@ class _BlockRunner:
         return _fill(self.out_leaves, self.out_spec, outs)
 
     def backward(self, grads) -> list:
-        block = self.load()
-        products = self.on_replay(block)
         chunked = self.axes is not None and len(self.ranges) > 1
         in_flags = self.axes.inputs if chunked else (False,) * len(self.saved)
         out_flags = self.axes.outputs if chunked else (False,) * len(grads)
-        got = _Gradients(self.saved, in_flags, self.device)
-        try:
-            for start, stop in (self.ranges if chunked else [self.ranges[0]]):
-                # only this chunk's inputs come to the device (from pinned host memory or the spill file when the
-                # plan put them there)
-                part = [x.to(self.device, non_blocking=True).detach().requires_grad_(x.is_floating_point())
-                        for x in (_saved_rows(self.saved, in_flags, start, stop) if chunked
-                                  else [_whole(x) for x in self.saved])]
-                g_part = split_leaves(list(grads), out_flags, start, stop) if chunked else list(grads)
-                products.window = (start, stop)
-                with torch.enable_grad(), estimate_kernels(self.device):
-                    args, kwargs = self._args(part)
-                    outs = self._tensors(tree_flatten(block(*args, **kwargs))[0])
-                    pairs = [(o, g) for o, g in zip(outs, g_part) if g is not None and o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                got.add(part, start, stop)
-        finally:
-            products.remove()
+        saved = self.saved
+
+        def rows(window):  # only this chunk's inputs (from the GPU, pinned host memory or the spill file)
+            return _saved_rows(saved, in_flags, *window) if chunked else [_whole(x) for x in saved]
+
+        # spilled rows are read a chunk ahead, the first while the block loads
+        with read_ahead(rows, self.ranges if chunked else [self.ranges[0]],
+                        ahead=any(isinstance(x, Spilled) for x in saved)) as chunks:
+            block = self.load()
+            products = self.on_replay(block)
+            got = _Gradients(saved, in_flags, self.device)
+            try:
+                for (start, stop), inputs in chunks:
+                    part = [x.to(self.device, non_blocking=True).detach().requires_grad_(x.is_floating_point())
+                            for x in inputs]
+                    g_part = split_leaves(list(grads), out_flags, start, stop) if chunked else list(grads)
+                    products.window = (start, stop)
+                    with torch.enable_grad(), estimate_kernels(self.device):
+                        args, kwargs = self._args(part)
+                        outs = self._tensors(tree_flatten(block(*args, **kwargs))[0])
+                        pairs = [(o, g) for o, g in zip(outs, g_part) if g is not None and o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    got.add(part, start, stop)
+            finally:
+                products.remove()
         self.saved = []
         return got.result
 

@@ -10,7 +10,8 @@ What the compile's process holds in host memory, as the plan counts it (:class:`
 * on a CPU compile, the work a GPU compile keeps on the GPU (compiler/vram.py's estimate);
 * what waits, where the VRAM plan put it on the host: the largest block's recorded layer inputs (the *tape*) with its
   outputs parked beside them, and every block's inputs for the effects pass's backward. In pinned memory each copy is
-  counted as torch's pinned allocator makes it, rounded up to a power of two.
+  counted as torch's pinned allocator makes it, rounded up to a power of two. What is spilled costs its reads in
+  flight instead: the item being consumed and the next one, read ahead (compiler/prefetch.py).
 
 Not counted: the encoders (they run before the compile and are dropped), and the slab writer's and the plan-error
 pass's buffers (a block at a time, below the calibration pass's).
@@ -24,7 +25,6 @@ to what the machine has available (docs/compiler.md, "Compiling within a host me
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..quant import tensor_layout
 from ..sizes import format_size, format_size_up
-from .budget import BudgetError
+from .budget import BudgetError, layer_candidate_bytes
 from .spill import SEGMENT, SpillFile
 from .state import spill_path
 from .vram import Needs, VramPlan, _nbytes, _tensors
@@ -65,6 +64,8 @@ class HostNeeds:
     tape: int  # the largest block's recorded inputs and parked outputs, where they wait on the host (0: on the GPU)
     saved: int  # every block's inputs for the effects pass's backward, where they wait on the host (0: on the GPU)
     staging: int = 0  # the spill's pinned staging buffer (a GPU compile)
+    tape_reads: int = 0  # a spilled tape's reads in flight: the recorded input being consumed and the next one
+    saved_reads: int = 0  # spilled effect inputs' reads in flight: the chunk being replayed and the next one
 
     @property
     def fixed(self) -> int:
@@ -72,8 +73,8 @@ class HostNeeds:
 
     def phases(self, spill_tape: bool, spill_saved: bool) -> tuple[int, int]:
         """(the calibration pass's bytes beside :attr:`fixed`, the effects pass's)."""
-        calibrate = self.calibrate + 2 * self.rungs + self.hessian + (0 if spill_tape else self.tape)
-        effects = self.effects + self.rungs + (0 if spill_saved else self.saved)
+        calibrate = self.calibrate + 2 * self.rungs + self.hessian + (self.tape_reads if spill_tape else self.tape)
+        effects = self.effects + self.rungs + (self.saved_reads if spill_saved else self.saved)
         return calibrate, effects
 
     def peak(self, spill_tape: bool, spill_saved: bool) -> int:
@@ -104,29 +105,24 @@ def estimate_host(needs: Needs, vram: VramPlan, skeleton: nn.Module, block_paths
     for path in block_paths:
         linears = [m.weight.shape for m in skeleton.get_submodule(path).modules() if isinstance(m, nn.Linear)]
         widths |= {k for _, k in linears}
-        rungs = max(rungs, sum(_candidate_bytes(spec, tuple(s)) for s in linears for spec in specs))
+        rungs = max(rungs, sum(layer_candidate_bytes(spec, tuple(s)) for s in linears for spec in specs))
     samples = int(batch.description.get("samples") or 1)
     copies = axes.probes_per_pass(len(batch.heldout) or samples, probes) * (len(batch.heldout) or samples)
+    reads = _reads_in_flight(axes, samples, copies)
     if not cuda:  # the GPU's work is the host's: what the VRAM estimate counts, with the tape and effect inputs apart
         (calibrate, effects), (with_tape, _) = needs.phases(True, True), needs.phases(False, True)
         return HostNeeds(PROCESS_CPU, resident, 2 * needs.block, rungs, 0, calibrate, effects, with_tape - calibrate,
-                         _saved(axes, copies, needs, pinned=False))
+                         _saved(axes, copies, needs, pinned=False), 0, *reads)
     tape = _pinned_tape(axes, samples, needs) if vram.host_tape else 0
     saved = _saved(axes, copies, needs, pinned=True) if vram.host_saved else 0
     hessian = sum(pinned_bytes(4 * k * k) for k in widths) if gptq else 0
     return HostNeeds(PROCESS_CUDA, resident + batch_bytes, 2 * needs.block, rungs, hessian, 0, 0, tape, saved,
-                     SEGMENT)
+                     SEGMENT, *reads)
 
 
 def pinned_bytes(n: int) -> int:
     """What torch's caching pinned allocator takes for ``n`` bytes: the next power of two."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
-def _candidate_bytes(spec, shape: tuple[int, int]) -> int:
-    layout = tensor_layout(spec, shape)
-    # and a smoothed candidate's float32 inverse scales
-    return sum(torch.empty((), dtype=d).element_size() * math.prod(s) for d, s in layout.values()) + 4 * shape[1]
 
 
 def _pinned_tape(axes, samples: int, needs: Needs) -> int:
@@ -142,6 +138,18 @@ def _pinned_tape(axes, samples: int, needs: Needs) -> int:
         joined = samples * sum(o for o, b in zip(c.output_bytes, c.outputs) if b) if len(sizes) > 1 else 0
         worst = max(worst, entries + parked + joined)
     return worst
+
+
+def _reads_in_flight(axes, samples: int, copies: int) -> tuple[int, int]:
+    """What reading spilled tensors back holds at once (compiler/prefetch.py: the item being consumed and the next):
+    twice the largest recorded input of a calibration chunk, and twice the largest replay chunk of a block call's
+    saved inputs."""
+    chunks = [b - a for a, b in axes.ranges(samples)]
+    replay = max((b - a for a, b in axes.ranges(copies, axes.replay_samples)), default=0)
+    tape = max((r * d for _, c in axes.calls for d in c.tape_inputs for r in chunks), default=0)
+    saved = max((sum(replay * n if b else n for n, b in zip(c.input_bytes, c.inputs)) for _, c in axes.calls),
+                default=0)
+    return 2 * tape, 2 * saved
 
 
 def _saved(axes, copies: int, needs: Needs, pinned: bool) -> int:
