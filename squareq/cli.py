@@ -21,6 +21,7 @@ from .models import ModelError
 from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
 from .runtime.compute import MODES as COMPUTE_MODES
+from .sizes import SizeError
 from .slab import SlabError, open_slab
 from .slab.atomic import OutputError, os_error_sentence
 from .slab.summary import format_summary, summarize
@@ -36,7 +37,7 @@ from .train.sample import SampleError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError, OutputError, PeftMissing, DeviceError)
+               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError)
 
 
 class _Group(click.Group):
@@ -294,7 +295,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     flux1-dev.safetensors, with --clip-l, --t5 and --vae), tiny-flux, or, with --blocks, any diffusers/transformers
     model folder or Hub ID.
     """
-    from .compiler import CompileOptions, Thresholds, compile_slab, open_source, parse_size
+    from .compiler import CompileOptions, Thresholds, check_budget, compile_slab, open_source, parse_size
     from .compiler.device_choice import choose_device, compile_flops
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
     from .compiler.vram import memory_cap
@@ -335,6 +336,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     source = open_source(model, list(blocks) or None, revision, check=on_device)
     progress = _progress_printer()
     progress(f"compiling {source.description} on {describe(opts.device)}")
+    check_budget(source, opts)  # before the encoders run
     trains = source.family_adapter is not None and source.family_adapter.recipe is not None
     if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
         from .train.calibration import calibration_images

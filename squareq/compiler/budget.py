@@ -39,3 +39,39 @@ def layer_candidate_bytes(spec, shape: tuple[int, int]) -> int:
 def candidate_bytes(c) -> int:
     """Bytes a candidate adds to its block blob (every stored tensor starts 256-aligned)."""
     return sum(align_up(t.numel() * t.element_size()) for t in c.qweight.tensors.values())
+
+
+def least_slab_bytes(skeleton, block_paths, specs) -> tuple[int, int, int]:
+    """A lower bound on any slab of ``skeleton``, from its shapes alone: (the resident tensors, the blocks' other
+    tensors, every layer at its smallest rung among ``specs``), each as the slab stores it (floating ones in bf16,
+    256-aligned). The manifest and a smoothed layer's scales only add to it."""
+    from torch import nn
+
+    prefixes = tuple(p + "." for p in block_paths)
+    weights = {f"{name}.weight": tuple(m.weight.shape) for path in block_paths
+               for name, m in skeleton.get_submodule(path).named_modules(prefix=path) if isinstance(m, nn.Linear)}
+    resident = fixed = layers = 0
+    for name, t in skeleton.state_dict().items():
+        if name in weights:
+            layers += min(sum(align_up(torch.empty((), dtype=d).element_size() * math.prod(s))
+                              for d, s in tensor_layout(spec, weights[name]).values()) for spec in specs)
+            continue
+        stored = align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
+        if name.startswith(prefixes):
+            fixed += stored
+        else:
+            resident += stored
+    return resident, fixed, layers
+
+
+def check_least_budget(budget: int, skeleton, block_paths, specs) -> None:
+    """Refuse, before anything is measured, a ``--budget`` below :func:`least_slab_bytes`."""
+    resident, fixed, layers = least_slab_bytes(skeleton, block_paths, specs)
+    least = resident + fixed + layers
+    if budget < least:
+        raise BudgetError(f"--budget {budget:,} bytes is below the smallest slab this model can have, "
+                          f"{least:,} bytes ({sizes.format_size_up(least)}): its resident tensors "
+                          f"({sizes.format_size(resident)}), its blocks' other tensors ({sizes.format_size(fixed)}) "
+                          f"and every layer at its smallest rung ({sizes.format_size(layers)}); raise --budget to "
+                          "more than that (the manifest and the measured plan add to it).")
+

@@ -29,7 +29,7 @@ from ..slab import BlockContent, SlabBuilder, SlabError, WriteOptions
 from ..slab.atomic import OutputError, os_error_sentence, remove_debris
 from ..slab.manifest import align_up
 from ..slab.writer import PLACEHOLDER_FLOAT, block_linears, stored_tensor
-from .budget import OBJECTIVES, BudgetError, candidate_bytes
+from .budget import OBJECTIVES, BudgetError, candidate_bytes, check_least_budget
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
 from .disk import check_disk, estimate_disk
@@ -318,9 +318,19 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: Progress
             raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out), setup.run.peaks)) from None
 
 
+def check_budget(source: Source, opts: CompileOptions) -> None:
+    """Refuse, from the shapes alone, a ``--budget`` no slab of ``source`` fits: before any encoder or calibration
+    runs (a rebuild is not checked: it may keep rungs its ``--formats`` no longer offers)."""
+    if opts.previous is None:
+        check_least_budget(opts.budget, source.skeleton(), source.block_paths,
+                           rung_specs(opts.formats, opts.group_size))
+
+
 def _setup(source: Source, out: Path, opts: CompileOptions, progress: Progress) -> _Setup:
     skeleton = source.skeleton()
     previous = read_previous(opts.previous, source, skeleton) if opts.previous else None
+    check_budget(source, opts)
+    specs = rung_specs(opts.formats, opts.group_size)
     batch = calibration_batch(source, skeleton, opts)
     progress(_calibration_line(batch.description))
     samples = int(batch.description.get("samples") or 1)
@@ -331,7 +341,6 @@ def _setup(source: Source, out: Path, opts: CompileOptions, progress: Progress) 
     # between the passes that read it, the calibration batch waits in host memory (FLUX.2's text states are 1 GB)
     batch.kwargs = _moved(batch.kwargs, "cpu")
     vram = plan_vram(needs, opts.vram_budget, opts.device)
-    specs = rung_specs(opts.formats, opts.group_size)
     host_needs = estimate_host(needs, vram, skeleton, source.block_paths, batch, axes, specs, opts.effect_probes,
                                opts.rounding == "gptq")
     host = plan_host(host_needs, opts.host_budget, vram, state_folder(out))

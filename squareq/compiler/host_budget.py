@@ -25,13 +25,13 @@ to what the machine has available (docs/compiler.md, "Compiling within a host me
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..devices import host_memory
 from ..sizes import format_size, format_size_up
 from .budget import BudgetError, layer_candidate_bytes
 from .spill import SEGMENT, SpillFile
@@ -282,21 +282,9 @@ def _too_small(needs: HostNeeds, budget: int, flag: str, default: str) -> str:
 
 
 def available_memory() -> int | None:
-    """Bytes the machine can still give: MemAvailable on Linux, else the free (or, failing that, all) physical
-    pages; None when none of these can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    for pages in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
-        try:
-            return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            continue
-    return None
+    """Bytes the machine can still give (devices.host_memory), or None where the system does not say."""
+    memory = host_memory()
+    return memory[0] if memory is not None else None
 
 
 def resident_memory() -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save
 from ..quant import QuantizedWeight, QuantSpec, tensor_layout
 from ..slab.atomic import atomic_write_bytes
 from ..slab.digest import file_sha256
+from ..slab.safetensors_file import DTYPE_NAMES
 from .ladder import LayerDecision
 from .layer_search import Candidate
 
@@ -111,7 +113,7 @@ class CompileState:
             return "have no readable tensors file"
         if found != record["sha256"]:
             return "have tensors whose bytes changed after they were written"
-        return None
+        return _unreadable(record, data)
 
     def save_block(self, index: int, decisions: list[LayerDecision], info: dict) -> None:
         tensors, records = {}, []
@@ -184,7 +186,8 @@ class CompileState:
         if not path.is_file():
             return None
         data = self._json(path)
-        if not isinstance(data, dict) or data.pop("record_sha256", None) != _record_hash(data):
+        if not isinstance(data, dict) or data.pop("record_sha256", None) != _record_hash(data) \
+                or not _effects_readable(data):
             self.echo(f"{path} changed after it was written; measuring the effects again.")
             path.unlink(missing_ok=True)
             return None
@@ -192,3 +195,35 @@ class CompileState:
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _unreadable(record: dict, data: Path) -> str | None:
+    """Why a block record whose hashes match cannot be read back (a record forged with its hashes, or written by
+    another SquareQ), or None: each layer's candidates, and their tensors' dtypes and shapes in the tensors file."""
+    try:
+        with safe_open(str(data), framework="pt", device="cpu") as f:
+            stored = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+        layers = record["layers"]
+        assert isinstance(layers, list) and isinstance(record.get("fixed_bytes"), int) and record["fixed_bytes"] >= 0
+        for layer in layers:
+            assert isinstance(layer["name"], str) and isinstance(layer["reasons"], list)
+            tried = layer["tried"]
+            assert isinstance(tried, list) and type(layer["chosen"]) is int and 0 <= layer["chosen"] < len(tried)
+            for c in tried:
+                spec, shape = QuantSpec.from_dict(c["spec"]), c["shape"]
+                assert isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d > 0 for d in shape)
+                assert isinstance(c["alpha"], (int, float)) and isinstance(c["metrics"], dict)
+                for role, (dtype, dims) in tensor_layout(spec, tuple(shape)).items():
+                    found = stored.get(f"{layer['name']}:{spec.short_label}:{role}")
+                    assert found == (DTYPE_NAMES[dtype], tuple(dims)), role
+    except Exception as exc:  # noqa: BLE001 - any way the record fails to describe its tensors
+        return f"have a record this SquareQ cannot read ({type(exc).__name__})"
+    return None
+
+
+def _effects_readable(data: dict) -> bool:
+    """Whether an effects record holds finite numbers by layer and rung, and its measurement's info."""
+    effects = data.get("effects")
+    return isinstance(effects, dict) and isinstance(data.get("info"), dict) and all(
+        isinstance(rungs, dict) and all(isinstance(e, (int, float)) and math.isfinite(e) for e in rungs.values())
+        for rungs in effects.values())

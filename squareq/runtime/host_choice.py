@@ -8,28 +8,10 @@ the rest of the job (the data loader, the optimizer's host state, Python), and r
 """
 from __future__ import annotations
 
-import os
+from ..devices import host_memory
 
 RESERVE_FRACTION = 0.10
 RESERVE_MIN_BYTES = 4 << 30
-
-
-def host_memory() -> tuple[int, int] | None:
-    """(available, total) bytes of host RAM, or None where the system does not say."""
-    try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def choose_host(nbytes: int, memory: tuple[int, int] | None = None) -> tuple[str, str]:

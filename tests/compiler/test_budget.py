@@ -121,3 +121,37 @@ def test_a_rung_of_the_same_bytes_and_less_effect_is_a_move_up():
     plan = make_plan(same, FIXED, tau=4e-4)  # all six at W8 err 6e-4; four at FP8 meet it without a byte more
     assert "bf16" not in plan.rungs.values() and plan.error <= 4e-4 and plan.layer_bytes <= 6 * 200
     assert any(m.startswith("up W8→FP8") and "+0 bytes" in m for ms in plan.moves.values() for m in ms)
+
+
+def test_a_budget_below_the_smallest_slab_the_shapes_give_is_refused_before_anything_is_measured(tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "t.slab"
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(out), "--budget", "300000",
+                                       "--calib-samples", "8", "--calib-resolution", "64"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 1 and len(errors) == 1, result.output
+    assert "--budget 300,000 bytes is below the smallest slab this model can have, 377,856 bytes" in errors[0]
+    assert "raise --budget" in errors[0]
+    assert "encoding" not in result.output and "calibrating" not in result.output  # refused before the encoders ran
+    assert not out.exists() and not (tmp_path / "t.slab.state").exists()
+
+
+def test_the_smallest_slab_bound_is_below_a_real_slab_with_every_layer_at_the_smallest_rung(tmp_path, tiny_flux):
+    from squareq.compiler import open_source
+    from squareq.compiler.budget import least_slab_bytes
+    from squareq.compiler.ladder import DEFAULT_FORMATS, rung_specs
+    from squareq.compiler.plain import PlainOptions, write_rtn_slab
+
+    smallest = rung_specs(DEFAULT_FORMATS)[0]
+    model, adapter = tiny_flux
+    out = tmp_path / "w4.slab"
+    write_rtn_slab(model, adapter.blocks(model), {}, out, PlainOptions(default_spec=smallest, family="flux",
+                                                                       source="tiny-flux"))
+    source = open_source("tiny-flux")
+    resident, fixed, layers = least_slab_bytes(source.skeleton(), source.block_paths, rung_specs(DEFAULT_FORMATS))
+    size = (out / "slab.safetensors").stat().st_size
+    assert resident > 0 and fixed > 0 and layers > 0
+    assert resident + fixed + layers <= size < 2 * (resident + fixed + layers), (resident, fixed, layers, size)
