@@ -298,18 +298,13 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     from .compiler import CompileOptions, Thresholds, check_budget, compile_slab, open_source, parse_size
     from .compiler.device_choice import choose_device, compile_flops
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
+    from .compiler.previous import check_previous
     from .compiler.vram import memory_cap
     from .train.encoder_source import encoder_source_for, pinned
 
-    if max_block_bytes and vram_cap:
-        raise click.UsageError("--max-block-bytes and --vram-cap each cap the largest block; give one of them.")
-    if old_min_bits or old_max_bits:
-        raise click.UsageError("--min-bits and --max-bits are gone: name the rungs with --formats instead (--formats "
-                               "W6,W8,bf16 for --min-bits 6, --formats W4,W6,W8 for --max-bits 8).")
-    given = [flag for flag, v in (("--calib-data", calib_data), ("--calib-cache", calib_cache),
-                                  ("--calib-text", calib_text), ("--calib-synthetic", calib_synthetic)) if v]
-    if len(given) > 1:
-        raise click.UsageError(f"{' and '.join(given)} each name the calibration data; give one of them.")
+    _check_compile_flags(max_block_bytes, vram_cap, old_min_bits or old_max_bits,
+                         {"--calib-data": calib_data, "--calib-cache": calib_cache, "--calib-text": calib_text,
+                          "--calib-synthetic": calib_synthetic})
     opts = CompileOptions(
         budget=parse_size(budget, "--budget"), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
@@ -337,6 +332,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     progress = _progress_printer()
     progress(f"compiling {source.description} on {describe(opts.device)}")
     check_budget(source, opts)  # before the encoders run
+    check_previous(opts.previous, source)  # --from: another model or a damaged build number, before the encoders run
     trains = source.family_adapter is not None and source.family_adapter.recipe is not None
     if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
         from .train.calibration import calibration_images
@@ -364,6 +360,18 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     click.echo(f"wrote {out}: {size:,} bytes (budget {opts.budget:,}); layers: "
                + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
                + f"; see the reasons with: squareq inspect {out}")
+
+
+def _check_compile_flags(max_block_bytes, vram_cap, old_bits, calibration: dict) -> None:
+    """Refuse flags that contradict each other or are gone, before anything is read."""
+    if max_block_bytes and vram_cap:
+        raise click.UsageError("--max-block-bytes and --vram-cap each cap the largest block; give one of them.")
+    if old_bits:
+        raise click.UsageError("--min-bits and --max-bits are gone: name the rungs with --formats instead (--formats "
+                               "W6,W8,bf16 for --min-bits 6, --formats W4,W6,W8 for --max-bits 8).")
+    given = [flag for flag, v in calibration.items() if v]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} each name the calibration data; give one of them.")
 
 
 def _config_options(command):
@@ -479,7 +487,7 @@ class AutoOrInt(click.ParamType):
 @_encoder_file_options
 @click.option("--resolution", type=int, default=1024, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
-@click.option("--guidance", type=float, default=3.5, show_default=True)
+@click.option("--guidance", type=float, default=3.5, show_default=True, help="Guidance scale, 0 to 100.")
 @click.option("--seed", type=int, default=42, show_default=True)
 @click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
 @click.option("--prefetch", type=AutoOrInt(minimum=1), default="auto", show_default=True,
@@ -533,6 +541,10 @@ def export_lora(lora: Path, out: Path, fmt: str) -> None:
     if source.exists() and target.exists() and source.resolve() == target.resolve():
         raise click.UsageError(f"-o {out} would overwrite the LoRA being exported ({source}); write the {fmt} layout "
                                "to another path.")
+    from .slab.atomic import remove_debris
+
+    for debris in remove_debris(target):  # an export killed mid-write (its cleanup never ran) left its temporary
+        click.echo(f"removed {debris}, left by an export that was killed while writing it")
     factors, info = load_lora(lora)
     save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
     provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
@@ -551,12 +563,20 @@ def inspect(slab: Path, as_json: bool, verify: bool) -> None:
     with open_slab(slab, verify="eager" if verify else "off") as s:
         report = summarize(s)
     report["verified"] = verify
+    # slabs written before the resident layout digest still open; --verify says what they lack and how to add it
+    unhashed = verify and s.manifest.resident and not s.manifest.resident_layout_sha256
+    note = (f"note: {slab} was written before resident tensors had a layout digest, so their names, dtypes and "
+            "shapes are checked but not hashed; recompile it with `squareq compile` to protect them")
     if as_json:
         click.echo(json.dumps(report, indent=1))
+        if unhashed:
+            click.echo(note, err=True)
         return
     click.echo(format_summary(report))
     if verify:
         click.echo("verify: every block and resident tensor matches its sha256")
+    if unhashed:
+        click.echo(note)
 
 
 @main.command()

@@ -93,22 +93,15 @@ def slab_copy(tiny_slab, tmp_path_factory):
 
 
 def _reseal(manifest: dict) -> None:
-    """Recompute layout digests and the model signature (best effort: a mutation may have broken their inputs)."""
-    from squareq.slab.manifest import block_from_dict, layer_from_dict, layout_digest
-    from squareq.slab.signature import signature_from_shapes
+    """Recompute the layout digests (blocks' and residents') and the model signature (best effort: a mutation may
+    have broken their inputs)."""
+    from .slab.helpers import reseal_layouts, reseal_signature
 
-    try:
-        layers = {d["name"]: layer_from_dict(d) for d in manifest["layers"]}
-        for b in manifest["blocks"]:
-            record = block_from_dict(b)
-            b["layout_sha256"] = layout_digest(record, [layers[n] for n in record.layers])
-        shapes = [(f"{rec.name}.weight", rec.shape) for rec in layers.values()]
-        shapes += [(f"{b['name']}.{p['name']}", p["shape"]) for b in manifest["blocks"] for p in b["params"]]
-        shapes += [(r["name"], r["shape"]) for r in manifest["resident"]]
-        model = manifest["model"]
-        model["signature"] = signature_from_shapes(model["class_name"], model["config"], shapes)
-    except Exception:  # the reader will refuse what could not be resealed; that is what is under test
-        pass
+    for reseal in (reseal_layouts, reseal_signature):
+        try:
+            reseal(manifest)
+        except Exception:  # noqa: BLE001 - the reader will refuse what could not be resealed; that is under test
+            pass
 
 
 def _use_slab(path, build: bool = True) -> None:
@@ -274,3 +267,243 @@ def test_mutated_lora_metadata_loads_or_is_refused_in_one_sentence(lora_file, da
         load_lora(out)
     except Exception as exc:  # noqa: BLE001
         _one_sentence(exc)
+
+
+# --------------------------------------------------------------------------------------------- sizes and configs
+
+
+@FUZZ
+@given(text=st.one_of(st.text(max_size=40), st.from_regex(r"\s*-?[0-9]{0,500}(\.[0-9]{0,20})?(e[+-]?[0-9]{1,4})?\s*"
+                                                         r"(k|m|g|t|p|e|kb|mb|gb|tb|kib|mib|gib|tib|b)?\s*",
+                                                         fullmatch=True)))
+def test_any_size_text_is_a_byte_count_or_one_sentence_naming_the_flag(text):
+    from squareq.sizes import LARGEST, parse_size
+
+    try:
+        n = parse_size(text, "--budget")
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+        assert "--budget" in str(exc)
+    else:
+        assert isinstance(n, int) and 0 <= n <= LARGEST
+
+
+def _toml(tree: dict) -> str:
+    """``tree`` as TOML: top-level tables as tables, nested ones inline; None (which TOML lacks) left out."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+        if isinstance(v, int):
+            return str(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v if x is not None) + "]"
+        return "{" + ", ".join(f"{json.dumps(k)} = {value(x)}" for k, x in v.items() if x is not None) + "}"
+
+    lines = [f"{json.dumps(k)} = {value(v)}" for k, v in tree.items() if v is not None and not isinstance(v, dict)]
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            lines += [f"[{json.dumps(k)}]"] + [f"{json.dumps(a)} = {value(x)}" for a, x in v.items() if x is not None]
+    return "\n".join(lines) + "\n"
+
+
+@settings(FUZZ, max_examples=500)
+@given(data=st.data())
+def test_mutated_training_configs_load_or_are_refused_in_one_sentence(tmp_path_factory, data):
+    import tomllib
+    from pathlib import Path
+
+    from squareq.train.config import load_config
+
+    examples = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
+    tree = tomllib.loads(data.draw(st.sampled_from(examples)).read_text())
+    if data.draw(st.booleans()):
+        tree = {"train": tree}  # the [train] table form
+    path = tmp_path_factory.mktemp("config", numbered=True) / "mutated.toml"
+    path.write_text(_toml(data.draw(mutated(tree))))
+    try:
+        cfg = load_config(path)
+        cfg.validate(str(path))
+        cfg.to_toml(), cfg.vram_budget_bytes, cfg.lora_alpha, cfg.largest_resolution, cfg.lora_variant
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+
+
+# --------------------------------------------------------------------------------------------- compile state
+
+
+@pytest.fixture(scope="module")
+def compile_state(tmp_path_factory):
+    from squareq.compiler.ladder import LayerDecision
+    from squareq.compiler.layer_search import Candidate
+    from squareq.compiler.state import CompileState
+    from squareq.quant import QuantSpec
+    from squareq.quant.rtn import quantize
+
+    folder = tmp_path_factory.mktemp("state") / "t.slab.state"
+    state = CompileState(folder, {"measurement_key": "k"}, resume=False)
+    torch.manual_seed(0)
+    decisions = []
+    for name in ("blocks.0.a", "blocks.0.b"):
+        w = torch.randn(16, 64)
+        tried = [Candidate(quantize(w, QuantSpec(bits=b, group_size=32)), 0.0, {"weight_rel_mse": 0.01 * b})
+                 for b in (4, 8)]
+        decisions.append(LayerDecision(name, tried[0], tried, ["measured"]))
+    state.save_block(0, decisions, {"fixed_bytes": 512})
+    state.save_effects({"blocks.0.a": {"W4": 0.01, "W8": 0.001}}, {"probes": 2})
+    return folder
+
+
+def _reseal_state(folder, name: str, record) -> None:
+    """Recompute the hashes that would catch a mutated record (best effort), so the reads behind them run."""
+    from squareq.compiler.state import _record_hash
+    from squareq.slab.digest import file_sha256
+
+    if not isinstance(record, dict):
+        return
+    if name.startswith("block."):
+        record["sha256"] = file_sha256(folder / name.replace(".json", ".safetensors"))
+        record.pop("record_sha256", None)
+        record["record_sha256"] = _record_hash(record)
+    else:
+        record.pop("record_sha256", None)
+        record["record_sha256"] = _record_hash(record)
+
+
+@settings(FUZZ, max_examples=500)
+@given(data=st.data())
+def test_mutated_compile_state_resumes_or_is_refused_in_one_sentence(compile_state, data):
+    from squareq.compiler.state import CompileState
+
+    work = compile_state.parent / "mutated.slab.state"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(compile_state, work)
+    name = data.draw(st.sampled_from(["block.0.json", "effects.json", "state.json"]))
+    record = data.draw(mutated(json.loads((work / name).read_text())))
+    if name != "state.json" and data.draw(st.booleans()):
+        _reseal_state(work, name, record)
+    (work / name).write_text(json.dumps(record))
+    try:
+        state = CompileState(work, {"measurement_key": "k"}, resume=True)
+        if state.has_block(0):
+            state.load_block(0)
+            state.load_block(0, tensors=False)
+            state.load_weights(0, lambda layer, rung: True)
+        state.load_effects()
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+
+
+def test_negative_control_without_the_state_record_check_the_fuzzer_finds_a_crash(compile_state, monkeypatch):
+    import squareq.compiler.state as state_module
+
+    monkeypatch.setattr(state_module, "_unreadable", lambda record, data: None)
+    work = compile_state.parent / "unchecked.slab.state"
+
+    def crashes(record) -> bool:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(compile_state, work)
+        _reseal_state(work, "block.0.json", record)
+        (work / "block.0.json").write_text(json.dumps(record))
+        try:
+            state = state_module.CompileState(work, {"measurement_key": "k"}, resume=True)
+            if state.has_block(0):
+                state.load_block(0)
+        except USER_ERRORS:
+            return False
+        except Exception:  # noqa: BLE001
+            return True
+        return False
+
+    find(mutated(json.loads((compile_state / "block.0.json").read_text())), crashes,
+         settings=settings(FUZZ, max_examples=2000))
+
+
+# --------------------------------------------------------------------------------------------- cache entries
+
+
+@settings(FUZZ, max_examples=500)
+@given(data=st.data())
+def test_mutated_cache_entries_are_re_encoded_or_refused_in_one_sentence(tmp_path_factory, data):
+    from safetensors.torch import save
+
+    from squareq.slab.digest import ENTRY_HASH, tensors_sha256
+    from squareq.train.cache import EmbeddingCache
+
+    cache = EmbeddingCache(tmp_path_factory.mktemp("cache", numbered=True), echo=lambda line: None)
+    cache.store("latents", "k", {"latents": torch.randn(4, 8, 8), "size": torch.tensor([64, 64])})
+    path = cache.path("latents", "k")
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    if data.draw(st.integers(0, 3)) == 0:  # a flipped byte anywhere
+        blob = bytearray(raw)
+        blob[data.draw(st.integers(0, len(raw) - 1))] ^= data.draw(st.integers(1, 255))
+        path.write_bytes(bytes(blob))
+    else:
+        header = data.draw(mutated(json.loads(raw[8:8 + n])))
+        text = json.dumps(header).encode()
+        text += b" " * (-(8 + len(text)) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+        if data.draw(st.booleans()):  # resealed: the hash matches whatever the header now makes of the bytes
+            try:
+                from safetensors.torch import load_file
+
+                from squareq.slab.digest import read_hashed  # noqa: F401 - the reader under test
+
+                tensors = load_file(str(path))
+                path.write_bytes(save(tensors, metadata={ENTRY_HASH: tensors_sha256(tensors)}))
+            except Exception:  # noqa: BLE001 - unreadable: left for the cache to refuse
+                pass
+    try:
+        if cache.intact("latents", "k"):
+            cache.load("latents", "k")
+        else:
+            assert not path.exists()  # a damaged entry is deleted, so the fill encodes it again
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+
+
+# --------------------------------------------------------------------------------------------- LoRA shapes for sample
+
+
+LORA_LAYERS = ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_k")
+
+
+@settings(FUZZ, max_examples=200)
+@given(data=st.data())
+def test_lora_factors_of_any_shape_attach_to_a_slab_or_are_refused_in_one_sentence(tiny_slab, tmp_path_factory,
+                                                                                     data):
+    """What `sample --lora` does with a file: load it, attach it to the slab's model, run the layers it changed."""
+    from safetensors.torch import save_file
+
+    from squareq import runtime
+    from squareq.train.lora_files import WEIGHT_NAME, attach_lora, load_lora
+
+    model = runtime.load(tiny_slab, "cpu", stream=False)
+    dims = st.one_of(st.integers(0, 3), st.integers(60, 70), st.sampled_from([1, 4, 64, 128, 256]))
+    tensors = {}
+    for layer in data.draw(st.lists(st.sampled_from(LORA_LAYERS), min_size=1, max_size=2, unique=True)):
+        linear = model.get_submodule(layer)
+        rank = data.draw(st.integers(1, 8))
+        a = [data.draw(st.sampled_from([rank, rank + 1]) | dims), data.draw(st.just(linear.in_features) | dims)]
+        b = [data.draw(st.just(linear.out_features) | dims), data.draw(st.sampled_from([rank, rank - 1]) | dims)]
+        for factor, shape in (("lora_A", a), ("lora_B", b)):
+            if data.draw(st.integers(0, 9)):  # now and then a factor is missing
+                shape = (shape + [1])[:data.draw(st.sampled_from([2, 2, 2, 1, 3]))]  # now and then not a matrix
+                fill = data.draw(st.sampled_from([0.01, math.nan, math.inf, 1e30]))
+                tensors[f"transformer.{layer}.{factor}.weight"] = torch.full(shape, fill)
+    folder = tmp_path_factory.mktemp("lora", numbered=True)
+    save_file(tensors, str(folder / WEIGHT_NAME), {"format": "pt"})
+    try:
+        attached = attach_lora(model, *load_lora(folder))
+    except Exception as exc:  # noqa: BLE001
+        _one_sentence(exc)
+        return
+    assert attached or not tensors
+    for layer in LORA_LAYERS:
+        linear = model.get_submodule(layer)
+        out = linear(torch.randn(2, linear.in_features))
+        assert out.shape == (2, linear.out_features)

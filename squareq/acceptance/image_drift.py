@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..compiler.sources import Source
-from ..models import ADAPTERS
+from ..models import ADAPTERS, ModelError
+from ..models.local_files import refuse_pickled
 from ..models.prompts import CALIBRATION_PROMPTS
 from ..plot import write_png
 from ..slab import Slab
@@ -47,7 +48,11 @@ def check_clip_folder(folder: str | Path) -> Path:
             named = names[0] + "".join(f" (or {n})" for n in names[1:])
             raise DriftError(f"--clip-model {folder} has no {named}; give the folder that holds the CLIP model's "
                              f"{names[0]} next to its weights (CLIPProcessor.save_pretrained writes it).")
-    if not any((folder / w).is_file() for w in ("model.safetensors", "pytorch_model.bin")):
+    try:
+        refuse_pickled(folder)
+    except ModelError as exc:
+        raise DriftError(f"--clip-model {exc}") from None
+    if not any(folder.glob("*.safetensors")):
         raise DriftError(f"--clip-model {folder} has no model.safetensors; give the folder that holds the CLIP "
                          "model's weights (CLIPModel.save_pretrained writes them).")
     return folder
@@ -76,8 +81,11 @@ def clip_scores(folder: Path, images: torch.Tensor, prompts: list[str]) -> list[
     from torchmetrics.multimodal.clip_score import CLIPScore
     from transformers import CLIPModel, CLIPProcessor
 
-    metric = CLIPScore(model_name_or_path=lambda: (_TensorFeatures(CLIPModel.from_pretrained(folder)),
-                                                   CLIPProcessor.from_pretrained(folder)))
+    def load():
+        model = CLIPModel.from_pretrained(folder, use_safetensors=True)  # never a pickle
+        return _TensorFeatures(model), CLIPProcessor.from_pretrained(folder)
+
+    metric = CLIPScore(model_name_or_path=load)
     scores = []
     for image, prompt in zip(images, prompts, strict=True):
         metric.reset()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..models import ModelError
 from ..models.hub import hub_ref, like_recorded
 from ..runtime.compute import ComputeError, resolve_compute
 from ..slab import SlabError, open_slab
+from ..slab.manifest import MANIFEST_FILE
 from ..slab.signature import model_signature
 from ..train.encoder_source import EncoderError, encoder_source_for, recorded_encoders
 from ..train.tiny_dataset import write_tiny_dataset
@@ -67,9 +69,42 @@ def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
     """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes."""
     parse_device(opts.device)  # a wrong --device is refused before the slab is hashed
     with open_slab(opts.slab, verify="eager") as slab:  # a corrupted slab fails here, before any measurement
+        check_recorded(slab)
         source, encoders, device = _open_source(opts, slab)
         with run_on(device):
             return _accept(opts, slab, source, encoders, echo)
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0  # a bool or "2MB" is not a count
+
+
+def _finite_list(value) -> bool:
+    return isinstance(value, list) and all(type(v) in (int, float) and math.isfinite(v) for v in value)
+
+
+# the manifest's calibration fields the gates read (layer_mse.fresh_inputs, resources._size), each absent, null or:
+RECORDED = {
+    "budget_bytes": (_count, "a whole number of bytes"),
+    "seed": (_count, "a whole number of at least 0"),
+    "samples": (_count, "a whole number of at least 0"),
+    "resolution": (lambda v: _count(v) and v > 0, "a whole number of pixels"),
+    "max_sequence_length": (lambda v: _count(v) and v > 0, "a whole number of tokens"),
+    "max_tokens": (lambda v: _count(v) and v > 0, "a whole number of tokens"),
+    "timesteps": (_finite_list, "a list of finite numbers"),
+    **{key: (lambda v: isinstance(v, str), "a text") for key in ("kind", "text_file", "cache", "data", "encoders")},
+}
+
+
+def check_recorded(slab) -> None:
+    """Refuse, before any measurement, a manifest whose calibration fields the gates read are not what the compile
+    writes (the last gate would otherwise crash after every other gate ran, and no report be written)."""
+    recorded = slab.manifest.calibration or {}
+    for key, (fits, wanted) in RECORDED.items():
+        value = recorded.get(key)
+        if value is not None and not fits(value):
+            raise AcceptError(f"{slab.path / MANIFEST_FILE}'s calibration.{key} is {str(value)[:40]!r}, not {wanted} "
+                              "as the compile writes it; correct the value there (or compile the slab again).")
 
 
 def _open_source(opts: AcceptOptions, slab):

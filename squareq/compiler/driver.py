@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import quant
 from ..models.calibration import CalibrationSet
+from ..models.local_files import source_identity
 from ..sizes import format_size
 from ..slab import BlockContent, SlabBuilder, SlabError, WriteOptions
 from ..slab.atomic import OutputError, os_error_sentence, remove_debris
@@ -383,11 +384,15 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
     state = run.state = CompileState(state_folder(out), {"measurement_key": setup.key,
                                                          "rebuild_of": str(previous.path) if setup.reused else None},
                                      opts.resume, echo=progress)
+    # before the long part: the identity of the files as the compile reads them, not as they are hours later
+    named = [source.description, *(opts.encoders or {}).values()]
+    identity = {where: found for where in named if (found := source_identity(where)) is not None}
     started = time.perf_counter()
     layers, fixed, notes, measured_rungs, effect_info = _measurements(source, opts, progress, setup, state)
     calibrate_s = time.perf_counter() - started
     build = previous.build + 1 if previous is not None else 1
     write_opts = WriteOptions(family=source.family, source=source.description, encoders=opts.encoders,
+                              source_identity=identity,
                               overwrite=opts.overwrite, thresholds=opts.thresholds.to_dict(),
                               calibration=_calibration_record(setup, opts, build, effect_info))
     names = dict(enumerate(source.block_paths))

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..models import BUILTIN_MODELS, FamilyAdapter, ModelError, adapter_for, flux_bfl, hub, load_builtin
 from ..models.base import PIPELINE_DENOISER, diffusers_class, read_json_object
+from ..models.local_files import refuse_pickled
 from ..models.skeleton import build_meta, place_tensor
 from ..slab.signature import model_signature
 
@@ -221,10 +222,7 @@ def _folder_weights(folder: Path) -> list[Path]:
                              "*.safetensors.index.json; keep one weights file or add the index.")
         files = standard
     if not files:
-        other = [f.name for f in folder.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-        if other:
-            raise ModelError(f"{folder} has only pickled weights ({_few(other)}); SquareQ reads safetensors only, "
-                             "so re-save it with save_pretrained(..., safe_serialization=True).")
+        refuse_pickled(folder)
         raise ModelError(f"{folder} has no *.safetensors weights; {_WHAT_TO_PASS}.")
     return files
 

@@ -277,6 +277,38 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
         the stock one otherwise.
     """
+    device = _checked_device(device, host, prefetch, stream, cuda_graphs)
+    s, model = _skeleton(slab, verify)
+    m = s.manifest
+    compute, compute_reason = resolve_compute(compute, device)
+    scratch = _scratch(m, compute, device)
+    _install_quant_linears(model, m, scratch)
+    if fused_attention:
+        install_fused_attention(model)
+    _place_residents(model, s, device)
+    binder = _Binder(model, s)
+    telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())
+    host, reason = _resolve_host(host, m)
+    rt = Runtime(model, m, device, None, telemetry, scratch, [])
+    rt.binder = binder
+    rt.graphs = BlockGraphs(device) if cuda_graphs else None
+    streamer = _streamer(s, rt, host, prefetch, [b.nbytes for b in m.blocks]) if stream else _bind_all(s, rt)
+    model.requires_grad_(False)
+    model.eval()
+    rt.streamer = streamer
+    rt.compute, rt.compute_reason = compute, compute_reason
+    log.info("compute: %s (%s).", compute, compute_reason)
+    rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
+    object.__setattr__(model, RUNTIME_ATTR, rt)
+    if streamer is not None:
+        _run_blocks_through(model, streamer, rt)
+    _route_checkpointing(model, rt)
+    return model
+
+
+def _checked_device(device: str | torch.device, host: str, prefetch: int, stream: bool,
+                    cuda_graphs: bool) -> torch.device:
+    """``load``'s device (a bare "cuda" pinned to the current GPU), after refusing arguments that cannot work."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -287,6 +319,12 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     if cuda_graphs and (device.type != "cuda" or not stream):
         raise ValueError(f"cuda_graphs=True needs streamed blocks on a CUDA device (here: {device}, stream={stream}); "
                          "load on a GPU with stream=True, or leave CUDA graphs off.")
+    return device
+
+
+def _skeleton(slab: str | os.PathLike | Slab, verify: str | bool) -> tuple[Slab, nn.Module]:
+    """The opened (and, when asked, verified) slab and its model class built on the meta device, whose parameters
+    must be the ones the slab was compiled for."""
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify=verify)
     m = s.manifest
     if isinstance(slab, Slab) and verify in ("eager", True):
@@ -297,45 +335,40 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         raise SlabError(f"{s.path}: {m.model.class_name} built from the recorded config does not have the parameters "
                         "the slab was compiled for (an incompatible diffusers/transformers version?); recompile the "
                         "slab with the installed libraries.")
-    compute, compute_reason = resolve_compute(compute, device)
+    return s, model
+
+
+def _scratch(m: Manifest, compute: str, device: torch.device) -> DequantScratch:
+    """The shared dequantization buffer, sized for the largest quantized layer."""
     largest = max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=1)
     scratch = DequantScratch(largest, device)
     if compute == "fp8":  # bf16 layers too are quantized to E4M3 rows for the FP8 matmul
         scratch.add_fp8(max((l.shape[0] * l.shape[1] for l in m.layers), default=1),
                         max((l.shape[0] for l in m.layers), default=1))
-    _install_quant_linears(model, m, scratch)
-    if fused_attention:
-        install_fused_attention(model)
-    _place_residents(model, s, device)
-    binder = _Binder(model, s)
-    telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())
-    sizes = [b.nbytes for b in m.blocks]
-    streamer, device_blobs, reason = None, [], "asked for"
-    if host == "auto":
-        host, reason = choose_host(sum(sizes))
-        # reading from disk is much slower: a user who did not ask for it is told even without --verbose
-        (log.warning if host == "disk" else log.info)("host auto: %s: %s.", host, reason)
-    rt = Runtime(model, m, device, None, telemetry, scratch, device_blobs)
-    rt.binder = binder
-    rt.graphs = BlockGraphs(device) if cuda_graphs else None
-    if stream:
-        streamer = _streamer(s, rt, host, prefetch, sizes)
-    else:
-        for b in m.blocks:
-            blob = s.block_bytes(b.index).to(device, copy=True)
-            device_blobs.append(blob)
-            binder.bind(b.index, -1, blob)
-    model.requires_grad_(False)
-    model.eval()
-    rt.streamer = streamer
-    rt.compute, rt.compute_reason = compute, compute_reason
-    log.info("compute: %s (%s).", compute, compute_reason)
-    rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
-    object.__setattr__(model, RUNTIME_ATTR, rt)
-    if streamer is not None:
-        weakref.finalize(model, streamer.close)  # the disk reader thread and its file go with the model
-        for b in m.blocks:
-            block = model.get_submodule(b.name)
-            block.forward = BlockRunner(block, b.index, streamer, rt)
-    _route_checkpointing(model, rt)
-    return model
+    return scratch
+
+
+def _resolve_host(host: str, m: Manifest) -> tuple[str, str]:
+    """(where the blobs wait, why): ``auto`` chooses by the blobs' size and the host memory available."""
+    if host != "auto":
+        return host, "asked for"
+    host, reason = choose_host(sum(b.nbytes for b in m.blocks))
+    # reading from disk is much slower: a user who did not ask for it is told even without --verbose
+    (log.warning if host == "disk" else log.info)("host auto: %s: %s.", host, reason)
+    return host, reason
+
+
+def _bind_all(s: Slab, rt: Runtime) -> None:
+    """stream=False: every block's blob copied to the device once and bound there (no streamer)."""
+    for b in s.manifest.blocks:
+        blob = s.block_bytes(b.index).to(rt.device, copy=True)
+        rt.device_blobs.append(blob)
+        rt.binder.bind(b.index, -1, blob)
+
+
+def _run_blocks_through(model: nn.Module, streamer: Streamer, rt: Runtime) -> None:
+    """Each streamed block's forward goes through the streamer (acquire its slot, run, release)."""
+    weakref.finalize(model, streamer.close)  # the disk reader thread and its file go with the model
+    for b in rt.manifest.blocks:
+        block = model.get_submodule(b.name)
+        block.forward = BlockRunner(block, b.index, streamer, rt)

@@ -53,17 +53,19 @@ def ensure_output_dir(path: Path, flag: str = "-o") -> Path:
 
 
 # hidden siblings a writer of ``name`` builds in: atomic_directory's (.tmp-, .old-), the slab writers' (.blobs-,
-# .blocks-) and atomic_write_bytes' (.<hex>.tmp)
-_DEBRIS = (".tmp-*", ".old-*", ".blobs-*", ".blocks-*", ".*.tmp")
+# .blocks-), atomic_write_bytes' (.<hex>.tmp) and prune_checkpoints' (.del-)
+_DEBRIS = (".tmp-*", ".old-*", ".blobs-*", ".blocks-*", ".del-*", ".*.tmp")
 
 
-def remove_debris(final: Path) -> list[Path]:
+def remove_debris(final: Path, pattern: bool = False) -> list[Path]:
     """Remove what a killed writer of ``final`` left beside it (Python's cleanup never ran: SIGKILL, power loss);
-    call it before writing ``final`` again. Returns what was removed."""
+    call it before writing ``final`` again. With ``pattern``, ``final``'s name is a glob (``step-[0-9]*``): the
+    debris of every output it matches goes. Returns what was removed."""
     final = Path(final)
     if not final.parent.is_dir():
         return []
-    found = sorted({p for pattern in _DEBRIS for p in final.parent.glob(f".{glob_escape(final.name)}{pattern}")})
+    name = final.name if pattern else glob_escape(final.name)
+    found = sorted({p for suffix in _DEBRIS for p in final.parent.glob(f".{name}{suffix}")})
     for p in found:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

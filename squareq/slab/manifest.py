@@ -123,19 +123,32 @@ class ModelRecord:
     # where the VAE and text encoders came from when not the source's own pipeline: {"where": pipeline folder or Hub
     # ID, "clip_l"/"clip_g"/"t5"/"vae": single files}; empty otherwise (squareq.train.encoder_source)
     encoders: dict[str, str] = field(default_factory=dict)
+    # each local folder or file named above (source, encoders) -> its identity when compiled (models/local_files.py),
+    # so a command that picks one by default can tell it changed; empty for built-ins, Hub IDs and older slabs
+    source_identity: dict[str, str] = field(default_factory=dict)
+
+
+def _json_sha256(payload: Any) -> str:
+    """sha256 of ``payload``'s compact, key-sorted JSON text (the form docs/slab-format.md specifies)."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def layout_digest(block: BlockRecord, layers: list[LayerRecord]) -> str:
     """sha256 of everything that says how a block's bytes are read (its tensors' names, dtypes, shapes, offsets,
     sizes and the layers' formats), so an edited offset or format is refused like an edited byte."""
-    payload = {
+    return _json_sha256({
         "block": [block.index, block.name, block.tensor, block.nbytes, block.layers],
         "params": [asdict(p) for p in block.params],
         "layers": [[rec.name, rec.block, rec.shape, rec.spec.to_dict(),
                     {role: asdict(t) for role, t in rec.tensors.items()}] for rec in layers],
-    }
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    })
+
+
+def resident_layout_digest(resident: list[ResidentRecord]) -> str:
+    """sha256 of every resident record (name, data-file key, dtype, shape, sha256 of its bytes) in manifest order:
+    two names swapped between tensors of one shape would otherwise load each into the other's place."""
+    return _json_sha256([asdict(r) for r in resident])
 
 
 def layer_to_dict(rec: LayerRecord) -> dict:
@@ -216,6 +229,9 @@ class Manifest:
     blocks: list[BlockRecord]
     layers: list[LayerRecord]
     resident: list[ResidentRecord]
+    # resident_layout_digest of ``resident``; "" in slabs written before it existed, which still open (format 2 with
+    # or without it, so each SquareQ reads the other's slabs) with their resident layout unhashed (`inspect --verify`)
+    resident_layout_sha256: str = ""
     alignment: int = ALIGNMENT
     thresholds: dict[str, Any] | None = None
     calibration: dict[str, Any] | None = None
@@ -233,8 +249,9 @@ class Manifest:
     def to_json(self) -> str:
         d = asdict(self)
         d["layers"] = [layer_to_dict(rec) for rec in self.layers]
-        if not d["model"]["encoders"]:  # written only when it says something, so older readers still read the slab
-            del d["model"]["encoders"]
+        for key in ("encoders", "source_identity"):  # written only when they say something, so older readers
+            if not d["model"][key]:  # still read the slab
+                del d["model"][key]
         return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
@@ -261,6 +278,7 @@ class Manifest:
                 blocks=[block_from_dict(b) for b in d["blocks"]],
                 layers=[layer_from_dict(rec) for rec in d["layers"]],
                 resident=[ResidentRecord(**r) for r in d["resident"]],
+                resident_layout_sha256=d.get("resident_layout_sha256", ""),
                 alignment=d["alignment"],
                 thresholds=d.get("thresholds"),
                 calibration=d.get("calibration"),

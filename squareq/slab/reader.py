@@ -29,6 +29,8 @@ from .manifest import (
     dtype_name,
     itemsize,
     layout_digest,
+    resident_layout_digest,
+    resident_tensor_name,
 )
 from .signature import signature_from_shapes
 
@@ -285,10 +287,26 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
     placed = {name for b in m.blocks for name in b.layers}
     if placed != set(by_name):
         raise SlabError(f"{path}: some manifest layers belong to no block; recompile the slab.")
+    _check_resident(path, m, header)
+
+
+def _check_resident(path: Path, m: Manifest, header: dict) -> None:
+    """Resident records match their digest (when the slab has one), their data-file keys and the header: each
+    tensor's bytes are hashed under its record, so a record pointing at another tensor would pass the sha256."""
+    manifest = path.with_name(MANIFEST_FILE)
+    if m.resident_layout_sha256 and m.resident_layout_sha256 != resident_layout_digest(m.resident):
+        raise SlabError(f"{manifest}: the resident tensors' records fail their layout check (a name, dtype, shape or "
+                        "key was altered or damaged, so a tensor would load in another's place); restore the slab's "
+                        "original manifest.json or recompile the slab.")
     for r in m.resident:
+        if r.tensor != resident_tensor_name(r.name):  # the writer's only naming: holds slabs without a digest too
+            raise SlabError(f"{manifest}: resident tensor {r.name} is stored under {r.tensor!r}, not "
+                            f"{resident_tensor_name(r.name)!r}, so the manifest was altered; restore the slab's "
+                            "original manifest.json or recompile the slab.")
         h = header[r.tensor]
         if h["dtype"] != r.dtype or h["shape"] != r.shape:
-            raise SlabError(f"{path}: resident tensor {r.name} does not match the manifest's dtype or shape.")
+            raise SlabError(f"{path}: resident tensor {r.name} does not match the manifest's dtype or shape; copy the "
+                            "slab again or recompile it.")
 
 
 def _say_if_linked_outside(folder: Path, file: Path) -> None:

@@ -37,6 +37,7 @@ from .manifest import (
     block_tensor_name,
     dtype_name,
     layout_digest,
+    resident_layout_digest,
     resident_tensor_name,
 )
 from .safetensors_file import safetensors_header
@@ -52,6 +53,7 @@ class WriteOptions:
     family: str = "generic"
     source: str = ""
     encoders: dict[str, str] | None = None  # the encoders calibration used, when not the source's own
+    source_identity: dict[str, str] | None = None  # local path -> identity of what the compile read (ModelRecord)
     thresholds: dict | None = None
     calibration: dict | None = None
     overwrite: bool = False
@@ -176,10 +178,12 @@ def _build_manifest(skeleton: nn.Module, blocks: list[BlockRecord], layers: list
     return Manifest(
         model=ModelRecord(options.family, type(skeleton).__name__, jsonable_config(getattr(skeleton, "config", {})),
                           model_signature(skeleton), options.source,
-                          list(dict.fromkeys(b.name.rsplit(".", 1)[0] for b in blocks)), dict(options.encoders or {})),
+                          list(dict.fromkeys(b.name.rsplit(".", 1)[0] for b in blocks)), dict(options.encoders or {}),
+                          dict(options.source_identity or {})),
         blocks=blocks,
         layers=layers,
         resident=resident,
+        resident_layout_sha256=resident_layout_digest(resident),
         alignment=ALIGNMENT,
         thresholds=options.thresholds,
         calibration=options.calibration,

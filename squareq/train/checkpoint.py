@@ -51,7 +51,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..slab.atomic import atomic_directory
+from ..slab.atomic import atomic_directory, remove_debris
 from ..slab.errors import brief
 from ..slab.safetensors_file import safetensors_bytes
 
@@ -70,7 +70,6 @@ REQUIRED_FILES = (*HASHED_FILES, CHECKSUMS_FILE)
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TENSOR_TAG = "__tensor__"
 _TUPLE_TAG = "__tuple__"
-_RESUME_HINT = "pass --resume with an older checkpoint"
 _HASH_CHUNK = 1 << 22
 
 
@@ -466,6 +465,26 @@ def _check_lora(lora: dict[str, torch.Tensor], optimizer, param_names: list[str]
                               f"e.g. {extra[0]}, so it was made for a different LoRA (rank/targets); {hint}.")
 
 
+def check_resume_folder(path: str | os.PathLike) -> None:
+    """Refuse a ``--resume`` that names no checkpoint folder, in a sentence saying what it names and what resuming
+    takes; a folder is left to :func:`load_checkpoint`, which checks its files."""
+    path = Path(path)
+    takes = (f"--resume takes latest or a checkpoint folder, {CHECKPOINTS_DIR}/step-NNNNNNNN in a run's -o folder, "
+             f"holding {', '.join(REQUIRED_FILES)}")
+    run = path.parent if path.name == CHECKPOINTS_DIR else path  # a run's -o folder, or its checkpoints folder
+    if (run / CHECKPOINTS_DIR).is_dir():
+        found = latest_checkpoint(run)
+        raise CheckpointError(f"--resume {path} holds a run's checkpoints but is not one; "
+                              + (f"pass --resume {found} (the newest), or -o {run} --resume latest" if found
+                                 else "none of them is complete yet, so start again without --resume") + ".")
+    if path.is_dir():
+        return
+    if path.exists():
+        inside = f"; pass the folder holding it, --resume {path.parent}" if path.name in REQUIRED_FILES else ""
+        raise CheckpointError(f"--resume {path} is a file, not a folder; {takes}{inside}.")
+    raise CheckpointError(f"--resume {path} does not exist; {takes}.")
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     optimizer: torch.optim.Optimizer,
@@ -481,8 +500,7 @@ def load_checkpoint(
     """
     path = Path(path)
     _check_names(optimizer, param_names)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist; {_RESUME_HINT} or leave --resume out.")
+    check_resume_folder(path)
     hint = _resume_hint(path)
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     try:
@@ -574,3 +592,10 @@ def prune_checkpoints(out_dir: str | os.PathLike, keep_last: int) -> list[Path]:
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(folder)
     return removed
+
+
+def remove_checkpoint_debris(out_dir: str | os.PathLike) -> list[Path]:
+    """Remove the hidden folders a killed checkpoint write or prune left in ``out_dir/checkpoints``
+    (``.step-<N>.tmp-*``, ``.old-*``, ``.del-*``; a kill skips their cleanup and no later save has the same step);
+    nothing else there is touched. Returns what was removed."""
+    return remove_debris(Path(out_dir) / CHECKPOINTS_DIR / "step-[0-9]*", pattern=True)

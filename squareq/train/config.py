@@ -8,6 +8,7 @@ Defaults follow what users of kohya sd-scripts, ai-toolkit and SimpleTuner expec
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
 from ..runtime.peft_lora import LoraVariant
 from ..sizes import SizeError, parse_size
+from .data import refused_character
 from .encoder_source import SINGLE_FILE_FLAGS
 from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
@@ -33,6 +35,20 @@ HOSTS = ("auto", "pinned", "shared", "disk")
 CUDA_GRAPHS = ("auto", "on", "off")
 LOGGERS = ("jsonl", "tensorboard")
 SAVE_FORMATS = ("diffusers", "kohya")
+# seeds go to numpy's legacy seeding and kohya's set_seed as well as torch's, which take 0 to 2**32 - 1
+MAX_SEED = 2**32 - 1
+# the LoRA's scale alpha/rank: kohya and PEFT users pick 1/rank to 2, so 1024 is far beyond any recipe, and far above
+# it the gradients of the B factors (scaled by alpha/rank) overflow float32
+MAX_ALPHA_PER_RANK = 1024
+# the time shift: 1 is uniform, FLUX's and kohya's default 3, Wan's and HunyuanVideo's recipes 5 to 7; at 100 half
+# the drawn times are above 0.99, nearly pure noise, and far above it the shifted time is inf/inf in float32
+MAX_SHIFT = 100.0
+# the title names OUT/<title>_kohya.safetensors: 200 bytes, the suffix (18) and a temporary name's (14) stay within
+# the 255 bytes a file name may have
+MAX_TITLE_BYTES = 200
+# the largest guidance (embedded, or a CFG scale) a run or a sample image takes: FLUX.1-dev's usual is 3.5 and CFG
+# models' about 7, while a value like 1e300 overflows the pipeline's float32 guidance tensor (a traceback, not an image)
+MAX_GUIDANCE = 100.0
 
 
 # One line per key for `squareq train --help` and docs/cli.md (the CLI makes a flag of every key).
@@ -222,11 +238,12 @@ class TrainConfig:
     def validate(self, where: str = "the configuration") -> None:
         """Raise :class:`ConfigError` with one sentence naming the key if a value cannot work."""
         def bad(key: str, why: str) -> ConfigError:
-            error = ConfigError(f"{where}: {key} = {getattr(self, key)!r} {why}.")
+            error = ConfigError(f"{where}: {key} = {_shown(getattr(self, key))} {why}.")
             error.key = key
             return error
 
         self._check_numbers(bad)
+        self._check_limits(bad)
         self._check_data(bad)
         if self.save_format is not None and (not self.save_format
                                              or not set(self.save_format) <= set(SAVE_FORMATS)):
@@ -272,6 +289,10 @@ class TrainConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
                     or value < low or (strict and value == low):
                 raise bad(key, f"must be a finite number {'above' if strict else 'of at least'} {low:g}")
+        for key in ("guidance", "sample_guidance"):
+            if getattr(self, key) > MAX_GUIDANCE:
+                raise bad(key, f"must be at most {MAX_GUIDANCE:g} (3.5 is usual for FLUX.1-dev, about 7 for CFG "
+                               "models)")
         if not isinstance(self.ema_decay, (int, float)) or isinstance(self.ema_decay, bool) \
                 or not 0.0 <= self.ema_decay < 1.0:
             raise bad("ema_decay", "must be in [0, 1): 0 turns the average off, 0.999 is usual")
@@ -283,6 +304,34 @@ class TrainConfig:
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or not math.isfinite(self.lr) \
                 or self.lr <= 0:
             raise bad("lr", "must be a finite positive number, e.g. 1e-4")
+
+    def _check_limits(self, bad) -> None:
+        """Upper limits a finite value can still break (seeds, alpha, shift, weight decay, the title's length) and
+        the control characters no trigger word or prompt holds."""
+        for key in ("seed", "sample_seed"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
+                raise bad(key, f"must be a whole number from 0 to {MAX_SEED} (2**32 - 1, the seeds numpy and kohya "
+                               "take)")
+        if self.alpha is not None and self.alpha > MAX_ALPHA_PER_RANK * self.rank:
+            raise bad("alpha", f"must be at most {MAX_ALPHA_PER_RANK} × rank ({MAX_ALPHA_PER_RANK * self.rank} "
+                               "here): the LoRA is scaled by alpha/rank, 1 when alpha = rank")
+        if self.shift > MAX_SHIFT:
+            raise bad("shift", f"must be at most {MAX_SHIFT:g} (3 is FLUX's and kohya's default, 1 is uniform)")
+        # each step multiplies the weights by 1 - lr × weight_decay; once that is below -1 they grow without end
+        if self.weight_decay > 1:
+            raise bad("weight_decay", "must be at most 1 (AdamW's usual values are 1e-4 to 0.1)")
+        size = len(self.title.encode("utf-8", "surrogatepass")) if self.title is not None else 0
+        if size > MAX_TITLE_BYTES:
+            raise bad("title", f"is {size} bytes long in UTF-8; it names the file OUT/<title>_kohya.safetensors, so "
+                               f"keep it to {MAX_TITLE_BYTES} bytes ({MAX_TITLE_BYTES} ASCII characters)")
+        for key in ("trigger", "sample_prompts"):
+            value = getattr(self, key)
+            texts = [value] if isinstance(value, str) else value or []
+            char = next(filter(None, map(refused_character, texts)), None)
+            if char:
+                raise bad(key, f"holds the control character {char}; write it as plain text (tabs and line breaks "
+                               "are fine)")
 
     def _check_data(self, bad) -> None:
         """The data keys: resolutions, captions, shuffling and validation images."""
@@ -389,7 +438,7 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         value = _graphs_word(value)
     try:
         if kind == "int | str":  # a count or a word (prefetch: "auto")
-            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+            if isinstance(value, (bool, dict, list)) or isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value) if isinstance(value, (int, float)) or str(value).strip().isdigit() else str(value)
         if kind == "bool":
@@ -408,18 +457,36 @@ def _coerce(name: str, value: Any, where: str) -> Any:
         if "list" in kind:
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]
-            return [str(v) for v in value]
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ValueError  # a table or a number is no list of names, and iterating it would make one up
+            return list(value)
         if "float" in kind and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # a TOML integer of 400 digits: infinite, which the range checks name
+                return math.inf if value > 0 else -math.inf
         if "int" in kind and not isinstance(value, bool):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
-        if "str" in kind:
+        if "str" in kind and not isinstance(value, (bool, dict, list)):
             return str(value)
     except (TypeError, ValueError):
         pass
-    raise ConfigError(f"{where}: {name} = {value!r} is not a {kind.replace(' | None', '')}.") from None
+    words = _KIND_WORDS[kind.replace(" | None", "")]
+    raise ConfigError(f"{where}: {name} = {_shown(value)} must be {words}.") from None
+
+
+_KIND_WORDS = {"int": "a whole number, e.g. 8", "float": "a number, e.g. 0.5", "bool": "a bool, true or false",
+               "str": 'text in quotes, e.g. "sks"', "int | str": "auto or a whole number, e.g. 3",
+               "list[str]": 'a list of text, e.g. ["to_q", "to_k"]',
+               "list[int]": "a whole number or a list of them, e.g. [512, 1024]"}
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message quotes it: its repr, cut short where it would fill the line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + "…"
 
 
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(TrainConfig)}
@@ -443,6 +510,48 @@ def _keep_scale(values: dict[str, Any], overrides: dict[str, Any], where: str) -
                 "pass --alpha to choose it yourself.", rank, where, before, alpha, values["alpha"], alpha / before)
 
 
+def _read_table(path: str | Path) -> dict[str, Any]:
+    """The training keys of the TOML file ``path`` (its ``[train]`` table, or its top level without one), kohya's
+    names translated; anything else in the file is refused, since ignoring it would train with a setting unmade."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist; pass an existing TOML file to --config.") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid TOML ({exc}); fix the file.") from None
+    except RecursionError:
+        raise ConfigError(f"{path} is not valid TOML (its arrays or tables nest too deeply to read); fix the "
+                          "file.") from None
+    table = data.get("train", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: train = {_shown(table)} is not a table; put the training keys under a [train] "
+                          "header, or at the top level without one.")
+    outside = sorted(set(data) - {"train"}) if table is not data else []
+    if outside:
+        them = "it" if len(outside) == 1 else "them"
+        raise ConfigError(f"{path}: {_names(data, outside)} outside the [train] table would be ignored; move {them} "
+                          f"into [train] or remove {them}.")
+    try:
+        table = translate_kohya_keys(table, str(path), set(_FIELD_TYPES))
+    except KohyaKeyError as exc:
+        raise ConfigError(str(exc)) from None
+    unknown = sorted(set(table) - set(_FIELD_TYPES))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key{'s' if len(unknown) > 1 else ''} {_names(table, unknown, True)}; "
+                          "`squareq train --print-config` lists every key.")
+    return table
+
+
+def _names(table: dict[str, Any], keys: list[str], suggest: bool = False) -> str:
+    """``keys`` of ``table`` for a message: a table as ``[name]``, with the closest training key when asked."""
+    named = []
+    for key in keys:
+        close = difflib.get_close_matches(key, _FIELD_TYPES, n=1) if suggest else []
+        named.append((f"[{key}]" if isinstance(table[key], dict) else key)
+                     + (f" (did you mean {close[0]}?)" if close else ""))
+    return ", ".join(named)
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (a ``[train]`` table or top-level keys), then ``overrides``
     (flag values; ``None`` means the flag was not given)."""
@@ -450,21 +559,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     where = "the configuration"
     if path is not None:
         where = str(path)
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path} does not exist; pass an existing TOML file to --config.") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path} is not valid TOML ({exc}); fix the file.") from None
-        table = data.get("train", data)
-        try:
-            table = translate_kohya_keys(table, where, set(_FIELD_TYPES))
-        except KohyaKeyError as exc:
-            raise ConfigError(str(exc)) from None
-        unknown = sorted(set(table) - set(_FIELD_TYPES))
-        if unknown:
-            raise ConfigError(f"{path}: unknown keys {unknown}; `squareq train --print-config` lists every key.")
-        values.update({k: _coerce(k, v, where) for k, v in table.items()})
+        values.update({k: _coerce(k, v, where) for k, v in _read_table(path).items()})
     overrides = dict(overrides or {})
     if overrides.get("steps") is not None and overrides.get("epochs") is None:
         values.pop("epochs", None)  # a --steps flag decides the length even where the file sets epochs

@@ -42,6 +42,16 @@ class DataError(ValueError):
     """The training data folder is missing or holds no usable image."""
 
 
+def refused_character(text: str) -> str | None:
+    """The first control character a caption may not hold, as ``U+0000``, or None. Refused: U+0000-U+001F but tab,
+    line feed and carriage return, and U+007F-U+009F: no caption writer puts them in text, so they are a binary
+    file or a broken export, and would reach the text encoders as tokens that no caption means."""
+    for c in text:
+        if (ord(c) < 0x20 and c not in "\t\n\r") or 0x7F <= ord(c) <= 0x9F:
+            return f"U+{ord(c):04X}"
+    return None
+
+
 @dataclass(frozen=True)
 class Item:
     """One usable image: its path, caption, size (after EXIF rotation) and how often an epoch trains on it."""
@@ -219,6 +229,11 @@ def _from_folder(root: Path, data: Dataset, caption_ext: str = ".txt") -> list[t
             data.skipped.append(Skipped(image, f"{rel_txt} is empty: write a caption for "
                                                f"{rel.as_posix()} in it."))
             continue
+        if char := refused_character(caption):
+            data.skipped.append(Skipped(image, f"{rel_txt} holds the control character {char}, so it is not a "
+                                               "plain-text caption: rewrite it as text (tabs and line breaks are "
+                                               "fine)."))
+            continue
         found.append((image, caption, repeats))
     return found
 
@@ -241,12 +256,16 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str, int]]:
         where = f"{METADATA} line {n}"
         try:
             entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            bad(f"{where} is not valid JSON ({exc.msg}): fix or remove that line.")
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "it nests too deeply to read"
+            bad(f"{where} is not valid JSON ({why}): fix or remove that line.")
             continue
         name = entry.get("file_name") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not name:
             bad(f"{where} has no file_name: give each line a file_name relative to {root}.")
+            continue
+        if "\0" in name:  # no file name holds a NUL, and the path functions refuse one with a traceback
+            bad(f"{where} has a NUL character in its file_name, which no file name can hold: fix that line.")
             continue
         caption = entry.get("caption", entry.get("text"))
         image = root / name
@@ -260,6 +279,9 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str, int]]:
             bad(f"{name} has no caption in {where}: add a \"caption\" (or \"text\") string.", image)
         elif not caption.strip():
             bad(f"{name} has an empty caption in {where}: write a caption for it.", image)
+        elif char := refused_character(caption):
+            bad(f"{name} has a caption with the control character {char} in {where}: write it as plain text (tabs "
+                "and line breaks are fine).", image)
         else:
             seen.add(image)
             found.append((image, caption.strip(), 1))

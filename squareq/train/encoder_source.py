@@ -9,14 +9,20 @@ tokenizers, the scheduler and every encoder not given as a file.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..models import ADAPTERS, BUILTIN_MODELS, ModelError, hub
 from ..models.base import PIPELINE_ENCODER_PARTS
+from ..models.local_files import refuse_pickled, source_identity
+
+log = logging.getLogger("squareq.train")
+_UNVERIFIED: set[str] = set()  # paths already named as unverified: a run picks its encoders more than once
 
 # the single-file flags, each naming the pipeline component it replaces by that component's class
 SINGLE_FILE_FLAGS = ("clip_l", "clip_g", "t5", "vae")
@@ -41,6 +47,8 @@ class EncoderSource:
 
     where: str
     files: tuple[tuple[str, str], ...] = ()
+    # what the slab recorded of its local paths (path, source_identity), checked when a command uses them unasked
+    identity: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def of(cls, source: EncoderSource | str | Path) -> EncoderSource:
@@ -77,7 +85,9 @@ def single_files(values: Mapping[str, str | Path | None]) -> tuple[tuple[str, st
 def recorded_encoders(record) -> EncoderSource:
     """The encoders a slab's model record names: those its compile calibrated with, else its source's own."""
     encoders = getattr(record, "encoders", None)
-    return EncoderSource.from_record(encoders) if encoders else EncoderSource(record.source)
+    source = EncoderSource.from_record(encoders) if encoders else EncoderSource(record.source)
+    known = getattr(record, "source_identity", None) or {}
+    return dataclasses.replace(source, identity=tuple(sorted(known.items())))
 
 
 def encoder_source_for(recorded: EncoderSource | str, family: str, config=None,
@@ -98,6 +108,7 @@ def encoder_source_for(recorded: EncoderSource | str, family: str, config=None,
         if revision:
             raise EncoderError(f"--revision {revision} names a revision of --model; pass the Hub ID with --model.")
         base = recorded
+        check_unchanged(recorded, [k for k, _ in given])
     if not given:
         return base
     merged = {**base.file_map, **dict(given)}
@@ -115,6 +126,27 @@ def encoder_source_for(recorded: EncoderSource | str, family: str, config=None,
                                "come from with --model (compile: --encoders), a folder or Hub ID.")
         where = adapter.reference_pipeline(config or {})
     return EncoderSource(where, tuple((k, merged[k]) for k in SINGLE_FILE_FLAGS if k in merged))
+
+
+def check_unchanged(recorded: EncoderSource, replaced: list[str] = ()) -> None:
+    """Refuse a local folder or file a slab names that changed since its compile (its ``source_identity`` no longer
+    matches what the slab recorded), except the single files ``replaced`` by flags; one line for a slab that predates
+    the record, whose paths are used unverified. Only what is picked by default comes here: a path the user passes
+    is used as it is."""
+    known = dict(recorded.identity)
+    used = [("--model", recorded.where)] + [(cli_flag(k), p) for k, p in recorded.files if k not in replaced]
+    for flag, where in used:
+        if not (Path(where).is_absolute() and Path(where).exists()):
+            continue  # a built-in name, a Hub ID (pinned to its commit), or a path gone (the loader says so)
+        if where not in known:
+            if where not in _UNVERIFIED:
+                _UNVERIFIED.add(where)
+                log.warning("%s: the slab records no identity for it (compiled before SquareQ recorded one), so it is "
+                            "used unverified; recompile the slab to have it checked.", where)
+        elif source_identity(where) != known[where]:
+            raise EncoderError(f"{where}, which the slab records as its source, changed since the slab was compiled "
+                               f"(its configs or weights differ from what it recorded); pass it explicitly with {flag} "
+                               f"{where} to use it as it is now, or recompile the slab from it.")
 
 
 def _named(model: str, revision: str | None, recorded: str) -> str:
@@ -182,11 +214,18 @@ def pipeline_folder(source: EncoderSource | str | Path) -> Path | None:
     if source.where in BUILTIN_MODELS:
         return None
     ref = hub.hub_ref(source.where)
-    if ref is not None:
-        try:
-            return _hub_pipeline(ref, [k for k, _ in source.files])
-        except ModelError as exc:
-            raise EncoderError(str(exc)) from None
+    try:
+        folder = _hub_pipeline(ref, [k for k, _ in source.files]) if ref is not None else _local_pipeline(source)
+        # every loader reads the folders of this one function: a pickled encoder is refused here, before any loads
+        index = hub.read_index(folder) or {}
+        replaced = set(file_components(index, [k for k, _ in source.files]).values())
+        refuse_pickled(*(folder / c for c in hub.pipeline_components(index, WEIGHTED_PARTS) if c not in replaced))
+    except ModelError as exc:
+        raise EncoderError(str(exc)) from None
+    return folder
+
+
+def _local_pipeline(source: EncoderSource) -> Path:
     path = Path(source.where).expanduser()
     folder = path.parent if (path.parent / "model_index.json").is_file() else path
     if not (folder / "model_index.json").is_file():

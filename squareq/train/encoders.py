@@ -82,7 +82,7 @@ def _load_folder(source: EncoderSource, dtype: torch.dtype, text: bool = True):
     given = load_single_files(source, folder, read_index(folder), dtype, only=None if text else ("vae",))
     try:
         return FluxPipeline.from_pretrained(str(folder), **{**left_out, **given}, torch_dtype=dtype,
-                                            local_files_only=True)
+                                            local_files_only=True, use_safetensors=True)  # never a pickle
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE{' and text encoders' if text else ''} from {source} ({brief(exc)}); "
                            "pass a complete FLUX pipeline folder or Hub ID with --model.") from None

@@ -141,7 +141,7 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     given = load_single_files(EncoderSource.of(source), folder, index, dtype)
     try:
         pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given, torch_dtype=dtype,
-                                                 local_files_only=True)
+                                                 local_files_only=True, use_safetensors=True)  # never a pickle
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
                            f"{found} folder with --model.") from None

@@ -38,17 +38,19 @@ from ..runtime.host_choice import choose_host
 from ..runtime.host_memory import HostMemoryError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
-from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence
+from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence, remove_debris
 from .cache import EmbeddingCache, content_key, file_digest
 from .checkpoint import (
+    check_resume_folder,
     checkpoint_config,
     checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    remove_checkpoint_debris,
     save_checkpoint,
 )
-from .config import TrainConfig
+from .config import MAX_TITLE_BYTES, TrainConfig
 from .data import (
     TRIGGER_TOKEN,
     BucketBatches,
@@ -69,7 +71,7 @@ from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
-from .lora_metadata import dataset_summary, lora_header
+from .lora_metadata import dataset_summary, lora_header, source_date_epoch
 from .objective import denoising_loss, draw_times, image_tokens
 from .sample import FORWARD_SLOTS, draw_image
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
@@ -276,6 +278,12 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it "
                          "for several) or set sample_every = 0.")
+    if cfg.resume and cfg.resume != "latest":
+        check_resume_folder(cfg.resume)  # before anything is created, loaded or cached
+    try:
+        source_date_epoch()  # read again when the LoRA is written: refused now, not after the last step
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
     out = ensure_output_dir(Path(cfg.output), "-o/--out")
     device = default_device()
     ranks = Ranks.from_env("nccl" if device.type == "cuda" else "gloo")
@@ -298,6 +306,8 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
     if not cfg.resume and latest_checkpoint(out) is not None:
         raise TrainError(f"{out} already holds checkpoints of an earlier run; pass --resume latest to continue it, or "
                          "choose a new -o/--out folder.")
+    if ranks.is_main:  # rank 0 writes every checkpoint and LoRA file, so only it knows their temporaries are dead
+        _remove_debris(cfg, out, echo)
     torch.manual_seed(cfg.seed)
     run = _Run(cfg, out, device, ranks, echo, after_step, on_gradients)
     run.setup()
@@ -740,6 +750,14 @@ class _Run:
                            files["kohya"] if "kohya" in formats else None)
 
 
+def _remove_debris(cfg: TrainConfig, out: Path, echo) -> None:
+    """The temporaries a killed run left in ``out`` (a checkpoint, LoRA file or log it was writing: Python's cleanup
+    never ran), one line each; only names this run's own writers make, never a user's file."""
+    written = [*lora_paths(cfg, out).values(), out / METRICS_FILE, out / VALIDATION_FILE, out / "loss.png"]
+    for debris in [*remove_checkpoint_debris(out), *(p for path in written for p in remove_debris(path))]:
+        echo(f"removed {debris}, left by a run that was killed while writing it")
+
+
 def _resume_path(cfg: TrainConfig, out: Path) -> Path | None:
     """The checkpoint ``resume`` names (``latest``: the newest in ``out``, None before the first), or None."""
     if not cfg.resume:
@@ -794,6 +812,8 @@ def lora_paths(cfg: TrainConfig, out: Path) -> dict[str, Path]:
     title made safe as a file name)."""
     title = cfg.title or out.name
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in title).strip("._") or "lora"
+    # a title is checked against this limit up front; the default one, the -o folder's name, may be longer
+    stem = stem.encode()[:MAX_TITLE_BYTES].decode("utf-8", "ignore")
     return {"diffusers": out / "pytorch_lora_weights.safetensors", "kohya": out / f"{stem}_kohya.safetensors"}
 
 

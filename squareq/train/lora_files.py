@@ -587,9 +587,10 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     weights; bf16 widens to fp32 exactly) and ``info`` with
     ``layout`` ("diffusers" or "kohya"), ``rank`` (the most common), ``alpha`` (each layer's scale is alpha / its
     own rank), ``targets`` (as given to add_lora when SquareQ wrote the file, else the layer names),
-    ``metadata`` (SquareQ's ``squareq.*`` header keys, decoded) and ``use_dora`` (the factors come with
-    ``<layer>.lora_magnitude_vector``). An rsLoRA file's scale alpha/sqrt(rank) is read as the alpha of the same
-    plain scale, alpha·sqrt(rank), so it applies without PEFT.
+    ``metadata`` (SquareQ's ``squareq.*`` header keys, decoded), ``use_dora`` (the factors come with
+    ``<layer>.lora_magnitude_vector``), ``file`` (the file read) and ``key_prefix`` (``transformer.`` when its keys
+    carry the component, else empty: a diffusers key is ``key_prefix`` + the runtime name). An rsLoRA file's scale
+    alpha/sqrt(rank) is read as the alpha of the same plain scale, alpha·sqrt(rank), so it applies without PEFT.
     """
     path = Path(path)
     file = path / WEIGHT_NAME if path.is_dir() else path
@@ -616,10 +617,14 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     provenance = _read_provenance(header, str(file))
     targets = provenance.get("targets")
     heads = {k.split(".", 1)[0] for k in tensors}
+    component = next((p for p in PREFIXES if p in heads), PREFIX) if layout == "diffusers" else PREFIX
     info = {
         "layout": layout,
         # the denoiser the file names (diffusers layout), e.g. "unet" for SD 1.5 / SDXL
-        "component": next((p for p in PREFIXES if p in heads), PREFIX) if layout == "diffusers" else PREFIX,
+        "component": component,
+        # where the factors came from, for refusals that name the file's own keys (attach_lora)
+        "file": str(file),
+        "key_prefix": f"{component}." if layout == "diffusers" and component in heads else "",
         "rank": rank,
         "alpha": alpha,
         "targets": list(targets) if targets is not None else sorted(per_layer),
@@ -663,7 +668,7 @@ def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor],
 
     if info.get("use_dora"):
         return _attach_dora(model, lora, info)
-    params = []
+    modules = {}
     for layer in sorted({k[: -len(_A)] for k in lora if k.endswith(_A)}):
         try:
             module = model.get_submodule(layer)
@@ -672,6 +677,12 @@ def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor],
         if not isinstance(module, QuantLinear):
             raise LoraFileError(f"the LoRA names layer {layer}, which is not a quantized layer of this "
                                 f"{type(model).__name__}; it was trained for another model.")
+        rank = lora[layer + _A].shape[0]
+        _check_shape(info, layer + _A, lora[layer + _A], (rank, module.in_features))
+        _check_shape(info, layer + _B, lora[layer + _B], (module.out_features, rank))
+        modules[layer] = module
+    params = []  # every layer checked first, so a refused LoRA leaves the model as it was
+    for layer, module in modules.items():
         a, b = lora[layer + _A], lora[layer + _B]
         module.add_lora(a.shape[0], float(info["alpha"]), device=module.scratch.buffer.device)
         with torch.no_grad():
@@ -699,7 +710,38 @@ def _attach_dora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor], info:
     if set(params) != set(lora):
         raise LoraFileError(f"the LoRA's layers ({_few(layers)}) are not all quantized layers of this "
                             f"{type(model).__name__}; it was trained for another model.")
+    for name, p in params.items():
+        _check_shape(info, name, lora[name], tuple(p.shape))
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(lora[name])
     return list(params.values())
+
+
+def _check_shape(info: Mapping[str, Any], name: str, tensor: torch.Tensor, want: tuple[int, ...]) -> None:
+    """Refuse a factor that does not fit the slab's layer, naming the file's key: ``copy_`` would raise a bare
+    RuntimeError, or broadcast a [rank, 1] factor over the layer without a word."""
+    if tuple(tensor.shape) == tuple(want):
+        return
+    layer = _layer_of(name)[0]
+    raise LoraFileError(f"{info.get('file', 'the LoRA')}: {_file_key(info, name)} is {list(tensor.shape)} but the "
+                        f"slab's layer {layer} takes {list(want)}; the LoRA was trained for another model, so pass one "
+                        "trained on the model this slab was compiled from.")
+
+
+def _file_key(info: Mapping[str, Any], name: str) -> str:
+    """The key a runtime factor name (``<layer>.lora_A.weight``) has in the file ``load_lora`` read."""
+    layer, suffix = _layer_of(name)
+    if info.get("layout") != "kohya" or suffix not in (_A, _B):
+        return info.get("key_prefix", "") + name
+    try:
+        module = KOHYA_PREFIX + _fused_module(layer)[0].replace(".", "_")
+    except LoraFileError:
+        return name
+    return f"{module}{_DOWN if suffix == _A else _UP} (its part for layer {layer})"
+
+
+def _layer_of(name: str) -> tuple[str, str]:
+    """(layer, suffix) of a runtime factor name: ``.lora_A.weight``, ``.lora_B.weight`` or the DoRA magnitude."""
+    suffix = next((s for s in (_A, _B, _MAGNITUDE) if name.endswith(s)), "")
+    return name[: len(name) - len(suffix)], suffix

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 from .lora_files import plain_number
 
 MODELSPEC_VERSION = "1.0.0"
+_LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z, the last time modelspec.date's ISO form can write
 
 
 def _text(x: float) -> str:
@@ -55,11 +58,29 @@ def dataset_summary(root: Path, items: Iterable) -> tuple[dict, dict]:
     return dirs, {folder: dict(counts) for folder, counts in tags.items()}
 
 
+def source_date_epoch() -> int | None:
+    """``SOURCE_DATE_EPOCH`` (reproducible-builds.org's convention): the Unix time to record instead of the clock's,
+    or None when it is unset or empty. :class:`ValueError` with one sentence when it is not a whole number of seconds
+    up to the year 9999."""
+    text = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if not text:
+        return None
+    if not re.fullmatch(r"[0-9]+", text) or int(text) > _LAST_SECOND:
+        raise ValueError(f"SOURCE_DATE_EPOCH={text[:40]!r} is not a whole number of seconds since 1970-01-01 UTC; set "
+                         "it to one (e.g. $(git log -1 --format=%ct)) for fixed times in the LoRA's header, or unset "
+                         "it for the run's own.")
+    return int(text)
+
+
 def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: Mapping | None, rank: int,
                 alpha: float, steps: int, images: int, dirs: Mapping, tags: Mapping, started: float,
                 finished: float) -> dict[str, str]:
     """The ``modelspec.*`` and ``ss_*`` keys of a LoRA trained with ``cfg`` (a TrainConfig) and saved in ``layout``
-    (``diffusers`` or ``kohya``). ``started``/``finished``: Unix times of the run."""
+    (``diffusers`` or ``kohya``). ``started``/``finished``: Unix times of the run, both replaced by
+    ``SOURCE_DATE_EPOCH`` when it is set (then identical runs write identical bytes)."""
+    epoch = source_date_epoch()
+    if epoch is not None:
+        started = finished = float(epoch)
     arch, base_version = architecture(family, base_config)
     title = cfg.title or Path(cfg.output).name
     header = {

@@ -17,6 +17,7 @@ from ..models import ADAPTERS
 from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
+from .config import MAX_GUIDANCE
 from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import open_decoder, open_encoders
@@ -68,8 +69,9 @@ def check_sample_options(resolution: int, steps: int, guidance: float, max_seque
                           "8x VAE), e.g. 512 or 1024.")
     if not whole(steps) or steps < 1:
         raise SampleError(f"--steps {steps} must be a whole number of at least 1, e.g. 20.")
-    if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or guidance < 0:
-        raise SampleError(f"--guidance {guidance} must be a finite number of at least 0, e.g. 3.5.")
+    if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or not 0 <= guidance <= MAX_GUIDANCE:
+        raise SampleError(f"--guidance {guidance} must be a number from 0 to {MAX_GUIDANCE:g}, e.g. 3.5 (FLUX.1-dev's "
+                          "usual).")
     if not whole(max_sequence_length) or max_sequence_length < 1:
         raise SampleError(f"--max-sequence-length {max_sequence_length} must be a whole number of at least 1.")
 

@@ -99,7 +99,8 @@ def _transformers_file(cls, path: Path, folder: Path, component: str, dtype):
     with tempfile.TemporaryDirectory(prefix="squareq-encoder-") as tmp:
         os.symlink((folder / component / "config.json").resolve(), Path(tmp) / "config.json")
         os.symlink(path.resolve(), Path(tmp) / "model.safetensors")
-        model, info = cls.from_pretrained(tmp, torch_dtype=dtype, local_files_only=True, output_loading_info=True)
+        model, info = cls.from_pretrained(tmp, torch_dtype=dtype, local_files_only=True, output_loading_info=True,
+                                          use_safetensors=True)
     missing = [k for k in info.get("missing_keys", ()) if k]
     mismatched = [m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys", ())]
     unset = missing + mismatched

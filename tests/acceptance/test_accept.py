@@ -314,6 +314,31 @@ def test_a_report_into_a_missing_folder_is_refused_before_any_work(good_slab, tm
     assert not (tmp_path / "good.slab.accept").exists()
 
 
+@pytest.mark.parametrize("key, value", [("budget_bytes", "2MB"), ("budget_bytes", True), ("seed", 1.5),
+                                        ("resolution", 0), ("timesteps", [0.5, "x"]), ("cache", 3)])
+def test_a_calibration_field_of_the_wrong_type_is_one_sentence_before_any_gate(tmp_path, key, value):
+    """Issue 40: calibration.budget_bytes "2MB" crashed the last gate after every other had run, and no report was
+    written; the manifest's fields the gates read are checked first. The control: the compile's own values pass."""
+    from squareq.acceptance.runner import check_recorded
+    from squareq.slab import open_slab
+
+    slab = _write(tmp_path, "s.slab", QuantSpec(bits=8))
+    m = json.loads((slab / "manifest.json").read_text())
+    sound = {"budget_bytes": 2_000_000, "seed": 0, "samples": 8, "resolution": 64, "timesteps": [0.5, 0.25],
+             "kind": "images", "cache": None}
+    m["calibration"] = {**sound, key: value}
+    (slab / "manifest.json").write_text(json.dumps(m))
+    result, report, junit = _accept(slab, tmp_path)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.startswith(f"error: {slab / 'manifest.json'}'s calibration.{key} is {str(value)!r}, not "), \
+        result.output
+    assert "[1/" not in result.output and not report.exists() and not junit.exists()
+    m["calibration"] = sound
+    (slab / "manifest.json").write_text(json.dumps(m))
+    with open_slab(slab) as s:
+        check_recorded(s)
+
+
 def test_fresh_inputs_are_real_images_at_other_noise_levels_than_the_compiles(good_slab):
     from squareq.acceptance.layer_mse import _fresh_timesteps, fresh_inputs
     from squareq.compiler.sources import open_source

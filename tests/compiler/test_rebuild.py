@@ -1,5 +1,6 @@
 """`squareq compile --from`: the ladder moves both ways across builds, by measured effect, and converges."""
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -130,3 +131,49 @@ def test_a_slab_written_before_rungs_had_names_reads_with_names_and_rebuilds(bui
     third, second = manifest(tmp_path / "3.slab"), manifest(d / "2.slab")
     assert [(x["name"], x["rung"]) for x in third["layers"]] == [(x["name"], x["rung"]) for x in second["layers"]]
     assert [list(x["rungs"]) for x in third["layers"]] == [list(x["rungs"]) for x in second["layers"]]
+
+
+def _edited_copy(builds, tmp_path, edit):
+    import shutil
+
+    d, _ = builds
+    copy = tmp_path / "edited.slab"
+    shutil.copytree(d / "2.slab", copy)
+    m = manifest(copy)
+    edit(m)
+    (copy / "manifest.json").write_text(json.dumps(m))
+    return copy
+
+
+@pytest.mark.parametrize("build", ["2", 2.5, True, 0])
+def test_a_from_slab_whose_build_is_not_a_count_is_one_sentence_before_the_encoders_run(builds, tmp_path, build):
+    """Issue 40: calibration.build "abc" was a ValueError traceback after calibration, and "2" or 2.5 passed for a
+    count; the sentence names the manifest and the key. The control: the slab it was edited from is taken."""
+    from squareq.compiler.previous import check_previous
+
+    edited = _edited_copy(builds, tmp_path, lambda m: m["calibration"].update(build=build))
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(tmp_path / "x.slab"), "--from", str(edited),
+                                       *ARGS])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"error: --from {edited}: {edited / 'manifest.json'}'s calibration.build is {str(build)!r}, not a whole " \
+           "number of at least 1" in result.output
+    assert "encoding" not in result.output and not (tmp_path / "x.slab").exists()
+    check_previous(builds[0] / "2.slab", open_source("tiny-flux"))
+
+
+def test_a_from_slab_with_a_nan_effect_is_measured_again_and_no_nan_is_copied(builds, tmp_path, caplog):
+    """Issue 40: a NaN effect in PREV's manifest was reused, planned on and copied into the new manifest; now the
+    effects are measured again, with a line naming the layer. (The control, a sound PREV reused, is the first test.)"""
+    layer = manifest(builds[0] / "2.slab")["layers"][3]["name"]
+
+    def poison(m):
+        m["layers"][3]["rungs"]["W4"]["metrics"]["effect"] = float("nan")
+
+    edited = _edited_copy(builds, tmp_path, poison)
+    output = compile_cli("-o", str(tmp_path / "3.slab"), "--from", str(edited))
+    assert "reusing the measurements" not in output
+    assert f"layer {layer} at W4 records effect nan, not a finite number" in caplog.text
+    third = manifest(tmp_path / "3.slab")
+    assert third["calibration"]["measurements"] == "measured" and third["calibration"]["build"] == 3
+    effects = [r["metrics"]["effect"] for x in third["layers"] for r in x["rungs"].values()]
+    assert all(math.isfinite(e) for e in effects)

@@ -103,6 +103,28 @@ def test_plan_refuses_a_budget_it_exceeds(tiny_slab):
     plan.check(parse_size(named.replace(" ", "")))
 
 
+def test_load_records_where_the_blocks_wait_and_streams_like_resident(tiny_slab):
+    """Issue 40, item 9 split ``load`` into pieces: what it builds is unchanged. Streamed blocks run through the ring
+    from the host asked for (or auto's choice, with its reason); resident ones are bound once on the device; both
+    compute the same output."""
+    from squareq.runtime.blocks import BlockRunner
+
+    from .harness import inputs
+
+    streamed = runtime.load(tiny_slab, "cpu", host="pinned", fused_attention=False)
+    rt = runtime.runtime_of(streamed)
+    assert (rt.host, rt.host_reason, rt.device_blobs) == ("pinned", "asked for", []) and rt.streamer is not None
+    assert all(isinstance(streamed.get_submodule(b.name).forward, BlockRunner) for b in rt.manifest.blocks)
+    resident = runtime.load(tiny_slab, "cpu", stream=False, fused_attention=False)
+    rr = runtime.runtime_of(resident)
+    assert rr.streamer is None and rr.host == "device" and len(rr.device_blobs) == len(rr.manifest.blocks)
+    auto = runtime.runtime_of(runtime.load(tiny_slab, "cpu", host="auto"))
+    assert auto.host in ("pinned", "disk") and auto.host_reason and auto.host_reason != "asked for"
+    batch = inputs("cpu")
+    with torch.no_grad():
+        assert torch.equal(streamed(**batch, return_dict=False)[0], resident(**batch, return_dict=False)[0])
+
+
 def test_load_rejects_bad_arguments(tiny_slab):
     with pytest.raises(ValueError, match="host="):
         runtime.load(tiny_slab, "cpu", host="ram")

@@ -12,6 +12,7 @@ from torch import nn
 import squareq.train.checkpoint as ckpt
 from squareq.train.checkpoint import (
     CheckpointError,
+    check_resume_folder,
     checkpoint_dir,
     latest_checkpoint,
     load_checkpoint,
@@ -247,6 +248,48 @@ def test_incomplete_or_corrupt_checkpoint_is_refused(tmp_path):
         load_checkpoint(path, opt, _names(model))
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nowhere", opt, _names(model))
+
+
+def test_resume_naming_no_checkpoint_folder_says_what_it_names_and_what_resume_takes(tmp_path):
+    """Issue 40, item 9: --resume with a checkpoint's file said the checkpoint "does not exist". Now the sentence
+    says what was given (a file, a run's folder, nothing) and what --resume takes; the control: a checkpoint folder
+    passes on to load_checkpoint."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(tmp_path / "run", 1, _lora(model), opt, _names(model), None, {}, {})
+    check_resume_folder(path)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "fresh" / ckpt.CHECKPOINTS_DIR).mkdir(parents=True)
+    takes = "--resume takes latest or a checkpoint folder, checkpoints/step-NNNNNNNN in a run's -o folder, holding"
+    for given, sentence in [
+        (path / ckpt.LORA_FILE, f"is a file, not a folder; {takes} lora.safetensors, optimizer.safetensors, "
+                                f"state.safetensors, state.json, checksums.json; pass the folder holding it, "
+                                f"--resume {path}."),
+        (tmp_path / "notes.txt", f"is a file, not a folder; {takes}"),
+        (tmp_path / "nowhere", f"does not exist; {takes}"),
+        (tmp_path / "run", f"holds a run's checkpoints but is not one; pass --resume {path} (the newest), or -o "
+                           f"{tmp_path / 'run'} --resume latest."),
+        (path.parent, f"holds a run's checkpoints but is not one; pass --resume {path} (the newest)"),
+        (tmp_path / "fresh", "holds a run's checkpoints but is not one; none of them is complete yet"),
+    ]:
+        with pytest.raises(CheckpointError) as err:
+            check_resume_folder(given)
+        assert str(err.value).startswith(f"--resume {given} {sentence}"), str(err.value)
+
+
+def test_resume_with_a_file_is_refused_before_the_run_makes_anything(tmp_path):
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    (tmp_path / "lora.safetensors").write_bytes(b"x")
+    result = CliRunner().invoke(main, ["train", str(tmp_path / "x.slab"), "--data", str(tmp_path), "-o",
+                                       str(tmp_path / "out"), "--resume", str(tmp_path / "lora.safetensors")])
+    lines = result.output.splitlines()
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: --resume {tmp_path / 'lora.safetensors'} is a file, not a folder; --resume "
+                               "takes latest or a checkpoint folder")
+    assert not (tmp_path / "out").exists()
 
 
 def test_different_lora_is_refused(tmp_path):

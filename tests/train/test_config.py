@@ -42,6 +42,8 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ("alpha = inf", "alpha"),
     ("weight_decay = -1.0", "weight_decay"),
     ("guidance = nan", "guidance"),
+    ("guidance = 1e300", "guidance"),
+    ("sample_guidance = 100.5", "sample_guidance"),
     ("caption_dropout = nan", "caption_dropout"),
     ('save_format = ["onnx"]', "save_format"),
     ("save_format = []", "save_format"),
@@ -66,7 +68,7 @@ def test_bad_values_name_the_file_and_key(tmp_path, content, key):
 def test_unknown_keys_and_flags_are_refused(tmp_path):
     path = tmp_path / "typo.toml"
     path.write_text("rnak = 8\n")
-    with pytest.raises(ConfigError, match=r"unknown keys \['rnak'\]"):
+    with pytest.raises(ConfigError, match=r"unknown key rnak \(did you mean rank\?\);"):
         load_config(path)
     with pytest.raises(ConfigError, match="--learning-rate is not a training option"):
         load_config(None, {"learning_rate": 1e-3})
@@ -75,6 +77,76 @@ def test_unknown_keys_and_flags_are_refused(tmp_path):
     (tmp_path / "broken.toml").write_text("rank = [\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(tmp_path / "broken.toml")
+
+
+@pytest.mark.parametrize("content, sentence", [
+    ("train = 5", "train = 5 is not a table; put the training keys under a [train] header, or at the top level"),
+    ("[train]\nrank = 8\n[other]\nx = 1", "[other] outside the [train] table would be ignored; move it into [train]"),
+    ("rank = 8\n[train]\nalpha = 4", "rank outside the [train] table would be ignored"),
+    ("rank = 8\n[other]\nx = 1", "unknown key [other];"),
+    ("[train]\nrank = 8\nlernrate = 1e-4\nrnak = 4", "unknown keys lernrate, rnak (did you mean rank?);"),
+    ("seed = 99999999999999999999999", "seed = 99999999999999999999999 must be a whole number from 0 to 4294967295"),
+    ("sample_seed = -1", "sample_seed = -1 must be a whole number from 0 to 4294967295"),
+    ("targets = {a = 1}", "targets = {'a': 1} must be a list of text, e.g. [\"to_q\", \"to_k\"]"),
+    ("targets = [1, 2]", "targets = [1, 2] must be a list of text"),
+    ("sample_prompts = [[\"a\"]]", "sample_prompts = [['a']] must be a list of text"),
+    ("prefetch = {n = 3}", "prefetch = {'n': 3} must be auto or a whole number"),
+    ("trigger = {a = 1}", "trigger = {'a': 1} must be text in quotes"),
+    ("alpha = 1e308", "alpha = 1e+308 must be at most 1024 × rank (16384 here)"),
+    ("rank = 4\nalpha = 4097", "alpha = 4097.0 must be at most 1024 × rank (4096 here)"),
+    ("alpha = 1" + "0" * 400, "alpha = inf must be a finite number above 0"),
+    ("shift = 1000", "shift = 1000.0 must be at most 100"),
+    ("weight_decay = 1e300", "weight_decay = 1e+300 must be at most 1"),
+    ("targets = " + "[" * 100_000 + "]" * 100_000, "is not valid TOML (its arrays or tables nest too deeply to read)"),
+    ('title = "' + "t" * 300 + '"', "is 300 bytes long in UTF-8; it names the file OUT/<title>_kohya.safetensors, so "
+                                    "keep it to 200 bytes"),
+    ('title = "' + "é" * 101 + '"', "is 202 bytes long in UTF-8"),
+    ('trigger = "sks\\u0000"', "trigger = 'sks\\x00' holds the control character U+0000; write it as plain text"),
+    ('sample_prompts = ["a dog", "\\u001b[31m"]', "holds the control character U+001B"),
+])
+def test_a_config_a_value_cannot_work_in_is_one_sentence_saying_what_to_give(tmp_path, content, sentence):
+    """Issue 40, items 5 and 9: each was a traceback (a scalar train, a 23-digit seed, a 400-digit alpha, deep
+    nesting), or ran on with something silently made up ({a = 1} read as ["a"], an [other] table ignored, a
+    300-character title failing at the final write, a NUL in the trigger cached)."""
+    path = tmp_path / "bad.toml"
+    path.write_text(content + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(str(path)) and sentence in message and "\n" not in message, message
+
+
+def test_values_at_each_limit_are_taken(tmp_path):
+    """The control for the limits above: each boundary value (and tab and line feed in a trigger) is accepted."""
+    path = tmp_path / "edge.toml"
+    path.write_text('[train]\nseed = 4294967295\nsample_seed = 0\nrank = 4\nalpha = 4096\nshift = 100\n'
+                    'weight_decay = 1\ntitle = "' + "t" * 200 + '"\ntrigger = "sks\\tdog\\n"\n'
+                    'targets = ["to_q"]\nsample_prompts = ["a dog"]\n')
+    cfg = load_config(path)
+    assert (cfg.seed, cfg.lora_alpha, cfg.shift, cfg.weight_decay, len(cfg.title)) == (4294967295, 4096.0, 100.0, 1.0,
+                                                                                        200)
+    assert cfg.trigger == "sks\tdog\n" and cfg.targets == ["to_q"]
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--weight-decay", "1e300"], "error: --weight-decay: weight_decay = 1e+300 must be at most 1"),
+    (["--seed", "99999999999999999999999"], "error: --seed: seed = 99999999999999999999999 must be a whole number "
+                                             "from 0 to 4294967295"),
+    (["--alpha", "1e308"], "error: --alpha: alpha = 1e+308 must be at most 1024 × rank"),
+    (["--title", "t" * 300], "error: --title: title = 'tttt"),
+])
+def test_a_flag_out_of_range_is_one_sentence_naming_the_flag_before_anything_is_made(tmp_path, flags, sentence):
+    """Issue 40, item 5: --weight-decay 1e300 trained until the weights exploded and then advised lowering --lr; a
+    300-character --title trained fully and failed at the final write."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    result = CliRunner().invoke(main, ["train", str(tmp_path / "x.slab"), "--data", str(tmp_path), "-o",
+                                       str(tmp_path / "out"), *flags])
+    lines = result.output.splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith(sentence), result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_flag_value_names_the_flag():
@@ -184,7 +256,7 @@ def test_lora_variants_are_checked_and_kohya_network_dropout_is_refused(tmp_path
     base = {"slab": "s", "data": "d", "output": "o"}
     with pytest.raises(ConfigError, match="lora_dropout = 1.5 must be in \\[0, 1\\)"):
         load_config(None, {**base, "lora_dropout": 1.5})
-    with pytest.raises(ConfigError, match="use_dora = 'yes' is not a bool"):
+    with pytest.raises(ConfigError, match="use_dora = 'yes' must be a bool, true or false"):
         load_config(None, {**base, "use_dora": "yes"})
     cfg = load_config(None, {**base, "use_dora": True, "lora_dropout": 0.1})
     assert (cfg.lora_variant.dora, cfg.lora_variant.dropout, cfg.lora_variant.plain) == (True, 0.1, False)
@@ -214,3 +286,12 @@ def test_a_400_digit_vram_budget_is_one_sentence_naming_the_key():
         load_config(None, {"slab": "s", "data": "d", "output": "o", "vram_budget": "1" + "0" * 400})
     assert load_config(None, {"slab": "s", "data": "d", "output": "o", "vram_budget": "12GB"}).vram_budget_bytes \
         == 12 * 10**9
+
+
+def test_guidance_above_100_is_one_sentence_and_100_is_taken():
+    """Issue 40: a guidance of 1e300 is finite, and overflows the pipeline's float32 guidance tensor at the first
+    sample image; the control: the range's ends are taken."""
+    with pytest.raises(ConfigError, match=r"sample_guidance = 1e\+300 must be at most 100"):
+        load_config(None, {"sample_guidance": 1e300})
+    cfg = load_config(None, {"guidance": 100.0, "sample_guidance": 0.0})
+    assert (cfg.guidance, cfg.sample_guidance) == (100.0, 0.0)

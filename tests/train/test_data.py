@@ -166,6 +166,45 @@ def test_a_jsonl_file_name_outside_the_folder_is_refused(tmp_path, file_name):
     assert [it.path.name for it in scan_dataset(data).items] == ["inside.png"]
 
 
+@pytest.mark.parametrize("bad_line, why", [
+    ("[" * 200_000 + "]" * 200_000, "metadata.jsonl line 2 is not valid JSON (it nests too deeply to read)"),
+    (json.dumps({"file_name": "ok.png\0.png", "caption": "nul"}), "metadata.jsonl line 2 has a NUL character in its "
+                                                                    "file_name"),
+    (json.dumps({"file_name": "nul.png", "caption": "\0\0\0"}), "nul.png has a caption with the control character "
+                                                                  "U+0000 in metadata.jsonl line 2"),
+])
+def test_a_jsonl_line_too_deep_or_with_control_characters_is_one_sentence_naming_the_line(tmp_path, bad_line, why):
+    """Issue 40, item 9: a line nested 200,000 deep was a RecursionError and a NUL in file_name a ValueError, both
+    tracebacks; a caption of NUL bytes was cached. Each line is skipped like any malformed line, so a folder with
+    nothing else stops the run in one sentence; the control: the good line alone trains."""
+    _image(tmp_path / "ok.png")
+    _image(tmp_path / "nul.png")
+    good = json.dumps({"file_name": "ok.png", "caption": "fine"})
+    (tmp_path / "metadata.jsonl").write_text(good + "\n" + bad_line + "\n")
+    data = scan_dataset(tmp_path)
+    reasons = [s.reason for s in data.skipped]  # the line's own, then nul.png's where the line does not list it
+    assert [it.caption for it in data.items] == ["fine"] and reasons[0].startswith(why), reasons
+    assert "\n" not in reasons[0]
+    (tmp_path / "metadata.jsonl").write_text(bad_line + "\n")
+    (tmp_path / "ok.png").unlink()
+    with pytest.raises(DataError, match="No training images"):
+        scan_dataset(tmp_path)
+
+
+def test_a_caption_file_of_control_characters_is_skipped_naming_it(tmp_path):
+    """Issue 40, item 9: a caption file of NUL bytes (a binary file, or UTF-16 read as UTF-8) was cached as a caption.
+    Control characters but tab, line feed and carriage return are refused; the control: those three are kept."""
+    _captioned(tmp_path, "nul.png", "\0" * 8)
+    _captioned(tmp_path, "bell.png", "a dog\x07")
+    _captioned(tmp_path, "fine.png", "a dog,\tsitting\r\non grass")
+    data = scan_dataset(tmp_path)
+    assert [it.path.name for it in data.items] == ["fine.png"]
+    reasons = _reasons(data)
+    assert reasons["nul.png"].startswith("nul.txt holds the control character U+0000, so it is not a plain-text "
+                                         "caption")
+    assert "U+0007" in reasons["bell.png"]
+
+
 @pytest.mark.parametrize("linked", ["image", "caption"])
 def test_a_linked_file_outside_the_folder_is_refused(tmp_path, linked):
     elsewhere = tmp_path / "elsewhere"

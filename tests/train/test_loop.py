@@ -585,11 +585,19 @@ def test_sample_refuses_bad_options_and_keeps_what_it_drew(workspace, tmp_path, 
     base = ["sample", str(workspace / "tiny.slab"), "--prompt", "a red square", "--prompt", "a blue square",
             "--resolution", "64", "--steps", "2", "--max-sequence-length", "16"]
     for flag, value in (("--resolution", "7"), ("--resolution", "0"), ("--steps", "0"), ("--guidance", "nan"),
-                        ("--max-sequence-length", "0")):
+                        ("--guidance", "100.5"), ("--max-sequence-length", "0")):
         result = runner.invoke(main, base + ["-o", str(tmp_path / "never"), flag, value])
         assert result.exit_code == 1 and "Traceback" not in result.output, result.output
         assert result.output.startswith(f"error: {flag} {value} must be"), result.output
+    # issue 40: 1e300 is finite, and overflowed the pipeline's float32 guidance tensor in a traceback
+    result = runner.invoke(main, base + ["-o", str(tmp_path / "never"), "--guidance", "1e300"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.startswith("error: --guidance 1e+300 must be a number from 0 to 100"), result.output
     assert not (tmp_path / "never").exists()
+    from squareq.train.sample import check_sample_options
+
+    check_sample_options(64, 2, 100.0, 16)  # the control: the range's ends are taken
+    check_sample_options(64, 2, 0, 16)
     result = runner.invoke(main, base + ["-o", str(tmp_path / "never"), "--cuda-graphs"])
     assert result.exit_code == 1 and "--cuda-graphs needs a CUDA GPU" in result.output, result.output
     assert not any((tmp_path / "never").glob("*.png"))
@@ -614,6 +622,50 @@ def test_sample_refuses_bad_options_and_keeps_what_it_drew(workspace, tmp_path, 
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "is full (No space left on device)" in result.output
     assert sorted(p.name for p in out.iterdir()) == ["sample-000.png"]  # the first image was kept, no temporary
+
+
+def test_a_lora_whose_shapes_do_not_fit_the_slab_is_one_sentence_naming_file_key_and_shapes(workspace, tmp_path):
+    """Issue 40: a lora_A of another width was a RuntimeError traceback from ``copy_``, and one of width 1 was
+    broadcast over the layer without a word; the control: the file it was edited from draws."""
+    from click.testing import CliRunner
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from squareq.cli import main
+    from squareq.train.lora_files import WEIGHT_NAME, LoraFileError, attach_lora, save_diffusers_lora, save_kohya_lora
+
+    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    runtime.add_lora(model, rank=4, seed=3)
+    lora = runtime.lora_state_dict(model)
+    good = save_diffusers_lora(lora, tmp_path / "good", 4, 4.0, ["to_q", "to_k", "to_v", "to_out.0"])
+    with safe_open(str(good), "pt") as f:
+        header = f.metadata()
+    tensors, layer = load_file(str(good)), "single_transformer_blocks.0.attn.to_k"
+    key, width = f"transformer.{layer}.lora_A.weight", model.get_submodule(layer).in_features
+    base = ["sample", str(workspace / "tiny.slab"), "--prompt", "a red square", "--resolution", "64", "--steps", "2",
+            "--max-sequence-length", "16"]
+    for wrong in (width + 3, 1):
+        bad = tmp_path / f"width-{wrong}"
+        bad.mkdir()
+        save_file({**tensors, key: torch.zeros(4, wrong, dtype=tensors[key].dtype)}, str(bad / WEIGHT_NAME), header)
+        result = CliRunner().invoke(main, base + ["--lora", str(bad), "-o", str(tmp_path / f"out-{wrong}")])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert result.output.startswith(f"error: {bad / WEIGHT_NAME}: {key} is [4, {wrong}] but the slab's layer "
+                                        f"{layer} takes [4, {width}];"), result.output
+        assert not any((tmp_path / f"out-{wrong}").glob("*.png"))
+    drawn = CliRunner().invoke(main, base + ["--lora", str(tmp_path / "good"), "-o", str(tmp_path / "drawn")])
+    assert drawn.exit_code == 0 and (tmp_path / "drawn" / "sample-000.png").is_file(), drawn.output
+
+    # a kohya file names its fused module's key; the model is left without any LoRA
+    kohya = save_kohya_lora(lora, tmp_path / "k.safetensors", 4, 4.0, ["to_q", "to_k", "to_v", "to_out.0"])
+    down = "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight"
+    tensors = load_file(str(kohya))
+    save_file({**tensors, down: torch.zeros(4, tensors[down].shape[1] + 1)}, str(kohya))
+    fresh = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    with pytest.raises(LoraFileError, match=rf"k\.safetensors: {down} \(its part for layer "
+                                            r"transformer_blocks\.0\.attn\.to_out\.0\) is \[4, \d+\] but"):
+        attach_lora(fresh, *load_lora(kohya))
+    assert all(getattr(m, "lora_A", None) is None for m in fresh.modules())
 
 
 def test_an_overflowing_lora_draws_no_black_image(workspace, tmp_path):
@@ -709,6 +761,61 @@ def test_the_lora_files_carry_modelspec_and_training_metadata(workspace, tmp_pat
         assert json.loads(meta["ss_dataset_dirs"]) == {".": {"n_repeats": 1, "img_count": 4}}
         assert json.loads(meta["ss_tag_frequency"]) == {".": {"a red square": 1, "a blue square": 1,
                                                               "a green square": 1, "a yellow square": 1}}
+
+
+def test_source_date_epoch_makes_two_identical_runs_write_identical_lora_files(workspace, tmp_path, monkeypatch):
+    """Issue 40, item 9: two identical runs wrote LoRA files that differed in modelspec.date and
+    ss_training_*_at. With SOURCE_DATE_EPOCH (reproducible-builds.org) those hold it and the bytes agree; without it
+    they hold the run's own times, as kohya's files do; a malformed one is refused before anything is made."""
+    from safetensors import safe_open
+
+    def header(path):
+        with safe_open(str(path), "pt") as f:
+            return f.metadata()
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    runs = [train(_config(workspace, tmp_path / run / "lora", steps=2, save_every=0), echo=lambda s: None)
+            for run in ("a", "b")]
+    for file in ("lora_file", "kohya_file"):
+        assert getattr(runs[0], file).read_bytes() == getattr(runs[1], file).read_bytes(), file
+        meta = header(getattr(runs[0], file))
+        assert (meta["ss_training_started_at"], meta["ss_training_finished_at"]) == ("1700000000", "1700000000")
+        assert meta["modelspec.date"] == "2023-11-14T22:13:20+00:00"
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(TrainError, match=r"SOURCE_DATE_EPOCH='yesterday' is not a whole number of seconds"):
+        train(_config(workspace, tmp_path / "never"), echo=lambda s: None)
+    assert not (tmp_path / "never").exists()
+
+    monkeypatch.delenv("SOURCE_DATE_EPOCH")  # the control: the run's own times
+    import time
+
+    before = time.time()
+    meta = header(train(_config(workspace, tmp_path / "own", steps=1, save_every=0), echo=lambda s: None).lora_file)
+    started, finished = float(meta["ss_training_started_at"]), float(meta["ss_training_finished_at"])
+    assert before - 1 <= started <= finished <= time.time() + 1
+
+
+def test_a_killed_runs_temporaries_are_removed_with_a_line_and_nothing_else_is(workspace, tmp_path):
+    """Issue 40, item 7: the .tmp files of a checkpoint or LoRA write that was killed (SIGKILL: Python's cleanup never
+    ran) survived every later run; the next run into the folder removes them, saying so, and only them."""
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    debris = [checkpoints / ".step-00000005.tmp-0a1b2c3d", checkpoints / ".step-00000003.del-0a1b2c3d",
+              out / ".pytorch_lora_weights.safetensors.0a1b2c3d.tmp", out / ".run_kohya.safetensors.0a1b2c3d.tmp"]
+    kept = [out / "notes.tmp", out / ".pytorch_lora_weights.safetensors.bak", checkpoints / ".my-step.tmp-1",
+            out / "data.safetensors"]
+    debris[0].mkdir(parents=True)
+    (debris[0] / "lora.safetensors").write_bytes(b"half a file")
+    for path in debris[1:] + kept:
+        path.write_bytes(b"x")
+    lines = []
+    train(_config(workspace, out, steps=1, save_every=0), echo=lines.append)
+    removed = sorted(line[len("removed "):].split(", ")[0] for line in lines if line.startswith("removed "))
+    assert removed == sorted(str(p) for p in debris), lines
+    assert all(line.endswith("left by a run that was killed while writing it") for line in lines
+               if line.startswith("removed "))
+    assert not any(p.exists() for p in debris) and all(p.exists() for p in kept)
 
 
 def test_the_kohya_layout_is_refused_for_other_families_before_training(workspace, tmp_path):

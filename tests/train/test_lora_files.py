@@ -554,3 +554,29 @@ def test_export_lora_keeps_the_run_s_header_and_never_overwrites_its_input(train
     with safe_open(str(written), "pt") as f:
         header = f.metadata()
     assert {k: header.get(k) for k in run_header} == run_header
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
+def test_export_lora_removes_the_temporary_of_a_killed_export_and_nothing_else(trained, tmp_path, fmt):
+    """Issue 40, item 7: the .tmp of an export that was killed mid-write survived every later export; the next export
+    to the same path removes it with a line, and leaves every other file (the control) alone."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    lora, _ = trained
+    src = save_diffusers_lora(lora, tmp_path / "in", RANK, ALPHA, ["to_q"])
+    folder = tmp_path / "out"
+    folder.mkdir()
+    target = folder / "x.safetensors" if fmt == "kohya" else folder / "pytorch_lora_weights.safetensors"
+    debris = target.with_name(f".{target.name}.0a1b2c3d.tmp")
+    kept = [target.with_name(f"{target.name}.0a1b2c3d.tmp"), target.with_name(f".{target.name}.bak"),
+            folder / ".other.safetensors.0a1b2c3d.tmp"]
+    for path in [debris, *kept]:
+        path.write_bytes(b"half a file")
+    out = target if fmt == "kohya" else folder
+    done = CliRunner().invoke(main, ["export-lora", str(src.parent), "-o", str(out), "--format", fmt])
+    assert done.exit_code == 0, done.output
+    assert done.output.splitlines()[0] == f"removed {debris}, left by an export that was killed while writing it"
+    assert not debris.exists() and all(p.read_bytes() == b"half a file" for p in kept) and target.is_file()
+    assert sorted(p.name for p in folder.iterdir()) == sorted([target.name, *(p.name for p in kept)])
