@@ -31,9 +31,13 @@ def parse_size(text: str, flag: str | None = None) -> int:
 def layer_candidate_bytes(spec, shape: tuple[int, int]) -> int:
     """Bytes a ``shape`` layer's candidate at ``spec`` adds to its block blob, before it exists: its tensors, and a
     smoothed candidate's float32 inverse scales."""
-    layout = tensor_layout(spec, shape)
-    return sum(align_up(torch.empty((), dtype=d).element_size() * math.prod(s)) for d, s in layout.values()) + \
-        align_up(4 * shape[1])
+    return layout_bytes(spec, shape) + align_up(4 * shape[1])
+
+
+def layout_bytes(spec, shape: tuple[int, int]) -> int:
+    """Bytes of a ``shape`` layer's stored tensors at ``spec``, each 256-aligned as in a block blob."""
+    return sum(align_up(torch.empty((), dtype=d).element_size() * math.prod(s))
+               for d, s in tensor_layout(spec, shape).values())
 
 
 def candidate_bytes(c) -> int:
@@ -53,8 +57,7 @@ def least_slab_bytes(skeleton, block_paths, specs) -> tuple[int, int, int]:
     resident = fixed = layers = 0
     for name, t in skeleton.state_dict().items():
         if name in weights:
-            layers += min(sum(align_up(torch.empty((), dtype=d).element_size() * math.prod(s))
-                              for d, s in tensor_layout(spec, weights[name]).values()) for spec in specs)
+            layers += min(layout_bytes(spec, weights[name]) for spec in specs)
             continue
         stored = align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
         if name.startswith(prefixes):

@@ -218,7 +218,7 @@ class StatsCollector:
         st = None
         force_held = self.holdout > 0 and not self.heldout_samples.any()
         spilled = not all(torch.is_tensor(e.x) for e in entries)  # a spill file's handles: read back, one ahead
-        with read_ahead(lambda e: e.x if torch.is_tensor(e.x) else e.x.load(), entries, ahead=spilled) as reads:
+        with read_ahead(lambda e: e.x if torch.is_tensor(e.x) else e.x.to("cpu"), entries, ahead=spilled) as reads:
             for e, x in reads:
                 dev = device if device is not None else e.x.device
                 x, held = x.to(dev, non_blocking=True), e.held.to(dev, non_blocking=True)

@@ -89,8 +89,8 @@ def _refuse_if_short(folder: Path, part: DiskNeeds, which: str) -> int:
     if part.slab:
         parts.append(f"the slab up to {format_size(part.slab)} (--budget)")
     raise BudgetError(f"{folder}{which} has {format_size(free)} free, but the compile needs about "
-                      f"{format_size_up(part.peak)} there at once: {'; '.join(parts)}. Free space there, or write "
-                      "the output (-o) to a disk with more room; fewer --formats rungs also make the state smaller.")
+                      f"{format_size_up(part.peak)} there at once ({'; '.join(parts)}); free space there, write the "
+                      "output (-o) to a disk with more room, or give fewer --formats rungs for a smaller state.")
 
 
 def _existing(path: Path) -> Path:

@@ -16,10 +16,10 @@ import math
 import shutil
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from ..quant import QuantizedWeight, QuantSpec, tensor_layout
+from ..quant import QuantizedWeight, QuantSpec, SpecError, tensor_layout
 from ..slab.atomic import atomic_write_bytes
 from ..slab.digest import file_sha256
 from ..slab.safetensors_file import DTYPE_NAMES
@@ -203,22 +203,27 @@ def _unreadable(record: dict, data: Path) -> str | None:
     try:
         with safe_open(str(data), framework="pt", device="cpu") as f:
             stored = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
-        layers = record["layers"]
-        assert isinstance(layers, list) and isinstance(record.get("fixed_bytes"), int) and record["fixed_bytes"] >= 0
+        layers, fixed = record["layers"], record.get("fixed_bytes")
+        _need(isinstance(layers, list) and type(fixed) is int and fixed >= 0, "layers or fixed_bytes")
         for layer in layers:
-            assert isinstance(layer["name"], str) and isinstance(layer["reasons"], list)
-            tried = layer["tried"]
-            assert isinstance(tried, list) and type(layer["chosen"]) is int and 0 <= layer["chosen"] < len(tried)
+            tried, chosen = layer["tried"], layer["chosen"]
+            _need(isinstance(layer["name"], str) and isinstance(layer["reasons"], list) and isinstance(tried, list)
+                  and type(chosen) is int and 0 <= chosen < len(tried), "a layer's fields")
             for c in tried:
                 spec, shape = QuantSpec.from_dict(c["spec"]), c["shape"]
-                assert isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d > 0 for d in shape)
-                assert isinstance(c["alpha"], (int, float)) and isinstance(c["metrics"], dict)
+                _need(isinstance(shape, list) and len(shape) == 2 and all(type(d) is int and d > 0 for d in shape)
+                      and isinstance(c["alpha"], (int, float)) and isinstance(c["metrics"], dict), "a candidate")
                 for role, (dtype, dims) in tensor_layout(spec, tuple(shape)).items():
                     found = stored.get(f"{layer['name']}:{spec.short_label}:{role}")
-                    assert found == (DTYPE_NAMES[dtype], tuple(dims)), role
-    except Exception as exc:  # noqa: BLE001 - any way the record fails to describe its tensors
-        return f"have a record this SquareQ cannot read ({type(exc).__name__})"
+                    _need(found == (DTYPE_NAMES[dtype], tuple(dims)), f"the tensor {role}")
+    except (KeyError, TypeError, ValueError, AttributeError, SpecError, SafetensorError) as exc:
+        return f"have a record this SquareQ cannot read ({type(exc).__name__}: {' '.join(str(exc).split())[:80]})"
     return None
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{what} does not match the tensors file")
 
 
 def _effects_readable(data: dict) -> bool:

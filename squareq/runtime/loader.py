@@ -292,16 +292,18 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     rt = Runtime(model, m, device, None, telemetry, scratch, [])
     rt.binder = binder
     rt.graphs = BlockGraphs(device) if cuda_graphs else None
-    streamer = _streamer(s, rt, host, prefetch, [b.nbytes for b in m.blocks]) if stream else _bind_all(s, rt)
+    if stream:
+        rt.streamer = _streamer(s, rt, host, prefetch, [b.nbytes for b in m.blocks])
+    else:
+        _bind_all(s, rt)  # every block resident: no streamer
     model.requires_grad_(False)
     model.eval()
-    rt.streamer = streamer
     rt.compute, rt.compute_reason = compute, compute_reason
     log.info("compute: %s (%s).", compute, compute_reason)
     rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
     object.__setattr__(model, RUNTIME_ATTR, rt)
-    if streamer is not None:
-        _run_blocks_through(model, streamer, rt)
+    if rt.streamer is not None:
+        _run_blocks_through(model, rt.streamer, rt)
     _route_checkpointing(model, rt)
     return model
 

@@ -23,6 +23,7 @@ from ..models.local_files import refuse_pickled, source_identity
 
 log = logging.getLogger("squareq.train")
 _UNVERIFIED: set[str] = set()  # paths already named as unverified: a run picks its encoders more than once
+_MATCHED: set[tuple[str, str]] = set()  # (path, recorded identity) found unchanged in this process
 
 # the single-file flags, each naming the pipeline component it replaces by that component's class
 SINGLE_FILE_FLAGS = ("clip_l", "clip_g", "t5", "vae")
@@ -143,7 +144,11 @@ def check_unchanged(recorded: EncoderSource, replaced: list[str] = ()) -> None:
                 _UNVERIFIED.add(where)
                 log.warning("%s: the slab records no identity for it (compiled before SquareQ recorded one), so it is "
                             "used unverified; recompile the slab to have it checked.", where)
-        elif source_identity(where) != known[where]:
+        elif (where, known[where]) in _MATCHED:
+            continue  # checked once in this process: a run opens its encoders several times
+        elif source_identity(where) == known[where]:
+            _MATCHED.add((where, known[where]))
+        else:
             raise EncoderError(f"{where}, which the slab records as its source, changed since the slab was compiled "
                                f"(its configs or weights differ from what it recorded); pass it explicitly with {flag} "
                                f"{where} to use it as it is now, or recompile the slab from it.")

@@ -51,7 +51,7 @@ def test_a_disk_one_byte_short_is_refused_before_calibration_naming_the_folder_a
     message = str(err.value)
     assert str(tmp_path) in message and "free, but the compile needs about" in message
     assert "its state folder" in message and "the slab up to 2.00 MB (--budget)" in message
-    assert "-o" in message and "\n" not in message
+    assert "-o" in message and "\n" not in message and ". " not in message  # one sentence
     assert not (tmp_path / "t.slab.state").exists() and not (tmp_path / "t.slab").exists()  # nothing measured
 
 

@@ -108,10 +108,27 @@ def compiled(tmp_path, tiny_flux_images):
     return pipeline, out
 
 
-def default_pick(slab):
+def default_pick(slab, new_process: bool = True):
+    """What a command picks by default; each pick a new command's (a process checks an unchanged source once)."""
+    from squareq.train import encoder_source
+
+    if new_process:
+        encoder_source._MATCHED.clear()
     with open_slab(slab, verify="off") as s:
         record = s.manifest.model
     return encoder_source_for(recorded_encoders(record), record.family, record.config)
+
+
+def test_an_unchanged_source_is_hashed_once_per_process(compiled, monkeypatch):
+    from squareq.train import encoder_source
+
+    pipeline, slab = compiled
+    calls = []
+    real = encoder_source.source_identity
+    monkeypatch.setattr(encoder_source, "source_identity", lambda where: calls.append(where) or real(where))
+    for new_process in (True, False, False):  # a run picks its encoders several times
+        assert default_pick(slab, new_process).where == str(pipeline / "transformer")
+    assert calls == [str(pipeline / "transformer")]
 
 
 def test_a_source_changed_since_the_compile_is_named_when_picked_by_default(compiled, tmp_path, caplog):
