@@ -240,6 +240,8 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
 @click.option("--max-bits", "old_max_bits", hidden=True, help="Gone: see --formats.")
 @click.option("--blocks", multiple=True, help="Generic mode: attribute path of an nn.ModuleList of blocks "
                                               "(repeatable).")
+@click.option("--model-class", default=None, help="Build this transformers/diffusers class (e.g. BertModel) "
+              "instead of the one config.json names.")
 @click.option("--calib-data", type=click.Path(path_type=Path), default=None,
               help="Calibrate on these captioned images (the trainer's layouts), encoded by the model's own VAE and "
               "text encoders (default: the built-in photographs).")
@@ -284,7 +286,7 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
 def compile_cmd(model, revision, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks,
-                calib_data, calib_cache, calib_text, encoders, clip_l, clip_g, t5, vae, calib_samples,
+                model_class, calib_data, calib_cache, calib_text, encoders, clip_l, clip_g, t5, vae, calib_samples,
                 calib_resolution, calib_tokens, calib_synthetic, rounding, group_size, previous, effect_probes,
                 max_block_bytes, vram_cap, ring_slots, device, vram_budget, host_budget, resume, force) -> None:
     """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
@@ -328,7 +330,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         opts.device = choose_device(device, candidate,
                                     lambda skeleton: compile_flops(candidate, skeleton, opts, calib_resolution))
 
-    source = open_source(model, list(blocks) or None, revision, check=on_device)
+    source = open_source(model, list(blocks) or None, revision, check=on_device, model_class=model_class)
     progress = _progress_printer()
     progress(f"compiling {source.description} on {describe(opts.device)}")
     check_budget(source, opts)  # before the encoders run

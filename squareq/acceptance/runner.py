@@ -119,9 +119,11 @@ def _open_source(opts: AcceptOptions, slab):
 
     ref = hub_ref(opts.model, opts.revision)
     revision = like_recorded(ref, recorded.source).revision if ref is not None else opts.revision
-    try:  # a generic-mode slab names its block lists; a family's adapter knows its own
+    # --model-class is taken by a folder or Hub ID, where generic mode builds a class
+    builds_class = recorded.family == "generic" and (ref is not None or Path(str(opts.model)).is_dir())
+    try:  # a generic-mode slab names its block lists and the class it built (--model-class); a family knows its own
         source = open_source(opts.model, recorded.block_lists if recorded.family == "generic" else None, revision,
-                             check=on_device)
+                             check=on_device, model_class=recorded.class_name if builds_class else None)
     except ModelError as exc:
         raise AcceptError(f"--model {opts.model}: {exc}") from None
     if model_signature(source.skeleton()) != recorded.signature:

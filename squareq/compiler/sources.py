@@ -200,6 +200,79 @@ class _BFLFile(_Tensors):
         return {n: converted[n] for n in names}
 
 
+class _Renamed(_Tensors):
+    """A checkpoint seen with its base model's prefix (``bert.``) added to or taken off its names, as
+    ``from_pretrained`` sees it."""
+
+    def __init__(self, inner: _Tensors, add: str = "", strip: str = ""):
+        self.inner, self.label = inner, inner.label
+        # taking the prefix off leaves the head's tensors under their own names: extras, left out with a warning
+        self._key = {(k[len(strip):] if strip and k.startswith(strip) else add + k): k for k in inner.shapes}
+        self.shapes = {n: inner.shapes[k] for n, k in self._key.items()}
+
+    def file_of(self, name):
+        return self.inner.file_of(self._key.get(name, name))
+
+    def display(self, name):
+        return self.inner.display(self._key.get(name, name))
+
+    def identity(self) -> list:
+        return self.inner.identity()
+
+    def files(self) -> list[Path]:
+        return self.inner.files()
+
+    def read(self, names):
+        got = self.inner.read([self._key[n] for n in names])
+        return {n: got[self._key[n]] for n in names}
+
+
+def _fit_base_prefix(skeleton: nn.Module, tensors: _Tensors, chosen: bool) -> tuple[nn.Module, _Tensors]:
+    """Match a transformers checkpoint saved from the base model to a head class, or the reverse, as
+    ``from_pretrained`` does: the base model's prefix is added to or taken off the checkpoint's names. A checkpoint
+    with none of the head's tensors under a config naming a head class (sentence-transformers models) builds the base
+    model instead, as ``AutoModel`` does, unless ``chosen`` (--model-class): a slab must not keep a random head."""
+    from transformers import PreTrainedModel
+
+    prefix = getattr(skeleton, "base_model_prefix", "")
+    if not isinstance(skeleton, PreTrainedModel) or not isinstance(prefix, str) or not prefix:
+        return skeleton, tensors
+    dot, expected = prefix + ".", list(skeleton.state_dict(keep_vars=True))
+    has, expects = any(k.startswith(dot) for k in tensors.shapes), any(n.startswith(dot) for n in expected)
+    if has and not expects:
+        return skeleton, _Renamed(tensors, strip=dot)
+    if not expects or has:
+        return skeleton, tensors
+    base = getattr(skeleton, prefix, None)
+    head = [n for n in expected if not n.startswith(dot)]
+    if not chosen and isinstance(base, PreTrainedModel) and not any(n in tensors.shapes for n in head):
+        log.info("%s holds a %s without its head, so it is compiled as %s, as AutoModel loads it.", tensors.label,
+                 type(skeleton).__name__, type(base).__name__)
+        return _built_base(base), tensors
+    return skeleton, _Renamed(tensors, add=dot)
+
+
+def _base_for_blocks(skeleton: nn.Module, blocks) -> nn.Module:
+    """Before a Hub repository's weights are fetched, which class it compiles as is a guess: the base model when
+    ``blocks`` name lists of the base and not of the head class its config names (a sentence-transformers model)."""
+    prefix = getattr(skeleton, "base_model_prefix", "")
+    base = getattr(skeleton, prefix, None) if isinstance(prefix, str) and prefix else None
+    names = [blocks] if isinstance(blocks, str) else list(blocks or ())
+    if base is None or not names or not isinstance(base, nn.Module) or base is skeleton:
+        return skeleton
+    with contextlib.suppress(AttributeError):
+        for n in names:
+            skeleton.get_submodule(n.strip())
+        return skeleton
+    return _built_base(base)
+
+
+def _built_base(base: nn.Module) -> nn.Module:
+    """The base model's class built afresh from its config, not copied out of the head class: a head may build its
+    base without parts the base class has (BERT's masked-LM head leaves out the pooler)."""
+    return build_meta(lambda: type(base)(base.config))
+
+
 def _folder_weights(folder: Path) -> list[Path]:
     """The safetensors files of a model folder: the index's shards, else the one weights file."""
     indexes = sorted(folder.glob("*.safetensors.index.json"), key=lambda p: (len(p.name), p.name))
@@ -289,12 +362,14 @@ class Source:
                 raise ModelError(f"tensor {t.display(found)} in {t.file_of(found)} has shape {list(t.shapes[found])}, "
                                  f"but {cls} with this config expects {list(shape)}; {_MISMATCH}.")
             key[name] = found
-        if missing:
-            raise ModelError(f"{t.label} has no tensor {t.display(missing[0])}, which {cls} with this config expects "
-                             f"({len(missing)} missing in all); {_MISMATCH} (from_pretrained would initialize it "
-                             "randomly).")
         ignore = _patterns(self._skeleton, "_keys_to_ignore_on_load_unexpected") + _legacy_buffers(self._skeleton)
         extra = [n for n in set(t.shapes) - set(key.values()) if not any(p.search(n) for p in ignore)]
+        if missing:
+            held = _few(t.display(n) for n in extra) or "none"
+            raise ModelError(f"{t.label} has no tensor {t.display(missing[0])}, which {cls} with this config expects "
+                             f"({len(missing)} missing in all, e.g. {_few(missing)}; tensors it holds that {cls} does "
+                             f"not have: {held}); {_MISMATCH}: pass the class it was saved from with --model-class "
+                             "or fix its config.json.")
         self.ignored = sorted(t.display(n) for n in extra)
         if extra:
             log.warning("%s has %d tensors that %s with this config does not have (%s); they are left out, as "
@@ -535,9 +610,33 @@ def _adapter(skeleton: nn.Module, blocks: Sequence[str] | None, where: str) -> F
 # --------------------------------------------------------------------------- opening
 
 
-def _diffusers_skeleton(folder: Path, config: dict) -> nn.Module:
+def _chosen_class(name: str, library: str, lookup: Callable[[str], Any], base: type) -> type:
+    """The class --model-class names, from ``library`` (``lookup`` finds it by name; ``base``: what it must be)."""
+    cls = lookup(name) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ModelError(f"--model-class {name} names no {library} model class; pass one such as "
+                         f"{'BertModel' if library == 'transformers' else 'FluxTransformer2DModel'}, or leave "
+                         "--model-class out to build the class config.json names.")
+    return cls
+
+
+def _built_as(name: str, folder: Path, build: Callable[[], nn.Module]) -> nn.Module:
+    """The --model-class ``name`` built from ``folder``'s config; a class of another model type fails in its own
+    constructor, which becomes one sentence."""
+    try:
+        return build_meta(build)
+    except Exception as exc:  # noqa: BLE001 - whatever that class's constructor raises for a foreign config
+        raise ModelError(f"--model-class {name} cannot be built from {folder / 'config.json'} ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:100]}); pass a class of that config's model type, or leave "
+                         "--model-class out.") from None
+
+
+def _diffusers_skeleton(folder: Path, config: dict, model_class: str | None = None) -> nn.Module:
     import diffusers
 
+    if model_class:
+        cls = _chosen_class(model_class, "diffusers", diffusers_class, diffusers.ModelMixin)
+        return _built_as(model_class, folder, lambda: cls.from_config(config))
     name = config["_class_name"]
     cls = diffusers_class(name)
     if cls is None or not hasattr(cls, "from_config"):
@@ -546,7 +645,7 @@ def _diffusers_skeleton(folder: Path, config: dict) -> nn.Module:
     return build_meta(lambda: cls.from_config(config))
 
 
-def _transformers_skeleton(folder: Path) -> nn.Module:
+def _transformers_skeleton(folder: Path, model_class: str | None = None) -> nn.Module:
     import transformers
 
     try:
@@ -554,6 +653,10 @@ def _transformers_skeleton(folder: Path) -> nn.Module:
     except Exception as exc:
         raise ModelError(f"transformers cannot read {folder / 'config.json'} ({exc}); upgrade transformers "
                          "or fix the config.") from None
+    if model_class:
+        cls = _chosen_class(model_class, "transformers", lambda n: getattr(transformers, n, None),
+                            transformers.PreTrainedModel)
+        return _built_as(model_class, folder, lambda: cls(config))
     for arch in getattr(config, "architectures", None) or ():
         cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
         if cls is not None:
@@ -564,9 +667,10 @@ def _transformers_skeleton(folder: Path) -> nn.Module:
         raise ModelError(f"transformers has no model class for {folder / 'config.json'} ({exc}).") from None
 
 
-def _folder_model(folder: Path) -> tuple[nn.Module, Path, Path | None]:
-    """The model a folder holds, built on the meta device from its config alone: the skeleton, the model's own folder
-    (a pipeline's ``transformer/``) and the pipeline folder around it (None when there is none)."""
+def _folder_model(folder: Path, model_class: str | None = None) -> tuple[nn.Module, Path, Path | None]:
+    """The model a folder holds, built on the meta device from its config alone (as ``model_class`` when given): the
+    skeleton, the model's own folder (a pipeline's ``transformer/``) and the pipeline folder around it (None when
+    there is none)."""
     pipeline = None
     if (folder / "model_index.json").is_file():
         if not (folder / PIPELINE_DENOISER).is_dir():
@@ -581,16 +685,17 @@ def _folder_model(folder: Path) -> tuple[nn.Module, Path, Path | None]:
                          f"{_WHAT_TO_PASS}.")
     config = read_json_object(config_file, "re-save the model")
     if "_class_name" in config:
-        return _diffusers_skeleton(folder, config), folder, pipeline
+        return _diffusers_skeleton(folder, config, model_class), folder, pipeline
     if "architectures" in config or "model_type" in config:
-        return _transformers_skeleton(folder), folder, pipeline
+        return _transformers_skeleton(folder, model_class), folder, pipeline
     raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
                      f"(transformers); {_WHAT_TO_PASS}.")
 
 
-def _open_folder(folder: Path, blocks) -> Source:
-    skeleton, folder, pipeline = _folder_model(folder)
+def _open_folder(folder: Path, blocks, model_class: str | None = None) -> Source:
+    skeleton, folder, pipeline = _folder_model(folder, model_class)
     tensors = _SafetensorsFiles(_folder_weights(folder), label=str(folder))
+    skeleton, tensors = _fit_base_prefix(skeleton, tensors, chosen=bool(model_class))
     source = Source(str(folder), skeleton, tensors, blocks)
     source.pipeline, source.folder = pipeline, folder
     return source
@@ -635,7 +740,7 @@ class _ShapesOnly(_Tensors):
         raise ModelError(f"{self.label}: its weights are not fetched yet.")
 
 
-def _open_hub(ref: hub.HubRef, blocks, check) -> Source:
+def _open_hub(ref: hub.HubRef, blocks, check, model_class: str | None = None) -> Source:
     """A Hub repository: a pipeline's transformer (its VAE and text encoders are fetched where they are loaded,
     squareq.train.encoder_source), or a one-model repository's configs, tokenizer and weights. The configs come
     first, so ``check`` can refuse the model before gigabytes of weights are downloaded. The source is named by the
@@ -651,32 +756,37 @@ def _open_hub(ref: hub.HubRef, blocks, check) -> Source:
                              "--blocks ATTR.")
         configs, weights = hub.pipeline_patterns([], [PIPELINE_DENOISER]), hub.pipeline_patterns([PIPELINE_DENOISER])
     if check is not None:
-        skeleton = _folder_model(hub.fetch(ref, configs))[0]
+        skeleton = _folder_model(hub.fetch(ref, configs), model_class)[0]
+        skeleton = skeleton if model_class else _base_for_blocks(skeleton, blocks)
         check(Source(str(ref), skeleton, _ShapesOnly(skeleton, str(ref)), blocks))
     folder = hub.fetch(ref, weights)
     if index is not None:
         hub.require(folder, ref, [PIPELINE_DENOISER], weights=[PIPELINE_DENOISER])
-    source = _open_folder(folder, blocks)
+    source = _open_folder(folder, blocks, model_class)
     source.hub = ref
     source.description = str(ref)
     return source
 
 
 def open_source(model: str | os.PathLike, blocks: Sequence[str] | None = None, revision: str | None = None,
-                check: Callable[[Source], None] | None = None) -> Source:
+                check: Callable[[Source], None] | None = None, model_class: str | None = None) -> Source:
     """Open MODEL: a built-in name, a diffusers pipeline/model folder, a transformers folder, a BFL file or a Hub ID
     (``revision``: its branch, tag or commit).
 
     ``blocks`` names the ``nn.ModuleList`` attributes holding the blocks (``["encoder.layer"]``) for a
     model without a family adapter (generic mode); None uses the family adapter. ``check`` sees the source before
-    any weight is read (a Hub ID's before its weights are downloaded) and may refuse it by raising.
+    any weight is read (a Hub ID's before its weights are downloaded) and may refuse it by raising. ``model_class``
+    (--model-class) builds that transformers/diffusers class instead of the one config.json names.
     """
     if isinstance(model, str) and model in BUILTIN_MODELS:
         if revision:
             raise ModelError(f"--revision {revision}: {model} is a built-in model, not a Hugging Face Hub ID.")
+        if model_class:
+            raise ModelError(f"--model-class {model_class} is for a model folder or Hub ID, and {model} is a built-in "
+                             "model; leave --model-class out.")
         source = _open_builtin(model, blocks)
     elif (ref := hub.hub_ref(model, revision)) is not None:
-        return _open_hub(ref, blocks, check)
+        return _open_hub(ref, blocks, check, model_class)
     elif revision:
         raise ModelError(f"--revision {revision} is for a Hugging Face Hub ID, and {model} is a local path.")
     else:
@@ -684,7 +794,10 @@ def open_source(model: str | os.PathLike, blocks: Sequence[str] | None = None, r
         if not path.exists():
             raise ModelError(f"{model} does not exist; {_WHAT_TO_PASS}.")
         path = path.resolve()
-        source = _open_folder(path, blocks) if path.is_dir() else _open_file(path, blocks)
+        if model_class and not path.is_dir():
+            raise ModelError(f"--model-class {model_class} is for a diffusers or transformers model folder, and "
+                             f"{model} is a file; leave --model-class out.")
+        source = _open_folder(path, blocks, model_class) if path.is_dir() else _open_file(path, blocks)
     if check is not None:
         check(source)
     return source

@@ -88,7 +88,7 @@ def test_small_models_compile_on_the_cpu_and_auto_takes_the_gpu(no_gpu, monkeypa
 def test_the_cli_refuses_a_12b_source_on_a_cpu_in_one_sentence(flux1_dev_on_meta, no_gpu, monkeypatch, tmp_path):
     import squareq.compiler
 
-    def open_meta(model, blocks=None, revision=None, check=None):
+    def open_meta(model, blocks=None, revision=None, check=None, model_class=None):
         check(flux1_dev_on_meta)  # the refusal comes before any weight is read (a Hub ID's: before it downloads)
         raise AssertionError("the device check should have refused")
 
@@ -104,7 +104,7 @@ def test_the_cli_refuses_a_12b_source_on_a_cpu_in_one_sentence(flux1_dev_on_meta
 def test_squareq_accept_refuses_gating_a_12b_source_on_a_cpu(flux1_dev_on_meta, no_gpu, monkeypatch, tiny_slab):
     import squareq.acceptance.runner as runner
 
-    def open_meta(model, blocks=None, revision=None, check=None):
+    def open_meta(model, blocks=None, revision=None, check=None, model_class=None):
         check(flux1_dev_on_meta)  # the refusal comes before any weight is read
         raise AssertionError("the device check should have refused")
 

@@ -243,7 +243,9 @@ def test_wrong_shapes_and_missing_tensors_are_refused(folders, tmp_path):
                                          r"but FluxTransformer2DModel with this config expects \[64, 64\]"):
         open_source(str(bad))
     gone = _copy_folder(folders / "single", tmp_path / "missing", lambda w: w.pop("proj_out.bias"))
-    with pytest.raises(ModelError, match="has no tensor proj_out.bias.*from_pretrained would initialize it randomly"):
+    with pytest.raises(ModelError, match=r"has no tensor proj_out.bias, which FluxTransformer2DModel with this config "
+                                         r"expects \(1 missing in all, e\.g\. proj_out\.bias; tensors it holds that "
+                                         r"FluxTransformer2DModel does not have: none\); the checkpoint does not"):
         open_source(str(gone))
 
 
