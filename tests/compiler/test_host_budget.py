@@ -19,7 +19,7 @@ from squareq.compiler.state import CompileState, spill_path
 from squareq.compiler.vram import VramPlan
 from squareq.sizes import format_size_up
 
-from .test_vram import _minimum_from
+from .test_vram import _minimum_from, error_lines, tiny_compile_args
 
 # two rungs, one quantized: the effects pass dequantizes each candidate per replayed chunk (Triton's interpreter on CI)
 OPTS = dict(budget=2_000_000, rounding="nearest", calib_samples=8, max_rows=128, effect_probes=2, formats="W4,bf16")
@@ -284,10 +284,9 @@ def test_a_large_host_budget_spills_nothing(compiled):
 
 def test_a_host_budget_below_the_least_is_refused_before_calibration_with_the_smallest_that_works(tmp_path):
     out = tmp_path / "t.slab"
-    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "8", "--calib-resolution",
-            "64", "--rounding", "nearest", "--effect-probes", "1"]
+    args = tiny_compile_args(out)
     refused = CliRunner().invoke(main, args + ["--host-budget", "100MB"])
-    errors = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    errors = error_lines(refused)
     assert refused.exit_code == 1 and len(errors) == 1, refused.output
     assert errors[0].startswith("error: --host-budget 100.00 MB cannot hold the compile's host memory")
     assert "the process itself" in errors[0] and errors[0].count(". ") == 0

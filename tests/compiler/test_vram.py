@@ -112,12 +112,21 @@ def _minimum_from(output: str) -> int:
     return parse_size(m.group(1).replace(" ", ""))
 
 
+def tiny_compile_args(out) -> list[str]:
+    """A quick `squareq compile tiny-flux` to ``out`` (the budget-refusal tests add the flag under test)."""
+    return ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "8", "--calib-resolution",
+            "64", "--rounding", "nearest", "--effect-probes", "1"]
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("error:")]
+
+
 def test_a_budget_below_one_layers_work_is_refused_with_the_smallest_budget_that_works(tmp_path):
     out = tmp_path / "t.slab"
-    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "8", "--calib-resolution",
-            "64", "--rounding", "nearest", "--effect-probes", "1"]
+    args = tiny_compile_args(out)
     refused = CliRunner().invoke(main, args + ["--vram-budget", "10KB"])
-    errors = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    errors = error_lines(refused)
     assert refused.exit_code == 1 and len(errors) == 1 and "--vram-budget 10.00 KB cannot hold" in errors[0]
     assert "largest layer's search" in errors[0]
     assert not out.exists() and not (tmp_path / "t.slab.state").exists()
