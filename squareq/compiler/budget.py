@@ -40,31 +40,58 @@ def layout_bytes(spec, shape: tuple[int, int]) -> int:
                for d, s in tensor_layout(spec, shape).values())
 
 
+def largest_block_candidates(skeleton, block_paths, specs) -> int:
+    """The most bytes one block's candidates at ``specs`` take: every linear layer at every spec, smoothed
+    candidates' scales included."""
+    from torch import nn
+
+    return max((sum(layer_candidate_bytes(spec, tuple(m.weight.shape)) for m in skeleton.get_submodule(path).modules()
+                    if isinstance(m, nn.Linear) for spec in specs) for path in block_paths), default=0)
+
+
 def candidate_bytes(c) -> int:
     """Bytes a candidate adds to its block blob (every stored tensor starts 256-aligned)."""
     return sum(align_up(t.numel() * t.element_size()) for t in c.qweight.tensors.values())
 
 
-def least_slab_bytes(skeleton, block_paths, specs) -> tuple[int, int, int]:
-    """A lower bound on any slab of ``skeleton``, from its shapes alone: (the resident tensors, the blocks' other
-    tensors, every layer at its smallest rung among ``specs``), each as the slab stores it (floating ones in bf16,
-    256-aligned). The manifest and a smoothed layer's scales only add to it."""
+# the manifest's JSON per layer (its spec, measurements and reasons: about 1.5 KB on FLUX.1), with room to spare
+MANIFEST_PER_LAYER = 8 << 10
+
+
+def slab_bounds(skeleton, block_paths, specs) -> tuple[int, int, int, int]:
+    """From ``skeleton``'s shapes alone: (the resident tensors, the blocks' other tensors, every layer at its smallest
+    rung among ``specs``, every layer at its largest with smoothing's scales and its manifest entry), each 256-aligned
+    as the slab stores it (floating tensors in bf16)."""
     from torch import nn
 
     prefixes = tuple(p + "." for p in block_paths)
     weights = {f"{name}.weight": tuple(m.weight.shape) for path in block_paths
                for name, m in skeleton.get_submodule(path).named_modules(prefix=path) if isinstance(m, nn.Linear)}
-    resident = fixed = layers = 0
+    resident = fixed = least = most = 0
     for name, t in skeleton.state_dict().items():
         if name in weights:
-            layers += min(layout_bytes(spec, weights[name]) for spec in specs)
+            least += min(layout_bytes(spec, weights[name]) for spec in specs)
+            most += max(layer_candidate_bytes(spec, weights[name]) for spec in specs) + MANIFEST_PER_LAYER
             continue
         stored = align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
         if name.startswith(prefixes):
             fixed += stored
         else:
             resident += stored
-    return resident, fixed, layers
+    return resident, fixed, least, most
+
+
+def least_slab_bytes(skeleton, block_paths, specs) -> tuple[int, int, int]:
+    """A lower bound on any slab of ``skeleton``: (the resident tensors, the blocks' other tensors, every layer at its
+    smallest rung among ``specs``). The manifest and a smoothed layer's scales only add to it."""
+    return slab_bounds(skeleton, block_paths, specs)[:3]
+
+
+def most_slab_bytes(skeleton, block_paths, specs) -> int:
+    """An upper bound on any slab of ``skeleton`` at rungs ``specs``: every layer at its largest rung, and the
+    manifest. A ``--budget`` above it is never spent."""
+    resident, fixed, _, most = slab_bounds(skeleton, block_paths, specs)
+    return resident + fixed + most + (1 << 20)
 
 
 def check_least_budget(budget: int, skeleton, block_paths, specs) -> None:

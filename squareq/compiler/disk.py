@@ -7,7 +7,8 @@ A compile writes three things beside its output, and holds them at once near its
   transformer, twice its bf16 checkpoint;
 * the spill file of what the host plan sends to disk (compiler/spill.py): the effect inputs, or the largest block's
   recorded inputs (34.5 GB for the 12B FLUX.1-dev-shaped compile at ``--host-budget 32GB``);
-* the slab, at most ``--budget``, written while the state folder still exists.
+* the slab, at most ``--budget`` (or the largest slab the model can have, when that is smaller), written while the
+  state folder still exists.
 
 The peak is the whole state plus the larger of the spill and the slab (the spill file is deleted when its pass ends,
 before the slab is written). A disk without that much free is refused with one sentence before calibration,
@@ -24,7 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from ..sizes import format_size, format_size_up
-from .budget import BudgetError, layer_candidate_bytes
+from .budget import BudgetError, layer_candidate_bytes, most_slab_bytes
 
 # what the filesystem keeps for itself and the estimate's rounding: 2% of the need, at least this
 MARGIN_LEAST = 256 << 20
@@ -57,7 +58,9 @@ def estimate_disk(skeleton: nn.Module, block_paths, specs, spill: int, budget: i
                 if isinstance(m, nn.Linear):
                     candidates += sum(layer_candidate_bytes(spec, tuple(m.weight.shape)) for spec in specs)
     written = sum(p.stat().st_size for p in state.glob("block.*.safetensors")) if state and state.is_dir() else 0
-    return DiskNeeds(candidates, spill, budget, 0 if rebuild else written)
+    # a budget larger than any slab of the model is never spent: the slab is counted at the most it can be
+    slab = min(budget, most_slab_bytes(skeleton, block_paths, specs))
+    return DiskNeeds(candidates, spill, slab, 0 if rebuild else written)
 
 
 def check_disk(needs: DiskNeeds, state: Path, out: Path) -> str:

@@ -157,6 +157,11 @@ class _Run:
         try:
             with torch.no_grad():
                 shell(**kwargs)
+        except BaseException:
+            self.state.wait(quiet=True)  # an interrupted pass keeps the block written meanwhile, for --resume
+            raise
+        else:
+            self.state.wait()  # the last block's files, written while the pass went on
         finally:
             self.host.close(TAPE)  # the pass's spill file, and the pinned copies it kept for reuse
             empty_host_cache()
@@ -338,7 +343,7 @@ def _setup(source: Source, out: Path, opts: CompileOptions, progress: Progress) 
     batched = batched_kwargs(batch.kwargs, batch.heldout_kwargs, samples)
     axes = probe_batch_axes(source, batch.kwargs, batched, samples)
     needs = estimate_needs(source, skeleton, batch, axes, gptq=opts.rounding == "gptq", max_rows=opts.max_rows,
-                           probes=opts.effect_probes)
+                           probes=opts.effect_probes, specs=specs)
     # between the passes that read it, the calibration batch waits in host memory (FLUX.2's text states are 1 GB)
     batch.kwargs = _moved(batch.kwargs, "cpu")
     vram = plan_vram(needs, opts.vram_budget, opts.device)

@@ -16,8 +16,9 @@ effect with a relative spread of about 25%, where a sum over samples per probe n
 
 The model runs its own forward over those copies one block at a time: each block runs without a graph, on a few
 samples at a time (compiler/chunks.py), and is loaded again and re-run during the backward pass (activation
-checkpointing), so memory stays near one block, one chunk's activations and the blocks' inputs (kept in pinned host
-memory when the VRAM plan says so, or in a spill file when the host plan does), at any model size. On a GPU its
+checkpointing), so memory stays near one block with its quantized candidates, one chunk's activations and the
+blocks' inputs (kept in pinned host memory when the VRAM plan says so, or in a spill file when the host plan does),
+at any model size. On a GPU its
 matrix products run in TF32: the effect is an estimate, and TF32's 1e-3 relative error is far below its sampling
 spread.
 
@@ -125,7 +126,7 @@ class _Products:
         xf, gf = x.float(), g.float()
         per_sample = x.shape[0] == stop - start
         for rung, qw in self.candidates[name].items():
-            deq = kernels.dequantize(qw.to(weight.device))
+            deq = kernels.dequantize(qw)
             per = None
             # a slice of output rows at a time: ΔW and the products are float32 temporaries of the slice's size
             for rows in quant.row_chunks(*weight.shape):
@@ -316,7 +317,9 @@ class _ProbePasses:
 
     def _on_replay(self, index: int, path: str, offset: int):
         def on_replay(block):
-            wanted = self.candidates_of(index)
+            # on the device once per block: moved in each chunk's products, FLUX.1's were 0.9 TB of copies a compile
+            wanted = {name: {rung: qw.to(self.device) for rung, qw in rungs.items()}
+                      for name, rungs in self.candidates_of(index).items()}
             for name, rungs in wanted.items():
                 for rung in rungs:
                     self.sums.setdefault(name, {}).setdefault(

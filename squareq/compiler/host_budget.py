@@ -5,8 +5,9 @@ What the compile's process holds in host memory, as the plan counts it (:class:`
 * the process itself: the interpreter, torch and the libraries it loaded (:data:`PROCESS_CPU`, :data:`PROCESS_CUDA`);
 * the resident tensors the slab writer keeps (float32) and the calibration batch;
 * the largest block as read from the source: the pages of the mapped checkpoint and their copy (twice its bytes);
-* the largest block's candidates, every rung of every layer until the block is saved, and their serialized copy for
-  the state (twice), and on a GPU the pinned float32 Hessian of each width of layer (the allocator keeps one of each);
+* the largest block's candidates, every rung of every layer until the block is saved, and the previous block's while
+  a worker writes them to the state (twice), and on a GPU the pinned float32 Hessian of each width of layer (the
+  allocator keeps one of each);
 * on a CPU compile, the work a GPU compile keeps on the GPU (compiler/vram.py's estimate);
 * what waits, where the VRAM plan put it on the host: the largest block's recorded layer inputs (the *tape*) with its
   outputs parked beside them, and every block's inputs for the effects pass's backward. In pinned memory each copy is
@@ -33,7 +34,7 @@ from torch import nn
 
 from ..devices import host_memory
 from ..sizes import format_size, format_size_up
-from .budget import BudgetError, layer_candidate_bytes
+from .budget import BudgetError, largest_block_candidates
 from .spill import SEGMENT, SpillFile
 from .state import spill_path
 from .vram import Needs, VramPlan, _nbytes, _tensors
@@ -101,11 +102,9 @@ def estimate_host(needs: Needs, vram: VramPlan, skeleton: nn.Module, block_paths
     resident = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for n, t in _tensors(skeleton)
                    if not n.startswith(prefixes))
     batch_bytes = _nbytes(batch.kwargs) + _nbytes(batch.heldout_kwargs)
-    rungs, widths = 0, set()
-    for path in block_paths:
-        linears = [m.weight.shape for m in skeleton.get_submodule(path).modules() if isinstance(m, nn.Linear)]
-        widths |= {k for _, k in linears}
-        rungs = max(rungs, sum(layer_candidate_bytes(spec, tuple(s)) for s in linears for spec in specs))
+    rungs = largest_block_candidates(skeleton, block_paths, specs)
+    widths = {m.weight.shape[1] for path in block_paths for m in skeleton.get_submodule(path).modules()
+              if isinstance(m, nn.Linear)}
     samples = int(batch.description.get("samples") or 1)
     copies = axes.probes_per_pass(len(batch.heldout) or samples, probes) * (len(batch.heldout) or samples)
     reads = _reads_in_flight(axes, samples, copies)

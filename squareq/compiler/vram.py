@@ -5,7 +5,8 @@ What a compile keeps on the GPU, and what the plan may move to pinned host memor
 * always on the GPU: the model's resident tensors and the calibration batch with the hidden states between blocks
   (``base``), one block's weights (its linear weights in the checkpoint's dtype, cast to float32 one layer at a
   time), one chunk's activations (compiler/chunks.py), and the largest layer's search: its weight copies and, for
-  GPTQ, its Hessian with two float64 matrices of the factorization;
+  GPTQ, its Hessian with two float64 matrices of the factorization; in the effects pass, the replayed block's
+  quantized candidates (moved once per block, not once per replayed chunk: FLUX.1's copies were 0.9 TB a compile);
 * movable: the calibration pass's recorded layer inputs (the *tape*: the inputs of a FLUX.1 double block's layers
   are 4-5 GB for 32 samples) and the effects pass's block inputs, waiting for the backward pass (8.6 GB for FLUX.1).
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..sizes import format_size, format_size_up
-from .budget import BudgetError
+from .budget import BudgetError, largest_block_candidates
 
 # Measured on an H100 (docs/benchmarks.md, "Compiling within a VRAM budget"): bytes of activations per byte of block
 # input in a chunk's calibration forward, and in the effects pass's replay with its backward and per-layer products.
@@ -60,6 +61,7 @@ class Needs:
     search: int  # the largest layer's search
     effects: int  # one chunk's replay, backward and products in the effects pass
     saved: int  # every block's inputs for the effects pass's backward
+    candidates: int = 0  # the largest block's quantized candidates, on the GPU while its replays measure them
     block_search: int = 0  # the most one block's weights and its largest layer's search need together
     block_name: str = ""
     layer_name: str = ""
@@ -77,7 +79,7 @@ class Needs:
         searching = self.block_search or self.block + self.search
         calibrate = self.base + max(forward + self.block + self.chunk + tape, search + tape + searching)
         # the replayed block and the one whose outputs' gradients are being consumed
-        effects = self.held_base + 2 * self.block + self.effects + (0 if host_saved else self.saved)
+        effects = self.held_base + 2 * self.block + self.effects + self.candidates + (0 if host_saved else self.saved)
         return calibrate, effects
 
 
@@ -129,8 +131,10 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
-def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_rows: int, probes: int) -> Needs:
-    """The parts of the compile's GPU memory for this model, calibration batch and chunking (module docstring)."""
+def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_rows: int, probes: int,
+                   specs=()) -> Needs:
+    """The parts of the compile's GPU memory for this model, calibration batch, chunking and rungs ``specs``
+    (module docstring)."""
     samples = int(batch.description.get("samples") or 1)
     held = len(batch.heldout) or samples
     calls = [c for _, c in axes.calls]
@@ -160,6 +164,7 @@ def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_
         search=search,
         effects=ACT_BACKWARD * held_chunk * per_sample + 3 * upcast,
         saved=per_pass * held * sum(c.sample_bytes for c in calls),
+        candidates=largest_block_candidates(skeleton, source.block_paths, [s for s in specs if not s.is_passthrough]),
         block_search=block_search, block_name=block_name, layer_name=name, layer_shape=(n, k))
 
 

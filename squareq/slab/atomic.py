@@ -87,12 +87,18 @@ def fsync_file(path: Path) -> None:
 def atomic_write_bytes(path: Path, data) -> None:
     """Write ``data`` (bytes or a buffer) to ``path`` through a temporary name, fsynced, then renamed; on any failure
     the temporary is removed and ``path`` is untouched."""
+    atomic_write_parts(path, [data])
+
+
+def atomic_write_parts(path: Path, parts) -> None:
+    """:func:`atomic_write_bytes` for a file given as buffers written one after another (no joined copy)."""
     path = Path(path)
     # a name of its own, so that processes writing the same file (ranks, two runs) never share a temporary
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            for part in parts:
+                fh.write(part)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

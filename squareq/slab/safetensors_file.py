@@ -33,17 +33,24 @@ def safetensors_header(entries: Iterable[tuple[str, str, list[int], int]], metad
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as a buffer (a view of a CPU tensor's memory, not a copy)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """A complete safetensors file: equal tensors and metadata give equal bytes, whatever the dict order."""
+def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> list:
+    """A complete safetensors file as buffers to write one after another: its header, then each tensor's bytes.
+    Equal tensors and metadata give equal bytes, whatever the dict order."""
     names = sorted(tensors)
     for name in names:
         if tensors[name].dtype not in DTYPE_NAMES:
             raise ValueError(f"tensor {name} has dtype {tensors[name].dtype}, which safetensors cannot store.")
     data = [_raw(tensors[name]) for name in names]
-    entries = [(name, DTYPE_NAMES[tensors[name].dtype], list(tensors[name].shape), len(raw))
+    entries = [(name, DTYPE_NAMES[tensors[name].dtype], list(tensors[name].shape), raw.nbytes)
                for name, raw in zip(names, data)]
-    return safetensors_header(entries, metadata) + b"".join(data)
+    return [safetensors_header(entries, metadata), *data]
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """:func:`safetensors_parts` joined: the whole file in memory."""
+    return b"".join(safetensors_parts(tensors, metadata))

@@ -325,21 +325,21 @@ def test_a_full_disk_mid_compile_is_one_sentence_and_resume_then_finishes(tmp_pa
     import squareq.slab.atomic as atomic
     from squareq.slab.atomic import OutputError
 
-    real, writes = atomic.atomic_write_bytes, []
+    real, writes = atomic.atomic_write_parts, []
 
-    def full_at_the_fourth(path, data):
+    def full_at_the_second(path, parts):  # the second block's tensors, written while the third block is measured
         writes.append(path)
-        if len(writes) == 4:
-            path.with_name(f".{path.name}.0000dead.tmp").write_bytes(bytes(data)[:10])  # what a kill would leave
+        if len(writes) == 2:
+            path.with_name(f".{path.name}.0000dead.tmp").write_bytes(bytes(parts[0])[:10])  # what a kill would leave
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path, data)
+        real(path, parts)
 
-    monkeypatch.setattr(state_module, "atomic_write_bytes", full_at_the_fourth)
+    monkeypatch.setattr(state_module, "atomic_write_parts", full_at_the_second)
     out = tmp_path / "full.slab"
     with pytest.raises(OutputError, match=r"the disk holding .* is full .*rerun with --resume"):
         compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, **fast))
     assert not out.exists() and list(driver.state_folder(out).glob(".*.tmp"))
-    monkeypatch.setattr(state_module, "atomic_write_bytes", real)
+    monkeypatch.setattr(state_module, "atomic_write_parts", real)
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast))
     open_slab(out, verify=True).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full.slab"]
