@@ -354,6 +354,7 @@ def compile_state(tmp_path_factory):
         decisions.append(LayerDecision(name, tried[0], tried, ["measured"]))
     state.save_block(0, decisions, {"fixed_bytes": 512})
     state.save_effects({"blocks.0.a": {"W4": 0.01, "W8": 0.001}}, {"probes": 2})
+    state.wait()  # the block's files are written by a worker thread; the tests copy the folder
     return folder
 
 
