@@ -40,13 +40,18 @@ def layout_bytes(spec, shape: tuple[int, int]) -> int:
                for d, s in tensor_layout(spec, shape).values())
 
 
-def largest_block_candidates(skeleton, block_paths, specs) -> int:
-    """The most bytes one block's candidates at ``specs`` take: every linear layer at every spec, smoothed
-    candidates' scales included."""
+def block_candidate_bytes(block, specs) -> int:
+    """Bytes of one block's candidates at ``specs``: every linear layer at every spec, smoothed candidates' scales
+    included."""
     from torch import nn
 
-    return max((sum(layer_candidate_bytes(spec, tuple(m.weight.shape)) for m in skeleton.get_submodule(path).modules()
-                    if isinstance(m, nn.Linear) for spec in specs) for path in block_paths), default=0)
+    return sum(layer_candidate_bytes(spec, tuple(m.weight.shape)) for m in block.modules()
+               if isinstance(m, nn.Linear) for spec in specs)
+
+
+def largest_block_candidates(skeleton, block_paths, specs) -> int:
+    """The most bytes one block's candidates at ``specs`` take (:func:`block_candidate_bytes`)."""
+    return max((block_candidate_bytes(skeleton.get_submodule(path), specs) for path in block_paths), default=0)
 
 
 def candidate_bytes(c) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 from torch import nn
 
 from ..sizes import format_size, format_size_up
-from .budget import BudgetError, layer_candidate_bytes, most_slab_bytes
+from .budget import BudgetError, block_candidate_bytes, most_slab_bytes
 
 # what the filesystem keeps for itself and the estimate's rounding: 2% of the need, at least this
 MARGIN_LEAST = 256 << 20
@@ -51,12 +51,7 @@ def estimate_disk(skeleton: nn.Module, block_paths, specs, spill: int, budget: i
                   rebuild: bool = False) -> DiskNeeds:
     """The compile's disk needs (module docstring): ``specs`` are the rungs each layer is measured at, ``spill`` the
     bytes the host plan spills, ``state`` the state folder (what a resumed compile's folder holds is counted)."""
-    candidates = 0
-    if not rebuild:
-        for path in block_paths:
-            for m in skeleton.get_submodule(path).modules():
-                if isinstance(m, nn.Linear):
-                    candidates += sum(layer_candidate_bytes(spec, tuple(m.weight.shape)) for spec in specs)
+    candidates = 0 if rebuild else sum(block_candidate_bytes(skeleton.get_submodule(p), specs) for p in block_paths)
     written = sum(p.stat().st_size for p in state.glob("block.*.safetensors")) if state and state.is_dir() else 0
     # a budget larger than any slab of the model is never spent: the slab is counted at the most it can be
     slab = min(budget, most_slab_bytes(skeleton, block_paths, specs))

@@ -18,9 +18,8 @@ The model runs its own forward over those copies one block at a time: each block
 samples at a time (compiler/chunks.py), and is loaded again and re-run during the backward pass (activation
 checkpointing), so memory stays near one block with its quantized candidates, one chunk's activations and the
 blocks' inputs (kept in pinned host memory when the VRAM plan says so, or in a spill file when the host plan does),
-at any model size. On a GPU its
-matrix products run in TF32: the effect is an estimate, and TF32's 1e-3 relative error is far below its sampling
-spread.
+at any model size. On a GPU its matrix products run in TF32: the effect is an estimate, and TF32's 1e-3 relative
+error is far below its sampling spread.
 
 Effects add up to the plan's output error when the layers' errors are small and independent; the compiler checks
 that by measuring the chosen plan's output error directly (:func:`plan_output_error`) and records both.
