@@ -4,7 +4,7 @@ safetensors) (issues 3, 15, 23).
 
     python benchmarks/compile.py --workdir DIR [--out DIR] [--model flux1|flux2] [--budget 8GB]
         [--vram-budgets free,8GB] [--host-budget 32GB] [--layers N] [--single-layers N] [--samples N]
-        [--phase all|source|compile]
+        [--no-rotation] [--phase all|source|compile]
 
 Phase 1 writes the source unless it is already in the work dir. flux1: a FluxPipeline folder whose transformer
 (FLUX.1-dev's config, 11.9 B parameters), VAE (FLUX.1's AutoencoderKL config), CLIP-L and T5-XXL text encoders have
@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--single-layers", type=int, default=None)
     ap.add_argument("--samples", type=int, default=None, help="calibration samples (default: the compiler's)")
     ap.add_argument("--rounding", default="gptq")
+    ap.add_argument("--no-rotation", action="store_true",
+                    help="the search without its Hadamard-rotated candidates (squareq compile --no-rotation)")
     ap.add_argument("--phase", choices=("all", "source", "compile"), default="all")
     args = ap.parse_args()
 
@@ -285,7 +287,8 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     from squareq.compiler.budget import BudgetError
 
     folder = source.pipeline or source.folder
-    out = args.workdir / f"{folder.name if folder else args.model}-{budget or 'free'}.slab"
+    out = args.workdir / (f"{folder.name if folder else args.model}-{budget or 'free'}"
+                          f"{'-no-rotation' if args.no_rotation else ''}.slab")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     own_peak = reset_peak_rss()
@@ -305,7 +308,7 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     state = out.parent / f"{out.name}.state"  # may exist empty (e.g. a link to a roomier disk) or hold a cut-off run
     reused = len(list(state.glob("block.*.json"))) if state.exists() else 0
     opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
-                          rounding=args.rounding, overwrite=True, calib_images=images,
+                          rounding=args.rounding, rotation=not args.no_rotation, overwrite=True, calib_images=images,
                           vram_budget=parse_size(budget) if budget else None,
                           host_budget=parse_size(args.host_budget) if args.host_budget else None,
                           resume=state.exists())
@@ -326,7 +329,7 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
         rungs[layer.spec.bits] = rungs.get(layer.spec.bits, 0) + 1
     weights = sum(layer.shape[0] * layer.shape[1] for layer in manifest.layers)
     layer_bytes = sum(t.nbytes for layer in manifest.layers for t in layer.tensors.values())
-    rec = {"kind": "compile", "vram_budget": budget or "free", "blocks": len(manifest.blocks),
+    rec = {"kind": "compile", "rotation": not args.no_rotation, "vram_budget": budget or "free", "blocks": len(manifest.blocks),
            "layers": len(manifest.layers), "wall_s": wall + encode_s, "compile_s": wall, "encode_s": encode_s,
            "slab_bytes": size, "slab_sha256": digest.hexdigest(), "bits_per_layer_weight": 8 * layer_bytes / weights,
            "rungs": rungs, "host_budget": args.host_budget or "default", "host_rss_peak_gb": peak_rss() / 1e9,

@@ -47,6 +47,10 @@ FORMATS = [
     ("W8 g64 asym", dict(bits=8, group_size=64, symmetric=False), False),
     ("W4 g64 asym +smooth", dict(bits=4, group_size=64, symmetric=False, smooth=True), True),
     ("W4 g128 sym", dict(bits=4, group_size=128, symmetric=True), False),
+    # Hadamard-rotated (QuantSpec.rotate): the butterfly on the fp32 tile, launched with fp fusion off
+    ("W4 g64 asym H", dict(bits=4, group_size=64, symmetric=False, rotate=True), False),
+    ("W8 g64 asym H", dict(bits=8, group_size=64, symmetric=False, rotate=True), False),
+    ("W4 g128 sym H", dict(bits=4, group_size=128, symmetric=True, rotate=True), False),
 ]
 TARGET_FORMATS = {"W4 g64 asym", "W6 g64 asym", "W8 g64 asym"}
 

@@ -3,7 +3,7 @@
 
     python benchmarks/train_step.py [--family flux|flux2|qwen-image] [--out DIR] [--workdir DIR] [--res 512 1024]
                                     [--steps 5 --warmup 2] [--only slab,squareq,resident,bnb,group_offload]
-                                    [--phase-timeout S] [--tiny]
+                                    [--phase-timeout S] [--tiny] [--rotate]
 
 The model is the family's diffusers class at its released config with seeded random weights
 (normal(0, 0.02) for matrices, norm weights 1, other vectors 0), built directly on the GPU: ``flux``
@@ -37,11 +37,14 @@ writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown ta
 ``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
 the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config (runs on the CPU when no GPU is
 present, where memory figures read 0) so the script can be smoke-tested anywhere.
+``--rotate`` stores every layer of the slab Hadamard-rotated (``QuantSpec.rotate``; a slab of its own,
+``full-FAMILY-rotated.slab``): the same bytes, plus the rotation's work in the kernels.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import math
@@ -111,7 +114,9 @@ class Setup:
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.device_name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         self.steps, self.warmup = args.steps, args.warmup
-        self.slab = Path(args.workdir) / f"{'tiny' if args.tiny else 'full'}-{args.family}.slab"
+        self.rotate = args.rotate
+        self.slab = Path(args.workdir) / (f"{'tiny' if args.tiny else 'full'}-{args.family}"
+                                          f"{'-rotated' if args.rotate else ''}.slab")
 
     def sync(self) -> None:
         import torch
@@ -332,6 +337,10 @@ def phase_slab(setup: Setup) -> None:
         rec["parameters_B"] = sum(p.numel() for p in model.parameters()) / 1e9
         blocks = setup.adapter.blocks(model)
         plan = {name: mix_spec(name) for p in blocks for name, _ in block_linears(p, model.get_submodule(p))}
+        if setup.rotate:  # every layer whose inputs are whole groups (all of them at full size)
+            plan = {name: dataclasses.replace(spec, rotate=True)
+                    if model.get_submodule(name).in_features % spec.group_size == 0 else spec
+                    for name, spec in plan.items()}
         rec["predicted_bits_per_weight"] = mix_bits(model, plan)
         log(f"slab: model built in {rec['build_s']:.1f} s; mix averages {rec['predicted_bits_per_weight']:.3f} "
             f"bits/weight; writing {setup.slab}")
@@ -617,7 +626,7 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family,
            "--targets", args.targets] + \
-        (["--tiny"] if args.tiny else [])
+        (["--tiny"] if args.tiny else []) + (["--rotate"] if args.rotate else [])
     log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -762,6 +771,8 @@ def main() -> None:
     ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="which model (default flux)")
     ap.add_argument("--tiny", action="store_true", help="the family's tiny config; runs on the CPU without a GPU")
+    ap.add_argument("--rotate", action="store_true",
+                    help="every slab layer Hadamard-rotated (its own slab): the rotation's cost in the step (issue 42)")
     ap.add_argument("--targets", choices=TARGET_SETS, default="attention",
                     help="LoRA targets: the attention projections, or FLUX.1's default set (every attention and MLP "
                          "linear of both streams)")
@@ -799,7 +810,7 @@ def main() -> None:
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
-           "steps": args.steps, "targets": args.targets,
+           "steps": args.steps, "targets": args.targets, "rotate": args.rotate,
            "warmup": args.warmup, "commit": commit,
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     emit(env)

@@ -263,6 +263,9 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
               "tests only, the compiler's choices are then not to be trusted.")
 @click.option("--rounding", type=click.Choice(["gptq", "nearest"]), default="gptq", show_default=True,
               help="gptq: error-compensating rounding from input second moments; nearest: plain RTN.")
+@click.option("--rotation/--no-rotation", default=True, show_default=True,
+              help="Also try each layer Hadamard-rotated (kept only where it lowers the held-out error); "
+              "--no-rotation: a faster search, without the rotation's gain.")
 @click.option("--group-size", type=int, default=64, show_default=True)
 @click.option("--from", "previous", type=click.Path(path_type=Path), default=None,
               help="Rebuild from this earlier slab of the same model: each layer starts at its rung there, and its "
@@ -287,8 +290,9 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
 def compile_cmd(model, revision, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks,
                 model_class, calib_data, calib_cache, calib_text, encoders, clip_l, clip_g, t5, vae, calib_samples,
-                calib_resolution, calib_tokens, calib_synthetic, rounding, group_size, previous, effect_probes,
-                max_block_bytes, vram_cap, ring_slots, device, vram_budget, host_budget, resume, force) -> None:
+                calib_resolution, calib_tokens, calib_synthetic, rounding, rotation, group_size, previous,
+                effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, host_budget, resume,
+                force) -> None:
     """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
     slab.
 
@@ -310,7 +314,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     opts = CompileOptions(
         budget=parse_size(budget, "--budget"), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
-        formats=formats, rounding=rounding, group_size=group_size,
+        formats=formats, rounding=rounding, rotation=rotation, group_size=group_size,
         calib_samples=calib_samples,
         calib_cache=str(calib_cache) if calib_cache else None, calib_text=str(calib_text) if calib_text else None,
         calib_tokens=calib_tokens, calib_synthetic=calib_synthetic,

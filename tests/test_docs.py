@@ -55,7 +55,7 @@ def test_every_manifest_record_field_is_documented(slab_doc, record):
 
 def test_every_quant_spec_key_is_documented(slab_doc):
     keys = set()
-    for spec in (QuantSpec(), QuantSpec(bits=16), QuantSpec(bits=6, symmetric=True, smooth=True)):
+    for spec in (QuantSpec(), QuantSpec(bits=16), QuantSpec(bits=6, symmetric=True, smooth=True), QuantSpec(rotate=True)):
         keys |= set(spec.to_dict())
     missing = undocumented(keys, section(slab_doc, "`QuantSpec`"))
     assert not missing, f"QuantSpec.to_dict() keys {missing} are not documented in docs/slab-format.md"

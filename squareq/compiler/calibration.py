@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..quant import row_chunks
+from ..quant.hadamard import hadamard, rotated_diagonal
 from .prefetch import read_ahead
 
 GRAM_COLUMNS = 2048  # columns of a Gram matrix added per product (a K x 2048 float32 temporary)
@@ -71,6 +72,17 @@ class LayerStats:
         if self.gram is None:
             raise ValueError("this layer's Gram matrix was not collected (hessian=False).")
         return (self.gram / max(self.gram_count, 1)).float()
+
+    def rotated_second_moment(self, group_size: int) -> torch.Tensor | None:
+        """E[(x·H)_k²] per channel of the rotated inputs ``x·H`` (the grouped Hadamard transform of
+        squareq/quant/hadamard.py, groups of ``group_size``), float32 where the statistics are kept: exact from the Gram
+        matrix when it was collected (the diagonal of ``H·E[x xᵀ]·H``, from its diagonal blocks), else estimated from
+        the sampled fit rows (:attr:`rows`); None when there are neither."""
+        if self.has_hessian:
+            return rotated_diagonal(self.hessian, group_size).float()
+        if self.rows is not None and self.rows.shape[0]:
+            return hadamard(self.rows.float(), group_size).pow(2).mean(dim=0)
+        return None
 
     def finish(self, pinned_host: bool = False) -> LayerStats:
         """Keep E[x xᵀ] as float32 and drop the float64 Gram matrix: the same values :attr:`hessian` gives, in a

@@ -89,9 +89,11 @@ def diagnostics(spec: QuantSpec, m: dict, t: Thresholds) -> list[str]:
 
 
 def measure_rungs(name: str, w: torch.Tensor, stats: LayerStats, rungs: list[QuantSpec],
-                  rounding: str = "gptq") -> LayerDecision:
-    """Search the layer at each of ``rungs`` (compiler/layer_search.py); it starts at the one of fewest bytes."""
+                  rounding: str = "gptq", rotation: bool = True) -> LayerDecision:
+    """Search the layer at each of ``rungs`` (compiler/layer_search.py), with its rotated candidates when
+    ``rotation``; it starts at the rung of fewest bytes."""
     if not rungs:
         raise ValueError(f"layer {name}: no rungs to measure.")
-    tried = [search_layer(w, stats, spec, rounding=rounding) for spec in sorted(rungs, key=bytes_per_weight)]
+    tried = [search_layer(w, stats, spec, rounding=rounding, rotate=rotation)
+             for spec in sorted(rungs, key=bytes_per_weight)]
     return LayerDecision(name, tried[0], tried)

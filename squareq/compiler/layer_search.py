@@ -3,9 +3,10 @@ plain rounding.
 
 Every choice is made on the layer's output error ``‖XWᵀ − XŴᵀ‖² / ‖XWᵀ‖²``, not on weight error. The search
 proposes on the calibration (fit) rows: the α and clip ratio whose round-to-nearest result is best there, and
-GPTQ-style rounding fitted to their Gram matrix. The held-out rows then decide between plain round-to-nearest
-(no smoothing, no clipping), the search's proposal and its GPTQ result: a transform stays only where it lowers the
-error on rows it was not tuned on. On real data this matters: the search tuned on random token ids made a real text
+GPTQ-style rounding fitted to their Gram matrix; and the same in the space rotated by a Hadamard transform within each
+group (``QuantSpec.rotate``): plain rounding, a clip ratio, and GPTQ. The held-out rows then decide between plain
+round-to-nearest (no smoothing, no clipping, no rotation) and every proposal: a transform stays only where it lowers
+the error on rows it was not tuned on. On real data this matters: the search tuned on random token ids made a real text
 model 35% worse than plain rounding (docs/compiler.md).
 """
 from __future__ import annotations
@@ -67,7 +68,7 @@ def group_scale_ratio(qw: QuantizedWeight, w: torch.Tensor, smooth: torch.Tensor
 
 
 def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: str = "gptq",
-                 alphas=DEFAULT_ALPHAS) -> Candidate:
+                 alphas=DEFAULT_ALPHAS, rotate: bool = True) -> Candidate:
     """The quantization of ``w [N, K]`` in the format of ``spec`` (its width, group size and symmetry) with the
     lowest output rel-MSE on the held-out rows, among plain round-to-nearest and the transforms the search proposes
     on the calibration rows (module docstring).
@@ -76,7 +77,8 @@ def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: 
     proxy exactly but raised the medium model's held-out output error from 4.8e-3 to 8.5e-3, through its few-row
     adaLN layers: docs/compiler.md). α and clip are proposed with round-to-nearest; GPTQ then runs once, at the
     proposed α and clip (a quarter of the GPTQ runs of trying it at every α, which dominates compile time at 12B), and
-    only for formats GPTQ can round onto (``int``).
+    only for formats GPTQ can round onto (``int``). With ``rotate``, where the format can rotate and K is whole groups,
+    the rotated options (:func:`rotated_options`) are judged with them.
     A tie keeps the simpler candidate. The metrics record the held-out error of the result (``output_rel_mse`` =
     ``heldout_rel_mse``), that of plain rounding (``heldout_rtn_rel_mse``), and the result's error on the calibration
     rows (``calib_rel_mse``).
@@ -88,27 +90,65 @@ def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: 
     if spec.is_passthrough:
         qw = quant.quantize(w, QuantSpec(bits=16))
         return Candidate(qw, 0.0, _measure(w, qw, fit, held, stats, 0.0, 0.0, False))
-    base = replace(spec, clip_ratio=1.0, smooth=False)
-    plain = quant.quantize(w, base)
+    base = replace(spec, clip_ratio=1.0, smooth=False, rotate=False)
+    options = [(quant.quantize(w, base), 0.0, None, False), *_proposals(w, stats, base, rounding, alphas)]
+    if rotate and can_rotate(base, w.shape[1]):
+        options += rotated_options(w, stats, base, rounding)
+    judged = [quant.output_rel_mse(w, quant.dequantize(o[0]), held) for o in options]
+    pick = min(range(len(options)), key=lambda i: (judged[i], i))
+    qw, alpha, smooth, used_gptq = options[pick]
+    return Candidate(qw, alpha, _measure(w, qw, fit, held, stats, alpha, judged[0], used_gptq, smooth, judged[pick]))
+
+
+def _gptq(w: torch.Tensor, spec: QuantSpec, stats: LayerStats, smooth: torch.Tensor | None) -> QuantizedWeight:
+    return quant.gptq_quantize(w, spec, stats.hessian, smooth, damp=GPTQ_DAMP, sweep=kernels.gptq_sweep(w.device))
+
+
+def _uses_gptq(spec: QuantSpec, stats: LayerStats, rounding: str) -> bool:
+    return rounding == "gptq" and stats.has_hessian and quant.FORMATS[spec.format].gptq
+
+
+def _proposals(w: torch.Tensor, stats: LayerStats, base: QuantSpec, rounding: str, alphas) -> list[tuple]:
+    """The search's proposal (the α and clip whose rounding is best on the fit rows) and its GPTQ result, as
+    ``(qweight, alpha, smoothing scale, gptq)`` options."""
     proposal = None
     for alpha in alphas:
         smooth = quant.smoothing_scale(stats.absmax, w, alpha) if alpha > 0 else None
         tried = replace(base, smooth=alpha > 0)
         clip = quant.search_clip_ratio(w, tried, stats.second_moment, smooth, ratios=CLIP_RATIOS).clip_ratio
         qw = quant.quantize(w, tried.with_clip(clip), smooth)
-        err = quant.output_rel_mse(w, quant.dequantize(qw), fit)
+        err = quant.output_rel_mse(w, quant.dequantize(qw), stats.rows)
         if proposal is None or err < proposal[0]:
             proposal = (err, qw, alpha, smooth)
     _, searched, alpha, smooth = proposal
-    options = [(plain, 0.0, None, False), (searched, alpha, smooth, False)]
-    if rounding == "gptq" and stats.has_hessian and quant.FORMATS[spec.format].gptq:
-        options.append((quant.gptq_quantize(w, searched.spec, stats.hessian, smooth, damp=GPTQ_DAMP,
-                                            sweep=kernels.gptq_sweep(w.device)), alpha, smooth,
-                        True))
-    judged = [quant.output_rel_mse(w, quant.dequantize(o[0]), held) for o in options]
-    pick = min(range(len(options)), key=lambda i: (judged[i], i))
-    qw, alpha, smooth, used_gptq = options[pick]
-    return Candidate(qw, alpha, _measure(w, qw, fit, held, stats, alpha, judged[0], used_gptq, smooth, judged[pick]))
+    options = [(searched, alpha, smooth, False)]
+    if _uses_gptq(base, stats, rounding):
+        options.append((_gptq(w, searched.spec, stats, smooth), alpha, smooth, True))
+    return options
+
+
+def can_rotate(spec: QuantSpec, k: int) -> bool:
+    """Whether the search tries the rotated options for a layer of ``k`` inputs under ``spec``'s format."""
+    return not spec.is_passthrough and quant.FORMATS[spec.format].rotate and k % spec.group_size == 0
+
+
+def rotated_options(w: torch.Tensor, stats: LayerStats, base: QuantSpec, rounding: str) -> list[tuple]:
+    """The options of the rotated space (the weight stored as ``W·H``, squareq/quant/hadamard.py): plain rounding,
+    rounding at the clip ratio the activation-weighted search picks there (weighted by the rotated inputs' second
+    moments, ``diag(H·Σ·H)``), and GPTQ fitted to the rotated Gram matrix ``H·Σ·H`` at clip 1 and at that clip.
+
+    Without smoothing: in the rotated space of all-MiniLM-L6-v2's 36 layers at W4, the smoothing search proposed
+    α > 0 for 12, and its result erred more on the held-out rows than the search without smoothing for 11 of them;
+    on the 12th, rotated GPTQ at clip 1 erred less than either (docs/compiler.md, "Hadamard rotation")."""
+    rot = replace(base, rotate=True)
+    second = stats.rotated_second_moment(base.group_size)
+    clip = quant.search_clip_ratio(quant.rtn.rotated(w, rot), base, None if second is None else second.to(w.device),
+                                   ratios=CLIP_RATIOS).clip_ratio
+    specs = [rot] + ([rot.with_clip(clip)] if clip < 1.0 else [])
+    options = [(quant.quantize(w, s), 0.0, None, False) for s in specs]
+    if _uses_gptq(base, stats, rounding):
+        options += [(_gptq(w, s, stats, None), 0.0, None, True) for s in specs]
+    return options
 
 
 def _measure(w, qw, fit, held, stats: LayerStats, alpha: float, rtn_heldout: float, gptq: bool,
@@ -126,4 +166,5 @@ def _measure(w, qw, fit, held, stats: LayerStats, alpha: float, rtn_heldout: flo
         "alpha": alpha,
         "clip_ratio": qw.spec.clip_ratio,
         "gptq": float(gptq),
+        "rotate": float(qw.spec.rotate),
     }

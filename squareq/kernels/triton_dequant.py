@@ -1,9 +1,12 @@
-"""Triton kernel: packed W4/W6/W8 codes + group scales (+ zero points, + folded 1/s) -> bf16.
+"""Triton kernel: packed W4/W6/W8 codes + group scales (+ zero points, + folded 1/s, + the Hadamard rotation) -> bf16.
 
 It computes exactly what :func:`squareq.quant.dequantize` defines,
-``bf16(float32(q - z) * float32(scale) [* inv_smooth])``, so results match the torch reference
-bit for bit. Importing this module imports triton; :mod:`.dequant` decides whether to.
-Throughput against a device copy is measured by ``benchmarks/dequant.py``.
+``bf16(float32(q - z) * float32(scale) [* inv_smooth])``, and for a rotated layer ``bf16(hadamard(...))`` with the
+butterfly of :mod:`squareq.quant.hadamard` applied to the fp32 tile (:func:`_hadamard_groups`), so results match the
+torch reference bit for bit. Rotated layers are launched with floating-point fusion off: a multiply-add fused into
+one rounding would change the butterfly's first sums (of products). Importing this module imports triton;
+:mod:`.dequant` decides whether to. Throughput against a device copy is measured by ``benchmarks/dequant.py``
+(rotated layers too: docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..quant import QuantizedWeight
+from ..quant.hadamard import check_group, scale_factor
 
 
 @triton.jit
@@ -113,10 +117,38 @@ def _bf16_bits_rne(x):
 
 
 @triton.jit
+def _hadamard_groups(w, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr,
+                     SCALE: tl.constexpr):
+    """fp32 ``w [ROWS, BLOCK_K]`` times the normalized Hadamard matrix within each group of GROUP columns, in the
+    order of :func:`squareq.quant.hadamard.hadamard`: STAGES = log2(GROUP) times, entries 2i and 2i + 1 of a group
+    become its entries i (their sum) and i + GROUP/2 (their difference), then one multiplication by SCALE."""
+    NG: tl.constexpr = BLOCK_K // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    y = tl.reshape(w, (ROWS, NG, HALF, 2))
+    for _ in tl.static_range(STAGES):
+        even, odd = tl.split(y)
+        # join pairs (sum, difference) on a new last axis; moving it in front of the HALF axis puts the sums first
+        y = tl.reshape(tl.permute(tl.join(even + odd, even - odd), (0, 1, 3, 2)), (ROWS, NG, HALF, 2))
+    return tl.reshape(y, (ROWS, BLOCK_K)) * SCALE
+
+
+def rotation_constants(spec) -> dict:
+    """The kernels' ROT_STAGES (0: not rotated) and ROT_SCALE for ``spec``, and the launch option a rotated layer
+    needs (floating-point fusion off, so each product and sum of the butterfly is rounded as the reference rounds
+    it)."""
+    if not spec.rotate:
+        return {"ROT_STAGES": 0, "ROT_SCALE": 1.0}
+    return {"ROT_STAGES": check_group(spec.group_size), "ROT_SCALE": scale_factor(spec.group_size),
+            "enable_fp_fusion": False}
+
+
+@triton.jit
 def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
                  s_row_stride, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-                 HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr):
-    """The fp32 weights (before bf16 rounding) of ``rows`` x columns [k0, k0 + BLOCK_K)."""
+                 HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr,
+                 ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
+    """The fp32 weights (before bf16 rounding) of ``rows`` x columns [k0, k0 + BLOCK_K), rotated back when
+    ROT_STAGES > 0 (a rotated layer's K is whole groups, so padding columns are whole groups of zeros)."""
     q = _load_codes(q_ptr, rows, row_mask, k0, q_row_stride, row_bytes, BITS, BLOCK_N, BLOCK_K, VEC6)
     # BLOCK_K is a multiple of GROUP, so a tile holds whole groups: view it as [N, groups, GROUP].
     NG: tl.constexpr = BLOCK_K // GROUP
@@ -133,6 +165,8 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
         cols = k0 + tl.arange(0, BLOCK_K)
         inv = tl.load(inv_ptr + cols, mask=cols < K, other=1.0)
         w = w * inv[None, :]
+    if ROT_STAGES > 0:
+        w = _hadamard_groups(w, BLOCK_N, BLOCK_K, GROUP, ROT_STAGES, ROT_SCALE)
     return w
 
 
@@ -140,7 +174,8 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
 def _dequant_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr,
                     N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, K_MAJOR: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, K_MAJOR: tl.constexpr,
+                    ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
     if K_MAJOR:  # consecutive programs walk along K within one row block
         pid_k = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -151,7 +186,7 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr,
     row_mask = rows < N
     k0 = pid_k * BLOCK_K
     w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                     s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+                     s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, ROT_STAGES, ROT_SCALE)
     cols = k0 + tl.arange(0, BLOCK_K)
     out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
     # Streaming (.cs, evict-first) stores together with evict_first packed loads measured 5-9 points of
@@ -207,7 +242,8 @@ def _launch(out: torch.Tensor, qw: QuantizedWeight, tile: tuple[int, int, int] |
     args = (qweight, scales, zeros, inv, out.view(torch.int16),
             n, k, row_bytes, scales.shape[1], qweight.stride(0), scales.stride(0), out.stride(0))
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
-                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, K_MAJOR=k_major, num_warps=warps)
+                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, K_MAJOR=k_major, num_warps=warps,
+                  **rotation_constants(spec))
     return grid, args, kwargs
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .. import settings
 from ..quant import QuantizedWeight
-from .triton_dequant import _bf16_bits_rne, _vec6_ok, _weight_tile, default_tile, packed_operands
+from .triton_dequant import _bf16_bits_rne, _vec6_ok, _weight_tile, default_tile, packed_operands, rotation_constants
 from .triton_launch import DirectLaunch
 
 
@@ -96,14 +96,15 @@ def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
 @triton.jit
 def _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride, s_row_stride,
               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr,
+              ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
     """This program's tile of the bf16 weight (as fp32 values; 0 outside the matrix), its rows and columns."""
     pid_k = tl.program_id(0)  # consecutive programs walk along K within one row block, as the dequant kernel's
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     k0 = pid_k * BLOCK_K
     w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                     s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6)
+                     s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, ROT_STAGES, ROT_SCALE)
     cols = k0 + tl.arange(0, BLOCK_K)
     return tl.where(row_mask[:, None] & (cols[None, :] < K), _bf16_value(w, HW), 0.0), rows, row_mask, cols
 
@@ -112,10 +113,12 @@ def _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_str
 def _int_amax_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr,
                      N, K, row_bytes, n_groups, q_row_stride, s_row_stride,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr,
+                     ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
     """Each row's largest magnitude, gathered over the K tiles with an atomic max (``amax`` starts at 0)."""
     w, rows, row_mask, cols = _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride,
-                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW)
+                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW,
+                                        ROT_STAGES, ROT_SCALE)
     tl.atomic_max(amax_ptr + rows, tl.max(tl.abs(w), axis=1), mask=row_mask)
 
 
@@ -123,9 +126,11 @@ def _int_amax_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr,
 def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr, out_ptr, scale_ptr,
                     N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr,
+                    ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
     w, rows, row_mask, cols = _int_tile(q_ptr, s_ptr, z_ptr, inv_ptr, N, K, row_bytes, n_groups, q_row_stride,
-                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW)
+                                        s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW,
+                                        ROT_STAGES, ROT_SCALE)
     scale, inverse = _row_inverse(tl.load(amax_ptr + rows, mask=row_mask, other=0.0))
     out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
     tl.store(out_ptr + out_off, _codes(w, inverse, HW), mask=row_mask[:, None] & (cols[None, :] < K),
@@ -200,7 +205,8 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     shared = (n, k, t["qweight"].shape[1], group_scales.shape[1], qweight.stride(0), group_scales.stride(0))
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
-                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, HW=_hardware_conversion(), num_warps=warps)
+                  BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, HW=_hardware_conversion(), num_warps=warps,
+                  **rotation_constants(spec))
     args = (qweight, group_scales, zeros, inv, amax, out.view(torch.uint8), scales, *shared, out.stride(0))
     direct = DirectLaunch(_int_fp8_kernel, kwargs, outputs=(5, 6))
 

@@ -4,18 +4,21 @@
 * input gradient: ``dx[M, K] = dy[M, N] @ W[N, K]``
 
 ``W`` is what :func:`squareq.quant.dequantize` defines (codes minus zero point, times the group scale, times the
-folded 1/s of smoothing), built tile by tile in registers and never written to memory; products accumulate in fp32
-and the output is bf16. At small M (modulation layers run with M = batch size) a matmul is bound by reading the
-weight, so reading 4-bit codes instead of a bf16 weight (that dequantization first wrote) saves most of the
-traffic; at large M the dequantize-then-vendor-matmul path wins, and :mod:`.dispatch` picks per layer by M.
+folded 1/s of smoothing, times the Hadamard rotation of a rotated layer), built tile by tile in registers and never
+written to memory; products accumulate in fp32 and the output is bf16. At small M (modulation layers run with M =
+batch size) a matmul is bound by reading the weight, so reading 4-bit codes instead of a bf16 weight (that
+dequantization first wrote) saves most of the traffic; at large M the dequantize-then-vendor-matmul path wins, and
+:mod:`.dispatch` picks per layer by M.
 
 Two kernel shapes, both turning codes into floats with one exact subtraction instead of an int-to-float
 conversion (see :func:`_centered_codes`):
 
-* GEMV (one row): no tensor cores, plain fp32 FMAs; scales apply once per group, smoothing's 1/s to the input row
-  (forward) or the result (gradient) instead of every weight, and the weight is never rounded to bf16, so results
-  differ from the dequantize path by that rounding only.
-* MMA (more rows): the bf16 weight tile, rounded as the reference rounds it, feeds ``tl.dot``.
+* GEMV (one row): no tensor cores, plain fp32 FMAs; scales apply once per group, smoothing's 1/s and a rotated
+  layer's Hadamard rotation to the input row (forward: ``x·(D·diag(1/s)·H)ᵀ = ((x·H)·diag(1/s))·Dᵀ``, H being
+  symmetric) or the result (gradient) instead of every weight, and the weight is never rounded to bf16, so results
+  differ from the dequantize path by that rounding and the order of the sums only.
+* MMA (more rows): the bf16 weight tile, rounded as the reference rounds it (rotated layers: the butterfly of
+  :mod:`squareq.quant.hadamard` on the fp32 tile, launched with floating-point fusion off), feeds ``tl.dot``.
 
 For few rows the reduction axis (K for the forward, N for the input gradient) is split over SPLIT programs, each
 writing its fp32 partial sum to its own plane; one small kernel adds the planes in a fixed order (deterministic,
@@ -34,13 +37,20 @@ import triton.language as tl
 
 from .. import settings
 from ..quant import QuantizedWeight
-from .triton_dequant import _bf16_bits_rne, _biased_codes, _vec6_ok, packed_operands
+from .triton_dequant import (
+    _bf16_bits_rne,
+    _biased_codes,
+    _hadamard_groups,
+    _vec6_ok,
+    packed_operands,
+    rotation_constants,
+)
 
 _INTERPRET = settings.triton_interpret()  # fixed at import, with the autotuning list
 # the winning configuration per key also goes to Triton's on-disk cache, so later processes skip the tuning
 _CACHE = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 _CACHE.update(warmup=5, rep=20)  # milliseconds per candidate: enough to rank tiles of a few-µs kernel
-_KEY = ["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH"]
+_KEY = ["M_BUCKET", "N", "K", "BITS", "GROUP", "HAS_ZERO", "HAS_SMOOTH", "ROT_STAGES"]
 
 MAX_SPLIT = 16  # the largest SPLIT of any configuration
 SPLIT_MAX_M = 64  # configurations for more rows than this do not split the reduction (enough programs without)
@@ -99,7 +109,7 @@ def _centered_codes(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, row_bytes, n_groups
 def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes, n_groups, q_row_stride,
                  s_row_stride, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
                  HAS_SMOOTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 INTERPRETED: tl.constexpr, ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
     """The bf16 weight tile W[rows, k0:k0 + BLOCK_K] (zeros outside the matrix), as the reference rounds it."""
     qz, s = _centered_codes(q_ptr, s_ptr, z_ptr, rows, row_mask, k0, row_bytes, n_groups, q_row_stride,
                             s_row_stride, BITS, GROUP, HAS_ZERO, BLOCK_N, BLOCK_K, VEC6)
@@ -107,6 +117,8 @@ def _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, rows, row_mask, k0, K, row_bytes,
     if HAS_SMOOTH:
         cols = k0 + tl.arange(0, BLOCK_K)
         w = w * tl.load(inv_ptr + cols, mask=cols < K, other=0.0)[None, :]
+    if ROT_STAGES > 0:
+        w = _hadamard_groups(w, BLOCK_N, BLOCK_K, GROUP, ROT_STAGES, ROT_SCALE)
     return _to_bf16(w, INTERPRETED)
 
 
@@ -150,6 +162,7 @@ def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr
                   n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                   BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                   HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                  ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     # each step sums its groups, then scales the group sums (one multiply per group, not per weight; measured
     # faster on an H100 than accumulating every product in its own lane, on every FLUX shape and format)
@@ -163,6 +176,9 @@ def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr
     for k0 in range(pid_s * per_split, tl.minimum(K, (pid_s + 1) * per_split), BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if ROT_STAGES > 0:
+            x = tl.reshape(_hadamard_groups(tl.reshape(x, (1, BLOCK_K)), 1, BLOCK_K, GROUP, ROT_STAGES, ROT_SCALE),
+                           (BLOCK_K,))
         if HAS_SMOOTH:
             x = x * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
         qz, s = _centered_codes(q_ptr, s_ptr, z_ptr, n, n_mask, k0, row_bytes, n_groups, q_row_stride,
@@ -183,7 +199,7 @@ def _gemv_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr
 def _gemv_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
                      n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                      BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                     VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                     VEC6: tl.constexpr, INTERPRETED: tl.constexpr, ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     # dx[k] = inv[k] · Σ_n dy[n] · s[n, g(k)] · (q[n, k] − z[n, g(k)]): the products accumulate in their own lanes
     # over the split, the sum over n happens once at the end
@@ -204,6 +220,9 @@ def _gemv_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M
     dx = tl.reshape(tl.sum(acc, axis=0), (BLOCK_K,))
     if HAS_SMOOTH:
         dx = dx * tl.load(inv_ptr + kk, mask=kk < K, other=0.0)
+    if ROT_STAGES > 0:  # each split's partial sum is rotated: the rotation is linear, the planes add up the same
+        dx = tl.reshape(_hadamard_groups(tl.reshape(dx, (1, BLOCK_K)), 1, BLOCK_K, GROUP, ROT_STAGES, ROT_SCALE),
+                        (BLOCK_K,))
     _store_result(dx[None, :], out_ptr, plane_ptr, tl.arange(0, 1), kk, (kk < K)[None, :], out_row_stride,
                   plane_stride, pid_s, SPLIT)
 
@@ -224,6 +243,7 @@ def _mma_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr,
                  n_groups, x_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                  BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                  HAS_BIAS: tl.constexpr, VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                 ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -238,7 +258,8 @@ def _mma_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr,
         x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_row_stride + kk[None, :],
                     mask=m_mask[:, None] & (kk[None, :] < K), other=0.0)
         w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, n, n_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, INTERPRETED)
+                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, INTERPRETED,
+                         ROT_STAGES, ROT_SCALE)
         if INTERPRETED:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
@@ -255,7 +276,7 @@ def _mma_forward(x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, b_ptr, out_ptr, plane_ptr,
 def _mma_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M, N, K, M_BUCKET, row_bytes,
                     n_groups, dy_row_stride, q_row_stride, s_row_stride, out_row_stride, plane_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    VEC6: tl.constexpr, INTERPRETED: tl.constexpr,
+                    VEC6: tl.constexpr, INTERPRETED: tl.constexpr, ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -272,7 +293,8 @@ def _mma_input_grad(dy_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, out_ptr, plane_ptr, M,
         dy = tl.load(dy_ptr + m[:, None].to(tl.int64) * dy_row_stride + n[None, :],
                      mask=m_mask[:, None] & n_mask[None, :], other=0.0)
         w = _weight_tile(q_ptr, s_ptr, z_ptr, inv_ptr, n, n_mask, k0, K, row_bytes, n_groups, q_row_stride,
-                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, INTERPRETED)
+                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, INTERPRETED,
+                         ROT_STAGES, ROT_SCALE)
         if INTERPRETED:
             acc += tl.dot(dy.to(tl.float32), w.to(tl.float32))
         else:
@@ -333,11 +355,14 @@ def _run(direction: str, qw: QuantizedWeight, rows: torch.Tensor, *args, **flags
     vec6 = spec.bits == 6 and _vec6_ok(qw.tensors["qweight"])  # whole 48-byte chunks per row, 16-byte aligned
     qweight, scales, zeros, inv = packed_operands(qw, vec6)
     row_bytes = qw.tensors["qweight"].shape[1]
+    rotation = rotation_constants(spec)
+    if variant == "gemv":  # its sums are not the reference's anyway; fused multiply-adds keep it fast
+        rotation.pop("enable_fp_fusion", None)
     kernel[grid](rows, qweight, scales, zeros, inv, *args, out.view(torch.int16), planes, m, n, k, _m_bucket(m),
                  row_bytes, scales.shape[1], rows.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
                  m * width, BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in qw.tensors,
                  HAS_SMOOTH="inv_smooth" in qw.tensors, VEC6=vec6, INTERPRETED=_INTERPRET or rows.device.type != "cuda",
-                 **flags)
+                 **rotation, **flags)
     split = kernel.best_config.kwargs["SPLIT"]
     if split > 1:
         block = 1024

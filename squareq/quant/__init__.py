@@ -4,6 +4,7 @@ Nothing here imports the rest of the project.
 """
 from . import formats  # noqa: F401 (each format module registers itself)
 from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessian
+from .hadamard import hadamard
 from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
 from .registry import FORMATS, Format
@@ -33,6 +34,7 @@ __all__ = [
     "fake_quantize",
     "group_scales",
     "gptq_quantize",
+    "hadamard",
     "gptq_quantize_with_info",
     "input_hessian",
     "num_groups",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .factor import InverseFactor, inverse_factor
+from .hadamard import hadamard, rotated_diagonal
 from .registry import FORMATS
 from .rtn import (
     QuantizedWeight,
@@ -39,6 +40,7 @@ from .rtn import (
     grouped,
     num_groups,
     quantize,
+    rotated,
     round_to_grid,
     row_chunks,
 )
@@ -46,6 +48,7 @@ from .spec import QuantSpec, SpecError
 
 log = logging.getLogger("squareq.quant")
 
+ROTATE_TILE = 256  # rows (then columns) of the Hessian rotated at once: five such float64 tiles at most
 DAMP_RETRIES = 4
 # (block of W [N, B], its part of U [B, B], spec) -> (codes, scales, zeros, err): one block of the column sweep
 # damping tried: damp, 10·damp, 100·damp, 1000·damp (relative to mean diag(H))
@@ -122,7 +125,9 @@ def gptq_quantize_with_info(
                         "(squareq.quant.quantize).")
     w = w.detach().float()
     _check_hessian(hessian, k)
-    ws, inv = _apply_smoothing(w, spec, smooth_scale)
+    if spec.rotate and act_order:
+        raise ValueError("GPTQ's act_order is not offered for a rotated spec; quantize it in column order.")
+    ws, inv = _apply_smoothing(rotated(w, spec), spec, smooth_scale)
     inv64 = inv.double() if inv is not None else None
 
     def prepare() -> torch.Tensor:
@@ -138,6 +143,8 @@ def gptq_quantize_with_info(
             h[rows] = part
         _check_finite(h)
         _symmetrize_(h)
+        if spec.rotate:
+            _rotate_flipped_(h, spec.group_size)  # the stored weight W·H sees inputs x·H: H_r = H·Σ·H
         if inv64 is not None:
             # The stored weight W·diag(s) sees inputs x·diag(1/s): H_s = diag(1/s) H diag(1/s).
             scale = inv64[order]
@@ -151,11 +158,7 @@ def gptq_quantize_with_info(
             h[gone, gone] = 1.0
         return h
 
-    # H's diagonal as prepare() leaves it before the dead channels are decoupled: symmetrizing keeps a diagonal as it
-    # is, and smoothing scales it by the same two products.
-    diag = hessian.detach().diagonal().to(device=w.device, dtype=torch.float64, copy=True)
-    if inv64 is not None:
-        diag = diag * inv64 * inv64
+    diag = _prepared_diagonal(hessian, spec, inv64, w.device)
     n_dead, perm = 0, None
     dead = ~(diag > 0)
     n_dead = int(dead.sum())
@@ -167,10 +170,36 @@ def gptq_quantize_with_info(
             "GPTQ: the Cholesky factorization of the %dx%d Hessian failed even with damping %.3g of its mean "
             "diagonal; this layer falls back to round-to-nearest.", k, k, used,
         )
-        return quantize(w, spec, smooth_scale), GPTQInfo(True, used, n_dead)
+        return quantize(w, spec, smooth_scale), GPTQInfo(True, used, n_dead)  # the unrotated w: quantize rotates
 
-    codes, scales, zeros = _gptq_codes(ws, factor, spec, perm, block_size, sweep or sweep_block, owned=inv is not None)
+    codes, scales, zeros = _gptq_codes(ws, factor, spec, perm, block_size, sweep or sweep_block,
+                                       owned=inv is not None or spec.rotate)
     return assemble(spec, codes, scales, zeros, inv), GPTQInfo(False, used, n_dead)
+
+
+def _prepared_diagonal(hessian: torch.Tensor, spec: QuantSpec, inv64: torch.Tensor | None, device) -> torch.Tensor:
+    """H's diagonal as ``prepare()`` leaves it before the dead channels are decoupled (float64, on ``device``):
+    symmetrizing keeps a diagonal as it is (a rotated one is computed from the symmetrized diagonal blocks with
+    prepare's arithmetic), and smoothing scales it by the same two products."""
+    if spec.rotate:
+        diag = rotated_diagonal(hessian.detach(), spec.group_size, symmetrize=True).to(device)
+    else:
+        diag = hessian.detach().diagonal().to(device=device, dtype=torch.float64, copy=True)
+    return diag * inv64 * inv64 if inv64 is not None else diag
+
+
+def _rotate_flipped_(h: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``h ← R h R`` in place for ``h = J Σ J`` (``J`` the reversal), so that ``h`` becomes ``J (H Σ H) J`` with ``H``
+    the grouped Hadamard transform (K a whole number of groups): each row, then each column, is reversed, transformed
+    as :func:`squareq.quant.hadamard.hadamard` transforms a vector, and reversed back, a slice at a time (no second
+    ``K × K`` matrix; the transform's few temporaries of ``ROTATE_TILE`` rows stay within the factorization's own
+    three ``K × 1024`` panels, which compiler/vram.py budgets)."""
+    k = h.shape[0]
+    for r in range(0, k, ROTATE_TILE):
+        h[r:r + ROTATE_TILE] = hadamard(h[r:r + ROTATE_TILE].flip(-1), group_size).flip(-1)
+    for c in range(0, k, ROTATE_TILE):
+        h[:, c:c + ROTATE_TILE] = hadamard(h[:, c:c + ROTATE_TILE].T.flip(-1), group_size).flip(-1).T
+    return h
 
 
 def gptq_quantize(
@@ -195,7 +224,9 @@ def gptq_quantize(
     ("static groups") so the stored format keeps contiguous K groups and original column order.
     Without it, each group's scale and zero point come from the error-updated weights when the
     group is reached, with the same rules (clip ratio, rounded-up scale, zero point) as
-    :func:`squareq.quant.quantize`. ``sweep`` runs one block of columns (:func:`sweep_block`, the torch reference,
+    :func:`squareq.quant.quantize`. With ``spec.rotate`` the weight is rotated first and ``hessian`` with it
+    (``H·hessian·H``, inside the factorization's own matrix), as the stored weight ``W·H`` sees the inputs ``x·H``;
+    ``act_order`` is then refused. ``sweep`` runs one block of columns (:func:`sweep_block`, the torch reference,
     when None; the compiler passes the Triton kernel's on a GPU, which gives the same bits).
     """
     return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order, sweep)[0]

@@ -29,6 +29,7 @@ class Format:
     table: tuple[float, ...] | None = None
     zero_points: bool = True  # whether an asymmetric spec (symmetric=False) is meaningful
     gptq: bool = False  # whether GPTQ (squareq/quant/gptq.py) can round onto this format's grid
+    rotate: bool = False  # whether a spec may rotate (QuantSpec.rotate): its kernels apply the Hadamard rotation
 
     def check(self, spec) -> str | None:
         """Why ``spec`` cannot be stored in this format (one sentence), or None."""

@@ -13,6 +13,9 @@ only); bf16 passthrough stores ``weight``: ``bfloat16 [N, K]``.
 
 ``int`` dequantization is defined as ``bf16(float32(q - z) * float32(scale) [* inv_smooth])`` evaluated in
 exactly that order, so every kernel can reproduce it bit for bit; other formats define theirs in their module.
+A rotated spec (``spec.rotate``) quantizes ``W·H`` (:mod:`.hadamard`, within each group of K) and applies ``H`` to
+the float32 result of that rule, before the bf16 rounding: ``bf16(hadamard(float32(q - z) * float32(scale)
+[* inv_smooth]))``.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .hadamard import hadamard
 from .packing import pack
 from .registry import FORMATS
 from .spec import QuantSpec, SpecError
@@ -107,6 +111,24 @@ def _apply_smoothing(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tenso
     return w * (1.0 / inv)[None, :], inv
 
 
+def check_rotation(spec: QuantSpec, k: int) -> None:
+    """Raise a ValueError sentence when a rotated ``spec`` cannot hold a weight with ``k`` inputs."""
+    if spec.rotate and k % spec.group_size:
+        raise ValueError(f"a rotated spec needs K to be a whole number of groups: K={k} is not a multiple of "
+                         f"group_size={spec.group_size}; store this layer unrotated.")
+
+
+def rotated(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``w·H`` (float32, a new tensor) for a rotated ``spec``, a slice of rows at a time; ``w`` itself otherwise."""
+    if not spec.rotate:
+        return w
+    check_rotation(spec, w.shape[1])
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    for rows in row_chunks(*w.shape):
+        out[rows] = hadamard(w[rows].float(), spec.group_size)
+    return out
+
+
 def store_scale(raw: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``raw`` scales in the spec's scale dtype, rounded up so the codes still cover each group; 1 for a group of
     zeros."""
@@ -187,14 +209,20 @@ def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None
             raise SpecError("smoothing applies to 4/6/8-bit formats only, not bf16 passthrough.")
         return QuantizedWeight(spec, (n, k), {"weight": w.to(torch.bfloat16).contiguous()})
     fmt = FORMATS[spec.format]
+    check_rotation(spec, k)
     parts = []
     for rows in row_chunks(n, k):
-        ws, inv = _apply_smoothing(w[rows], spec, smooth_scale)
+        ws, inv = _apply_smoothing(_rotate_rows(w[rows], spec), spec, smooth_scale)
         tensors = fmt.encode(ws, spec)
         if inv is not None:
             tensors["inv_smooth"] = inv
         parts.append(QuantizedWeight(spec, (ws.shape[0], k), tensors))
     return _concat_rows(parts)
+
+
+def _rotate_rows(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``w·H`` of a slice of float32 rows for a rotated spec (``w`` itself otherwise)."""
+    return hadamard(w, spec.group_size) if spec.rotate else w
 
 
 def _concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -211,9 +239,10 @@ def group_scales(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | 
     without the codes."""
     n, k = w.shape
     fmt = FORMATS[spec.format]
+    check_rotation(spec, k)
     out = []
     for rows in row_chunks(n, k):
-        part = w[rows].detach().float()
+        part = _rotate_rows(w[rows].detach().float(), spec)
         if smooth_scale is not None:
             part = part * smooth_scale.float()[None, :]
         out.append(fmt.scales(part, spec))
@@ -245,7 +274,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
         w = fmt.decode({role: v[rows] for role, v in t.items() if role != "inv_smooth"}, spec, k)
         if spec.smooth:
             w = w * t["inv_smooth"].float()[None, :]
-        out[rows] = w.to(torch.bfloat16)
+        out[rows] = _rotate_rows(w, spec).to(torch.bfloat16)
     return out
 
 
@@ -260,9 +289,10 @@ def fake_quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor |
         return w.to(torch.bfloat16).float()
     n, k = w.shape
     fmt = FORMATS[spec.format]
+    check_rotation(spec, k)
     out = torch.empty_like(w)
     for rows in row_chunks(n, k):
-        ws, inv = _apply_smoothing(w[rows], spec, smooth_scale)
+        ws, inv = _apply_smoothing(_rotate_rows(w[rows], spec), spec, smooth_scale)
         part = fmt.fake(ws, spec)
-        out[rows] = part * inv[None, :] if inv is not None else part
+        out[rows] = _rotate_rows(part * inv[None, :] if inv is not None else part, spec)
     return out

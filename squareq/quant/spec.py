@@ -32,6 +32,10 @@ class QuantSpec:
     scale_dtype: "float16", "bfloat16" or "float32".
     clip_ratio: fraction of the group's range that maps onto the code range (1.0 = no clipping).
     smooth: the stored weight is W·diag(s) and the slab keeps 1/s per input channel.
+    rotate: the stored weight is W·H, a normalized Walsh–Hadamard rotation within each group of ``group_size``
+        input channels (squareq/quant/hadamard.py); dequantization rotates back (H is symmetric and orthonormal).
+        Rotation is the outermost transform: smoothing's s applies to the rotated channels, and the dequantized
+        weight is (the format's decoding, times 1/s) · H. The layer's K must be a whole number of groups.
     """
 
     bits: int = 4
@@ -41,6 +45,7 @@ class QuantSpec:
     clip_ratio: float = 1.0
     smooth: bool = False
     format: str = "int"
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, str) or self.format not in FORMATS:
@@ -56,10 +61,12 @@ class QuantSpec:
             raise SpecError(f"scale_dtype={self.scale_dtype!r} must be one of {sorted(SCALE_DTYPES)}.")
         if not isinstance(self.clip_ratio, (int, float)) or not (0.0 < float(self.clip_ratio) <= 1.0):
             raise SpecError(f"clip_ratio={self.clip_ratio!r} must be a number in (0, 1].")
-        for flag in ("symmetric", "smooth"):
+        for flag in ("symmetric", "smooth", "rotate"):
             if not isinstance(getattr(self, flag), bool):
                 raise SpecError(f"{flag}={getattr(self, flag)!r} must be true or false.")
         problem = None if self.bits == 16 else FORMATS[self.format].check(self)
+        if self.rotate and not problem:
+            problem = _rotation_problem(self)
         if problem:
             raise SpecError(problem + ".")
 
@@ -91,7 +98,7 @@ class QuantSpec:
         """Short human label, e.g. ``W4 g64 sym`` or ``bf16``."""
         if self.is_passthrough:
             return "bf16"
-        return FORMATS[self.format].label(self)
+        return FORMATS[self.format].label(self) + (" H" if self.rotate else "")
 
     @property
     def short_label(self) -> str:
@@ -102,6 +109,8 @@ class QuantSpec:
         d = asdict(self)
         if self.format == "int":
             del d["format"]  # manifests written before formats had names read the same
+        if not self.rotate:
+            del d["rotate"]  # nor do those written before rotation
         d["packing"] = self.packing
         return d
 
@@ -109,7 +118,7 @@ class QuantSpec:
     def from_dict(cls, d: dict) -> QuantSpec:
         if not isinstance(d, dict):
             raise SpecError(f"a QuantSpec is a JSON object of fields, not {type(d).__name__}.")
-        known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth", "format"}
+        known = {"bits", "group_size", "symmetric", "scale_dtype", "clip_ratio", "smooth", "format", "rotate"}
         unknown = set(d) - known - {"packing"}
         if unknown:
             raise SpecError(f"unknown QuantSpec fields {sorted(unknown)}.")
@@ -117,3 +126,13 @@ class QuantSpec:
         if "packing" in d and d["packing"] != spec.packing:
             raise SpecError(f"packing {d['packing']!r} does not match bits={spec.bits} ({spec.packing!r}).")
         return spec
+
+
+def _rotation_problem(spec: QuantSpec) -> str | None:
+    """Why ``spec`` cannot rotate (one sentence without the full stop), or None."""
+    if spec.bits == 16:
+        return "bits=16 is bf16 passthrough, which stores the weight itself: it cannot be rotated (rotate=False)"
+    if not FORMATS[spec.format].rotate:
+        return (f"format {spec.format!r} cannot be rotated: its kernel does not apply the Hadamard rotation, and "
+                "rotation's measured gain came with GPTQ, which rounds onto the int grid; rotate an int spec")
+    return None

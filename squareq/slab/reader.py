@@ -273,6 +273,9 @@ def _check_layout(path: Path, m: Manifest, header: dict, data_start: int) -> Non
             if len(layer.shape) != 2 or min(layer.shape) < 1:
                 raise SlabError(f"{path}: layer {name} has shape {layer.shape}, not [out_features, in_features]; the "
                                 "manifest is damaged, recompile the slab.")
+            if layer.spec.rotate and layer.shape[1] % layer.spec.group_size:
+                raise SlabError(f"{path}: layer {name} is rotated in groups of {layer.spec.group_size} input channels, "
+                                f"which its {layer.shape[1]} are not; the manifest is damaged, recompile the slab.")
             layout = quant.tensor_layout(layer.spec, tuple(layer.shape))
             if set(layout) != set(layer.tensors):
                 raise SlabError(f"{path}: layer {name} stores {sorted(layer.tensors)}, but its spec needs "

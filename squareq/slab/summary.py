@@ -33,6 +33,7 @@ def summarize(slab: Slab) -> dict:
             "group_size": None if rec.spec.is_passthrough else rec.spec.group_size,
             "clip_ratio": rec.spec.clip_ratio,
             "smooth": rec.spec.smooth,
+            "rotate": rec.spec.rotate,
             "bytes": nbytes,
             "bits_per_weight": 8 * nbytes / weights,
             "metrics": rec.metrics,
@@ -83,9 +84,9 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 # The table shows these metrics when present (all of them are in --json): the layer's measured effect on the model's
 # output at its rung, its own output error on held-out calibration rows, plain rounding's on the same rows, and the
-# transforms kept (α 0: no smoothing, clip 1: none).
+# transforms kept (α 0: no smoothing, clip 1: none, rot 1: the Hadamard rotation).
 TABLE_METRICS = {"effect": "effect", "heldout_rel_mse": "heldout", "heldout_rtn_rel_mse": "rtn_heldout",
-                 "weight_rel_mse": "w_mse", "alpha": "alpha", "clip_ratio": "clip", "gptq": "gptq"}
+                 "weight_rel_mse": "w_mse", "alpha": "alpha", "clip_ratio": "clip", "gptq": "gptq", "rotate": "rot"}
 OLD_METRICS = {"output_rel_mse": "out_mse"}  # slabs compiled before held-out selection
 
 

@@ -63,7 +63,7 @@ def test_a_transform_that_only_fits_the_calibration_samples_is_rejected():
 
     c = search_layer(w, st, QuantSpec(bits=4))
     m = c.metrics
-    assert m["gptq"] == 0.0 and m["alpha"] == 0.0 and m["clip_ratio"] == 1.0  # plain rounding, nothing else
+    assert m["gptq"] == 0.0 and m["alpha"] == 0.0 and m["clip_ratio"] == 1.0 and m["rotate"] == 0.0  # plain rounding
     assert m["heldout_rel_mse"] == m["heldout_rtn_rel_mse"] == m["output_rel_mse"]
     assert torch.equal(quant.dequantize(c.qweight), plain)
 

@@ -28,3 +28,7 @@ def int_weights():
                 spec = QuantSpec(bits=bits, group_size=group, symmetric=symmetric, smooth=smooth)
                 s = torch.rand(k, generator=g) + 0.5 if smooth else None
                 yield f"W{bits} {n}x{k} g{group} sym={symmetric}", quantize(torch.randn(n, k, generator=g), spec, s)
+    for bits, group in ((4, 64), (6, 32), (8, 128)):  # rotated layers: the butterfly on the tile, before E4M3
+        spec = QuantSpec(bits=bits, group_size=group, symmetric=bits == 8, smooth=bits == 4, rotate=True)
+        s = torch.rand(256, generator=g) + 0.5 if spec.smooth else None
+        yield f"W{bits} 16x256 g{group} rotated", quantize(torch.randn(16, 256, generator=g), spec, s)

@@ -123,3 +123,14 @@ def test_prepared_launcher_matches_reference_on_every_call(spec):
             out = launch()
             torch.cuda.synchronize()
             assert torch.equal(_bits(out), _bits(dequantize(qw))), qw.spec.label()
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_rotated_layers_match_reference(bits, smooth):
+    """The butterfly on CUDA (floating-point fusion off) gives the reference's bits, at group sizes whose 1/sqrt(g)
+    is exact (64, 16) and rounded (128, 32), on the default tiles and the largest."""
+    for i, (n, k, g) in enumerate([(64, 256, 64), (130, 1024, 16), (19, 384, 128), (7, 3072, 32)]):
+        spec = QuantSpec(bits=bits, group_size=g, symmetric=i % 2 == 1, smooth=smooth, rotate=True)
+        qw = _quantized(n, k, spec, seed=2000 * bits + i)
+        _check(qw, torch.empty(n, k, device="cuda", dtype=torch.bfloat16))

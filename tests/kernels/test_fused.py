@@ -58,6 +58,41 @@ def test_fused_kernels_match_the_reference(bits, symmetric, smooth, with_bias, v
     check_against_reference(bits, symmetric, smooth, with_bias, variant, monkeypatch)
 
 
+ROTATED_SHAPES = [(1, 96, 256, 64), (5, 37, 256, 64), (17, 64, 128, 128), (1, 24, 64, 32)]
+
+
+def check_rotated(bits, variant, monkeypatch, device="cpu"):
+    """Rotated layers (forward and input gradient, with and without smoothing) against dequantize + matmul; the
+    GEMV rotates the input row or the result instead of the weight, MMA rotates the weight tile. The same codes read
+    as unrotated miss the reference by far (negative control)."""
+    import dataclasses
+
+    from squareq.kernels.triton_fused import fused_input_grad, fused_linear
+
+    monkeypatch.setenv("SQUAREQ_FUSED_VARIANT", variant)
+    g = torch.Generator().manual_seed(bits)
+    for i, (m, n, k, group) in enumerate(ROTATED_SHAPES):
+        spec = QuantSpec(bits=bits, group_size=group, symmetric=i % 2 == 0, smooth=i % 2 == 1, rotate=True)
+        qw = quantize(torch.randn(n, k, generator=g), spec, torch.rand(k, generator=g) + 0.5 if spec.smooth else None)
+        qw = qw.to(device)
+        x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+        dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
+        w = dequantize(qw).float()
+        for got, want in ((fused_linear(x, qw).float(), x.float() @ w.T),
+                          (fused_input_grad(dy, qw).float(), dy.float() @ w)):
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        unrotated = type(qw)(dataclasses.replace(spec, rotate=False), qw.shape, qw.tensors)
+        want = x.float() @ w.T
+        assert (fused_linear(x, unrotated).float() - want).abs().max() > 0.1 * want.abs().max()
+
+
+@interpreted
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_kernels_apply_the_rotation(bits, variant, monkeypatch):
+    check_rotated(bits, variant, monkeypatch)
+
+
 @interpreted
 def test_more_rows_than_split_configurations_serve(monkeypatch):
     """Past SPLIT_MAX_M rows the tuned configurations do not split, but the one untuned configuration (tests,

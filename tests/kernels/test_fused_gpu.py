@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from .test_fused import VARIANTS, check_against_reference
+from .test_fused import VARIANTS, check_against_reference, check_rotated
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -13,6 +13,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fused_kernels_match_the_reference_on_cuda(bits, symmetric, smooth, with_bias, variant, monkeypatch):
     check_against_reference(bits, symmetric, smooth, with_bias, variant, monkeypatch, device="cuda")
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_kernels_apply_the_rotation_on_cuda(bits, variant, monkeypatch):
+    check_rotated(bits, variant, monkeypatch, device="cuda")
 
 
 def test_fused_results_repeat_bit_for_bit_on_cuda():

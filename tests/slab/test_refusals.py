@@ -226,3 +226,20 @@ def test_a_data_file_linked_from_outside_the_slab_folder_is_named(slab, tmp_path
     with caplog.at_level("WARNING", logger="squareq.slab.reader"):
         open_slab(slab, verify=True).close()
     assert "outside the slab folder" not in caplog.text  # negative control: a plain slab says nothing
+
+
+def test_a_rotated_layer_whose_inputs_are_not_whole_groups_is_refused(slab, tmp_path, tiny_slab):
+    def rotate(name):
+        def edit(m):
+            next(layer for layer in m["layers"] if layer["name"] == name)["spec"]["rotate"] = True
+        return edit
+
+    edit_manifest(slab, rotate("single_transformer_blocks.0.proj_out"))  # 320 inputs in groups of 128
+    refused(slab, "fails its layout check")  # the spec is part of the layout digest
+    edit_manifest(slab, lambda m: None, reseal=True)
+    refused(slab, "layer single_transformer_blocks.0.proj_out is rotated in groups of 128 input channels, which its "
+                  "320 are not")
+    # the same consistent edit on a layer of whole groups opens (the reader cannot tell it from a rotated layer)
+    other = copy_slab(tiny_slab, tmp_path / "other.slab")
+    edit_manifest(other, rotate("transformer_blocks.0.attn.to_v"), reseal=True)
+    assert open_slab(other).manifest.layers

@@ -19,6 +19,7 @@ class IntegerFormat(Format):
     name = "int"
     bits = (4, 6, 8)
     gptq = True
+    rotate = True
 
     def packing(self, spec) -> str:
         return PACKING_FOR_BITS[spec.bits]
