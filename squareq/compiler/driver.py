@@ -62,6 +62,7 @@ class CompileOptions:
     formats: tuple[str, ...] = DEFAULT_FORMATS  # the rungs measured, by name (compiler/ladder.py)
     rounding: str = "gptq"
     rotation: bool = True  # the search also tries each layer Hadamard-rotated (compiler/layer_search.py)
+    learned_rounding: bool = True  # and refines its winner's codes on the calibration rows (quant/refine.py)
     group_size: int = 64
     calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
     calib_images: CalibrationSet | None = None  # encoded images + captions (squareq.train.calibration)
@@ -103,7 +104,8 @@ class CompileOptions:
 
     def fingerprint(self) -> dict:
         """What the measurements depend on (the plan's thresholds, budget and objective are not among them)."""
-        keep = ("formats", "rounding", "rotation", "group_size", "calib_samples", "calib_tokens", "calib_synthetic",
+        keep = ("formats", "rounding", "rotation", "learned_rounding", "group_size", "calib_samples", "calib_tokens",
+                "calib_synthetic",
                 "max_rows", "seed", "effect_probes")
         return {k: getattr(self, k) for k in keep}
 
@@ -229,7 +231,8 @@ class _Run:
                 for name in mine:
                     self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
                     weight = real.get_submodule(name[len(path) + 1:]).weight.float()
-                    decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.rotation)
+                    decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.rotation,
+                                             o.learned_rounding)
                     measured[name] = _on_host(decision)  # every rung of every layer until the block is saved
                     del weight, decision
                     block_peaks.charge("search", self.peaks.lap("search"))
@@ -250,8 +253,8 @@ class _Run:
 
 # Bumped when the measurements' arithmetic changes, so that no rebuild reuses measurements made the old way (2: chunked
 # calibration forward, per-sample effect probes; 3: the effects pass's own attention and products a slice of rows at a
-# time; 4: the search's Hadamard-rotated candidates).
-MEASUREMENT_VERSION = 4
+# time; 4: the search's Hadamard-rotated candidates; 5: learned rounding).
+MEASUREMENT_VERSION = 5
 
 
 def measurement_key(source: Source, batch, opts: CompileOptions, chunk_samples: int | None = None) -> str:
@@ -472,7 +475,8 @@ def _start(layer: LayerOptions, previous: Previous | None) -> str:
 def _calibration_record(setup: _Setup, opts: CompileOptions, build: int, effect_info: dict) -> dict:
     """The manifest's calibration block, with placeholders of the widest form for numbers known only at the end."""
     return {**setup.batch.description, "objective": opts.objective, "budget_bytes": 10**15,
-            "rounding": opts.rounding, "rotation": opts.rotation, "formats": list(opts.formats),
+            "rounding": opts.rounding, "rotation": opts.rotation, "learned_rounding": opts.learned_rounding,
+            "formats": list(opts.formats),
             "group_size": opts.group_size,
             "build": build, "from": str(opts.previous) if opts.previous else None, "measurement_key": setup.key,
             "measurements": f"reused from {opts.previous}" if setup.reused else "measured",

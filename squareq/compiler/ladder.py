@@ -89,11 +89,11 @@ def diagnostics(spec: QuantSpec, m: dict, t: Thresholds) -> list[str]:
 
 
 def measure_rungs(name: str, w: torch.Tensor, stats: LayerStats, rungs: list[QuantSpec],
-                  rounding: str = "gptq", rotation: bool = True) -> LayerDecision:
+                  rounding: str = "gptq", rotation: bool = True, learned_rounding: bool = True) -> LayerDecision:
     """Search the layer at each of ``rungs`` (compiler/layer_search.py), with its rotated candidates when
-    ``rotation``; it starts at the rung of fewest bytes."""
+    ``rotation`` and learned rounding when ``learned_rounding``; it starts at the rung of fewest bytes."""
     if not rungs:
         raise ValueError(f"layer {name}: no rungs to measure.")
-    tried = [search_layer(w, stats, spec, rounding=rounding, rotate=rotation)
+    tried = [search_layer(w, stats, spec, rounding=rounding, rotate=rotation, refine=learned_rounding)
              for spec in sorted(rungs, key=bytes_per_weight)]
     return LayerDecision(name, tried[0], tried)

@@ -68,7 +68,7 @@ def group_scale_ratio(qw: QuantizedWeight, w: torch.Tensor, smooth: torch.Tensor
 
 
 def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: str = "gptq",
-                 alphas=DEFAULT_ALPHAS, rotate: bool = True) -> Candidate:
+                 alphas=DEFAULT_ALPHAS, rotate: bool = True, refine: bool = True) -> Candidate:
     """The quantization of ``w [N, K]`` in the format of ``spec`` (its width, group size and symmetry) with the
     lowest output rel-MSE on the held-out rows, among plain round-to-nearest and the transforms the search proposes
     on the calibration rows (module docstring).
@@ -78,7 +78,9 @@ def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: 
     adaLN layers: docs/compiler.md). α and clip are proposed with round-to-nearest; GPTQ then runs once, at the
     proposed α and clip (a quarter of the GPTQ runs of trying it at every α, which dominates compile time at 12B), and
     only for formats GPTQ can round onto (``int``). With ``rotate``, where the format can rotate and K is whole groups,
-    the rotated options (:func:`rotated_options`) are judged with them.
+    the rotated options (:func:`rotated_options`) are judged with them. With ``refine``, the winner's codes are then
+    moved by learned rounding (squareq/quant/refine.py, fitted to the calibration rows' Gram matrix), and the result
+    is kept only if its held-out error is lower still (``int`` formats, GPTQ rounding).
     A tie keeps the simpler candidate. The metrics record the held-out error of the result (``output_rel_mse`` =
     ``heldout_rel_mse``), that of plain rounding (``heldout_rtn_rel_mse``), and the result's error on the calibration
     rows (``calib_rel_mse``).
@@ -97,7 +99,16 @@ def search_layer(w: torch.Tensor, stats: LayerStats, spec: QuantSpec, rounding: 
     judged = [quant.output_rel_mse(w, quant.dequantize(o[0]), held) for o in options]
     pick = min(range(len(options)), key=lambda i: (judged[i], i))
     qw, alpha, smooth, used_gptq = options[pick]
-    return Candidate(qw, alpha, _measure(w, qw, fit, held, stats, alpha, judged[0], used_gptq, smooth, judged[pick]))
+    best, refined = judged[pick], False
+    if refine and _uses_gptq(qw.spec, stats, rounding):
+        # GPTQ's damping: undamped, the descent fitted the calibration text closer and did worse on other text
+        # (docs/compiler.md, "Learned rounding")
+        moved, _ = quant.refine_rounding(qw, w, stats.hessian, damp=GPTQ_DAMP)
+        error = quant.output_rel_mse(w, quant.dequantize(moved), held)
+        if error < best:
+            qw, best, refined = moved, error, True
+    return Candidate(qw, alpha, _measure(w, qw, fit, held, stats, alpha, judged[0], used_gptq, smooth, best,
+                                         refined))
 
 
 def _gptq(w: torch.Tensor, spec: QuantSpec, stats: LayerStats, smooth: torch.Tensor | None) -> QuantizedWeight:
@@ -152,7 +163,8 @@ def rotated_options(w: torch.Tensor, stats: LayerStats, base: QuantSpec, roundin
 
 
 def _measure(w, qw, fit, held, stats: LayerStats, alpha: float, rtn_heldout: float, gptq: bool,
-             smooth: torch.Tensor | None = None, heldout: float | None = None) -> dict[str, float]:
+             smooth: torch.Tensor | None = None, heldout: float | None = None,
+             refined: bool = False) -> dict[str, float]:
     deq = quant.dequantize(qw)
     heldout = quant.output_rel_mse(w, deq, held) if heldout is None else heldout
     return {
@@ -167,4 +179,5 @@ def _measure(w, qw, fit, held, stats: LayerStats, alpha: float, rtn_heldout: flo
         "clip_ratio": qw.spec.clip_ratio,
         "gptq": float(gptq),
         "rotate": float(qw.spec.rotate),
+        "refined": float(refined),
     }

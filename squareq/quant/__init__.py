@@ -7,6 +7,7 @@ from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessia
 from .hadamard import hadamard
 from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
+from .refine import refine_rounding
 from .registry import FORMATS, Format
 from .rtn import (
     QuantizedWeight,
@@ -42,6 +43,7 @@ __all__ = [
     "pack",
     "packed_row_bytes",
     "quantize",
+    "refine_rounding",
     "row_chunks",
     "rel_mse",
     "search_clip_ratio",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .factor import InverseFactor, inverse_factor
-from .hadamard import hadamard, rotated_diagonal
+from .hadamard import rotate_both_sides_, rotated_diagonal
 from .registry import FORMATS
 from .rtn import (
     QuantizedWeight,
@@ -144,7 +144,9 @@ def gptq_quantize_with_info(
         _check_finite(h)
         _symmetrize_(h)
         if spec.rotate:
-            _rotate_flipped_(h, spec.group_size)  # the stored weight W·H sees inputs x·H: H_r = H·Σ·H
+            # the stored weight W·H sees inputs x·H: H_r = H·Σ·H (the transform's few temporaries of ROTATE_TILE
+            # rows stay within the factorization's own three K × 1024 panels, which compiler/vram.py budgets)
+            rotate_both_sides_(h, spec.group_size, flipped=True, tile=ROTATE_TILE)
         if inv64 is not None:
             # The stored weight W·diag(s) sees inputs x·diag(1/s): H_s = diag(1/s) H diag(1/s).
             scale = inv64[order]
@@ -186,20 +188,6 @@ def _prepared_diagonal(hessian: torch.Tensor, spec: QuantSpec, inv64: torch.Tens
     else:
         diag = hessian.detach().diagonal().to(device=device, dtype=torch.float64, copy=True)
     return diag * inv64 * inv64 if inv64 is not None else diag
-
-
-def _rotate_flipped_(h: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``h ← R h R`` in place for ``h = J Σ J`` (``J`` the reversal), so that ``h`` becomes ``J (H Σ H) J`` with ``H``
-    the grouped Hadamard transform (K a whole number of groups): each row, then each column, is reversed, transformed
-    as :func:`squareq.quant.hadamard.hadamard` transforms a vector, and reversed back, a slice at a time (no second
-    ``K × K`` matrix; the transform's few temporaries of ``ROTATE_TILE`` rows stay within the factorization's own
-    three ``K × 1024`` panels, which compiler/vram.py budgets)."""
-    k = h.shape[0]
-    for r in range(0, k, ROTATE_TILE):
-        h[r:r + ROTATE_TILE] = hadamard(h[r:r + ROTATE_TILE].flip(-1), group_size).flip(-1)
-    for c in range(0, k, ROTATE_TILE):
-        h[:, c:c + ROTATE_TILE] = hadamard(h[:, c:c + ROTATE_TILE].T.flip(-1), group_size).flip(-1).T
-    return h
 
 
 def gptq_quantize(

@@ -57,6 +57,22 @@ def hadamard(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return (y * factor).reshape(*lead, k)
 
 
+def rotate_both_sides_(m: torch.Tensor, group_size: int, flipped: bool = False, tile: int = 256) -> torch.Tensor:
+    """``m ← H·m·H`` in place for a square ``m`` (a Hessian; K a whole number of groups): each row, then each column,
+    transformed as :func:`hadamard` transforms a vector, ``tile`` rows or columns at a time (no second ``K × K``
+    matrix). ``flipped``: ``m`` is ``J·Σ·J`` (``J`` the reversal, the order GPTQ factorizes in) and becomes
+    ``J·(H·Σ·H)·J``: each slice is reversed, transformed and reversed back."""
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return hadamard(x.flip(-1), group_size).flip(-1) if flipped else hadamard(x, group_size)
+
+    k = m.shape[0]
+    for r in range(0, k, tile):
+        m[r:r + tile] = rotate(m[r:r + tile])
+    for c in range(0, k, tile):
+        m[:, c:c + tile] = rotate(m[:, c:c + tile].T).T
+    return m
+
+
 def hadamard_both_sides(blocks: torch.Tensor, group_size: int) -> torch.Tensor:
     """``H·B·H`` of square blocks ``[..., g, g]``: the last dimension transformed first, then the one before."""
     return hadamard(hadamard(blocks, group_size).transpose(-1, -2), group_size).transpose(-1, -2)

@@ -84,9 +84,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 # The table shows these metrics when present (all of them are in --json): the layer's measured effect on the model's
 # output at its rung, its own output error on held-out calibration rows, plain rounding's on the same rows, and the
-# transforms kept (α 0: no smoothing, clip 1: none, rot 1: the Hadamard rotation).
+# transforms kept (α 0: no smoothing, clip 1: none, rot 1: the Hadamard rotation, ref 1: learned rounding).
 TABLE_METRICS = {"effect": "effect", "heldout_rel_mse": "heldout", "heldout_rtn_rel_mse": "rtn_heldout",
-                 "weight_rel_mse": "w_mse", "alpha": "alpha", "clip_ratio": "clip", "gptq": "gptq", "rotate": "rot"}
+                 "weight_rel_mse": "w_mse", "alpha": "alpha", "clip_ratio": "clip", "gptq": "gptq", "rotate": "rot",
+                 "refined": "ref"}
 OLD_METRICS = {"output_rel_mse": "out_mse"}  # slabs compiled before held-out selection
 
 

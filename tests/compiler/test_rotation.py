@@ -18,10 +18,11 @@ from ..runtime.harness import assert_same, inputs, step, with_lora
 K, N, TOKENS, SAMPLES, HELD = 128, 32, 64, 8, (1, 4)
 
 
-def _stats(w: torch.Tensor):
-    """Statistics of one linear with weight ``w`` over correlated Gaussian inputs, two samples held out."""
+def layer_stats(w: torch.Tensor, tokens: int = TOKENS):
+    """Statistics of one linear with weight ``w`` over correlated Gaussian inputs, ``tokens`` a sample, two samples
+    held out."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(SAMPLES, TOKENS, K, generator=g) @ (torch.eye(K) + 0.3 * torch.randn(K, K, generator=g) / K**0.5)
+    x = torch.randn(SAMPLES, tokens, K, generator=g) @ (torch.eye(K) + 0.3 * torch.randn(K, K, generator=g) / K**0.5)
     layer = nn.Linear(K, N, bias=False)
     with torch.no_grad():
         layer.weight.copy_(w)
@@ -36,7 +37,7 @@ def test_rotation_is_kept_where_it_wins_on_the_held_out_rows():
     # scattered outliers (1% of the weights 31x): a group's range goes to them, in no column smoothing could shrink
     # and no ratio clipping could drop; rotation spreads each over its group
     w = torch.randn(N, K, generator=g) * (1 + 30 * (torch.rand(N, K, generator=g) < 0.01))
-    st = _stats(w)
+    st = layer_stats(w)
     c = search_layer(w, st, QuantSpec(bits=4))
     assert c.qweight.spec.rotate and c.metrics["rotate"] == 1.0
     assert c.metrics["heldout_rel_mse"] < 0.25 * c.metrics["heldout_rtn_rel_mse"]
@@ -50,7 +51,7 @@ def test_rotation_is_not_kept_where_it_loses_on_the_held_out_rows(monkeypatch):
     q = torch.randint(-8, 8, (N, K), generator=torch.Generator().manual_seed(2))
     q[:, ::64], q[:, 1::64] = -8, 7  # each group spans the whole asymmetric code range, scale 1/16
     w = q.float() / 16
-    st = _stats(w)
+    st = layer_stats(w)
     tried = []
     original = layer_search.rotated_options
     monkeypatch.setattr(layer_search, "rotated_options", lambda *a: tried.extend(original(*a)) or tried)
