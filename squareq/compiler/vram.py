@@ -176,7 +176,8 @@ def search_bytes(n: int, k: int, gptq: bool, max_rows: int) -> int:
     """GPU memory of one layer's search: ``SEARCH_WEIGHT_COPIES`` float32 copies of the weight, the sampled rows,
     and for GPTQ one K x K float64 matrix (the Gram matrix's sums while the statistics are built, then the factor,
     in place: quant/factor.py) with three K x 1024 float64 panels of temporaries (the float32 mean waits in pinned
-    host memory)."""
+    host memory). Learned rounding runs after GPTQ, in less: one K x K float32 matrix and a few float32 copies of a
+    slice of rows (quant/refine.py)."""
     factor = 8 * k * k + 3 * 8 * k * FACTOR_BLOCK if gptq else 0
     return int(factor + SEARCH_WEIGHT_COPIES * 4 * n * k + 2 * 4 * max_rows * k)
 

@@ -89,7 +89,7 @@ def _check_finite(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _symmetrize_(h: torch.Tensor, tile: int = 2048) -> torch.Tensor:
+def symmetrize_(h: torch.Tensor, tile: int = 2048) -> torch.Tensor:
     """``h ← (h + hᵀ) / 2`` in place, tile by tile: the same value in every element as the one-line formula, without
     two more ``K × K`` float64 temporaries (at K = 15,360 each is 1.9 GB of a compile's VRAM budget)."""
     k = h.shape[0]
@@ -142,7 +142,7 @@ def gptq_quantize_with_info(
                 part = hessian[order[rows].to(hessian.device)].to(w.device)[:, order]
             h[rows] = part
         _check_finite(h)
-        _symmetrize_(h)
+        symmetrize_(h)
         if spec.rotate:
             # the stored weight W·H sees inputs x·H: H_r = H·Σ·H (the transform's few temporaries of ROTATE_TILE
             # rows stay within the factorization's own three K × 1024 panels, which compiler/vram.py budgets)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .gptq import symmetrize_
 from .hadamard import rotate_both_sides_
 from .packing import unpack
 from .registry import FORMATS
@@ -88,9 +89,9 @@ def _descend(q: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, zero: t
 
 def _stored_hessian(hessian: torch.Tensor, spec, inv: torch.Tensor | None, device) -> torch.Tensor:
     """``Σ`` as the stored codes see it (float32 on ``device``, symmetrized): ``H·Σ·H`` for a rotated spec, and
-    ``diag(1/s)·Σ·diag(1/s)`` (``inv = 1/s``) for a smoothed one."""
-    sigma = hessian.detach().to(device=device, dtype=torch.float32, copy=True)
-    sigma = (sigma + sigma.T) * 0.5
+    ``diag(1/s)·Σ·diag(1/s)`` (``inv = 1/s``) for a smoothed one. One ``K × K`` float32 matrix, half of GPTQ's
+    float64 one, which is freed by then (compiler/vram.py's search budget holds both)."""
+    sigma = symmetrize_(hessian.detach().to(device=device, dtype=torch.float32, copy=True))
     if spec.rotate:
         rotate_both_sides_(sigma, spec.group_size)
     if inv is not None:
