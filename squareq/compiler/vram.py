@@ -132,7 +132,7 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 def estimate_needs(source, skeleton: nn.Module, batch, axes, *, gptq: bool, max_rows: int, probes: int,
-                   specs=()) -> Needs:
+                   specs) -> Needs:
     """The parts of the compile's GPU memory for this model, calibration batch, chunking and rungs ``specs``
     (module docstring)."""
     samples = int(batch.description.get("samples") or 1)

@@ -195,7 +195,8 @@ def test_the_gpu_estimate_counts_each_pinned_copy_rounded_up_to_a_power_of_two()
     skeleton = source.skeleton()
     batch = source.family_adapter.calibration_inputs(skeleton, 8, 0)
     axes = probe_batch_axes(source, batch.kwargs, batched_kwargs(batch.kwargs, batch.heldout_kwargs, 8), 8, 1)
-    needs = estimate_needs(source, skeleton, batch, axes, gptq=True, max_rows=128, probes=4)
+    needs = estimate_needs(source, skeleton, batch, axes, gptq=True, max_rows=128, probes=4,
+                           specs=rung_specs(DEFAULT_FORMATS))
     est = lambda device, on_host: estimate_host(  # noqa: E731
         needs, VramPlan(None, needs, on_host, on_host, device), skeleton, source.block_paths, batch, axes,
         rung_specs(DEFAULT_FORMATS), 4, gptq=True)

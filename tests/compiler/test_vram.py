@@ -13,6 +13,7 @@ from squareq.compiler import open_source
 from squareq.compiler import chunks as chunks_mod
 from squareq.compiler.calibration import StatsCollector
 from squareq.compiler.chunks import batched_kwargs, probe_batch_axes, run_chunked
+from squareq.compiler.ladder import DEFAULT_FORMATS, rung_specs
 from squareq.compiler.budget import BudgetError
 from squareq.compiler.vram import Needs, choose_placement, estimate_needs, plan_vram
 from squareq.models import BUILTIN_MODELS
@@ -140,8 +141,9 @@ def test_a_budget_below_one_layers_work_is_refused_with_the_smallest_budget_that
 def test_the_estimate_counts_the_largest_layers_gptq_factorization():
     source, batch, axes = _probe("tiny-flux", samples=8)
     skeleton = source.skeleton()
-    gptq = estimate_needs(source, skeleton, batch, axes, gptq=True, max_rows=512, probes=4)
-    nearest = estimate_needs(source, skeleton, batch, axes, gptq=False, max_rows=512, probes=4)
+    specs = rung_specs(DEFAULT_FORMATS)
+    gptq = estimate_needs(source, skeleton, batch, axes, gptq=True, max_rows=512, probes=4, specs=specs)
+    nearest = estimate_needs(source, skeleton, batch, axes, gptq=False, max_rows=512, probes=4, specs=specs)
     n, k = gptq.layer_shape
     assert gptq.search - nearest.search >= 16 * k * k
     assert gptq.saved == 4 * 8 * sum(c.sample_bytes for _, c in axes.calls)
