@@ -49,6 +49,7 @@ class LayerStats:
     heldout_rows: torch.Tensor | None = None
     _priority: dict = field(default_factory=dict, repr=False)
     _hessian: torch.Tensor | None = field(default=None, repr=False)
+    _rotated_second: dict = field(default_factory=dict, repr=False)  # rotated_second_moment's, by group size
 
     @property
     def second_moment(self) -> torch.Tensor:
@@ -75,14 +76,18 @@ class LayerStats:
 
     def rotated_second_moment(self, group_size: int) -> torch.Tensor | None:
         """E[(x·H)_k²] per channel of the rotated inputs ``x·H`` (the grouped Hadamard transform of
-        squareq/quant/hadamard.py, groups of ``group_size``), float32 where the statistics are kept: exact from the Gram
-        matrix when it was collected (the diagonal of ``H·E[x xᵀ]·H``, from its diagonal blocks), else estimated from
-        the sampled fit rows (:attr:`rows`); None when there are neither."""
-        if self.has_hessian:
-            return rotated_diagonal(self.hessian, group_size).float()
-        if self.rows is not None and self.rows.shape[0]:
-            return hadamard(self.rows.float(), group_size).pow(2).mean(dim=0)
-        return None
+        squareq/quant/hadamard.py, groups of ``group_size``), float32 on the device of :attr:`absmax` (worked out
+        once per group size; every rung of a layer asks): exact from the Gram matrix when it was collected (the
+        diagonal of ``H·E[x xᵀ]·H``, from its diagonal blocks), else estimated from the sampled fit rows
+        (:attr:`rows`); None when there are neither."""
+        if group_size not in self._rotated_second:
+            second = None
+            if self.has_hessian:
+                second = rotated_diagonal(self.hessian, group_size, device=self.absmax.device).float()
+            elif self.rows is not None and self.rows.shape[0]:
+                second = hadamard(self.rows.float(), group_size).pow(2).mean(dim=0).to(self.absmax.device)
+            self._rotated_second[group_size] = second
+        return self._rotated_second[group_size]
 
     def finish(self, pinned_host: bool = False) -> LayerStats:
         """Keep E[x xᵀ] as float32 and drop the float64 Gram matrix: the same values :attr:`hessian` gives, in a

@@ -146,7 +146,7 @@ class _Run:
         self.wanted: dict[str, str] | None = None
         self.started = time.perf_counter()
         self.done_blocks = 0
-        self.forward_s = 0.0
+        self.forward_s = self.search_s = 0.0
         self.cursor = axes.cursor()
         self.peaks = PeakLog(opts.device)
         self.block_peaks = PeakLog(opts.device)
@@ -200,7 +200,8 @@ class _Run:
         out = self._measure(index, path, real, set(todo), args, kwargs, call, ranges)
         self.done_blocks += 1
         self.progress(f"block {index + 1}/{n} {path}: done in {time.perf_counter() - started:.1f} s (forward "
-                      f"{self.forward_s:.1f} s){_peak_note(self.peaks, self.block_peaks)}")
+                      f"{self.forward_s:.1f} s, search {self.search_s:.1f} s)"
+                      f"{_peak_note(self.peaks, self.block_peaks)}")
         return out
 
     @torch.no_grad()
@@ -222,6 +223,7 @@ class _Run:
         block_peaks = self.block_peaks = PeakLog(o.device)  # this block's own, beside the compile's
         measured: dict[str, LayerDecision] = {}
         block_peaks.charge("calibration forward", self.peaks.lap("calibration forward"))
+        self.search_s = 0.0
         for names in col.groups():
             mine = [x for x in names if x in todo]
             if mine:
@@ -231,8 +233,10 @@ class _Run:
                 for name in mine:
                     self.progress(f"block {index + 1}/{len(self.source.block_paths)} {path}: {name}")
                     weight = real.get_submodule(name[len(path) + 1:]).weight.float()
+                    started = time.perf_counter()
                     decision = measure_rungs(name, weight, stats, self.rungs_for(name), o.rounding, o.rotation,
                                              o.learned_rounding)
+                    self.search_s += time.perf_counter() - started
                     measured[name] = _on_host(decision)  # every rung of every layer until the block is saved
                     del weight, decision
                     block_peaks.charge("search", self.peaks.lap("search"))

@@ -17,7 +17,7 @@ import torch
 
 from ..quant import FORMATS, QuantSpec, tensor_layout
 from .calibration import LayerStats
-from .layer_search import Candidate, search_layer
+from .layer_search import Candidate, search_rungs
 from .thresholds import Thresholds
 
 # The int ladder. NF4 and FP8 are offered through --formats: on the real text model of docs/benchmarks.md ("Formats
@@ -94,6 +94,6 @@ def measure_rungs(name: str, w: torch.Tensor, stats: LayerStats, rungs: list[Qua
     ``rotation`` and learned rounding when ``learned_rounding``; it starts at the rung of fewest bytes."""
     if not rungs:
         raise ValueError(f"layer {name}: no rungs to measure.")
-    tried = [search_layer(w, stats, spec, rounding=rounding, rotate=rotation, refine=learned_rounding)
-             for spec in sorted(rungs, key=bytes_per_weight)]
+    tried = search_rungs(w, stats, sorted(rungs, key=bytes_per_weight), rounding=rounding, rotate=rotation,
+                         refine=learned_rounding)
     return LayerDecision(name, tried[0], tried)

@@ -3,11 +3,11 @@
 Nothing here imports the rest of the project.
 """
 from . import formats  # noqa: F401 (each format module registers itself)
-from .gptq import GPTQInfo, gptq_quantize, gptq_quantize_with_info, input_hessian
+from .gptq import GPTQFactor, GPTQInfo, gptq_factor, gptq_quantize, gptq_quantize_with_info, input_hessian
 from .hadamard import hadamard
 from .metrics import output_rel_mse, rel_mse, sqnr_db, weighted_sq_error
 from .packing import pack, packed_row_bytes, unpack
-from .refine import refine_rounding
+from .refine import refine_rounding, stored_hessian
 from .registry import FORMATS, Format
 from .rtn import (
     QuantizedWeight,
@@ -27,6 +27,7 @@ __all__ = [
     "FORMATS",
     "ClipSearchResult",
     "Format",
+    "GPTQFactor",
     "GPTQInfo",
     "QuantSpec",
     "QuantizedWeight",
@@ -34,6 +35,7 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "group_scales",
+    "gptq_factor",
     "gptq_quantize",
     "hadamard",
     "gptq_quantize_with_info",
@@ -49,6 +51,7 @@ __all__ = [
     "search_clip_ratio",
     "smoothing_scale",
     "sqnr_db",
+    "stored_hessian",
     "tensor_layout",
     "unpack",
     "weighted_sq_error",

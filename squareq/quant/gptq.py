@@ -101,45 +101,53 @@ def symmetrize_(h: torch.Tensor, tile: int = 2048) -> torch.Tensor:
     return h
 
 
-def gptq_quantize_with_info(
-    w: torch.Tensor,
-    spec: QuantSpec,
-    hessian: torch.Tensor,
-    smooth_scale: torch.Tensor | None = None,
-    damp: float = 0.01,
-    block_size: int = 128,
-    act_order: bool = False,
-    sweep: BlockSweep | None = None,
-) -> tuple[QuantizedWeight, GPTQInfo]:
-    """:func:`gptq_quantize`, also returning a :class:`GPTQInfo` (fallback flag, damping used)."""
-    _check_weight(w)
-    k = w.shape[1]
+@dataclass(frozen=True)
+class GPTQFactor:
+    """GPTQ's inverse factor of one layer's damped Hessian in the space a spec stores its weight in (rotated within
+    its Hadamard groups or not, smoothed by one scale or not): every GPTQ run in that space shares it, whatever its
+    width or clip ratio. The compiler's search factors once per space and layer instead of once per candidate
+    (compiler/layer_search.py)."""
+
+    factor: InverseFactor | None  # None: the factorization failed at every damping tried
+    damp: float  # the relative damping used (the last one tried when it failed)
+    dead_channels: int
+    perm: torch.Tensor | None  # act_order's column order
+    rotate_group: int  # the Hadamard group the Hessian was rotated with, 0 when not rotated
+    smooth_scale: torch.Tensor | None  # the smoothing scale it was mapped with (compared by identity)
+
+    def fits(self, spec: QuantSpec, smooth_scale: torch.Tensor | None, act_order: bool) -> bool:
+        """Whether a run under ``spec`` with ``smooth_scale`` and ``act_order`` may use this factor."""
+        smooth = smooth_scale if spec.smooth else None
+        return ((spec.group_size if spec.rotate else 0) == self.rotate_group and smooth is self.smooth_scale
+                and act_order == (self.perm is not None))
+
+
+def gptq_factor(hessian: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None = None,
+                damp: float = 0.01, act_order: bool = False, device=None) -> GPTQFactor:
+    """The :class:`GPTQFactor` of ``hessian [K, K]`` for weights stored under ``spec`` (its rotation and smoothing;
+    its width and clip do not matter), on ``device`` (the Hessian's when None)."""
+    k = hessian.shape[0]
+    _check_hessian(hessian, k)
     if not (damp >= 0.0 and damp < float("inf")):
         raise ValueError(f"damp={damp} must be a finite non-negative fraction (0.01 is typical).")
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be positive.")
-    if spec.is_passthrough:
-        return quantize(w, spec, smooth_scale), GPTQInfo(False, 0.0, 0)
-    if not FORMATS[spec.format].gptq:
-        raise SpecError(f"GPTQ rounds onto the int format's grid; a {spec.format} layer is quantized by rounding "
-                        "(squareq.quant.quantize).")
-    w = w.detach().float()
-    _check_hessian(hessian, k)
     if spec.rotate and act_order:
         raise ValueError("GPTQ's act_order is not offered for a rotated spec; quantize it in column order.")
-    ws, inv = _apply_smoothing(rotated(w, spec), spec, smooth_scale)
-    inv64 = inv.double() if inv is not None else None
+    device = hessian.device if device is None else torch.device(device)
+    inv64 = None
+    if spec.smooth:
+        ones = torch.ones((1, k), dtype=torch.float32, device=device)
+        inv64 = _apply_smoothing(ones, spec, smooth_scale)[1].double()
 
     def prepare() -> torch.Tensor:
         # J H J (the order the factor needs; act_order's permutation folded in), copied in row tiles so that only
         # the float64 matrix is whole on the compute device
-        order = (perm if perm is not None else torch.arange(k, device=w.device)).flip(0)
-        h = torch.empty((k, k), dtype=torch.float64, device=w.device)
+        order = (perm if perm is not None else torch.arange(k, device=device)).flip(0)
+        h = torch.empty((k, k), dtype=torch.float64, device=device)
         for rows in row_chunks(k, k):
             if perm is None:
-                part = hessian[k - rows.stop:k - rows.start].to(w.device).flip(0, 1)
+                part = hessian[k - rows.stop:k - rows.start].to(device).flip(0, 1)
             else:
-                part = hessian[order[rows].to(hessian.device)].to(w.device)[:, order]
+                part = hessian[order[rows].to(hessian.device)].to(device)[:, order]
             h[rows] = part
         _check_finite(h)
         symmetrize_(h)
@@ -160,23 +168,58 @@ def gptq_quantize_with_info(
             h[gone, gone] = 1.0
         return h
 
-    diag = _prepared_diagonal(hessian, spec, inv64, w.device)
-    n_dead, perm = 0, None
+    diag = _prepared_diagonal(hessian, spec, inv64, device)
     dead = ~(diag > 0)
     n_dead = int(dead.sum())
     base = float(diag[~dead].mean()) if n_dead < k else 1.0
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
     factor, used = inverse_factor(prepare, damp, base, DAMP_RETRIES)
+    return GPTQFactor(factor, used, n_dead, perm, spec.group_size if spec.rotate else 0,
+                      smooth_scale if spec.smooth else None)
+
+
+def gptq_quantize_with_info(
+    w: torch.Tensor,
+    spec: QuantSpec,
+    hessian: torch.Tensor,
+    smooth_scale: torch.Tensor | None = None,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+    sweep: BlockSweep | None = None,
+    factor: GPTQFactor | None = None,
+) -> tuple[QuantizedWeight, GPTQInfo]:
+    """:func:`gptq_quantize`, also returning a :class:`GPTQInfo` (fallback flag, damping used). ``factor``: one
+    :func:`gptq_factor` made for this Hessian, space and damping (it must :meth:`~GPTQFactor.fits`), instead of
+    factoring again."""
+    _check_weight(w)
+    k = w.shape[1]
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be positive.")
+    if spec.is_passthrough:
+        return quantize(w, spec, smooth_scale), GPTQInfo(False, 0.0, 0)
+    if not FORMATS[spec.format].gptq:
+        raise SpecError(f"GPTQ rounds onto the int format's grid; a {spec.format} layer is quantized by rounding "
+                        "(squareq.quant.quantize).")
+    w = w.detach().float()
+    _check_hessian(hessian, k)
     if factor is None:
+        factor = gptq_factor(hessian, spec, smooth_scale, damp, act_order, w.device)
+    elif not factor.fits(spec, smooth_scale, act_order):
+        raise ValueError(f"this GPTQ factor was made for another space than {spec.label()} (rotation, smoothing "
+                         "scale or act_order differ); make one with gptq_factor for it.")
+    elif (factor.factor is not None and factor.factor.k != k) or (factor.perm is not None and len(factor.perm) != k):
+        raise ValueError(f"this GPTQ factor is for another layer: K={k} here.")
+    if factor.factor is None:
         log.warning(
             "GPTQ: the Cholesky factorization of the %dx%d Hessian failed even with damping %.3g of its mean "
-            "diagonal; this layer falls back to round-to-nearest.", k, k, used,
+            "diagonal; this layer falls back to round-to-nearest.", k, k, factor.damp,
         )
-        return quantize(w, spec, smooth_scale), GPTQInfo(True, used, n_dead)  # the unrotated w: quantize rotates
-
-    codes, scales, zeros = _gptq_codes(ws, factor, spec, perm, block_size, sweep or sweep_block,
+        return quantize(w, spec, smooth_scale), GPTQInfo(True, factor.damp, factor.dead_channels)
+    ws, inv = _apply_smoothing(rotated(w, spec), spec, smooth_scale)
+    codes, scales, zeros = _gptq_codes(ws, factor.factor, spec, factor.perm, block_size, sweep or sweep_block,
                                        owned=inv is not None or spec.rotate)
-    return assemble(spec, codes, scales, zeros, inv), GPTQInfo(False, used, n_dead)
+    return assemble(spec, codes, scales, zeros, inv), GPTQInfo(False, factor.damp, factor.dead_channels)
 
 
 def _prepared_diagonal(hessian: torch.Tensor, spec: QuantSpec, inv64: torch.Tensor | None, device) -> torch.Tensor:
@@ -184,7 +227,7 @@ def _prepared_diagonal(hessian: torch.Tensor, spec: QuantSpec, inv64: torch.Tens
     symmetrizing keeps a diagonal as it is (a rotated one is computed from the symmetrized diagonal blocks with
     prepare's arithmetic), and smoothing scales it by the same two products."""
     if spec.rotate:
-        diag = rotated_diagonal(hessian.detach(), spec.group_size, symmetrize=True).to(device)
+        diag = rotated_diagonal(hessian.detach(), spec.group_size, symmetrize=True, device=device)
     else:
         diag = hessian.detach().diagonal().to(device=device, dtype=torch.float64, copy=True)
     return diag * inv64 * inv64 if inv64 is not None else diag
@@ -199,6 +242,7 @@ def gptq_quantize(
     block_size: int = 128,
     act_order: bool = False,
     sweep: BlockSweep | None = None,
+    factor: GPTQFactor | None = None,
 ) -> QuantizedWeight:
     """Quantize ``w [N, K]`` (out, in) under ``spec`` with error-compensating rounding.
 
@@ -215,9 +259,11 @@ def gptq_quantize(
     :func:`squareq.quant.quantize`. With ``spec.rotate`` the weight is rotated first and ``hessian`` with it
     (``H·hessian·H``, inside the factorization's own matrix), as the stored weight ``W·H`` sees the inputs ``x·H``;
     ``act_order`` is then refused. ``sweep`` runs one block of columns (:func:`sweep_block`, the torch reference,
-    when None; the compiler passes the Triton kernel's on a GPU, which gives the same bits).
+    when None; the compiler passes the Triton kernel's on a GPU, which gives the same bits). ``factor``: the
+    :func:`gptq_factor` of ``hessian`` in this spec's space, shared by several runs (it gives the same bits as
+    factoring here).
     """
-    return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order, sweep)[0]
+    return gptq_quantize_with_info(w, spec, hessian, smooth_scale, damp, block_size, act_order, sweep, factor)[0]
 
 
 def _gptq_codes(w: torch.Tensor, factor: InverseFactor, spec: QuantSpec, perm: torch.Tensor | None,

@@ -78,18 +78,23 @@ def hadamard_both_sides(blocks: torch.Tensor, group_size: int) -> torch.Tensor:
     return hadamard(hadamard(blocks, group_size).transpose(-1, -2), group_size).transpose(-1, -2)
 
 
-def diagonal_blocks(m: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The ``[G, g, g]`` blocks on the diagonal of a square ``[G·g, G·g]`` matrix (copied, in float64)."""
-    k = m.shape[0]
-    groups = k // group_size
-    return torch.stack([m[i * group_size:(i + 1) * group_size, i * group_size:(i + 1) * group_size].double()
-                        for i in range(groups)]) if groups else m.new_zeros((0, group_size, group_size)).double()
+def diagonal_blocks(m: torch.Tensor, group_size: int, device=None) -> torch.Tensor:
+    """The ``[G, g, g]`` blocks on the diagonal of a square ``[G·g, G·g]`` matrix (copied, in float64, to ``device``,
+    ``m``'s own when None): one strided view, so a matrix in host memory is read in one copy."""
+    groups = m.shape[0] // group_size
+    device = m.device if device is None else device
+    if not groups:
+        return torch.zeros((0, group_size, group_size), dtype=torch.float64, device=device)
+    r, c = m.stride()
+    blocks = m.as_strided((groups, group_size, group_size), (group_size * (r + c), r, c), m.storage_offset())
+    return blocks.to(device=device, dtype=torch.float64)
 
 
-def rotated_diagonal(m: torch.Tensor, group_size: int, symmetrize: bool = False) -> torch.Tensor:
-    """The diagonal of ``H·M·H`` (float64 ``[K]``) for a square ``M`` (a Hessian), from its diagonal blocks only.
-    ``symmetrize``: of ``(M + Mᵀ)/2`` instead (whose diagonal blocks are ``(B + Bᵀ)/2``)."""
-    blocks = diagonal_blocks(m, group_size)
+def rotated_diagonal(m: torch.Tensor, group_size: int, symmetrize: bool = False, device=None) -> torch.Tensor:
+    """The diagonal of ``H·M·H`` (float64 ``[K]``, on ``device``, ``m``'s own when None) for a square ``M`` (a
+    Hessian), from its diagonal blocks only. ``symmetrize``: of ``(M + Mᵀ)/2`` instead (whose diagonal blocks are
+    ``(B + Bᵀ)/2``)."""
+    blocks = diagonal_blocks(m, group_size, device)
     if symmetrize:
         blocks = (blocks + blocks.transpose(-1, -2)) * 0.5
     return hadamard_both_sides(blocks, group_size).diagonal(dim1=-2, dim2=-1).reshape(-1)

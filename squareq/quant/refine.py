@@ -31,21 +31,23 @@ MAX_ROUNDS = 32
 
 
 def refine_rounding(qw: QuantizedWeight, w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.0,
-                    max_rounds: int = MAX_ROUNDS) -> tuple[QuantizedWeight, int]:
+                    max_rounds: int = MAX_ROUNDS, sigma: torch.Tensor | None = None) -> tuple[QuantizedWeight, int]:
     """``qw`` (an ``int`` quantization of ``w [N, K]``) with its codes moved to lower ``tr(E·Σ·Eᵀ)`` for ``Σ =
     hessian [K, K]`` (module docstring) plus ``damp`` times its mean diagonal on the diagonal, and the rounds it took.
+    ``sigma``: that matrix as :func:`stored_hessian` gives it for ``qw``'s space (its rotation and smoothing), made
+    once for several refinements in the same space; ``hessian`` and ``damp`` are then not read.
     Works on ``qw``'s device; ``qw`` is not changed."""
     spec, (n, k), t = qw.spec, qw.shape, qw.tensors
     if spec.is_passthrough or not FORMATS[spec.format].gptq:
         raise ValueError(f"learned rounding moves integer codes; {spec.label()} has none to move.")
-    if tuple(w.shape) != (n, k) or tuple(hessian.shape) != (k, k):
+    given = hessian if sigma is None else sigma
+    if tuple(w.shape) != (n, k) or tuple(given.shape) != (k, k):
         raise ValueError(f"learned rounding needs a [{n}, {k}] weight and a [{k}, {k}] Hessian, not "
-                         f"{list(w.shape)} and {list(hessian.shape)}.")
+                         f"{list(w.shape)} and {list(given.shape)}.")
     device = t["qweight"].device
     inv = t.get("inv_smooth")
-    sigma = _stored_hessian(hessian, spec, inv, device)
-    if damp:  # GPTQ's damping: λ·mean(diag Σ) added to the diagonal, a pull toward the plain weight error
-        sigma.diagonal().add_(damp * float(sigma.diagonal().mean()))
+    if sigma is None:
+        sigma = stored_hessian(hessian, spec, inv, device, damp)
     q = unpack(t["qweight"], spec.bits, k)
     rounds = 0
     for rows in row_chunks(n, k):  # rows are independent: a slice at a time bounds the N x K temporaries
@@ -65,35 +67,39 @@ def _descend(q: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, zero: t
     err = target - (q if zero is None else q - zero).float() * scale
     grad = err @ sigma
     curvature = scale * scale * sigma.diagonal()[None, :]
+    level = (err * grad).sum(dim=1)  # each row's error, kept up to date by the gains taken
     rows = torch.arange(q.shape[0], device=q.device)
     for done in range(max_rounds):
-        up = torch.where(q < hi, curvature - 2 * scale * grad, torch.inf)  # q + 1
-        down = torch.where(q > lo, curvature + 2 * scale * grad, torch.inf)  # q - 1
-        gain_up, col_up = up.min(dim=1)
-        gain_down, col_down = down.min(dim=1)
-        take_up = gain_up <= gain_down
-        change = torch.where(take_up, gain_up, gain_down)
+        # of a weight's two steps the better is toward s·g's sign (the other adds curvature + 2|s·g| >= 0): one gain
+        # per weight, infinite where that step would leave the code range
+        pull = scale * grad
+        gain = torch.sub(curvature, pull.abs(), alpha=2)
+        gain.masked_fill_(torch.where(pull > 0, q >= hi, q <= lo), torch.inf)
+        change, col = gain.min(dim=1)
         # a step must lower the row's error by more than float32's noise on it, or the descent could cycle
-        moving = change < -1e-6 * (err * grad).sum(dim=1).abs()
+        moving = change < -1e-6 * level.abs()
         if not moving.any():
             return done
-        r = rows[moving]
-        col = torch.where(take_up, col_up, col_down)[moving]
-        step = torch.where(take_up, 1, -1)[moving]
-        q[r, col] += step.to(q.dtype)
-        moved = step.float() * scale[r, col]
-        err[r, col] -= moved
-        grad[r] -= moved[:, None] * sigma[col]
+        r, c = rows[moving], col[moving]
+        step = torch.where(pull[r, c] > 0, 1, -1)
+        q[r, c] += step.to(q.dtype)
+        moved = step.float() * scale[r, c]
+        err[r, c] -= moved
+        grad[r] -= moved[:, None] * sigma[c]
+        level[r] += change[moving]
     return max_rounds
 
 
-def _stored_hessian(hessian: torch.Tensor, spec, inv: torch.Tensor | None, device) -> torch.Tensor:
+def stored_hessian(hessian: torch.Tensor, spec, inv: torch.Tensor | None, device, damp: float = 0.0) -> torch.Tensor:
     """``Σ`` as the stored codes see it (float32 on ``device``, symmetrized): ``H·Σ·H`` for a rotated spec, and
-    ``diag(1/s)·Σ·diag(1/s)`` (``inv = 1/s``) for a smoothed one. One ``K × K`` float32 matrix, half of GPTQ's
+    ``diag(1/s)·Σ·diag(1/s)`` (``inv = 1/s``) for a smoothed one, with ``damp`` times its mean diagonal added to the
+    diagonal (GPTQ's damping, a pull toward the plain weight error). One ``K × K`` float32 matrix, half of GPTQ's
     float64 one, which is freed by then (compiler/vram.py's search budget holds both)."""
     sigma = symmetrize_(hessian.detach().to(device=device, dtype=torch.float32, copy=True))
     if spec.rotate:
         rotate_both_sides_(sigma, spec.group_size)
     if inv is not None:
         sigma.mul_(inv.float()[:, None]).mul_(inv.float()[None, :])
+    if damp:
+        sigma.diagonal().add_(damp * float(sigma.diagonal().mean()))
     return sigma

@@ -61,8 +61,8 @@ def test_a_rebuild_with_default_thresholds_moves_layers_down_and_says_why(builds
 def test_a_third_build_changes_nothing_and_searches_nothing(builds, monkeypatch):
     d, _ = builds
     searched = []
-    original = layer_search.search_layer
-    monkeypatch.setattr("squareq.compiler.ladder.search_layer", lambda *a, **k: searched.append(a) or original(*a, **k))
+    original = layer_search.search_rungs
+    monkeypatch.setattr("squareq.compiler.ladder.search_rungs", lambda *a, **k: searched.append(a) or original(*a, **k))
     compile_cli("-o", str(d / "3.slab"), "--from", str(d / "2.slab"))
     assert searched == []
     second, third = manifest(d / "2.slab"), manifest(d / "3.slab")

@@ -52,11 +52,12 @@ def test_rotation_is_not_kept_where_it_loses_on_the_held_out_rows(monkeypatch):
     q[:, ::64], q[:, 1::64] = -8, 7  # each group spans the whole asymmetric code range, scale 1/16
     w = q.float() / 16
     st = layer_stats(w)
-    tried = []
-    original = layer_search.rotated_options
-    monkeypatch.setattr(layer_search, "rotated_options", lambda *a: tried.extend(original(*a)) or tried)
+    offered = []
+    original = layer_search._Rung.offer
+    monkeypatch.setattr(layer_search._Rung, "offer", lambda self, i, o: offered.append(o) or original(self, i, o))
     c = search_layer(w, st, QuantSpec(bits=4))
-    assert tried and all(o[0].spec.rotate for o in tried)  # the rotated options were there to judge
+    tried = [o for o in offered if o[0].spec.rotate]
+    assert len(tried) >= 2 and any(o[3] for o in tried)  # rotated rounding and rotated GPTQ were there to judge
     assert all(quant.output_rel_mse(w, quant.dequantize(o[0]), st.heldout_rows) > 1e-6 for o in tried)
     assert not c.qweight.spec.rotate and c.metrics["rotate"] == 0.0
     assert c.metrics["heldout_rel_mse"] == 0.0 and torch.equal(quant.dequantize(c.qweight).float(), w)
@@ -65,7 +66,7 @@ def test_rotation_is_not_kept_where_it_loses_on_the_held_out_rows(monkeypatch):
 def test_a_layer_whose_k_is_not_whole_groups_is_searched_without_rotation(monkeypatch):
     w = torch.randn(8, 96)
     st = _stats_of_width(w)
-    monkeypatch.setattr(layer_search, "rotated_options", lambda *a: pytest.fail("rotation tried on K=96, g64"))
+    monkeypatch.setattr(layer_search, "rotated_specs", lambda *a: pytest.fail("rotation tried on K=96, g64"))
     assert not search_layer(w, st, QuantSpec(bits=4)).qweight.spec.rotate
 
 

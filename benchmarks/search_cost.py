@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""What the compiler's per-layer search costs, transform by transform, on FLUX.1's layer shapes (issue 39, 42).
+
+    python benchmarks/search_cost.py [--out DIR] [--shapes 3072x3072,...] [--profile]
+
+For each weight shape (out N, in K) it builds a random weight and the statistics the compiler keeps for it (512 fit
+and 512 held-out rows, ``E[x xᵀ]`` in pinned host memory as the compile keeps it), with a few outlier input channels,
+and times ``measure_rungs`` over the default rungs (W4, W6, W8, bf16) four ways: no transform, the Hadamard rotation,
+learned rounding, both. It also times learned rounding alone per rung (with its rounds), and with ``--profile`` prints
+the torch profiler's top operations for both transforms on the largest shape. Then it scales the per-layer seconds by
+the FLUX.1 block composition (19 double blocks, 38 single blocks) into a predicted search time for the 12B compile.
+
+Random weights: the times are the arithmetic's, not the decisions' (learned rounding may stop sooner on real weights).
+Output: one JSON line per measurement, then a markdown table; ``--out DIR`` also writes ``DIR/search_cost.jsonl``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from benchmarks.common import emit, git_commit, log, write_records  # noqa: E402
+from squareq import quant  # noqa: E402
+from squareq.compiler.calibration import LayerStats  # noqa: E402
+from squareq.compiler.ladder import DEFAULT_FORMATS, measure_rungs, rung_specs  # noqa: E402
+from squareq.compiler.layer_search import GPTQ_DAMP, search_layer  # noqa: E402
+
+# (out N, in K): how many of each a FLUX.1 double and single block holds
+DOUBLE = {(3072, 3072): 8, (18432, 3072): 2, (12288, 3072): 2, (3072, 12288): 2}
+SINGLE = {(3072, 3072): 3, (9216, 3072): 1, (12288, 3072): 1, (3072, 15360): 1}
+BLOCKS = {"double": (19, DOUBLE), "single": (38, SINGLE)}
+VARIANTS = {"none": (False, False), "rotation": (True, False), "learned": (False, True), "both": (True, True)}
+
+
+def layer_stats(k: int, device, rows: int = 512, tokens: int = 4096, seed: int = 0) -> LayerStats:
+    """Statistics of ``tokens`` random inputs with 1% outlier channels, kept as the compile keeps them."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens + rows, k, generator=g)
+    x[:, torch.randperm(k, generator=g)[: max(1, k // 100)]] *= 20
+    fit, held = x[:tokens].to(device), x[tokens:].to(device)
+    hessian = torch.empty((k, k), dtype=torch.float32, pin_memory=device.type == "cuda")
+    hessian.copy_((fit.T @ fit / tokens).float())
+    return LayerStats(absmax=fit.abs().amax(0).to(device), sq_sum=fit.pow(2).sum(0).double().to(device),
+                      count=tokens, rows=fit[:rows].clone(), heldout_rows=held, _hessian=hessian)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and its wall seconds, the device synchronized on both sides."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--shapes", default=None, help="NxK,... (default: every FLUX.1 block shape)")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes
+              else sorted(set(DOUBLE) | set(SINGLE)))
+    emit({"kind": "env", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+          "torch": torch.__version__, "date_utc": datetime.datetime.now(datetime.UTC).isoformat(
+              timespec="seconds"), "commit": git_commit()})
+    rungs = rung_specs(DEFAULT_FORMATS)
+    per_layer: dict[tuple, dict[str, float]] = {}
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(device) * 0.02
+        stats = layer_stats(k, device)
+        measure_rungs("warmup", w[:256], stats, rungs[:1])  # kernels compiled and autotuned outside the timings
+        for variant, (rotate, refine) in VARIANTS.items():
+            _, s = timed(device, measure_rungs, f"{n}x{k}", w, stats, rungs, "gptq", rotate, refine)
+            per_layer.setdefault((n, k), {})[variant] = s
+            emit({"kind": "search", "shape": [n, k], "variant": variant, "rungs": len(rungs), "seconds": s})
+        for spec in rungs:
+            if spec.is_passthrough:
+                continue
+            winner = search_layer(w, stats, spec, rotate=True, refine=False).qweight
+            (_, rounds), s = timed(device, quant.refine_rounding, winner, w, stats.hessian, damp=GPTQ_DAMP)
+            emit({"kind": "refine", "shape": [n, k], "rung": spec.short_label, "rotated": winner.spec.rotate,
+                  "rounds": rounds, "seconds": s})
+        if args.profile and (n, k) == max(shapes, key=lambda s: s[0] * s[1]):
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                measure_rungs("profiled", w, stats, rungs, "gptq", True, True)
+                sync(device)
+            key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=20), file=sys.stderr)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), file=sys.stderr)
+    rows = ["| shape | none s | rotation s | learned s | both s |", "|---|---|---|---|---|"]
+    for (n, k), v in per_layer.items():
+        rows.append(f"| {n}x{k} | " + " | ".join(f"{v[x]:.2f}" for x in VARIANTS) + " |")
+    if all(s in per_layer for _, comp in BLOCKS.values() for s in comp):
+        for variant in VARIANTS:
+            total = sum(count * sum(per_layer[s][variant] * c for s, c in comp.items())
+                        for count, comp in BLOCKS.values())
+            emit({"kind": "predicted_12b_search", "variant": variant, "seconds": total})
+            rows.append(f"| FLUX.1 12B search, predicted ({variant}) | {total:.0f} s | | | |")
+    write_records(args.out, "search_cost.jsonl")
+    log("done")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
