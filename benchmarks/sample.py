@@ -9,6 +9,8 @@ and inputs of ``benchmarks/train_step.py`` (whose slab phase writes, or reuses, 
 in its own process so memory statistics start clean:
 
 * ``resident``: the bf16 model on the GPU, the speed to match;
+* ``compiled``: the same with each transformer block under ``torch.compile`` (default mode), what a careful user
+  samples with (issue 41); one forward compiles it before the timed run (``compile_s``), so its run is warm;
 * ``squareq K``: ``squareq.runtime.load(slab, prefetch=K, compute=C)``, blocks streamed forward-only through K
   slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with FP8 tensor cores);
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq sample --cuda-graphs``):
@@ -49,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import train_step as ts  # noqa: E402  (the model, inputs and slab of the training benchmark)
 
-SETUPS = ("slab", "resident", "squareq", "group_offload", "model_offload", "sequential_offload")
+SETUPS = ("slab", "resident", "compiled", "squareq", "group_offload", "model_offload", "sequential_offload")
 
 
 def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
@@ -156,7 +158,9 @@ def phase(args) -> None:
                 from squareq.runtime.flux_attention import install_fused_attention
 
                 rec["fused_modules"] = install_fused_attention(model)
-            if name != "resident":
+            if name == "compiled":
+                rec["compiled_blocks"] = ts.compile_blocks(model)
+            if name not in ("resident", "compiled"):
                 model = model.to("cpu")
                 torch.cuda.empty_cache()
             if name == "group_offload":
@@ -173,6 +177,12 @@ def phase(args) -> None:
         model.eval()
         batch, _ = ts.make_batch(setup, args.res, model)
         steps = args.sequential_steps if name == "sequential_offload" else args.steps
+        if name == "compiled":  # the compilation, outside the timed run
+            started = time.perf_counter()
+            with torch.no_grad():
+                model(**batch, return_dict=False)
+            setup.sync()
+            rec["compile_s"] = time.perf_counter() - started
         graphs = rt.runtime_of(model).graphs if name == "squareq" else None
         rec.update(run_steps(setup, model, batch, steps, tuner, graphs))
         if tuner is not None and tuner.plan is not None:
@@ -208,6 +218,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
     ap.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)  # train_step's Setup reads it
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per setup")
     args = ap.parse_args()
@@ -251,6 +262,12 @@ def main() -> None:
                     print(line, flush=True)
     base = next((r for r in records if r.get("what") == "resident" and "step_s" in r and r["attention"] == "stock"),
                 None)  # the stock diffusers model on the GPU: every ratio divides by it
+    compiled = next((r for r in records if r.get("what") == "compiled" and "step_s" in r), None)
+    for r in records[1:]:
+        for key, ref in (("ratio_to_resident", base), ("ratio_to_compiled", compiled)):
+            if ref and "step_s" in r:
+                r[key] = r["step_s"] / ref["step_s"]
+                r[key.replace("ratio", "steady_ratio")] = r["steady_step_s"] / ref["steady_step_s"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tmp = os.path.join(args.out, ".sample.jsonl.tmp")
@@ -259,25 +276,27 @@ def main() -> None:
         os.replace(tmp, os.path.join(args.out, "sample.jsonl"))
     print(f"\n{records[1].get('device') if len(records) > 1 else ''}, {env['date_utc']}, commit {commit}; "
           f"{args.res}², {args.steps} steps\n")
-    print("| setup | run s / step | steady s / step | × bf16 resident (run) | × bf16 resident (steady) | first step s "
-          "| peak reserved GB | note |\n|---|---|---|---|---|---|---|---|")
+    print("| setup | run s / step | steady s / step | × bf16 resident (run) | × bf16 resident (steady) "
+          "| × compiled (run) | × compiled (steady) | first step s | peak reserved GB | note |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in records[1:]:
         if "step_s" not in r:
             if r.get("what") != "slab" or "error" in r:
-                print(f"| {r['what']} | | | | | | | {r.get('error', '')} |")
+                print(f"| {r['what']} | | | | | | | | | {r.get('error', '')} |")
             continue
         label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
             " +resident" if r.get("resident_blocks") == "auto" else "") + (
             f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
         label += " graphs" if r.get("cuda_graphs") else ""
-        label += f", {r['attention']} attention" if r["what"] in ("resident", "squareq") else ""
-        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else ""
-        steady_ratio = f"{r['steady_step_s'] / base['steady_step_s']:.2f}" if base else ""
+        label += f", {r['attention']} attention" if r["what"] in ("resident", "compiled", "squareq") else ""
+        ratios = " | ".join(f"{r[k]:.2f}" if k in r else "" for k in (
+            "ratio_to_resident", "steady_ratio_to_resident", "ratio_to_compiled", "steady_ratio_to_compiled"))
         steady = f"{r['steady_step_s']:.3f}"
         note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "") + (
             f"; {r['graphs']['captures']} graphs captured, {r['graphs']['replays']} replays" if "graphs" in r else "")
         note += f"; profiled step {r['profiled_step_s']:.3f} s, GPU ms {r['gpu_ms']}" if "gpu_ms" in r else ""
-        print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratio} | {steady_ratio} | {r['first_step_s']:.3f} | "
+        note += f"; compiled in {r['compile_s']:.1f} s before the run" if "compile_s" in r else ""
+        print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratios} | {r['first_step_s']:.3f} | "
               f"{r['peak_reserved_GB']:.2f} | {note} |")
 
 

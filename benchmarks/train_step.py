@@ -2,7 +2,7 @@
 """LoRA training step time of a full-size transformer: SquareQ streaming vs its peers (issues 4 and 7).
 
     python benchmarks/train_step.py [--family flux|flux2|qwen-image] [--out DIR] [--workdir DIR] [--res 512 1024]
-                                    [--steps 5 --warmup 2] [--only slab,squareq,resident,bnb,group_offload]
+                                    [--steps 5 --warmup 2] [--only slab,squareq,resident,compiled,bnb,group_offload]
                                     [--phase-timeout S] [--tiny] [--rotate]
 
 The model is the family's diffusers class at its released config with seeded random weights
@@ -29,11 +29,15 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   LoRA (B nudged off zero so every factor has a gradient): the cosine and norm ratio of the LoRA gradients and the
   output's rel-MSE, FP8 against bf16;
 * ``resident RES``: the bf16 model fully on the GPU with PEFT LoRA, the speed to match;
+* ``resident RES compiled`` (``--only compiled``): the same with each transformer block under ``torch.compile``
+  (default mode), the setup a careful user trains with (issue 41); the warm-up steps carry the compilation, which is
+  reported (``compile_s``: the warm-up steps' time beyond as many measured steps) and kept out of the median;
 * ``bnb RES``: bitsandbytes NF4 linears (QLoRA) with PEFT LoRA, when bitsandbytes imports;
 * ``group_offload RES``: diffusers block-level group offloading with streams and PEFT LoRA.
 
 Each phase prints one JSON line per measurement; the driver echoes them, adds ``ratio_to_resident``,
-writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last. Set
+writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last; with the compiled resident
+model in the run, every record also has ``ratio_to_compiled``. Set
 ``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
 the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config (runs on the CPU when no GPU is
 present, where memory figures read 0) so the script can be smoke-tested anywhere.
@@ -213,7 +217,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
     batch, target = make_batch(setup, res, model)
     model.train()
     after_step()  # start counting at the first step, not at load
-    times, cpu, figures, losses, every_step = [], [], [], [], []
+    times, cpu, figures, losses, every_step, all_times = [], [], [], [], [], []
 
     def one_step():
         with torch.autocast(setup.device.type, dtype=torch.bfloat16):
@@ -234,6 +238,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         setup.sync()
         dt = time.perf_counter() - start
         fig = after_step()  # outside the timed region: it synchronizes and resolves events
+        all_times.append(dt)
         losses.append(loss.item())
         every_step.append(fig)
         if i >= warmup:
@@ -250,7 +255,10 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
     if profile and label:
         gpu_busy = profile_step(one_step, setup, Path(profile) / f"profile_{label}.txt")
     median_step = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
+    warm = all_times[:warmup]
     return {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times], "warmup_steps": warmup,
+            "warmup_steps_s": [round(t, 3) for t in warm],
+            "beyond_steady_s": sum(warm) - warmup * statistics.median(times),
             "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
             "peak_alloc_GB": max(f["peak_allocated"] for f in figures) / 1e9,
             "peak_reserved_GB": max(f["peak_reserved"] for f in figures) / 1e9,
@@ -512,17 +520,33 @@ def phase_gradients(setup: Setup, res: int) -> None:
     emit(rec)
 
 
-def phase_resident(setup: Setup, res: int) -> None:
-    rec = {"what": "resident", "res": res, "device": setup.device_name}
+def compile_blocks(model) -> int:
+    """Put each transformer block of ``model`` under ``torch.compile`` (default mode, in place); the blocks
+    compiled. Per block, as diffusers documents for its transformers (``mode="reduce-overhead"`` per block failed on
+    this model: CUDA-graph outputs overwritten, issue 41)."""
+    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks")
+              for b in getattr(model, name, None) or []]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def phase_resident(setup: Setup, res: int, compiled: bool = False) -> None:
+    rec = {"what": "resident", "res": res, "device": setup.device_name, "compiled": compiled}
     start = time.perf_counter()
     model = build_model(setup)
     params = peft_lora(model)
     model.enable_gradient_checkpointing()
+    if compiled:
+        rec["compiled_blocks"] = compile_blocks(model)
     setup.sync()
     rec.update(build_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
                lora_params=sum(p.numel() for p in params))
-    result = train(setup, model, params, res, lambda: memory_peaks(setup), label=f"resident_{res}")
+    label = f"resident{'_compiled' if compiled else ''}_{res}"
+    result = train(setup, model, params, res, lambda: memory_peaks(setup), label=label)
     result.pop("median_figures")
+    if compiled:  # the first steps compile each block kind's forward and backward graphs
+        result["compile_s"] = result["beyond_steady_s"]
     emit({**rec, **result})
 
 
@@ -585,6 +609,8 @@ def phase_record(phase: list[str]) -> dict:
     rec: dict = {"what": phase[0]}
     if phase[0] != "slab":
         rec["res"] = int(phase[1])
+    if phase[0] == "resident":
+        rec["compiled"] = "compiled" in phase[2:]
     if phase[0] == "squareq":
         k = phase[2]
         rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
@@ -607,8 +633,10 @@ def run_phase(args) -> None:
         elif name == "squareq":
             phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
                           rec["graphs"])
+        elif name == "resident":
+            phase_resident(setup, rec["res"], rec["compiled"])
         else:
-            {"resident": phase_resident, "bnb": phase_bnb, "group_offload": phase_group_offload,
+            {"bnb": phase_bnb, "group_offload": phase_group_offload,
              "gradients": phase_gradients}[name](setup, rec["res"])
     except Exception as exc:
         import traceback
@@ -669,10 +697,14 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
 
 
 def add_ratios(records: list[dict]) -> None:
-    resident = {r["res"]: r["step_s"] for r in records if r.get("what") == "resident" and "step_s" in r}
-    for r in records:
-        if "step_s" in r and r.get("res") in resident:
-            r["ratio_to_resident"] = r["step_s"] / resident[r["res"]]
+    """Each step time over the eager resident model's (``ratio_to_resident``) and the compiled one's
+    (``ratio_to_compiled``) at its resolution, where the run measured them."""
+    for key, compiled in (("ratio_to_resident", False), ("ratio_to_compiled", True)):
+        base = {r["res"]: r["step_s"] for r in records
+                if r.get("what") == "resident" and bool(r.get("compiled")) == compiled and "step_s" in r}
+        for r in records:
+            if "step_s" in r and r.get("res") in base:
+                r[key] = r["step_s"] / base[r["res"]]
 
 
 def write_jsonl(out: Path, records: list[dict]) -> None:
@@ -691,8 +723,8 @@ def table(records: list[dict]) -> str:
     head = (f"{env.get('family', 'flux')}; device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}"
             f"{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after {env['warmup']} warm-up; "
             f"LoRA targets: {env.get('targets', 'attention')}")
-    lines = [head, "", "| setup | res | step s | × bf16 resident | peak alloc GB | peak reserved GB | copy-wait % | notes |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| setup | res | step s | × bf16 resident | × compiled resident | peak alloc GB | peak reserved GB "
+             "| copy-wait % | notes |", "|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt):
         return "" if v is None else format(v, fmt)
@@ -703,7 +735,7 @@ def table(records: list[dict]) -> str:
             note = (f"error: {r['error']}" if "error" in r else
                     f"{r['slab_bytes'] / 1e9:.2f} GB, {r['bits_per_weight']} bits/w, "
                     + ("reused" if r.get("reused") else f"written in {r.get('write_s', 0):.0f} s"))
-            lines.append(f"| slab | | | | | | | {note} |")
+            lines.append(f"| slab | | | | | | | | {note} |")
             continue
         setup = LABELS.get(what, what)
         notes = []
@@ -729,6 +761,10 @@ def table(records: list[dict]) -> str:
                              + (f" / {r['plan_peak_reserved_GB']:.2f} GB reserved" if "plan_peak_reserved_GB" in r else ""))
             elif "plan_error" in r:
                 notes.append(f"plan: {r['plan_error'][:60]}")
+        if r.get("compiled"):
+            setup += ", torch.compile per block"
+            if "compile_s" in r:
+                notes.append(f"compile {r['compile_s']:.1f} s in the warm-up steps")
         if "loss_first" in r:
             notes.append(f"loss₀ {r['loss_first']:.5f}")
         if "error" in r:
@@ -737,7 +773,8 @@ def table(records: list[dict]) -> str:
             notes.append(f"skipped: {r['skipped']}")
         wait = r.get("copy_wait_share")
         lines.append(f"| {setup} | {r.get('res', '')}² | {f(r.get('step_s'), '.3f')} | "
-                     f"{f(r.get('ratio_to_resident'), '.2f')} | {f(r.get('peak_alloc_GB'), '.2f')} | "
+                     f"{f(r.get('ratio_to_resident'), '.2f')} | {f(r.get('ratio_to_compiled'), '.2f')} | "
+                     f"{f(r.get('peak_alloc_GB'), '.2f')} | "
                      f"{f(r.get('peak_reserved_GB'), '.2f')} | {'' if wait is None else f'{100 * wait:.1f}'} | "
                      f"{'; '.join(n.replace('|', '/') for n in notes)} |")
     return "\n".join(lines)
@@ -766,7 +803,9 @@ def main() -> None:
                     help="resolutions at which to compare LoRA gradients in FP8 and bf16 compute (e.g. 512)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", default="slab,squareq,resident,bnb,group_offload")
+    ap.add_argument("--only", default="slab,squareq,resident,compiled,bnb,group_offload",
+                    help="setups: slab, squareq, resident (eager), compiled (resident, torch.compile per block), bnb, "
+                         "group_offload")
     ap.add_argument("--phase-timeout", type=float, default=240, help="seconds per training phase")
     ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="which model (default flux)")
@@ -797,7 +836,7 @@ def main() -> None:
     offload_res = args.offload_res if args.offload_res is not None else res[:1]
     bnb_res = args.bnb_res if args.bnb_res is not None else res
     only = set(args.only.split(","))
-    unknown = only - {"slab", "squareq", "resident", "bnb", "group_offload"}
+    unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
     graph_tokens = [["graphs"] if g == "on" else [] for g in dict.fromkeys(args.graphs)]
@@ -822,6 +861,8 @@ def main() -> None:
     for r in res:  # resident first at each resolution: it is what every ratio divides by
         if "resident" in only:
             phases.append(["resident", str(r)])
+        if "compiled" in only:
+            phases.append(["resident", str(r), "compiled"])
         if "squareq" in only:
             phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs for k in args.prefetch
                        for lora in lora_layers for c in args.compute for graphs in graph_tokens]
