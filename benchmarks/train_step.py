@@ -27,7 +27,8 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   warm-up goes on while a step still captures graphs, and the record counts the graph replays of each step;
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
   LoRA (B nudged off zero so every factor has a gradient): the cosine and norm ratio of the LoRA gradients and the
-  output's rel-MSE, FP8 against bf16;
+  output's rel-MSE, FP8 against bf16; FP8 twice, with the base layers' input gradients in bf16 and in FP8
+  (``runtime.compute.FP8_BACKWARD``, issue 41);
 * ``resident RES``: the bf16 model fully on the GPU with PEFT LoRA, the speed to match;
 * ``resident RES compiled`` (``--only compiled``): the same with each transformer block under ``torch.compile``
   (default mode), the setup a careful user trains with (issue 41); the warm-up steps carry the compilation, which is
@@ -501,23 +502,33 @@ def lora_step(setup: Setup, res: int, compute: str) -> tuple:
 
 
 def phase_gradients(setup: Setup, res: int) -> None:
+    """The LoRA gradients and output of one step in FP8 compute against bf16's: with the base layers' input
+    gradients in bf16 (``backward: bf16``, the default) and in FP8 too (``backward: fp8``, compute.FP8_BACKWARD)."""
+    from squareq.runtime import compute as compute_mode
+
+    out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
+    for backward in ("bf16", "fp8"):
+        compute_mode.FP8_BACKWARD = backward == "fp8"
+        out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
+        emit({"what": "gradients", "res": res, "device": setup.device_name, "backward": backward,
+              "compute_used": used, **gradient_agreement(grads_b, grads_f), "loss_bf16": loss_b, "loss_fp8": loss_f,
+              "out_rel_mse": ((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item()})
+    compute_mode.FP8_BACKWARD = False
+
+
+def gradient_agreement(grads_b: dict, grads_f: dict) -> dict:
+    """Cosines (per tensor and over all) and the norm ratio of ``grads_f`` against ``grads_b``."""
     import torch
 
-    rec = {"what": "gradients", "res": res, "device": setup.device_name}
-    out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
-    out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
     # float64: a float32 dot product over 65M entries rounds past a cosine of 1
     cos = {n: torch.nn.functional.cosine_similarity(grads_b[n].double().flatten(), grads_f[n].double().flatten(),
                                                     dim=0).item() for n in grads_b}
     flat_b = torch.cat([g.double().flatten() for g in grads_b.values()])
     flat_f = torch.cat([grads_f[n].double().flatten() for n in grads_b])
     worst = min(cos, key=cos.get)
-    rec.update(compute_used=used, tensors=len(cos),
-               cos_global=torch.nn.functional.cosine_similarity(flat_b, flat_f, dim=0).item(),
-               cos_median=statistics.median(cos.values()), cos_min=cos[worst], cos_min_tensor=worst,
-               norm_ratio=(flat_f.norm() / flat_b.norm()).item(), loss_bf16=loss_b, loss_fp8=loss_f,
-               out_rel_mse=((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item())
-    emit(rec)
+    return {"tensors": len(cos), "cos_global": torch.nn.functional.cosine_similarity(flat_b, flat_f, dim=0).item(),
+            "cos_median": statistics.median(cos.values()), "cos_min": cos[worst], "cos_min_tensor": worst,
+            "norm_ratio": (flat_f.norm() / flat_b.norm()).item()}
 
 
 def compile_blocks(model) -> int:
@@ -740,6 +751,7 @@ def table(records: list[dict]) -> str:
         setup = LABELS.get(what, what)
         notes = []
         if what == "gradients" and "cos_global" in r:
+            setup += f" (backward {r.get('backward', 'bf16')})"
             notes.append(f"LoRA grad cos {r['cos_global']:.4f} (median {r['cos_median']:.4f}, min {r['cos_min']:.4f}), "
                          f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
         if what == "squareq":

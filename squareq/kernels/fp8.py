@@ -23,6 +23,8 @@ MULTIPLE = 16  # torch._scaled_mm's rule for every matrix dimension
 # products. On the H100 it made torch._scaled_mm 3-13% faster on FLUX shapes with the same output rel-MSE against
 # the bf16 path (1.42e-3 either way, K up to 15,360): benchmarks/fp8_linear.py, docs/benchmarks.md "FP8 compute".
 FAST_ACCUM = True
+# The input gradient's products keep fp32 accumulation until fast accumulation is measured on gradients (issue 41).
+FAST_ACCUM_GRAD = False
 # The bias added in torch._scaled_mm's epilogue costs nothing measurable; a separate add after it made FLUX's linears
 # 5-50% slower on the H100 (benchmarks/fp8_linear.py times both).
 BIAS_IN_EPILOGUE = True
@@ -101,3 +103,20 @@ def fp8_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias:
     if bias is not None and epilogue is None:
         y.add_(bias)
     return y.view(*lead, codes.shape[0])
+
+
+def fp8_input_grad(grad: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``grad·W`` in bf16 from bf16 ``grad [..., N]`` and ``weight`` = (E4M3 ``[N, K]``, fp32 scales ``[N]``): the
+    input gradient of :func:`fp8_linear` as one ``torch._scaled_mm``. The weight's scales run along the product's
+    contracted dimension here, so they cannot scale its output; they are folded into the gradient first
+    (``grad·diag(s)·W_codes``), which is then quantized per row (per token) as the forward's input is. ``_scaled_mm``
+    reads its second operand column-major, so the codes are copied transposed (N·K bytes)."""
+    codes, w_scales = weight
+    n, k = codes.shape
+    lead = grad.shape[:-1]
+    folded = (grad.reshape(-1, n).float() * w_scales[None, :]).to(torch.bfloat16)
+    gq, g_scales = quantize_activations(folded)
+    ones = torch.ones((1, k), dtype=torch.float32, device=codes.device)
+    out = torch._scaled_mm(gq, codes.t().contiguous().t(), scale_a=g_scales[:, None], scale_b=ones,
+                           out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM_GRAD)
+    return out.view(*lead, k)

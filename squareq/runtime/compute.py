@@ -16,6 +16,10 @@ import torch
 MODES = ("bf16", "fp8", "auto")
 FP8_CAPABILITY = (8, 9)
 FP8_BY_DEFAULT = True  # see the module docstring
+# Whether FP8 compute also runs the frozen layers' input gradients in FP8 (kernels/fp8.py fp8_input_grad: the gradient
+# quantized per token with the weight's channel scales folded in; LoRA and its gradients stay bf16/fp32). Off until
+# its gradients and speed are measured on a GPU against bf16's (issue 41).
+FP8_BACKWARD = False
 
 
 class ComputeError(ValueError):

@@ -269,7 +269,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
         returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
         (default: the ``SQUAREQ_TRACE`` environment variable). compute: the base layers' forward arithmetic,
-        "bf16", "fp8" (E4M3 x E4M3 with per-token and per-channel scales; input gradients stay bf16) or "auto"
+        "bf16", "fp8" (E4M3 x E4M3 with per-token and per-channel scales; input gradients stay bf16 unless
+        ``runtime.compute.FP8_BACKWARD``) or "auto"
         (fp8 where the GPU has FP8 tensor cores; runtime/compute.py; the choice is ``runtime_of(model).compute``).
         cuda_graphs: capture each streamed block's forward, and a training step's recompute + backward of it, as CUDA
         graphs once per block and slot, and replay them (runtime/block_graphs.py); CUDA and streamed blocks only.

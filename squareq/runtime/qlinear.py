@@ -5,7 +5,7 @@ matmul, in the forward and again in the backward. For few rows of input (modulat
 it calls a fused kernel that reads the packed codes directly instead (kernels/crossover.py). Under FP8 compute
 (``runtime.load(compute="fp8")``) the forward, and so the checkpointed recompute, dequantizes into a shared E4M3
 scratch with one scale per output channel and runs ``torch._scaled_mm`` on the input quantized per token
-(kernels/fp8.py); the input gradient stays in bf16.
+(kernels/fp8.py); the input gradient stays in bf16 unless ``compute.FP8_BACKWARD`` (then it is an FP8 product too).
 
 It returns only the input gradient: the base weight is frozen, so no weight gradient is ever computed or stored, and
 nothing of the weight is saved for the backward (the backward dequantizes again from the slot, which then holds the
@@ -24,8 +24,9 @@ from torch import nn
 
 from ..kernels import prepare_dequantize
 from ..kernels.crossover import fused_limit
-from ..kernels.fp8 import FP8, RowMax, fp8_linear, fp8_shape_ok, prepare_weight_fp8
+from ..kernels.fp8 import FP8, RowMax, fp8_input_grad, fp8_linear, fp8_shape_ok, prepare_weight_fp8
 from ..quant import QuantizedWeight
+from . import compute
 
 
 class DequantScratch:
@@ -101,6 +102,8 @@ class _DequantLinear(torch.autograd.Function):
             from ..kernels.triton_fused import fused_input_grad
 
             return fused_input_grad(grad_out.to(torch.bfloat16), layer.quantized), None
+        if layer.dequant_fp8 is not None and compute.FP8_BACKWARD:
+            return fp8_input_grad(grad_out.to(torch.bfloat16), layer.dequant_fp8()), None
         w = layer.dequant()
         grad_in = grad_out.to(w.dtype).matmul(w)
         return grad_in, None

@@ -111,3 +111,44 @@ def test_the_memory_plan_counts_the_fp8_scratch(tiny_slab):
     bf16 = runtime.plan(tiny_slab, resolution=128, text_tokens=16, compute="bf16")
     fp8 = runtime.plan(tiny_slab, resolution=128, text_tokens=16, compute="fp8")
     assert fp8.scratch > bf16.scratch and fp8.peak_allocated - bf16.peak_allocated == fp8.scratch - bf16.scratch
+
+
+def test_fp8_input_gradients_stay_close_to_bf16_s_and_go_through_scaled_mm(tiny_slab, fp8_resident, monkeypatch):
+    """With compute.FP8_BACKWARD the frozen layers' input gradients are FP8 products too: the LoRA gradients stay
+    close to the bf16 backward's (the same FP8 forward), the streamed step still equals the resident one, and the
+    backward's _scaled_mm calls are there (the negative control: without it, only the forward's)."""
+    def counted():
+        calls = []
+        real = torch._scaled_mm
+        monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+        return calls
+
+    calls = counted()
+    _, grads_bf16_backward = _run(tiny_slab, "fp8", stream=False)
+    forward_only = len(calls)
+    monkeypatch.setattr(compute_mode, "FP8_BACKWARD", True)
+    calls.clear()
+    out8, grads8 = resident = _run(tiny_slab, "fp8", stream=False)
+    assert len(calls) > forward_only
+    flat8 = torch.cat([g.flatten() for g in grads8.values()])
+    flat = torch.cat([grads_bf16_backward[n].flatten() for n in grads8])
+    assert not torch.equal(flat8, flat)
+    assert torch.nn.functional.cosine_similarity(flat8, flat, dim=0) > 0.999
+    assert_same(_run(tiny_slab, "fp8", stream=True), resident)
+
+
+def test_the_fp8_input_gradient_is_the_product_of_its_quantized_operands():
+    from squareq.kernels.fp8 import fp8_input_grad
+    from squareq.quant.fp8_rows import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    codes, scales = quantize_rows(torch.randn(32, 64, generator=g) * torch.rand(32, 1, generator=g))
+    grad = torch.randn(3, 5, 32, generator=g).to(torch.bfloat16)
+    got = fp8_input_grad(grad, (codes, scales))
+    assert got.shape == (3, 5, 64) and got.dtype == torch.bfloat16
+    gq, gs = quantize_rows((grad.reshape(-1, 32).float() * scales[None, :]).to(torch.bfloat16))
+    want = ((gq.float() * gs[:, None]) @ codes.float()).view(3, 5, 64)  # the channel scales folded into the gradient
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-6)
+    exact = grad.float() @ dequantize_rows(codes, scales)
+    rel = float((got.float() - exact).pow(2).sum() / exact.pow(2).sum())
+    assert 0 < rel < 2e-3  # E4M3's 3 mantissa bits on the gradient
