@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""One frozen linear layer's forward on FLUX shapes: bf16 compute against FP8 compute, parts and whole (issue 21).
+"""One frozen linear layer's forward and input gradient on FLUX shapes: bf16 compute against FP8 compute, parts and
+whole (issues 21 and 41).
 
-    python benchmarks/fp8_linear.py [--out DIR] [--rows 1536,5120]
+    python benchmarks/fp8_linear.py [--out DIR] [--rows 1536,5120] [--parts forward,grad]
 
 For each FLUX linear shape (out N, in K), a W4 g64 weight (seeded random: speed only, never a quality claim) and M
 input rows (1,536 and 5,120 are the token counts of a FLUX.1 step at 512² and 1024² with 512 text tokens):
@@ -10,7 +11,10 @@ input rows (1,536 and 5,120 are the token counts of a FLUX.1 step at 512² and 1
 * ``fp8``: the runtime's FP8 path (squareq/kernels/fp8.py): the weight straight to E4M3 rows, the input quantized
   per token, ``torch._scaled_mm``; with ``fast_accum`` on and off;
 * its parts: the weight kernel, the activation kernel, and ``torch._scaled_mm`` alone;
-* ``bf16 resident``: ``F.linear`` on a bf16 weight already in memory, what the resident model runs.
+* ``bf16 resident``: ``F.linear`` on a bf16 weight already in memory, what the resident model runs;
+* ``grad: ...`` (``--parts grad``): the input gradient ``g·W`` of M rows: bf16 (dequantize + matmul, the runtime's
+  backward), FP8 (the weight to E4M3 + ``kernels/fp8.py`` ``fp8_input_grad``, what ``compute.FP8_BACKWARD`` runs),
+  and ``g·W`` on a resident bf16 weight.
 
 Times are CUDA-graph medians over copies whose weights exceed the L2 cache (benchmarks/matmul.py's ``time_graph``).
 Each FP8 row also gives the output's rel-MSE against the bf16 path on the same input. It checks first that the
@@ -33,7 +37,7 @@ from common import RECORDS, emit, git_commit, log, write_records  # noqa: E402
 from matmul import L2_BYTES, SHAPES, time_graph  # noqa: E402
 
 
-def variants(n: int, k: int, m: int):
+def variants(n: int, k: int, m: int, parts=("forward",)):
     """{name: [callables]} of one shape, each over enough weight copies to exceed L2, and the rel-MSE per FP8 name."""
     import torch
     import torch.nn.functional as F
@@ -74,7 +78,8 @@ def variants(n: int, k: int, m: int):
         kfp8.FAST_ACCUM, kfp8.BIAS_IN_EPILOGUE = fast, epilogue
         return kfp8.fp8_linear(x, to_fp8[i](), with_bias)
 
-    out = {
+    grad = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+    out = {} if "forward" not in parts else {
         "bf16 resident": [lambda w=w: F.linear(x, w) for w in resident],
         "bf16 (dequant + F.linear)": [lambda i=i: F.linear(x, deq[i]()) for i in range(copies)],
         "fp8": [lambda i=i: fp8_path(i, False) for i in range(copies)],
@@ -87,22 +92,40 @@ def variants(n: int, k: int, m: int):
         "part: _scaled_mm": [lambda: scaled(False)] * copies,
         "part: _scaled_mm fast_accum": [lambda: scaled(True)] * copies,
     }
+    if "grad" in parts:
+        out.update({
+            "grad: bf16 resident": [lambda w=w: grad.matmul(w) for w in resident],
+            "grad: bf16 (dequant + matmul)": [lambda i=i: grad.matmul(deq[i]()) for i in range(copies)],
+            "grad: fp8 (weight to E4M3 + fp8_input_grad)": [lambda i=i: kfp8.fp8_input_grad(grad, to_fp8[i]())
+                                                            for i in range(copies)],
+            "grad part: fp8_input_grad": [lambda: kfp8.fp8_input_grad(grad, (codes, scales))] * copies,
+        })
     errors = {}
-    reference = F.linear(x, deq[0]()).float()
-    for name, fast in (("fp8", False), ("fp8 fast_accum", True)):
-        y = fp8_path(0, fast).float()
-        errors[name] = ((y - reference).pow(2).mean() / reference.pow(2).mean()).item()
+
+    def rel(y, reference):
+        return ((y.float() - reference).pow(2).mean() / reference.pow(2).mean()).item()
+
+    if "forward" in parts:
+        reference = F.linear(x, deq[0]()).float()
+        for name, fast in (("fp8", False), ("fp8 fast_accum", True)):
+            errors[name] = rel(fp8_path(0, fast), reference)
+    if "grad" in parts:
+        errors["grad: fp8 (weight to E4M3 + fp8_input_grad)"] = rel(kfp8.fp8_input_grad(grad, to_fp8[0]()),
+                                                                    grad.matmul(deq[0]()).float())
     kfp8.FAST_ACCUM, kfp8.BIAS_IN_EPILOGUE = True, False
     return out, errors
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| shape | M | variant | ms | × bf16 resident | rel-MSE vs bf16 path |", "|---|---|---|---|---|---|"]
-    base = {(r["shape"], r["m"]): r["ms"] for r in records if r.get("variant") == "bf16 resident"}
+    lines = ["| shape | M | variant | ms | × bf16 resident (its direction) | rel-MSE vs bf16 path |",
+             "|---|---|---|---|---|---|"]
+    base = {(r["shape"], r["m"], r["variant"].startswith("grad")): r["ms"] for r in records
+            if r.get("variant") in ("bf16 resident", "grad: bf16 resident")}
     for r in records:
         if "variant" not in r:
             continue
-        ratio = r["ms"] / base[(r["shape"], r["m"])] if (r["shape"], r["m"]) in base else None
+        key = (r["shape"], r["m"], r["variant"].startswith("grad"))
+        ratio = r["ms"] / base[key] if key in base else None
         err = f"{r['rel_mse']:.2e}" if r.get("rel_mse") is not None else ""
         lines.append(f"| {r['shape']} | {r['m']} | {r['variant']} | {r['ms']:.3f} | "
                      f"{'' if ratio is None else f'{ratio:.2f}'} | {err} |")
@@ -113,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rows", default="1536,5120", help="comma-separated M values")
+    ap.add_argument("--parts", default="forward,grad", help="forward, grad (the input gradient), or both")
     args = ap.parse_args()
     import torch
 
@@ -123,7 +147,7 @@ def main() -> None:
     for shape, (n, k) in SHAPES.items():
         for m in (int(v) for v in args.rows.split(",")):
             log(f"{shape} M={m}")
-            calls, errors = variants(n, k, m)
+            calls, errors = variants(n, k, m, args.parts.split(","))
             for name, fns in calls.items():
                 emit({"shape": shape, "n": n, "k": k, "m": m, "variant": name, "ms": 1e3 * time_graph(fns),
                       "rel_mse": errors.get(name)})
