@@ -13,8 +13,9 @@ input rows (1,536 and 5,120 are the token counts of a FLUX.1 step at 512² and 1
 * its parts: the weight kernel, the activation kernel, and ``torch._scaled_mm`` alone;
 * ``bf16 resident``: ``F.linear`` on a bf16 weight already in memory, what the resident model runs;
 * ``grad: ...`` (``--parts grad``): the input gradient ``g·W`` of M rows: bf16 (dequantize + matmul, the runtime's
-  backward), FP8 (the weight to E4M3 + ``kernels/fp8.py`` ``fp8_input_grad``, what ``compute.FP8_BACKWARD`` runs),
-  and ``g·W`` on a resident bf16 weight.
+  backward), FP8 (the weight to E4M3 + ``kernels/fp8.py`` ``fp8_input_grad``; with the codes row-major and copied
+  transposed, and written transposed by the weight kernel, what ``compute.FP8_BACKWARD`` runs), and ``g·W`` on a
+  resident bf16 weight.
 
 Times are CUDA-graph medians over copies whose weights exceed the L2 cache (benchmarks/matmul.py's ``time_graph``).
 Each FP8 row also gives the output's rel-MSE against the bf16 path on the same input. It checks first that the
@@ -57,6 +58,8 @@ def variants(n: int, k: int, m: int, parts=("forward",)):
     scales = torch.empty(n, dtype=torch.float32, device="cuda")
     deq = [prepare_dequantize(bf16, qw) for qw in weights]
     to_fp8 = [kfp8.prepare_weight_fp8(codes, scales, qw, bf16) for qw in weights]
+    codes_t = torch.empty(k, n, dtype=kfp8.FP8, device="cuda").t()  # the input gradient's column-major operand
+    to_fp8_t = [kfp8.prepare_weight_fp8(codes_t, scales, qw, bf16) for qw in weights]
     # the kernels against their torch reference on this device, bit for bit
     to_fp8[0]()
     ref_codes, ref_scales = quantize_rows(quant.dequantize(weights[0]))
@@ -98,7 +101,11 @@ def variants(n: int, k: int, m: int, parts=("forward",)):
             "grad: bf16 (dequant + matmul)": [lambda i=i: grad.matmul(deq[i]()) for i in range(copies)],
             "grad: fp8 (weight to E4M3 + fp8_input_grad)": [lambda i=i: kfp8.fp8_input_grad(grad, to_fp8[i]())
                                                             for i in range(copies)],
+            "grad: fp8, codes written transposed": [lambda i=i: kfp8.fp8_input_grad(grad, to_fp8_t[i]())
+                                                    for i in range(copies)],
             "grad part: fp8_input_grad": [lambda: kfp8.fp8_input_grad(grad, (codes, scales))] * copies,
+            "grad part: fp8_input_grad, transposed codes": [lambda: kfp8.fp8_input_grad(grad, (codes_t, scales))]
+            * copies,
         })
     errors = {}
 
@@ -110,8 +117,9 @@ def variants(n: int, k: int, m: int, parts=("forward",)):
         for name, fast in (("fp8", False), ("fp8 fast_accum", True)):
             errors[name] = rel(fp8_path(0, fast), reference)
     if "grad" in parts:
-        errors["grad: fp8 (weight to E4M3 + fp8_input_grad)"] = rel(kfp8.fp8_input_grad(grad, to_fp8[0]()),
-                                                                    grad.matmul(deq[0]()).float())
+        reference = grad.matmul(deq[0]()).float()
+        errors["grad: fp8 (weight to E4M3 + fp8_input_grad)"] = rel(kfp8.fp8_input_grad(grad, to_fp8[0]()), reference)
+        errors["grad: fp8, codes written transposed"] = rel(kfp8.fp8_input_grad(grad, to_fp8_t[0]()), reference)
     kfp8.FAST_ACCUM, kfp8.BIAS_IN_EPILOGUE = True, False
     return out, errors
 

@@ -46,8 +46,9 @@ def fp8_shape_ok(n: int, k: int) -> bool:
 
 def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight, bf16: torch.Tensor | None,
                        row_max: RowMax | None = None) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """A zero-argument callable writing ``qw``'s weight as E4M3 rows into ``out`` (float8_e4m3fn ``[N, K]``) and
-    their scales into ``scales`` (fp32 ``[N]``), returning both. Formats other than ``int`` dequantize into
+    """A zero-argument callable writing ``qw``'s weight as E4M3 rows into ``out`` (float8_e4m3fn ``[N, K]``; for an
+    ``int`` layer also a transposed view, strides ``(1, N)``) and their scales into ``scales`` (fp32 ``[N]``),
+    returning both. Formats other than ``int`` dequantize into
     ``bf16`` (a ``[N, K]`` scratch view; None for a bf16 layer, read in place) first; ``int`` layers go straight from
     their codes, with the rows' largest magnitudes kept in ``row_max`` (the layer's own; a new one when None)."""
     if backend_for(out.device) == "torch":
@@ -79,16 +80,18 @@ def prepare_weight_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWei
     return run
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scales)`` of 2-D bf16 ``x`` quantized per row (per token): float8_e4m3fn and fp32 ``[M]``."""
+def quantize_activations(x: torch.Tensor, col_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of 2-D bf16 ``x`` quantized per row (per token): float8_e4m3fn and fp32 ``[M]``.
+    ``col_scales`` (fp32 ``[K]``): quantize ``x·diag(col_scales)`` instead, the product taken in fp32 in the same
+    pass."""
     if backend_for(x.device) == "torch":
-        return quantize_rows(x)
+        return quantize_rows(x if col_scales is None else x.float() * col_scales.float()[None, :])
     from .triton_fp8 import rows_fp8_into
 
     x = x.contiguous()
     codes = torch.empty(x.shape, dtype=FP8, device=x.device)
     scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    rows_fp8_into(codes, scales, x)
+    rows_fp8_into(codes, scales, x, None if col_scales is None else col_scales.float().contiguous())
     return codes, scales
 
 
@@ -108,15 +111,17 @@ def fp8_linear(x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias:
 def fp8_input_grad(grad: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """``grad·W`` in bf16 from bf16 ``grad [..., N]`` and ``weight`` = (E4M3 ``[N, K]``, fp32 scales ``[N]``): the
     input gradient of :func:`fp8_linear` as one ``torch._scaled_mm``. The weight's scales run along the product's
-    contracted dimension here, so they cannot scale its output; they are folded into the gradient first
-    (``grad·diag(s)·W_codes``), which is then quantized per row (per token) as the forward's input is. ``_scaled_mm``
-    reads its second operand column-major, so the codes are copied transposed (N·K bytes)."""
+    contracted dimension here, so they cannot scale its output; they are folded into the gradient
+    (``grad·diag(s)·W_codes``) in the pass that quantizes it per row (per token), as the forward's input is.
+    ``_scaled_mm`` reads its second operand column-major: codes in the transposed layout (strides ``(1, N)``, as
+    :func:`prepare_weight_fp8` writes an ``int`` layer's into a transposed view) are read as they are, row-major
+    ones are copied transposed (N·K bytes)."""
     codes, w_scales = weight
     n, k = codes.shape
     lead = grad.shape[:-1]
-    folded = (grad.reshape(-1, n).float() * w_scales[None, :]).to(torch.bfloat16)
-    gq, g_scales = quantize_activations(folded)
+    gq, g_scales = quantize_activations(grad.reshape(-1, n), col_scales=w_scales)
     ones = torch.ones((1, k), dtype=torch.float32, device=codes.device)
-    out = torch._scaled_mm(gq, codes.t().contiguous().t(), scale_a=g_scales[:, None], scale_b=ones,
+    column_major = codes if codes.stride(0) == 1 else codes.t().contiguous().t()
+    out = torch._scaled_mm(gq, column_major, scale_a=g_scales[:, None], scale_b=ones,
                            out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM_GRAD)
     return out.view(*lead, k)

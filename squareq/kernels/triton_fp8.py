@@ -67,8 +67,9 @@ def _bf16_value(w, HW: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, HW: tl.constexpr):
+def _rows_kernel(x_ptr, out_ptr, scale_ptr, col_ptr, R, K, x_stride, out_stride,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, HW: tl.constexpr,
+                 HAS_COL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     x_base = x_ptr + rows[:, None].to(tl.int64) * x_stride
@@ -77,6 +78,8 @@ def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
     if ONE_PASS:  # the whole row fits one tile: read it once
         m = row_mask[:, None] & (cols[None, :] < K)
         x = tl.load(x_base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_COL:  # each column scaled first, in fp32 (the input gradient's folded weight scales)
+            x = x * tl.load(col_ptr + cols, mask=cols < K, other=0.0)[None, :]
         scale, inverse = _row_inverse(tl.max(tl.abs(x), axis=1))
         tl.store(out_base + cols[None, :], _codes(x, inverse, HW), mask=m)
     else:
@@ -84,11 +87,15 @@ def _rows_kernel(x_ptr, out_ptr, scale_ptr, R, K, x_stride, out_stride,
         for k0 in range(0, K, BLOCK_K):
             m = row_mask[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_COL:
+                x = x * tl.load(col_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)[None, :]
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale, inverse = _row_inverse(amax)
         for k0 in range(0, K, BLOCK_K):
             m = row_mask[:, None] & (k0 + cols[None, :] < K)
             x = tl.load(x_base + k0 + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_COL:
+                x = x * tl.load(col_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)[None, :]
             tl.store(out_base + k0 + cols[None, :], _codes(x, inverse, HW), mask=m)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
@@ -124,7 +131,7 @@ def _int_amax_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr,
 
 @triton.jit
 def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr, out_ptr, scale_ptr,
-                    N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride,
+                    N, K, row_bytes, n_groups, q_row_stride, s_row_stride, out_row_stride, out_col_stride,
                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC6: tl.constexpr, HW: tl.constexpr,
                     ROT_STAGES: tl.constexpr, ROT_SCALE: tl.constexpr):
@@ -132,16 +139,18 @@ def _int_fp8_kernel(q_ptr, s_ptr, z_ptr, inv_ptr, amax_ptr, out_ptr, scale_ptr,
                                         s_row_stride, BITS, GROUP, HAS_ZERO, HAS_SMOOTH, BLOCK_N, BLOCK_K, VEC6, HW,
                                         ROT_STAGES, ROT_SCALE)
     scale, inverse = _row_inverse(tl.load(amax_ptr + rows, mask=row_mask, other=0.0))
-    out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :]
+    out_off = rows[:, None].to(tl.int64) * out_row_stride + cols[None, :].to(tl.int64) * out_col_stride
     tl.store(out_ptr + out_off, _codes(w, inverse, HW), mask=row_mask[:, None] & (cols[None, :] < K),
              cache_modifier=".cs")
     if tl.program_id(0) == 0:  # one program per row block writes the scales
         tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
-def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> None:
-    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != tuple(shape) or out.stride(-1) != 1:
-        raise ValueError(f"FP8 output must be float8_e4m3fn {tuple(shape)} with unit column stride; got {out.dtype} "
+def _check(out: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], transposed_ok: bool = False) -> None:
+    unit = out.stride(-1) == 1 or (transposed_ok and out.stride(0) == 1 and out.stride(1) == shape[0])
+    if out.dtype != torch.float8_e4m3fn or tuple(out.shape) != tuple(shape) or not unit:
+        raise ValueError(f"FP8 output must be float8_e4m3fn {tuple(shape)} with unit column stride"
+                         f"{' (or the transposed layout)' if transposed_ok else ''}; got {out.dtype} "
                          f"{tuple(out.shape)} stride {out.stride()}.")
     if scales.dtype != torch.float32 or scales.shape != (shape[0],):
         raise ValueError(f"row scales must be float32 [{shape[0]}]; got {scales.dtype} {tuple(scales.shape)}.")
@@ -156,27 +165,31 @@ def _hardware_conversion() -> bool:
 MAX_ONE_PASS = 16384  # widest row read in one tile (registers: 8 warps hold 16K fp32 values in 64 per thread)
 
 
-_row_launchers: dict[int, DirectLaunch] = {}  # K -> its launcher
+_row_launchers: dict[tuple[int, bool], DirectLaunch] = {}  # (K, column scales) -> its launcher
 
 
-def _rows_launcher(k: int) -> DirectLaunch:
-    entry = _row_launchers.get(k)
+def _rows_launcher(k: int, has_col: bool = False) -> DirectLaunch:
+    entry = _row_launchers.get((k, has_col))
     if entry is None:
         block_k = triton.next_power_of_2(max(k, 16))
         one_pass = block_k <= MAX_ONE_PASS
         if not one_pass:
             block_k = 4096
-        constants = dict(BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, HW=_hardware_conversion(),
+        constants = dict(BLOCK_R=1, BLOCK_K=block_k, ONE_PASS=one_pass, HW=_hardware_conversion(), HAS_COL=has_col,
                          num_warps=8 if block_k >= 8192 else 4)
-        entry = _row_launchers[k] = DirectLaunch(_rows_kernel, constants, outputs=(1, 2))
+        entry = _row_launchers[(k, has_col)] = DirectLaunch(_rows_kernel, constants, outputs=(1, 2))
     return entry
 
 
-def rows_fp8_into(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> None:
-    """Write E4M3 rows of 2-D bf16 ``x`` (unit column stride) into ``out`` and their scales into ``scales``
-    (shapes are the caller's to get right: this runs on every layer call)."""
+def rows_fp8_into(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor,
+                  col_scales: torch.Tensor | None = None) -> None:
+    """Write E4M3 rows of 2-D bf16 ``x`` (unit column stride), each column first multiplied by ``col_scales`` (fp32
+    ``[K]``) when given, into ``out`` and their scales into ``scales`` (shapes are the caller's to get right: this
+    runs on every layer call)."""
     rows, k = x.shape
-    _rows_launcher(k)((rows,), (x, out.view(torch.uint8), scales, rows, k, x.stride(0), out.stride(0)))
+    col = x if col_scales is None else col_scales  # a pointer the kernel does not read without column scales
+    _rows_launcher(k, col_scales is not None)((rows,), (x, out.view(torch.uint8), scales, col, rows, k, x.stride(0),
+                                                         out.stride(0)))
 
 
 def prepare_rows_fp8(out: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> Callable[[], None]:
@@ -193,8 +206,8 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     It works over the dequant kernel's tiles, so the whole GPU works on every layer. The rows' largest magnitudes
     (``row_max``, a :class:`squareq.kernels.fp8.RowMax`) are reduced by a first launch (an atomic max per row and
     tile) the first time only: the weight is frozen. From then on one launch reads the codes once and writes one
-    byte per weight."""
-    _check(out, scales, qw.shape)
+    byte per weight. ``out`` may be the transposed layout (strides ``(1, N)``: the input gradient's operand)."""
+    _check(out, scales, qw.shape, transposed_ok=True)
     amax = row_max.values
     if amax.dtype != torch.float32 or amax.shape != scales.shape or amax.data_ptr() == scales.data_ptr():
         raise ValueError("row maxima must be their own float32 buffer of one value per row.")
@@ -207,7 +220,8 @@ def prepare_int_fp8(out: torch.Tensor, scales: torch.Tensor, qw: QuantizedWeight
     kwargs = dict(BITS=spec.bits, GROUP=spec.group_size, HAS_ZERO="zeros" in t, HAS_SMOOTH="inv_smooth" in t,
                   BLOCK_N=block_n, BLOCK_K=block_k, VEC6=vec6, HW=_hardware_conversion(), num_warps=warps,
                   **rotation_constants(spec))
-    args = (qweight, group_scales, zeros, inv, amax, out.view(torch.uint8), scales, *shared, out.stride(0))
+    args = (qweight, group_scales, zeros, inv, amax, out.view(torch.uint8), scales, *shared, out.stride(0),
+            out.stride(1))
     direct = DirectLaunch(_int_fp8_kernel, kwargs, outputs=(5, 6))
 
     def launch() -> None:

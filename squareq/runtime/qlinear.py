@@ -59,14 +59,17 @@ class DequantScratch:
             return lambda: weight
         return prepare_dequantize(self.view(qw.shape), qw)
 
-    def prepare_fp8(self, qw: QuantizedWeight, row_max: RowMax | None = None):
+    def prepare_fp8(self, qw: QuantizedWeight, row_max: RowMax | None = None, transposed: bool = False):
         """A zero-argument callable returning ``qw``'s weight as (E4M3 rows, fp32 row scales) in the scratch, or
         None where the forward stays in bf16: bf16 compute, or a shape ``torch._scaled_mm`` does not take.
-        ``row_max``: the layer's kept row maxima (kernels/fp8.py)."""
+        ``row_max``: the layer's kept row maxima (kernels/fp8.py). ``transposed``: the rows written in the
+        transposed layout the FP8 input gradient reads (``int`` layers only; None for the others, whose gradient
+        copies the row-major codes)."""
         n, k = qw.shape
-        if not self.fp8 or not fp8_shape_ok(n, k):
+        if not self.fp8 or not fp8_shape_ok(n, k) or (transposed and (qw.spec.is_passthrough
+                                                                      or qw.spec.format != "int")):
             return None
-        codes = self.fp8_buffer[: n * k].view(n, k)
+        codes = self.fp8_buffer[: n * k].view(k, n).t() if transposed else self.fp8_buffer[: n * k].view(n, k)
         bf16 = None if qw.spec.is_passthrough else self.view(qw.shape)
         return prepare_weight_fp8(codes, self.row_scales[:n], qw, bf16, row_max)
 
@@ -103,7 +106,8 @@ class _DequantLinear(torch.autograd.Function):
 
             return fused_input_grad(grad_out.to(torch.bfloat16), layer.quantized), None
         if layer.dequant_fp8 is not None and compute.FP8_BACKWARD:
-            return fp8_input_grad(grad_out.to(torch.bfloat16), layer.dequant_fp8()), None
+            weight = (layer.dequant_fp8_grad or layer.dequant_fp8)()
+            return fp8_input_grad(grad_out.to(torch.bfloat16), weight), None
         w = layer.dequant()
         grad_in = grad_out.to(w.dtype).matmul(w)
         return grad_in, None
@@ -124,6 +128,7 @@ class QuantLinear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         self.dequant = self._unbound  # the runtime binds a prepared dequantizer with each qweight
         self.dequant_fp8 = None  # and, under FP8 compute, one into the E4M3 scratch
+        self.dequant_fp8_grad = None  # and with compute.FP8_BACKWARD, one in the input gradient's layout
         self.row_max: RowMax | None = None  # FP8 compute: the weight's row maxima, found once
         self.register_parameter("bias", None)  # bound to a slot view when the layer has a bias
         self.lora_A: nn.Linear | None = None
@@ -144,19 +149,21 @@ class QuantLinear(nn.Module):
         self.quantized = quantized
         self.dequant = dequant or self.scratch.prepare(quantized)
         self.dequant_fp8 = dequant_fp8 if dequant is not None else self.prepare_fp8(quantized)
+        self.dequant_fp8_grad = self.prepare_fp8(quantized, transposed=True) \
+            if compute.FP8_BACKWARD and self.dequant_fp8 is not None else None
 
-    def prepare_fp8(self, quantized: QuantizedWeight):
+    def prepare_fp8(self, quantized: QuantizedWeight, transposed: bool = False):
         """The scratch's E4M3 converter for ``quantized`` (see :meth:`DequantScratch.prepare_fp8`), sharing this
         layer's row maxima between the slots its block visits."""
         if self.row_max is None and self.scratch.fp8:
             device = self.scratch.buffer.device
             self.row_max = RowMax(torch.empty(self.out_features, dtype=torch.float32, device=device))
-        return self.scratch.prepare_fp8(quantized, self.row_max)
+        return self.scratch.prepare_fp8(quantized, self.row_max, transposed)
 
     def unbind(self) -> None:
         self.quantized = None
         self.dequant = self._unbound
-        self.dequant_fp8 = None
+        self.dequant_fp8 = self.dequant_fp8_grad = None
 
     @property
     def weight(self) -> torch.Tensor:

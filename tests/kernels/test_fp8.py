@@ -41,12 +41,37 @@ def test_activation_rows_wider_than_one_tile_take_two_passes():
     _same(*kfp8.quantize_activations(x), quantize_rows(x))
 
 
+@pytest.mark.parametrize("k", [96, None], ids=["one pass", "two passes"])
+def test_activation_rows_with_column_scales_fold_them_in_fp32(k):
+    """The input gradient's rows: each column times the weight's channel scale, in the quantizing pass."""
+    from squareq.kernels.triton_fp8 import MAX_ONE_PASS
+
+    k = k or MAX_ONE_PASS + 300
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    col = torch.rand(k, generator=g) * 1e-2
+    col[-1] = 10.0  # the last column decides the rows' scales
+    _same(*kfp8.quantize_activations(x, col), quantize_rows(x.float() * col[None, :]))
+    assert not torch.equal(kfp8.quantize_activations(x, col)[1], kfp8.quantize_activations(x)[1])
+
+
 def test_int_weights_straight_to_e4m3_rows():
     for label, qw in int_weights():
         codes, scales = _weight(qw)
         ref = quantize_rows(dequantize(qw))
         assert torch.equal(codes.view(torch.uint8), ref[0].view(torch.uint8)), label
         assert torch.equal(scales, ref[1]), label
+
+
+def test_int_weights_to_e4m3_rows_in_the_transposed_layout():
+    """The FP8 input gradient's operand: the same codes, written column-major (a transposed view of a [K, N] buffer)."""
+    for label, qw in int_weights():
+        n, k = qw.shape
+        scales = torch.empty(n)
+        codes, got_scales = kfp8.prepare_weight_fp8(torch.empty(k, n, dtype=kfp8.FP8).t(), scales, qw, None)()
+        ref = quantize_rows(dequantize(qw))
+        assert codes.stride() == (1, n), label
+        _same(codes.contiguous(), got_scales, ref)
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(bits=16), QuantSpec(bits=4, group_size=64, symmetric=True, format="nf4"),
