@@ -108,7 +108,10 @@ def search_rungs(w: torch.Tensor, stats: LayerStats, specs: list[QuantSpec], rou
         rungs[rung].offer(index, (qw, key[1], smooth, True))
     factors.drop()
     sigmas = _Shared(lambda key, spec, inv: quant.stored_hessian(stats.hessian, spec, inv, w.device, GPTQ_DAMP))
-    return [r.result(refine, sigmas) for r in rungs]
+    results: list[Candidate | None] = [None] * len(rungs)
+    for i in sorted(range(len(rungs)), key=lambda i: (rungs[i].space(), i)):  # one learned-rounding Σ per space
+        results[i] = rungs[i].result(refine, sigmas)
+    return results
 
 
 class _Shared:
@@ -180,6 +183,11 @@ class _Rung:
         if self.best is None or (error, index) < self.best[:2]:
             self.best = (error, index, option)
 
+    def space(self) -> tuple[int, float]:
+        """The best option's stored space, as the shared matrices are keyed: (rotation group or 0, α)."""
+        qw, alpha = self.best[2][0], self.best[2][1]
+        return (qw.spec.group_size if qw.spec.rotate else 0, alpha)
+
     def result(self, refine: bool, sigmas: _Shared) -> Candidate:
         w, stats = self.w, self.stats
         best, _, (qw, alpha, smooth, used_gptq) = self.best
@@ -189,8 +197,7 @@ class _Rung:
         if refine and _uses_gptq(qw.spec, stats, self.rounding):
             # GPTQ's damping: undamped, the descent fitted the calibration text closer and did worse on other text
             # (docs/compiler.md, "Learned rounding")
-            inv = qw.tensors.get("inv_smooth")
-            sigma = sigmas.get((qw.spec.group_size if qw.spec.rotate else 0, alpha), qw.spec, inv)
+            sigma = sigmas.get(self.space(), qw.spec, qw.tensors.get("inv_smooth"))
             moved, _ = quant.refine_rounding(qw, w, stats.hessian, sigma=sigma)
             error = quant.output_rel_mse(w, quant.dequantize(moved), stats.judging_rows)
             if error < best:

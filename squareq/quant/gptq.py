@@ -36,6 +36,7 @@ from .rtn import (
     _check_weight,
     all_finite,
     assemble,
+    check_rotation,
     group_params,
     grouped,
     num_groups,
@@ -114,6 +115,8 @@ class GPTQFactor:
     perm: torch.Tensor | None  # act_order's column order
     rotate_group: int  # the Hadamard group the Hessian was rotated with, 0 when not rotated
     smooth_scale: torch.Tensor | None  # the smoothing scale it was mapped with (compared by identity)
+    k: int  # the layer's inputs
+    damp_asked: float  # the damping it was asked for
 
     def fits(self, spec: QuantSpec, smooth_scale: torch.Tensor | None, act_order: bool) -> bool:
         """Whether a run under ``spec`` with ``smooth_scale`` and ``act_order`` may use this factor."""
@@ -132,6 +135,7 @@ def gptq_factor(hessian: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tens
         raise ValueError(f"damp={damp} must be a finite non-negative fraction (0.01 is typical).")
     if spec.rotate and act_order:
         raise ValueError("GPTQ's act_order is not offered for a rotated spec; quantize it in column order.")
+    check_rotation(spec, k)
     device = hessian.device if device is None else torch.device(device)
     inv64 = None
     if spec.smooth:
@@ -175,7 +179,7 @@ def gptq_factor(hessian: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tens
     perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
     factor, used = inverse_factor(prepare, damp, base, DAMP_RETRIES)
     return GPTQFactor(factor, used, n_dead, perm, spec.group_size if spec.rotate else 0,
-                      smooth_scale if spec.smooth else None)
+                      smooth_scale if spec.smooth else None, k, damp)
 
 
 def gptq_quantize_with_info(
@@ -208,8 +212,11 @@ def gptq_quantize_with_info(
     elif not factor.fits(spec, smooth_scale, act_order):
         raise ValueError(f"this GPTQ factor was made for another space than {spec.label()} (rotation, smoothing "
                          "scale or act_order differ); make one with gptq_factor for it.")
-    elif (factor.factor is not None and factor.factor.k != k) or (factor.perm is not None and len(factor.perm) != k):
-        raise ValueError(f"this GPTQ factor is for another layer: K={k} here.")
+    elif factor.k != k:
+        raise ValueError(f"this GPTQ factor is for another layer: K={factor.k} there, K={k} here.")
+    elif factor.damp_asked != damp:
+        raise ValueError(f"this GPTQ factor was made with damping {factor.damp_asked:g}, not {damp:g}; make one with "
+                         "gptq_factor at this damping.")
     if factor.factor is None:
         log.warning(
             "GPTQ: the Cholesky factorization of the %dx%d Hessian failed even with damping %.3g of its mean "

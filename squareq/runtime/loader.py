@@ -152,7 +152,7 @@ class _Binder:
         for name in rec.layers:
             qw = self.slab.quantized_weight(name, blob=buffer)  # views into the buffer, laid out as the manifest says
             module = self.modules[name]
-            ops.append((module, "bind", (qw, module.scratch.prepare(qw), module.prepare_fp8(qw))))
+            ops.append((module, "bind", (qw, *module.prepared(qw))))
         for pname, t in self.slab.block_params(block, blob=buffer).items():
             owner_path, _, attr = pname.rpartition(".")
             # a layer's bias goes to the layer found at load, even where PEFT has since wrapped it in a LoRA layer

@@ -143,14 +143,21 @@ class QuantLinear(nn.Module):
         raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "
                            "runtime (use squareq.runtime.load) before it runs.")
 
-    def bind(self, quantized: QuantizedWeight, dequant=None, dequant_fp8=None) -> None:
+    def bind(self, quantized: QuantizedWeight, dequant=None, dequant_fp8=None, dequant_fp8_grad=None) -> None:
         """Point the layer at stored tensors (views into a slot) and the callables that dequantize them (to bf16,
-        and to E4M3 rows under FP8 compute; prepared here when not given)."""
+        to E4M3 rows under FP8 compute, and to the transposed E4M3 rows of the FP8 input gradient; prepared here
+        when ``dequant`` is not given: the runtime prepares them once per block and slot)."""
         self.quantized = quantized
-        self.dequant = dequant or self.scratch.prepare(quantized)
-        self.dequant_fp8 = dequant_fp8 if dequant is not None else self.prepare_fp8(quantized)
-        self.dequant_fp8_grad = self.prepare_fp8(quantized, transposed=True) \
-            if compute.FP8_BACKWARD and self.dequant_fp8 is not None else None
+        if dequant is None:
+            dequant, dequant_fp8, dequant_fp8_grad = self.prepared(quantized)
+        self.dequant, self.dequant_fp8, self.dequant_fp8_grad = dequant, dequant_fp8, dequant_fp8_grad
+
+    def prepared(self, quantized: QuantizedWeight) -> tuple:
+        """The callables :meth:`bind` takes for ``quantized``: bf16, E4M3 rows (None under bf16 compute), and the
+        input gradient's transposed E4M3 rows (None unless ``compute.FP8_BACKWARD``)."""
+        fp8 = self.prepare_fp8(quantized)
+        grad = self.prepare_fp8(quantized, transposed=True) if compute.FP8_BACKWARD and fp8 is not None else None
+        return self.scratch.prepare(quantized), fp8, grad
 
     def prepare_fp8(self, quantized: QuantizedWeight, transposed: bool = False):
         """The scratch's E4M3 converter for ``quantized`` (see :meth:`DequantScratch.prepare_fp8`), sharing this

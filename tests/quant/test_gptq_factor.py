@@ -35,6 +35,14 @@ def test_a_factor_of_another_space_is_refused_in_a_sentence():
         quant.gptq_quantize(W, QuantSpec(bits=4, smooth=True), sigma, SCALE.clone(), damp=0.1, factor=smoothed)
     with pytest.raises(ValueError, match="another layer"):
         quant.gptq_quantize(W[:, :64], QuantSpec(bits=4), sigma[:64, :64], damp=0.1, factor=plain)
+    with pytest.raises(ValueError, match="made with damping 0.1, not 0.01"):
+        quant.gptq_quantize(W, QuantSpec(bits=4), sigma, damp=0.01, factor=plain)
+
+
+def test_a_rotated_factor_needs_whole_groups_and_says_so():
+    sigma = _sigma()[:96, :96]
+    with pytest.raises(ValueError, match="whole number of groups"):
+        quant.gptq_factor(sigma, QuantSpec(bits=4, rotate=True), damp=0.1)
 
 
 def test_a_shared_refinement_matrix_gives_the_same_codes():

@@ -152,3 +152,25 @@ def test_the_fp8_input_gradient_is_the_product_of_its_quantized_operands():
     exact = grad.float() @ dequantize_rows(codes, scales)
     rel = float((got.float() - exact).pow(2).sum() / exact.pow(2).sum())
     assert 0 < rel < 2e-3  # E4M3's 3 mantissa bits on the gradient
+
+
+def test_the_fp8_gradient_converters_are_prepared_once_per_block_and_slot(tiny_slab, monkeypatch):
+    """The runtime binds each streamed block's layers from a plan made once per block and slot: later steps prepare
+    nothing again, the FP8 input gradient's converters included (a fresh one per bind would launch through Triton's
+    dispatcher every time)."""
+    monkeypatch.setattr(compute_mode, "FP8_BACKWARD", True)
+    prepared = []
+    real = runtime.QuantLinear.prepared
+
+    def counting(self, qw):
+        prepared.append(real(self, qw))
+        return prepared[-1]
+
+    monkeypatch.setattr(runtime.QuantLinear, "prepared", counting)
+    model = runtime.load(tiny_slab, "cpu", stream=True, prefetch=2, compute="fp8")
+    with_lora(model)
+    step(model, inputs("cpu"), checkpointing=True)
+    first = len(prepared)
+    assert first > 0 and any(grad is not None for _, _, grad in prepared)  # the int layers' transposed converters
+    step(model, inputs("cpu"), checkpointing=True)
+    assert len(prepared) == first
