@@ -15,6 +15,9 @@ in its own process so memory statistics start clean:
   slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with FP8 tensor cores);
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq sample --cuda-graphs``):
   each block's forward is captured as a CUDA graph per slot during the first steps and replayed after;
+* ``squareq ... compiled`` (``--block-compile on``): the same with ``compile_blocks=True`` (``squareq sample
+  --compile on``): each block class's forward under ``torch.compile``, compiled during the run's first step, which
+  is counted in the run's time as a user's first step is (``block_compile_s``: Dynamo's own count of it);
 * ``... attention=fused`` / ``attention=stock`` (``--attention``): FLUX attention with SquareQ's fused query/key
   norm + rotary embedding (runtime/flux_attention.py; what ``squareq.runtime.load`` installs by default) or with
   diffusers' stock processor; the resident model runs the stock one always (every ratio divides by it) and also
@@ -143,11 +146,13 @@ def phase(args) -> None:
             k, *rest = args.phase[1:]
             compute = _phase_value(rest, "compute", "bf16")
             graphs = "graphs" in rest
+            block_compile = "compiled" in rest
             rec["prefetch"] = k if k == "auto" else int(k)
             model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
                             host="pinned", verify="off", compute=compute, cuda_graphs=graphs,
-                            fused_attention=attention == "fused")
-            rec.update(compute=compute, compute_used=rt.runtime_of(model).compute, cuda_graphs=graphs)
+                            fused_attention=attention == "fused", compile_blocks=block_compile)
+            rec.update(compute=compute, compute_used=rt.runtime_of(model).compute, cuda_graphs=graphs,
+                       block_compile=block_compile)
             if k == "auto":
                 resident = "auto" if "resident" in rest else 0
                 rec["resident_blocks"] = resident
@@ -190,6 +195,10 @@ def phase(args) -> None:
             rec.update(plan_slots=p.slots, plan_resident=len(p.resident), plan=p.describe())
         if graphs is not None:
             rec["graphs"] = vars(graphs.stats)  # captures and replays over the run
+        if rec.get("block_compile"):  # compiled within the run: its first step pays it, as a user's does
+            from squareq.runtime.block_compile import compile_seconds
+
+            rec["block_compile_s"] = compile_seconds()
         profile_dir = os.environ.get("SQUAREQ_PROFILE_DIR")
         if profile_dir and setup.cuda:
             label = "_".join(args.phase).replace("=", "-")
@@ -211,6 +220,9 @@ def main() -> None:
     ap.add_argument("--compute", nargs="+", default=["auto"], help="SquareQ compute modes: bf16, fp8, auto")
     ap.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ without and/or with CUDA graphs per block (squareq sample --cuda-graphs)")
+    ap.add_argument("--block-compile", nargs="+", choices=("off", "on"), default=["off"],
+                    help="SquareQ without and/or with its blocks under torch.compile (squareq sample --compile); the "
+                         "compile happens in the run's first step")
     ap.add_argument("--attention", nargs="+", choices=("stock", "fused"), default=["fused"],
                     help="FLUX attention processors of the SquareQ setups; with fused, the resident model runs both "
                          "(other peers: stock)")
@@ -236,9 +248,10 @@ def main() -> None:
     phases = []
     for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
         if s == "squareq":
-            phases += [["squareq", *str(k).split("+"), f"compute={c}", f"attention={a}"] + (["graphs"] if g == "on"
-                                                                                         else [])
-                       for k in args.prefetch for c in args.compute for a in args.attention for g in args.graphs]
+            phases += [["squareq", *str(k).split("+"), f"compute={c}", f"attention={a}"]
+                       + (["graphs"] if g == "on" else []) + (["compiled"] if bc == "on" else [])
+                       for k in args.prefetch for c in args.compute for a in args.attention for g in args.graphs
+                       for bc in args.block_compile]
         elif s == "resident":
             # the stock model always runs: every ratio divides by it
             phases += [["resident", "attention=stock"]] + ([["resident", "attention=fused"]]
@@ -288,6 +301,7 @@ def main() -> None:
             " +resident" if r.get("resident_blocks") == "auto" else "") + (
             f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
         label += " graphs" if r.get("cuda_graphs") else ""
+        label += " compiled" if r.get("block_compile") else ""
         label += f", {r['attention']} attention" if r["what"] in ("resident", "compiled", "squareq") else ""
         ratios = " | ".join(f"{r[k]:.2f}" if k in r else "" for k in (
             "ratio_to_resident", "steady_ratio_to_resident", "ratio_to_compiled", "steady_ratio_to_compiled"))
@@ -296,6 +310,7 @@ def main() -> None:
             f"; {r['graphs']['captures']} graphs captured, {r['graphs']['replays']} replays" if "graphs" in r else "")
         note += f"; profiled step {r['profiled_step_s']:.3f} s, GPU ms {r['gpu_ms']}" if "gpu_ms" in r else ""
         note += f"; compiled in {r['compile_s']:.1f} s before the run" if "compile_s" in r else ""
+        note += f"; {r['block_compile_s']:.1f} s compiling in the run" if "block_compile_s" in r else ""
         print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratios} | {r['first_step_s']:.3f} | "
               f"{r['peak_reserved_GB']:.2f} | {note} |")
 

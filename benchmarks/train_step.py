@@ -25,6 +25,11 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   trainer does, and the record says how many slots it chose;
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq train --cuda-graphs``); the
   warm-up goes on while a step still captures graphs, and the record counts the graph replays of each step;
+* ``squareq ... compiled`` (``--block-compile on``): the same with ``compile_blocks=True`` (``squareq train
+  --compile on``): each block class's forward under ``torch.compile`` with the quantized products left eager; the
+  record's ``block_compile_s`` is Dynamo's count of the compile, ``compile_s`` the warm-up steps' excess;
+* ``squareq ... fp8grad`` (``--fp8-backward on``): the frozen layers' input gradients in FP8 too
+  (``runtime.compute.FP8_BACKWARD``);
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
   LoRA (B nudged off zero so every factor has a gradient): the cosine and norm ratio of the LoRA gradients and the
   output's rel-MSE, FP8 against bf16; FP8 twice, with the base layers' input gradients in bf16 and in FP8
@@ -388,11 +393,15 @@ def evict_page_cache(slab: Path) -> None:
 
 
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
-                  compute: str = "bf16", cold: bool = False, graphs: bool = False) -> None:
+                  compute: str = "bf16", cold: bool = False, graphs: bool = False, block_compile: bool = False,
+                  fp8_backward: bool = False) -> None:
     import squareq.runtime as rt
+    from squareq.runtime import compute as compute_module
 
+    compute_module.FP8_BACKWARD = fp8_backward
     rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
-           "cuda_graphs": graphs, "device": setup.device_name}
+           "cuda_graphs": graphs, "block_compile": block_compile, "fp8_backward": fp8_backward,
+           "device": setup.device_name}
     if cold:
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
@@ -420,7 +429,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
-                    trace=trace, compute=compute, cuda_graphs=graphs)
+                    trace=trace, compute=compute, cuda_graphs=graphs, compile_blocks=block_compile)
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -454,11 +463,16 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
 
     result = train(setup, model, params, res, after_step,
                    label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}")
-                   + ("_graphs" if graphs else ""))
+                   + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
+                   + ("_fp8grad" if fp8_backward else ""))
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
     stats = result.pop("median_figures")
     rec.update(result)
+    if block_compile:  # the first steps compile each block class's graphs (Dynamo's count; the steps' excess)
+        from squareq.runtime.block_compile import compile_seconds
+
+        rec.update(block_compile_s=compile_seconds(), compile_s=result["beyond_steady_s"])
     if graphs:
         rec.update({k: stats[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures",
                                           "graph_ungraphed")})
@@ -626,7 +640,8 @@ def phase_record(phase: list[str]) -> dict:
         k = phase[2]
         rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
                    compute=phase[5] if len(phase) > 5 else "bf16", cold="cold" in phase[6:],
-                   graphs="graphs" in phase[6:])
+                   graphs="graphs" in phase[6:], block_compile="compiled" in phase[6:],
+                   fp8_backward="fp8grad" in phase[6:])
     return rec
 
 
@@ -643,7 +658,7 @@ def run_phase(args) -> None:
             phase_slab(setup)
         elif name == "squareq":
             phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
-                          rec["graphs"])
+                          rec["graphs"], rec["block_compile"], rec["fp8_backward"])
         elif name == "resident":
             phase_resident(setup, rec["res"], rec["compiled"])
         else:
@@ -756,7 +771,8 @@ def table(records: list[dict]) -> str:
                          f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
-                f"{' graphs' if r.get('cuda_graphs') else ''} {r.get('compute', 'bf16')}" + (
+                f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
+                f"{' fp8-backward' if r.get('fp8_backward') else ''} {r.get('compute', 'bf16')}" + (
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
             if r.get("slots") is not None:
@@ -768,6 +784,9 @@ def table(records: list[dict]) -> str:
                                 if "peak_reserved_all_steps_GB" in r else ""))
             if "step_s" in r:
                 notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
+            if "block_compile_s" in r:
+                notes.append(f"torch.compile {r['block_compile_s']:.1f} s (warm-up beyond steady "
+                             f"{r['compile_s']:.1f} s)")
             if "plan_peak_GB" in r:
                 notes.append(f"plan peak {r['plan_peak_GB']:.2f} GB"
                              + (f" / {r['plan_peak_reserved_GB']:.2f} GB reserved" if "plan_peak_reserved_GB" in r else ""))
@@ -808,6 +827,12 @@ def main() -> None:
                     help="SquareQ setups without and/or with CUDA graphs per block (squareq train --cuda-graphs); "
                          "with them, warm-up goes on while a step still captures graphs (at most "
                          f"{MAX_CAPTURE_STEPS} steps more)")
+    ap.add_argument("--block-compile", nargs="+", choices=("off", "on"), default=["off"],
+                    help="SquareQ setups without and/or with each block class's forward under torch.compile "
+                         "(squareq train --compile); the first steps compile, reported as compile_s")
+    ap.add_argument("--fp8-backward", nargs="+", choices=("off", "on"), default=["off"],
+                    help="SquareQ setups with the frozen layers' input gradients in bf16 and/or FP8 "
+                         "(runtime.compute.FP8_BACKWARD; FP8 compute only)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
     ap.add_argument("--disk-cold", action="store_true",
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
@@ -851,8 +876,10 @@ def main() -> None:
     unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
-    graph_tokens = [["graphs"] if g == "on" else [] for g in dict.fromkeys(args.graphs)]
-    if not cuda and ["graphs"] in graph_tokens:
+    graph_tokens = [(["graphs"] if g == "on" else []) + (["compiled"] if bc == "on" else [])
+                    + (["fp8grad"] if fb == "on" else []) for g in dict.fromkeys(args.graphs)
+                    for bc in dict.fromkeys(args.block_compile) for fb in dict.fromkeys(args.fp8_backward)]
+    if not cuda and any("graphs" in t for t in graph_tokens):
         ap.error("--graphs on needs a CUDA device (CUDA graphs)")
     lora_layers = args.lora_layers.split(",")
     if not set(lora_layers) <= set(LORA_LAYERS):

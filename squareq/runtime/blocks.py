@@ -120,9 +120,11 @@ class BlockRunner:
             args, kwargs = _rebuild(skeleton, spec, tensors)
             return self.forward(*args, **kwargs)
 
+        uncached = _uncached_before_capture(self.runtime)
+
         def run(values: list[torch.Tensor], capturing: bool):
             args, kwargs = _rebuild(skeleton, spec, values)
-            with uncached_autocast(device_type) if capturing else contextlib.nullcontext():
+            with uncached_autocast(device_type) if capturing or uncached else contextlib.nullcontext():
                 return _split(self.forward(*args, **kwargs))
 
         return _join(*graphs.call(key, tensors, run))
@@ -310,16 +312,26 @@ def _recompute_grads(ctx, runner: BlockRunner, inputs, params, grad_outs):
             extra = (ctx.amp.key, tuple(g is None for g in grad_outs), len(params))
             key = runner.graph_key(BACKWARD, slot, ctx.skeleton, ctx.spec, extra, [*inputs, *given])
 
+        uncached = _uncached_before_capture(runner.runtime)
+
         def run(values: list[torch.Tensor], capturing: bool):
             it = iter(values[len(inputs):])
             full = [None if g is None else next(it) for g in grad_outs]
-            grads = _grads_of_recompute(ctx, runner, values[: len(inputs)], params, full, cache=not capturing,
+            grads = _grads_of_recompute(ctx, runner, values[: len(inputs)], params, full,
+                                        cache=not (capturing or uncached),
                                         fresh_leaves=key is not None)
             return grads, None
 
         if key is None:
             return run([*inputs, *given], False)[0]
         return graphs.call(key, [*inputs, *given], run)[0]
+
+
+def _uncached_before_capture(runtime) -> bool:
+    """Whether a graphed block's eager runs before its capture also run with autocast's cast cache off, as the
+    capture must: under ``torch.compile`` (runtime/block_compile.py) the cache's state is among the compiled graphs'
+    guards, so a capture with another state would compile again inside the capture, which cannot work."""
+    return getattr(runtime, "compiled", False)
 
 
 def _grads_of_recompute(ctx, runner: BlockRunner, inputs, params, grad_outs, cache: bool = True,

@@ -48,6 +48,8 @@ class FusedFluxAttnProcessor:
 
     def _fits(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states, attention_mask,
               image_rotary_emb) -> bool:
+        if torch.compiler.is_compiling():  # inductor fuses the stock ops itself (runtime/block_compile.py)
+            return False
         if (torch.is_grad_enabled() or attn.training or in_training_pass() or attention_mask is not None
                 or self._parallel_config is not None or getattr(attn, "fused_projections", False)
                 or hidden_states.dtype != torch.bfloat16

@@ -21,6 +21,7 @@ from ..models.skeleton import place_tensor, skeleton_from_record
 from ..slab import Slab, SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
+from .block_compile import compile_block_forwards
 from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
 from .compute import resolve_compute
@@ -56,6 +57,7 @@ class Runtime:
         self.graphs: BlockGraphs | None = None  # cuda_graphs=True: the streamed blocks' CUDA graphs
         self.host, self.host_reason = "pinned", ""  # where the blobs wait, and why (host="auto" says)
         self.compute, self.compute_reason = "bf16", ""  # the base layers' arithmetic, and why (compute="auto" says)
+        self.compiled = False  # compile_blocks=True: the blocks' forward runs under torch.compile
 
     def measure_copy_bandwidth(self, blocks: int = 3) -> float:
         """Host-to-device bytes per second of this model's block copies (the largest ``blocks`` blocks, each
@@ -256,7 +258,8 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
 
 def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
          stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
-         compute: str = "bf16", cuda_graphs: bool = False, fused_attention: bool = True) -> nn.Module:
+         compute: str = "bf16", cuda_graphs: bool = False, fused_attention: bool = True,
+         compile_blocks: bool = False) -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
@@ -276,7 +279,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         graphs once per block and slot, and replay them (runtime/block_graphs.py); CUDA and streamed blocks only.
         fused_attention: give FLUX attention modules the processor that fuses each query's and key's norm and rotary
         embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
-        the stock one otherwise.
+        the stock one otherwise. compile_blocks: run each block's forward under ``torch.compile``, one compiled
+        forward per block class with the quantized products left eager (runtime/block_compile.py).
     """
     device = _checked_device(device, host, prefetch, stream, cuda_graphs)
     s, model = _skeleton(slab, verify)
@@ -305,6 +309,12 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if rt.streamer is not None:
         _run_blocks_through(model, rt.streamer, rt)
+    if compile_blocks:
+        blocks = [model.get_submodule(b.name) for b in m.blocks]
+        kinds = compile_block_forwards(blocks, [b.forward if rt.streamer is not None else None for b in blocks])
+        log.info("torch.compile: the forward of %d block classes is compiled on first use (the first steps take "
+                 "longer while it compiles).", kinds)
+    rt.compiled = compile_blocks
     _route_checkpointing(model, rt)
     return model
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import ADAPTERS
+from ..runtime.block_compile import MODES as COMPILE_MODES
 from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
 from ..runtime.peft_lora import LoraVariant
@@ -138,6 +139,10 @@ HELP = {
                    "steps run eagerly while they are captured) and replay them, which takes the host's kernel launches "
                    "out of the step: auto (on with a CUDA GPU, unless lora_dropout is set), on, or off. "
                    "docs/tuning.md says when it pays.",
+    "compile": "Run each block's forward under torch.compile (one compiled forward per block kind; the quantized "
+               "layers keep their own kernels), which fuses the norms, modulation, rotary embedding and activations "
+               "between them: auto (on with CUDA GPUs of compute capability 9.0 and up, where it measured faster; the "
+               "run says why), on, or off. The first steps compile, about a minute for FLUX.1; docs/tuning.md.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
@@ -222,6 +227,7 @@ class TrainConfig:
     host: str = "auto"
     compute: str = "auto"
     cuda_graphs: str = "auto"
+    compile: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
@@ -259,7 +265,7 @@ class TrainConfig:
     def _check_numbers(self, bad) -> None:
         """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
-                             ("compute", COMPUTE_MODES), ("cuda_graphs", CUDA_GRAPHS),
+                             ("compute", COMPUTE_MODES), ("cuda_graphs", CUDA_GRAPHS), ("compile", COMPILE_MODES),
                              ("loss_weighting", LOSS_WEIGHTINGS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:

@@ -33,6 +33,7 @@ from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
+from ..runtime.block_compile import compile_seconds, resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute
 from ..runtime.host_choice import choose_host
 from ..runtime.host_memory import HostMemoryError
@@ -333,6 +334,7 @@ class _Run:
         self.losses: list[float] = []
         self.metrics = self.board = self.bar = self.feed = self.model = self.decoder = None
         self.compute, self.compute_why = "bf16", ""  # the base layers' arithmetic and why, settled in setup()
+        self.compile_blocks, self.compile_why = False, ""  # torch.compile of the blocks and why, settled in setup()
 
     # ------------------------------------------------------------------------------------------ before training
 
@@ -344,6 +346,7 @@ class _Run:
         _check_variant(cfg, self.out, self.ranks.world)
         self.compute = self._compute()
         self.cuda_graphs = _use_cuda_graphs(cfg, self.device, echo)
+        self.compile_blocks, self.compile_why = resolve_compile(cfg.compile, self.device)
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                                 text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
@@ -386,13 +389,16 @@ class _Run:
         image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
         if cfg.compute == "auto":
             self.echo(f"compute auto: {self.compute}: {self.compute_why}")
+        if cfg.compile == "auto":
+            self.echo(f"compile auto: {'on' if self.compile_blocks else 'off'}: {self.compile_why}")
         asked = cfg.host
         if asked == "auto":
             asked, why = choose_host(sum(b.nbytes for b in self.slab.manifest.blocks))
             self.echo(f"host auto: {asked}: {why}")
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
-        load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=self.cuda_graphs)
+        load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=self.cuda_graphs,
+                    compile_blocks=self.compile_blocks)
         try:
             model = runtime.load(self.slab, self.device, host=host, **load)
         except HostMemoryError as exc:
@@ -491,6 +497,7 @@ class _Run:
     def optimizer_step(self, step_start) -> None:
         """One optimizer step over ``grad_accum`` micro-batches; a non-finite one is retried or skipped."""
         started = time.perf_counter()
+        compiled_before = compile_seconds() if self.compile_blocks else 0.0
         self.updating = False
         self.tune(before=True)
         step_loss = self.micro_batches()
@@ -511,7 +518,16 @@ class _Run:
         self.update()
         self.tune(before=False)
         self.record(step_loss, float(norm), started)
+        if self.compile_blocks:
+            self.say_compile_time(compile_seconds() - compiled_before)
         self.after_update()
+
+    def say_compile_time(self, seconds: float) -> None:
+        """Say how long torch.compile took in this step, when it took long enough to notice (the first steps, a new
+        resolution)."""
+        if seconds >= 1.0:
+            self.echo(f"step {self.step}: torch.compile compiled the blocks' graphs for {seconds:.1f} s "
+                      f"({compile_seconds():.1f} s in this run so far); the next steps reuse them")
 
     def _tuner(self, model) -> StreamTuner | None:
         """``prefetch = "auto"``: a StreamTuner that measures this process's second step and grows the ring until the

@@ -5,6 +5,7 @@ encoders and scheduler come from the slab's recorded source or ``--model``, as f
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS
+from ..runtime.block_compile import CompileModeError, resolve_compile
 from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
@@ -22,6 +24,8 @@ from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import open_decoder, open_encoders
 from .lora_files import attach_lora, load_lora
+
+log = logging.getLogger("squareq.sample")
 
 # ring slots that hide a forward-only pass's copies of FLUX.1-dev at 1024² on an H100 (two do not: docs/benchmarks.md);
 # `squareq sample --prefetch auto` starts there, the trainer's sample images use at least as many
@@ -99,13 +103,14 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   prefetch: int | str = "auto", host: str = "auto", device=None, resident_blocks: int | str = 0,
                   on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
                   cuda_graphs: bool = False, revision: str | None = None,
-                  files: dict[str, str | None] | None = None):
+                  files: dict[str, str | None] | None = None, compile: str = "auto"):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
     it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py).
     ``cuda_graphs``: replay each block's forward from a CUDA graph once it is captured (runtime/block_graphs.py).
+    ``compile``: each block's forward under torch.compile, auto, on or off (runtime/block_compile.py; auto is off).
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
@@ -121,8 +126,13 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
     try:
+        compile_blocks, why = resolve_compile(compile, device, training=False)
+    except CompileModeError as exc:
+        raise SampleError(f"--compile: {exc}") from None
+    log.info("compile %s: %s (%s).", compile, "on" if compile_blocks else "off", why)
+    try:
         transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute,
-                                   cuda_graphs=cuda_graphs)
+                                   cuda_graphs=cuda_graphs, compile_blocks=compile_blocks)
     except ComputeError as exc:
         raise SampleError(f"--compute {compute}: {exc}") from None
     tuner = None

@@ -1219,3 +1219,24 @@ def test_the_sample_decoder_of_a_pipeline_folder_holds_the_vae_and_no_text_encod
     assert all(getattr(pipe, name) is None for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))
     with pytest.raises(EncoderError, match="not a diffusers pipeline folder"):
         open_decoder(str(tmp_path), "flux", torch.float32)
+
+
+def test_compile_on_trains_the_same_lora_and_says_what_compiling_took(workspace, tmp_path, monkeypatch):
+    """--compile on (aot_eager on a CPU: the same graphs without inductor's C++ builds) trains the LoRA that eager
+    training does, bit for bit, and the log says how long the first steps compiled. An unknown mode is refused."""
+    from squareq.runtime import block_compile
+
+    monkeypatch.setattr(block_compile, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    said: list[str] = []
+    loras = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        train(_config(workspace, out, steps=3, save_every=0, compile=mode), echo=said.append)
+        loras[mode] = load_lora(out / "pytorch_lora_weights.safetensors")[0]
+    assert loras["on"].keys() == loras["off"].keys()
+    assert all(torch.equal(loras["on"][k], loras["off"][k]) for k in loras["off"])
+    assert any("torch.compile compiled the blocks' graphs" in line for line in said), said
+    with pytest.raises(ConfigError, match="compile"):
+        TrainConfig(slab="x", data="d", output="o", steps=1, compile="max-autotune")
+    torch._dynamo.reset()

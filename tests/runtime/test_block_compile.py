@@ -1,0 +1,99 @@
+"""The streamed blocks under torch.compile (runtime/block_compile.py): the same outputs and LoRA gradients as eager,
+one compiled forward per block class shared by every block and slot, and no compiling once a run's shapes are seen.
+On a CPU the graphs go through AOT autograd without inductor (``aot_eager``), which keeps eager's values exactly."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from squareq import runtime
+from squareq.runtime import block_compile
+
+from .harness import assert_same, inputs, step, with_lora
+
+
+@pytest.fixture(autouse=True)
+def cpu_compile(monkeypatch):
+    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")  # the Triton interpreter would make each step 30x slower
+    monkeypatch.setattr(block_compile, "BACKEND", "aot_eager")
+    torch._dynamo.reset()  # every test starts with no compiled code
+    yield
+    torch._dynamo.reset()
+
+
+def _train(model, steps: int):
+    params = with_lora(model)
+    opt = torch.optim.SGD(params, lr=0.5)
+    results, compiling = [], []
+    for i in range(steps):
+        before = block_compile.compile_seconds()
+        out, grads = step(model, inputs("cpu", seed=i), checkpointing=True)
+        compiling.append(block_compile.compile_seconds() - before)
+        for name, p in runtime.lora_parameters(model).items():
+            p.grad = grads[name].clone()
+        opt.step()
+        results.append((out, grads))
+    return results, compiling
+
+
+def test_compiled_streamed_steps_equal_eager_and_stop_compiling(tiny_slab):
+    eager, _ = _train(runtime.load(tiny_slab, "cpu", prefetch=2), 3)
+    model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=True)
+    assert runtime.runtime_of(model).compiled
+    compiled, compiling = _train(model, 3)
+    for a, b in zip(eager, compiled, strict=True):
+        assert_same(a, b)
+    # the first step compiles the no-grad forward, the second the forward it saw first with gradients recorded; after
+    # that every shape and grad mode of the run has its graphs
+    assert compiling[0] > 0 and compiling[2] == 0
+
+
+def _graphs_compiled(slab, counter, change=None) -> int:
+    """How many graphs Dynamo compiles (``counter``: the backend that counts them) for one no-grad forward of the
+    model in ``slab`` with LoRA, after ``change(model)``."""
+    block_compile.BACKEND = counter  # one backend throughout: Dynamo's cached graphs are the backend's
+    before = counter.frame_count
+    model = runtime.load(slab, "cpu", prefetch=2, compile_blocks=True)
+    with_lora(model)
+    if change is not None:
+        change(model)
+    with torch.no_grad():
+        model(**inputs("cpu"), return_dict=False)
+    return counter.frame_count - before
+
+
+def test_blocks_of_one_class_share_their_compiled_forward(tiny_slab):
+    """Graphs are keyed by the block's class and shapes, not by the block: a second model's blocks (other modules,
+    other slot tensors, other LoRA factors) compile nothing that the first model's did not, and neither does LoRA on
+    one layer only (the quantized layers run outside the graphs). Negative control: a double block whose layer norm
+    has another epsilon (a constant the graphs hold) compiles graphs of its own."""
+    def other_eps(model):
+        model.transformer_blocks[1].norm1.norm.eps = 1e-5
+
+    def one_lora_layer(model):
+        for name, layer in model.named_modules():
+            if name != "transformer_blocks.0.attn.to_q" and getattr(layer, "lora_A", None) is not None:
+                layer.lora_A = layer.lora_B = None
+
+    counter = CompileCounterWithBackend("aot_eager")
+    assert _graphs_compiled(tiny_slab, counter) > 0
+    assert _graphs_compiled(tiny_slab, counter) == 0
+    assert _graphs_compiled(tiny_slab, counter, one_lora_layer) == 0
+    assert _graphs_compiled(tiny_slab, counter, other_eps) > 0
+
+
+def test_a_resident_model_compiles_too(tiny_slab):
+    eager = runtime.load(tiny_slab, "cpu", stream=False)
+    model = runtime.load(tiny_slab, "cpu", stream=False, compile_blocks=True)
+    with torch.no_grad():
+        want = eager(**inputs("cpu"), return_dict=False)[0]
+        got = model(**inputs("cpu"), return_dict=False)[0]
+    assert torch.equal(got, want) and block_compile.compile_seconds() > 0
+
+
+def test_auto_is_off_on_a_cpu_and_unknown_modes_are_refused():
+    on, why = block_compile.resolve_compile("auto", "cpu")
+    assert not on and "cpu" in why
+    assert block_compile.resolve_compile("on", "cpu") == (True, "asked for")
+    assert block_compile.resolve_compile("off", "cpu")[0] is False
+    with pytest.raises(block_compile.CompileModeError, match="auto, on, off"):
+        block_compile.resolve_compile("max-autotune", "cpu")
