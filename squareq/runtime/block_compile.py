@@ -17,9 +17,10 @@ the query/key norms and rotary embedding, GELU, gates and residual adds, which i
 * Under CUDA graphs (``cuda_graphs=True``) the compiled forward is what a block's graph captures: compiling happens
   in the eager warm-up runs before the capture (runtime/block_graphs.py).
 
-``auto`` (:func:`resolve_compile`) is on for training on CUDA devices of compute capability 9.0 and up (Hopper,
-Blackwell), where benchmarks/train_step.py measured it faster (docs/benchmarks.md), and off elsewhere: unmeasured
-there, and the first steps pay the compile. For sampling it is off: a 28-step run does not earn its compile back.
+``auto`` (:func:`resolve_compile`) is on for training FLUX.1 on CUDA devices of compute capability 9.0 and up
+(Hopper, Blackwell), where benchmarks/train_step.py measured it faster (docs/benchmarks.md), and off elsewhere:
+unmeasured there (other families, other GPUs), and the first steps pay the compile. For sampling it is off: a 28-step
+run does not earn its compile back.
 """
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ MODES = ("auto", "on", "off")
 BACKEND = "inductor"  # tests on a CPU use "aot_eager": the same graphs without inductor's C++ builds
 RECOMPILE_LIMIT = 64  # per code object: grad modes × input signatures × resolutions of a run
 AUTO_CAPABILITY = (9, 0)  # where the streamed blocks measured faster compiled (docs/benchmarks.md)
+AUTO_FAMILIES = ("flux",)  # the families whose blocks were measured (FLUX.1)
 
 
 class CompileModeError(ValueError):
     """A ``--compile`` mode this device cannot run."""
 
 
-def resolve_compile(mode: str, device: torch.device | str, training: bool = True) -> tuple[bool, str]:
-    """``(on, why)`` with ``auto`` settled for ``device`` and for training or (``training=False``) a sampling run;
-    refuses (:class:`CompileModeError`) an unknown mode."""
+def resolve_compile(mode: str, device: torch.device | str, training: bool = True,
+                    family: str | None = None) -> tuple[bool, str]:
+    """``(on, why)`` with ``auto`` settled for ``device``, for training or (``training=False``) a sampling run, and
+    for the slab's model ``family``; refuses (:class:`CompileModeError`) an unknown mode."""
     if mode not in MODES:
         raise CompileModeError(f"compile={mode!r}: choose one of {', '.join(MODES)}.")
     device = torch.device(device)
@@ -60,6 +63,9 @@ def resolve_compile(mode: str, device: torch.device | str, training: bool = True
         least = f"{AUTO_CAPABILITY[0]}.{AUTO_CAPABILITY[1]}"
         return False, (f"torch.compile of the blocks was measured faster on compute capability {least} and up, not "
                        f"yet on the {name}; --compile on tries it")
+    if family not in AUTO_FAMILIES:
+        return False, (f"torch.compile of the blocks was measured on FLUX.1 only, not on {family or 'this'} models; "
+                       "--compile on tries it")
     return True, f"the streamed blocks measured faster compiled on GPUs like the {name}"
 
 
@@ -70,7 +76,7 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
     _raise_recompile_limit()
     compiled: dict[type, object] = {}
     for i, block in enumerate(blocks):
-        _keep_quantized_layers_eager(block)
+        keep_quantized_layers_eager(block)
         cls = type(block)
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, backend=BACKEND, dynamic=False)
@@ -83,15 +89,17 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
     return len(compiled)
 
 
-def _keep_quantized_layers_eager(block: nn.Module) -> None:
-    """Each quantized layer's whole call (base product and its LoRA) runs as eager code between compiled pieces of
-    its block. Why the whole call: a graph break inside the layer's own forward would have Dynamo compile that forward
-    as a frame of its own, specialised on every layer shape it meets (dozens per block, each a recompile)."""
+def keep_quantized_layers_eager(module: nn.Module) -> None:
+    """Each quantized layer's whole call in ``module`` (base product and its LoRA; for a layer PEFT wraps, the
+    wrapper's call, DoRA included) runs as eager code between compiled pieces of its block. Why the whole call: a
+    graph break inside a layer's forward would have Dynamo compile that forward as a frame of its own, specialised on
+    every layer shape it meets (dozens per block, each a recompile). Layers already kept eager are left as they are."""
     from .qlinear import QuantLinear
 
-    for module in block.modules():
-        if isinstance(module, QuantLinear) and "forward" not in vars(module):
-            module.forward = torch.compiler.disable(module.forward)
+    for layer in module.modules():
+        wraps = isinstance(getattr(layer, "base_layer", None), QuantLinear)  # PEFT's LoRA layers
+        if (isinstance(layer, QuantLinear) or wraps) and "forward" not in vars(layer):
+            layer.forward = torch.compiler.disable(layer.forward)
 
 
 def _raise_recompile_limit() -> None:

@@ -208,6 +208,9 @@ def disable_cudnn_attention(what: str) -> bool:
     if not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
+    # A compiled block (runtime/block_compile.py) fixed its attention kernel when it was compiled, and Dynamo does not
+    # guard on the backend switches: drop the compiled code, so the next calls compile without cuDNN.
+    torch._dynamo.reset()
     log.warning("the cuDNN attention backward %s on this GPU; SquareQ turned the cuDNN attention backend off for "
                 "this process and redid the work with the flash/efficient kernels, so training goes on.", what)
     return True

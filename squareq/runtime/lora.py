@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .block_compile import keep_quantized_layers_eager
 from .peft_lora import LoraVariant, add_peft_lora, file_name, is_lora_parameter
 from .qlinear import QuantLinear
 
@@ -39,7 +40,10 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targe
                          "name layers as PEFT target_modules do (e.g. to_q, attn.to_out.0).")
     variant = variant or LoraVariant()
     if peft or not variant.plain:
-        return add_peft_lora(model, layers, rank, alpha, variant, seed)
+        params = add_peft_lora(model, layers, rank, alpha, variant, seed)
+        if _compiled(model):  # PEFT's new wrappers run eagerly too, as the layers they wrap do
+            keep_quantized_layers_eager(model)
+        return params
     g = torch.Generator().manual_seed(seed)
     params: list[nn.Parameter] = []
     for name in layers:
@@ -47,6 +51,12 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targe
         module.add_lora(rank, alpha, generator=g, device=module.scratch.buffer.device)
         params += [module.lora_A.weight, module.lora_B.weight]
     return params
+
+
+def _compiled(model: nn.Module) -> bool:
+    from .loader import RUNTIME_ATTR  # loader imports this module's users; here at call time only
+
+    return getattr(getattr(model, RUNTIME_ATTR, None), "compiled", False)
 
 
 def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

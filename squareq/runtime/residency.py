@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .block_compile import compile_seconds
+
 log = logging.getLogger("squareq.runtime")
 
 MAX_SLOTS = 8
 COPY_SLACK = 0.85  # streamed copies may take this share of a step's compute: the copy stream needs headroom
+MAX_POSTPONED_PROBES = 4  # steps that compiled and so were not measured, before one is measured anyway
 MIN_MARGIN_BYTES = 3 << 29  # VRAM left free for activations and the allocator beyond what a step used (1.5 GiB)
 
 
@@ -138,15 +141,25 @@ class StreamTuner:
         self.prefetch, self.resident = prefetch, resident
         self.probe_step, self.budget_bytes = probe_step, budget_bytes
         self.plan: StreamPlan | None = None
+        self._compiled_before = 0.0
+        self._postponed = 0
 
     def before_step(self, step: int) -> None:
         """Step ``step`` is about to run: start timing its blocks if it is the probe step."""
         if step == self.probe_step and self.plan is None:
             self.rt.block_timer = BlockTimer(self.rt.telemetry.clock)
+            self._compiled_before = compile_seconds()
 
     def after_step(self, step: int) -> None:
         """Step ``step`` has been enqueued: after the probe step, measure the copies, plan, and apply the plan."""
         if step != self.probe_step or self.rt.block_timer is None:
+            return
+        if compile_seconds() > self._compiled_before and self._postponed < MAX_POSTPONED_PROBES:
+            # torch.compile compiled in this step (runtime/block_compile.py): the GPU waited on the host, and the
+            # blocks would look slower than they are, hiding copies that are not hidden. Probe the next step.
+            self.rt.block_timer = None
+            self.probe_step += 1
+            self._postponed += 1
             return
         compute = self.rt.block_timer.seconds()
         self.rt.block_timer = None

@@ -141,8 +141,9 @@ HELP = {
                    "docs/tuning.md says when it pays.",
     "compile": "Run each block's forward under torch.compile (one compiled forward per block kind; the quantized "
                "layers keep their own kernels), which fuses the norms, modulation, rotary embedding and activations "
-               "between them: auto (on with CUDA GPUs of compute capability 9.0 and up, where it measured faster; the "
-               "run says why), on, or off. The first steps compile, about a minute for FLUX.1; docs/tuning.md.",
+               "between them: auto (on for FLUX.1 with CUDA GPUs of compute capability 9.0 and up, where it measured "
+               "faster; the run says why), on, or off. The first steps compile, about a minute for FLUX.1; "
+               "docs/tuning.md.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "

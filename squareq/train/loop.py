@@ -346,7 +346,8 @@ class _Run:
         _check_variant(cfg, self.out, self.ranks.world)
         self.compute = self._compute()
         self.cuda_graphs = _use_cuda_graphs(cfg, self.device, echo)
-        self.compile_blocks, self.compile_why = resolve_compile(cfg.compile, self.device)
+        self.compile_blocks, self.compile_why = resolve_compile(cfg.compile, self.device,
+                                                                family=slab.manifest.model.family)
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                                 text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,

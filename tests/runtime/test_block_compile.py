@@ -42,8 +42,9 @@ def test_compiled_streamed_steps_equal_eager_and_stop_compiling(tiny_slab):
     compiled, compiling = _train(model, 3)
     for a, b in zip(eager, compiled, strict=True):
         assert_same(a, b)
-    # the first step compiles the no-grad forward, the second the forward it saw first with gradients recorded; after
-    # that every shape and grad mode of the run has its graphs
+    # the first step compiles the forward with gradients recorded, the second the no-grad forward; after that every
+    # shape and grad mode of the run has its graphs (compile_seconds counts each new forward graph, and a backward
+    # graph is only ever compiled for a new forward graph)
     assert compiling[0] > 0 and compiling[2] == 0
 
 
@@ -97,3 +98,45 @@ def test_auto_is_off_on_a_cpu_and_unknown_modes_are_refused():
     assert block_compile.resolve_compile("off", "cpu")[0] is False
     with pytest.raises(block_compile.CompileModeError, match="auto, on, off"):
         block_compile.resolve_compile("max-autotune", "cpu")
+
+
+def test_auto_is_on_for_training_flux_on_a_hopper_class_gpu_only(monkeypatch):
+    """Auto follows the measurements: FLUX.1 training on compute capability 9.0+; not an older GPU, another family,
+    or sampling."""
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    assert block_compile.resolve_compile("auto", "cuda", family="flux")[0]
+    on, why = block_compile.resolve_compile("auto", "cuda", family="sdxl")
+    assert not on and "sdxl" in why and "--compile on" in why
+    on, why = block_compile.resolve_compile("auto", "cuda", training=False, family="flux")
+    assert not on and "sampling" in why
+    capability[0] = (8, 6)
+    on, why = block_compile.resolve_compile("auto", "cuda", family="flux")
+    assert not on and "8.6" in why
+
+
+def test_peft_dora_layers_run_eagerly_and_train_like_eager(tiny_slab):
+    """PEFT's DoRA reads the quantized weight; its wrappers, added after the load, run as eager code between the
+    compiled pieces as the layers they wrap do: the same output and gradients as eager, and a second step compiles
+    nothing (a wrapper traced by Dynamo would compile once per layer shape)."""
+    pytest.importorskip("peft")
+
+    def dora_step(compiled: bool, steps: int = 1):
+        model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=compiled)
+        params = runtime.add_lora(model, rank=4, variant=runtime.LoraVariant(dora=True))
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in params:
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+        results = []
+        for _ in range(steps):
+            before = block_compile.compile_seconds()
+            results.append((step(model, inputs("cpu"), checkpointing=True), block_compile.compile_seconds() - before))
+        return results
+
+    eager = dora_step(False)[0][0]
+    compiled = dora_step(True, steps=3)  # no optimizer step between them: each step computes the same values
+    for result, _ in compiled:
+        assert_same(result, eager)
+    assert compiled[0][1] > 0 and compiled[2][1] == 0

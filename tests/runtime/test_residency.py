@@ -94,3 +94,30 @@ def test_slots_lent_and_taken_back_leave_no_stale_views(tiny_slab):
         rt.streamer.remove_slots(2)
         assert len(rt.streamer.slots) == 2 and not {key[1] for key in rt.binder._cache} & set(removed)
         assert_same(step(streamed, batch, checkpointing=True), expected)
+
+
+def test_a_probe_step_that_compiled_is_not_measured(tiny_slab, monkeypatch):
+    """A step in which torch.compile compiled (the GPU waited on the host) would make the blocks look slower than
+    they are: the tuner probes the next step that compiled nothing instead. Negative control: without compiling,
+    the probe step (step 1) is measured."""
+    from squareq.runtime import residency
+
+    compiled = [0.0]
+    monkeypatch.setattr(residency, "compile_seconds", lambda: compiled[0])
+    batch = inputs("cpu")
+
+    def planned_after(steps_compiling: tuple[bool, ...]) -> list[bool]:
+        model = runtime.load(tiny_slab, "cpu", prefetch=2)
+        tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40)
+        planned = []
+        with torch.no_grad():
+            for i, compiles in enumerate(steps_compiling):
+                tuner.before_step(i)
+                model(**batch, return_dict=False)
+                compiled[0] += 10.0 if compiles else 0.0
+                tuner.after_step(i)
+                planned.append(tuner.plan is not None)
+        return planned
+
+    assert planned_after((True, True, False)) == [False, False, True]
+    assert planned_after((False, False, False)) == [False, True, True]
