@@ -182,7 +182,6 @@ class QuantLinear(nn.Module):
             return self.dequantized_weight()
         return self.scratch.buffer[:1].view(()).expand(self.out_features, self.in_features)
 
-    @torch.compiler.disable  # PEFT's DoRA reads it inside a compiled block: the dequantizer's launch stays eager
     def dequantized_weight(self) -> torch.Tensor:
         """A fresh copy of the effective bf16 weight of the block now bound."""
         return self.dequant().clone()
