@@ -85,6 +85,7 @@ MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this 
 # Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
 SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"
 T0 = time.perf_counter()
+_CUDNN_FIRST = None  # the resident phase's attention priority context (--resident-attention cudnn)
 MAX_CAPTURE_STEPS = 8  # extra warm-up steps allowed while CUDA graphs are still being captured
 
 
@@ -211,6 +212,10 @@ def profile_step(one_step, setup: Setup, path: Path) -> float:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n"
                     + events.table(sort_by="self_device_time_total", row_limit=25))
+    # every op and kernel with device time, for sums by kind (the tables above keep the top rows only)
+    rows = [{"name": e.key, "calls": e.count, "self_device_us": e.self_device_time_total}
+            for e in events if e.self_device_time_total > 0]
+    path.with_suffix(".json").write_text(json.dumps(sorted(rows, key=lambda r: -r["self_device_us"])))
     return kernel_us / 1e6
 
 
@@ -394,14 +399,14 @@ def evict_page_cache(slab: Path) -> None:
 
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
                   compute: str = "bf16", cold: bool = False, graphs: bool = False, block_compile: bool = False,
-                  fp8_backward: bool = False) -> None:
+                  fp8_backward: bool = False, attention: str = "auto") -> None:
     import squareq.runtime as rt
     from squareq.runtime import compute as compute_module
 
     compute_module.FP8_BACKWARD = fp8_backward
     rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
            "cuda_graphs": graphs, "block_compile": block_compile, "fp8_backward": fp8_backward,
-           "device": setup.device_name}
+           "attention": attention, "device": setup.device_name}
     if cold:
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
@@ -429,7 +434,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
-                    trace=trace, compute=compute, cuda_graphs=graphs, compile_blocks=block_compile)
+                    trace=trace, compute=compute, cuda_graphs=graphs, compile_blocks=block_compile,
+                    attention=attention)
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -438,6 +444,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
                lora_params=sum(p.numel() for p in params))
     runtime = rt.runtime_of(model)
     rec["compute_used"] = runtime.compute
+    rec["cudnn_attention_first"] = runtime.prefer_cudnn
     log(f"squareq {res} K={prefetch} {host} {runtime.compute}: loaded in {rec['load_s']:.1f} s")
     tuner = None
     if prefetch == "auto":  # as squareq train: measure the second step, then size the ring
@@ -464,7 +471,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     result = train(setup, model, params, res, after_step,
                    label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}")
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
-                   + ("_fp8grad" if fp8_backward else ""))
+                   + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else ""))
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
     stats = result.pop("median_figures")
@@ -521,12 +528,17 @@ def phase_gradients(setup: Setup, res: int) -> None:
     from squareq.runtime import compute as compute_mode
 
     out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
+    grads_fp8_forward = None
     for backward in ("bf16", "fp8"):
         compute_mode.FP8_BACKWARD = backward == "fp8"
         out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
+        # the FP8 input gradients' own share: against the same FP8 forward with bf16 input gradients
+        own = {} if grads_fp8_forward is None else {
+            "vs_fp8_forward_" + k: v for k, v in gradient_agreement(grads_fp8_forward, grads_f).items()}
+        grads_fp8_forward = grads_f
         emit({"what": "gradients", "res": res, "device": setup.device_name, "backward": backward,
-              "compute_used": used, **gradient_agreement(grads_b, grads_f), "loss_bf16": loss_b, "loss_fp8": loss_f,
-              "out_rel_mse": ((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item()})
+              "compute_used": used, **gradient_agreement(grads_b, grads_f), **own, "loss_bf16": loss_b,
+              "loss_fp8": loss_f, "out_rel_mse": ((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item()})
     compute_mode.FP8_BACKWARD = False
 
 
@@ -556,8 +568,19 @@ def compile_blocks(model) -> int:
     return len(blocks)
 
 
-def phase_resident(setup: Setup, res: int, compiled: bool = False) -> None:
-    rec = {"what": "resident", "res": res, "device": setup.device_name, "compiled": compiled}
+def phase_resident(setup: Setup, res: int, compiled: bool = False, cudnn_first: bool = False) -> None:
+    """The resident bf16 model, eager or compiled per block; ``cudnn_first``: with cuDNN attention first in torch's
+    priority (what a user who knows it can set, ``sdpa_kernel(..., set_priority=True)``), else torch's own order."""
+    rec = {"what": "resident", "res": res, "device": setup.device_name, "compiled": compiled,
+           "cudnn_attention_first": cudnn_first}
+    if cudnn_first:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        global _CUDNN_FIRST  # held for the rest of this phase's process: a dropped context manager would exit
+        _CUDNN_FIRST = sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+        _CUDNN_FIRST.__enter__()
+        rec["sdpa_priority"] = _sdpa_priority()
     start = time.perf_counter()
     model = build_model(setup)
     params = peft_lora(model)
@@ -567,7 +590,7 @@ def phase_resident(setup: Setup, res: int, compiled: bool = False) -> None:
     setup.sync()
     rec.update(build_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
                lora_params=sum(p.numel() for p in params))
-    label = f"resident{'_compiled' if compiled else ''}_{res}"
+    label = f"resident{'_compiled' if compiled else ''}{'_cudnn' if cudnn_first else ''}_{res}"
     result = train(setup, model, params, res, lambda: memory_peaks(setup), label=label)
     result.pop("median_figures")
     if compiled:  # the first steps compile each block kind's forward and backward graphs
@@ -629,6 +652,16 @@ def phase_group_offload(setup: Setup, res: int) -> None:
     emit({**rec, **result})
 
 
+def _sdpa_priority() -> list[str]:
+    """torch's scaled-dot-product-attention backends in its priority order (what a user gets by default)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    names = {int(b): name for name, b in SDPBackend.__members__.items()}
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    return [names.get(int(i), str(i)) for i in order()] if order else []
+
+
 def phase_record(phase: list[str]) -> dict:
     """The identifying keys of a phase's record, from its command line (``squareq 512 3 pinned``)."""
     rec: dict = {"what": phase[0]}
@@ -636,12 +669,14 @@ def phase_record(phase: list[str]) -> dict:
         rec["res"] = int(phase[1])
     if phase[0] == "resident":
         rec["compiled"] = "compiled" in phase[2:]
+        rec["cudnn_attention_first"] = "cudnn" in phase[2:]
     if phase[0] == "squareq":
         k = phase[2]
         rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
                    compute=phase[5] if len(phase) > 5 else "bf16", cold="cold" in phase[6:],
                    graphs="graphs" in phase[6:], block_compile="compiled" in phase[6:],
-                   fp8_backward="fp8grad" in phase[6:])
+                   fp8_backward="fp8grad" in phase[6:],
+                   attention="default" if "attn-default" in phase[6:] else "auto")
     return rec
 
 
@@ -650,17 +685,20 @@ def run_phase(args) -> None:
     name, rec = args.phase[0], phase_record(args.phase)
     try:
         import torch
-        # The cuDNN attention backward fails on the device image (mha_graph.execute); use flash/efficient.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        # The cuDNN attention backward fails on the device image for some shapes (tiny-flux's narrow heads: NaN);
+        # only the setups that choose cuDNN attention (SquareQ's attention="auto" at FLUX.1's head width, the
+        # resident model with it first) keep it on.
+        torch.backends.cuda.enable_cudnn_sdp(rec.get("cudnn_attention_first", False)
+                                             or (name == "squareq" and rec["attention"] == "auto"))
         setup = Setup(args)
         log(f"phase {' '.join(args.phase)} on {setup.device_name}")
         if name == "slab":
             phase_slab(setup)
         elif name == "squareq":
             phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
-                          rec["graphs"], rec["block_compile"], rec["fp8_backward"])
+                          rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"])
         elif name == "resident":
-            phase_resident(setup, rec["res"], rec["compiled"])
+            phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
         else:
             {"bnb": phase_bnb, "group_offload": phase_group_offload,
              "gradients": phase_gradients}[name](setup, rec["res"])
@@ -769,10 +807,15 @@ def table(records: list[dict]) -> str:
             setup += f" (backward {r.get('backward', 'bf16')})"
             notes.append(f"LoRA grad cos {r['cos_global']:.4f} (median {r['cos_median']:.4f}, min {r['cos_min']:.4f}), "
                          f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
+            if "vs_fp8_forward_cos_global" in r:
+                notes.append(f"against FP8 forward with bf16 input gradients: cos {r['vs_fp8_forward_cos_global']:.4f} "
+                             f"(min {r['vs_fp8_forward_cos_min']:.4f}), norm ratio "
+                             f"{r['vs_fp8_forward_norm_ratio']:.4f}")
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
                 f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
-                f"{' fp8-backward' if r.get('fp8_backward') else ''} {r.get('compute', 'bf16')}" + (
+                f"{' fp8-backward' if r.get('fp8_backward') else ''}" \
+                f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''} {r.get('compute', 'bf16')}" + (
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
             if r.get("slots") is not None:
@@ -793,7 +836,7 @@ def table(records: list[dict]) -> str:
             elif "plan_error" in r:
                 notes.append(f"plan: {r['plan_error'][:60]}")
         if r.get("compiled"):
-            setup += ", torch.compile per block"
+            setup += ", torch.compile per block" + (", cuDNN attention first" if r.get("cudnn_attention_first") else "")
             if "compile_s" in r:
                 notes.append(f"compile {r['compile_s']:.1f} s in the warm-up steps")
         if "loss_first" in r:
@@ -830,6 +873,12 @@ def main() -> None:
     ap.add_argument("--block-compile", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ setups without and/or with each block class's forward under torch.compile "
                          "(squareq train --compile); the first steps compile, reported as compile_s")
+    ap.add_argument("--attention", nargs="+", choices=("auto", "default"), default=["auto"],
+                    help="SquareQ's attention kernel choice (runtime.load(attention=)): auto (cuDNN first where "
+                         "measured faster), default (torch's order); several: one phase each")
+    ap.add_argument("--resident-attention", nargs="+", choices=("default", "cudnn"), default=["default"],
+                    help="the compiled resident model's attention: torch's order (default), or cuDNN first; several: "
+                         "one phase each")
     ap.add_argument("--fp8-backward", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ setups with the frozen layers' input gradients in bf16 and/or FP8 "
                          "(runtime.compute.FP8_BACKWARD; FP8 compute only)")
@@ -877,8 +926,9 @@ def main() -> None:
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
     graph_tokens = [(["graphs"] if g == "on" else []) + (["compiled"] if bc == "on" else [])
-                    + (["fp8grad"] if fb == "on" else []) for g in dict.fromkeys(args.graphs)
-                    for bc in dict.fromkeys(args.block_compile) for fb in dict.fromkeys(args.fp8_backward)]
+                    + (["fp8grad"] if fb == "on" else []) + (["attn-default"] if at == "default" else [])
+                    for g in dict.fromkeys(args.graphs) for bc in dict.fromkeys(args.block_compile)
+                    for fb in dict.fromkeys(args.fp8_backward) for at in dict.fromkeys(args.attention)]
     if not cuda and any("graphs" in t for t in graph_tokens):
         ap.error("--graphs on needs a CUDA device (CUDA graphs)")
     lora_layers = args.lora_layers.split(",")
@@ -889,7 +939,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
            "steps": args.steps, "targets": args.targets, "rotate": args.rotate,
-           "warmup": args.warmup, "commit": commit,
+           "warmup": args.warmup, "commit": commit, "sdpa_priority": _sdpa_priority(),
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     emit(env)
     records = [env]
@@ -901,7 +951,8 @@ def main() -> None:
         if "resident" in only:
             phases.append(["resident", str(r)])
         if "compiled" in only:
-            phases.append(["resident", str(r), "compiled"])
+            phases += [["resident", str(r), "compiled"] + (["cudnn"] if a == "cudnn" else [])
+                       for a in dict.fromkeys(args.resident_attention)]
         if "squareq" in only:
             phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs for k in args.prefetch
                        for lora in lora_layers for c in args.compute for graphs in graph_tokens]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .attention_choice import mark_cudnn_failed, preferring_cudnn
 from .block_graphs import uncached_autocast
 from .graph_keys import autocast_state
 from .streamer import BACKWARD, FORWARD, Streamer
@@ -65,6 +66,16 @@ class BlockRunner:
         # Which tensor outputs carry no gradient (e.g. T5's position bias), per pattern of inputs needing grad
         # and number of trainable tensors; learned on the block's first training forward.
         self.constant_outputs: dict[tuple, set[int]] = {}
+
+    @property
+    def forward(self):
+        """The block's forward as the runtime runs it (its own, or its compiled one), with the attention kernel
+        the runtime prefers (runtime/attention_choice.py)."""
+        return self._forward
+
+    @forward.setter
+    def forward(self, forward) -> None:
+        self._forward = preferring_cudnn(forward, self.runtime)
 
     def trainable(self) -> list[torch.Tensor]:
         """The block's parameters that train (LoRA factors, ours or PEFT's, and DoRA magnitudes)."""
@@ -208,9 +219,17 @@ def disable_cudnn_attention(what: str) -> bool:
     if not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
+    mark_cudnn_failed()  # and the blocks stop preferring it (runtime/attention_choice.py)
     # A compiled block (runtime/block_compile.py) fixed its attention kernel when it was compiled, and Dynamo does not
-    # guard on the backend switches: drop the compiled code, so the next calls compile without cuDNN.
+    # guard on the backend switches: drop the compiled code, so the next calls compile without cuDNN. The on-disk
+    # caches do not key on them either (a second compile of the same graph with other switches is a cache hit), so
+    # this process stops reading them.
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
     torch._dynamo.reset()
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
     log.warning("the cuDNN attention backward %s on this GPU; SquareQ turned the cuDNN attention backend off for "
                 "this process and redid the work with the flash/efficient kernels, so training goes on.", what)
     return True

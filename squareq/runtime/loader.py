@@ -21,6 +21,7 @@ from ..models.skeleton import place_tensor, skeleton_from_record
 from ..slab import Slab, SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, Manifest
 from ..slab.signature import model_signature
+from .attention_choice import head_dim, preferring_cudnn, resolve_attention
 from .block_compile import compile_block_forwards
 from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
@@ -58,6 +59,8 @@ class Runtime:
         self.host, self.host_reason = "pinned", ""  # where the blobs wait, and why (host="auto" says)
         self.compute, self.compute_reason = "bf16", ""  # the base layers' arithmetic, and why (compute="auto" says)
         self.compiled = False  # compile_blocks=True: the blocks' forward runs under torch.compile
+        self.prefer_cudnn = False  # attention: the blocks run with cuDNN attention first (runtime/attention_choice.py)
+        self.attention_reason = ""
 
     def measure_copy_bandwidth(self, blocks: int = 3) -> float:
         """Host-to-device bytes per second of this model's block copies (the largest ``blocks`` blocks, each
@@ -259,7 +262,7 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
 def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
          stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
          compute: str = "bf16", cuda_graphs: bool = False, fused_attention: bool = True,
-         compile_blocks: bool = False) -> nn.Module:
+         compile_blocks: bool = False, attention: str = "auto") -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
@@ -280,7 +283,9 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         fused_attention: give FLUX attention modules the processor that fuses each query's and key's norm and rotary
         embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
         the stock one otherwise. compile_blocks: run each block's forward under ``torch.compile``, one compiled
-        forward per block class with the quantized products left eager (runtime/block_compile.py).
+        forward per block class with the quantized products left eager (runtime/block_compile.py). attention: which
+        attention kernel the blocks prefer, "auto" (cuDNN's where measured faster), "cudnn" or "default" (torch's
+        order); runtime/attention_choice.py; the choice is ``runtime_of(model).prefer_cudnn``.
     """
     device = _checked_device(device, host, prefetch, stream, cuda_graphs)
     s, model = _skeleton(slab, verify)
@@ -315,6 +320,13 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         log.info("torch.compile: the forward of %d block classes is compiled on first use (the first steps take "
                  "longer while it compiles).", kinds)
     rt.compiled = compile_blocks
+    rt.prefer_cudnn, rt.attention_reason = resolve_attention(attention, device, head_dim(model))
+    log.info("attention: %s (%s).", "cuDNN's kernels first" if rt.prefer_cudnn else "torch's order",
+             rt.attention_reason)
+    if rt.streamer is None:  # streamed blocks get it from their BlockRunner
+        for b in m.blocks:
+            block = model.get_submodule(b.name)
+            block.forward = preferring_cudnn(block.forward, rt)
     _route_checkpointing(model, rt)
     return model
 

@@ -1,0 +1,117 @@
+"""Which attention kernel the blocks prefer (runtime/attention_choice.py): the rules of ``auto``, and that a streamed
+or resident block's forward (its first pass and its checkpointed recompute) runs with cuDNN first in torch's priority
+exactly while the runtime prefers it and cuDNN attention has not failed."""
+import pytest
+import torch
+
+from squareq import runtime
+from squareq.runtime import attention_choice
+from squareq.runtime.attention_choice import AttentionModeError, head_dim, resolve_attention
+
+from .harness import inputs, step, with_lora
+
+CUDNN = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+
+
+@pytest.fixture
+def cudnn_on(monkeypatch):
+    """cuDNN attention switched on (a user's default) and not failed; both restored after the test."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    monkeypatch.setattr(attention_choice, "_cudnn_failed", False)
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.fixture
+def first_backends(monkeypatch):
+    """The first backend in torch's priority at each attention call of the model."""
+    seen: list[int] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(int(torch._C._get_sdp_priority_order()[0]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return seen
+
+
+def test_modes():
+    with pytest.raises(AttentionModeError, match="choose one of auto, cudnn, default"):
+        resolve_attention("fast", "cpu", 128)
+    assert resolve_attention("default", "cpu", 128)[0] is False
+    assert resolve_attention("cudnn", "cpu", 128) == (False, "cuDNN attention runs on CUDA GPUs only, not on cpu")
+
+
+def test_auto_is_cudnn_only_on_the_gpus_and_head_width_measured(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_attention("auto", "cuda", 128)[0] is True
+    assert resolve_attention("cudnn", "cuda", 16)[0] is True  # asked for: any width
+    off, why = resolve_attention("auto", "cuda", 16)  # tiny models' narrow heads: cuDNN's backward gave NaN there
+    assert off is False and "16" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    off, why = resolve_attention("auto", "cuda", 128)
+    assert off is False and "8.0" in why
+
+
+def test_head_dim_from_diffusers_and_transformers_configs():
+    class Model(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    assert head_dim(Model({"attention_head_dim": 128, "num_attention_heads": 24})) == 128
+    assert head_dim(Model(type("Config", (), {"hidden_size": 384, "num_attention_heads": 12})())) == 32
+    assert head_dim(Model({})) is None
+    assert head_dim(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_blocks_run_with_cudnn_first_while_preferred(tiny_slab, cudnn_on, first_backends, stream):
+    model = runtime.load(tiny_slab, "cpu", prefetch=2, stream=stream, attention="cudnn")
+    rt = runtime.runtime_of(model)
+    assert rt.prefer_cudnn is False  # on a CPU even "cudnn" stays torch's order
+    with_lora(model)
+    step(model, inputs("cpu"), checkpointing=stream)
+    assert first_backends and CUDNN not in first_backends
+    before = list(torch._C._get_sdp_priority_order())
+
+    first_backends.clear()
+    rt.prefer_cudnn = True  # as on a GPU where it was chosen
+    step(model, inputs("cpu"), checkpointing=stream)
+    # every call: the streamed forward, its recompute in the backward (streamed), and the resident forward
+    assert first_backends and set(first_backends) == {CUDNN}
+    assert list(torch._C._get_sdp_priority_order()) == before  # restored after each block
+
+    first_backends.clear()
+    attention_choice.mark_cudnn_failed()  # what the fallback after a failed cuDNN backward calls
+    step(model, inputs("cpu"), checkpointing=stream)
+    assert first_backends and CUDNN not in first_backends
+
+
+def test_a_user_who_turned_cudnn_attention_off_keeps_it_off(tiny_slab, cudnn_on, first_backends):
+    model = runtime.load(tiny_slab, "cpu", prefetch=2)
+    runtime.runtime_of(model).prefer_cudnn = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    with_lora(model)
+    step(model, inputs("cpu"), checkpointing=True)
+    assert first_backends and CUDNN not in first_backends
+
+
+def test_the_fallback_drops_the_preference_and_the_compile_caches(monkeypatch, cudnn_on):
+    """After cuDNN attention failed, the next compile must trace anew: the on-disk caches do not key on the attention
+    switches, so a cached graph would bring cuDNN's kernel back."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    from squareq.runtime.blocks import disable_cudnn_attention
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    assert disable_cudnn_attention("failed (a test)") is True
+    assert not torch.backends.cuda.cudnn_sdp_enabled() and attention_choice._cudnn_failed
+    assert not torch._inductor.config.fx_graph_cache and not torch._functorch.config.enable_autograd_cache
+    # negative control: already off, nothing to redo
+    torch._inductor.config.fx_graph_cache = True
+    assert disable_cudnn_attention("failed again") is False and torch._inductor.config.fx_graph_cache
