@@ -20,6 +20,7 @@ from .devices import DeviceError, describe, run_on
 from .models import ModelError
 from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
+from .runtime.attention_choice import MODES as ATTENTION_MODES
 from .runtime.block_compile import MODES as COMPILE_MODES
 from .runtime.compute import MODES as COMPUTE_MODES
 from .sizes import SizeError
@@ -516,8 +517,10 @@ class AutoOrInt(click.ParamType):
 @click.option("--compile", "compile_mode", type=click.Choice(COMPILE_MODES), default="auto", show_default=True,
               help="Run each block's forward under torch.compile: on, off, or auto (off: a sampling run measured "
                    "slower with its compile counted; docs/tuning.md).")
+@click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
+              help=HELP["attention"])
 def sample(slab, prompts, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps, guidance, seed,
-           max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs, compile_mode):
+           max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs, compile_mode, attention):
     """Generate images with the streamed slab, optionally with a LoRA."""
     from .plot import write_png
     from .slab.atomic import ensure_output_dir
@@ -537,7 +540,8 @@ def sample(slab, prompts, lora, out, model, revision, clip_l, clip_g, t5, vae, r
     sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
                   resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
-                  revision=revision, files=_given_files(clip_l, clip_g, t5, vae), compile=compile_mode)
+                  revision=revision, files=_given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
+                  attention=attention)
 
 
 @main.command("export-lora")

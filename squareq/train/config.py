@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models import ADAPTERS
+from ..runtime.attention_choice import MODES as ATTENTION_MODES
 from ..runtime.block_compile import MODES as COMPILE_MODES
 from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
@@ -144,6 +145,10 @@ HELP = {
                "between them: auto (on for FLUX.1 with CUDA GPUs of compute capability 9.0 and up, where it measured "
                "faster; the run says why), on, or off. The first steps compile, about a minute for FLUX.1; "
                "docs/tuning.md.",
+    "attention": "Which attention kernels the blocks prefer: auto (cuDNN's first on CUDA GPUs of compute capability "
+                 "9.0 and up for heads of 128, FLUX.1's, where they measured twice as fast as flash; torch's order "
+                 "elsewhere), cudnn (first on any CUDA GPU), or default (torch's order, flash first). A cuDNN "
+                 "failure turns it off for the run and redoes the step; docs/tuning.md.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
@@ -229,6 +234,7 @@ class TrainConfig:
     compute: str = "auto"
     cuda_graphs: str = "auto"
     compile: str = "auto"
+    attention: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
@@ -267,7 +273,7 @@ class TrainConfig:
         """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
                              ("compute", COMPUTE_MODES), ("cuda_graphs", CUDA_GRAPHS), ("compile", COMPILE_MODES),
-                             ("loss_weighting", LOSS_WEIGHTINGS),
+                             ("attention", ATTENTION_MODES), ("loss_weighting", LOSS_WEIGHTINGS),
                              ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")

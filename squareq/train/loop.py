@@ -399,7 +399,7 @@ class _Run:
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
         load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=self.cuda_graphs,
-                    compile_blocks=self.compile_blocks)
+                    compile_blocks=self.compile_blocks, attention=cfg.attention)
         try:
             model = runtime.load(self.slab, self.device, host=host, **load)
         except HostMemoryError as exc:
@@ -408,6 +408,9 @@ class _Run:
             log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
             model = runtime.load(self.slab, self.device, host="pinned", **load)
         self.model = model
+        if cfg.attention == "auto":
+            rt = runtime.runtime_of(model)
+            self.echo(f"attention auto: {'cuDNN first' if rt.prefer_cudnn else 'torch order'}: {rt.attention_reason}")
         self.tuner = self._tuner(model)
         self.params = runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets,
                                        seed=cfg.seed, variant=cfg.lora_variant)

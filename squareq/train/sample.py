@@ -103,7 +103,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   prefetch: int | str = "auto", host: str = "auto", device=None, resident_blocks: int | str = 0,
                   on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
                   cuda_graphs: bool = False, revision: str | None = None,
-                  files: dict[str, str | None] | None = None, compile: str = "auto"):
+                  files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto"):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
@@ -111,6 +111,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py).
     ``cuda_graphs``: replay each block's forward from a CUDA graph once it is captured (runtime/block_graphs.py).
     ``compile``: each block's forward under torch.compile, auto, on or off (runtime/block_compile.py; auto is off).
+    ``attention``: which attention kernels the blocks prefer, auto, cudnn or default (runtime/attention_choice.py).
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
@@ -132,7 +133,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     log.info("compile %s: %s (%s).", compile, "on" if compile_blocks else "off", why)
     try:
         transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute,
-                                   cuda_graphs=cuda_graphs, compile_blocks=compile_blocks)
+                                   cuda_graphs=cuda_graphs, compile_blocks=compile_blocks, attention=attention)
     except ComputeError as exc:
         raise SampleError(f"--compute {compute}: {exc}") from None
     tuner = None

@@ -56,6 +56,7 @@ def test_print_config_reads_back_unchanged(tmp_path):
     ("ema_decay = 1.0", "ema_decay"),
     ('loss_weighting = "snr"', "loss_weighting"),
     ('timestep_sampling = "sigma"', "timestep_sampling"),
+    ('attention = "flash"', "attention"),
 ])
 def test_bad_values_name_the_file_and_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"
@@ -295,3 +296,11 @@ def test_guidance_above_100_is_one_sentence_and_100_is_taken():
         load_config(None, {"sample_guidance": 1e300})
     cfg = load_config(None, {"guidance": 100.0, "sample_guidance": 0.0})
     assert (cfg.guidance, cfg.sample_guidance) == (100.0, 0.0)
+
+
+def test_attention_is_auto_by_default_and_takes_the_runtime_modes(tmp_path):
+    assert load_config(None, {}).attention == "auto"
+    path = tmp_path / "a.toml"
+    for mode in ("auto", "cudnn", "default"):
+        path.write_text(f'attention = "{mode}"\n')
+        assert load_config(path).attention == mode

@@ -86,6 +86,8 @@ def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path, capsys):
     progress = [line for line in lines if line.startswith("step ")]
     assert len(progress) == 10 and progress[-1].startswith("step 20/20: loss ")  # no terminal: ten progress lines
     assert all(k in progress[-1] for k in ("(avg ", "lr ", "grad norm ", " it/s"))
+    # the attention choice is said, with why (on a CPU: torch's order)
+    assert any(line.startswith("attention auto: torch order: ") and "CUDA" in line for line in lines), lines
 
     def kill(step):
         if step == 12:
