@@ -31,7 +31,8 @@ from .kohya_keys import translate as translate_kohya_keys
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, LOSS_WEIGHTINGS, TIMESTEP_MODES
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
-SCHEDULES = ("constant", "cosine")
+# diffusers' get_scheduler names (kohya's lr_scheduler values); "constant" with a warm-up is constant_with_warmup
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("auto", "pinned", "shared", "disk")
 CUDA_GRAPHS = ("auto", "on", "off")
@@ -79,7 +80,12 @@ HELP = {
     "lr": "Learning rate.",
     "optimizer": "adamw, adamw8bit (needs bitsandbytes), prodigy (needs prodigyopt; use lr 1.0) or adafactor.",
     "weight_decay": "AdamW weight decay.",
-    "schedule": "Learning-rate schedule: constant or cosine (both after --warmup).",
+    "schedule": "Learning-rate schedule after --warmup, by diffusers' names: constant (constant_with_warmup is the "
+                "same), linear (to 0), cosine (a half cosine to 0), cosine_with_restarts (--schedule-cycles half "
+                "cosines) or polynomial (to 0 with --schedule-power).",
+    "schedule_cycles": "cosine_with_restarts: how many times the learning rate falls to 0 and starts again (kohya's "
+                       "lr_scheduler_num_cycles).",
+    "schedule_power": "polynomial: the power of the decay, 1 is linear (kohya's lr_scheduler_power).",
     "warmup": "Steps of linear learning-rate warm-up.",
     "steps": "Optimizer steps to train.",
     "epochs": "Passes over the data; when given, decides the length instead of --steps.",
@@ -191,6 +197,8 @@ class TrainConfig:
     optimizer: str = "adamw"
     weight_decay: float = 1e-4
     schedule: str = "constant"
+    schedule_cycles: int = 1
+    schedule_power: float = 1.0
     warmup: int = 0  # steps of linear warm-up
     steps: int | None = 1000
     epochs: int | None = None  # when set, overrides steps
@@ -281,7 +289,7 @@ class TrainConfig:
                                         or self.prefetch < 1):
             raise bad("prefetch", "must be auto or a whole number of at least 1")
         for key in ("rank", "batch_size", "grad_accum", "nan_patience", "sample_steps",
-                    "max_sequence_length", "keep_last"):
+                    "max_sequence_length", "keep_last", "schedule_cycles"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
         for key in ("warmup", "save_every", "sample_every", "seed", "keep_tokens", "validate_every"):
@@ -293,7 +301,8 @@ class TrainConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise bad(key, "must be a whole number of at least 1")
-        for key, low, strict in (("alpha", 0.0, True), ("shift", 0.0, True), ("weight_decay", 0.0, False),
+        for key, low, strict in (("alpha", 0.0, True), ("shift", 0.0, True), ("schedule_power", 0.0, True),
+                                 ("weight_decay", 0.0, False),
                                  ("max_grad_norm", 0.0, False), ("guidance", 0.0, False),
                                  ("sample_guidance", 0.0, False), ("caption_dropout", 0.0, False)):
             value = getattr(self, key)

@@ -44,11 +44,11 @@ def _optimizer(value: Any) -> Any:
 
 
 def _schedule(value: Any) -> Any:
-    if value in ("constant", "constant_with_warmup"):
-        return "constant"
-    if value == "cosine":
-        return "cosine"
-    raise KohyaKeyError(f"lr_scheduler = {value!r}: SquareQ's schedules are constant and cosine (both after "
+    from .config import SCHEDULES
+
+    if value in SCHEDULES:
+        return value
+    raise KohyaKeyError(f"lr_scheduler = {value!r}: SquareQ's schedules are {', '.join(SCHEDULES)} (all after "
                         "--warmup); set schedule to one of them.")
 
 
@@ -78,6 +78,8 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "gradient_accumulation_steps": ("grad_accum", None),
     "lr_scheduler": ("schedule", _schedule),
     "lr_warmup_steps": ("warmup", None),
+    "lr_scheduler_num_cycles": ("schedule_cycles", None),
+    "lr_scheduler_power": ("schedule_power", None),
     "optimizer_type": ("optimizer", _optimizer),
     "caption_extension": ("caption_ext", None),
     "caption_dropout_rate": ("caption_dropout", None),

@@ -95,12 +95,16 @@ class TrainResult:
 
 
 def lr_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total: int):
-    """diffusers' ``get_scheduler`` (its training scripts' and kohya's schedules): constant, constant after a linear
-    warm-up from 0, or a half cosine to 0 after the warm-up, over ``total`` steps."""
+    """diffusers' ``get_scheduler`` (its training scripts' and kohya's schedules) by name, after a linear warm-up from
+    0 over ``cfg.warmup`` steps, over ``total`` steps: constant, linear, cosine, cosine_with_restarts
+    (``cfg.schedule_cycles``) or polynomial (``cfg.schedule_power``)."""
     from diffusers.optimization import get_scheduler
 
-    name = "cosine" if cfg.schedule == "cosine" else "constant_with_warmup" if cfg.warmup else "constant"
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup, num_training_steps=total)
+    name = cfg.schedule
+    if name in ("constant", "constant_with_warmup"):
+        name = "constant_with_warmup" if cfg.warmup else "constant"
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup, num_training_steps=total,
+                         num_cycles=cfg.schedule_cycles, power=cfg.schedule_power)
 
 
 def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -214,7 +214,7 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="squareq.train"):
         cfg = load_config(path)
     assert (cfg.rank, cfg.lora_alpha, cfg.lr, cfg.steps, cfg.optimizer, cfg.schedule, cfg.warmup) == \
-        (32, 16.0, 5e-4, 300, "adamw8bit", "constant", 10)
+        (32, 16.0, 5e-4, 300, "adamw8bit", "constant_with_warmup", 10)
     assert (cfg.resolution, cfg.caption_ext, cfg.no_upscale, cfg.title, cfg.shift) == \
         ([768], ".caption", True, "my-lora", 3.1582)
     assert (cfg.loss_weighting, cfg.timestep_sampling) == ("cosmap", "logit_normal")
@@ -304,3 +304,18 @@ def test_attention_is_auto_by_default_and_takes_the_runtime_modes(tmp_path):
     for mode in ("auto", "cudnn", "default"):
         path.write_text(f'attention = "{mode}"\n')
         assert load_config(path).attention == mode
+
+
+def test_kohya_schedule_keys_are_read_and_an_unknown_schedule_is_one_sentence(tmp_path):
+    path = tmp_path / "kohya.toml"
+    path.write_text('max_train_steps = 10\nlr_scheduler = "cosine_with_restarts"\nlr_scheduler_num_cycles = 3\n'
+                    'lr_scheduler_power = 2.0\n')
+    cfg = load_config(path)
+    assert (cfg.schedule, cfg.schedule_cycles, cfg.schedule_power) == ("cosine_with_restarts", 3, 2.0)
+    path.write_text('max_train_steps = 10\nlr_scheduler = "adafactor"\n')
+    with pytest.raises(ConfigError, match="lr_scheduler = 'adafactor': SquareQ's schedules are constant, "):
+        load_config(path)
+    for bad in ("schedule_cycles = 0", "schedule_power = 0.0", 'schedule = "warmup_stable_decay"'):
+        path.write_text(f"steps = 10\n{bad}\n")
+        with pytest.raises(ConfigError, match=bad.split()[0]):
+            load_config(path)

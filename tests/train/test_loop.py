@@ -946,16 +946,22 @@ def test_flow_options_are_refused_for_a_ddpm_model_before_encoding(tmp_path):
         train(cfg, echo=lambda s: None)
 
 
-@pytest.mark.parametrize("schedule, warmup, expected", [
-    ("constant", 0, [1.0] * 6),
-    ("constant", 4, [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]),  # diffusers' warm-up starts at 0
-    ("cosine", 2, [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]),  # half cosine after
+@pytest.mark.parametrize("schedule, warmup, extra, expected", [
+    ("constant", 0, {}, [1.0] * 6),
+    ("constant", 4, {}, [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]),  # diffusers' warm-up starts at 0
+    ("constant_with_warmup", 4, {}, [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]),
+    ("cosine", 2, {}, [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]),  # half cosine after
+    ("linear", 2, {}, [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]),
+    # two half cosines over the 4 steps after the warm-up: 1, 0.5, then again 1, 0.5
+    ("cosine_with_restarts", 2, {"schedule_cycles": 2}, [0.0, 0.5, 1.0, 0.5, 1.0, 0.5]),
+    # (1 - progress)² down to diffusers' end value 1e-7
+    ("polynomial", 2, {"schedule_power": 2.0}, [0.0, 0.5] + [(1 - 1e-7) * (1 - k / 4) ** 2 + 1e-7 for k in range(4)]),
 ])
-def test_learning_rate_schedules_are_diffusers(tmp_path, schedule, warmup, expected):
+def test_learning_rate_schedules_are_diffusers(tmp_path, schedule, warmup, extra, expected):
     from squareq.train.loop import lr_scheduler
 
     cfg = load_config(None, {"slab": "s", "data": "d", "output": str(tmp_path), "schedule": schedule,
-                             "warmup": warmup, "lr": 1.0})
+                             "warmup": warmup, "lr": 1.0, **extra})
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = lr_scheduler(cfg, opt, 6)
     got = []
