@@ -17,6 +17,7 @@ from .compiler.ladder import DEFAULT_FORMATS, ladder
 from .compiler.state import StateError
 from .compiler.thresholds import ThresholdsError
 from .devices import DeviceError, describe, run_on
+from .extras import MissingExtra
 from .models import ModelError
 from .quant import SpecError
 from .runtime import PeftMissing, PlanError, StreamError
@@ -39,7 +40,7 @@ from .train.sample import SampleError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError)
+               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError, MissingExtra)
 
 
 class _Group(click.Group):

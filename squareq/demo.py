@@ -17,6 +17,7 @@ from .acceptance import AcceptOptions, AcceptReport, accept
 from .acceptance.convergence import ConvergenceSettings
 from .compiler import CompileOptions, compile_slab, open_source
 from .devices import default_device
+from .extras import ACCEPT_MODULES, check_installed
 from .models import load_builtin
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
@@ -56,6 +57,7 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
              echo: Callable[[str], None] = print, status: Callable[[str], None] | None = None) -> DemoResult:
     """Run the demo into ``folder``; ``echo`` receives the progress and result lines, ``status`` a one-line
     status during training (``"      training: step 40/200"``, meant to overwrite itself on a terminal)."""
+    check_installed(("skimage", *ACCEPT_MODULES), "squareq demo")  # it calibrates on the photographs and accepts
     folder = Path(folder)
     _prepare(folder, overwrite)
     device = default_device().type

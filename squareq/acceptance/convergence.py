@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from scipy import stats
 
 from .. import quant
 from ..compiler.sources import Source
+from ..extras import require
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth
 from ..slab import BlockContent, Slab, SlabBuilder, SlabError, WriteOptions, open_slab
@@ -127,12 +127,17 @@ def _run(slab_path: Path, model: EncoderSource | str, out: Path, cache: Path, st
     return cfg, [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
+def _stats():
+    return require("scipy.stats", "squareq accept's convergence gate")
+
+
 def mean_interval(values: list[float], confidence: float) -> tuple[float, float, float]:
     """Mean of ``values`` and its two-sided ``confidence`` interval (Student's t)."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
         return mean, float("-inf"), float("inf")
+    stats = _stats()
     se = float(stats.sem(values))
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * se
     return mean, mean - half, mean + half
@@ -140,6 +145,7 @@ def mean_interval(values: list[float], confidence: float) -> tuple[float, float,
 
 def decide(frozen: list[float], ref: list[float], got: list[float], tau: float, alpha: float = ALPHA) -> dict:
     """The gate's statistics from the three runs' per-step losses (see the module docstring)."""
+    stats = _stats()
     late = len(ref) // 2
     learned = [(f - r) / f for f, r in zip(frozen[late:], ref[late:], strict=True)]
     p_learned = float(stats.ttest_1samp(learned, tau, alternative="greater").pvalue) if len(learned) > 1 else 1.0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..compiler.sources import Source
+from ..extras import require
 from ..models import ADAPTERS, ModelError
 from ..models.local_files import refuse_pickled
 from ..models.prompts import CALIBRATION_PROMPTS
@@ -68,8 +69,9 @@ def to_tensor(images) -> torch.Tensor:
 
 def image_metrics(reference: torch.Tensor, images: torch.Tensor) -> tuple[list[float], list[float]]:
     """Per image pair: PSNR in dB (identical pairs: :data:`IDENTICAL_PSNR_DB`) and SSIM, both by torchmetrics."""
-    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
-
+    image = require("torchmetrics.functional.image", "squareq accept's image-drift gate")
+    peak_signal_noise_ratio, structural_similarity_index_measure = (image.peak_signal_noise_ratio,
+                                                                    image.structural_similarity_index_measure)
     psnr = peak_signal_noise_ratio(images, reference, data_range=1.0, reduction="none", dim=(1, 2, 3))
     ssim = structural_similarity_index_measure(images, reference, data_range=1.0, reduction="none")
     return ([min(float(p), IDENTICAL_PSNR_DB) for p in psnr.reshape(-1)],
@@ -78,7 +80,7 @@ def image_metrics(reference: torch.Tensor, images: torch.Tensor) -> tuple[list[f
 
 def clip_scores(folder: Path, images: torch.Tensor, prompts: list[str]) -> list[float]:
     """Each image's CLIP score against its prompt, from the CLIP model in ``folder`` (torchmetrics' CLIPScore)."""
-    from torchmetrics.multimodal.clip_score import CLIPScore
+    CLIPScore = require("torchmetrics.multimodal.clip_score", "squareq accept's CLIP score").CLIPScore  # noqa: N806
     from transformers import CLIPModel, CLIPProcessor
 
     def load():

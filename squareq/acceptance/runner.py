@@ -15,6 +15,7 @@ from ..compiler.device_choice import block_weights, choose_device, tokens_per_sa
 from ..compiler.sources import open_source
 from ..compiler.thresholds import Thresholds
 from ..devices import default_device, parse_device, run_on
+from ..extras import ACCEPT_MODULES, check_installed
 from ..models import ModelError
 from ..models.hub import hub_ref, like_recorded
 from ..runtime.compute import ComputeError, resolve_compute
@@ -67,6 +68,7 @@ class AcceptOptions:
 
 def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
     """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes."""
+    check_installed(ACCEPT_MODULES, "squareq accept")  # before the slab is hashed and anything is measured
     parse_device(opts.device)  # a wrong --device is refused before the slab is hashed
     with open_slab(opts.slab, verify="eager") as slab:  # a corrupted slab fails here, before any measurement
         check_recorded(slab)

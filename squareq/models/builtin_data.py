@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..extras import missing_sentence
 from .base import ModelError
 
 # scikit-image data functions whose file is a photograph (of a scene, an object, a texture or through a microscope);
@@ -41,8 +42,8 @@ class Photo:
 def _skimage_root() -> Path:
     spec = importlib.util.find_spec("skimage")
     if spec is None or spec.origin is None:
-        raise ModelError("the built-in calibration photographs come from scikit-image, which is not installed; "
-                         "install it (pip install scikit-image) or pass your own images with --calib-data DIR.")
+        raise ModelError(missing_sentence("skimage", "calibrating on the built-in photographs") + ", or pass your "
+                         "own images with --calib-data DIR.")
     return Path(spec.origin).parent
 
 

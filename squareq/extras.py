@@ -1,0 +1,45 @@
+"""SquareQ's optional dependencies (pip extras) and the one sentence a missing one gets.
+
+``pip install squareq`` compiles (with ``--calib-data``), trains and samples. Two extras add the rest:
+
+* ``accept``: scipy (the convergence gate's paired tests) and torchmetrics (PSNR, SSIM, CLIP score) for
+  ``squareq accept`` and ``squareq demo``;
+* ``photos``: scikit-image, whose wheel carries the photographs the compiler calibrates image models on when no
+  ``--calib-data`` is given.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# module -> (the PyPI package that provides it, the extra that installs it)
+PROVIDERS = {"scipy": ("scipy", "accept"), "torchmetrics": ("torchmetrics", "accept"),
+             "skimage": ("scikit-image", "photos")}
+
+
+ACCEPT_MODULES = ("scipy.stats", "torchmetrics")  # what squareq accept's gates import
+
+
+class MissingExtra(ImportError):
+    """An optional dependency is not installed; the message names the pip command that installs it."""
+
+
+def missing_sentence(module: str, what: str) -> str:
+    """The sentence for ``what`` needing ``module`` (a key of :data:`PROVIDERS`, or a submodule of one)."""
+    package, extra = PROVIDERS[module.split(".")[0]]
+    return (f"{what} needs {package}, which is not installed; install SquareQ's {extra} extra with: "
+            f"pip install 'squareq[{extra}]'")
+
+
+def check_installed(modules: tuple[str, ...], what: str) -> None:
+    """Refuse at once, before any long work, when one of ``modules`` that ``what`` will need is missing."""
+    for module in modules:
+        require(module, what)
+
+
+def require(module: str, what: str) -> ModuleType:
+    """``module`` imported, or :class:`MissingExtra` saying which extra ``what`` needs."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(missing_sentence(module, what) + ".") from None
