@@ -22,6 +22,10 @@ in its own process so memory statistics start clean:
   norm + rotary embedding (runtime/flux_attention.py; what ``squareq.runtime.load`` installs by default) or with
   diffusers' stock processor; the resident model runs the stock one always (every ratio divides by it) and also
   the fused one when ``--attention`` names it, so the share of the step the processor saves is measured apart;
+* ``... kernels=auto`` / ``kernels=default`` (``--sdpa-kernels``): the SquareQ setups' attention kernels,
+  ``runtime.load(attention=...)``: cuDNN first where measured faster (squareq sample's default) or torch's order;
+  cuDNN attention is switched off for every other setup, as before (its backward fails on the device image for
+  narrow heads), so the peers run torch's order;
 * ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
   does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
   ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
@@ -127,9 +131,12 @@ def _phase_value(words: list[str], name: str, default: str) -> str:
 def phase(args) -> None:
     import torch
 
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    setup = ts.Setup(args)
     name = args.phase[0]
+    kernels = _phase_value(args.phase, "kernels", "default")
+    # cuDNN attention stays off (its backward fails on the device image for narrow heads) except for the SquareQ
+    # setups that choose it: runtime.load(attention="auto") at FLUX.1's head width
+    torch.backends.cuda.enable_cudnn_sdp(name == "squareq" and kernels == "auto")
+    setup = ts.Setup(args)
     attention = _phase_value(args.phase, "attention", "stock")
     rec = {"what": name, "res": args.res, "device": setup.device_name, "attention": attention}
     tuner = None
@@ -150,9 +157,11 @@ def phase(args) -> None:
             rec["prefetch"] = k if k == "auto" else int(k)
             model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
                             host="pinned", verify="off", compute=compute, cuda_graphs=graphs,
-                            fused_attention=attention == "fused", compile_blocks=block_compile)
+                            fused_attention=attention == "fused", compile_blocks=block_compile,
+                            attention=kernels)
             rec.update(compute=compute, compute_used=rt.runtime_of(model).compute, cuda_graphs=graphs,
-                       block_compile=block_compile)
+                       block_compile=block_compile, attention_kernels=kernels,
+                       cudnn_attention_first=rt.runtime_of(model).prefer_cudnn)
             if k == "auto":
                 resident = "auto" if "resident" in rest else 0
                 rec["resident_blocks"] = resident
@@ -226,6 +235,9 @@ def main() -> None:
     ap.add_argument("--attention", nargs="+", choices=("stock", "fused"), default=["fused"],
                     help="FLUX attention processors of the SquareQ setups; with fused, the resident model runs both "
                          "(other peers: stock)")
+    ap.add_argument("--sdpa-kernels", nargs="+", choices=("auto", "default"), default=["default"],
+                    help="the SquareQ setups' attention kernels (runtime.load(attention=)): auto (cuDNN first where "
+                         "measured faster, squareq sample's default) or default (torch's order, flash first)")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
@@ -248,10 +260,10 @@ def main() -> None:
     phases = []
     for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
         if s == "squareq":
-            phases += [["squareq", *str(k).split("+"), f"compute={c}", f"attention={a}"]
+            phases += [["squareq", *str(k).split("+"), f"compute={c}", f"attention={a}", f"kernels={kn}"]
                        + (["graphs"] if g == "on" else []) + (["compiled"] if bc == "on" else [])
                        for k in args.prefetch for c in args.compute for a in args.attention for g in args.graphs
-                       for bc in args.block_compile]
+                       for bc in args.block_compile for kn in args.sdpa_kernels]
         elif s == "resident":
             # the stock model always runs: every ratio divides by it
             phases += [["resident", "attention=stock"]] + ([["resident", "attention=fused"]]
@@ -302,6 +314,7 @@ def main() -> None:
             f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
         label += " graphs" if r.get("cuda_graphs") else ""
         label += " compiled" if r.get("block_compile") else ""
+        label += " cuDNN attention" if r.get("cudnn_attention_first") else ""
         label += f", {r['attention']} attention" if r["what"] in ("resident", "compiled", "squareq") else ""
         ratios = " | ".join(f"{r[k]:.2f}" if k in r else "" for k in (
             "ratio_to_resident", "steady_ratio_to_resident", "ratio_to_compiled", "steady_ratio_to_compiled"))
