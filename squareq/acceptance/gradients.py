@@ -55,7 +55,8 @@ def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdi
     recipe = ADAPTERS[family].recipe
     objective = training_objective(run_encoders(cfg, slab.manifest.model), family)
     data = prepare_data(cfg, slab.manifest.model, device, echo)
-    feed = CacheFeed(data.cache, *data.keys, data.captions, data.dropped, device)
+    image_keys, text_keys, _ = data.keys  # the gate compares unflipped images
+    feed = CacheFeed(data.cache, image_keys, text_keys, data.captions, data.dropped, device)
     models, params = {}, {}
     try:
         for label, path in (("bf16", ref_path), ("slab", slab.path)):

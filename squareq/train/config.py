@@ -105,6 +105,9 @@ HELP = {
     "caption_orders": "With shuffle_caption, how many shuffled orders of each caption are encoded (more orders, more "
                       "variety and more cache space: 8 MB each with FLUX's 512 T5 tokens).",
     "caption_ext": "Extension of the caption files next to the images: .txt, or e.g. .caption (kohya's).",
+    "flip_aug": "Also cache each training image's horizontally flipped latents and train on them half of the time "
+                "(seeded per image and epoch, so a resumed run makes the same choices); kohya's flip_aug. Leave it "
+                "off for subjects whose sides differ (text, logos, asymmetric faces).",
     "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
                   "of enlarging it, like kohya's --bucket_no_upscale.",
     "validation_data": "A folder of held-out images with captions (read like --data) whose loss is measured during "
@@ -215,6 +218,7 @@ class TrainConfig:
     keep_tokens: int = 0
     caption_orders: int = 8
     no_upscale: bool = False
+    flip_aug: bool = False
     validation_data: str | None = None
     validation_split: float = 0.0
     validate_every: int = 0  # 0: with every checkpoint
@@ -371,7 +375,7 @@ class TrainConfig:
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
             raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
-        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora"):
+        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora", "flip_aug"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \

@@ -7,6 +7,7 @@ its noise and timesteps are decided in the loop as before, so a run's numbers do
 """
 from __future__ import annotations
 
+import random
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -19,9 +20,11 @@ class CacheFeed:
     """Latents and text embeddings of the dataset's items on ``device``, by item index."""
 
     def __init__(self, cache: EmbeddingCache, image_keys: list[str], text_keys: dict[str, str],
-                 captions: list[list[str]], dropped: str, device: torch.device) -> None:
+                 captions: list[list[str]], dropped: str, device: torch.device,
+                 flipped_keys: list[str] | None = None, seed: int = 0) -> None:
         self.cache = cache
         self.image_keys, self.text_keys = image_keys, text_keys
+        self.flipped_keys, self.seed = flipped_keys or [], seed
         self.captions, self.dropped = captions, dropped
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="squareq-cache-reader")
@@ -33,9 +36,20 @@ class CacheFeed:
         orders = self.captions[index]
         return orders[(epoch + index) % len(orders)]
 
+    def flipped(self, index: int, epoch: int) -> bool:
+        """Whether item ``index`` trains on its flipped latents in ``epoch`` (``flip_aug``): half of the time, drawn
+        from the seed, the epoch and the item, so prefetching, every rank and a resumed run see the same choice."""
+        if index >= len(self.flipped_keys):  # no flip_aug, or a validation entry
+            return False
+        return random.Random(f"{self.seed}:{epoch}:{index}").random() < 0.5
+
+    def image_key(self, index: int, epoch: int = 0) -> str:
+        """The cache key of the latents item ``index`` trains on in ``epoch``."""
+        return self.flipped_keys[index] if self.flipped(index, epoch) else self.image_keys[index]
+
     def _entries(self, indices: list[int], drops: list[bool] | None = None, epoch: int = 0) -> list[tuple[str, str]]:
         drops = drops or [False] * len(indices)
-        return ([("latents", self.image_keys[i]) for i in indices]
+        return ([("latents", self.image_key(i, epoch)) for i in indices]
                 + [("text", self.text_keys[self.dropped if d else self.caption(i, epoch)])
                    for i, d in zip(indices, drops)])
 
@@ -58,10 +72,11 @@ class CacheFeed:
     def _stack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([t.to(self.device, non_blocking=True) for t in tensors])
 
-    def latent_shape(self, index: int) -> torch.Size:
-        """The shape of item ``index``'s latent (its bucket's), read through the prefetch."""
-        entry = self._get("latents", self.image_keys[index])
-        self._pending[("latents", self.image_keys[index])] = _done(entry)
+    def latent_shape(self, index: int, epoch: int = 0) -> torch.Size:
+        """The shape of item ``index``'s latent in ``epoch`` (its bucket's), read through the prefetch."""
+        key = self.image_key(index, epoch)
+        entry = self._get("latents", key)
+        self._pending[("latents", key)] = _done(entry)
         return entry["latents"].shape
 
     def batch(self, indices: list[int], drops: list[bool],
@@ -69,7 +84,7 @@ class CacheFeed:
         """(latents [B, C, h, w] or [B, C, 1, h, w], the captions' tensors batched: ``prompt_embeds`` [B, L, D],
         ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached) on the device, fp32. Captions of
         different lengths are zero-padded to the longest (their masks mark the padding)."""
-        images = [self._get("latents", self.image_keys[i]) for i in indices]
+        images = [self._get("latents", self.image_key(i, epoch)) for i in indices]
         latents = self._stack([e["latents"] for e in images])
         # an image embedding cached with the latent (Würstchen's decoder) conditions the denoiser like the text
         extra = {name: self._stack([e[name] for e in images]) for name in images[0] if name != "latents"}

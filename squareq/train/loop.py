@@ -140,16 +140,24 @@ def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.opti
 
 
 def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
-                cache: EmbeddingCache, echo) -> tuple[list[str], dict[str, str]]:
-    """Cache every image's latents and every caption's embeddings; return the latent keys per item and the
-    text key per caption."""
+                cache: EmbeddingCache, echo, flipped: int = 0) -> tuple[list[str], dict[str, str], list[str]]:
+    """Cache every image's latents and every caption's embeddings, and for the first ``flipped`` items (the training
+    ones, with ``flip_aug``) the latents of the image flipped left to right; return the latent keys per item, the text
+    key per caption and the flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
-    image_keys = [content_key("latents", file_digest(item.path), vae_id, list(bucket))
-                  for item, bucket in zip(items, item_buckets, strict=True)]
+    digests = [file_digest(item.path) for item in items]
+    image_keys = [content_key("latents", digest, vae_id, list(bucket))
+                  for digest, bucket in zip(digests, item_buckets, strict=True)]
+    flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped")
+                    for i in range(flipped)]
 
-    def encode_images(indices):
-        encoded = [encoders.encode_image(load_image(items[i].path, item_buckets[i])) for i in indices]
-        return [e if isinstance(e, dict) else {"latents": e} for e in encoded]
+    def encoder_of(flip: bool):
+        def encode_images(indices):
+            pixels = (load_image(items[i].path, item_buckets[i]) for i in indices)
+            encoded = [encoders.encode_image(p.flip(-1) if flip else p) for p in pixels]
+            return [e if isinstance(e, dict) else {"latents": e} for e in encoded]
+
+        return encode_images
 
     text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
     unique = list(text_keys)
@@ -158,11 +166,11 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
         return encoders.encode_prompts([unique[i] for i in indices], cfg.max_sequence_length)
 
     start = time.perf_counter()
-    made = cache.fill("latents", image_keys, encode_images) + cache.fill("text", [text_keys[c] for c in unique],
-                                                                        encode_texts)
-    echo(f"cache {cache.root}: {made} new entries of {len(image_keys) + len(unique)} in "
+    made = (cache.fill("latents", image_keys, encoder_of(False)) + cache.fill("latents", flipped_keys, encoder_of(True))
+            + cache.fill("text", [text_keys[c] for c in unique], encode_texts))
+    echo(f"cache {cache.root}: {made} new entries of {len(image_keys) + len(flipped_keys) + len(unique)} in "
          f"{time.perf_counter() - start:.1f} s")
-    return image_keys, text_keys
+    return image_keys, text_keys, flipped_keys
 
 
 def _use_cuda_graphs(cfg: TrainConfig, device: torch.device, echo) -> bool:
@@ -260,8 +268,9 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
             # the sample prompts too: sample images then need the VAE only, never the text encoders again
             texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
                            | set(cfg.sample_prompts))
-            keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo)
-        image_keys, text_keys = keys
+            keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
+                               flipped=len(items) if cfg.flip_aug else 0)
+        image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
 
@@ -391,7 +400,7 @@ class _Run:
         """The streamed model with its LoRA, the batch order, the optimizer, its schedule and the run's RNG."""
         cfg, ranks, data = self.cfg, self.ranks, self.data
         # the other ranks wait here while rank 0 fills the cache, so encoders and slab are never in memory together
-        image_keys, text_keys = ranks.broadcast(data.keys if ranks.is_main else None)
+        image_keys, text_keys, flipped_keys = ranks.broadcast(data.keys if ranks.is_main else None)
         if cfg.compute == "auto":
             self.echo(f"compute auto: {self.compute}: {self.compute_why}")
         if cfg.compile == "auto":
@@ -431,7 +440,7 @@ class _Run:
         self.generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
         self.ema = LoraEma(self.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.feed = CacheFeed(data.cache, image_keys, text_keys, data.captions + [[c] for c in data.validation],
-                              data.dropped, self.device)
+                              data.dropped, self.device, flipped_keys, cfg.seed)
         # the validation entries of the feed come after the training entries
         self.held_out = list(range(len(data.captions), len(data.captions) + len(data.validation)))
 
@@ -579,7 +588,7 @@ class _Run:
             drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
                      for _ in indices]
             mine = ranks.share(len(indices))
-            shape = feed.latent_shape(indices[mine][0])
+            shape = feed.latent_shape(indices[mine][0], epoch)
             noise = torch.randn((len(indices), *shape), generator=generator)
             t = draw_times(self.objective, len(indices), generator, mode=cfg.timestep_sampling, shift=cfg.shift,
                            image_tokens=image_tokens(shape))

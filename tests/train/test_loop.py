@@ -1082,8 +1082,8 @@ def test_validation_loss_depends_on_the_lora_alone(workspace, tmp_path):
     slab = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
     data = prepare_data(cfg, runtime.runtime_of(slab).manifest.model, torch.device("cpu"), echo=lambda s: None)
     assert len(data.validation) == 4 and len(data.keys[0]) == 8
-    feed = CacheFeed(EmbeddingCache(tmp_path / "cache"), *data.keys, data.captions + [[c] for c in data.validation],
-                     data.dropped, torch.device("cpu"))
+    feed = CacheFeed(EmbeddingCache(tmp_path / "cache"), *data.keys[:2],
+                     data.captions + [[c] for c in data.validation], data.dropped, torch.device("cpu"))
     runtime.add_lora(slab, rank=4, targets=["to_q", "to_k", "to_v"])
     held = list(range(4, 8))
 
@@ -1248,3 +1248,62 @@ def test_compile_on_trains_the_same_lora_and_says_what_compiling_took(workspace,
     with pytest.raises(ConfigError, match="compile"):
         TrainConfig(slab="x", data="d", output="o", steps=1, compile="max-autotune")
     torch._dynamo.reset()
+
+
+def test_flip_aug_caches_flipped_latents_and_trains_on_them_half_the_time(workspace, tmp_path):
+    """flip_aug: each training image's left-right flipped latents are cached beside the original's, and a seeded half
+    of the (item, epoch) draws use them, the same in every run; validation entries never flip. Negative control:
+    without flip_aug no flipped entry is cached and none is used."""
+    from diffusers.configuration_utils import FrozenDict
+
+    from squareq.train.data import entry_buckets, load_image
+    from squareq.train.encoders import open_encoders
+    from squareq.train.feed import CacheFeed
+    from squareq.train.loop import prepare_data, run_encoders
+
+    from squareq.train.tiny_dataset import write_tiny_dataset
+
+    # shapes off the centre (the workspace's solid colours look the same flipped)
+    cfg = _config(workspace, tmp_path / "out", cache_dir=str(tmp_path / "cache"), flip_aug=True,
+                  data=str(write_tiny_dataset(tmp_path / "data")))
+    slab = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    model = runtime.runtime_of(slab).manifest.model
+    data = prepare_data(cfg, model, torch.device("cpu"), echo=lambda s: None)
+    image_keys, text_keys, flipped_keys = data.keys
+    assert len(flipped_keys) == len(data.dataset.training_items) and not set(flipped_keys) & set(image_keys)
+    # each flipped entry is the flipped image through the VAE (a symmetric image's equals the original's)
+    buckets = entry_buckets(data.dataset, data.buckets, cfg.no_upscale)
+    differs = 0
+    with open_encoders(run_encoders(cfg, model), torch.device("cpu"), model.family, FrozenDict(model.config)) \
+            as encoders:
+        for i, item in enumerate(data.dataset.training_items):
+            original = data.cache.load("latents", image_keys[i])["latents"]
+            flipped = data.cache.load("latents", flipped_keys[i])["latents"]
+            pixels = load_image(item.path, buckets[i])
+            assert torch.allclose(encoders.encode_image(pixels.flip(-1)).float(), flipped.float(), atol=1e-5)
+            differs += not torch.equal(flipped, original)
+    assert differs > 0
+
+    def choices(seed):
+        feed = CacheFeed(data.cache, image_keys, text_keys, data.captions, data.dropped, torch.device("cpu"),
+                         flipped_keys, seed)
+        return [feed.flipped(i, epoch) for epoch in range(50) for i in range(len(flipped_keys))]
+
+    drawn = choices(cfg.seed)
+    assert drawn == choices(cfg.seed) and drawn != choices(cfg.seed + 1)  # seeded
+    assert 0.4 < sum(drawn) / len(drawn) < 0.6  # half of the draws
+    feed = CacheFeed(data.cache, image_keys, text_keys, data.captions, data.dropped, torch.device("cpu"),
+                     flipped_keys, cfg.seed)
+    i, epoch = next((i, e) for e in range(50) for i in range(len(flipped_keys)) if feed.flipped(i, e))
+    latents, _ = feed.batch([i], [False], epoch)
+    assert torch.equal(latents[0], data.cache.load("latents", flipped_keys[i])["latents"].float())
+    assert not feed.flipped(len(flipped_keys), 0)  # past the training entries (validation): never
+    # a whole run with it trains and its cache holds both
+    result = train(cfg, echo=lambda s: None)
+    assert result.steps == cfg.steps
+
+    off = prepare_data(_config(workspace, tmp_path / "off", cache_dir=str(tmp_path / "cache-off"), data=cfg.data),
+                       model, torch.device("cpu"), echo=lambda s: None)
+    assert off.keys[2] == []
+    plain = CacheFeed(off.cache, *off.keys[:2], off.captions, off.dropped, torch.device("cpu"), off.keys[2], 0)
+    assert not any(plain.flipped(i, e) for e in range(20) for i in range(len(off.keys[0])))
