@@ -69,11 +69,9 @@ def to_tensor(images) -> torch.Tensor:
 
 def image_metrics(reference: torch.Tensor, images: torch.Tensor) -> tuple[list[float], list[float]]:
     """Per image pair: PSNR in dB (identical pairs: :data:`IDENTICAL_PSNR_DB`) and SSIM, both by torchmetrics."""
-    image = require("torchmetrics.functional.image", "squareq accept's image-drift gate")
-    peak_signal_noise_ratio, structural_similarity_index_measure = (image.peak_signal_noise_ratio,
-                                                                    image.structural_similarity_index_measure)
-    psnr = peak_signal_noise_ratio(images, reference, data_range=1.0, reduction="none", dim=(1, 2, 3))
-    ssim = structural_similarity_index_measure(images, reference, data_range=1.0, reduction="none")
+    metrics = require("torchmetrics.functional.image", "squareq accept's image-drift gate")
+    psnr = metrics.peak_signal_noise_ratio(images, reference, data_range=1.0, reduction="none", dim=(1, 2, 3))
+    ssim = metrics.structural_similarity_index_measure(images, reference, data_range=1.0, reduction="none")
     return ([min(float(p), IDENTICAL_PSNR_DB) for p in psnr.reshape(-1)],
             [float(s) for s in ssim.reshape(-1)])
 

@@ -26,7 +26,7 @@ from torch import nn
 
 MODES = ("auto", "cudnn", "default")
 AUTO_CAPABILITY = (9, 0)
-AUTO_HEAD_DIMS = (128,)  # measured: FLUX.1's heads (docs/benchmarks.md, "Attention kernels")
+AUTO_HEAD_DIMS = (128,)  # measured: FLUX.1's heads (docs/benchmarks.md, "cuDNN attention in the streamed blocks")
 
 _cudnn_failed = False  # set once cuDNN attention failed in this process
 
@@ -75,22 +75,19 @@ def resolve_attention(mode: str, device: torch.device | str, width: int | None) 
                   "GPUs of this generation (docs/benchmarks.md)")
 
 
-def _cudnn_first() -> list:
-    from torch.nn.attention import SDPBackend
-
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def preferring_cudnn(forward, runtime):
     """``forward`` run with cuDNN attention first in torch's priority while ``runtime.prefer_cudnn`` holds, cuDNN
     attention is on and has not failed in this process; as it is otherwise."""
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]  # built once per block, not at every call
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not getattr(runtime, "prefer_cudnn", False) or _cudnn_failed or not torch.backends.cuda.cudnn_sdp_enabled():
             return forward(*args, **kwargs)
-        with sdpa_kernel(_cudnn_first(), set_priority=True):
+        with sdpa_kernel(cudnn_first, set_priority=True):
             return forward(*args, **kwargs)
 
     return run
