@@ -213,7 +213,7 @@ def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict
                  "eval": evaluator.measure(state), "plan": plan,
                  "calibration": {k: calibration.get(k) for k in ("kind", "source", "samples", "tokens",
                                                                  "heldout_samples", "calibrate_seconds",
-                                                                 "compile_seconds")},
+                                                                 "compile_seconds", "output_correction")},
                  **extra})
 
 
@@ -262,12 +262,21 @@ def budget_for(w4_slab: Path, bits: float) -> int:
     return int(t["file_bytes"] + bits * t["layer_weights"] / 8 - t["layer_bytes"])
 
 
+def _correction_cell(record: dict | None) -> str:
+    """The output correction as the slab's manifest records it: layers corrected and whether it was kept."""
+    if not record or not record.get("fitted"):
+        return "-"
+    return (f"{'kept' if record['kept'] else 'not kept'}: {record['corrected']}/{record['layers']} layers, "
+            f"{record['output_rel_mse_with']:.3g} vs {record['output_rel_mse_without']:.3g}")
+
+
 def table(records: list[dict]) -> str:
     variants = [r for r in records if r["kind"] == "variant"]
     rtn = next(r for r in variants if r["variant"] == "rtn-w4-g64")
     names = list(rtn["eval"])
     head = ["variant", "bits / layer weight", "formats", "compile s"]
-    head += [f"{n} rel-MSE" for n in names] + [f"× RTN W4 ({n})" for n in names] + ["cosine (pyjokes)", "layers > RTN"]
+    head += [f"{n} rel-MSE" for n in names] + [f"× RTN W4 ({n})" for n in names]
+    head += ["cosine (pyjokes)", "layers > RTN", "output correction"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in variants:
         formats = ", ".join(f"{k.split()[0]} ×{v}" for k, v in r["formats"].items())
@@ -275,7 +284,8 @@ def table(records: list[dict]) -> str:
         cells = [r["variant"], f"{r['bits_per_layer_weight']:.3f}", formats, f"{secs:.1f}" if secs else "-"]
         cells += [f"{r['eval'][n]['rel_mse']:.4g}" for n in names]
         cells += [f"{r['eval'][n]['rel_mse'] / rtn['eval'][n]['rel_mse']:.3f}" for n in names]
-        cells += [f"{r['eval']['pyjokes']['cosine']:.5f}", str(len(r["layers_above_rtn_heldout"]))]
+        cells += [f"{r['eval']['pyjokes']['cosine']:.5f}", str(len(r["layers_above_rtn_heldout"])),
+                  _correction_cell((r.get("calibration") or {}).get("output_correction"))]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -272,6 +272,10 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
 @click.option("--learned-rounding/--no-learned-rounding", default=True, show_default=True,
               help="Move the chosen codes one step at a time where that lowers the layer's error on the calibration "
               "data (kept only where it lowers the held-out error; needs --rounding gptq's statistics).")
+@click.option("--output-correction", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="After the plan, refit each layer's per-channel scale and bias so its outputs in the quantized "
+              "model keep the original's mean and spread (no extra bytes or time in the slab; kept only where it "
+              "lowers the held-out error). auto: text models only.")
 @click.option("--group-size", type=int, default=64, show_default=True)
 @click.option("--from", "previous", type=click.Path(path_type=Path), default=None,
               help="Rebuild from this earlier slab of the same model: each layer starts at its rung there, and its "
@@ -296,9 +300,9 @@ def _given_files(clip_l, clip_g, t5, vae) -> dict[str, str]:
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
 def compile_cmd(model, revision, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks,
                 model_class, calib_data, calib_cache, calib_text, encoders, clip_l, clip_g, t5, vae, calib_samples,
-                calib_resolution, calib_tokens, calib_synthetic, rounding, rotation, learned_rounding, group_size,
-                previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device, vram_budget, host_budget,
-                resume, force) -> None:
+                calib_resolution, calib_tokens, calib_synthetic, rounding, rotation, learned_rounding,
+                output_correction, group_size, previous, effect_probes, max_block_bytes, vram_cap, ring_slots, device,
+                vram_budget, host_budget, resume, force) -> None:
     """Calibrate MODEL on real data, choose a format per layer (W4/W6/W8/bf16 by default) under a size budget, write a
     slab.
 
@@ -321,7 +325,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         budget=parse_size(budget, "--budget"), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
         formats=formats, rounding=rounding, rotation=rotation, learned_rounding=learned_rounding,
-        group_size=group_size,
+        output_correction=output_correction, group_size=group_size,
         calib_samples=calib_samples,
         calib_cache=str(calib_cache) if calib_cache else None, calib_text=str(calib_text) if calib_text else None,
         calib_tokens=calib_tokens, calib_synthetic=calib_synthetic,

@@ -33,8 +33,10 @@ from ..slab.writer import PLACEHOLDER_FLOAT, block_linears, stored_tensor
 from .budget import OBJECTIVES, BudgetError, candidate_bytes, check_least_budget
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
+from .correction import MODES as CORRECTION_MODES
+from .correction import Correction, Unsplittable, fit_correction, wanted
 from .disk import check_disk, estimate_disk
-from .effect import DEFAULT_PROBES, measure_effects, plan_output_error
+from .effect import DEFAULT_PROBES, PlanWeights, measure_effects, plan_output_error, plan_output_errors
 from .host_budget import SAVED, TAPE, HostPlan, empty_host_cache, estimate_host, plan_host
 from .inputs import calibration_batch
 from .ladder import DEFAULT_FORMATS, LayerDecision, diagnostics, ladder, measure_rungs, rung_specs
@@ -63,6 +65,7 @@ class CompileOptions:
     rounding: str = "gptq"
     rotation: bool = True  # the search also tries each layer Hadamard-rotated (compiler/layer_search.py)
     learned_rounding: bool = True  # and refines its winner's codes on the calibration rows (quant/refine.py)
+    output_correction: str = "auto"  # refit each layer's scale and bias after the plan (compiler/correction.py)
     group_size: int = 64
     calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
     calib_images: CalibrationSet | None = None  # encoded images + captions (squareq.train.calibration)
@@ -97,6 +100,9 @@ class CompileOptions:
             self.formats = tuple(s.short_label for s in rung_specs(self.formats, self.group_size))
         except ValueError as exc:
             raise BudgetError(str(exc)) from None
+        if self.output_correction not in CORRECTION_MODES:
+            raise BudgetError(f"--output-correction {self.output_correction!r} must be one of "
+                              f"{', '.join(CORRECTION_MODES)}.")
         for flag, value, least in (("--calib-samples", self.calib_samples, 2), ("--calib-tokens", self.calib_tokens, 2),
                                    ("--effect-probes", self.effect_probes, 1), ("--ring-slots", self.ring_slots, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -417,9 +423,9 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
             progress(f"{len(moved)} layers moved to a rung the previous slab does not hold: searching them")
             run.wanted = moved
             run.run(setup.shell)
-    weights_of = lambda i: _weights(state, previous if setup.reused else None, i, names[i], plan)  # noqa: E731
-    progress("measuring the plan's model-output error on the held-out samples")
-    measured = plan_output_error(source, *setup.held, weights_of, opts.device, setup.axes)
+    planned = lambda i: _weights(state, previous if setup.reused else None, i, names[i], plan)  # noqa: E731
+    correction, measured, record = _correct(source, opts, setup, planned, progress)
+    weights_of = planned if correction is None else lambda i: correction.weights(planned(i))  # noqa: E731
     run.peaks.lap("plan error")
     progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
              f"{opts.thresholds.out:g})")
@@ -430,13 +436,51 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
                  f"{run.peaks.describe()}")
     write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
                                   measured_output_rel_mse=measured, calibrate_seconds=round(calibrate_s, 3),
+                                  output_correction=record,
                                   vram=_vram_record(setup.vram, run.peaks, setup.host))
-    manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build, weights_of, write_opts,
-                      started)
+    manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build, weights_of, correction,
+                      write_opts, started)
     if previous is not None:
         previous.slab.close()
     state.remove()
     return manifest
+
+
+def _correct(source: Source, opts: CompileOptions, setup: _Setup, planned, progress: Progress):
+    """The output correction (compiler/correction.py) when fitted and kept, the slab's measured output error on the
+    held-out samples, and the manifest's record of both. Kept only if it lowers that error."""
+    batch = setup.batch
+    why = wanted(opts.output_correction, batch.description, batch.heldout)
+    fitted = None
+    if why is None:
+        progress("output correction: refitting each layer's scale and bias on the quantized model's own inputs")
+        try:
+            fitted = fit_correction(source, batch.kwargs, batch.row_mask, batch.heldout, planned, setup.batched,
+                                    setup.axes, opts.device, progress)
+        except Unsplittable:
+            why = "the model's blocks cannot be run a few samples at a time"
+    progress("measuring the plan's model-output error on the held-out samples")
+    record = dict(_CORRECTION_RECORD, mode=opts.output_correction)
+    if fitted is None:
+        progress(f"output correction: not fitted ({why})")
+        return None, plan_output_error(source, *setup.held, planned, opts.device, setup.axes), record
+    every_bias = fitted.biases(fitted.fixes)
+    without, corrected = plan_output_errors(
+        source, *setup.held, [PlanWeights(planned), PlanWeights(lambda i: fitted.weights(planned(i)),
+                                                                lambda i: every_bias)], opts.device, setup.axes)
+    kept = corrected < without
+    record.update(fitted.record, fitted=True, kept=kept, output_rel_mse_without=without, output_rel_mse_with=corrected)
+    progress(f"output correction: {fitted.record['corrected']} of {fitted.record['layers']} layers corrected "
+             f"({fitted.record['refused']} would have erred more than plain rounding on the held-out samples); "
+             f"model-output rel-MSE {corrected:.4g} against {without:.4g} without: "
+             + ("kept" if kept else "not kept, since it does not lower it"))
+    return (fitted if kept else None), min(corrected, without), record
+
+
+# The manifest's record of the output correction; the values here are also the widest form the budget plans with.
+_CORRECTION_RECORD = {"mode": "auto", "fitted": False, "kept": False, "layers": 0, "corrected": 0, "refused": 0,
+                      "passes": 0, "fit_samples": 0, "scale_min": None, "scale_max": None, "seconds": None,
+                      "output_rel_mse_without": None, "output_rel_mse_with": None}
 
 
 def _measurements(source: Source, opts: CompileOptions, progress: Progress, setup: _Setup, state: CompileState):
@@ -488,7 +532,9 @@ def _calibration_record(setup: _Setup, opts: CompileOptions, build: int, effect_
             "chunk_samples": setup.axes.chunk_samples,
             "predicted_output_rel_mse": PLACEHOLDER_FLOAT, "measured_output_rel_mse": PLACEHOLDER_FLOAT,
             "calibrate_seconds": PLACEHOLDER_FLOAT, "compile_seconds": PLACEHOLDER_FLOAT,
-            "vram": _vram_record(setup.vram, None, setup.host)}
+            "vram": _vram_record(setup.vram, None, setup.host),
+            "output_correction": {k: "auto" if k == "mode" else 10**15 if isinstance(v, int) and not isinstance(v, bool)
+                                  else PLACEHOLDER_FLOAT for k, v in _CORRECTION_RECORD.items()}}
 
 
 def _vram_record(vram: VramPlan, peaks: PeakLog | None, host: HostPlan) -> dict:
@@ -525,15 +571,22 @@ def _plan(setup: _Setup, opts: CompileOptions, state: CompileState, names, layer
 
 
 def _write(source: Source, out: Path, opts: CompileOptions, setup: _Setup, plan: Plan, layers, notes, measured_rungs,
-           build: int, weights_of, write_opts: WriteOptions, started: float):
-    """Encode each block's blob from the plan's weights and assemble the slab (atomically)."""
+           build: int, weights_of, correction: Correction | None, write_opts: WriteOptions, started: float):
+    """Encode each block's blob from the plan's weights (and the output correction's biases and measurements) and
+    assemble the slab (atomically)."""
+    fixes = correction.fixes if correction is not None else {}
     with SlabBuilder(out, setup.skeleton, write_opts) as slab:
         for i, path in enumerate(source.block_paths):
             qws = weights_of(i)
             metrics, reasons, annotations = _annotations(path, layers, plan, notes, setup.previous, build,
                                                          measured_rungs, opts.thresholds)
+            for name in set(fixes) & set(qws):
+                metrics[name].update(fixes[name].metrics)
             measured_here = all("weight_rel_mse" in metrics[n] for n in qws)
             real = source.load_block(path, "cpu", torch.float32, linear_weights=not measured_here)
+            for name, mod in block_linears(path, real):
+                if name in fixes and fixes[name].bias is not None:
+                    mod.bias.data.copy_(fixes[name].bias)
             slab.add_block(BlockContent(i, path, real, qws, metrics, reasons, annotations, measure=not measured_here))
         write_opts.calibration.update(compile_seconds=round(time.perf_counter() - started, 3))
         return slab.finish(setup.residents, max_bytes=opts.budget)

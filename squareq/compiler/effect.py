@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -288,7 +289,7 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
     started = time.perf_counter()
     axes = axes or BatchAxes()
     batched = batched if batched is not None else {k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim()}
-    held = _batch_size(kwargs, batched)
+    held = batch_size(kwargs, batched)
     per_pass = axes.probes_per_pass(held, probes)
     passes = _ProbePasses(source, kwargs, row_mask, candidates_of, device, axes, batched, keep or (lambda t: t),
                           probes * held, torch.Generator().manual_seed(seed), progress, lap,
@@ -331,7 +332,7 @@ class _ProbePasses:
         """One pass over ``count`` copies whose samples are rows ``offset..`` of the sums; returns one copy's output
         power."""
         copies = repeat_batch(self.kwargs, self.batched, count)
-        samples = _batch_size(copies, self.batched)
+        samples = batch_size(copies, self.batched)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         cursor, device, axes = self.axes.cursor(), self.device, self.axes
 
@@ -362,36 +363,56 @@ class _ProbePasses:
         return power
 
 
-def _batch_size(kwargs: Mapping, batched: set[str]) -> int:
+def batch_size(kwargs: Mapping, batched: set[str]) -> int:
     sizes = []
     map_batched(kwargs, batched, lambda v: sizes.append(v.shape[0]), lambda vs: sizes.append(len(vs)))
     return max(sizes) if sizes else 1
 
 
-@torch.no_grad()
+class PlanWeights(NamedTuple):
+    """A plan's quantized weights by block index, and any biases it replaces (compiler/correction.py)."""
+
+    weights_of: Callable[[int], Mapping[str, QuantizedWeight]]
+    biases_of: Callable[[int], Mapping[str, torch.Tensor]] | None = None
+
+
 def plan_output_error(source, kwargs: dict, row_mask: torch.Tensor | None,
                       weights_of: Callable[[int], Mapping[str, QuantizedWeight]], device="cpu",
                       axes: BatchAxes | None = None) -> float:
     """The model-output rel-MSE ``‖ŷ − y‖² / ‖y‖²`` on ``kwargs`` with every block's linears at the weights
     ``weights_of(block index)`` gives (the plan), against the source model: measured, not predicted."""
-    plan = False
+    return plan_output_errors(source, kwargs, row_mask, [PlanWeights(weights_of)], device, axes)[0]
+
+
+@torch.no_grad()
+def plan_output_errors(source, kwargs: dict, row_mask: torch.Tensor | None, plans: Sequence[PlanWeights],
+                       device="cpu", axes: BatchAxes | None = None) -> list[float]:
+    """:func:`plan_output_error` of each of ``plans``, against one run of the source model."""
+    plan: PlanWeights | None = None
     axes = axes or BatchAxes()
-    cursor = axes.cursor()
 
     def run_block(index: int, path: str, args, kw):
         block = source.load_block(path, device, torch.float32, upcast_linears=True)
-        if plan:
-            weights = weights_of(index)
+        if plan is not None:
+            weights = plan.weights_of(index)
+            biases = plan.biases_of(index) if plan.biases_of is not None else {}
             for name, mod in block_linears(path, block):
                 if name in weights:
                     mod.weight.copy_(quant.dequantize(weights[name].to(device)).to(mod.weight.dtype))
+                if name in biases:
+                    mod.bias.copy_(biases[name].to(device, mod.bias.dtype))
         leaves, _ = tree_flatten((args, kw))
         call = cursor.next(index)
         return run_chunked(block, args, kw, call, axes.ranges(call_batch(leaves, call) or 1))
 
     shell = source.shell(run_block, device, upcast_linears=True)
+    cursor = axes.cursor()
     y = main_output(shell(**kwargs)).float()
-    plan, cursor = True, axes.cursor()
-    got = main_output(shell(**kwargs)).float()
     mask = output_mask(y, row_mask)
-    return float(((got - y) * mask).square().sum()) / max(float((y * mask).square().sum()), 1e-30)
+    power = max(float((y * mask).square().sum()), 1e-30)
+    errors = []
+    for each in plans:
+        plan, cursor = each, axes.cursor()
+        got = main_output(shell(**kwargs)).float()
+        errors.append(float(((got - y) * mask).square().sum()) / power)
+    return errors

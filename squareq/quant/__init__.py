@@ -17,6 +17,7 @@ from .rtn import (
     num_groups,
     quantize,
     row_chunks,
+    scale_rows,
     tensor_layout,
 )
 from .search import ClipSearchResult, search_clip_ratio
@@ -48,6 +49,7 @@ __all__ = [
     "refine_rounding",
     "row_chunks",
     "rel_mse",
+    "scale_rows",
     "search_clip_ratio",
     "smoothing_scale",
     "sqnr_db",

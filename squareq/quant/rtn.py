@@ -220,6 +220,19 @@ def quantize(w: torch.Tensor, spec: QuantSpec, smooth_scale: torch.Tensor | None
     return _concat_rows(parts)
 
 
+def scale_rows(qw: QuantizedWeight, scale: torch.Tensor) -> QuantizedWeight:
+    """``qw`` with output row ``n`` multiplied by ``scale[n]``: folded into the stored group scales (every format's
+    decoding is linear in them; rotation and smoothing act on the input side), or into a passthrough weight; rounded
+    to the stored dtype, as :func:`quantize` rounds."""
+    scale = scale.detach().to(torch.float32).reshape(-1)
+    if scale.shape[0] != qw.shape[0] or not bool(torch.isfinite(scale).all()):
+        raise ValueError(f"a row scale needs {qw.shape[0]} finite values, got {tuple(scale.shape)}.")
+    role = "weight" if qw.spec.is_passthrough else "scales"
+    t = qw.tensors[role]
+    scaled = (t.float() * scale.to(t.device)[:, None]).to(t.dtype)
+    return QuantizedWeight(qw.spec, qw.shape, {**qw.tensors, role: scaled.contiguous()})
+
+
 def _rotate_rows(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``w·H`` of a slice of float32 rows for a rotated spec (``w`` itself otherwise)."""
     return hadamard(w, spec.group_size) if spec.rotate else w
