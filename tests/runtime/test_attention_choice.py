@@ -115,3 +115,23 @@ def test_the_fallback_drops_the_preference_and_the_compile_caches(monkeypatch, c
     # negative control: already off, nothing to redo
     torch._inductor.config.fx_graph_cache = True
     assert disable_cudnn_attention("failed again") is False and torch._inductor.config.fx_graph_cache
+
+
+@pytest.mark.parametrize("asked, used", [("auto", "default"), ("cudnn", "cudnn"), ("default", "default")])
+def test_a_sampling_run_keeps_torchs_order_unless_cudnn_is_asked_for(asked, used, tiny_slab, monkeypatch):
+    """squareq sample's auto: cuDNN's first calls cost more than a 28-step run earns back (docs/benchmarks.md)."""
+    from squareq.train import sample
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(sample.runtime, "load", load)
+    with pytest.raises(Stop):
+        sample.sample_images(tiny_slab, ["a cat"], resolution=64, steps=2, max_sequence_length=32, attention=asked)
+    assert seen["attention"] == used
