@@ -83,20 +83,30 @@ def wanted(mode: str, description: dict, heldout: tuple[int, ...]) -> str | None
     return None
 
 
-class Unsplittable(Exception):
-    """The model's blocks could not be split by sample (compiler/chunks.py found no batch axes)."""
+class NotFitted(Exception):
+    """The correction cannot be fitted for this model; the message says why."""
+
+
+UNSPLIT = "the model's blocks cannot be run a few samples at a time"
+
+# The keys a corrected layer's manifest metrics get or have replaced (the size plan reserves their widest form).
+METRICS = ("output_rel_mse", "heldout_rel_mse", "heldout_rtn_rel_mse", "heldout_uncorrected_rel_mse",
+           "weight_rel_mse", "weight_sqnr_db", "corrected", "correction_scale_min", "correction_scale_max")
 
 
 def fit_correction(source, kwargs: dict, row_mask: torch.Tensor | None, heldout: tuple[int, ...],
                    weights_of: Callable[[int], Mapping[str, QuantizedWeight]], batched: set[str], axes: BatchAxes,
-                   device="cpu", progress: Callable[[str], None] = lambda s: None) -> Correction:
+                   device="cpu", progress: Callable[[str], None] = lambda s: None,
+                   biases_of: Callable[[int], Mapping[str, torch.Tensor]] = lambda i: {}) -> Correction:
     """Fit every quantized layer's correction (module docstring) on the calibration batch ``kwargs`` (its samples
-    ``heldout`` judge); raises :class:`Unsplittable` when the blocks' calls cannot be split by sample."""
+    ``heldout`` judge), starting from the plan's weights ``weights_of(block)`` and the biases ``biases_of(block)``
+    replaces (a rebuild's layers that keep a previous slab's corrected weights keep its biases with them); raises
+    :class:`NotFitted` with the reason when it cannot be fitted."""
     started = time.perf_counter()
     samples = batch_size(kwargs, batched)
     held = sorted(set(heldout))
     fit = [i for i in range(samples) if i not in set(held)]
-    lockstep = _Lockstep(source, weights_of, samples, fit, held, row_mask, axes, device, progress)
+    lockstep = _Lockstep(source, weights_of, biases_of, samples, fit, held, row_mask, axes, device, progress)
     doubled = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, repeat_batch(kwargs, batched, 2))
     shell = source.shell(lockstep, device, upcast_linears=True)
     with torch.no_grad():
@@ -114,9 +124,9 @@ class _Lockstep:
     """The block stand-in of the lockstep forward: the first half of each call's batch through the source block,
     the second through the quantized block, which is corrected group by group on the way."""
 
-    def __init__(self, source, weights_of, samples: int, fit: list[int], held: list[int],
+    def __init__(self, source, weights_of, biases_of, samples: int, fit: list[int], held: list[int],
                  row_mask: torch.Tensor | None, axes: BatchAxes, device, progress) -> None:
-        self.source, self.weights_of, self.samples = source, weights_of, samples
+        self.source, self.weights_of, self.biases_of, self.samples = source, weights_of, biases_of, samples
         self.fit, self.held, self.device, self.progress = fit, held, device, progress
         self.row_mask = row_mask.to(device) if row_mask is not None else None
         self.axes, self.cursor = axes, axes.cursor()
@@ -126,16 +136,24 @@ class _Lockstep:
     def __call__(self, index: int, path: str, args, kw):
         leaves, spec = tree_flatten((args, kw))
         n = self.samples
-        call = self.cursor.next(index) or _guessed(leaves, 2 * n)
+        call = self.cursor.next(index)
+        if call is None:
+            tokens = self.row_mask.shape[1] if self.row_mask is not None else None
+            if tokens in (n, 2 * n):  # a token axis would be taken for the batch
+                raise NotFitted(UNSPLIT)
+            call = _guessed(leaves, 2 * n)
         if call_batch(leaves, call) != 2 * n:
-            raise Unsplittable()
+            raise NotFitted(UNSPLIT)
         everyone = list(range(n))
         source_block = self.source.load_block(path, self.device, torch.float32, upcast_linears=True)
         weights = {name: qw.to(self.device) for name, qw in self.weights_of(index).items()}
         quantized = self.source.load_block(path, self.device, torch.float32, upcast_linears=True)
         layers = {name: mod for name, mod in block_linears(path, quantized) if name in weights}
+        biases = self.biases_of(index)
         for name, mod in layers.items():
             mod.weight.copy_(quant.dequantize(weights[name]).to(mod.weight.dtype))
+            if name in biases:
+                mod.bias.copy_(biases[name].to(mod.bias))
         todo = [name for name in layers if not weights[name].spec.is_passthrough]
         targets = _Watch(path, source_block, todo, self._mask(everyone, weighted=self.fit))
         with targets:
@@ -194,8 +212,9 @@ class _Lockstep:
 
     def _run(self, block: nn.Module, leaves, spec, call: CallAxes, samples: list[int], watch=None):
         args, kw = self._take(leaves, spec, call, samples)
-        return run_chunked(block, args, kw, call, self.axes.ranges(len(samples)),
-                           each=watch.window if watch is not None else None)
+        whole = not call.outputs  # a guessed call runs unchunked: its outputs' batch axes are not known
+        ranges = [(0, len(samples))] if whole else self.axes.ranges(len(samples))
+        return run_chunked(block, args, kw, call, ranges, each=watch.window if watch is not None else None)
 
 
 def _guessed(leaves, batch: int) -> CallAxes:
@@ -230,12 +249,12 @@ class _Watch:
     def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of a layer's input or output ``t`` and their weights, for the current chunk."""
         m = self.mask[self.span[0]:self.span[1]]
-        if t.dim() >= m.dim() and tuple(t.shape[:m.dim()]) == tuple(m.shape):
+        if t.dim() > m.dim() and tuple(t.shape[:m.dim()]) == tuple(m.shape):
             w = m.reshape(*m.shape, *([1] * (t.dim() - 1 - m.dim()))).expand(t.shape[:-1])
         elif bool((m == m.reshape(-1)[0]).all()):  # the batch axis is not first, but every row counts alike
             w = torch.full(t.shape[:-1], float(m.reshape(-1)[0]), device=t.device)
         else:
-            raise Unsplittable()
+            raise NotFitted(UNSPLIT)
         keep = w.reshape(-1) > 0
         return t.reshape(-1, t.shape[-1])[keep], w.reshape(-1)[keep]
 
@@ -279,6 +298,9 @@ def _bounded(a: torch.Tensor) -> torch.Tensor:
     return a.double()
 
 
+JUDGE_ROWS = 4096
+
+
 class _Judge(_Watch):
     """On the held-out samples' source inputs: each proposed layer's output error with the correction (bias
     included), and plain rounding's at its format; the correction passes when it is not above plain rounding's."""
@@ -299,13 +321,15 @@ class _Judge(_Watch):
     def _hook(self, name: str):
         def hook(module, args, out):
             x, _ = self.rows(args[0].detach())
-            x = x.float()
             w, plan, corrected, plain = self.deltas[name]
             b = self.proposed[name][1][1]
             shift = b - module.bias.detach().float() if b is not None else 0.0
-            errors = [x @ w.T, x @ plan.T, x @ corrected.T + shift, x @ plain.T]
-            sums = [float(e.double().square().sum()) for e in errors]
-            self.sums[name] = [p + e for p, e in zip(self.sums.get(name, [0.0] * 4), sums)]
+            sums = self.sums.get(name, [0.0] * 4)
+            for start in range(0, x.shape[0], JUDGE_ROWS):  # [rows, N] float32 products a slice of rows at a time
+                part = x[start:start + JUDGE_ROWS].float()
+                errors = (part @ w.T, part @ plan.T, part @ corrected.T + shift, part @ plain.T)
+                sums = [p + float(e.double().square().sum()) for p, e in zip(sums, errors)]
+            self.sums[name] = sums
         return hook
 
     def verdicts(self) -> dict[str, LayerFix | None]:
@@ -329,18 +353,28 @@ class _Judge(_Watch):
 def _groups(path: str, block: nn.Module, names: list[str], sample) -> list[list[str]]:
     """``names`` grouped by dependency depth in ``block``: a layer's depth is one more than the deepest layer whose
     output its input was computed from (found by walking one sample's autograd graph), so each group reads only
-    from earlier groups."""
+    from earlier groups. Where the graph cannot tell (an input computed without a gradient), a layer is taken to read
+    from every layer called before it; a layer the sample does not reach is fitted alone, after the others.
+    Raises :class:`NotFitted` when the block does not run with gradients."""
     args, kw = sample
     leaves, spec = tree_flatten((args, kw))
-    leaves = [x.detach().requires_grad_(x.is_floating_point()) if torch.is_tensor(x) else x for x in leaves]
+    # clones of leaves that need a gradient: a block that writes into its input in place may
+    leaves = [x.detach().requires_grad_(True).clone() if torch.is_tensor(x) and x.is_floating_point() else x
+              for x in leaves]
     modules = dict(block_linears(path, block))
     made: dict = {}
     depth: dict[str, int] = {}
+    called: list[str] = []
 
     def before(name):
         def hook(module, a):
-            node = a[0].grad_fn if torch.is_tensor(a[0]) else None
-            depth[name] = max(depth.get(name, 0), _depth_above(node, made, depth))
+            x = a[0] if a and torch.is_tensor(a[0]) else None
+            if x is None or x.grad_fn is None:  # unknown: after everything so far
+                d = 1 + max((depth[c] for c in called), default=-1)
+            else:
+                d = _depth_above(x.grad_fn, made, depth)
+            depth[name] = max(depth.get(name, 0), d)
+            called.append(name)
         return hook
 
     def after(name):
@@ -355,13 +389,18 @@ def _groups(path: str, block: nn.Module, names: list[str], sample) -> list[list[
         with torch.enable_grad():
             a, k = tree_unflatten(leaves, spec)
             block(*a, **k)
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe: no correction, with the reason
+        raise NotFitted(f"its blocks do not run with gradients for the dependency probe ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:100]})") from None
     finally:
         for h in handles:
             h.remove()
     levels: dict[int, list[str]] = {}
     for name in names:
-        levels.setdefault(depth.get(name, 0), []).append(name)
-    return [levels[d] for d in sorted(levels)]
+        if name in depth:
+            levels.setdefault(depth[name], []).append(name)
+    groups = [levels[d] for d in sorted(levels)]
+    return groups + [[name] for name in names if name not in depth]
 
 
 def _depth_above(node, made: dict, depth: dict[str, int]) -> int:

@@ -33,10 +33,11 @@ from ..slab.writer import PLACEHOLDER_FLOAT, block_linears, stored_tensor
 from .budget import OBJECTIVES, BudgetError, candidate_bytes, check_least_budget
 from .calibration import StatsCollector
 from .chunks import BatchAxes, batched_kwargs, call_batch, probe_batch_axes, run_chunked
+from .correction import METRICS as CORRECTION_METRICS
 from .correction import MODES as CORRECTION_MODES
-from .correction import Correction, Unsplittable, fit_correction, wanted
+from .correction import Correction, NotFitted, fit_correction, wanted
 from .disk import check_disk, estimate_disk
-from .effect import DEFAULT_PROBES, PlanWeights, measure_effects, plan_output_error, plan_output_errors
+from .effect import DEFAULT_PROBES, PlanWeights, measure_effects, plan_output_errors
 from .host_budget import SAVED, TAPE, HostPlan, empty_host_cache, estimate_host, plan_host
 from .inputs import calibration_batch
 from .ladder import DEFAULT_FORMATS, LayerDecision, diagnostics, ladder, measure_rungs, rung_specs
@@ -424,8 +425,12 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
             run.wanted = moved
             run.run(setup.shell)
     planned = lambda i: _weights(state, previous if setup.reused else None, i, names[i], plan)  # noqa: E731
-    correction, measured, record = _correct(source, opts, setup, planned, progress)
+    # a layer kept from a previous slab that stores it corrected keeps that slab's bias with its stored scales
+    kept_biases = lambda i: _kept_biases(previous, setup.reused, names[i], plan)  # noqa: E731
+    correction, measured, record = _correct(source, opts, setup, PlanWeights(planned, kept_biases), progress)
     weights_of = planned if correction is None else lambda i: correction.weights(planned(i))  # noqa: E731
+    biases_of = kept_biases if correction is None else lambda i: {**kept_biases(i), **correction.biases(  # noqa: E731
+        correction.fixes)}
     run.peaks.lap("plan error")
     progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
              f"{opts.thresholds.out:g})")
@@ -438,15 +443,15 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: Progress, 
                                   measured_output_rel_mse=measured, calibrate_seconds=round(calibrate_s, 3),
                                   output_correction=record,
                                   vram=_vram_record(setup.vram, run.peaks, setup.host))
-    manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build, weights_of, correction,
-                      write_opts, started)
+    manifest = _write(source, out, opts, setup, plan, layers, notes, measured_rungs, build,
+                      PlanWeights(weights_of, biases_of), correction, write_opts, started)
     if previous is not None:
         previous.slab.close()
     state.remove()
     return manifest
 
 
-def _correct(source: Source, opts: CompileOptions, setup: _Setup, planned, progress: Progress):
+def _correct(source: Source, opts: CompileOptions, setup: _Setup, planned: PlanWeights, progress: Progress):
     """The output correction (compiler/correction.py) when fitted and kept, the slab's measured output error on the
     held-out samples, and the manifest's record of both. Kept only if it lowers that error."""
     batch = setup.batch
@@ -455,19 +460,21 @@ def _correct(source: Source, opts: CompileOptions, setup: _Setup, planned, progr
     if why is None:
         progress("output correction: refitting each layer's scale and bias on the quantized model's own inputs")
         try:
-            fitted = fit_correction(source, batch.kwargs, batch.row_mask, batch.heldout, planned, setup.batched,
-                                    setup.axes, opts.device, progress)
-        except Unsplittable:
-            why = "the model's blocks cannot be run a few samples at a time"
+            fitted = fit_correction(source, batch.kwargs, batch.row_mask, batch.heldout, planned.weights_of,
+                                    setup.batched, setup.axes, opts.device, progress, planned.biases_of)
+        except NotFitted as exc:
+            why = str(exc)
+        except torch.OutOfMemoryError:
+            why = "its pass ran out of memory (it holds two copies of the calibration batch)"
     progress("measuring the plan's model-output error on the held-out samples")
     record = dict(_CORRECTION_RECORD, mode=opts.output_correction)
     if fitted is None:
         progress(f"output correction: not fitted ({why})")
-        return None, plan_output_error(source, *setup.held, planned, opts.device, setup.axes), record
-    every_bias = fitted.biases(fitted.fixes)
-    without, corrected = plan_output_errors(
-        source, *setup.held, [PlanWeights(planned), PlanWeights(lambda i: fitted.weights(planned(i)),
-                                                                lambda i: every_bias)], opts.device, setup.axes)
+        return None, plan_output_errors(source, *setup.held, [planned], opts.device, setup.axes)[0], record
+    fixed = fitted.biases(fitted.fixes)
+    corrected = PlanWeights(lambda i: fitted.weights(planned.weights_of(i)),
+                            lambda i: {**planned.biases_of(i), **fixed})
+    without, corrected = plan_output_errors(source, *setup.held, [planned, corrected], opts.device, setup.axes)
     kept = corrected < without
     record.update(fitted.record, fitted=True, kept=kept, output_rel_mse_without=without, output_rel_mse_with=corrected)
     progress(f"output correction: {fitted.record['corrected']} of {fitted.record['layers']} layers corrected "
@@ -475,6 +482,16 @@ def _correct(source: Source, opts: CompileOptions, setup: _Setup, planned, progr
              f"model-output rel-MSE {corrected:.4g} against {without:.4g} without: "
              + ("kept" if kept else "not kept, since it does not lower it"))
     return (fitted if kept else None), min(corrected, without), record
+
+
+def _kept_biases(previous: Previous | None, reused: bool, path: str, plan: Plan) -> dict[str, torch.Tensor]:
+    """For a rebuild that keeps layers of a previous slab on their rung: the biases that slab stores with the layers
+    it corrected (their stored scales were fitted with them)."""
+    if previous is None or not reused:
+        return {}
+    kept = (n for n, r in plan.rungs.items() if n.startswith(path + ".") and previous.rungs.get(n) == r
+            and previous.corrected(n))
+    return {n: b for n in kept if (b := previous.bias(n, path)) is not None}
 
 
 # The manifest's record of the output correction; the values here are also the widest form the budget plans with.
@@ -555,8 +572,10 @@ def _vram_record(vram: VramPlan, peaks: PeakLog | None, host: HostPlan) -> dict:
 def _plan(setup: _Setup, opts: CompileOptions, state: CompileState, names, layers, fixed, notes, measured_rungs,
           build: int, write_opts: WriteOptions) -> Plan:
     """The planner's rungs within τ_OUT, the budget and the block cap, checked against the slab's exact size."""
+    correcting = wanted(opts.output_correction, setup.batch.description, setup.batch.heldout) is None
     meta = lambda plan: _metadata_bytes(setup.skeleton, names, layers, fixed, plan, measured_rungs, notes,  # noqa: E731
-                                        setup.previous, build, setup.residents, write_opts, opts.thresholds)
+                                        setup.previous, build, setup.residents, write_opts, opts.thresholds,
+                                        correcting)
     overhead = meta(Plan({x.name: x.start for x in layers})) + SLACK_PER_LAYER * build * len(layers)
     try:
         plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, setup.cap, names)
@@ -571,22 +590,26 @@ def _plan(setup: _Setup, opts: CompileOptions, state: CompileState, names, layer
 
 
 def _write(source: Source, out: Path, opts: CompileOptions, setup: _Setup, plan: Plan, layers, notes, measured_rungs,
-           build: int, weights_of, correction: Correction | None, write_opts: WriteOptions, started: float):
-    """Encode each block's blob from the plan's weights (and the output correction's biases and measurements) and
+           build: int, weights: PlanWeights, correction: Correction | None, write_opts: WriteOptions, started: float):
+    """Encode each block's blob from the plan's weights and biases (with the output correction's measurements) and
     assemble the slab (atomically)."""
     fixes = correction.fixes if correction is not None else {}
     with SlabBuilder(out, setup.skeleton, write_opts) as slab:
         for i, path in enumerate(source.block_paths):
-            qws = weights_of(i)
+            qws, biases = weights.weights_of(i), weights.biases_of(i)
             metrics, reasons, annotations = _annotations(path, layers, plan, notes, setup.previous, build,
                                                          measured_rungs, opts.thresholds)
-            for name in set(fixes) & set(qws):
-                metrics[name].update(fixes[name].metrics)
+            for name in qws:
+                if name in fixes:
+                    metrics[name].update(fixes[name].metrics)
+                elif name in biases:  # a previous slab's corrected layer, kept as it was: so are its measurements
+                    was = setup.previous.records[name].metrics
+                    metrics[name].update({k: was[k] for k in CORRECTION_METRICS if k in was})
             measured_here = all("weight_rel_mse" in metrics[n] for n in qws)
             real = source.load_block(path, "cpu", torch.float32, linear_weights=not measured_here)
             for name, mod in block_linears(path, real):
-                if name in fixes and fixes[name].bias is not None:
-                    mod.bias.data.copy_(fixes[name].bias)
+                if name in biases:
+                    mod.bias.data.copy_(biases[name])
             slab.add_block(BlockContent(i, path, real, qws, metrics, reasons, annotations, measure=not measured_here))
         write_opts.calibration.update(compile_seconds=round(time.perf_counter() - started, 3))
         return slab.finish(setup.residents, max_bytes=opts.budget)
@@ -670,9 +693,10 @@ def _annotations(path: str, layers, plan: Plan, notes, previous: Previous | None
 
 
 def _metadata_bytes(skeleton, names: dict[int, str], layers, fixed, plan: Plan, specs, notes, previous, build,
-                    residents: dict, write_opts: WriteOptions, thresholds: Thresholds) -> int:
+                    residents: dict, write_opts: WriteOptions, thresholds: Thresholds, correcting: bool = False) -> int:
     """Bytes of everything but the blobs (header, resident tensors, manifest) for ``plan``, planned from the
-    skeleton: an upper bound, since unknown numbers are given their longest JSON form."""
+    skeleton: an upper bound, since unknown numbers are given their longest JSON form (with ``correcting``, those
+    the output correction writes into every layer's metrics too)."""
     blocks = []
     for i, path in names.items():
         qws = {}
@@ -680,6 +704,9 @@ def _metadata_bytes(skeleton, names: dict[int, str], layers, fixed, plan: Plan, 
             spec = quant.QuantSpec.from_dict(specs[x.name][plan.rungs[x.name]][0])
             qws[x.name] = quant.QuantizedWeight.placeholder(spec, tuple(skeleton.get_submodule(x.name).weight.shape))
         metrics, reasons, annotations = _annotations(path, layers, plan, notes, previous, build, specs, thresholds)
+        if correcting:
+            for m in metrics.values():
+                m.update(dict.fromkeys(CORRECTION_METRICS, PLACEHOLDER_FLOAT))
         blocks.append(BlockContent(i, path, skeleton.get_submodule(path), qws, metrics, reasons, annotations,
                                    measure=False))
     return SlabBuilder.metadata_bytes(skeleton, blocks, residents, write_opts)

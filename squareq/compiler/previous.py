@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..quant import QuantizedWeight, QuantSpec, SpecError
 from ..slab import SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE, LayerRecord, align_up
@@ -58,6 +60,17 @@ class Previous:
         """PREV's stored tensors of one layer, copied out of its file."""
         qw = self.slab.quantized_weight(name)
         return QuantizedWeight(qw.spec, qw.shape, {k: v.clone() for k, v in qw.tensors.items()})
+
+    def corrected(self, name: str) -> bool:
+        """Whether PREV stores the layer with an output correction (compiler/correction.py): its stored scales and
+        its bias then belong together."""
+        return bool(self.records[name].metrics.get("corrected"))
+
+    def bias(self, name: str, path: str) -> torch.Tensor | None:
+        """PREV's stored bias of layer ``name`` of block ``path`` (float32), or None when it has none."""
+        rec = self.records[name]
+        found = self.slab.block_params(rec.block).get(f"{name[len(path) + 1:]}.bias")
+        return None if found is None else found.float().clone()
 
 
 def check_previous(path, source) -> None:

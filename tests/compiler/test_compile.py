@@ -258,7 +258,7 @@ def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_
         read.extend(names)
         return original(self, names, strip)
 
-    measure_plan = driver.plan_output_error
+    measure_plan = driver.plan_output_errors
 
     def record_from_now(*args, **kwargs):  # the final pass starts after the plan's output error is measured
         out = measure_plan(*args, **kwargs)
@@ -266,7 +266,7 @@ def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_
         return out
 
     monkeypatch.setattr(Source, "_read", spy)
-    monkeypatch.setattr(driver, "plan_output_error", record_from_now)
+    monkeypatch.setattr(driver, "plan_output_errors", record_from_now)
     m = compile_slab(source, tmp_path / "s.slab", CompileOptions(budget=2_000_000, **fast))
     assert read and not set(read) & linear_weights  # norms and biases only
     model, _ = load_builtin("tiny-flux")
