@@ -108,6 +108,12 @@ HELP = {
     "flip_aug": "Also cache each training image's horizontally flipped latents and train on them half of the time "
                 "(seeded per image and epoch, so a resumed run makes the same choices); kohya's flip_aug. Leave it "
                 "off for subjects whose sides differ (text, logos, asymmetric faces).",
+    "masked_loss": "Weight each training image's loss by a mask (kohya's masked_loss): white or opaque trains, black "
+                   "or transparent is ignored. The masks come from alpha_mask or mask_dir.",
+    "alpha_mask": "With masked_loss: each image's alpha channel is its mask (kohya's alpha_mask).",
+    "mask_dir": "With masked_loss: a folder of grey-level masks named like the training images (same path below it, "
+                "any image extension; kohya's conditioning_data_dir, ai-toolkit's mask_path). An image without one "
+                "trains unmasked, with a warning.",
     "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
                   "of enlarging it, like kohya's --bucket_no_upscale.",
     "validation_data": "A folder of held-out images with captions (read like --data) whose loss is measured during "
@@ -219,6 +225,9 @@ class TrainConfig:
     caption_orders: int = 8
     no_upscale: bool = False
     flip_aug: bool = False
+    masked_loss: bool = False
+    alpha_mask: bool = False
+    mask_dir: str | None = None
     validation_data: str | None = None
     validation_split: float = 0.0
     validate_every: int = 0  # 0: with every checkpoint
@@ -375,9 +384,10 @@ class TrainConfig:
         if not isinstance(self.caption_ext, str) or len(self.caption_ext) < 2 or "/" in self.caption_ext \
                 or "\\" in self.caption_ext:
             raise bad("caption_ext", "is not a file extension; give one such as .txt or .caption")
-        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora", "flip_aug"):
+        for key in ("no_upscale", "shuffle_caption", "use_dora", "use_rslora", "flip_aug", "masked_loss", "alpha_mask"):
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
+        self._check_masks(bad)
         if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \
                 or not 1 <= self.caption_orders <= 64:
             raise bad("caption_orders", "must be a whole number from 1 to 64")
@@ -389,6 +399,21 @@ class TrainConfig:
         if self.keep_tokens and not self.shuffle_caption:
             raise bad("keep_tokens", "only applies with shuffle_caption; set shuffle_caption = true "
                                      "(--shuffle-caption) or remove keep_tokens")
+
+    def _check_masks(self, bad) -> None:
+        """masked_loss with exactly one source of masks, and a source only with masked_loss (kohya's rule: nothing
+        set here is silently unused)."""
+        sources = [k for k in ("alpha_mask", "mask_dir") if getattr(self, k)]
+        if self.masked_loss and not sources:
+            raise bad("masked_loss", "needs masks: set alpha_mask = true (--alpha-mask) to use each image's alpha "
+                                     "channel, or mask_dir = FOLDER (--mask-dir) for mask images")
+        if sources and not self.masked_loss:
+            raise bad(sources[0], "only takes effect with masked_loss = true; set it (--masked-loss) or remove "
+                                  f"{sources[0]}")
+        if len(sources) > 1:
+            raise bad("mask_dir", "and alpha_mask both give masks; keep one")
+        if self.mask_dir is not None and not Path(self.mask_dir).expanduser().is_dir():
+            raise bad("mask_dir", "is not a folder; give the folder that holds the masks")
 
     def with_family_defaults(self, family: str) -> TrainConfig:
         """This configuration with what depends on the model's family filled in: the LoRA targets."""

@@ -367,7 +367,6 @@ def bucket_for(width: int, height: int, buckets, no_upscale: bool = False, step:
 
 def load_image(path, bucket: tuple[int, int]) -> torch.Tensor:
     """RGB float32 (3, height, width) in [-1, 1]: scaled to cover the bucket, then center-cropped."""
-    bw, bh = bucket
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
         if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
@@ -375,15 +374,22 @@ def load_image(path, bucket: tuple[int, int]) -> torch.Tensor:
             rgba = img.convert("RGBA")
             img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
         img = img.convert("RGB")
+    img = cover_crop(img, bucket, Image.Resampling.LANCZOS)
+    pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
+    return pixels.float().div_(127.5).sub_(1.0)
+
+
+def cover_crop(img: Image.Image, bucket: tuple[int, int], resample) -> Image.Image:
+    """``img`` scaled to cover the bucket ``(width, height)``, then center-cropped to it (a mask goes through the
+    same geometry as its image)."""
+    bw, bh = bucket
     w, h = img.size
     scale = max(bw / w, bh / h)
     size = (max(bw, round(w * scale)), max(bh, round(h * scale)))
     if size != (w, h):
-        img = img.resize(size, Image.Resampling.LANCZOS)
+        img = img.resize(size, resample)
     left, top = (size[0] - bw) // 2, (size[1] - bh) // 2
-    img = img.crop((left, top, left + bw, top + bh))
-    pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
-    return pixels.float().div_(127.5).sub_(1.0)
+    return img.crop((left, top, left + bw, top + bh))
 
 
 TRIGGER_TOKEN = "[trigger]"  # ai-toolkit's place-holder for the trigger word in a caption

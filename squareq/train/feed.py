@@ -14,6 +14,7 @@ import torch
 
 from ..models.recipe import stack_captions
 from .cache import CacheError, EmbeddingCache
+from .masks import LOSS_MASK
 
 
 class CacheFeed:
@@ -82,12 +83,17 @@ class CacheFeed:
     def batch(self, indices: list[int], drops: list[bool],
               epoch: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(latents [B, C, h, w] or [B, C, 1, h, w], the captions' tensors batched: ``prompt_embeds`` [B, L, D],
-        ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached) on the device, fp32. Captions of
-        different lengths are zero-padded to the longest (their masks mark the padding)."""
+        ``pooled_prompt_embeds`` [B, P], ``prompt_mask`` [B, L] where cached, and ``loss_mask`` [B, 1, h, w] where
+        masks are cached (train/masks.py)) on the device, fp32. Captions of different lengths are zero-padded to the
+        longest (their masks mark the padding)."""
         images = [self._get("latents", self.image_key(i, epoch)) for i in indices]
         latents = self._stack([e["latents"] for e in images])
         # an image embedding cached with the latent (Würstchen's decoder) conditions the denoiser like the text
-        extra = {name: self._stack([e[name] for e in images]) for name in images[0] if name != "latents"}
+        extra = {name: self._stack([e[name] for e in images]) for name in images[0]
+                 if name not in ("latents", LOSS_MASK)}
+        if any(LOSS_MASK in e for e in images):  # masked_loss; an entry without a mask counts everywhere
+            extra[LOSS_MASK] = self._stack([e[LOSS_MASK] if LOSS_MASK in e else
+                                            torch.ones((1, *e["latents"].shape[1:])) for e in images])
         texts = [self._get("text", key) for kind, key in self._entries(indices, drops, epoch) if kind == "text"]
         try:
             captions = stack_captions(texts, place=lambda t: t.to(self.device, non_blocking=True))

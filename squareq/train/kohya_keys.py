@@ -96,6 +96,7 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "network_module": (None, _network_module),
     "weighting_scheme": ("loss_weighting", _weighting),
     "validate_every_n_steps": ("validate_every", None),
+    "conditioning_data_dir": ("mask_dir", None),
     "t5xxl": ("t5", None),
     "ae": ("vae", None),
 }

@@ -73,6 +73,7 @@ from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header, source_date_epoch
+from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
 from .sample import FORWARD_SLOTS, draw_image
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
@@ -140,22 +141,33 @@ def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.opti
 
 
 def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
-                cache: EmbeddingCache, echo, flipped: int = 0) -> tuple[list[str], dict[str, str], list[str]]:
+                cache: EmbeddingCache, echo, flipped: int = 0,
+                masks: list | None = None) -> tuple[list[str], dict[str, str], list[str]]:
     """Cache every image's latents and every caption's embeddings, and for the first ``flipped`` items (the training
-    ones, with ``flip_aug``) the latents of the image flipped left to right; return the latent keys per item, the text
+    ones, with ``flip_aug``) the latents of the image flipped left to right; with ``masks`` (each item's mask source,
+    train/masks.py, or None) each latent entry also holds its loss mask. Return the latent keys per item, the text
     key per caption and the flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
     digests = [file_digest(item.path) for item in items]
-    image_keys = [content_key("latents", digest, vae_id, list(bucket))
-                  for digest, bucket in zip(digests, item_buckets, strict=True)]
-    flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped")
+    masks = masks or [None] * len(items)
+    marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_digest(m)) for m in masks]
+    image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
+                  for digest, bucket, mark in zip(digests, item_buckets, marks, strict=True)]
+    flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped", *marks[i])
                     for i in range(flipped)]
 
     def encoder_of(flip: bool):
         def encode_images(indices):
-            pixels = (load_image(items[i].path, item_buckets[i]) for i in indices)
-            encoded = [encoders.encode_image(p.flip(-1) if flip else p) for p in pixels]
-            return [e if isinstance(e, dict) else {"latents": e} for e in encoded]
+            out = []
+            for i in indices:
+                pixels = load_image(items[i].path, item_buckets[i])
+                e = encoders.encode_image(pixels.flip(-1) if flip else pixels)
+                e = e if isinstance(e, dict) else {"latents": e}
+                if masks[i] is not None:
+                    mask = load_mask(items[i].path, masks[i], item_buckets[i])
+                    e["loss_mask"] = latent_mask(mask.flip(-1) if flip else mask, e["latents"])
+                out.append(e)
+            return out
 
         return encode_images
 
@@ -200,6 +212,16 @@ def _check_trainable(slab, family: str) -> None:
     if family not in ADAPTERS or ADAPTERS[family].recipe is None:
         raise TrainError(f"{slab} holds a {family} model, which squareq train cannot train yet; the families it "
                          f"trains are: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+
+
+def _masks(cfg: TrainConfig, dataset, items) -> list:
+    """Each training entry's loss-mask source (train/masks.py), or Nones without ``masked_loss``."""
+    if not cfg.masked_loss:
+        return [None] * len(items)
+    unique = list({item.path: item for item in items}.values())
+    found = dict(zip((item.path for item in unique), mask_sources(unique, dataset.root, cfg.alpha_mask,
+                                                                  cfg.mask_dir)))
+    return [found[item.path] for item in items]
 
 
 @dataclass
@@ -269,7 +291,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
             texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
                            | set(cfg.sample_prompts))
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
-                               flipped=len(items) if cfg.flip_aug else 0)
+                               flipped=len(items) if cfg.flip_aug else 0,
+                               masks=_masks(cfg, dataset, items) + [None] * len(held_items))
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)

@@ -42,18 +42,24 @@ from ..models.noising import (  # noqa: F401 (re-exported: the trainer's schedul
     noised,
     sample_timesteps,
 )
+from .masks import LOSS_MASK
 
 
-def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | None = None) -> torch.Tensor:
+def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean squared error in float32, a scalar.
 
     Without ``weighting`` it is the mean over all elements. With ``weighting`` (one weight per sample,
-    shape [B]) it is the mean over samples of weight × that sample's MSE.
+    shape [B]) it is the mean over samples of weight × that sample's MSE. ``mask`` (``[B, 1, h, w]``, in [0, 1])
+    multiplies each element's squared error first (``masked_loss``: a masked-out element adds nothing, and the mean
+    is still over all elements, as kohya's masked loss is).
     """
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} must have the same shape.")
     # fp32 so that bf16 predictions do not round the squared error (as diffusers' FLUX scripts do).
     err = (pred.float() - target.float()).square()
+    if mask is not None:
+        err = err * mask.float()
     if weighting is None:
         return err.mean()
     per_sample = err.reshape(err.shape[0], -1).mean(dim=1)
@@ -83,9 +89,12 @@ def denoising_loss(model, recipe, objective: str, latents: torch.Tensor, noise: 
                    text: dict, guidance: float, weighting: str = "none") -> torch.Tensor:
     """The family's training loss of ``model`` on one batch: ``latents`` noised to x_t at times ``t``, the denoiser's
     prediction (bf16 autocast, as the trainer runs it) against the objective's target, mean squared error, each
-    sample weighted by :func:`loss_weights` (flow matching only)."""
+    sample weighted by :func:`loss_weights` (flow matching only), each element by ``text["loss_mask"]`` where the
+    batch has one."""
+    text = dict(text)
+    mask = text.pop(LOSS_MASK, None)  # cached with the latents (masked_loss), not an input of the denoiser
     x_t, target = noised(objective, latents, noise, t)
     with torch.autocast(latents.device.type, dtype=torch.bfloat16):
         output = model(**recipe.forward(model.config, x_t, t, text, guidance))
         pred = recipe.prediction(output, x_t)
-    return flow_loss(pred, target, loss_weights(weighting, t) if objective == "flow" else None)
+    return flow_loss(pred, target, loss_weights(weighting, t) if objective == "flow" else None, mask)
