@@ -116,6 +116,11 @@ HELP = {
                 "trains unmasked, with a warning.",
     "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
                   "of enlarging it, like kohya's --bucket_no_upscale.",
+    "reg_data": "A folder of regularisation (prior) images with captions, read like --data (kohya's reg_data_dir): "
+                "each epoch mixes in as many of their entries as it has training entries, their loss weighted by "
+                "prior_loss_weight.",
+    "prior_loss_weight": "Weight of the regularisation images' loss against the training images' (kohya's "
+                         "prior_loss_weight).",
     "validation_data": "A folder of held-out images with captions (read like --data) whose loss is measured during "
                        "training at fixed timesteps and noise.",
     "validation_split": "Hold this fraction of --data's images out of training and measure their loss instead (kohya's "
@@ -228,6 +233,8 @@ class TrainConfig:
     masked_loss: bool = False
     alpha_mask: bool = False
     mask_dir: str | None = None
+    reg_data: str | None = None
+    prior_loss_weight: float = 1.0
     validation_data: str | None = None
     validation_split: float = 0.0
     validate_every: int = 0  # 0: with every checkpoint
@@ -388,6 +395,12 @@ class TrainConfig:
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         self._check_masks(bad)
+        if not isinstance(self.prior_loss_weight, (int, float)) or isinstance(self.prior_loss_weight, bool) \
+                or not 0.0 <= self.prior_loss_weight < math.inf:
+            raise bad("prior_loss_weight", "must be a number of at least 0, e.g. 1.0")
+        if self.prior_loss_weight != 1.0 and not self.reg_data:
+            raise bad("prior_loss_weight", "weighs regularisation images, and reg_data names none; set reg_data "
+                                           "(--reg-data FOLDER) or remove prior_loss_weight")
         if not isinstance(self.caption_orders, int) or isinstance(self.caption_orders, bool) \
                 or not 1 <= self.caption_orders <= 64:
             raise bad("caption_orders", "must be a whole number from 1 to 64")

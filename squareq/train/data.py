@@ -61,6 +61,7 @@ class Item:
     width: int
     height: int
     repeats: int = 1
+    reg: bool = False  # a regularisation (prior) image: its loss counts prior_loss_weight times
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,25 @@ def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dat
     train = Dataset(dataset.root, [it for it in dataset.items if it.path not in chosen], dataset.skipped)
     valid = Dataset(dataset.root, [it for it in dataset.items if it.path in chosen])
     return train, valid.without_repeats()
+
+
+def with_regularisation(dataset: Dataset, reg: Dataset) -> Dataset:
+    """``dataset`` with the regularisation images of ``reg`` added, marked ``reg``, as kohya's DreamBooth datasets
+    mix them in: an epoch holds as many regularisation entries as training entries, taken in order from ``reg``'s
+    entries (each image as often as its repeat folder says) and cycled when there are fewer (those left over are not
+    used, with a warning)."""
+    wanted = len(dataset.training_items)
+    pool = reg.training_items
+    counts: dict[Path, int] = {}
+    for i in range(wanted):
+        item = pool[i % len(pool)]
+        counts[item.path] = counts.get(item.path, 0) + 1
+    used = [dataclasses.replace(item, repeats=counts[item.path], reg=True) for item in reg.items if item.path in counts]
+    if len(pool) > wanted:
+        log.warning("reg_data %s: %d regularisation entries an epoch for %d training entries; %d of them are not "
+                    "used (kohya does the same).", reg.root, len(pool), wanted, len(pool) - wanted)
+    log.info("regularisation: %d images from %s, %d entries an epoch", len(used), reg.root, wanted)
+    return Dataset(dataset.root, dataset.items + used, dataset.skipped + reg.skipped)
 
 
 def _report_repeat_folders(data: Dataset) -> None:

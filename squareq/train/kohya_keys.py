@@ -97,6 +97,7 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "weighting_scheme": ("loss_weighting", _weighting),
     "validate_every_n_steps": ("validate_every", None),
     "conditioning_data_dir": ("mask_dir", None),
+    "reg_data_dir": ("reg_data", None),
     "t5xxl": ("t5", None),
     "ae": ("vae", None),
 }

@@ -63,6 +63,7 @@ from .data import (
     load_image,
     make_buckets,
     scan_dataset,
+    with_regularisation,
 )
 from .distributed import Ranks
 from .ema import LoraEma
@@ -218,10 +219,10 @@ def _masks(cfg: TrainConfig, dataset, items) -> list:
     """Each training entry's loss-mask source (train/masks.py), or Nones without ``masked_loss``."""
     if not cfg.masked_loss:
         return [None] * len(items)
-    unique = list({item.path: item for item in items}.values())
+    unique = list({item.path: item for item in items if not item.reg}.values())  # regularisation images: unmasked
     found = dict(zip((item.path for item in unique), mask_sources(unique, dataset.root, cfg.alpha_mask,
                                                                   cfg.mask_dir)))
-    return [found[item.path] for item in items]
+    return [found.get(item.path) for item in items]
 
 
 @dataclass
@@ -258,6 +259,14 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
             raise DataError(f"validation_data (--validation-data): {exc}") from None
     elif cfg.validation_split:
         dataset, held = hold_out(dataset, cfg.validation_split, cfg.seed)
+    if cfg.reg_data:
+        try:
+            reg = scan_dataset(cfg.reg_data, caption_ext=cfg.caption_ext)
+        except DataError as exc:
+            raise DataError(f"reg_data (--reg-data): {exc}") from None
+        dataset = with_regularisation(dataset, reg)
+        echo(f"regularisation: {sum(it.repeats for it in dataset.items if it.reg)} entries an epoch from {reg.root}, "
+             f"loss weight {cfg.prior_loss_weight:g}")
     if held is not None:
         echo(f"validation: {len(held)} held-out images from {held.root}")
     placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
@@ -464,6 +473,10 @@ class _Run:
         self.ema = LoraEma(self.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
         self.feed = CacheFeed(data.cache, image_keys, text_keys, data.captions + [[c] for c in data.validation],
                               data.dropped, self.device, flipped_keys, cfg.seed)
+        # each entry's loss weight where regularisation images are mixed in (prior_loss_weight), else None
+        entries = data.dataset.training_items * len(cfg.resolution)
+        self.entry_weights = torch.tensor([cfg.prior_loss_weight if e.reg else 1.0 for e in entries]) \
+            if cfg.reg_data else None
         # the validation entries of the feed come after the training entries
         self.held_out = list(range(len(data.captions), len(data.captions) + len(data.validation)))
 
@@ -620,8 +633,9 @@ class _Run:
             latents, text = feed.batch(indices, drops, epoch)
             upcoming = batches.peek()
             feed.prefetch(upcoming[ranks.share(len(upcoming))], batches.epoch)  # read while this one computes
+            weights = None if self.entry_weights is None else self.entry_weights[torch.as_tensor(indices)]
             loss = denoising_loss(self.model, self.recipe, self.objective, latents, noise, t, text, cfg.guidance,
-                                  cfg.loss_weighting) / cfg.grad_accum
+                                  cfg.loss_weighting, weights) / cfg.grad_accum
             loss.backward()
             step_loss += float(loss.detach())
         return step_loss
@@ -880,8 +894,14 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     component = ADAPTERS[family].component
     provenance = {"base_model_signature": model_record.signature, "family": family, "component": component,
                   "objective": objective}
-    dirs, tags = dataset_summary(dataset.root, dataset.items)
-    images = len(dataset.training_items) * len(cfg.resolution)
+    trained = [item for item in dataset.items if not item.reg]
+    dirs, tags = dataset_summary(dataset.root, trained)
+    images = sum(item.repeats for item in trained) * len(cfg.resolution)
+    regularisation = [item for item in dataset.items if item.reg]
+    reg = {"ss_num_reg_images": str(sum(item.repeats for item in regularisation) * len(cfg.resolution)),
+           "ss_reg_dataset_dirs": json.dumps(dataset_summary(Path(cfg.reg_data).expanduser(), regularisation)[0],
+                                             sort_keys=True),
+           "ss_prior_loss_weight": str(float(cfg.prior_loss_weight))} if regularisation else {}
 
     # kohya scales by alpha/rank: rsLoRA's alpha/sqrt(rank) is that scale with alpha·sqrt(rank), and the kohya file
     # then holds a plain LoRA (its header must not say rsLoRA, or a reader would apply the square root twice)
@@ -892,7 +912,7 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
         return lora_header(dataclasses.replace(cfg, use_rslora=False) if kohya else cfg, family=family, layout=layout,
                            base_model=model_record.source, base_config=model_record.config, rank=cfg.rank,
                            alpha=kohya_alpha if kohya else cfg.lora_alpha, steps=steps, images=images, dirs=dirs,
-                           tags=tags, started=started, finished=time.time())
+                           tags=tags, started=started, finished=time.time()) | reg
 
     files = lora_paths(cfg, out)
     if "diffusers" in formats:

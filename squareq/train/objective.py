@@ -86,15 +86,20 @@ def loss_weights(scheme: str, t: torch.Tensor) -> torch.Tensor | None:
 
 
 def denoising_loss(model, recipe, objective: str, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-                   text: dict, guidance: float, weighting: str = "none") -> torch.Tensor:
+                   text: dict, guidance: float, weighting: str = "none",
+                   sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The family's training loss of ``model`` on one batch: ``latents`` noised to x_t at times ``t``, the denoiser's
     prediction (bf16 autocast, as the trainer runs it) against the objective's target, mean squared error, each
-    sample weighted by :func:`loss_weights` (flow matching only), each element by ``text["loss_mask"]`` where the
-    batch has one."""
+    sample weighted by :func:`loss_weights` (flow matching only) times ``sample_weights`` (one per sample), each
+    element by ``text["loss_mask"]`` where the batch has one."""
     text = dict(text)
     mask = text.pop(LOSS_MASK, None)  # cached with the latents (masked_loss), not an input of the denoiser
     x_t, target = noised(objective, latents, noise, t)
     with torch.autocast(latents.device.type, dtype=torch.bfloat16):
         output = model(**recipe.forward(model.config, x_t, t, text, guidance))
         pred = recipe.prediction(output, x_t)
-    return flow_loss(pred, target, loss_weights(weighting, t) if objective == "flow" else None, mask)
+    weights = loss_weights(weighting, t) if objective == "flow" else None
+    if sample_weights is not None:  # regularisation images' prior_loss_weight
+        sample_weights = sample_weights.to(latents.device, torch.float32)
+        weights = sample_weights if weights is None else weights.float() * sample_weights
+    return flow_loss(pred, target, weights, mask)
