@@ -495,7 +495,12 @@ class AutoOrInt(click.ParamType):
 
 @main.command()
 @click.argument("slab", type=click.Path(path_type=Path))
-@click.option("--prompt", "prompts", multiple=True, required=True, help="A prompt (repeat for several images).")
+@click.option("--prompt", "prompts", multiple=True,
+              help="A prompt (repeat for several images), with kohya's per-prompt options if wanted: "
+              "\"a fox --w 768 --h 1024 --s 28 --g 3.5 --d 7 --n blurry --l 4\" (width, height, steps, guidance, "
+              "seed, negative prompt, true CFG scale; docs/train.md).")
+@click.option("--prompt-file", type=click.Path(path_type=Path), help="A text file of prompts, one a line, options "
+              "included (kohya's prompt file; empty and # lines skipped); drawn after the --prompt ones.")
 @click.option("--lora", type=click.Path(path_type=Path), help="A LoRA file or folder (diffusers or kohya layout).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("samples"), show_default=True,
               help="Folder for the PNG files.")
@@ -524,10 +529,20 @@ class AutoOrInt(click.ParamType):
                    "slower with its compile counted; docs/tuning.md).")
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
               help=HELP["attention"])
-def sample(slab, prompts, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps, guidance, seed,
-           max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs, compile_mode, attention):
+def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps,
+           guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs, compile_mode,
+           attention):
     """Generate images with the streamed slab, optionally with a LoRA."""
     from .plot import write_png
+    from .train.prompt_options import PromptError, read_prompt_file
+
+    try:
+        prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
+    except PromptError as exc:
+        raise SampleError(f"--prompt-file: {exc}") from None
+    if not prompts:
+        raise SampleError("squareq sample needs something to draw: give --prompt TEXT (repeat for several) or "
+                          "--prompt-file FILE.")
     from .slab.atomic import ensure_output_dir
     from .train.sample import check_sample_options, sample_images
 

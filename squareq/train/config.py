@@ -29,6 +29,7 @@ from .encoder_source import SINGLE_FILE_FLAGS
 from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, LOSS_WEIGHTINGS, TIMESTEP_MODES
+from .prompt_options import MAX_GUIDANCE, PromptError, parse_prompt, read_prompt_file
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 # diffusers' get_scheduler names (kohya's lr_scheduler values); "constant" with a warm-up is constant_with_warmup
@@ -51,7 +52,6 @@ MAX_SHIFT = 100.0
 MAX_TITLE_BYTES = 200
 # the largest guidance (embedded, or a CFG scale) a run or a sample image takes: FLUX.1-dev's usual is 3.5 and CFG
 # models' about 7, while a value like 1e300 overflows the pipeline's float32 guidance tensor (a traceback, not an image)
-MAX_GUIDANCE = 100.0
 
 
 # One line per key for `squareq train --help` and docs/cli.md (the CLI makes a flag of every key).
@@ -139,7 +139,9 @@ HELP = {
     "save_every": "Write a checkpoint every N steps (0: only at the end).",
     "keep_last": "Checkpoints to keep.",
     "sample_every": "Sample images every N steps (0: never).",
-    "sample_prompts": "A prompt to sample (repeat the flag for several).",
+    "sample_prompts": "A prompt to sample (repeat the flag for several), with kohya's per-prompt options if wanted "
+                      "(\"a fox --w 768 --h 1024 --s 28 --g 3.5 --d 7 --n blurry --l 4\"); in a config file also the "
+                      "path of a prompt file, one prompt a line (kohya's sample_prompts).",
     "sample_seed": "Seed for sample images.",
     "sample_steps": "Denoising steps per sample image.",
     "sample_guidance": "Guidance scale for sample images.",
@@ -367,6 +369,11 @@ class TrainConfig:
         if size > MAX_TITLE_BYTES:
             raise bad("title", f"is {size} bytes long in UTF-8; it names the file OUT/<title>_kohya.safetensors, so "
                                f"keep it to {MAX_TITLE_BYTES} bytes ({MAX_TITLE_BYTES} ASCII characters)")
+        for prompt in self.sample_prompts or []:
+            try:
+                parse_prompt(prompt)
+            except PromptError as exc:
+                raise bad("sample_prompts", f"cannot be drawn: {exc}") from None
         for key in ("trigger", "sample_prompts"):
             value = getattr(self, key)
             texts = [value] if isinstance(value, str) else value or []
@@ -518,6 +525,14 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             if any(isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()) for v in values):
                 raise ValueError
             return [int(v) for v in values]
+        if name == "sample_prompts" and isinstance(value, str):  # kohya's prompt file, or one prompt (commas and all)
+            path = Path(value).expanduser()
+            if path.suffix != ".txt" or not path.is_file():
+                return [value]
+            try:
+                return read_prompt_file(path)
+            except PromptError as exc:
+                raise ConfigError(f"{where}: sample_prompts: {exc}") from None
         if "list" in kind:
             if isinstance(value, str):
                 value = [v.strip() for v in value.split(",") if v.strip()]

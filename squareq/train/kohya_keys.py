@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("squareq.train")
@@ -157,8 +158,13 @@ def translate(table: dict[str, Any], where: str, known: set[str]) -> dict[str, A
                         "uniform one (diffusers' scheduler map); flux_shift is kohya's flux_shift exactly.", where)
             out[key] = value
         elif kohya and key == "sample_prompts" and isinstance(value, str):
-            problems.append(f"sample_prompts = {value!r}: kohya's is a file of prompts; SquareQ takes the prompts "
-                            "themselves, e.g. sample_prompts = [\"a photo of sks\"].")
+            path = Path(value).expanduser()
+            if path.suffix == ".txt" and path.is_file():
+                out[key] = value  # read as kohya's prompt file, options and all (train/prompt_options.py)
+            else:
+                problems.append(f"sample_prompts = {value!r}: kohya's is a file of prompts, and SquareQ reads a .txt "
+                                "one (one prompt a line, with --w --h --s --g --d --n --l) that exists; give such a "
+                                "file, or the prompts themselves, e.g. sample_prompts = [\"a photo of sks\"].")
         elif key in known:
             out[key] = value
         elif key in RENAMED:

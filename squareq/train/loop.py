@@ -76,6 +76,7 @@ from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header, source_date_epoch
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
+from .prompt_options import SamplePrompt, parse_prompt
 from .sample import FORWARD_SLOTS, draw_image
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 
@@ -298,7 +299,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
                 cache.record_encoders(encoders.text_identity, encoders.placement.record())
             # the sample prompts too: sample images then need the VAE only, never the text encoders again
             texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
-                           | set(cfg.sample_prompts))
+                           | {t for p in _sample_prompts(cfg) for t in p.texts})
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
                                flipped=len(items) if cfg.flip_aug else 0,
                                masks=_masks(cfg, dataset, items) + [None] * len(held_items))
@@ -787,7 +788,7 @@ class _Run:
             self.decoder = open_decoder(self.encoder_source, self.family,
                                         torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         text_keys = self.data.keys[1]
-        embeds = [self.data.cache.load("text", text_keys[p]) for p in self.cfg.sample_prompts]
+        embeds = {t: self.data.cache.load("text", text_keys[t]) for p in _sample_prompts(self.cfg) for t in p.texts}
         _save_samples(self.cfg, self.model, self.decoder, embeds, self.out / "samples", self.step, self.device)
 
     def close(self) -> None:
@@ -925,20 +926,26 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     return files
 
 
-def _save_samples(cfg: TrainConfig, model, pipe, embeds: list[dict], folder: Path, step: int,
+def _sample_prompts(cfg: TrainConfig) -> list[SamplePrompt]:
+    """``cfg.sample_prompts`` with their options settled (train/prompt_options.py)."""
+    return [parse_prompt(p).settled(cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance, cfg.sample_seed)
+            for p in cfg.sample_prompts]
+
+
+def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder: Path, step: int,
                   device: torch.device) -> None:
-    """PNG samples of ``cfg.sample_prompts`` (their cached ``embeds``) from the model being trained (streamed forward
-    under no_grad) through ``pipe``, a pipeline without text encoders whose VAE waits on the host. The training RNG is
-    set aside while sampling, so samples do not change the run."""
+    """PNG samples of ``cfg.sample_prompts`` (their texts' cached ``embeds``) from the model being trained (streamed
+    forward under no_grad) through ``pipe``, a pipeline without text encoders whose VAE waits on the host. The
+    training RNG is set aside while sampling, so samples do not change the run."""
     folder.mkdir(parents=True, exist_ok=True)
     pipe.transformer = model
     pipe.vae.to(device)
     try:
         with _forward_only(model, device):
             images = []
-            for i, (prompt, entry) in enumerate(zip(cfg.sample_prompts, embeds, strict=True)):
-                images.append(draw_image(pipe, prompt, cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance,
-                                         cfg.sample_seed, cfg.max_sequence_length, device, embeds=entry))
+            for i, prompt in enumerate(_sample_prompts(cfg)):
+                images.append(draw_image(pipe, prompt, cfg.max_sequence_length, device, embeds=embeds[prompt.text],
+                                         negative=embeds.get(prompt.negative)))
                 write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
             write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
     finally:

@@ -19,11 +19,11 @@ from ..runtime.block_compile import CompileModeError, resolve_compile
 from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
-from .config import MAX_GUIDANCE
 from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import open_decoder, open_encoders
 from .lora_files import attach_lora, load_lora
+from .prompt_options import MAX_GUIDANCE, PromptError, SamplePrompt, parse_prompt
 
 log = logging.getLogger("squareq.sample")
 
@@ -80,21 +80,29 @@ def check_sample_options(resolution: int, steps: int, guidance: float, max_seque
         raise SampleError(f"--max-sequence-length {max_sequence_length} must be a whole number of at least 1.")
 
 
-def draw_image(pipe, prompt: str, resolution: int, steps: int, guidance: float, seed: int, max_sequence_length: int,
-               device: torch.device, on_step_end=None, embeds: dict[str, torch.Tensor] | None = None):
-    """One image from a FLUX pipeline whose transformer is a runtime model (bf16 autocast, no gradients);
-    ``on_step_end``: diffusers' ``callback_on_step_end`` (a StreamTuner's). ``embeds``: the prompt's cached
-    ``prompt_embeds`` and ``pooled_prompt_embeds`` (a cache entry), for a pipeline without text encoders.
-    :class:`SampleError` if the latents turn NaN/Inf."""
-    text = {"prompt": prompt}
+def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None,
+               embeds: dict[str, torch.Tensor] | None = None, negative: dict[str, torch.Tensor] | None = None):
+    """One image of ``prompt`` (settled: train/prompt_options.py) from a FLUX pipeline whose transformer is a
+    runtime model (bf16 autocast, no gradients); ``on_step_end``: diffusers' ``callback_on_step_end`` (a
+    StreamTuner's). ``embeds`` / ``negative``: the prompt's and its negative prompt's cached ``prompt_embeds`` and
+    ``pooled_prompt_embeds`` (cache entries), for a pipeline without text encoders. :class:`SampleError` if the
+    latents turn NaN/Inf."""
+    text = {"prompt": prompt.text}
+    if prompt.uses_negative:  # true CFG: the transformer runs for the negative prompt too
+        text.update(negative_prompt=prompt.negative, true_cfg_scale=prompt.cfg_scale)
     if embeds is not None:
         dtype = pipe.vae.dtype  # the encoders' dtype when the entry was computed: the same values come back
         text = {"prompt": None, **{k: embeds[k][None].to(device, dtype) for k in
                                    ("prompt_embeds", "pooled_prompt_embeds")}}
+        if prompt.uses_negative:
+            text.update(negative_prompt_embeds=negative["prompt_embeds"][None].to(device, dtype),
+                        negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(device, dtype),
+                        true_cfg_scale=prompt.cfg_scale)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
-        return pipe(**text, height=resolution, width=resolution, num_inference_steps=steps, guidance_scale=guidance,
-                    max_sequence_length=max_sequence_length, callback_on_step_end=_FiniteLatents(prompt, on_step_end),
-                    generator=torch.Generator(device).manual_seed(seed)).images[0]
+        return pipe(**text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
+                    guidance_scale=prompt.guidance, max_sequence_length=max_sequence_length,
+                    callback_on_step_end=_FiniteLatents(prompt.text, on_step_end),
+                    generator=torch.Generator(device).manual_seed(prompt.seed)).images[0]
 
 
 def sampling_attention(mode: str) -> tuple[str, str]:
@@ -126,6 +134,10 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records)."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
+    try:
+        settled = [parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts]
+    except PromptError as exc:
+        raise SampleError(f"--prompt: {exc}") from None
     device = default_device(device)
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
@@ -161,14 +173,15 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         # decode (several GB at 1024²) have the GPU to themselves
         run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
         with open_encoders(encoders, device, family, run=run) as opened:
-            entries = [opened.encode_prompts([prompt], max_sequence_length)[0] for prompt in prompts]
+            entries = {t: opened.encode_prompts([t], max_sequence_length)[0] for p in settled for t in p.texts}
             dtype = opened.dtype
         pipe = open_decoder(encoders, family, dtype)
         pipe.vae.to(device)
         pipe.transformer = transformer
-        for prompt, entry in zip(prompts, entries, strict=True):
-            images.append(draw_image(pipe, prompt, resolution, steps, guidance, seed, max_sequence_length, device,
-                                     tuner.pipeline_callback if tuner is not None else None, embeds=entry))
+        for prompt in settled:
+            callback = tuner.pipeline_callback if tuner is not None else None
+            images.append(draw_image(pipe, prompt, max_sequence_length, device, callback, embeds=entries[prompt.text],
+                                     negative=entries.get(prompt.negative)))
             if on_image is not None:
                 on_image(len(images) - 1, images[-1])
         pipe.transformer = None

@@ -237,7 +237,8 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
 
 def test_kohya_files_keep_their_meaning_or_are_refused(tmp_path, caplog):
     """In a kohya file: unet_lr wins over learning_rate, Prodigy is kohya's name for ours, a non-square W,H and a
-    prompt file are refused, and kohya's sigmoid-based shift is reported as different from SquareQ's."""
+    prompt file that does not exist are refused, and kohya's sigmoid-based shift is reported as different from
+    SquareQ's."""
     path = tmp_path / "kohya.toml"
     path.write_text('network_dim = 8\nlearning_rate = 1e-4\nunet_lr = 1.0\noptimizer_type = "Prodigy"\n'
                     'timestep_sampling = "shift"\n')

@@ -1,0 +1,98 @@
+"""kohya's per-prompt sampling options (train/prompt_options.py): parsed, refused in one sentence, and honoured by
+squareq sample, by a prompt file and by training samples."""
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from squareq.cli import main
+from squareq.train.config import ConfigError, load_config
+from squareq.train.prompt_options import PromptError, SamplePrompt, parse_prompt, read_prompt_file
+from squareq.train.sample import SampleError, sample_images
+
+
+def test_a_prompts_options_are_read_as_kohya_writes_them():
+    p = parse_prompt("a red fox, in the snow --w 768 --h 1024 --s 28 --g 4.5 --d 7 --n blurry, dark --l 3")
+    assert p == SamplePrompt("a red fox, in the snow", 768, 1024, 28, 4.5, 7, "blurry, dark", 3.0)
+    assert p.texts == ["a red fox, in the snow", "blurry, dark"] and p.uses_negative
+    plain = parse_prompt("  a cat  ").settled(512, 20, 3.5, 42)
+    assert (plain.text, plain.width, plain.height, plain.steps, plain.guidance, plain.seed, plain.cfg_scale) == \
+        ("a cat", 512, 512, 20, 3.5, 42, 1.0)
+    assert parse_prompt("a cat --g 0 --d 0").settled(512, 20, 3.5, 42).guidance == 0.0  # zeros are values
+
+
+@pytest.mark.parametrize("line, message", [
+    ("a cat --x 3", "has an option --x, which is not one of --w, --h, --s, --g, --d, --n, --l"),
+    ("a cat --w 100", "--w '100' must be a positive multiple of 16"),
+    ("a cat --s zero", "--s 'zero' is not a number"),
+    ("a cat --g 1000", "--g '1000' must be a number from 0 to 100"),
+    ("a cat --n blurry", "has a negative prompt (--n) but no --l above 1"),
+    (" --w 512", "has options but no prompt before them"),
+])
+def test_options_that_cannot_work_are_one_sentence(line, message):
+    with pytest.raises(PromptError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_prompt(line)
+
+
+def test_a_prompt_file_skips_empty_and_comment_lines(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("# samples\na cat --w 64\n\n  a dog  \n")
+    assert read_prompt_file(path) == ["a cat --w 64", "a dog"]
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(PromptError, match="holds no prompt"):
+        read_prompt_file(tmp_path / "empty.txt")
+
+
+def _draw(slab, prompts, **kw):
+    return [np.asarray(im) for im in sample_images(slab, prompts, resolution=64, steps=2, max_sequence_length=32,
+                                                   **kw)]
+
+
+def test_squareq_sample_honours_each_prompts_options(tiny_slab):
+    base, sized, seeded, stepped, guided, negative = _draw(tiny_slab, [
+        "a cat", "a cat --w 128 --h 64", "a cat --d 7", "a cat --s 3", "a cat --g 7", "a cat --n a dog --l 3"])
+    assert base.shape == (64, 64, 3) and sized.shape == (64, 128, 3)  # height 64, width 128
+    for other in (seeded, stepped, guided, negative):
+        assert not np.array_equal(other, base)
+    # an option equal to the command's setting changes nothing
+    same, = _draw(tiny_slab, ["a cat --d 42 --s 2 --g 3.5 --w 64"])
+    assert np.array_equal(same, base)
+    seven, = _draw(tiny_slab, ["a cat"], seed=7)
+    assert np.array_equal(seven, seeded)
+    with pytest.raises(SampleError, match="--prompt: the prompt 'a cat' has an option --q"):
+        _draw(tiny_slab, ["a cat --q 1"])
+
+
+def test_squareq_sample_reads_a_prompt_file(tiny_slab, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# two sizes\na cat --w 128 --h 64\na dog --h 128\n")
+    out = tmp_path / "samples"
+    result = CliRunner().invoke(main, ["sample", str(tiny_slab), "--prompt-file", str(prompts), "-o", str(out),
+                                       "--resolution", "64", "--steps", "2", "--max-sequence-length", "32"])
+    assert result.exit_code == 0, result.output
+    from PIL import Image
+
+    assert [Image.open(out / f"sample-00{i}.png").size for i in range(2)] == [(128, 64), (64, 128)]
+    nothing = CliRunner().invoke(main, ["sample", str(tiny_slab), "-o", str(out)])
+    assert nothing.exit_code != 0 and "needs something to draw" in nothing.output
+
+
+def test_training_samples_take_a_kohya_prompt_file_and_its_options(tiny_slab, tmp_path):
+    from PIL import Image
+
+    from squareq.train.loop import train
+    from squareq.train.tiny_dataset import write_tiny_dataset
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat --w 128 --h 64 --s 2\n")
+    toml = tmp_path / "kohya.toml"
+    toml.write_text(f'sample_prompts = "{prompts}"\nsample_every_n_steps = 1\nmax_train_steps = 1\n')
+    cfg = load_config(toml, {"slab": str(tiny_slab), "data": str(write_tiny_dataset(tmp_path / "data")),
+                             "output": str(tmp_path / "out"), "resolution": 64, "max_sequence_length": 16,
+                             "save_every": 0, "sample_steps": 1})
+    assert cfg.sample_prompts == ["a cat --w 128 --h 64 --s 2"]
+    train(cfg, echo=lambda s: None)
+    images = sorted((tmp_path / "out" / "samples").glob("step-*-0.png"))
+    assert images and Image.open(images[-1]).size == (128, 64)
+    with pytest.raises(ConfigError, match="sample_prompts = .* cannot be drawn: the prompt 'a cat' has an option --z"):
+        load_config(None, {"slab": str(tiny_slab), "data": str(tmp_path), "output": str(tmp_path / "o"),
+                           "sample_prompts": ["a cat --z 1"]})
