@@ -1,11 +1,12 @@
 """SquareQ's optional dependencies (pip extras) and the one sentence a missing one gets.
 
-``pip install squareq`` compiles (with ``--calib-data``), trains and samples. Two extras add the rest:
+``pip install squareq`` compiles (with ``--calib-data``), trains and samples. These extras add the rest:
 
 * ``accept``: scipy (the convergence gate's paired tests) and torchmetrics (PSNR, SSIM, CLIP score) for
   ``squareq accept`` and ``squareq demo``;
 * ``photos``: scikit-image, whose wheel carries the photographs the compiler calibrates image models on when no
-  ``--calib-data`` is given.
+  ``--calib-data`` is given;
+* ``wandb``: Weights & Biases, for ``squareq train --log wandb``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from types import ModuleType
 
 # module -> (the PyPI package that provides it, the extra that installs it)
 PROVIDERS = {"scipy": ("scipy", "accept"), "torchmetrics": ("torchmetrics", "accept"),
-             "skimage": ("scikit-image", "photos")}
+             "skimage": ("scikit-image", "photos"), "wandb": ("wandb", "wandb")}
 
 
 ACCEPT_MODULES = ("scipy.stats", "torchmetrics")  # what squareq accept's gates import

@@ -37,7 +37,7 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wit
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("auto", "pinned", "shared", "disk")
 CUDA_GRAPHS = ("auto", "on", "off")
-LOGGERS = ("jsonl", "tensorboard")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 SAVE_FORMATS = ("diffusers", "kohya")
 # seeds go to numpy's legacy seeding and kohya's set_seed as well as torch's, which take 0 to 2**32 - 1
 MAX_SEED = 2**32 - 1
@@ -145,7 +145,9 @@ HELP = {
     "sample_seed": "Seed for sample images.",
     "sample_steps": "Denoising steps per sample image.",
     "sample_guidance": "Guidance scale for sample images.",
-    "log": "Metrics: jsonl, or tensorboard.",
+    "log": "Metrics: jsonl (always written), tensorboard, or wandb (Weights & Biases; pip install 'squareq[wandb]'; "
+           "WANDB_MODE=offline logs without an account, a resumed run continues the same W&B run).",
+    "wandb_project": "The Weights & Biases project of --log wandb (kohya's log_tracker_name).",
     "resume": "Continue from a checkpoint: latest, or a checkpoint folder.",
     "nan_patience": "Stop after this many steps in a row with NaN/Inf losses or gradients.",
     "prefetch": "Block slots on the GPU (the runtime's ring size): auto (measure the second step and add slots until "
@@ -256,6 +258,7 @@ class TrainConfig:
     sample_steps: int = 20
     sample_guidance: float = 3.5
     log: str = "jsonl"
+    wandb_project: str = "squareq"
     resume: str | None = None  # "latest" or a checkpoint folder
     nan_patience: int = 5  # consecutive skipped steps (NaN/Inf) before the run stops
     # runtime

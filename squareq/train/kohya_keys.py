@@ -60,6 +60,13 @@ def _weighting(value: Any) -> Any:
                         "timesteps are drawn by timestep_sampling instead); set loss_weighting to one of them.")
 
 
+def _tracker(value: Any) -> Any:
+    if value in ("tensorboard", "wandb"):
+        return value
+    raise KohyaKeyError(f"log_with = {value!r}: SquareQ logs to one tracker besides its metrics.jsonl, tensorboard or "
+                        "wandb; set log to one of them.")
+
+
 def _network_module(value: Any) -> Any:
     if value != "networks.lora_flux":
         raise KohyaKeyError(f"network_module = {value!r}: SquareQ trains a plain LoRA (networks.lora_flux); remove "
@@ -99,6 +106,8 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "validate_every_n_steps": ("validate_every", None),
     "conditioning_data_dir": ("mask_dir", None),
     "reg_data_dir": ("reg_data", None),
+    "log_with": ("log", _tracker),
+    "log_tracker_name": ("wandb_project", None),
     "t5xxl": ("t5", None),
     "ae": ("vae", None),
 }

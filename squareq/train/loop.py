@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import torch
 
 from .. import runtime
 from ..devices import default_device
+from ..extras import require
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
 from ..runtime.block_compile import compile_seconds, resolve_compile
@@ -325,6 +327,8 @@ def train(cfg: TrainConfig, echo: Callable[[str], None] = print,
     if cfg.sample_every and not cfg.sample_prompts:
         raise TrainError(f"sample_every = {cfg.sample_every} needs prompts; add --sample-prompts \"...\" (repeat it "
                          "for several) or set sample_every = 0.")
+    if cfg.log == "wandb":
+        require("wandb", "--log wandb")  # before anything is cached or trained
     if cfg.resume and cfg.resume != "latest":
         check_resume_folder(cfg.resume)  # before anything is created, loaded or cached
     try:
@@ -513,13 +517,15 @@ class _Run:
                  + (f"; changed since: {', '.join(changed)}" if changed else ""))
         if self.step == 0 and self.ranks.is_main:
             _truncate_metrics(out / VALIDATION_FILE, -1)  # a fresh start: rows of an earlier attempt in this folder go
+            (out / WANDB_RUN_ID).unlink(missing_ok=True)  # and a new W&B run
 
     def open_logs(self, progress) -> None:
-        """metrics.jsonl, TensorBoard when asked, and a progress bar on a terminal (or when ``progress``)."""
+        """metrics.jsonl, TensorBoard or W&B when asked, and a progress bar on a terminal (or when ``progress``)."""
         main = self.ranks.is_main
         self.every = max(1, min(10, self.total // 10))  # progress lines: about ten per run, at least every ten steps
         self.metrics = open(self.out / METRICS_FILE, "a") if main else open(os.devnull, "w")
-        self.board = _tensorboard(self.out) if self.cfg.log == "tensorboard" and main else None
+        board = {"tensorboard": _tensorboard, "wandb": _wandb}.get(self.cfg.log)
+        self.board = board(self.cfg, self.out) if board is not None and main else None
         if main and (sys.stderr.isatty() if progress is None else progress):
             from tqdm import tqdm
 
@@ -1023,7 +1029,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
 
-def _tensorboard(out: Path):
+def _tensorboard(cfg: TrainConfig, out: Path):
     """A TensorBoard writer for ``out/tensorboard`` (``--log tensorboard``); the JSONL file is written as well."""
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -1031,6 +1037,37 @@ def _tensorboard(out: Path):
         raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard, or use --log "
                          "jsonl.") from None
     return SummaryWriter(str(out / "tensorboard"))
+
+
+WANDB_RUN_ID = "wandb-run-id"  # in the output folder: a resumed run logs on to the same W&B run
+
+
+class _WandbBoard:
+    """A Weights & Biases run behind the TensorBoard writer's two calls (``--log wandb``)."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.run.log({tag: value}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb(cfg: TrainConfig, out: Path) -> _WandbBoard:
+    """A W&B run in ``cfg.wandb_project``, named like the LoRA, its files under ``out/wandb``; its id is kept in
+    ``out/wandb-run-id``, so a resumed run (``--resume``) continues it (W&B drops steps at or below the last it
+    logged, which a resume from an earlier checkpoint repeats)."""
+    wandb = require("wandb", "--log wandb")
+    id_file = out / WANDB_RUN_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
+    atomic_write_bytes(id_file, run_id.encode())
+    config = {k: v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v)
+              for k, v in dataclasses.asdict(cfg).items()}
+    run = wandb.init(project=cfg.wandb_project, name=cfg.title or Path(cfg.output).name, dir=str(out), id=run_id,
+                     resume="allow", config=config)
+    return _WandbBoard(run)
 
 
 def _above_bar(bar, echo):

@@ -1307,3 +1307,65 @@ def test_flip_aug_caches_flipped_latents_and_trains_on_them_half_the_time(worksp
     assert off.keys[2] == []
     plain = CacheFeed(off.cache, *off.keys[:2], off.captions, off.dropped, torch.device("cpu"), off.keys[2], 0)
     assert not any(plain.flipped(i, e) for e in range(20) for i in range(len(off.keys[0])))
+
+
+class _FakeWandb:
+    """What squareq calls of the wandb module, recorded."""
+
+    def __init__(self) -> None:
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            def log(self, values, step):
+                fake.logged.append((step, values))
+
+            def finish(self):
+                fake.finished += 1
+
+        return Run()
+
+
+def test_wandb_logging_follows_the_run_and_its_resume(workspace, tmp_path, monkeypatch):
+    import sys
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "wb"
+    train(_config(workspace, out, steps=2, save_every=2, log="wandb", wandb_project="dogs", title="sks"),
+          echo=lambda s: None)
+    first = fake.inits[0]
+    assert (first["project"], first["name"], first["resume"], first["config"]["rank"]) == ("dogs", "sks", "allow", 4)
+    assert first["id"] == (out / "wandb-run-id").read_text() and fake.finished == 1
+    losses = {step: v["train/loss"] for step, v in fake.logged if "train/loss" in v}
+    assert sorted(losses) == [1, 2]
+    train(_config(workspace, out, steps=4, save_every=2, log="wandb", resume="latest"), echo=lambda s: None)
+    assert fake.inits[1]["id"] == first["id"]  # the same W&B run goes on
+    assert sorted(step for step, v in fake.logged if "train/loss" in v) == [1, 2, 3, 4]
+    killed = tmp_path / "killed"  # a run killed before its first checkpoint left its W&B id: a fresh start is new
+    killed.mkdir()
+    (killed / "wandb-run-id").write_text(first["id"])
+    train(_config(workspace, killed, steps=1, save_every=0, log="wandb"), echo=lambda s: None)
+    assert fake.inits[2]["id"] != first["id"]
+
+
+def test_wandb_offline_writes_its_run_or_a_sentence_when_it_is_missing(workspace, tmp_path, monkeypatch):
+    import sys
+
+    from squareq.extras import MissingExtra
+
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "offline"
+    train(_config(workspace, out, steps=2, save_every=0, log="wandb"), echo=lambda s: None)
+    run_id = (out / "wandb-run-id").read_text()
+    files = list((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert files and files[0].stat().st_size > 0
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(MissingExtra, match=r"--log wandb needs wandb, which is not installed; .*squareq\[wandb\]"):
+        train(_config(workspace, tmp_path / "none", steps=2, log="wandb"), echo=lambda s: None)
+    assert not (tmp_path / "none" / "cache").exists() and not (tmp_path / "none").exists()
