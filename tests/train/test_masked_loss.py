@@ -6,21 +6,15 @@ import torch
 from PIL import Image
 
 from squareq import runtime
-from squareq.compiler.plain import PlainOptions, write_rtn_slab
-from squareq.models import ADAPTERS, load_builtin
-from squareq.quant import QuantSpec
+from squareq.models import ADAPTERS
 from squareq.train.config import ConfigError, load_config
 from squareq.train.masks import ALPHA, latent_mask, load_mask
 from squareq.train.objective import denoising_loss
 
 
-@pytest.fixture(scope="module")
-def slab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("masked")
-    model, adapter = load_builtin("tiny-flux")
-    write_rtn_slab(model, adapter.blocks(model), {}, root / "tiny.slab",
-                   PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
-    return root / "tiny.slab"
+@pytest.fixture
+def slab(tiny_slab):
+    return tiny_slab
 
 
 def _lora_gradients(model, latents, noise, t, text) -> torch.Tensor:

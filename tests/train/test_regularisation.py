@@ -6,9 +6,6 @@ import pytest
 import torch
 from PIL import Image
 
-from squareq.compiler.plain import PlainOptions, write_rtn_slab
-from squareq.models import load_builtin
-from squareq.quant import QuantSpec
 from squareq.train.config import ConfigError, load_config
 from squareq.train.data import scan_dataset, with_regularisation
 from squareq.train.loop import train
@@ -23,11 +20,9 @@ def _folder(root, images):
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
+def workspace(tmp_path_factory, tiny_slab):
     root = tmp_path_factory.mktemp("reg")
-    model, adapter = load_builtin("tiny-flux")
-    write_rtn_slab(model, adapter.blocks(model), {}, root / "tiny.slab",
-                   PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    (root / "tiny.slab").symlink_to(tiny_slab)
     _folder(root / "data", [("sks", (200, 30, 30), "a photo of sks dog")])
     _folder(root / "reg", [("dog", (30, 30, 200), "a photo of a dog")])
     _folder(root / "other-reg", [("cat", (30, 200, 30), "a photo of a cat")])
