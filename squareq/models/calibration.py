@@ -83,8 +83,8 @@ def image_batch(recipe: TrainingRecipe, config, cset: CalibrationSet, samples: i
     x0 = torch.stack([cset.latents[j]["latents"] for j in image_of]).float()
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
     x_t, _ = noised(recipe.objective, x0, noise, t)
-    extra = {name: torch.stack([cset.latents[j][name] for j in image_of])
-             for name in cset.latents[0] if name != "latents"}
+    extra = {name: torch.stack([cset.latents[j][name] for j in image_of])  # a training cache's loss masks are not
+             for name in cset.latents[0] if name not in ("latents", "loss_mask")}  # inputs of the model
     try:
         text = stack_captions([cset.texts[j] for j in image_of])
     except ValueError as exc:

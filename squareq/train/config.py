@@ -405,6 +405,9 @@ class TrainConfig:
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         self._check_masks(bad)
+        if self.wandb_project != "squareq" and self.log != "wandb":
+            raise bad("wandb_project", "names a Weights & Biases project, and log is not wandb; set log = \"wandb\" "
+                                       "(--log wandb) or remove wandb_project")
         if not isinstance(self.prior_loss_weight, (int, float)) or isinstance(self.prior_loss_weight, bool) \
                 or not 0.0 <= self.prior_loss_weight < math.inf:
             raise bad("prior_loss_weight", "must be a number of at least 0, e.g. 1.0")

@@ -79,6 +79,7 @@ class Dataset:
     root: Path
     items: list[Item] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    regularisation: Dataset | None = None  # the regularisation folder its ``reg`` items were taken from
 
     def __len__(self) -> int:
         return len(self.items)
@@ -170,7 +171,7 @@ def with_regularisation(dataset: Dataset, reg: Dataset) -> Dataset:
         log.warning("reg_data %s: %d regularisation entries an epoch for %d training entries; %d of them are not "
                     "used (kohya does the same).", reg.root, len(pool), wanted, len(pool) - wanted)
     log.info("regularisation: %d images from %s, %d entries an epoch", len(used), reg.root, wanted)
-    return Dataset(dataset.root, dataset.items + used, dataset.skipped + reg.skipped)
+    return Dataset(dataset.root, dataset.items + used, dataset.skipped + reg.skipped, reg)
 
 
 def _report_repeat_folders(data: Dataset) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ..models.recipe import stack_captions
 from .cache import CacheError, EmbeddingCache
-from .masks import LOSS_MASK
+from .masks import LOSS_MASK, full_mask
 
 
 class CacheFeed:
@@ -92,8 +92,8 @@ class CacheFeed:
         extra = {name: self._stack([e[name] for e in images]) for name in images[0]
                  if name not in ("latents", LOSS_MASK)}
         if any(LOSS_MASK in e for e in images):  # masked_loss; an entry without a mask counts everywhere
-            extra[LOSS_MASK] = self._stack([e[LOSS_MASK] if LOSS_MASK in e else
-                                            torch.ones((1, *e["latents"].shape[1:])) for e in images])
+            extra[LOSS_MASK] = self._stack([e[LOSS_MASK] if LOSS_MASK in e else full_mask(e["latents"])
+                                            for e in images])
         texts = [self._get("text", key) for kind, key in self._entries(indices, drops, epoch) if kind == "text"]
         try:
             captions = stack_captions(texts, place=lambda t: t.to(self.device, non_blocking=True))

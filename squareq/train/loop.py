@@ -225,7 +225,7 @@ def _masks(cfg: TrainConfig, dataset, items) -> list:
     unique = list({item.path: item for item in items if not item.reg}.values())  # regularisation images: unmasked
     found = dict(zip((item.path for item in unique), mask_sources(unique, dataset.root, cfg.alpha_mask,
                                                                   cfg.mask_dir)))
-    return [found.get(item.path) for item in items]
+    return [None if item.reg else found.get(item.path) for item in items]
 
 
 @dataclass
@@ -268,8 +268,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         except DataError as exc:
             raise DataError(f"reg_data (--reg-data): {exc}") from None
         dataset = with_regularisation(dataset, reg)
-        echo(f"regularisation: {sum(it.repeats for it in dataset.items if it.reg)} entries an epoch from {reg.root}, "
-             f"loss weight {cfg.prior_loss_weight:g}")
+        echo(f"regularisation: {sum(it.repeats for it in dataset.items if it.reg) * len(cfg.resolution)} entries an "
+             f"epoch from {reg.root}, loss weight {cfg.prior_loss_weight:g}")
     if held is not None:
         echo(f"validation: {len(held)} held-out images from {held.root}")
     placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
@@ -279,9 +279,11 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
     items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
-    orders = {c: caption_orders(c, cfg.trigger, cfg.keep_tokens, cfg.caption_orders if cfg.shuffle_caption else 0,
-                                cfg.seed) for c in {item.caption for item in items}}
-    captions = [orders[item.caption] for item in items]
+    # a regularisation image's caption is the class's own: the trigger word is the training images' alone
+    orders = {(c, reg): caption_orders(c, None if reg else cfg.trigger, cfg.keep_tokens,
+                                       cfg.caption_orders if cfg.shuffle_caption else 0, cfg.seed)
+              for c, reg in {(item.caption, item.reg) for item in items}}
+    captions = [orders[(item.caption, item.reg)] for item in items]
     if cfg.shuffle_caption:
         echo(f"shuffle_caption: {sum(map(len, orders.values()))} orders of {len(orders)} captions go into the cache")
     dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
@@ -289,6 +291,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     held_items = held.training_items * len(cfg.resolution) if held else []
     held_buckets = entry_buckets(held, buckets, cfg.no_upscale) if held else []
     held_captions = [caption_for(item.caption, cfg.trigger) for item in held_items]
+    # images held out of --data keep their masks, so the validation loss measures what training does
+    held_masks = _masks(cfg, held, held_items) if cfg.validation_split else [None] * len(held_items)
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo)
     keys = None
     if encode:
@@ -304,7 +308,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
                            | {t for p in _sample_prompts(cfg) for t in p.texts})
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
                                flipped=len(items) if cfg.flip_aug else 0,
-                               masks=_masks(cfg, dataset, items) + [None] * len(held_items))
+                               masks=_masks(cfg, dataset, items) + held_masks)
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
@@ -480,6 +484,7 @@ class _Run:
                               data.dropped, self.device, flipped_keys, cfg.seed)
         # each entry's loss weight where regularisation images are mixed in (prior_loss_weight), else None
         entries = data.dataset.training_items * len(cfg.resolution)
+        self.entry_reg = [e.reg for e in entries]
         self.entry_weights = torch.tensor([cfg.prior_loss_weight if e.reg else 1.0 for e in entries]) \
             if cfg.reg_data else None
         # the validation entries of the feed come after the training entries
@@ -630,6 +635,8 @@ class _Run:
             # training the whole batch.
             drops = [cfg.caption_dropout > 0 and float(torch.rand((), generator=generator)) < cfg.caption_dropout
                      for _ in indices]
+            if self.entry_weights is not None:  # a regularisation image keeps its class caption (the draws stay)
+                drops = [d and not self.entry_reg[i] for d, i in zip(drops, indices)]
             mine = ranks.share(len(indices))
             shape = feed.latent_shape(indices[mine][0], epoch)
             noise = torch.randn((len(indices), *shape), generator=generator)
@@ -806,7 +813,7 @@ class _Run:
         if self.metrics is not None:
             self.metrics.close()
         if self.board is not None:
-            self.board.close()
+            self.board.close(failed=sys.exc_info()[0] is not None)
         if self.model is not None:
             runtime.runtime_of(self.model).close()
 
@@ -904,11 +911,12 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     trained = [item for item in dataset.items if not item.reg]
     dirs, tags = dataset_summary(dataset.root, trained)
     images = sum(item.repeats for item in trained) * len(cfg.resolution)
-    regularisation = [item for item in dataset.items if item.reg]
-    reg = {"ss_num_reg_images": str(sum(item.repeats for item in regularisation) * len(cfg.resolution)),
-           "ss_reg_dataset_dirs": json.dumps(dataset_summary(Path(cfg.reg_data).expanduser(), regularisation)[0],
-                                             sort_keys=True),
-           "ss_prior_loss_weight": str(float(cfg.prior_loss_weight))} if regularisation else {}
+    pool = dataset.regularisation  # as kohya records them: the folder's images and repeats, not the epoch's share
+    reg = {"ss_num_reg_images": str(len(pool.training_items)),
+           "ss_reg_dataset_dirs": json.dumps(dataset_summary(pool.root, pool.items)[0], sort_keys=True),
+           "ss_prior_loss_weight": str(float(cfg.prior_loss_weight))} if pool is not None else {}
+    if cfg.masked_loss:
+        reg["ss_masked_loss"] = "True"
 
     # kohya scales by alpha/rank: rsLoRA's alpha/sqrt(rank) is that scale with alpha·sqrt(rank), and the kohya file
     # then holds a plain LoRA (its header must not say rsLoRA, or a reader would apply the square root twice)
@@ -1036,7 +1044,19 @@ def _tensorboard(cfg: TrainConfig, out: Path):
     except ImportError:
         raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard, or use --log "
                          "jsonl.") from None
-    return SummaryWriter(str(out / "tensorboard"))
+    writer = SummaryWriter(str(out / "tensorboard"))
+    return _Closing(writer)
+
+
+class _Closing:
+    """A TensorBoard writer whose ``close`` takes (and ignores) whether the run failed, as a W&B run's does."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+        self.add_scalar = writer.add_scalar
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
 
 
 WANDB_RUN_ID = "wandb-run-id"  # in the output folder: a resumed run logs on to the same W&B run
@@ -1051,8 +1071,8 @@ class _WandbBoard:
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.run.log({tag: value}, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed in W&B
 
 
 def _wandb(cfg: TrainConfig, out: Path) -> _WandbBoard:
@@ -1065,8 +1085,14 @@ def _wandb(cfg: TrainConfig, out: Path) -> _WandbBoard:
     atomic_write_bytes(id_file, run_id.encode())
     config = {k: v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v)
               for k, v in dataclasses.asdict(cfg).items()}
-    run = wandb.init(project=cfg.wandb_project, name=cfg.title or Path(cfg.output).name, dir=str(out), id=run_id,
-                     resume="allow", config=config)
+    try:
+        run = wandb.init(project=cfg.wandb_project, name=cfg.title or Path(cfg.output).name, dir=str(out), id=run_id,
+                         resume="allow", config=config)
+    except Exception as exc:  # noqa: BLE001 - no login, no network, a W&B server error: one sentence, then stop
+        raise TrainError(f"--log wandb: Weights & Biases could not start a run ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]}); log in with `wandb login`, set WANDB_MODE=offline to "
+                         "log without an account, or use --log jsonl. The cache is kept; rerun the same command.") \
+            from None
     return _WandbBoard(run)
 
 

@@ -70,3 +70,8 @@ def latent_mask(mask: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     ``[1, h, w]`` or ``[1, 1, h, w]``, broadcast over channels (and frames) by the loss."""
     down = F.interpolate(mask[None].float(), size=tuple(latents.shape[-2:]), mode="area")[0]
     return down if latents.dim() == 3 else down[:, None]
+
+
+def full_mask(latents: torch.Tensor) -> torch.Tensor:
+    """The mask of an item trained everywhere, shaped as :func:`latent_mask` shapes one for ``latents``."""
+    return torch.ones((1, *([1] if latents.dim() == 4 else []), *latents.shape[-2:]))

@@ -12,11 +12,14 @@ prompt a line; empty lines and lines starting with ``#`` are skipped, as kohya's
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .data import refused_character
+
+log = logging.getLogger("squareq.sample")
 
 MAX_GUIDANCE = 100.0  # beyond this a FLUX guidance or CFG scale is a typo
 
@@ -55,18 +58,23 @@ class SamplePrompt:
         return bool(self.negative) and (self.cfg_scale or 1.0) > 1.0
 
 
+MAX_SIDE = 8192  # pixels: FLUX.1 is trained up to about 2 MP; beyond this a side is a typo
+MAX_STEPS = 1000  # kohya's bound
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
+
+
 def _size(v: str) -> int:
     n = int(v)
-    if n < 16 or n % 16:
-        raise ValueError("must be a positive multiple of 16 (FLUX packs 2x2 patches of an 8x VAE)")
+    if n < 16 or n % 16 or n > MAX_SIDE:
+        raise ValueError(f"must be a multiple of 16 from 16 to {MAX_SIDE} (FLUX packs 2x2 patches of an 8x VAE)")
     return n
 
 
-def _count(least: int):
+def _count(least: int, most: int):
     def parse(v: str) -> int:
         n = int(v)
-        if n < least:
-            raise ValueError(f"must be a whole number of at least {least}")
+        if not least <= n <= most:
+            raise ValueError(f"must be a whole number from {least} to {most}")
         return n
     return parse
 
@@ -80,8 +88,13 @@ def _scale(least: float):
     return parse
 
 
-OPTIONS = {"w": ("width", _size), "h": ("height", _size), "s": ("steps", _count(1)), "g": ("guidance", _scale(0.0)),
-           "d": ("seed", _count(0)), "n": ("negative", str), "l": ("cfg_scale", _scale(1.0))}
+OPTIONS = {"w": ("width", _size), "h": ("height", _size), "s": ("steps", _count(1, MAX_STEPS)),
+           "g": ("guidance", _scale(0.0)), "d": ("seed", _count(0, MAX_SEED)), "n": ("negative", str),
+           "l": ("cfg_scale", _scale(1.0))}
+# kohya options that choose what SquareQ's FLUX sampler does not offer: skipped with a warning, so a kohya prompt
+# file works as it is
+IGNORED = {"ss": "a sampler (SquareQ draws with the pipeline's own scheduler)", "fs": "a flow shift",
+           "cn": "a ControlNet image", "am": "attention-mask options"}
 
 
 def parse_prompt(line: str) -> SamplePrompt:
@@ -91,6 +104,12 @@ def parse_prompt(line: str) -> SamplePrompt:
     short = f"{text.strip()[:40]!r}"
     for part in parts:
         letter, _, value = part.strip().partition(" ")
+        if letter in IGNORED:
+            log.warning("the prompt %s sets %s (--%s), which SquareQ's sampler does not take; drawn without it.",
+                        short, IGNORED[letter], letter)
+            continue
+        if letter in OPTIONS and OPTIONS[letter][0] in values:
+            raise PromptError(f"the prompt {short} sets --{letter} twice; keep one.")
         if letter not in OPTIONS:
             raise PromptError(f"the prompt {short} has an option --{letter}, which is not one of "
                               f"{', '.join('--' + o for o in OPTIONS)}; remove it.")

@@ -63,3 +63,23 @@ def test_an_empty_cache_is_refused_with_the_command_to_fill_it(tmp_path):
     with pytest.raises(ModelError, match="squareq cache"):
         compile_slab(open_source("tiny-flux"), tmp_path / "x.slab",
                      CompileOptions(budget=2_000_000, calib_cache=str(tmp_path / "empty")))
+
+
+def test_a_cache_trained_with_masks_for_some_images_calibrates_too(tmp_path):
+    """masked_loss caches a loss mask beside the latents of the images that have one: the compiler reads the latents
+    and captions only (the masks are no input of the model)."""
+    data, masks = tmp_path / "data", tmp_path / "masks"
+    data.mkdir()
+    masks.mkdir()
+    for i, color in enumerate([(200, 40, 40), (40, 40, 200), (40, 200, 40)]):
+        Image.new("RGB", (64, 64), color).save(data / f"{i}.png")
+        (data / f"{i}.txt").write_text(f"square {i}")
+    Image.new("L", (64, 64), 255).save(masks / "0.png")  # images 1 and 2 have none
+    cfg = load_config(None, {"data": str(data), "cache_dir": str(tmp_path / "cache"), "resolution": 64,
+                             "max_sequence_length": 16, "masked_loss": True, "mask_dir": str(masks)})
+    prepare_data(cfg, SimpleNamespace(source="tiny-flux", family="flux", config=TINY_FLUX_CONFIG),
+                 torch.device("cpu"), echo=lambda s: None)
+    manifest = compile_slab(open_source("tiny-flux"), tmp_path / "m.slab",
+                            CompileOptions(budget=2_000_000, calib_cache=str(tmp_path / "cache"), calib_samples=6,
+                                           rounding="nearest", effect_probes=1))
+    assert manifest.calibration["images"] == 3

@@ -22,15 +22,24 @@ def test_a_prompts_options_are_read_as_kohya_writes_them():
 
 @pytest.mark.parametrize("line, message", [
     ("a cat --x 3", "has an option --x, which is not one of --w, --h, --s, --g, --d, --n, --l"),
-    ("a cat --w 100", "--w '100' must be a positive multiple of 16"),
+    ("a cat --w 100", "--w '100' must be a multiple of 16 from 16 to 8192"),
     ("a cat --s zero", "--s 'zero' is not a number"),
     ("a cat --g 1000", "--g '1000' must be a number from 0 to 100"),
     ("a cat --n blurry", "has a negative prompt (--n) but no --l above 1"),
     (" --w 512", "has options but no prompt before them"),
+    ("a cat --d 99999999999999999999999", "--d '99999999999999999999999' must be a whole number from 0 to"),
+    ("a cat --w 64 --w 128", "sets --w twice"),
+    ("a cat --s 5000", "--s '5000' must be a whole number from 1 to 1000"),
 ])
 def test_options_that_cannot_work_are_one_sentence(line, message):
     with pytest.raises(PromptError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_prompt(line)
+
+
+def test_kohya_options_squareq_does_not_offer_are_skipped_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="squareq.sample"):
+        assert parse_prompt("a cat --ss euler_a --w 64") == SamplePrompt("a cat", width=64)
+    assert "sets a sampler" in caplog.text and "(--ss)" in caplog.text
 
 
 def test_a_prompt_file_skips_empty_and_comment_lines(tmp_path):

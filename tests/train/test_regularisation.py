@@ -68,6 +68,31 @@ def test_the_regularisation_images_loss_enters_the_step_at_its_weight(workspace,
     assert json.loads(header["ss_reg_dataset_dirs"]) == {".": {"img_count": 1, "n_repeats": 1}}
 
 
+def test_regularisation_captions_keep_the_class_and_never_get_the_trigger(workspace, tmp_path, monkeypatch):
+    """The trigger word marks the training images' subject; a regularisation image is the class without it, and a
+    dropped caption of one stays its caption."""
+    from squareq import runtime
+    from squareq.train.loop import prepare_data
+
+    cfg = _config(workspace, tmp_path / "t", reg_data=str(workspace / "reg"), trigger="sks", caption_dropout=0.99)
+    model = runtime.runtime_of(runtime.load(workspace / "tiny.slab", "cpu", stream=False)).manifest.model
+    data = prepare_data(cfg, model, torch.device("cpu"), echo=lambda s: None, encode=False)
+    by_reg = {item.reg: data.captions[i] for i, item in enumerate(data.dataset.training_items)}
+    assert by_reg[False] == ["sks, a photo of sks dog"] and by_reg[True] == ["a photo of a dog"]
+    from squareq.train.feed import CacheFeed
+
+    seen, batch = [], CacheFeed.batch
+
+    def recording(self, indices, drops, epoch=0):
+        seen.extend(zip(indices, drops))
+        return batch(self, indices, drops, epoch)
+
+    monkeypatch.setattr(CacheFeed, "batch", recording)
+    train(cfg, echo=lambda s: None)
+    reg = {i for i, item in enumerate(data.dataset.training_items) if item.reg}
+    assert {d for i, d in seen if i in reg} == {False} and {d for i, d in seen if i not in reg} == {True}
+
+
 def test_an_epoch_holds_as_many_regularisation_entries_as_training_entries(tmp_path):
     train_set = scan_dataset(_folder(tmp_path / "3_sks", [(f"t{i}", (i, 0, 0), "sks") for i in range(2)]).parent)
     reg_set = scan_dataset(_folder(tmp_path / "regs" / "1_dog", [(f"r{i}", (0, i, 0), "dog") for i in range(5)])
