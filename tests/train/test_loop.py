@@ -1313,7 +1313,7 @@ class _FakeWandb:
     """What squareq calls of the wandb module, recorded."""
 
     def __init__(self) -> None:
-        self.inits, self.logged, self.finished = [], [], 0
+        self.inits, self.logged, self.finished = [], [], []
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
@@ -1323,8 +1323,8 @@ class _FakeWandb:
             def log(self, values, step):
                 fake.logged.append((step, values))
 
-            def finish(self):
-                fake.finished += 1
+            def finish(self, exit_code=None):
+                fake.finished.append(exit_code)
 
         return Run()
 
@@ -1339,7 +1339,7 @@ def test_wandb_logging_follows_the_run_and_its_resume(workspace, tmp_path, monke
           echo=lambda s: None)
     first = fake.inits[0]
     assert (first["project"], first["name"], first["resume"], first["config"]["rank"]) == ("dogs", "sks", "allow", 4)
-    assert first["id"] == (out / "wandb-run-id").read_text() and fake.finished == 1
+    assert first["id"] == (out / "wandb-run-id").read_text() and fake.finished == [0]
     losses = {step: v["train/loss"] for step, v in fake.logged if "train/loss" in v}
     assert sorted(losses) == [1, 2]
     train(_config(workspace, out, steps=4, save_every=2, log="wandb", resume="latest"), echo=lambda s: None)
@@ -1350,6 +1350,11 @@ def test_wandb_logging_follows_the_run_and_its_resume(workspace, tmp_path, monke
     (killed / "wandb-run-id").write_text(first["id"])
     train(_config(workspace, killed, steps=1, save_every=0, log="wandb"), echo=lambda s: None)
     assert fake.inits[2]["id"] != first["id"]
+    # a run that fails is finished as failed in W&B
+    monkeypatch.setattr("squareq.train.loop._Run.micro_batches", lambda self: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train(_config(workspace, tmp_path / "failing", steps=1, save_every=0, log="wandb"), echo=lambda s: None)
+    assert fake.finished[-1] == 1
 
 
 def test_wandb_offline_writes_its_run_or_a_sentence_when_it_is_missing(workspace, tmp_path, monkeypatch):
