@@ -455,6 +455,11 @@ class Source:
         for i, path in enumerate(self.block_paths):
             owner, _, idx = path.rpartition(".")
             model.get_submodule(owner)[int(idx)] = _BlockStandIn(run_block, i, path, model.get_submodule(path))
+        if not tracing:  # buffers the class builds on the host and no checkpoint holds (BERT's token_type_ids)
+            for sub in model.modules():
+                for name, buf in sub._buffers.items():
+                    if buf is not None and not buf.is_meta and buf.device != torch.device(device):
+                        sub._buffers[name] = _convert(buf, device, dtype)
         left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if left and not tracing:
             raise ModelError(f"{self.description}: tensors outside the blocks were not found in the checkpoint "
