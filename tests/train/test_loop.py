@@ -118,9 +118,9 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
     real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
     calls = {"n": 0}
 
-    def poisoned_once(pred, target, weighting=None):
+    def poisoned_once(pred, target, weighting=None, mask=None):
         calls["n"] += 1
-        loss = real(pred, target, weighting)
+        loss = real(pred, target, weighting, mask)
         return loss * float("nan") if calls["n"] == 3 else loss
 
     retries = []
@@ -141,9 +141,9 @@ def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypat
     real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
     calls = {"n": 0}
 
-    def poisoned(pred, target, weighting=None):
+    def poisoned(pred, target, weighting=None, mask=None):
         calls["n"] += 1
-        loss = real(pred, target, weighting)
+        loss = real(pred, target, weighting, mask)
         return loss * float("nan") if calls["n"] > 6 else loss
 
     monkeypatch.setattr(objective, "flow_loss", poisoned)
@@ -366,11 +366,11 @@ def test_out_of_memory_saves_and_says_which_knob_to_turn(workspace, tmp_path, mo
     real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
     calls = {"n": 0}
 
-    def exhausted(pred, target, weighting=None):
+    def exhausted(pred, target, weighting=None, mask=None):
         calls["n"] += 1
         if calls["n"] == 4:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(pred, target, weighting)
+        return real(pred, target, weighting, mask)
 
     monkeypatch.setattr(objective, "flow_loss", exhausted)
     out = tmp_path / "oom"
