@@ -25,6 +25,7 @@ correction only if it lowers the model's output error on the held-out samples.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -244,10 +245,10 @@ class _Watch:
 
     def window(self, start: int, stop: int):
         self.span = (start, stop)
-        return _Nothing()
+        return contextlib.nullcontext()
 
-    def rows(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of a layer's input or output ``t`` and their weights, for the current chunk."""
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of a layer's input or output ``t`` that count, for the current chunk."""
         m = self.mask[self.span[0]:self.span[1]]
         if t.dim() > m.dim() and tuple(t.shape[:m.dim()]) == tuple(m.shape):
             w = m.reshape(*m.shape, *([1] * (t.dim() - 1 - m.dim()))).expand(t.shape[:-1])
@@ -255,26 +256,17 @@ class _Watch:
             w = torch.full(t.shape[:-1], float(m.reshape(-1)[0]), device=t.device)
         else:
             raise NotFitted(UNSPLIT)
-        keep = w.reshape(-1) > 0
-        return t.reshape(-1, t.shape[-1])[keep], w.reshape(-1)[keep]
+        return t.reshape(-1, t.shape[-1])[w.reshape(-1) > 0]
 
     def _hook(self, name: str):
         def hook(module, args, out):
-            y, _ = self.rows(out.detach())
+            y = self.rows(out.detach())
             if not y.shape[0]:
                 return
             y = y.double()
             part = torch.stack([torch.full_like(y[0], y.shape[0]), y.sum(0), y.square().sum(0)])
             self.moments[name] = self.moments[name] + part if name in self.moments else part
         return hook
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _fit(target: torch.Tensor, seen: torch.Tensor, bias: torch.Tensor | None):
@@ -320,7 +312,7 @@ class _Judge(_Watch):
 
     def _hook(self, name: str):
         def hook(module, args, out):
-            x, _ = self.rows(args[0].detach())
+            x = self.rows(args[0].detach())
             w, plan, corrected, plain = self.deltas[name]
             b = self.proposed[name][1][1]
             shift = b - module.bias.detach().float() if b is not None else 0.0
