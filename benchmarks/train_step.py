@@ -399,13 +399,16 @@ def evict_page_cache(slab: Path) -> None:
 
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
                   compute: str = "bf16", cold: bool = False, graphs: bool = False, block_compile: bool = False,
-                  fp8_backward: bool = False, attention: str = "auto") -> None:
+                  fp8_backward: bool = False, attention: str = "auto", pieces: bool = False) -> None:
     import squareq.runtime as rt
+    from squareq.runtime import block_compile as block_compile_module
     from squareq.runtime import compute as compute_module
 
     compute_module.FP8_BACKWARD = fp8_backward
+    block_compile_module.WHOLE_BLOCKS = not pieces
     rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
            "cuda_graphs": graphs, "block_compile": block_compile, "fp8_backward": fp8_backward,
+           "block_compile_pieces": block_compile and pieces,
            "attention": attention, "device": setup.device_name}
     if cold:
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
@@ -471,6 +474,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     result = train(setup, model, params, res, after_step,
                    label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}")
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
+                   + ("_pieces" if block_compile and pieces else "")
                    + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else ""))
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
@@ -479,7 +483,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     if block_compile:  # the first steps compile each block class's graphs (Dynamo's count; the steps' excess)
         from squareq.runtime.block_compile import compile_seconds
 
-        rec.update(block_compile_s=compile_seconds(), compile_s=result["beyond_steady_s"])
+        rec.update(block_compile_s=compile_seconds(), compile_s=result["beyond_steady_s"], dynamo=dynamo_figures())
     if graphs:
         rec.update({k: stats[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures",
                                           "graph_ungraphed")})
@@ -662,6 +666,17 @@ def _sdpa_priority() -> list[str]:
     return [names.get(int(i), str(i)) for i in order()] if order else []
 
 
+def dynamo_figures() -> dict:
+    """What Dynamo compiled in this process: graphs, graph breaks, frames, and seconds per compile stage."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"unique_graphs": counters["stats"]["unique_graphs"], "frames_ok": counters["frames"]["ok"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "break_reasons": sorted(counters["graph_break"])[:10], "aot_autograd": dict(counters["aot_autograd"]),
+            "fxgraph_cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+            "seconds": {k: [round(sum(v), 2), len(v)] for k, v in compilation_time_metrics.items()}}
+
+
 def phase_record(phase: list[str]) -> dict:
     """The identifying keys of a phase's record, from its command line (``squareq 512 3 pinned``)."""
     rec: dict = {"what": phase[0]}
@@ -675,7 +690,7 @@ def phase_record(phase: list[str]) -> dict:
         rec.update(prefetch=k if k == "auto" else int(k), host=phase[3], lora=phase[4] if len(phase) > 4 else "squareq",
                    compute=phase[5] if len(phase) > 5 else "bf16", cold="cold" in phase[6:],
                    graphs="graphs" in phase[6:], block_compile="compiled" in phase[6:],
-                   fp8_backward="fp8grad" in phase[6:],
+                   fp8_backward="fp8grad" in phase[6:], pieces="pieces" in phase[6:],
                    attention="default" if "attn-default" in phase[6:] else "auto")
     return rec
 
@@ -696,7 +711,8 @@ def run_phase(args) -> None:
             phase_slab(setup)
         elif name == "squareq":
             phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
-                          rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"])
+                          rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"],
+                          rec["pieces"])
         elif name == "resident":
             phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
         else:
@@ -814,7 +830,7 @@ def table(records: list[dict]) -> str:
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
                 f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
-                f"{' fp8-backward' if r.get('fp8_backward') else ''}" \
+                f"{' (pieces)' if r.get('block_compile_pieces') else ''}{' fp8-backward' if r.get('fp8_backward') else ''}" \
                 f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''} {r.get('compute', 'bf16')}" + (
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
@@ -870,9 +886,10 @@ def main() -> None:
                     help="SquareQ setups without and/or with CUDA graphs per block (squareq train --cuda-graphs); "
                          "with them, warm-up goes on while a step still captures graphs (at most "
                          f"{MAX_CAPTURE_STEPS} steps more)")
-    ap.add_argument("--block-compile", nargs="+", choices=("off", "on"), default=["off"],
+    ap.add_argument("--block-compile", nargs="+", choices=("off", "on", "pieces"), default=["off"],
                     help="SquareQ setups without and/or with each block class's forward under torch.compile "
-                         "(squareq train --compile); the first steps compile, reported as compile_s")
+                         "(squareq train --compile); the first steps compile, reported as compile_s. pieces: the "
+                         "quantized layers kept eager between compiled pieces (block_compile.WHOLE_BLOCKS off)")
     ap.add_argument("--attention", nargs="+", choices=("auto", "default"), default=["auto"],
                     help="SquareQ's attention kernel choice (runtime.load(attention=)): auto (cuDNN first where "
                          "measured faster), default (torch's order); several: one phase each")
@@ -925,7 +942,8 @@ def main() -> None:
     unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
-    graph_tokens = [(["graphs"] if g == "on" else []) + (["compiled"] if bc == "on" else [])
+    graph_tokens = [(["graphs"] if g == "on" else []) + {"off": [], "on": ["compiled"],
+                                                          "pieces": ["compiled", "pieces"]}[bc]
                     + (["fp8grad"] if fb == "on" else []) + (["attn-default"] if at == "default" else [])
                     for g in dict.fromkeys(args.graphs) for bc in dict.fromkeys(args.block_compile)
                     for fb in dict.fromkeys(args.fp8_backward) for at in dict.fromkeys(args.attention)]

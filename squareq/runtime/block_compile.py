@@ -4,16 +4,20 @@ What a compiled resident FLUX.1 gains over the eager one is the work between the
 the query/key norms and rotary embedding, GELU, gates and residual adds, which inductor fuses into a few kernels
 (issue 41: 1.000 s → 0.644 s per LoRA step at 1024² on an H100). SquareQ's blocks get the same here:
 
-* One compiled forward per block class (double, single), shared by every block of that class and every slot: the
-  block module is an argument of the compiled function, and its tensors (slot views, LoRA factors) are inputs, so a
-  block in another slot, or another block of the same class, reuses the graphs (a test checks it).
-* The quantized layers are opaque to the compiler (each ``QuantLinear`` call runs eagerly between compiled pieces):
-  they keep their own kernels (dequantize + matmul, FP8, the fused small-M kernels), their LoRA path and their own
-  input gradient, and so the same values as eager. Each linear therefore splits the block's graph; the pieces between
-  them are what inductor fuses.
+* One compiled graph per block class and grad mode (double, single; the checkpointed forward without autograd, the
+  recompute with it), shared by every block of that class and every slot: the block module is an argument of the
+  compiled function, and its tensors (slot views, LoRA factors) are inputs, so a block in another slot, or another
+  block of the same class, reuses the graphs (tests count them).
+* The quantized layers are traced into the graph, each as one custom operator (runtime/linear_op.py) that runs the
+  layer's own eager code: dequantize + matmul, FP8 with its kept row maxima, the fused small-M kernels, and the input
+  gradient. Its LoRA products, their adds and everything between the layers are inductor's to fuse. With
+  :data:`WHOLE_BLOCKS` off the layers run eagerly between compiled pieces instead (benchmarks compare both).
 * The graphs specialise on shapes (``dynamic=False``): a new resolution or batch compiles again, once, and the
-  recompile limit is raised to :data:`RECOMPILE_LIMIT` for that. Inductor's on-disk caches (torch's defaults) make a
-  second run with the same shapes start without compiling the kernels again.
+  recompile limit is raised to :data:`RECOMPILE_LIMIT` for that. A block's tensor inputs are made dense first, so a
+  slice (FLUX.1's single blocks pass their streams on as slices of one tensor) does not compile a graph of its own.
+* Inductor's and AOT autograd's on-disk caches (torch's defaults) let a second run with the same shapes start
+  without compiling again; only Dynamo's tracing is repeated. For that the backward is compiled with its forward
+  (:func:`_configure_compiler`).
 * Under CUDA graphs (``cuda_graphs=True``) the compiled forward is what a block's graph captures: compiling happens
   in the eager warm-up runs before the capture (runtime/block_graphs.py).
 
@@ -29,6 +33,9 @@ import logging
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from . import linear_op
 
 log = logging.getLogger("squareq.runtime")
 
@@ -37,6 +44,9 @@ BACKEND = "inductor"  # tests on a CPU use "aot_eager": the same graphs without 
 RECOMPILE_LIMIT = 64  # per code object: grad modes × input signatures × resolutions of a run
 AUTO_CAPABILITY = (9, 0)  # where the streamed blocks measured faster compiled (docs/benchmarks.md)
 AUTO_FAMILIES = ("flux",)  # the families whose blocks were measured (FLUX.1)
+# Trace the quantized layers into the block's graph as custom operators (one graph per block class and grad mode);
+# off: each runs eagerly between compiled pieces, as before issue 41's whole-block graphs (benchmarks compare both)
+WHOLE_BLOCKS = True
 
 
 class CompileModeError(ValueError):
@@ -73,14 +83,14 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
     """Compile ``blocks``' forward, one compiled function per block class; ``runners`` (the streamed blocks'
     :class:`BlockRunner`, same order; None for blocks that are not streamed) run it in place of the eager forward.
     Returns the number of block classes."""
-    _raise_recompile_limit()
+    _configure_compiler()
     compiled: dict[type, object] = {}
     for i, block in enumerate(blocks):
-        keep_quantized_layers_eager(block)
+        trace_quantized_layers(block)
         cls = type(block)
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, backend=BACKEND, dynamic=False)
-        forward = functools.partial(compiled[cls], block)
+        forward = functools.partial(_with_dense_inputs, compiled[cls], block)
         runner = runners[i] if runners is not None else None
         if runner is not None:
             runner.forward = forward
@@ -89,24 +99,54 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
     return len(compiled)
 
 
-def keep_quantized_layers_eager(module: nn.Module) -> None:
+def _with_dense_inputs(compiled, block: nn.Module, *args, **kwargs):
+    """``compiled(block, ...)`` with every tensor argument in a dense layout. Why: Dynamo guards on strides, and a
+    block's inputs are sometimes slices of a larger tensor (FLUX.1's single blocks return their two streams as slices
+    of one), sometimes not (the first single block's come from a double block), which would compile each graph twice;
+    a copy of a block's inputs costs far less than its matmuls."""
+    args, kwargs = tree_map_only(torch.Tensor, lambda t: t.contiguous(), (args, kwargs))
+    return compiled(block, *args, **kwargs)
+
+
+def trace_quantized_layers(module: nn.Module) -> None:
+    """Have ``module``'s quantized layers traced into its compiled graphs: each gets the handle through which its
+    block's graph calls it as one custom operator (runtime/linear_op.py), unless :data:`WHOLE_BLOCKS` is off; then,
+    and for PEFT's wrappers in any case, :func:`keep_quantized_layers_eager`."""
+    from .qlinear import QuantLinear
+
+    if not WHOLE_BLOCKS:
+        keep_quantized_layers_eager(module)
+        return
+    for layer in module.modules():
+        if isinstance(layer, QuantLinear) and layer.handle is None:
+            layer.handle = linear_op.register(layer)
+    keep_quantized_layers_eager(module, plain=False)
+
+
+def keep_quantized_layers_eager(module: nn.Module, plain: bool = True) -> None:
     """Each quantized layer's whole call in ``module`` (base product and its LoRA; for a layer PEFT wraps, the
-    wrapper's call, DoRA included) runs as eager code between compiled pieces of its block. Why the whole call: a
-    graph break inside a layer's forward would have Dynamo compile that forward as a frame of its own, specialised on
-    every layer shape it meets (dozens per block, each a recompile). Layers already kept eager are left as they are."""
+    wrapper's call, DoRA included) runs as eager code between compiled pieces of its block; ``plain=False``: PEFT's
+    wrappers only. Why the whole call: a graph break inside a layer's forward would have Dynamo compile that forward as
+    a frame of its own, specialised on every layer shape it meets (dozens per block, each a recompile). Layers already
+    kept eager are left as they are."""
     from .qlinear import QuantLinear
 
     for layer in module.modules():
         wraps = isinstance(getattr(layer, "base_layer", None), QuantLinear)  # PEFT's LoRA layers
-        if (isinstance(layer, QuantLinear) or wraps) and "forward" not in vars(layer):
+        if ((plain and isinstance(layer, QuantLinear)) or wraps) and "forward" not in vars(layer):
             layer.forward = torch.compiler.disable(layer.forward)
 
 
-def _raise_recompile_limit() -> None:
+def _configure_compiler() -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) < RECOMPILE_LIMIT:
         setattr(config, name, RECOMPILE_LIMIT)
+    # The backward is compiled with its forward, not on its first call: torch 2.11's AOT autograd cache saves a
+    # training graph only when its backward is compiled with it (pytorch#141790), and without the saved entry a
+    # second run traces each block's joint graph again (7 s of its 15 s compile, on the device)
+    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        torch._functorch.config.force_non_lazy_backward_lowering = True
 
 
 def compile_seconds() -> float:

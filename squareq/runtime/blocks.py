@@ -262,8 +262,8 @@ class _StreamedCheckpoint(torch.autograd.Function):
             if constant is None:
                 out = _forward_learning_constants(runner, skeleton, spec, inputs, key)
                 constant = runner.constant_outputs[key]
-            else:
-                out = runner.run_forward(slot, skeleton, spec, list(inputs))
+            else:  # detached: without autograd recording only a compiled block's guards would see requires_grad
+                out = runner.run_forward(slot, skeleton, spec, [t.detach() for t in inputs])
         outs, box["parts"] = _split(out)
         outs = tuple(outs)
         # An output the recompute would not connect to any input or LoRA factor must not look differentiable
@@ -301,7 +301,8 @@ def _parameters_as_fresh_leaves(module: nn.Module, params: list[torch.Tensor]):
     forward. A CUDA-graph capture on another stream that fed it would make that stream wait on the capturing one,
     which CUDA refuses. A fresh leaf gets its accumulator where it is first used, and its gradient is the
     parameter's."""
-    leaves = {id(p): p.detach().requires_grad_() for p in params}
+    # Parameters, as the ones they stand for: a compiled block's graphs guard on the type
+    leaves = {id(p): nn.Parameter(p.detach()) for p in params}
     swapped = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if id(p) in leaves]
     try:
         for m, name, p in swapped:
@@ -314,8 +315,11 @@ def _parameters_as_fresh_leaves(module: nn.Module, params: list[torch.Tensor]):
 
 def _forward_learning_constants(runner: BlockRunner, skeleton, spec, inputs, key):
     """Run the block once with autograd recording (saved tensors discarded, so memory is that of a no-grad
-    forward) to learn which tensor outputs carry no gradient; return its outputs, detached."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None):
+    forward) to learn which tensor outputs carry no gradient; return its outputs, detached. A compiled block runs it
+    with autocast's cast cache as its recompute has it, so the two share their compiled graphs."""
+    uncached = uncached_autocast(runner.streamer.device.type) if _uncached_before_capture(runner.runtime) \
+        else contextlib.nullcontext()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None), uncached:
         args, kwargs = _rebuild(skeleton, spec, [t.detach().requires_grad_(t.requires_grad) for t in inputs])
         out = runner.forward(*args, **kwargs)
     leaves, out_spec = tree_flatten(out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .block_compile import keep_quantized_layers_eager
+from .block_compile import trace_quantized_layers
 from .peft_lora import LoraVariant, add_peft_lora, file_name, is_lora_parameter
 from .qlinear import QuantLinear
 
@@ -41,8 +41,8 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targe
     variant = variant or LoraVariant()
     if peft or not variant.plain:
         params = add_peft_lora(model, layers, rank, alpha, variant, seed)
-        if _compiled(model):  # PEFT's new wrappers run eagerly too, as the layers they wrap do
-            keep_quantized_layers_eager(model)
+        if _compiled(model):  # PEFT's new wrappers run eagerly (runtime/block_compile.py)
+            trace_quantized_layers(model)
         return params
     g = torch.Generator().manual_seed(seed)
     params: list[nn.Parameter] = []

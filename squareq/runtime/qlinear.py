@@ -26,7 +26,7 @@ from ..kernels import prepare_dequantize
 from ..kernels.crossover import fused_limit
 from ..kernels.fp8 import FP8, RowMax, fp8_input_grad, fp8_linear, fp8_shape_ok, prepare_weight_fp8
 from ..quant import QuantizedWeight
-from . import compute
+from . import compute, linear_op
 
 
 class DequantScratch:
@@ -80,37 +80,13 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
-        qw = layer.quantized
-        if layer.fused_limit is None and qw is not None:
-            layer.fused_limit = fused_limit(qw, x.device)  # settled once per layer (kernels/crossover.py)
-        ctx.fused = qw is not None and x.numel() // max(1, x.shape[-1]) <= layer.fused_limit
-        if ctx.fused:
-            from ..kernels.triton_fused import fused_linear
-
-            return fused_linear(x.to(torch.bfloat16), qw, layer.bias)
-        if layer.dequant_fp8 is not None:
-            return fp8_linear(x.to(torch.bfloat16), layer.dequant_fp8(), layer.bias)
-        w = layer.dequant()
-        bias = layer.bias
-        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            x = x.to(w.dtype)  # without autocast the layer computes in its storage dtype, as nn.Linear would
-        return F.linear(x, w, bias)
+        return layer.base_product(x)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        layer = ctx.layer
         if not ctx.needs_input_grad[0]:
             return None, None
-        if ctx.fused:
-            from ..kernels.triton_fused import fused_input_grad
-
-            return fused_input_grad(grad_out.to(torch.bfloat16), layer.quantized), None
-        if layer.dequant_fp8 is not None and compute.FP8_BACKWARD:
-            weight = (layer.dequant_fp8_grad or layer.dequant_fp8)()
-            return fp8_input_grad(grad_out.to(torch.bfloat16), weight), None
-        w = layer.dequant()
-        grad_in = grad_out.to(w.dtype).matmul(w)
-        return grad_in, None
+        return ctx.layer.base_input_grad(grad_out), None
 
 
 class QuantLinear(nn.Module):
@@ -137,6 +113,9 @@ class QuantLinear(nn.Module):
         self.fused_limit: int | None = None  # most input rows that go to the fused kernel; decided on first use
         # PEFT's DoRA reads ``weight`` for its values: set for the layers it wraps (runtime/peft_lora.py)
         self.exact_weight = False
+        # names the layer to the custom operator a compiled block calls (runtime/linear_op.py); given by
+        # runtime/block_compile.py to the layers of the blocks it compiles
+        self.handle: torch.Tensor | None = None
 
     @staticmethod
     def _unbound() -> torch.Tensor:
@@ -201,14 +180,58 @@ class QuantLinear(nn.Module):
             self.lora_B.weight.zero_()
         self.lora_scale = alpha / rank
 
+    def base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ + b`` of the frozen base, from the block now bound (no autograd: :class:`_DequantLinear` and the
+        custom operator of runtime/linear_op.py give it its input gradient)."""
+        qw = self.quantized
+        if self.uses_fused(x):
+            from ..kernels.triton_fused import fused_linear
+
+            return fused_linear(x.to(torch.bfloat16), qw, self.bias)
+        if self.dequant_fp8 is not None:
+            return fp8_linear(x.to(torch.bfloat16), self.dequant_fp8(), self.bias)
+        w = self.dequant()
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(w.dtype)  # without autocast the layer computes in its storage dtype, as nn.Linear would
+        return F.linear(x, w, self.bias)
+
+    def base_input_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """``grad_out · W``: the base product's input gradient, from the block now bound (the same block again in a
+        training step: its backward runs after its recompute brought it back into a slot)."""
+        if self.uses_fused(grad_out):
+            from ..kernels.triton_fused import fused_input_grad
+
+            return fused_input_grad(grad_out.to(torch.bfloat16), self.quantized)
+        if self.dequant_fp8 is not None and compute.FP8_BACKWARD:
+            weight = (self.dequant_fp8_grad or self.dequant_fp8)()
+            return fp8_input_grad(grad_out.to(torch.bfloat16), weight)
+        w = self.dequant()
+        return grad_out.to(w.dtype).matmul(w)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        if self.handle is not None and torch.compiler.is_compiling():
+            # traced into the block's graph as one opaque operator; it runs the eager code below it
+            return linear_op.streamed_linear(x.to(torch.bfloat16), self.handle, self.out_features)
+        return _DequantLinear.apply(x, self)
+
+    def uses_fused(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are few enough for the fused kernel (kernels/crossover.py; the limit is settled on
+        the layer's first call). A product and its input gradient have the same rows, so they agree."""
+        qw = self.quantized
+        if qw is None:
+            return False
+        if self.fused_limit is None:
+            self.fused_limit = fused_limit(qw, x.device)
+        return x.numel() // max(1, x.shape[-1]) <= self.fused_limit
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_A is None:
-            return _DequantLinear.apply(x, self)
+            return self._base(x)
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             # one cast of the input serves the base matmul and the LoRA path (autocast would cast it twice)
             x = x.to(torch.get_autocast_dtype(device_type))
-        y = _DequantLinear.apply(x, self)
+        y = self._base(x)
         return torch.add(y, lora_delta(x, self.lora_A.weight, self.lora_B.weight).to(y.dtype), alpha=self.lora_scale)
 
 

@@ -62,24 +62,64 @@ def _graphs_compiled(slab, counter, change=None) -> int:
     return counter.frame_count - before
 
 
-def test_blocks_of_one_class_share_their_compiled_forward(tiny_slab):
-    """Graphs are keyed by the block's class and shapes, not by the block: a second model's blocks (other modules,
-    other slot tensors, other LoRA factors) compile nothing that the first model's did not, and neither does LoRA on
-    one layer only (the quantized layers run outside the graphs). Negative control: a double block whose layer norm
-    has another epsilon (a constant the graphs hold) compiles graphs of its own."""
+def test_each_block_class_compiles_to_one_graph_shared_by_its_blocks(tiny_slab):
+    """The quantized layers are traced as custom operators (runtime/linear_op.py), so a no-grad forward compiles one
+    graph per block class (double, single), whatever formats its blocks' layers
+    have (the tiny slab mixes W4 g128, W6, W8 and bf16 layers across blocks) and whichever slots they sit in; a
+    second model's blocks (other modules,
+    slot tensors and LoRA factors) compile nothing. Negative controls: a double block whose layer norm has another
+    epsilon (a constant the graphs hold) compiles a graph of its own, and so, with the layers kept eager between
+    compiled pieces (``WHOLE_BLOCKS`` off), does each piece."""
     def other_eps(model):
         model.transformer_blocks[1].norm1.norm.eps = 1e-5
 
+    counter = CompileCounterWithBackend("aot_eager")
+    assert _graphs_compiled(tiny_slab, counter) == 2  # inputs made dense: a slice would compile again
+    assert _graphs_compiled(tiny_slab, counter) == 0
+    assert _graphs_compiled(tiny_slab, counter, other_eps) == 1
+    torch._dynamo.reset()
+    block_compile.WHOLE_BLOCKS = False
+    try:
+        assert _graphs_compiled(tiny_slab, counter) > 4
+    finally:
+        block_compile.WHOLE_BLOCKS = True
+
+
+def test_training_steps_compile_each_block_class_once_per_grad_mode(tiny_slab):
+    """Two training steps compile five graphs: per block class one without autograd (the checkpointed forward) and one
+    with it (the recompute, whose graph the first step's pass that learns the constant outputs shares: it runs with
+    autocast's cast cache as the recompute does), and the double class one more for its first block, whose inputs
+    need no gradient. A third step compiles nothing."""
+    counter = CompileCounterWithBackend("aot_eager")
+    block_compile.BACKEND = counter
+    model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=True)
+    with_lora(model)
+    for i in range(2):
+        step(model, inputs("cpu", seed=i), checkpointing=True)
+    assert counter.frame_count == 5
+    step(model, inputs("cpu", seed=2), checkpointing=True)
+    assert counter.frame_count == 5
+
+
+def test_lora_on_some_layers_of_a_class_compiles_a_graph_for_that_code_path(tiny_slab):
+    """LoRA is in the graph, so a block with LoRA on one layer only runs another graph than its class's others, once:
+    the same outputs as eager."""
     def one_lora_layer(model):
         for name, layer in model.named_modules():
             if name != "transformer_blocks.0.attn.to_q" and getattr(layer, "lora_A", None) is not None:
                 layer.lora_A = layer.lora_B = None
 
     counter = CompileCounterWithBackend("aot_eager")
-    assert _graphs_compiled(tiny_slab, counter) > 0
-    assert _graphs_compiled(tiny_slab, counter) == 0
+    assert _graphs_compiled(tiny_slab, counter, one_lora_layer) > 0
     assert _graphs_compiled(tiny_slab, counter, one_lora_layer) == 0
-    assert _graphs_compiled(tiny_slab, counter, other_eps) > 0
+    outs = []
+    for compiled in (False, True):
+        model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=compiled)
+        with_lora(model)
+        one_lora_layer(model)
+        with torch.no_grad():
+            outs.append(model(**inputs("cpu"), return_dict=False)[0])
+    assert torch.equal(*outs)
 
 
 def test_a_resident_model_compiles_too(tiny_slab):
