@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -942,8 +943,15 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
 
 def _sample_prompts(cfg: TrainConfig) -> list[SamplePrompt]:
     """``cfg.sample_prompts`` with their options settled (train/prompt_options.py)."""
-    return [parse_prompt(p).settled(cfg.largest_resolution, cfg.sample_steps, cfg.sample_guidance, cfg.sample_seed)
-            for p in cfg.sample_prompts]
+    return list(_settled_prompts(tuple(cfg.sample_prompts), cfg.largest_resolution, cfg.sample_steps,
+                                 cfg.sample_guidance, cfg.sample_seed))
+
+
+@functools.lru_cache(maxsize=16)
+def _settled_prompts(prompts: tuple[str, ...], resolution: int, steps: int, guidance: float,
+                     seed: int) -> tuple[SamplePrompt, ...]:
+    # parsed once per run and settings: a kohya option the sampler skips is said once, not at every sample round
+    return tuple(parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts)
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder: Path, step: int,

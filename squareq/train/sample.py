@@ -23,7 +23,7 @@ from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import open_decoder, open_encoders
 from .lora_files import attach_lora, load_lora
-from .prompt_options import MAX_GUIDANCE, PromptError, SamplePrompt, parse_prompt
+from .prompt_options import MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
 
 log = logging.getLogger("squareq.sample")
 
@@ -64,15 +64,16 @@ def _end_graph_step(transformer) -> None:
 
 
 def check_sample_options(resolution: int, steps: int, guidance: float, max_sequence_length: int) -> None:
-    """Refuse (:class:`SampleError`, naming the flag) values a FLUX pipeline would crash on or silently replace."""
+    """Refuse (:class:`SampleError`, naming the flag) values a FLUX pipeline would crash on or silently replace; the
+    bounds are those a prompt's own options have (train/prompt_options.py)."""
     def whole(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    if not whole(resolution) or resolution < 16 or resolution % 16:
-        raise SampleError(f"--resolution {resolution} must be a positive multiple of 16 (FLUX packs 2x2 patches of an "
-                          "8x VAE), e.g. 512 or 1024.")
-    if not whole(steps) or steps < 1:
-        raise SampleError(f"--steps {steps} must be a whole number of at least 1, e.g. 20.")
+    if not whole(resolution) or resolution < 16 or resolution % 16 or resolution > MAX_SIDE:
+        raise SampleError(f"--resolution {resolution} must be a multiple of 16 from 16 to {MAX_SIDE} (FLUX packs 2x2 "
+                          "patches of an 8x VAE), e.g. 512 or 1024.")
+    if not whole(steps) or not 1 <= steps <= MAX_STEPS:
+        raise SampleError(f"--steps {steps} must be a whole number from 1 to {MAX_STEPS}, e.g. 20.")
     if not isinstance(guidance, (int, float)) or not math.isfinite(guidance) or not 0 <= guidance <= MAX_GUIDANCE:
         raise SampleError(f"--guidance {guidance} must be a number from 0 to {MAX_GUIDANCE:g}, e.g. 3.5 (FLUX.1-dev's "
                           "usual).")

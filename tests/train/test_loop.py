@@ -596,10 +596,14 @@ def test_sample_refuses_bad_options_and_keeps_what_it_drew(workspace, tmp_path, 
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert result.output.startswith("error: --guidance 1e+300 must be a number from 0 to 100"), result.output
     assert not (tmp_path / "never").exists()
-    from squareq.train.sample import check_sample_options
+    from squareq.train.sample import SampleError, check_sample_options
 
     check_sample_options(64, 2, 100.0, 16)  # the control: the range's ends are taken
     check_sample_options(64, 2, 0, 16)
+    check_sample_options(8192, 1000, 3.5, 16)
+    for resolution, steps, flag in ((8208, 2, "--resolution 8208"), (64, 1001, "--steps 1001")):
+        with pytest.raises(SampleError, match=f"{flag} must be"):  # the bounds a prompt's --w/--s have
+            check_sample_options(resolution, steps, 3.5, 16)
     result = runner.invoke(main, base + ["-o", str(tmp_path / "never"), "--cuda-graphs"])
     assert result.exit_code == 1 and "--cuda-graphs needs a CUDA GPU" in result.output, result.output
     assert not any((tmp_path / "never").glob("*.png"))

@@ -42,6 +42,24 @@ def test_kohya_options_squareq_does_not_offer_are_skipped_with_a_warning(caplog)
     assert "sets a sampler" in caplog.text and "(--ss)" in caplog.text
 
 
+def test_a_training_run_says_a_skipped_kohya_option_once_not_at_every_sample_round(caplog):
+    """The trainer settles its sample prompts where it caches their texts and at each sample round; the warning for a
+    skipped option comes once. Negative control: other settings parse (and warn) again."""
+    from types import SimpleNamespace
+
+    from squareq.train.loop import _sample_prompts
+
+    cfg = SimpleNamespace(sample_prompts=["a dog --ss euler_a"], largest_resolution=512, sample_steps=20,
+                          sample_guidance=3.5, sample_seed=11)
+    with caplog.at_level("WARNING", logger="squareq.sample"):
+        rounds = [_sample_prompts(cfg) for _ in range(3)]
+    assert rounds[0] == rounds[2] and rounds[0][0].text == "a dog" and caplog.text.count("(--ss)") == 1
+    cfg.sample_seed = 12
+    with caplog.at_level("WARNING", logger="squareq.sample"):
+        _sample_prompts(cfg)
+    assert caplog.text.count("(--ss)") == 2
+
+
 def test_a_prompt_file_skips_empty_and_comment_lines(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("# samples\na cat --w 64\n\n  a dog  \n")
