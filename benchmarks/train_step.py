@@ -26,8 +26,8 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq train --cuda-graphs``); the
   warm-up goes on while a step still captures graphs, and the record counts the graph replays of each step;
 * ``squareq ... compiled`` (``--block-compile on``): the same with ``compile_blocks=True`` (``squareq train
-  --compile on``): each block class's forward under ``torch.compile`` with the quantized products left eager; the
-  record's ``block_compile_s`` is Dynamo's count of the compile, ``compile_s`` the warm-up steps' excess;
+  --compile on``): each block class's forward under ``torch.compile`` as one graph (``pieces``: the quantized
+  layers left eager between compiled pieces); the record's ``block_compile_s`` is Dynamo's count of the compile, ``compile_s`` the warm-up steps' excess;
 * ``squareq ... fp8grad`` (``--fp8-backward on``): the frozen layers' input gradients in FP8 too
   (``runtime.compute.FP8_BACKWARD``);
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and

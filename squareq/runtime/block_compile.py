@@ -17,7 +17,7 @@ the query/key norms and rotary embedding, GELU, gates and residual adds, which i
   slice (FLUX.1's single blocks pass their streams on as slices of one tensor) does not compile a graph of its own.
 * Inductor's and AOT autograd's on-disk caches (torch's defaults) let a second run with the same shapes start
   without compiling again; only Dynamo's tracing is repeated. For that the backward is compiled with its forward
-  (:func:`_configure_compiler`).
+  (:func:`_with_dense_inputs`).
 * Under CUDA graphs (``cuda_graphs=True``) the compiled forward is what a block's graph captures: compiling happens
   in the eager warm-up runs before the capture (runtime/block_graphs.py).
 
@@ -28,6 +28,7 @@ run does not earn its compile back.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -83,7 +84,7 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
     """Compile ``blocks``' forward, one compiled function per block class; ``runners`` (the streamed blocks'
     :class:`BlockRunner`, same order; None for blocks that are not streamed) run it in place of the eager forward.
     Returns the number of block classes."""
-    _configure_compiler()
+    _raise_recompile_limit()
     compiled: dict[type, object] = {}
     for i, block in enumerate(blocks):
         trace_quantized_layers(block)
@@ -100,12 +101,34 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
 
 
 def _with_dense_inputs(compiled, block: nn.Module, *args, **kwargs):
-    """``compiled(block, ...)`` with every tensor argument in a dense layout. Why: Dynamo guards on strides, and a
-    block's inputs are sometimes slices of a larger tensor (FLUX.1's single blocks return their two streams as slices
-    of one), sometimes not (the first single block's come from a double block), which would compile each graph twice;
-    a copy of a block's inputs costs far less than its matmuls."""
-    args, kwargs = tree_map_only(torch.Tensor, lambda t: t.contiguous(), (args, kwargs))
-    return compiled(block, *args, **kwargs)
+    """``compiled(block, ...)`` with every tensor argument in a dense layout, its backward compiled with it. Why
+    dense: Dynamo guards on strides, and a block's inputs are sometimes slices of a larger tensor (FLUX.1's single
+    blocks return their two streams as slices of one), sometimes not (the first single block's come from a double
+    block), which would compile each graph twice; a copy of a block's inputs costs far less than its matmuls. Why the
+    backward with its forward, not on its first call: torch 2.11's AOT autograd cache saves a training graph only
+    then (pytorch#141790), and without the saved entry a second run traces each block's joint graph again (7 s of its
+    15 s compile, on the device). Patched per call, so a user's other compiled code keeps torch's default."""
+    args, kwargs = tree_map_only(torch.Tensor, _dense, (args, kwargs))
+    with _backward_with_forward():
+        return compiled(block, *args, **kwargs)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of a fresh tensor of its shape (a copy where they differ). Not ``t.contiguous()``: that
+    keeps a slice whose size-1 dimension has another stride (a batch of one), which Dynamo's guards still see."""
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _backward_with_forward():
+    flag = "force_non_lazy_backward_lowering"
+    if hasattr(torch._functorch.config, flag):
+        return torch._functorch.config.patch(**{flag: True})
+    return contextlib.nullcontext()
+
 
 
 def trace_quantized_layers(module: nn.Module) -> None:
@@ -137,16 +160,11 @@ def keep_quantized_layers_eager(module: nn.Module, plain: bool = True) -> None:
             layer.forward = torch.compiler.disable(layer.forward)
 
 
-def _configure_compiler() -> None:
+def _raise_recompile_limit() -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) < RECOMPILE_LIMIT:
         setattr(config, name, RECOMPILE_LIMIT)
-    # The backward is compiled with its forward, not on its first call: torch 2.11's AOT autograd cache saves a
-    # training graph only when its backward is compiled with it (pytorch#141790), and without the saved entry a
-    # second run traces each block's joint graph again (7 s of its 15 s compile, on the device)
-    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
-        torch._functorch.config.force_non_lazy_backward_lowering = True
 
 
 def compile_seconds() -> float:
@@ -157,6 +175,6 @@ def compile_seconds() -> float:
     return sum(sum(v) for k, v in compilation_time_metrics.items() if k in _TOTALS)
 
 
-# Dynamo's metrics nest (a compile's total holds its parts); these are the outermost ones: a forward frame's compile,
-# and the backward graph that AOT autograd compiles on the first backward.
-_TOTALS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+# Dynamo's metrics nest (a compile's total holds its parts); this is the outermost one, a forward frame's compile. It
+# holds the backward's compile too, which the blocks have compiled with their forward (_with_dense_inputs).
+_TOTALS = ("_compile.compile_inner",)

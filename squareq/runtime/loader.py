@@ -283,7 +283,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         fused_attention: give FLUX attention modules the processor that fuses each query's and key's norm and rotary
         embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
         the stock one otherwise. compile_blocks: run each block's forward under ``torch.compile``, one compiled
-        forward per block class with the quantized products left eager (runtime/block_compile.py). attention: which
+        graph per block class and grad mode, the quantized layers traced in as custom operators
+        (runtime/block_compile.py). attention: which
         attention kernel the blocks prefer, "auto" (cuDNN's where measured faster), "cudnn" or "default" (torch's
         order); runtime/attention_choice.py; the choice is ``runtime_of(model).prefer_cudnn``.
     """

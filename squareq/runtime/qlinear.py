@@ -117,6 +117,13 @@ class QuantLinear(nn.Module):
         # runtime/block_compile.py to the layers of the blocks it compiles
         self.handle: torch.Tensor | None = None
 
+    def __getstate__(self):
+        # a copy (deepcopy, pickle) gets no handle: the handle names this layer, and would have a copy's compiled
+        # graph run this layer's weights; runtime/block_compile.py gives a copy its own when it compiles
+        state = dict(super().__getstate__())
+        state["handle"] = None
+        return state
+
     @staticmethod
     def _unbound() -> torch.Tensor:
         raise RuntimeError("this QuantLinear has no weight bound; its block must be brought in by the SquareQ "

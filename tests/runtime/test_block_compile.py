@@ -85,19 +85,21 @@ def test_each_block_class_compiles_to_one_graph_shared_by_its_blocks(tiny_slab):
         block_compile.WHOLE_BLOCKS = True
 
 
-def test_training_steps_compile_each_block_class_once_per_grad_mode(tiny_slab):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_training_steps_compile_each_block_class_once_per_grad_mode(tiny_slab, batch):
     """Two training steps compile five graphs: per block class one without autograd (the checkpointed forward) and one
     with it (the recompute, whose graph the first step's pass that learns the constant outputs shares: it runs with
     autocast's cast cache as the recompute does), and the double class one more for its first block, whose inputs
-    need no gradient. A third step compiles nothing."""
+    need no gradient. A third step compiles nothing. At batch 1 too, where a single block's inputs are slices that
+    ``Tensor.contiguous`` would keep (their batch dimension's stride is another)."""
     counter = CompileCounterWithBackend("aot_eager")
     block_compile.BACKEND = counter
     model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=True)
     with_lora(model)
     for i in range(2):
-        step(model, inputs("cpu", seed=i), checkpointing=True)
+        step(model, inputs("cpu", batch=batch, seed=i), checkpointing=True)
     assert counter.frame_count == 5
-    step(model, inputs("cpu", seed=2), checkpointing=True)
+    step(model, inputs("cpu", batch=batch, seed=2), checkpointing=True)
     assert counter.frame_count == 5
 
 

@@ -60,6 +60,14 @@ def test_the_registration_passes_torch_s_checks():
     torch.library.opcheck(linear_op.streamed_linear_input_grad, (grad, layer.handle, K))
 
 
+def test_a_copy_of_a_layer_gets_no_handle_of_its_original():
+    """A deepcopy (or pickle) must not name the original layer: its compiled graph would run the original's weights."""
+    import copy
+
+    layer = _layer(SPECS[0])
+    assert copy.deepcopy(layer).handle is None and layer.handle is not None
+
+
 def test_a_handle_that_names_no_layer_is_refused():
     gone = _layer(SPECS[0]).handle  # the layer is collected: its handle names nothing
     with pytest.raises(RuntimeError, match="no layer is registered under handle"):

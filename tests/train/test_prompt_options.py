@@ -47,8 +47,9 @@ def test_a_training_run_says_a_skipped_kohya_option_once_not_at_every_sample_rou
     skipped option comes once. Negative control: other settings parse (and warn) again."""
     from types import SimpleNamespace
 
-    from squareq.train.loop import _sample_prompts
+    from squareq.train.loop import _sample_prompts, _settled_prompts
 
+    _settled_prompts.cache_clear()  # another test may have settled the same prompt
     cfg = SimpleNamespace(sample_prompts=["a dog --ss euler_a"], largest_resolution=512, sample_steps=20,
                           sample_guidance=3.5, sample_seed=11)
     with caplog.at_level("WARNING", logger="squareq.sample"):
