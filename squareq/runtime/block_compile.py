@@ -17,7 +17,7 @@ the query/key norms and rotary embedding, GELU, gates and residual adds, which i
   slice (FLUX.1's single blocks pass their streams on as slices of one tensor) does not compile a graph of its own.
 * Inductor's and AOT autograd's on-disk caches (torch's defaults) let a second run with the same shapes start
   without compiling again; only Dynamo's tracing is repeated. For that the backward is compiled with its forward
-  (:func:`_with_dense_inputs`).
+  (:func:`_call_compiled`).
 * Under CUDA graphs (``cuda_graphs=True``) the compiled forward is what a block's graph captures: compiling happens
   in the eager warm-up runs before the capture (runtime/block_graphs.py).
 
@@ -91,7 +91,7 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
         cls = type(block)
         if cls not in compiled:
             compiled[cls] = torch.compile(cls.forward, backend=BACKEND, dynamic=False)
-        forward = functools.partial(_with_dense_inputs, compiled[cls], block)
+        forward = functools.partial(_call_compiled, compiled[cls], block)
         runner = runners[i] if runners is not None else None
         if runner is not None:
             runner.forward = forward
@@ -100,7 +100,7 @@ def compile_block_forwards(blocks: list[nn.Module], runners: list | None = None)
     return len(compiled)
 
 
-def _with_dense_inputs(compiled, block: nn.Module, *args, **kwargs):
+def _call_compiled(compiled, block: nn.Module, *args, **kwargs):
     """``compiled(block, ...)`` with every tensor argument in a dense layout, its backward compiled with it. Why
     dense: Dynamo guards on strides, and a block's inputs are sometimes slices of a larger tensor (FLUX.1's single
     blocks return their two streams as slices of one), sometimes not (the first single block's come from a double
@@ -128,7 +128,6 @@ def _backward_with_forward():
     if hasattr(torch._functorch.config, flag):
         return torch._functorch.config.patch(**{flag: True})
     return contextlib.nullcontext()
-
 
 
 def trace_quantized_layers(module: nn.Module) -> None:
@@ -176,5 +175,5 @@ def compile_seconds() -> float:
 
 
 # Dynamo's metrics nest (a compile's total holds its parts); this is the outermost one, a forward frame's compile. It
-# holds the backward's compile too, which the blocks have compiled with their forward (_with_dense_inputs).
+# holds the backward's compile too, which the blocks have compiled with their forward (_call_compiled).
 _TOTALS = ("_compile.compile_inner",)

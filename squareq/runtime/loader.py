@@ -284,9 +284,9 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
         the stock one otherwise. compile_blocks: run each block's forward under ``torch.compile``, one compiled
         graph per block class and grad mode, the quantized layers traced in as custom operators
-        (runtime/block_compile.py). attention: which
-        attention kernel the blocks prefer, "auto" (cuDNN's where measured faster), "cudnn" or "default" (torch's
-        order); runtime/attention_choice.py; the choice is ``runtime_of(model).prefer_cudnn``.
+        (runtime/block_compile.py). attention: which attention kernel the blocks prefer, "auto" (cuDNN's where
+        measured faster), "cudnn" or "default" (torch's order); runtime/attention_choice.py; the choice is
+        ``runtime_of(model).prefer_cudnn``.
     """
     device = _checked_device(device, host, prefetch, stream, cuda_graphs)
     s, model = _skeleton(slab, verify)
