@@ -36,7 +36,10 @@ in its own process so memory statistics start clean:
   it runs ``--sequential-steps`` steps.
 
 Each setup reports seconds per step (a whole run of ``--steps`` steps, first step included, divided by the steps;
-the first step is also reported on its own) and peak reserved memory. Prints one JSON line per setup and a markdown
+the first step is also reported on its own) and peak reserved memory. The compiled peer's run is warm (compiled
+before it); so each SquareQ setup also runs a second whole run in the same process (``second_run``: the next image
+of a ``squareq sample`` call), and the peer's run with its compile counted in (``run_with_compile_s``) is set
+against SquareQ's first (``ratio_to_compiled_with_compile``). Prints one JSON line per setup and a markdown
 table; ``--out DIR`` writes DIR/sample.jsonl. ``SQUAREQ_PROFILE_DIR=DIR`` profiles one more step of each setup
 (left out of its figures): DIR/profile_sample_<setup>.txt has the kernel table, and the record the step's GPU time
 by kind of kernel (``gpu_ms``).
@@ -208,6 +211,10 @@ def phase(args) -> None:
             from squareq.runtime.block_compile import compile_seconds
 
             rec["block_compile_s"] = compile_seconds()
+        if name == "squareq":  # a second image in the same process (squareq sample's next prompt): warm, as the
+            rec["second_run"] = run_steps(setup, model, batch, steps, tuner, graphs)  # compiled peer's run is
+        if name == "compiled":  # the peer's run with its compile counted in, as SquareQ's first run counts its own
+            rec["run_with_compile_s"] = (rec["compile_s"] + rec["step_s"] * rec["steps"]) / rec["steps"]
         profile_dir = os.environ.get("SQUAREQ_PROFILE_DIR")
         if profile_dir and setup.cuda:
             label = "_".join(args.phase).replace("=", "-")
@@ -290,9 +297,12 @@ def main() -> None:
     compiled = next((r for r in records if r.get("what") == "compiled" and "step_s" in r), None)
     for r in records[1:]:
         for key, ref in (("ratio_to_resident", base), ("ratio_to_compiled", compiled)):
-            if ref and "step_s" in r:
-                r[key] = r["step_s"] / ref["step_s"]
-                r[key.replace("ratio", "steady_ratio")] = r["steady_step_s"] / ref["steady_step_s"]
+            for run in (r, r.get("second_run")):
+                if ref and run and "step_s" in run:
+                    run[key] = run["step_s"] / ref["step_s"]
+                    run[key.replace("ratio", "steady_ratio")] = run["steady_step_s"] / ref["steady_step_s"]
+        if compiled and "step_s" in r and r.get("what") == "squareq":  # first runs both with their compile
+            r["ratio_to_compiled_with_compile"] = r["step_s"] / compiled["run_with_compile_s"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tmp = os.path.join(args.out, ".sample.jsonl.tmp")
@@ -324,8 +334,17 @@ def main() -> None:
         note += f"; profiled step {r['profiled_step_s']:.3f} s, GPU ms {r['gpu_ms']}" if "gpu_ms" in r else ""
         note += f"; compiled in {r['compile_s']:.1f} s before the run" if "compile_s" in r else ""
         note += f"; {r['block_compile_s']:.1f} s compiling in the run" if "block_compile_s" in r else ""
+        note += (f"; with its compile {r['run_with_compile_s']:.3f} s/step" if "run_with_compile_s" in r else "")
+        note += (f"; {r['ratio_to_compiled_with_compile']:.2f}x the compiled peer's run with its compile"
+                 if "ratio_to_compiled_with_compile" in r else "")
         print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratios} | {r['first_step_s']:.3f} | "
               f"{r['peak_reserved_GB']:.2f} | {note} |")
+        second = r.get("second_run")
+        if second:
+            ratios = " | ".join(f"{second[k]:.2f}" if k in second else "" for k in (
+                "ratio_to_resident", "steady_ratio_to_resident", "ratio_to_compiled", "steady_ratio_to_compiled"))
+            print(f"| {label}, second run | {second['step_s']:.3f} | {second['steady_step_s']:.3f} | {ratios} | "
+                  f"{second['first_step_s']:.3f} | {second['peak_reserved_GB']:.2f} | the same process's next image |")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   (``runtime.compute.FP8_BACKWARD``);
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
   LoRA (B nudged off zero so every factor has a gradient): the cosine and norm ratio of the LoRA gradients and the
-  output's rel-MSE, FP8 against bf16; FP8 twice, with the base layers' input gradients in bf16 and in FP8
-  (``runtime.compute.FP8_BACKWARD``, issue 41);
+  output's rel-MSE, FP8 against bf16, for each FP8 set-up ``--gradient-variants`` names (``GRADIENT_VARIANTS``:
+  input gradients in FP8 too, fp32 accumulation, FP8 for calls of any row count; issue 41);
 * ``resident RES``: the bf16 model fully on the GPU with PEFT LoRA, the speed to match;
 * ``resident RES compiled`` (``--only compiled``): the same with each transformer block under ``torch.compile``
   (default mode), the setup a careful user trains with (issue 41); the warm-up steps carry the compilation, which is
@@ -526,24 +526,47 @@ def lora_step(setup: Setup, res: int, compute: str) -> tuple:
     return result
 
 
-def phase_gradients(setup: Setup, res: int) -> None:
-    """The LoRA gradients and output of one step in FP8 compute against bf16's: with the base layers' input
-    gradients in bf16 (``backward: bf16``, the default) and in FP8 too (``backward: fp8``, compute.FP8_BACKWARD)."""
+# --gradient-variants: FP8 compute set up in other ways (runtime/compute.py's and kernels/fp8.py's switches),
+# each compared with bf16 compute on the same step (issue 41's gradient cosine)
+KERNEL_SWITCHES = ("FAST_ACCUM", "FP8_MIN_ROWS")  # kernels/fp8.py's; the others are runtime/compute.py's
+GRADIENT_VARIANTS = {
+    "fp8": {},  # squareq train's FP8 compute: the forward and recompute in FP8, input gradients bf16
+    "fp8-backward": {"FP8_BACKWARD": True},  # the input gradients in FP8 too
+    "slow-accum": {"FAST_ACCUM": False},  # fp32 accumulation in the tensor cores
+    "small-rows": {"FP8_MIN_ROWS": 1},  # calls of any row count in FP8 (the modulation's one row per sample too)
+}
+
+
+def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
+    """The LoRA gradients and output of one step in FP8 compute against bf16's, for each of ``variants``
+    (:data:`GRADIENT_VARIANTS`); a variant after ``fp8`` is also compared with ``fp8`` (its own share)."""
+    from squareq.kernels import fp8 as fp8_kernels
     from squareq.runtime import compute as compute_mode
 
     out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
-    grads_fp8_forward = None
-    for backward in ("bf16", "fp8"):
-        compute_mode.FP8_BACKWARD = backward == "fp8"
-        out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
-        # the FP8 input gradients' own share: against the same FP8 forward with bf16 input gradients
-        own = {} if grads_fp8_forward is None else {
-            "vs_fp8_forward_" + k: v for k, v in gradient_agreement(grads_fp8_forward, grads_f).items()}
-        grads_fp8_forward = grads_f
-        emit({"what": "gradients", "res": res, "device": setup.device_name, "backward": backward,
+    grads_fp8 = None
+    for variant in variants:
+        switches = GRADIENT_VARIANTS[variant]
+        saved = {k: getattr(fp8_kernels if k in KERNEL_SWITCHES else compute_mode, k) for k in switches}
+        for k, v in switches.items():
+            setattr(fp8_kernels if k in KERNEL_SWITCHES else compute_mode, k, v)
+        try:
+            start = time.perf_counter()
+            out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
+            seconds = time.perf_counter() - start
+        finally:
+            for k, v in saved.items():
+                setattr(fp8_kernels if k in KERNEL_SWITCHES else compute_mode, k, v)
+        own = {} if grads_fp8 is None or variant == "fp8" else {
+            "vs_fp8_" + k: v for k, v in gradient_agreement(grads_fp8, grads_f).items()}
+        if variant == "fp8":
+            grads_fp8 = grads_f
+        emit({"what": "gradients", "res": res, "device": setup.device_name, "variant": variant,
+              "backward": "fp8" if switches.get("FP8_BACKWARD") else "bf16",
+              "switches": switches,
               "compute_used": used, **gradient_agreement(grads_b, grads_f), **own, "loss_bf16": loss_b,
-              "loss_fp8": loss_f, "out_rel_mse": ((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item()})
-    compute_mode.FP8_BACKWARD = False
+              "loss_fp8": loss_f, "out_rel_mse": ((out_f - out_b).pow(2).mean() / out_b.pow(2).mean()).item(),
+              "load_step_s": seconds})
 
 
 def gradient_agreement(grads_b: dict, grads_f: dict) -> dict:
@@ -682,6 +705,8 @@ def phase_record(phase: list[str]) -> dict:
     rec: dict = {"what": phase[0]}
     if phase[0] != "slab":
         rec["res"] = int(phase[1])
+    if phase[0] == "gradients":
+        rec["variants"] = phase[2:] or ["fp8", "fp8-backward"]
     if phase[0] == "resident":
         rec["compiled"] = "compiled" in phase[2:]
         rec["cudnn_attention_first"] = "cudnn" in phase[2:]
@@ -715,9 +740,10 @@ def run_phase(args) -> None:
                           rec["pieces"])
         elif name == "resident":
             phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
+        elif name == "gradients":
+            phase_gradients(setup, rec["res"], rec["variants"])
         else:
-            {"bnb": phase_bnb, "group_offload": phase_group_offload,
-             "gradients": phase_gradients}[name](setup, rec["res"])
+            {"bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
     except Exception as exc:
         import traceback
         traceback.print_exc()
@@ -820,13 +846,12 @@ def table(records: list[dict]) -> str:
         setup = LABELS.get(what, what)
         notes = []
         if what == "gradients" and "cos_global" in r:
-            setup += f" (backward {r.get('backward', 'bf16')})"
+            setup += f" ({r['variant']})" if "variant" in r else f" (backward {r.get('backward', 'bf16')})"
             notes.append(f"LoRA grad cos {r['cos_global']:.4f} (median {r['cos_median']:.4f}, min {r['cos_min']:.4f}), "
                          f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
-            if "vs_fp8_forward_cos_global" in r:
-                notes.append(f"against FP8 forward with bf16 input gradients: cos {r['vs_fp8_forward_cos_global']:.4f} "
-                             f"(min {r['vs_fp8_forward_cos_min']:.4f}), norm ratio "
-                             f"{r['vs_fp8_forward_norm_ratio']:.4f}")
+            if "vs_fp8_cos_global" in r:
+                notes.append(f"against the fp8 variant: cos {r['vs_fp8_cos_global']:.4f} "
+                             f"(min {r['vs_fp8_cos_min']:.4f}), norm ratio {r['vs_fp8_norm_ratio']:.4f}")
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
                 f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
@@ -874,7 +899,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write DIR/train_step.jsonl")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/squareq_bench"), help="where the slab goes")
-    ap.add_argument("--res", type=int, nargs="+", help="resolutions for squareq pinned, resident, bnb (512 1024)")
+    ap.add_argument("--res", type=int, nargs="*",
+                    help="resolutions for squareq pinned, resident, bnb (512 1024; none: only the other phases)")
     ap.add_argument("--disk-res", type=int, nargs="*", help="resolutions for squareq host=disk K=3 (512)")
     ap.add_argument("--offload-res", type=int, nargs="*", help="resolutions for group offload (512)")
     ap.add_argument("--bnb-res", type=int, nargs="*", help="resolutions for bnb (same as --res)")
@@ -904,6 +930,8 @@ def main() -> None:
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
     ap.add_argument("--gradients-res", type=int, nargs="*", default=[],
                     help="resolutions at which to compare LoRA gradients in FP8 and bf16 compute (e.g. 512)")
+    ap.add_argument("--gradient-variants", nargs="+", choices=sorted(GRADIENT_VARIANTS), default=["fp8", "fp8-backward"],
+                    help="the FP8 set-ups --gradients-res compares with bf16 (GRADIENT_VARIANTS)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="slab,squareq,resident,compiled,bnb,group_offload",
@@ -934,7 +962,7 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     base_res = [128] if args.tiny else [512, 1024]  # tiny: (128/16)² = 64 image tokens
-    res = args.res or base_res
+    res = args.res if args.res is not None else base_res
     disk_res = args.disk_res if args.disk_res is not None else res[:1]
     offload_res = args.offload_res if args.offload_res is not None else res[:1]
     bnb_res = args.bnb_res if args.bnb_res is not None else res
@@ -978,7 +1006,7 @@ def main() -> None:
         phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold + graphs
                    for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])
                    for graphs in graph_tokens]
-        phases += [["gradients", str(r)] for r in args.gradients_res]
+        phases += [["gradients", str(r), *args.gradient_variants] for r in args.gradients_res]
     skipped = []
     for name, rs in (("bnb", bnb_res), ("group_offload", offload_res)):
         if name not in only:

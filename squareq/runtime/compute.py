@@ -1,7 +1,8 @@
 """Which arithmetic the frozen base layers run in: ``bf16``, ``fp8`` or ``auto``.
 
 ``fp8`` runs each quantized layer's forward (and a training step's checkpointed recompute) as an E4M3 x E4M3 matmul
-with per-token and per-channel scales (kernels/fp8.py); the input gradient and the LoRA path stay in bf16/fp32.
+with per-token and per-channel scales (kernels/fp8.py), where a call has at least ``kernels.fp8.FP8_MIN_ROWS`` rows;
+the input gradient and the LoRA path stay in bf16/fp32.
 ``auto`` is ``fp8`` on GPUs with FP8 tensor cores (compute capability 8.9 and up: Ada, Hopper, Blackwell) and
 ``bf16`` elsewhere. Until the blocks ran as CUDA graphs it was ``bf16``: on the H100 a whole FLUX.1 step measured no
 faster in FP8, because the host time of the extra launches ate what the faster matmuls saved. With the launches

@@ -5,7 +5,8 @@ matmul, in the forward and again in the backward. For few rows of input (modulat
 it calls a fused kernel that reads the packed codes directly instead (kernels/crossover.py). Under FP8 compute
 (``runtime.load(compute="fp8")``) the forward, and so the checkpointed recompute, dequantizes into a shared E4M3
 scratch with one scale per output channel and runs ``torch._scaled_mm`` on the input quantized per token
-(kernels/fp8.py); the input gradient stays in bf16 unless ``compute.FP8_BACKWARD`` (then it is an FP8 product too).
+(kernels/fp8.py), for calls of at least ``FP8_MIN_ROWS`` rows (fewer, as the modulation's, stay bf16); the input
+gradient stays in bf16 unless ``compute.FP8_BACKWARD`` (then it is an FP8 product too).
 
 It returns only the input gradient: the base weight is frozen, so no weight gradient is ever computed or stored, and
 nothing of the weight is saved for the backward (the backward dequantizes again from the slot, which then holds the
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import fp8 as fp8_kernels
 from ..kernels import prepare_dequantize
 from ..kernels.crossover import fused_limit
 from ..kernels.fp8 import FP8, RowMax, fp8_input_grad, fp8_linear, fp8_shape_ok, prepare_weight_fp8
@@ -195,7 +197,7 @@ class QuantLinear(nn.Module):
             from ..kernels.triton_fused import fused_linear
 
             return fused_linear(x.to(torch.bfloat16), qw, self.bias)
-        if self.dequant_fp8 is not None:
+        if self.uses_fp8(x):
             return fp8_linear(x.to(torch.bfloat16), self.dequant_fp8(), self.bias)
         w = self.dequant()
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -209,7 +211,7 @@ class QuantLinear(nn.Module):
             from ..kernels.triton_fused import fused_input_grad
 
             return fused_input_grad(grad_out.to(torch.bfloat16), self.quantized)
-        if self.dequant_fp8 is not None and compute.FP8_BACKWARD:
+        if self.uses_fp8(grad_out) and compute.FP8_BACKWARD:
             weight = (self.dequant_fp8_grad or self.dequant_fp8)()
             return fp8_input_grad(grad_out.to(torch.bfloat16), weight)
         w = self.dequant()
@@ -230,6 +232,11 @@ class QuantLinear(nn.Module):
         if self.fused_limit is None:
             self.fused_limit = fused_limit(qw, x.device)
         return x.numel() // max(1, x.shape[-1]) <= self.fused_limit
+
+    def uses_fp8(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` runs in FP8: under FP8 compute, for a weight ``torch._scaled_mm`` takes, with at
+        least ``FP8_MIN_ROWS`` rows (kernels/fp8.py says why)."""
+        return self.dequant_fp8 is not None and x.numel() // max(1, x.shape[-1]) >= fp8_kernels.FP8_MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_A is None:

@@ -55,6 +55,32 @@ def test_fp8_forward_goes_through_scaled_mm_and_bf16_does_not(tiny_slab, monkeyp
     assert len(calls) >= layers // 2  # the modulation layers (one row per image) may take the fused path
 
 
+def test_calls_of_few_rows_stay_bf16(tiny_slab, monkeypatch):
+    """FLUX's modulation layers take one row per sample: under FP8 compute they run in bf16 (kernels/fp8.py
+    FP8_MIN_ROWS), so no _scaled_mm sees fewer rows than that. Negative control: with the limit at 1 the modulation's
+    calls go through _scaled_mm."""
+    from squareq.kernels import fp8 as fp8_kernels
+
+    def scaled_mm_rows() -> list[int]:
+        rows, real = [], torch._scaled_mm
+
+        def counting(*args, **kwargs):
+            rows.append(args[0].shape[0])
+            return real(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "_scaled_mm", counting)
+            model = runtime.load(tiny_slab, "cpu", stream=False, compute="fp8")
+            with torch.no_grad():
+                model(**inputs("cpu"), return_dict=False)
+        return rows
+
+    rows = scaled_mm_rows()
+    assert rows and min(rows) >= fp8_kernels.FP8_MIN_ROWS
+    monkeypatch.setattr(fp8_kernels, "FP8_MIN_ROWS", 1)
+    assert min(scaled_mm_rows()) == inputs("cpu")["hidden_states"].shape[0]  # the modulation: a row per sample
+
+
 def test_fp8_stays_close_to_bf16_and_is_not_bf16(tiny_slab, fp8_resident):
     bf16 = _run(tiny_slab, "bf16", stream=False)
     out8, grads8 = fp8_resident
