@@ -29,7 +29,7 @@ from .encoder_source import SINGLE_FILE_FLAGS
 from .kohya_keys import KohyaKeyError
 from .kohya_keys import translate as translate_kohya_keys
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT, LOSS_WEIGHTINGS, TIMESTEP_MODES
-from .prompt_options import MAX_GUIDANCE, PromptError, parse_prompt, read_prompt_file
+from .prompt_options import MAX_GUIDANCE, MAX_STEPS, PromptError, parse_prompt, read_prompt_file
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 # diffusers' get_scheduler names (kohya's lr_scheduler values); "constant" with a warm-up is constant_with_warmup
@@ -143,7 +143,7 @@ HELP = {
                       "(\"a fox --w 768 --h 1024 --s 28 --g 3.5 --d 7 --n blurry --l 4\"); in a config file also the "
                       "path of a prompt file, one prompt a line (kohya's sample_prompts).",
     "sample_seed": "Seed for sample images.",
-    "sample_steps": "Denoising steps per sample image.",
+    "sample_steps": "Denoising steps per sample image, 1 to 1000.",
     "sample_guidance": "Guidance scale for sample images.",
     "log": "Metrics: jsonl (always written), tensorboard, or wandb (Weights & Biases; pip install 'squareq[wandb]'; "
            "WANDB_MODE=offline logs without an account, a resumed run continues the same W&B run).",
@@ -317,6 +317,8 @@ class TrainConfig:
                     "max_sequence_length", "keep_last", "schedule_cycles"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise bad(key, "must be a whole number of at least 1")
+        if self.sample_steps > MAX_STEPS:  # the bound of a prompt's --s and squareq sample --steps
+            raise bad("sample_steps", f"must be at most {MAX_STEPS} (20-50 is usual)")
         for key in ("warmup", "save_every", "sample_every", "seed", "keep_tokens", "validate_every"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
                 raise bad(key, "must be a whole number of at least 0")

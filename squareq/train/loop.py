@@ -950,7 +950,7 @@ def _sample_prompts(cfg: TrainConfig) -> list[SamplePrompt]:
 @functools.lru_cache(maxsize=16)
 def _settled_prompts(prompts: tuple[str, ...], resolution: int, steps: int, guidance: float,
                      seed: int) -> tuple[SamplePrompt, ...]:
-    # parsed once per run and settings: a kohya option the sampler skips is said once, not at every sample round
+    # parsed once per run and settings, not at every sample round (a skipped kohya option is said once anyway)
     return tuple(parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts)
 
 

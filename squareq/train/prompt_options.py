@@ -96,6 +96,8 @@ OPTIONS = {"w": ("width", _size), "h": ("height", _size), "s": ("steps", _count(
 IGNORED = {"ss": "a sampler (SquareQ draws with the pipeline's own scheduler)", "fs": "a flow shift",
            "cn": "a ControlNet image", "am": "attention-mask options"}
 
+_WARNED: set[tuple[str, str]] = set()  # (prompt, option) pairs already said skipped in this process
+
 
 def parse_prompt(line: str) -> SamplePrompt:
     """A prompt with its options (module docstring); :class:`PromptError` naming the prompt and the option."""
@@ -105,8 +107,10 @@ def parse_prompt(line: str) -> SamplePrompt:
     for part in parts:
         letter, _, value = part.strip().partition(" ")
         if letter in IGNORED:
-            log.warning("the prompt %s sets %s (--%s), which SquareQ's sampler does not take; drawn without it.",
-                        short, IGNORED[letter], letter)
+            if (text.strip(), letter) not in _WARNED:  # the config's check and each run parse the same prompts
+                _WARNED.add((text.strip(), letter))
+                log.warning("the prompt %s sets %s (--%s), which SquareQ's sampler does not take; drawn without "
+                            "it.", short, IGNORED[letter], letter)
             continue
         if letter in OPTIONS and OPTIONS[letter][0] in values:
             raise PromptError(f"the prompt {short} sets --{letter} twice; keep one.")

@@ -36,15 +36,30 @@ def test_options_that_cannot_work_are_one_sentence(line, message):
         parse_prompt(line)
 
 
-def test_kohya_options_squareq_does_not_offer_are_skipped_with_a_warning(caplog):
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which skipped options this process has said already (another test may have said them)."""
+    from squareq.train import prompt_options
+
+    monkeypatch.setattr(prompt_options, "_WARNED", set())
+
+
+def test_kohya_options_squareq_does_not_offer_are_skipped_with_a_warning_once(caplog, fresh_warnings):
+    """A skipped option is said once per prompt: the config's check, the cache and each sample round parse the same
+    prompt. Negative control: another prompt with it is said too."""
     with caplog.at_level("WARNING", logger="squareq.sample"):
         assert parse_prompt("a cat --ss euler_a --w 64") == SamplePrompt("a cat", width=64)
-    assert "sets a sampler" in caplog.text and "(--ss)" in caplog.text
+        parse_prompt("a cat --ss euler_a --w 64")
+    assert "sets a sampler" in caplog.text and caplog.text.count("(--ss)") == 1
+    with caplog.at_level("WARNING", logger="squareq.sample"):
+        parse_prompt("a dog --ss euler_a")
+    assert caplog.text.count("(--ss)") == 2
 
 
-def test_a_training_run_says_a_skipped_kohya_option_once_not_at_every_sample_round(caplog):
-    """The trainer settles its sample prompts where it caches their texts and at each sample round; the warning for a
-    skipped option comes once. Negative control: other settings parse (and warn) again."""
+def test_a_training_run_says_a_skipped_kohya_option_once(caplog, fresh_warnings):
+    """The config's check parses the sample prompts, the trainer settles them where it caches their texts and at
+    each sample round, with other settings too: the warning for a skipped option comes once in all. Negative
+    control: a prompt not seen before is said."""
     from types import SimpleNamespace
 
     from squareq.train.loop import _sample_prompts, _settled_prompts
@@ -53,9 +68,12 @@ def test_a_training_run_says_a_skipped_kohya_option_once_not_at_every_sample_rou
     cfg = SimpleNamespace(sample_prompts=["a dog --ss euler_a"], largest_resolution=512, sample_steps=20,
                           sample_guidance=3.5, sample_seed=11)
     with caplog.at_level("WARNING", logger="squareq.sample"):
+        parse_prompt(cfg.sample_prompts[0])  # as TrainConfig.validate does
         rounds = [_sample_prompts(cfg) for _ in range(3)]
+        cfg.sample_seed = 12
+        _sample_prompts(cfg)
     assert rounds[0] == rounds[2] and rounds[0][0].text == "a dog" and caplog.text.count("(--ss)") == 1
-    cfg.sample_seed = 12
+    cfg.sample_prompts = ["a fox --ss euler_a"]
     with caplog.at_level("WARNING", logger="squareq.sample"):
         _sample_prompts(cfg)
     assert caplog.text.count("(--ss)") == 2
@@ -124,3 +142,12 @@ def test_training_samples_take_a_kohya_prompt_file_and_its_options(tiny_slab, tm
     with pytest.raises(ConfigError, match="sample_prompts = .* cannot be drawn: the prompt 'a cat' has an option --z"):
         load_config(None, {"slab": str(tiny_slab), "data": str(tmp_path), "output": str(tmp_path / "o"),
                            "sample_prompts": ["a cat --z 1"]})
+
+
+def test_the_trainer_s_sample_steps_have_the_bound_a_prompt_s_steps_have(tiny_slab, tmp_path):
+    """sample_steps stops at 1000, as a prompt's --s and squareq sample --steps do; 1000 itself is taken (the
+    negative control)."""
+    base = {"slab": str(tiny_slab), "data": str(tmp_path), "output": str(tmp_path / "o")}
+    with pytest.raises(ConfigError, match="sample_steps = 1001 must be at most 1000"):
+        load_config(None, {**base, "sample_steps": 1001})
+    assert load_config(None, {**base, "sample_steps": 1000}).sample_steps == 1000
