@@ -206,7 +206,7 @@ def phase(args) -> None:
             p = tuner.plan
             rec.update(plan_slots=p.slots, plan_resident=len(p.resident), plan=p.describe())
         if graphs is not None:
-            rec["graphs"] = vars(graphs.stats)  # captures and replays over the run
+            rec["graphs"] = dict(vars(graphs.stats))  # captures and replays over the run (a copy: the counts go on)
         if rec.get("block_compile"):  # compiled within the run: its first step pays it, as a user's does
             from squareq.runtime.block_compile import compile_seconds
 

@@ -28,9 +28,10 @@ FAST_ACCUM_GRAD = False
 # Calls with fewer input rows stay bf16: a few rows' quantization error is not averaged over many tokens, and FLUX's
 # modulation (one row per sample, from the timestep embedding) scales and shifts every token of its block with it.
 # The 12B LoRA gradient cosine against bf16 at 1024² was 0.9945 on the H100, whose small-M calls go to the fused bf16
-# kernels (kernels/crossover.py), and 0.9857 on the H200, where they ran in FP8, with the same code and seeds. A tiny
-# FLUX at 512² on the CPU: cosine 0.9991 with this limit, 0.9986 without (docs/benchmarks.md, issue 41). Such calls are
-# bound by reading the weight; bf16 moves 2 bytes a weight where E4M3 moves 1, ~3 ms of a 1024² 12B step by arithmetic.
+# kernels (kernels/crossover.py), and 0.9857 on the H200, where they ran in FP8, with the same code and seeds; the
+# H200 was not re-measured with this limit. A tiny FLUX at 512² on the CPU (its 16 text tokens fall under the limit
+# too): cosine 0.9991 with it, 0.9986 without (docs/benchmarks.md, issue 41). Such calls are bound by reading the
+# weight; bf16 moves 2 bytes a weight where E4M3 moves 1: ~3 ms of a 1024² 12B step by arithmetic, not measured.
 FP8_MIN_ROWS = 128
 # The bias added in torch._scaled_mm's epilogue costs nothing measurable; a separate add after it made FLUX's linears
 # 5-50% slower on the H100 (benchmarks/fp8_linear.py times both).
