@@ -532,7 +532,8 @@ class AutoOrInt(click.ParamType):
 def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps,
            guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs, compile_mode,
            attention):
-    """Generate images with the streamed slab, optionally with a LoRA."""
+    """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
+    families through their diffusers pipeline folder (--model)."""
     from .plot import write_png
     from .train.prompt_options import PromptError, read_prompt_file
 

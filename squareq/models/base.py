@@ -84,8 +84,10 @@ class FamilyAdapter:
     sequence_shape: Callable[[dict, int, int], tuple[int, int]] | None = field(default=None, compare=False)
     # How the trainer feeds the family's denoiser (models/recipe.py); None: the family cannot be trained yet.
     recipe: TrainingRecipe | None = field(default=None, compare=False)
-    # `squareq sample` and the trainer's sample images work for the family (its diffusers pipeline is wired in)
+    # SquareQ's own sampler draws the family (`squareq sample` and the trainer's sample images: FLUX.1)
     samples: bool = False
+    # `squareq sample` draws the family through its diffusers pipeline folder (tested on the family's tiny pipeline)
+    pipeline_samples: bool = False
     # the denoiser's attribute in the family's diffusers pipeline, and the key prefix of its diffusers LoRA files
     component: str = "transformer"
     # the layers `squareq train` wraps with LoRA by default (PEFT target_modules names); None: the attention
@@ -101,7 +103,8 @@ class FamilyAdapter:
     @property
     def supports(self) -> tuple[str, ...]:
         """What SquareQ does for the family today (`squareq families` prints it): compile, stream, train, sample."""
-        return ("compile", "stream") + (("train",) if self.recipe else ()) + (("sample",) if self.samples else ())
+        return ("compile", "stream") + (("train",) if self.recipe else ()) + (
+            ("sample",) if self.samples or self.pipeline_samples else ())
 
     def blocks(self, model: nn.Module) -> list[str]:
         """Module paths of the streamed blocks in definition order, e.g. ``transformer_blocks.0``."""

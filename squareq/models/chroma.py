@@ -54,4 +54,5 @@ CHROMA = FamilyAdapter(family="chroma", class_name="ChromaTransformer2DModel",
                        recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                                              text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, mask=True),
                                              forward=chroma_forward, prediction=unpack_2x2_output,
-                                             pipeline=PipelineFolder(("ChromaPipeline",), chroma_captions)))
+                                             pipeline=PipelineFolder(("ChromaPipeline",), chroma_captions)),
+                       pipeline_samples=True)

@@ -66,4 +66,5 @@ FLUX2 = FamilyAdapter(family="flux2", class_name="Flux2Transformer2DModel",
                       recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                                             text_fields=lambda cfg: TextFields(cfg.joint_attention_dim),
                                             forward=flux2_forward, prediction=unpack_2x2_output,
-                                            pipeline=PipelineFolder(("Flux2Pipeline",), flux2_captions)))
+                                            pipeline=PipelineFolder(("Flux2Pipeline",), flux2_captions)),
+                      pipeline_samples=True)

@@ -57,4 +57,5 @@ QWEN_IMAGE = FamilyAdapter(family="qwen-image", class_name="QwenImageTransformer
                            recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                                                  text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, mask=True),
                                                  forward=qwen_image_forward, prediction=unpack_2x2_output,
-                                                 pipeline=PipelineFolder(("QwenImagePipeline",), qwen_image_captions)))
+                                                 pipeline=PipelineFolder(("QwenImagePipeline",), qwen_image_captions)),
+                           pipeline_samples=True)

@@ -113,4 +113,5 @@ SD_UNET = FamilyAdapter(family="sd-unet", class_name="UNet2DConditionModel", blo
                                               forward=unet_forward, prediction=first_output,
                                               pipeline=PipelineFolder(("StableDiffusionXLPipeline",
                                                                        "StableDiffusionPipeline"), unet_captions,
-                                                                      objective=unet_objective)))
+                                                                      objective=unet_objective)),
+                        pipeline_samples=True)

@@ -61,4 +61,5 @@ WAN = FamilyAdapter(family="wan", class_name="WanTransformer3DModel", block_list
                     recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                           text_fields=lambda cfg: TextFields(cfg.text_dim), forward=wan_forward,
                                           prediction=first_output, frames=True,
-                                          pipeline=PipelineFolder(("WanPipeline",), wan_captions)))
+                                          pipeline=PipelineFolder(("WanPipeline",), wan_captions)),
+                    pipeline_samples=True)

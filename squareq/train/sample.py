@@ -1,10 +1,13 @@
 """``squareq sample``: images from the streamed slab (optionally with a LoRA), through the family's pipeline.
 
 The transformer is the runtime model (blocks streamed forward only, under ``no_grad``); the VAE, text
-encoders and scheduler come from the slab's recorded source or ``--model``, as for caching.
+encoders and scheduler come from the slab's recorded source or ``--model``, as for caching. FLUX.1 prompts are
+encoded first and its text encoders let go before denoising; the other families run their own diffusers pipeline
+whole (its ``encode_prompt``, CFG and decoding as diffusers does them).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -20,8 +23,9 @@ from ..runtime.compute import ComputeError
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from .encoder_placement import EncoderRun
-from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
+from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pipeline_folder, recorded_encoders
 from .encoders import open_decoder, open_encoders
+from .family_encoders import open_family_pipeline
 from .lora_files import attach_lora, load_lora
 from .prompt_options import MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
 
@@ -48,7 +52,7 @@ class _FiniteLatents:
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
                               "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
-        _end_graph_step(pipe.transformer)
+        _end_graph_step(getattr(pipe, "transformer", None) or getattr(pipe, "unet", None))
         return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
 
 
@@ -106,6 +110,25 @@ def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: tor
                     generator=torch.Generator(device).manual_seed(prompt.seed)).images[0]
 
 
+def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None):
+    """One image of ``prompt`` (settled) from a family's own diffusers pipeline whose denoiser is a runtime model and
+    whose text encoders encode the prompt: ``--g`` is its ``guidance_scale`` (CFG for SD 1.5/SDXL/SD3/Wan, the
+    embedded guidance for the distilled families), a video family draws one frame. :class:`SampleError` if the
+    latents turn NaN/Inf."""
+    params = inspect.signature(pipe.__call__).parameters
+    kwargs = dict(prompt=prompt.text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
+                  guidance_scale=prompt.guidance, generator=torch.Generator(device).manual_seed(prompt.seed))
+    optional = {"max_sequence_length": max_sequence_length, "num_frames": 1, "output_type": "pil",
+                "negative_prompt": prompt.negative or None,
+                "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
+                "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
+    kwargs.update({k: v for k, v in optional.items() if k in params and v is not None})
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        out = pipe(**kwargs)
+    frames = getattr(out, "frames", None)
+    return frames[0][0] if frames is not None else out.images[0]
+
+
 def sampling_attention(mode: str) -> tuple[str, str]:
     """The attention preference for a sampling run, and why: ``auto`` keeps torch's order, since cuDNN's first calls
     cost more than a run earns back; ``cudnn`` and ``default`` as asked."""
@@ -133,7 +156,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     ``attention``: which attention kernels the blocks prefer, auto, cudnn or default (runtime/attention_choice.py;
     auto keeps torch's order here: :func:`sampling_attention`).
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
-    records)."""
+    records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
+    diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
     try:
         settled = [parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts]
@@ -142,11 +166,9 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     device = default_device(device)
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
-    if family not in ADAPTERS or not ADAPTERS[family].samples:
-        sampled = ", ".join(f for f, a in ADAPTERS.items() if a.samples)
-        raise SampleError(f"{slab} holds a {family} model; squareq sample draws images for {sampled} only so far.")
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
+    through_pipeline = _check_family(slab, family, encoders)
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
@@ -168,6 +190,12 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     if lora is not None:
         attach_lora(transformer, *load_lora(lora))
     images = []
+    if through_pipeline:
+        try:
+            return _draw_through_pipeline(encoders, family, transformer, settled, max_sequence_length, device, tuner,
+                                          on_image)
+        finally:
+            runtime.runtime_of(transformer).close()
     try:
         # the prompts first, within what the device has free beside the streamed transformer (FLUX.1's T5 streams on a
         # small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and the VAE's
@@ -188,4 +216,47 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         pipe.transformer = None
     finally:
         runtime.runtime_of(transformer).close()
+    return images
+
+
+def _check_family(slab, family: str, encoders: EncoderSource) -> bool:
+    """Whether ``family`` is drawn through its own diffusers pipeline (True) or SquareQ's FLUX.1 path (False);
+    :class:`SampleError` naming what to pass where neither can draw it."""
+    adapter = ADAPTERS.get(family)
+    if adapter is not None and adapter.samples:
+        return False
+    if adapter is None or not adapter.pipeline_samples:
+        drawn = [f for f, a in ADAPTERS.items() if a.samples or a.pipeline_samples]
+        raise SampleError(f"{slab} holds a {family} model; squareq sample draws {', '.join(drawn)} models only so far.")
+    recipe = adapter.recipe
+    try:
+        folder = pipeline_folder(encoders)
+    except EncoderError as exc:
+        raise SampleError(f"--model: {exc}") from None
+    if folder is None:
+        raise SampleError(f"{slab} holds a {family} model, which squareq sample draws through its diffusers "
+                          f"pipeline ({' or '.join(recipe.pipeline.classes)}); the built-in tiny model has none, "
+                          "so pass the pipeline folder or Hub ID with --model.")
+    return True
+
+
+def _draw_through_pipeline(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
+                           max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+    """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler; the streamed
+    ``transformer`` as its denoiser)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    component = ADAPTERS[family].component
+    images = []
+    run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
+    with open_family_pipeline(encoders, family, device, dtype, run=run) as opened:
+        pipe = opened.pipeline
+        setattr(pipe, component, transformer)
+        try:
+            for prompt in settled:
+                callback = tuner.pipeline_callback if tuner is not None else None
+                images.append(draw_with_pipeline(pipe, prompt, max_sequence_length, device, callback))
+                if on_image is not None:
+                    on_image(len(images) - 1, images[-1])
+        finally:
+            setattr(pipe, component, None)
     return images

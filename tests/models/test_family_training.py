@@ -96,14 +96,58 @@ def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_b
     assert after < 0.95 * before, f"{name}: loss {before:.4f} -> {after:.4f} after training"
 
 
-def test_sample_images_are_refused_for_families_without_a_sampler(data, tmp_path):
+def test_sample_images_need_the_family_pipeline(data, tmp_path):
+    """squareq sample draws another family through its diffusers pipeline: without one (a built-in tiny model's
+    source) it says to pass it with --model. The trainer's sample images stay FLUX.1's."""
     from squareq.train.sample import SampleError, sample_images
 
     slab = _slab("tiny-wan", tmp_path)
     with pytest.raises(TrainError, match="sample images are not supported for the wan family"):
         train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
-    with pytest.raises(SampleError, match="holds a wan model; squareq sample draws images for flux only"):
+    with pytest.raises(SampleError, match="holds a wan model, which squareq sample draws through its diffusers pipeline "
+                                          r"\(WanPipeline\); the built-in tiny model has none, so pass the pipeline "
+                                          "folder or Hub ID with --model"):
         sample_images(slab, ["a cat"], resolution=64, steps=2)
+    with pytest.raises(SampleError, match="holds a z-image model; squareq sample draws flux, flux2, chroma, sd3, "
+                                          "qwen-image, wan, sd-unet models only so far"):
+        sample_images(_slab("tiny-z-image", tmp_path), ["a cat"], resolution=64, steps=2)
+
+
+@pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-chroma", "tiny-wan", "tiny-qwen-image",
+                                  "tiny-flux2"])
+def test_sample_draws_each_family_through_its_pipeline_with_the_streamed_denoiser(name, tmp_path):
+    """An image (a video family's first frame) of the asked size from the family's own pipeline folder, the same
+    for the same seed, with the slab as the denoiser: a slab of other weights draws another image (the negative
+    control: were the folder's own denoiser or none used, the two would match)."""
+    import numpy as np
+
+    from squareq.train.sample import sample_images
+
+    from .tiny_folders import build_pipeline, write_pipeline
+
+    folder = write_pipeline(name, tmp_path / "pipeline")
+    # FLUX.2's toy pipeline has a transformer of its own (a text width that fits its Mistral encoder)
+    denoiser = build_pipeline(name).transformer if name == "tiny-flux2" else load_builtin(name)[0]
+    adapter = ADAPTERS[BUILTIN_MODELS[name][0]]
+
+    def slab_of(model, path):
+        write_rtn_slab(model, adapter.blocks(model), {}, path,
+                       PlainOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source=name))
+        return path
+
+    def draw(slab):
+        (image,) = sample_images(slab, ["a cat"], model=str(folder), resolution=64, steps=2, max_sequence_length=16,
+                                 device="cpu")
+        return np.asarray(image).astype(np.float64)
+
+    slab = slab_of(denoiser, tmp_path / "m.slab")
+    first = draw(slab)
+    assert first.shape == (64, 64, 3) and first.std() > 1.0
+    assert np.array_equal(draw(slab), first)
+    with torch.no_grad():
+        for p in denoiser.parameters():
+            p.mul_(0.5)
+    assert np.abs(draw(slab_of(denoiser, tmp_path / "halved.slab")) - first).mean() > 0.5
 
 
 @pytest.mark.parametrize("name,objective", [("tiny-sd15", "v_prediction"), ("tiny-sdxl", "epsilon"),
