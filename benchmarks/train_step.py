@@ -547,16 +547,17 @@ def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
     grads_fp8 = None
     for variant in variants:
         switches = GRADIENT_VARIANTS[variant]
-        saved = {k: getattr(fp8_kernels if k in KERNEL_SWITCHES else compute_mode, k) for k in switches}
+        owner = {k: fp8_kernels if k in KERNEL_SWITCHES else compute_mode for k in switches}
+        saved = {k: getattr(owner[k], k) for k in switches}
         for k, v in switches.items():
-            setattr(fp8_kernels if k in KERNEL_SWITCHES else compute_mode, k, v)
+            setattr(owner[k], k, v)
         try:
             start = time.perf_counter()
             out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
             seconds = time.perf_counter() - start
         finally:
             for k, v in saved.items():
-                setattr(fp8_kernels if k in KERNEL_SWITCHES else compute_mode, k, v)
+                setattr(owner[k], k, v)
         own = {} if grads_fp8 is None or variant == "fp8" else {
             "vs_fp8_" + k: v for k, v in gradient_agreement(grads_fp8, grads_f).items()}
         if variant == "fp8":

@@ -189,34 +189,41 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)
     if lora is not None:
         attach_lora(transformer, *load_lora(lora))
-    images = []
-    if through_pipeline:
-        try:
-            return _draw_through_pipeline(encoders, family, transformer, settled, max_sequence_length, device, tuner,
-                                          on_image)
-        finally:
-            runtime.runtime_of(transformer).close()
+    draw = _draw_through_pipeline if through_pipeline else _draw_flux
     try:
-        # the prompts first, within what the device has free beside the streamed transformer (FLUX.1's T5 streams on a
-        # small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and the VAE's
-        # decode (several GB at 1024²) have the GPU to themselves
-        run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
-        with open_encoders(encoders, device, family, run=run) as opened:
-            entries = {t: opened.encode_prompts([t], max_sequence_length)[0] for p in settled for t in p.texts}
-            dtype = opened.dtype
-        pipe = open_decoder(encoders, family, dtype)
-        pipe.vae.to(device)
-        pipe.transformer = transformer
-        for prompt in settled:
-            callback = tuner.pipeline_callback if tuner is not None else None
-            images.append(draw_image(pipe, prompt, max_sequence_length, device, callback, embeds=entries[prompt.text],
-                                     negative=entries.get(prompt.negative)))
-            if on_image is not None:
-                on_image(len(images) - 1, images[-1])
-        pipe.transformer = None
+        return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image)
     finally:
         runtime.runtime_of(transformer).close()
+
+
+def _each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one) -> list:
+    """``draw_one(prompt, on_step_end)`` for each prompt, with the tuner's callback; ``on_image`` as each is drawn."""
+    images = []
+    for prompt in settled:
+        images.append(draw_one(prompt, tuner.pipeline_callback if tuner is not None else None))
+        if on_image is not None:
+            on_image(len(images) - 1, images[-1])
     return images
+
+
+def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
+               max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+    """FLUX.1's images: the prompts first, within what the device has free beside the streamed transformer (its T5
+    streams on a small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and
+    the VAE's decode (several GB at 1024²) have the GPU to themselves."""
+    run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
+    with open_encoders(encoders, device, family, run=run) as opened:
+        entries = {t: opened.encode_prompts([t], max_sequence_length)[0] for p in settled for t in p.texts}
+        dtype = opened.dtype
+    pipe = open_decoder(encoders, family, dtype)
+    pipe.vae.to(device)
+    pipe.transformer = transformer
+    try:
+        return _each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_image(
+            pipe, prompt, max_sequence_length, device, callback, embeds=entries[prompt.text],
+            negative=entries.get(prompt.negative)))
+    finally:
+        pipe.transformer = None
 
 
 def _check_family(slab, family: str, encoders: EncoderSource) -> bool:
@@ -246,17 +253,12 @@ def _draw_through_pipeline(encoders: EncoderSource, family: str, transformer, se
     ``transformer`` as its denoiser)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     component = ADAPTERS[family].component
-    images = []
     run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
     with open_family_pipeline(encoders, family, device, dtype, run=run) as opened:
         pipe = opened.pipeline
         setattr(pipe, component, transformer)
         try:
-            for prompt in settled:
-                callback = tuner.pipeline_callback if tuner is not None else None
-                images.append(draw_with_pipeline(pipe, prompt, max_sequence_length, device, callback))
-                if on_image is not None:
-                    on_image(len(images) - 1, images[-1])
+            return _each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_with_pipeline(
+                pipe, prompt, max_sequence_length, device, callback))
         finally:
             setattr(pipe, component, None)
-    return images
