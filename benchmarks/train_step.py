@@ -399,7 +399,8 @@ def evict_page_cache(slab: Path) -> None:
 
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
                   compute: str = "bf16", cold: bool = False, graphs: bool = False, block_compile: bool = False,
-                  fp8_backward: bool = False, attention: str = "auto", pieces: bool = False) -> None:
+                  fp8_backward: bool = False, attention: str = "auto", pieces: bool = False,
+                  resident_blocks: int | str = 0, vram_budget_gb: float | None = None) -> None:
     import squareq.runtime as rt
     from squareq.runtime import block_compile as block_compile_module
     from squareq.runtime import compute as compute_module
@@ -410,6 +411,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
            "cuda_graphs": graphs, "block_compile": block_compile, "fp8_backward": fp8_backward,
            "block_compile_pieces": block_compile and pieces,
            "attention": attention, "device": setup.device_name}
+    if resident_blocks:
+        rec.update(resident_blocks=resident_blocks, vram_budget_GB=vram_budget_gb)
     if cold:
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
@@ -450,9 +453,15 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     rec["cudnn_attention_first"] = runtime.prefer_cudnn
     log(f"squareq {res} K={prefetch} {host} {runtime.compute}: loaded in {rec['load_s']:.1f} s")
     tuner = None
-    if prefetch == "auto":  # as squareq train: measure the second step, then size the ring
+    if prefetch == "auto" or resident_blocks:  # as squareq train: measure the second step, then size the ring
+        import torch
+
         from squareq.runtime.residency import StreamTuner
-        tuner = StreamTuner(model, prefetch="auto", probe_step=1)
+
+        budget = None
+        if vram_budget_gb is not None and setup.device.type == "cuda":  # as squareq train --vram-budget
+            budget = lambda: max(0, int(vram_budget_gb * 1e9) - torch.cuda.max_memory_reserved(setup.device))  # noqa: E731
+        tuner = StreamTuner(model, prefetch=prefetch, resident=resident_blocks, probe_step=1, budget_bytes=budget)
     steps = iter(range(-1, 1 << 30))
 
     def after_step() -> dict:
@@ -475,9 +484,12 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
                    label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}")
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
                    + ("_pieces" if block_compile and pieces else "")
-                   + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else ""))
+                   + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else "")
+                   + (f"_keep{resident_blocks}" if resident_blocks else ""))
     if tuner is not None:
-        rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None)
+        rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None,
+                   kept_blocks=len(runtime.resident_blocks),
+                   kept_GB=sum(runtime.streamer.block_sizes[b] for b in runtime.resident_blocks) / 1e9)
     stats = result.pop("median_figures")
     rec.update(result)
     if block_compile:  # the first steps compile each block class's graphs (Dynamo's count; the steps' excess)
@@ -718,6 +730,9 @@ def phase_record(phase: list[str]) -> dict:
                    graphs="graphs" in phase[6:], block_compile="compiled" in phase[6:],
                    fp8_backward="fp8grad" in phase[6:], pieces="pieces" in phase[6:],
                    attention="default" if "attn-default" in phase[6:] else "auto")
+        keep = next((t[4:] for t in phase[6:] if t.startswith("keep")), "0")
+        budget = next((float(t[6:]) for t in phase[6:] if t.startswith("budget")), None)
+        rec.update(resident_blocks=keep if keep == "auto" else int(keep), vram_budget_GB=budget)
     return rec
 
 
@@ -738,7 +753,7 @@ def run_phase(args) -> None:
         elif name == "squareq":
             phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
                           rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"],
-                          rec["pieces"])
+                          rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"])
         elif name == "resident":
             phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
         elif name == "gradients":
@@ -859,9 +874,12 @@ def table(records: list[dict]) -> str:
                 f"{' (pieces)' if r.get('block_compile_pieces') else ''}{' fp8-backward' if r.get('fp8_backward') else ''}" \
                 f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''} {r.get('compute', 'bf16')}" + (
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
-                "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers")
+                "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers") + (
+                f", resident_blocks {r['resident_blocks']}" if r.get("resident_blocks") else "") + (
+                f" within {r['vram_budget_GB']} GB" if r.get("resident_blocks") and r.get("vram_budget_GB") else "")
             if r.get("slots") is not None:
-                notes.append(f"auto chose {r['slots']} slots")
+                notes.append(f"auto chose {r['slots']} slots" + (
+                    f", kept {r['kept_blocks']} blocks ({r['kept_GB']:.2f} GB)" if r.get("kept_blocks") else ""))
             if r.get("cuda_graphs") and "graph_replays" in r:
                 notes.append(f"{r['graph_replays']} graph replays/step after {r['warmup_steps']} warm-up steps"
                              + (f", {r['graph_failures']} failed captures" if r["graph_failures"] else "")
@@ -926,6 +944,10 @@ def main() -> None:
     ap.add_argument("--fp8-backward", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ setups with the frozen layers' input gradients in bf16 and/or FP8 "
                          "(runtime.compute.FP8_BACKWARD; FP8 compute only)")
+    ap.add_argument("--resident-blocks", nargs="+", default=["0"],
+                    help="squareq train --resident-blocks of the pinned SquareQ setups: 0, a count or auto (each one "
+                         "a setup)")
+    ap.add_argument("--vram-budget", type=float, help="GB: squareq train --vram-budget of the --resident-blocks auto setup (counts are kept whole)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
     ap.add_argument("--disk-cold", action="store_true",
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
@@ -976,6 +998,9 @@ def main() -> None:
                     + (["fp8grad"] if fb == "on" else []) + (["attn-default"] if at == "default" else [])
                     for g in dict.fromkeys(args.graphs) for bc in dict.fromkeys(args.block_compile)
                     for fb in dict.fromkeys(args.fp8_backward) for at in dict.fromkeys(args.attention)]
+    budget_token = [f"budget{args.vram_budget}"] if args.vram_budget is not None else []
+    keep_tokens = [[] if k == "0" else [f"keep{k}"] + (budget_token if k == "auto" else [])
+                   for k in dict.fromkeys(args.resident_blocks)]
     if not cuda and any("graphs" in t for t in graph_tokens):
         ap.error("--graphs on needs a CUDA device (CUDA graphs)")
     lora_layers = args.lora_layers.split(",")
@@ -1001,8 +1026,9 @@ def main() -> None:
             phases += [["resident", str(r), "compiled"] + (["cudnn"] if a == "cudnn" else [])
                        for a in dict.fromkeys(args.resident_attention)]
         if "squareq" in only:
-            phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs for k in args.prefetch
-                       for lora in lora_layers for c in args.compute for graphs in graph_tokens]
+            phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs + keep for k in args.prefetch
+                       for lora in lora_layers for c in args.compute for graphs in graph_tokens
+                       for keep in keep_tokens]
     if "squareq" in only:
         phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold + graphs
                    for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])

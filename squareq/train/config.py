@@ -153,6 +153,10 @@ HELP = {
     "prefetch": "Block slots on the GPU (the runtime's ring size): auto (measure the second step and add slots until "
                 "the block copies hide behind compute, as squareq sample does; within vram_budget when set), or a "
                 "whole number.",
+    "resident_blocks": "Blocks kept on the GPU for the whole run after the second step, the ones whose copies cost the "
+                       "step most first (the inverse of kohya/musubi's blocks_to_swap): 0 (stream every block, the "
+                       "least memory), a count, or auto (as many as shorten the step, within vram_budget when set, "
+                       "else what the GPU has free less a margin). Results do not change, only speed and memory.",
     "compute": "The frozen base layers' arithmetic: bf16; fp8 (E4M3 forward and recompute with per-token and "
                "per-channel scales on GPUs with FP8 tensor cores, Ada and Hopper; input gradients and the LoRA stay "
                "bf16/fp32); or auto: fp8 on GPUs with FP8 tensor cores, bf16 elsewhere. "
@@ -263,6 +267,7 @@ class TrainConfig:
     nan_patience: int = 5  # consecutive skipped steps (NaN/Inf) before the run stops
     # runtime
     prefetch: int | str = "auto"
+    resident_blocks: int | str = 0
     host: str = "auto"
     compute: str = "auto"
     cuda_graphs: str = "auto"
@@ -313,6 +318,9 @@ class TrainConfig:
         if self.prefetch != "auto" and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
                                         or self.prefetch < 1):
             raise bad("prefetch", "must be auto or a whole number of at least 1")
+        if self.resident_blocks != "auto" and (not isinstance(self.resident_blocks, int)
+                                               or isinstance(self.resident_blocks, bool) or self.resident_blocks < 0):
+            raise bad("resident_blocks", "must be auto or a whole number of at least 0")
         for key in ("rank", "batch_size", "grad_accum", "nan_patience", "sample_steps",
                     "max_sequence_length", "keep_last", "schedule_cycles"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:

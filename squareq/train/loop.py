@@ -596,17 +596,19 @@ class _Run:
                       f"({compile_seconds():.1f} s in this run so far); the next steps reuse them")
 
     def _tuner(self, model) -> StreamTuner | None:
-        """``prefetch = "auto"``: a StreamTuner that measures this process's second step and grows the ring until the
-        copies hide behind compute, within what ``vram_budget`` leaves beyond that step's peak (or what the device has
-        free). Streamed results do not depend on the ring, so a resumed run that sizes it otherwise trains the same."""
-        if self.cfg.prefetch != "auto" or not runtime.runtime_of(model).streamed:
+        """``prefetch = "auto"`` or ``resident_blocks``: a StreamTuner that measures this process's second step, then
+        grows the ring until the copies hide behind compute and keeps blocks on the device, within what
+        ``vram_budget`` leaves beyond that step's peak (or what the device has free). Streamed results depend on
+        neither, so a resumed run that sizes them otherwise trains the same."""
+        if (self.cfg.prefetch != "auto" and not self.cfg.resident_blocks) or not runtime.runtime_of(model).streamed:
             return None
         budget = None
         if self.cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             device, limit = self.device, self.cfg.vram_budget_bytes
             budget = lambda: max(0, limit - torch.cuda.max_memory_reserved(device))  # noqa: E731
         self.steps_here = 0
-        return StreamTuner(model, prefetch="auto", probe_step=1, budget_bytes=budget)
+        return StreamTuner(model, prefetch=self.cfg.prefetch, resident=self.cfg.resident_blocks, probe_step=1,
+                           budget_bytes=budget)
 
     def tune(self, before: bool) -> None:
         """Around each optimizer step of this process: time the probe step, then size the ring and say so."""
@@ -619,7 +621,8 @@ class _Run:
         self.tuner.after_step(self.steps_here)
         self.steps_here += 1
         if planned is None and self.tuner.plan is not None:
-            self.echo(f"prefetch auto: {self.tuner.plan.describe()}")
+            what = "prefetch auto" if self.cfg.prefetch == "auto" else f"resident_blocks {self.cfg.resident_blocks}"
+            self.echo(f"{what}: {self.tuner.plan.describe()}")
 
     def micro_batches(self) -> float:
         """Forward and backward over ``grad_accum`` batches; the summed loss (each divided by ``grad_accum``)."""

@@ -1221,6 +1221,25 @@ def test_prefetch_and_host_auto_say_what_they_chose_and_train_the_same(workspace
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resident_blocks_keep_blocks_on_the_device_and_train_the_same(workspace, tmp_path):
+    """resident_blocks = 2 keeps two blocks out of the ring after the second step (fewer bytes copied a step) and
+    trains the LoRA a fully streamed run does, bit for bit; the fully streamed run (0, the default) keeps none and
+    copies every block. A count below 0 or a word other than auto is refused."""
+    said = []
+    kept = train(_config(workspace, tmp_path / "kept", steps=4, prefetch=2, host="pinned", resident_blocks=2),
+                 echo=said.append)
+    streamed = train(_config(workspace, tmp_path / "streamed", steps=4, prefetch=2, host="pinned"), echo=lambda s: None)
+    (line,) = [s for s in said if s.startswith("resident_blocks 2: ")]
+    assert line.startswith("resident_blocks 2: 2 slots, 2 blocks kept on the GPU;"), line
+    a, _ = load_lora(kept.lora_file)
+    b, _ = load_lora(streamed.lora_file)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for bad, why in ((-1, "resident_blocks = -1 must be auto or a whole number of at least 0"),
+                     ("all", "resident_blocks = 'all' must be auto or a whole number of at least 0")):
+        with pytest.raises(ConfigError, match=why):
+            _config(workspace, tmp_path / "bad", resident_blocks=bad)
+
+
 def test_the_sample_decoder_of_a_pipeline_folder_holds_the_vae_and_no_text_encoders(tmp_path):
     from squareq.models import write_tiny_flux_pipeline
     from squareq.train.encoders import EncoderError, open_decoder
