@@ -219,23 +219,43 @@ def profile_step(one_step, setup: Setup, path: Path) -> float:
     return kernel_us / 1e6
 
 
-def train(setup: Setup, model, params, res: int, after_step, label: str | None = None) -> dict:
+def train(setup: Setup, model, params, res: int, after_step, label: str | None = None, fp16: bool = False) -> dict:
     """Warm-up plus measured LoRA steps; ``after_step()`` returns a dict of per-step figures (memory peaks
-    at least). Returns the median time, the median step's figures and the max peaks over measured steps."""
+    at least). Returns the median time, the median step's figures and the max peaks over measured steps. ``fp16``:
+    the batch and autocast in fp16 and the loss scaled as squareq train --dtype fp16 scales it (train/loss_scale.py;
+    a step whose gradients overflow halves the scale and skips the update, as torch.amp.GradScaler does)."""
     import torch
+
+    from squareq.train.loss_scale import LossScale
 
     opt = torch.optim.AdamW(params, lr=1e-4)
     batch, target = make_batch(setup, res, model)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    if fp16:
+        batch = {k: v.to(dtype) if v.dtype == torch.bfloat16 else v for k, v in batch.items()}
+    scale = LossScale() if fp16 else None
+    overflows = []
     model.train()
     after_step()  # start counting at the first step, not at load
     times, cpu, figures, losses, every_step, all_times = [], [], [], [], [], []
 
     def one_step():
-        with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+        with torch.autocast(setup.device.type, dtype=dtype):
             out = model(**batch, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(out.float(), target.float())
-        loss.backward()
-        opt.step()
+        if scale is None:
+            loss.backward()
+            opt.step()
+        else:
+            scale.scale(loss).backward()
+            grads = [p.grad for p in params if p.grad is not None]
+            scale.unscale(grads)
+            if torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+                opt.step()
+                scale.stepped()
+            else:
+                overflows.append(scale.value)
+                scale.overflowed()
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -276,7 +296,9 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
             # warm-up included: the steps that capture CUDA graphs hold the eager cache and the graph pool at once
             "peak_reserved_all_steps_GB": max(f["peak_reserved"] for f in every_step) / 1e9,
             "reserved_GB_per_step": [round(f["reserved"] / 1e9, 3) for f in figures],
-            "loss_first": losses[0], "loss": losses[-1], "median_figures": figures[median_step]}
+            "loss_first": losses[0], "loss": losses[-1], "median_figures": figures[median_step],
+            **({"losses": [round(x, 6) for x in losses], "losses_finite": all(math.isfinite(x) for x in losses),
+                "loss_scale_overflows": overflows, "loss_scale": scale.value} if fp16 else {})}
 
 
 def allocated_GB(setup: Setup) -> float:
@@ -400,7 +422,7 @@ def evict_page_cache(slab: Path) -> None:
 def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
                   compute: str = "bf16", cold: bool = False, graphs: bool = False, block_compile: bool = False,
                   fp8_backward: bool = False, attention: str = "auto", pieces: bool = False,
-                  resident_blocks: int | str = 0, vram_budget_gb: float | None = None) -> None:
+                  resident_blocks: int | str = 0, vram_budget_gb: float | None = None, fp16: bool = False) -> None:
     import squareq.runtime as rt
     from squareq.runtime import block_compile as block_compile_module
     from squareq.runtime import compute as compute_module
@@ -413,6 +435,9 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
            "attention": attention, "device": setup.device_name}
     if resident_blocks:
         rec.update(resident_blocks=resident_blocks, vram_budget_GB=vram_budget_gb)
+    if fp16:  # squareq train --dtype fp16: no FP8 (its products are bf16)
+        rec.update(dtype="fp16")
+        compute = "bf16"
     if cold:
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
@@ -441,7 +466,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     # 6.7 GB in every phase would only lengthen the run.
     model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
                     trace=trace, compute=compute, cuda_graphs=graphs, compile_blocks=block_compile,
-                    attention=attention)
+                    attention=attention, dtype="fp16" if fp16 else "bf16")
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -485,7 +510,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
                    + ("_pieces" if block_compile and pieces else "")
                    + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else "")
-                   + (f"_keep{resident_blocks}" if resident_blocks else ""))
+                   + (f"_keep{resident_blocks}" if resident_blocks else "") + ("_fp16" if fp16 else ""), fp16=fp16)
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None,
                    kept_blocks=len(runtime.resident_blocks),
@@ -507,15 +532,21 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     emit(rec)
 
 
-def lora_step(setup: Setup, res: int, compute: str) -> tuple:
-    """One LoRA step of the streamed slab in ``compute``: the output and every LoRA gradient, on the host."""
+def lora_step(setup: Setup, res: int, compute: str, dtype: str = "bf16") -> tuple:
+    """One LoRA step of the streamed slab in ``compute`` and ``dtype``: the output and every LoRA gradient, on the
+    host (fp16: the batch and autocast in fp16, the loss scaled by squareq train's first loss scale)."""
     import gc
 
     import torch
 
     import squareq.runtime as rt
+    from squareq.train.loss_scale import LossScale
 
-    model = rt.load(setup.slab, setup.device, prefetch=3, host="pinned", verify="off", compute=compute)
+    if dtype == "fp32":  # the reference only: the same effective weights and activations in fp32, no autocast
+        from squareq.runtime import compute as compute_mode
+
+        compute_mode.DTYPES["fp32"] = torch.float32
+    model = rt.load(setup.slab, setup.device, prefetch=3, host="pinned", verify="off", compute=compute, dtype=dtype)
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, seed=0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B off zero: every A gets a gradient too
@@ -524,11 +555,14 @@ def lora_step(setup: Setup, res: int, compute: str) -> tuple:
     model.enable_gradient_checkpointing()
     model.train()
     batch, target = make_batch(setup, res, model)
-    with torch.autocast(setup.device.type, dtype=torch.bfloat16):
+    amp = torch.float32 if dtype == "fp32" else rt.autocast_dtype(model)
+    batch = {k: v.to(amp) if v.dtype == torch.bfloat16 else v for k, v in batch.items()}
+    with torch.autocast(setup.device.type, dtype=amp, enabled=dtype != "fp32"):
         out = model(**batch, return_dict=False)[0]
     loss = torch.nn.functional.mse_loss(out.float(), target.float())
-    loss.backward()
-    grads = {n: p.grad.float().cpu() for n, p in rt.lora_parameters(model).items()}
+    scale = LossScale().value if dtype == "fp16" else 1.0
+    (loss * scale).backward()
+    grads = {n: p.grad.float().cpu() / scale for n, p in rt.lora_parameters(model).items()}
     result = out.float().cpu(), grads, loss.item(), rt.runtime_of(model).compute
     rt.runtime_of(model).close()
     del model, params, out, loss
@@ -546,7 +580,12 @@ GRADIENT_VARIANTS = {
     "fp8-backward": {"FP8_BACKWARD": True},  # the input gradients in FP8 too
     "slow-accum": {"FAST_ACCUM": False},  # fp32 accumulation in the tensor cores
     "small-rows": {"FP8_MIN_ROWS": 1},  # calls of any row count in FP8 (the modulation's one row per sample too)
+    "fp16": {},  # not FP8: squareq train --dtype fp16 (issue 43), the same step in fp16 against bf16
+    # the reference: the same step in fp32 (bf16's own error); named, it runs first and every other variant is
+    # compared with it too
+    "fp32": {},
 }
+VARIANT_RUNS = {"fp16": ("bf16", "fp16"), "fp32": ("bf16", "fp32")}  # variant -> (compute, dtype); others fp8, bf16
 
 
 def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
@@ -556,7 +595,9 @@ def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
     from squareq.runtime import compute as compute_mode
 
     out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
-    grads_fp8 = None
+    grads_fp8 = reference = None
+    if "fp32" in variants:
+        variants = ["fp32"] + [v for v in variants if v != "fp32"]
     for variant in variants:
         switches = GRADIENT_VARIANTS[variant]
         owner = {k: fp8_kernels if k in KERNEL_SWITCHES else compute_mode for k in switches}
@@ -565,16 +606,22 @@ def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
             setattr(owner[k], k, v)
         try:
             start = time.perf_counter()
-            out_f, grads_f, loss_f, used = lora_step(setup, res, "fp8")
+            out_f, grads_f, loss_f, used = lora_step(setup, res, *VARIANT_RUNS.get(variant, ("fp8", "bf16")))
             seconds = time.perf_counter() - start
         finally:
             for k, v in saved.items():
                 setattr(owner[k], k, v)
         own = {} if grads_fp8 is None or variant == "fp8" else {
             "vs_fp8_" + k: v for k, v in gradient_agreement(grads_fp8, grads_f).items()}
+        if variant == "fp32":
+            reference = out_f, grads_f
+        elif reference is not None:
+            own.update({"vs_fp32_" + k: v for k, v in gradient_agreement(reference[1], grads_f).items()},
+                       vs_fp32_out_rel_mse=((out_f - reference[0]).pow(2).mean() / reference[0].pow(2).mean()).item())
         if variant == "fp8":
             grads_fp8 = grads_f
         emit({"what": "gradients", "res": res, "device": setup.device_name, "variant": variant,
+              "dtype": VARIANT_RUNS.get(variant, ("fp8", "bf16"))[1],
               "backward": "fp8" if switches.get("FP8_BACKWARD") else "bf16",
               "switches": switches,
               "compute_used": used, **gradient_agreement(grads_b, grads_f), **own, "loss_bf16": loss_b,
@@ -732,7 +779,8 @@ def phase_record(phase: list[str]) -> dict:
                    attention="default" if "attn-default" in phase[6:] else "auto")
         keep = next((t[4:] for t in phase[6:] if t.startswith("keep")), "0")
         budget = next((float(t[6:]) for t in phase[6:] if t.startswith("budget")), None)
-        rec.update(resident_blocks=keep if keep == "auto" else int(keep), vram_budget_GB=budget)
+        rec.update(resident_blocks=keep if keep == "auto" else int(keep), vram_budget_GB=budget,
+                   fp16="fp16" in phase[6:])
     return rec
 
 
@@ -753,7 +801,7 @@ def run_phase(args) -> None:
         elif name == "squareq":
             phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
                           rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"],
-                          rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"])
+                          rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"], rec["fp16"])
         elif name == "resident":
             phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
         elif name == "gradients":
@@ -836,7 +884,7 @@ def write_jsonl(out: Path, records: list[dict]) -> None:
     os.replace(tmp, out / "train_step.jsonl")  # readers never see a half-written file
 
 
-LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4", "gradients": "FP8 vs bf16 grads",
+LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4", "gradients": "LoRA grads vs bf16",
           "group_offload": "diffusers group offload"}
 
 
@@ -868,6 +916,9 @@ def table(records: list[dict]) -> str:
             if "vs_fp8_cos_global" in r:
                 notes.append(f"against the fp8 variant: cos {r['vs_fp8_cos_global']:.4f} "
                              f"(min {r['vs_fp8_cos_min']:.4f}), norm ratio {r['vs_fp8_norm_ratio']:.4f}")
+            if "vs_fp32_cos_global" in r:
+                notes.append(f"against fp32: cos {r['vs_fp32_cos_global']:.4f} (min {r['vs_fp32_cos_min']:.4f}), "
+                             f"norm ratio {r['vs_fp32_norm_ratio']:.4f}, output rel-MSE {r['vs_fp32_out_rel_mse']:.2e}")
         if what == "squareq":
             setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
                 f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
@@ -876,7 +927,11 @@ def table(records: list[dict]) -> str:
                 f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
                 "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers") + (
                 f", resident_blocks {r['resident_blocks']}" if r.get("resident_blocks") else "") + (
-                f" within {r['vram_budget_GB']} GB" if r.get("resident_blocks") and r.get("vram_budget_GB") else "")
+                f" within {r['vram_budget_GB']} GB" if r.get("resident_blocks") and r.get("vram_budget_GB") else "") + (
+                ", dtype fp16" if r.get("dtype") == "fp16" else "")
+            if r.get("dtype") == "fp16" and "losses" in r:
+                notes.append(f"{len(r['losses'])} steps, losses {'all finite' if r['losses_finite'] else 'NOT finite'}"
+                             f", {len(r['loss_scale_overflows'])} loss-scale halvings (scale {r['loss_scale']:g})")
             if r.get("slots") is not None:
                 notes.append(f"auto chose {r['slots']} slots" + (
                     f", kept {r['kept_blocks']} blocks ({r['kept_GB']:.2f} GB)" if r.get("kept_blocks") else ""))
@@ -948,6 +1003,8 @@ def main() -> None:
                     help="squareq train --resident-blocks of the pinned SquareQ setups: 0, a count or auto (each one "
                          "a setup)")
     ap.add_argument("--vram-budget", type=float, help="GB: squareq train --vram-budget of the --resident-blocks auto setup (counts are kept whole)")
+    ap.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=["bf16"],
+                    help="squareq train --dtype of the pinned SquareQ setups (fp16: no FP8, the loss scaled)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
     ap.add_argument("--disk-cold", action="store_true",
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
@@ -999,6 +1056,7 @@ def main() -> None:
                     for g in dict.fromkeys(args.graphs) for bc in dict.fromkeys(args.block_compile)
                     for fb in dict.fromkeys(args.fp8_backward) for at in dict.fromkeys(args.attention)]
     budget_token = [f"budget{args.vram_budget}"] if args.vram_budget is not None else []
+    dtype_tokens = [[] if d == "bf16" else ["fp16"] for d in dict.fromkeys(args.dtype)]
     keep_tokens = [[] if k == "0" else [f"keep{k}"] + (budget_token if k == "auto" else [])
                    for k in dict.fromkeys(args.resident_blocks)]
     if not cuda and any("graphs" in t for t in graph_tokens):
@@ -1026,9 +1084,9 @@ def main() -> None:
             phases += [["resident", str(r), "compiled"] + (["cudnn"] if a == "cudnn" else [])
                        for a in dict.fromkeys(args.resident_attention)]
         if "squareq" in only:
-            phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs + keep for k in args.prefetch
+            phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs + keep + dtype for k in args.prefetch
                        for lora in lora_layers for c in args.compute for graphs in graph_tokens
-                       for keep in keep_tokens]
+                       for keep in keep_tokens for dtype in dtype_tokens]
     if "squareq" in only:
         phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold + graphs
                    for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])

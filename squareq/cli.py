@@ -522,6 +522,9 @@ class AutoOrInt(click.ParamType):
               help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
                    "spare, else disk), pinned (RAM) or disk (read from the slab file).")
 @click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True, help=HELP["compute"])
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16"]), default="auto", show_default=True,
+              help="The activations' 16-bit type: auto (fp16 on GPUs without bf16: T4, V100, RTX 20xx; bf16 "
+                   "elsewhere), bf16 or fp16.")
 @click.option("--cuda-graphs", is_flag=True, help="Replay each block's forward from a CUDA graph once the first "
               "denoising steps have captured it (CUDA only; docs/tuning.md says when it pays).")
 @click.option("--compile", "compile_mode", type=click.Choice(COMPILE_MODES), default="auto", show_default=True,
@@ -530,8 +533,8 @@ class AutoOrInt(click.ParamType):
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
               help=HELP["attention"])
 def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps,
-           guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, cuda_graphs, compile_mode,
-           attention):
+           guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, dtype, cuda_graphs,
+           compile_mode, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
     from .plot import write_png
@@ -562,7 +565,7 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
                   resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
                   revision=revision, files=_given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
-                  attention=attention)
+                  attention=attention, dtype=dtype)
 
 
 @main.command("export-lora")

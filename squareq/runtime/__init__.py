@@ -2,7 +2,7 @@
 slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`; docs/runtime.md explains it.
 :func:`stream_module` streams an in-memory module's blocks the same way, for inference (large text encoders)."""
 from .blocks import disable_cudnn_attention, retry_without_cudnn
-from .loader import Runtime, load, runtime_of
+from .loader import Runtime, autocast_dtype, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .memory_plan import MemoryPlan, PlanError, plan
 from .module_stream import release_module, stream_module
@@ -22,6 +22,7 @@ __all__ = [
     "StepStats",
     "StreamError",
     "add_lora",
+    "autocast_dtype",
     "disable_cudnn_attention",
     "load",
     "lora_parameters",

@@ -252,7 +252,7 @@ class BlockGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 a = torch.ones(16, 16, dtype=dtype, device=self.device)
                 torch.mm(a, a)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -276,6 +276,12 @@ class BlockGraphs:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     # ------------------------------------------------------------------ upkeep
+
+    @property
+    def settling(self) -> bool:
+        """Whether the step since the last :meth:`end_step` ran blocks eagerly before their capture, or captured them:
+        its timings are not a replaying step's."""
+        return self._settling
 
     def end_step(self) -> None:
         """Between steps (``Runtime.step_stats`` and ``squareq sample`` call it). Over :data:`STATIC_BYTES_CAP`, the

@@ -1,4 +1,5 @@
-"""Which arithmetic the frozen base layers run in: ``bf16``, ``fp8`` or ``auto``.
+"""Which arithmetic the frozen base layers run in: ``bf16``, ``fp8`` or ``auto``; and which 16-bit type the activations
+and the dequantized weights are (:func:`resolve_dtype`: bf16, or fp16 on GPUs without bf16).
 
 ``fp8`` runs each quantized layer's forward (and a training step's checkpointed recompute) as an E4M3 x E4M3 matmul
 with per-token and per-channel scales (kernels/fp8.py), where a call has at least ``kernels.fp8.FP8_MIN_ROWS`` rows;
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 
 MODES = ("bf16", "fp8", "auto")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BF16_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 tensor cores
 FP8_CAPABILITY = (8, 9)
 FP8_BY_DEFAULT = True  # see the module docstring
 # Whether FP8 compute also runs the frozen layers' input gradients in FP8 (kernels/fp8.py fp8_input_grad: the gradient
@@ -56,3 +59,28 @@ def resolve_compute(mode: str, device: torch.device | str) -> tuple[str, str]:
             return "bf16", f"the {name} has FP8 tensor cores, but SquareQ's default is bf16; --compute fp8 uses them"
         return "fp8", f"the {name} has FP8 tensor cores"
     return mode, "asked for"
+
+
+def resolve_dtype(mode: str, device: torch.device | str) -> tuple[str, str]:
+    """``(dtype, why)`` with ``auto`` settled for ``device``: ``bf16``, or ``fp16`` on a GPU without bf16 tensor cores
+    (compute capability below 8.0: T4, V100, RTX 20xx), where bf16 runs slowly or not at all. The CPU stays bf16."""
+    device = torch.device(device)
+    if mode not in (*DTYPES, "auto"):
+        raise ComputeError(f"dtype={mode!r}: choose one of bf16, fp16, auto.")
+    if mode != "auto":
+        return mode, "asked for"
+    if device.type != "cuda":
+        return "bf16", f"{device.type} computes bf16"
+    capability = _capability(device)
+    name = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    if capability < BF16_CAPABILITY:
+        return "fp16", f"the {name} has no bf16 tensor cores (they need 8.0 or newer)"
+    return "bf16", f"the {name} has bf16 tensor cores"
+
+
+def check_fp16_compute(compute: str, dtype: str) -> None:
+    """Refuse FP8 compute in an fp16 run (:class:`ComputeError`): the FP8 products return bf16, and the GPUs that need
+    fp16 have no FP8 tensor cores."""
+    if dtype == "fp16" and compute == "fp8":
+        raise ComputeError("fp8 compute runs in bf16 runs only (GPUs with FP8 tensor cores have bf16 too); choose "
+                           "compute bf16 or auto with dtype fp16, or dtype bf16 with compute fp8.")

@@ -45,24 +45,25 @@ def _layer(handle: torch.Tensor):
 
 @torch.library.custom_op("squareq::streamed_linear", mutates_args=())
 def streamed_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x Wᵀ + b`` in bf16 (``x`` bf16), from the block the layer named by ``handle`` is bound to now."""
-    return _layer(handle).base_product(x).to(torch.bfloat16)
+    """``x Wᵀ + b`` in ``x``'s dtype (the run's: bf16, or fp16), from the block the layer named by ``handle`` is bound
+    to now."""
+    return _layer(handle).base_product(x).to(x.dtype)
 
 
 @streamed_linear.register_fake
 def _(x, handle, out_features):
-    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.custom_op("squareq::streamed_linear_input_grad", mutates_args=())
 def streamed_linear_input_grad(grad: torch.Tensor, handle: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``grad · W`` in bf16: the input gradient of :func:`streamed_linear`."""
-    return _layer(handle).base_input_grad(grad).to(torch.bfloat16)
+    """``grad · W`` in ``grad``'s dtype: the input gradient of :func:`streamed_linear`."""
+    return _layer(handle).base_input_grad(grad).to(grad.dtype)
 
 
 @streamed_linear_input_grad.register_fake
 def _(grad, handle, in_features):
-    return grad.new_empty((*grad.shape[:-1], in_features), dtype=torch.bfloat16)
+    return grad.new_empty((*grad.shape[:-1], in_features))
 
 
 def _setup_context(ctx, inputs, output) -> None:

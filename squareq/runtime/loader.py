@@ -25,7 +25,7 @@ from .attention_choice import head_dim, preferring_cudnn, resolve_attention
 from .block_compile import compile_block_forwards
 from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
-from .compute import resolve_compute
+from .compute import DTYPES, check_fp16_compute, resolve_compute, resolve_dtype
 from .flux_attention import install_fused_attention
 from .host import DiskStaging, PinnedArena
 from .host_choice import choose_host
@@ -58,6 +58,7 @@ class Runtime:
         self.graphs: BlockGraphs | None = None  # cuda_graphs=True: the streamed blocks' CUDA graphs
         self.host, self.host_reason = "pinned", ""  # where the blobs wait, and why (host="auto" says)
         self.compute, self.compute_reason = "bf16", ""  # the base layers' arithmetic, and why (compute="auto" says)
+        self.dtype, self.dtype_reason = "bf16", ""  # the activations' and dequantized weights' 16-bit type, and why
         self.compiled = False  # compile_blocks=True: the blocks' forward runs under torch.compile
         self.prefer_cudnn = False  # attention: the blocks run with cuDNN attention first (runtime/attention_choice.py)
         self.attention_reason = ""
@@ -134,6 +135,13 @@ def runtime_of(model: nn.Module) -> Runtime:
     return rt
 
 
+def autocast_dtype(model: nn.Module) -> torch.dtype:
+    """The type to autocast ``model``'s forward to: its runtime's ``dtype`` (bf16, or fp16 on GPUs without bf16);
+    bf16 for a model :func:`load` did not build."""
+    rt = getattr(model, RUNTIME_ATTR, None)
+    return DTYPES[rt.dtype] if rt is not None else torch.bfloat16
+
+
 class _Binder:
     """Points a block's modules at the bytes of the buffer that holds its blob (a slot or a device blob).
 
@@ -207,8 +215,10 @@ def _install_quant_linears(model: nn.Module, manifest: Manifest, scratch: Dequan
         setattr(owner, attr, QuantLinear(old.in_features, old.out_features, scratch))
 
 
-def _place_residents(model: nn.Module, slab: Slab, device: torch.device) -> None:
+def _place_residents(model: nn.Module, slab: Slab, device: torch.device, dtype: torch.dtype) -> None:
     for name, t in slab.resident_tensors().items():
+        if t.dtype == torch.bfloat16 and dtype != torch.bfloat16:  # an fp16 run: embedders and final layers in fp16
+            t = t.to(dtype)
         place_tensor(model, name, t.to(device, copy=True))
     for module in model.modules():  # non-persistent buffers were built real on the host
         for attr, buf in module._buffers.items():
@@ -262,7 +272,7 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
 def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
          stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
          compute: str = "bf16", cuda_graphs: bool = False, fused_attention: bool = True,
-         compile_blocks: bool = False, attention: str = "auto") -> nn.Module:
+         compile_blocks: bool = False, attention: str = "auto", dtype: str = "bf16") -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
 
     prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
@@ -286,17 +296,22 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
         graph per block class and grad mode, the quantized layers traced in as custom operators
         (runtime/block_compile.py). attention: which attention kernel the blocks prefer, "auto" (cuDNN's where
         measured faster), "cudnn" or "default" (torch's order); runtime/attention_choice.py; the choice is
-        ``runtime_of(model).prefer_cudnn``.
+        ``runtime_of(model).prefer_cudnn``. dtype: the activations' and dequantized weights' type, "bf16", "fp16"
+        (GPUs without bf16: the slab's bf16 weights are converted exactly for the matmul, resident tensors once at
+        load; FP8 compute and the fused small-M kernels are not used) or "auto" (fp16 on GPUs older than Ampere);
+        run the model under autocast of the same type. The choice is ``runtime_of(model).dtype``.
     """
     device = _checked_device(device, host, prefetch, stream, cuda_graphs)
     s, model = _skeleton(slab, verify)
     m = s.manifest
     compute, compute_reason = resolve_compute(compute, device)
-    scratch = _scratch(m, compute, device)
+    dtype, dtype_reason = resolve_dtype(dtype, device)
+    check_fp16_compute(compute, dtype)
+    scratch = _scratch(m, compute, device, DTYPES[dtype])
     _install_quant_linears(model, m, scratch)
     if fused_attention:
         install_fused_attention(model)
-    _place_residents(model, s, device)
+    _place_residents(model, s, device, DTYPES[dtype])
     binder = _Binder(model, s)
     telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())
     host, reason = _resolve_host(host, m)
@@ -310,7 +325,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     model.requires_grad_(False)
     model.eval()
     rt.compute, rt.compute_reason = compute, compute_reason
-    log.info("compute: %s (%s).", compute, compute_reason)
+    rt.dtype, rt.dtype_reason = dtype, dtype_reason
+    log.info("compute: %s (%s); activations in %s (%s).", compute, compute_reason, dtype, dtype_reason)
     rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if rt.streamer is not None:
@@ -364,10 +380,11 @@ def _skeleton(slab: str | os.PathLike | Slab, verify: str | bool) -> tuple[Slab,
     return s, model
 
 
-def _scratch(m: Manifest, compute: str, device: torch.device) -> DequantScratch:
-    """The shared dequantization buffer, sized for the largest quantized layer."""
+def _scratch(m: Manifest, compute: str, device: torch.device, dtype: torch.dtype) -> DequantScratch:
+    """The shared dequantization buffer, sized for the largest quantized layer (an fp16 run's converted weights: for
+    the largest layer)."""
     largest = max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=1)
-    scratch = DequantScratch(largest, device)
+    scratch = DequantScratch(largest, device, dtype, max((l.shape[0] * l.shape[1] for l in m.layers), default=1))
     if compute == "fp8":  # bf16 layers too are quantized to E4M3 rows for the FP8 matmul
         scratch.add_fp8(max((l.shape[0] * l.shape[1] for l in m.layers), default=1),
                         max((l.shape[0] for l in m.layers), default=1))

@@ -92,11 +92,13 @@ def _sequence_shape(slab: Slab, resolution: int, text_tokens: int) -> tuple[int,
 
 
 def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1, text_tokens: int = 512,
-         prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS, compute: str = "bf16") -> MemoryPlan:
+         prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS, compute: str = "bf16",
+         dtype: str = "bf16") -> MemoryPlan:
     """Expected peak device memory of a streamed LoRA training step on ``slab`` (gradient checkpointing on).
 
     ``resolution`` is the image side in pixels (FLUX: (resolution/16)² image tokens); for a generic-mode
-    model only ``text_tokens`` counts. ``compute`` is the settled mode ("bf16" or "fp8", not "auto").
+    model only ``text_tokens`` counts. ``compute`` is the settled mode ("bf16" or "fp8", not "auto"); ``dtype`` the
+    settled activation type ("bf16" or "fp16": one more buffer, of the largest layer's weight).
     ``print(plan(...))`` shows the parts.
     """
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify="off")
@@ -108,6 +110,8 @@ def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1,
     if compute == "fp8":  # one byte per weight of the largest layer and its row scales, and every layer's row maxima
         scratch += max((l.shape[0] * (l.shape[1] + 4) for l in m.layers), default=0)
         scratch += 4 * sum(l.shape[0] for l in m.layers)
+    if dtype == "fp16":  # the weights converted for the matmul (runtime/qlinear.py DequantScratch)
+        scratch += 2 * max((l.shape[0] * l.shape[1] for l in m.layers), default=0)
     targets = (lora_targets,) if isinstance(lora_targets, str) else tuple(lora_targets)
     lora_params = sum(lora_rank * (l.shape[0] + l.shape[1]) for l in m.layers if matches(l.name, targets))
     lora = 16 * lora_params

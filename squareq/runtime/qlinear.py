@@ -33,14 +33,21 @@ from . import compute, linear_op
 
 class DequantScratch:
     """One reusable bf16 buffer per device, large enough for the biggest layer that dequantizes into it, and with
-    (after :meth:`add_fp8`) an E4M3 buffer and a row-scale buffer for FP8 compute.
+    (after :meth:`add_fp8`) an E4M3 buffer and a row-scale buffer for FP8 compute, or (``dtype`` fp16, for GPUs
+    without bf16) an fp16 buffer the bf16 weight is converted into for the matmul.
 
     Every QuantLinear of a model shares it. Uses are ordered on one compute stream (dequantize, then the
     matmul that reads it, then the next layer's dequantize), so sharing is safe and memory stays flat.
     """
 
-    def __init__(self, numel: int, device: torch.device | str) -> None:
+    def __init__(self, numel: int, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                 converted_numel: int = 0) -> None:
         self.buffer = torch.empty(max(numel, 1), dtype=torch.bfloat16, device=device)
+        self.dtype = dtype  # what the matmuls read and return: the run's activation dtype
+        # The slab's weights are bf16 values and the kernels write bf16; an fp16 run converts each (exactly, in the
+        # range weights have) into this buffer, sized for the largest layer, stored bf16 ones included.
+        self.converted = None if dtype == torch.bfloat16 else \
+            torch.empty(max(numel, converted_numel, 1), dtype=dtype, device=device)
         self.fp8 = False
 
     def add_fp8(self, numel: int, rows: int) -> None:
@@ -54,12 +61,18 @@ class DequantScratch:
         return self.buffer[: n * k].view(n, k)
 
     def prepare(self, qw: QuantizedWeight):
-        """A zero-argument callable returning ``qw``'s bf16 weight (dequantized into the scratch), prepared once
-        so that the thousands of calls a training step makes cost little host time."""
+        """A zero-argument callable returning ``qw``'s weight in :attr:`dtype` (dequantized into the scratch), prepared
+        once so that the thousands of calls a training step makes cost little host time."""
         if qw.spec.is_passthrough:  # used in place; a slab of bf16 layers only has a one-element scratch
             weight = qw.tensors["weight"]
-            return lambda: weight
-        return prepare_dequantize(self.view(qw.shape), qw)
+            to_bf16 = lambda: weight  # noqa: E731
+        else:
+            to_bf16 = prepare_dequantize(self.view(qw.shape), qw)
+        if self.converted is None:
+            return to_bf16
+        n, k = qw.shape
+        out = self.converted[: n * k].view(n, k)
+        return lambda: out.copy_(to_bf16())
 
     def prepare_fp8(self, qw: QuantizedWeight, row_max: RowMax | None = None, transposed: bool = False):
         """A zero-argument callable returning ``qw``'s weight as (E4M3 rows, fp32 row scales) in the scratch, or
@@ -168,7 +181,8 @@ class QuantLinear(nn.Module):
         (a fresh copy, which autograd may keep: the shared scratch is overwritten by the next layer)."""
         if self.exact_weight and self.quantized is not None:
             return self.dequantized_weight()
-        return self.scratch.buffer[:1].view(()).expand(self.out_features, self.in_features)
+        buffer = self.scratch.buffer if self.scratch.converted is None else self.scratch.converted
+        return buffer[:1].view(()).expand(self.out_features, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """A fresh copy of the effective bf16 weight of the block now bound."""
@@ -199,10 +213,12 @@ class QuantLinear(nn.Module):
             return fused_linear(x.to(torch.bfloat16), qw, self.bias)
         if self.uses_fp8(x):
             return fp8_linear(x.to(torch.bfloat16), self.dequant_fp8(), self.bias)
-        w = self.dequant()
-        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            x = x.to(w.dtype)  # without autocast the layer computes in its storage dtype, as nn.Linear would
-        return F.linear(x, w, self.bias)
+        w, bias = self.dequant(), self.bias
+        if not torch.is_autocast_enabled(x.device.type):
+            # without autocast the layer computes in its weight's dtype, as nn.Linear would; the stored bias is bf16
+            x = x.to(w.dtype)
+            bias = None if bias is None else bias.to(w.dtype)
+        return F.linear(x, w, bias)
 
     def base_input_grad(self, grad_out: torch.Tensor) -> torch.Tensor:
         """``grad_out · W``: the base product's input gradient, from the block now bound (the same block again in a
@@ -220,7 +236,7 @@ class QuantLinear(nn.Module):
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.handle is not None and torch.compiler.is_compiling():
             # traced into the block's graph as one opaque operator; it runs the eager code below it
-            return linear_op.streamed_linear(x.to(torch.bfloat16), self.handle, self.out_features)
+            return linear_op.streamed_linear(x.to(self.scratch.dtype), self.handle, self.out_features)
         return _DequantLinear.apply(x, self)
 
     def uses_fused(self, x: torch.Tensor) -> bool:
@@ -229,8 +245,8 @@ class QuantLinear(nn.Module):
         qw = self.quantized
         if qw is None:
             return False
-        if self.fused_limit is None:
-            self.fused_limit = fused_limit(qw, x.device)
+        if self.fused_limit is None:  # the fused kernels compute and return bf16: never in an fp16 run
+            self.fused_limit = fused_limit(qw, x.device) if self.scratch.dtype == torch.bfloat16 else 0
         return x.numel() // max(1, x.shape[-1]) <= self.fused_limit
 
     def uses_fp8(self, x: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 from ..models import ADAPTERS
 from ..runtime.attention_choice import MODES as ATTENTION_MODES
 from ..runtime.block_compile import MODES as COMPILE_MODES
+from ..runtime.compute import DTYPES
 from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
 from ..runtime.peft_lora import LoraVariant
@@ -157,6 +158,9 @@ HELP = {
                        "step most first (the inverse of kohya/musubi's blocks_to_swap): 0 (stream every block, the "
                        "least memory), a count, or auto (as many as shorten the step, within vram_budget when set, "
                        "else what the GPU has free less a margin). Results do not change, only speed and memory.",
+    "dtype": "The activations' 16-bit type (kohya's mixed_precision): bf16; fp16, for GPUs without bf16 (T4, V100, "
+             "RTX 20xx: the base in fp16, the LoRA in fp32, the loss scaled as torch.amp.GradScaler does, no FP8); "
+             "or auto: fp16 on GPUs older than Ampere, bf16 elsewhere. The run says when it chose fp16 and why.",
     "compute": "The frozen base layers' arithmetic: bf16; fp8 (E4M3 forward and recompute with per-token and "
                "per-channel scales on GPUs with FP8 tensor cores, Ada and Hopper; input gradients and the LoRA stay "
                "bf16/fp32); or auto: fp8 on GPUs with FP8 tensor cores, bf16 elsewhere. "
@@ -269,6 +273,7 @@ class TrainConfig:
     prefetch: int | str = "auto"
     resident_blocks: int | str = 0
     host: str = "auto"
+    dtype: str = "auto"
     compute: str = "auto"
     cuda_graphs: str = "auto"
     compile: str = "auto"
@@ -310,9 +315,10 @@ class TrainConfig:
     def _check_numbers(self, bad) -> None:
         """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
         for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
-                             ("compute", COMPUTE_MODES), ("cuda_graphs", CUDA_GRAPHS), ("compile", COMPILE_MODES),
-                             ("attention", ATTENTION_MODES), ("loss_weighting", LOSS_WEIGHTINGS),
-                             ("timestep_sampling", TIMESTEP_SAMPLING), ("log", LOGGERS)):
+                             ("compute", COMPUTE_MODES), ("dtype", (*DTYPES, "auto")), ("cuda_graphs", CUDA_GRAPHS),
+                             ("compile", COMPILE_MODES), ("attention", ATTENTION_MODES),
+                             ("loss_weighting", LOSS_WEIGHTINGS), ("timestep_sampling", TIMESTEP_SAMPLING),
+                             ("log", LOGGERS)):
             if getattr(self, key) not in choices:
                 raise bad(key, f"is not one of {', '.join(choices)}")
         if self.prefetch != "auto" and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
@@ -321,6 +327,9 @@ class TrainConfig:
         if self.resident_blocks != "auto" and (not isinstance(self.resident_blocks, int)
                                                or isinstance(self.resident_blocks, bool) or self.resident_blocks < 0):
             raise bad("resident_blocks", "must be auto or a whole number of at least 0")
+        if self.dtype == "fp16" and self.compute == "fp8":
+            raise bad("compute", "with dtype = fp16: FP8 compute runs in bf16 runs only (GPUs with FP8 tensor cores "
+                                 "have bf16 too); choose compute = auto or bf16, or dtype = bf16")
         for key in ("rank", "batch_size", "grad_accum", "nan_patience", "sample_steps",
                     "max_sequence_length", "keep_last", "schedule_cycles"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:

@@ -181,13 +181,15 @@ def open_decoder(source: EncoderSource | str, family: str, dtype: torch.dtype):
 
 @contextlib.contextmanager
 def open_encoders(source: EncoderSource | str, device: torch.device, family: str, config=None,
-                  run: EncoderRun = DEFAULT_RUN) -> Iterator[Encoders]:
+                  run: EncoderRun = DEFAULT_RUN, dtype: torch.dtype | None = None) -> Iterator[Encoders]:
     """The encoders of ``source`` (a built-in tiny model, a pipeline folder or Hub ID, and single files) for a
     ``family`` model with ``config`` (the slab's recorded model config) on ``device``, placed for ``run`` (whole, or
-    the large text encoders streamed: train/encoder_placement.py), released on exit."""
+    the large text encoders streamed: train/encoder_placement.py), released on exit. ``dtype``: theirs (default bf16
+    on a GPU, fp32 on the CPU)."""
     source = EncoderSource.of(source)
     check_encoder_source(source, family)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if family != "flux":
         if builtin_family(source) == family:
             try:

@@ -67,6 +67,13 @@ def _tracker(value: Any) -> Any:
                         "wandb; set log to one of them.")
 
 
+def _mixed_precision(value: Any) -> Any:
+    if value in ("bf16", "fp16"):
+        return value
+    raise KohyaKeyError(f"mixed_precision = {value!r}: SquareQ trains the LoRA in fp32 under bf16 or fp16 autocast; "
+                        "set dtype to bf16, fp16 or auto (fp16 only on GPUs without bf16).")
+
+
 def _network_module(value: Any) -> Any:
     if value != "networks.lora_flux":
         raise KohyaKeyError(f"network_module = {value!r}: SquareQ trains a plain LoRA (networks.lora_flux); remove "
@@ -107,6 +114,7 @@ RENAMED: dict[str, tuple[str | None, Callable[[Any], Any] | None]] = {
     "conditioning_data_dir": ("mask_dir", None),
     "reg_data_dir": ("reg_data", None),
     "log_with": ("log", _tracker),
+    "mixed_precision": ("dtype", _mixed_precision),
     "log_tracker_name": ("wandb_project", None),
     "t5xxl": ("t5", None),
     "ae": ("vae", None),
@@ -119,7 +127,6 @@ ALWAYS = {
     "cache_latents_to_disk": "SquareQ's cache is always on disk",
     "cache_text_encoder_outputs": "SquareQ always caches text embeddings",
     "cache_text_encoder_outputs_to_disk": "SquareQ's cache is always on disk",
-    "mixed_precision": "SquareQ computes in bf16 autocast with fp32 LoRA weights",
     "save_precision": "SquareQ saves LoRA factors in bf16",
     "sdpa": "SquareQ uses PyTorch's scaled-dot-product attention",
     "enable_bucket": "SquareQ always buckets by aspect ratio",

@@ -37,7 +37,7 @@ from ..extras import require
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth, write_png
 from ..runtime.block_compile import compile_seconds, resolve_compile
-from ..runtime.compute import ComputeError, resolve_compute
+from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..runtime.host_choice import choose_host
 from ..runtime.host_memory import HostMemoryError
 from ..runtime.residency import StreamTuner
@@ -77,6 +77,7 @@ from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
 from .lora_metadata import dataset_summary, lora_header, source_date_epoch
+from .loss_scale import LossScale
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
 from .prompt_options import SamplePrompt, parse_prompt
@@ -250,6 +251,12 @@ def run_encoders(cfg: TrainConfig, record) -> EncoderSource:
                               cfg.encoder_files)
 
 
+def encoder_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The encoders' and the sample VAE's type: fp32 in an fp16 run (T5 and the VAEs overflow fp16, and the cards
+    without bf16 have no faster choice; they run once, to fill the cache), else their default (bf16 on a GPU)."""
+    return torch.float32 if resolve_dtype(cfg.dtype, device)[0] == "fp16" else None
+
+
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
@@ -300,7 +307,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
         run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget")
-        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config), run) as encoders:
+        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config), run,
+                           encoder_dtype(cfg, device)) as encoders:
             if encoders.placement is not None:
                 echo(encoders.placement.describe())
                 cache.record_encoders(encoders.text_identity, encoders.placement.record())
@@ -399,6 +407,10 @@ class _Run:
         self.slab = slab = open_slab(cfg.slab, verify="eager")
         self.cfg = cfg = _resumed_targets(cfg, self.out).with_family_defaults(slab.manifest.model.family)
         _check_variant(cfg, self.out, self.ranks.world)
+        try:
+            self.dtype, self.dtype_why = resolve_dtype(cfg.dtype, self.device)
+        except ComputeError as exc:
+            raise TrainError(f"--dtype {cfg.dtype}: {exc}") from None
         self.compute = self._compute()
         self.cuda_graphs = _use_cuda_graphs(cfg, self.device, echo)
         self.compile_blocks, self.compile_why = resolve_compile(cfg.compile, self.device,
@@ -406,7 +418,7 @@ class _Run:
         if cfg.vram_budget_bytes is not None and self.device.type == "cuda":
             plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
                                 text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
-                                lora_targets=cfg.targets, compute=self.compute)
+                                lora_targets=cfg.targets, compute=self.compute, dtype=self.dtype)
             echo("expected device memory:\n" + str(plan))
             if cfg.use_dora:
                 log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: "
@@ -430,7 +442,14 @@ class _Run:
         echo(f"training a {family} LoRA with the {objective} objective")
 
     def _compute(self) -> str:
-        """The base layers' arithmetic for ``cfg.compute`` on this device; ``auto`` says what it chose."""
+        """The base layers' arithmetic for ``cfg.compute`` on this device; ``auto`` says what it chose (in an fp16
+        run: no FP8, whose products are bf16)."""
+        if self.dtype == "fp16" and self.cfg.compute == "auto":
+            self.compute_why = "an fp16 run computes without FP8"
+            return "bf16"
+        if self.dtype == "fp16" and self.cfg.compute == "fp8":
+            raise TrainError("--compute fp8 with --dtype fp16: FP8 compute runs in bf16 runs only (GPUs with FP8 "
+                             "tensor cores have bf16 too); choose --compute auto or bf16, or --dtype bf16.")
         try:
             compute, why = resolve_compute(self.cfg.compute, self.device)
         except ComputeError as exc:
@@ -443,8 +462,11 @@ class _Run:
         cfg, ranks, data = self.cfg, self.ranks, self.data
         # the other ranks wait here while rank 0 fills the cache, so encoders and slab are never in memory together
         image_keys, text_keys, flipped_keys = ranks.broadcast(data.keys if ranks.is_main else None)
+        if self.dtype == "fp16":
+            self.echo(f"dtype {cfg.dtype}: fp16: {self.dtype_why}; the LoRA trains in fp32 with a scaled loss, the "
+                      "encoders and the sample VAE run in fp32")
         if cfg.compute == "auto":
-            self.echo(f"compute auto: {self.compute}: {self.compute_why}")
+            self.echo(f"compute auto: {'fp16' if self.dtype == 'fp16' else self.compute}: {self.compute_why}")
         if cfg.compile == "auto":
             self.echo(f"compile auto: {'on' if self.compile_blocks else 'off'}: {self.compile_why}")
         asked = cfg.host
@@ -454,7 +476,7 @@ class _Run:
         # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
         host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
         load = dict(prefetch=cfg.start_prefetch, verify="off", compute=self.compute, cuda_graphs=self.cuda_graphs,
-                    compile_blocks=self.compile_blocks, attention=cfg.attention)
+                    compile_blocks=self.compile_blocks, attention=cfg.attention, dtype=self.dtype)
         try:
             model = runtime.load(self.slab, self.device, host=host, **load)
         except HostMemoryError as exc:
@@ -481,6 +503,7 @@ class _Run:
         self.scheduler = lr_scheduler(cfg, self.optimizer, self.total)
         self.generator = torch.Generator().manual_seed(cfg.seed + 1)  # noise, timesteps and caption dropout
         self.ema = LoraEma(self.params, cfg.ema_decay) if cfg.ema_decay > 0 else None
+        self.loss_scale = LossScale() if self.dtype == "fp16" else None
         self.feed = CacheFeed(data.cache, image_keys, text_keys, data.captions + [[c] for c in data.validation],
                               data.dropped, self.device, flipped_keys, cfg.seed)
         # each entry's loss weight where regularisation images are mixed in (prior_loss_weight), else None
@@ -513,6 +536,9 @@ class _Run:
                 log.warning("%s holds no moving average of the LoRA (it was trained without ema_decay); the average "
                             "starts from its weights.", path)
                 self.ema = LoraEma(self.params, cfg.ema_decay)
+            if self.loss_scale is not None and not self.loss_scale.load_state_dict(ckpt.extra):
+                log.info("%s holds no fp16 loss scale (it was trained in bf16); the scale starts at %g.", path,
+                         self.loss_scale.value)
             self.step, self.skipped = ckpt.step, int(ckpt.data_state.get("skipped", 0))
             _apply_new_hyperparameters(cfg, self.optimizer, self.scheduler)
             changed = sorted(k for k, v in cfg.to_dict().items() if k != "resume" and ckpt.config.get(k, v) != v)
@@ -571,10 +597,15 @@ class _Run:
         self.ranks.average_grads(params)
         step_loss = self.ranks.mean(step_loss, self.device)
         grads = [p.grad for p in params if p.grad is not None]
+        if self.loss_scale is not None:
+            self.loss_scale.unscale(grads)
         # one norm over all gradients (NaN or Inf if any element is): one device sync, not one per tensor
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if not (math.isfinite(step_loss) and math.isfinite(float(norm))):
-            self.non_finite(step_start)
+            if self.loss_scale is not None and math.isfinite(step_loss) and self.loss_scale.can_back_off():
+                self.scale_overflowed(step_start)
+            else:
+                self.non_finite(step_start)
             return
         self.skipped_in_row = 0
         if self.on_gradients is not None:
@@ -582,6 +613,8 @@ class _Run:
         if self.cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, norm)
         self.update()
+        if self.loss_scale is not None:
+            self.loss_scale.stepped()
         self.tune(before=False)
         self.record(step_loss, float(norm), started)
         if self.compile_blocks:
@@ -654,19 +687,31 @@ class _Run:
             weights = None if self.entry_weights is None else self.entry_weights[torch.as_tensor(indices)]
             loss = denoising_loss(self.model, self.recipe, self.objective, latents, noise, t, text, cfg.guidance,
                                   cfg.loss_weighting, weights) / cfg.grad_accum
-            loss.backward()
+            (loss if self.loss_scale is None else self.loss_scale.scale(loss)).backward()
             step_loss += float(loss.detach())
         return step_loss
+
+    def again(self, step_start) -> None:
+        """Take this step again: the same batch, noise and timesteps."""
+        self.batches.load_state_dict(step_start[0])
+        self.generator.set_state(step_start[1])
+        self.batch_iter = iter(self.batches)
+
+    def scale_overflowed(self, step_start) -> None:
+        """An fp16 step whose loss is finite but whose scaled gradients overflowed: halve the loss scale and take the
+        same step again, as torch.amp.GradScaler halves it (it skips the batch; here no batch is lost)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        before = self.loss_scale.value
+        log.info("step %d: fp16 gradients overflowed at loss scale %g; the step runs again at %g.", self.step + 1,
+                 before, self.loss_scale.overflowed())
+        self.again(step_start)
 
     def non_finite(self, step_start) -> None:
         """A NaN/Inf loss or gradient: the same step again without cuDNN attention when that may be the cause,
         otherwise skipped; ``nan_patience`` skips in a row stop the run."""
         self.optimizer.zero_grad(set_to_none=True)
         if runtime.retry_without_cudnn(self.device):
-            # the same step again (same batch, noise and timesteps) with the cuDNN attention backend off
-            self.batches.load_state_dict(step_start[0])
-            self.generator.set_state(step_start[1])
-            self.batch_iter = iter(self.batches)
+            self.again(step_start)  # with the cuDNN attention backend off
             return
         self.skipped_in_row, self.skipped = self.skipped_in_row + 1, self.skipped + 1
         self.echo(f"step {self.step + 1}: the loss or a gradient is NaN/Inf; skipped ({self.skipped_in_row} in a row)")
@@ -750,7 +795,8 @@ class _Run:
             cfg, names = self.cfg, self.names
             lora = runtime.lora_state_dict(self.model)
             extra = {"generator": self.generator.get_state() if generator_state is None else generator_state,
-                     **(self.ema.state_dict(names) if self.ema else {})}
+                     **(self.ema.state_dict(names) if self.ema else {}),
+                     **(self.loss_scale.state_dict() if self.loss_scale else {})}
             path = save_checkpoint(self.out, self.step, lora, self.optimizer, names, self.scheduler,
                                    {"batches": data_state or self.batches.state_dict(), "skipped": self.skipped},
                                    cfg.to_dict(), extra=extra,
@@ -803,7 +849,8 @@ class _Run:
         between samples (loaded at the first)."""
         if self.decoder is None:
             self.decoder = open_decoder(self.encoder_source, self.family,
-                                        torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+                                        encoder_dtype(self.cfg, self.device)
+                                        or (torch.bfloat16 if self.device.type == "cuda" else torch.float32))
         text_keys = self.data.keys[1]
         embeds = {t: self.data.cache.load("text", text_keys[t]) for p in _sample_prompts(self.cfg) for t in p.texts}
         _save_samples(self.cfg, self.model, self.decoder, embeds, self.out / "samples", self.step, self.device)

@@ -42,6 +42,7 @@ from ..models.noising import (  # noqa: F401 (re-exported: the trainer's schedul
     noised,
     sample_timesteps,
 )
+from ..runtime import autocast_dtype
 from .masks import LOSS_MASK
 
 
@@ -89,13 +90,13 @@ def denoising_loss(model, recipe, objective: str, latents: torch.Tensor, noise: 
                    text: dict, guidance: float, weighting: str = "none",
                    sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The family's training loss of ``model`` on one batch: ``latents`` noised to x_t at times ``t``, the denoiser's
-    prediction (bf16 autocast, as the trainer runs it) against the objective's target, mean squared error, each
-    sample weighted by :func:`loss_weights` (flow matching only) times ``sample_weights`` (one per sample), each
-    element by ``text["loss_mask"]`` where the batch has one."""
+    prediction (autocast to the runtime's type, bf16 or fp16, as the trainer runs it) against the objective's
+    target, mean squared error, each sample weighted by :func:`loss_weights` (flow matching only) times
+    ``sample_weights`` (one per sample), each element by ``text["loss_mask"]`` where the batch has one."""
     text = dict(text)
     mask = text.pop(LOSS_MASK, None)  # cached with the latents (masked_loss), not an input of the denoiser
     x_t, target = noised(objective, latents, noise, t)
-    with torch.autocast(latents.device.type, dtype=torch.bfloat16):
+    with torch.autocast(latents.device.type, dtype=autocast_dtype(model)):
         output = model(**recipe.forward(model.config, x_t, t, text, guidance))
         pred = recipe.prediction(output, x_t)
     weights = loss_weights(weighting, t) if objective == "flow" else None

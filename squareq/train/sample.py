@@ -18,8 +18,9 @@ import torch
 from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS
+from ..runtime import autocast_dtype
 from ..runtime.block_compile import CompileModeError, resolve_compile
-from ..runtime.compute import ComputeError
+from ..runtime.compute import ComputeError, resolve_dtype
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from .encoder_placement import EncoderRun
@@ -52,8 +53,10 @@ class _FiniteLatents:
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
                               "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
+        # the tuner's callback first: it asks the graphs whether this step settled them (StreamTuner.after_step)
+        out = self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
         _end_graph_step(getattr(pipe, "transformer", None) or getattr(pipe, "unet", None))
-        return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
+        return out
 
 
 def _end_graph_step(transformer) -> None:
@@ -88,7 +91,7 @@ def check_sample_options(resolution: int, steps: int, guidance: float, max_seque
 def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None,
                embeds: dict[str, torch.Tensor] | None = None, negative: dict[str, torch.Tensor] | None = None):
     """One image of ``prompt`` (settled: train/prompt_options.py) from a FLUX pipeline whose transformer is a
-    runtime model (bf16 autocast, no gradients); ``on_step_end``: diffusers' ``callback_on_step_end`` (a
+    runtime model (autocast to its type, no gradients); ``on_step_end``: diffusers' ``callback_on_step_end`` (a
     StreamTuner's). ``embeds`` / ``negative``: the prompt's and its negative prompt's cached ``prompt_embeds`` and
     ``pooled_prompt_embeds`` (cache entries), for a pipeline without text encoders. :class:`SampleError` if the
     latents turn NaN/Inf."""
@@ -103,7 +106,7 @@ def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: tor
             text.update(negative_prompt_embeds=negative["prompt_embeds"][None].to(device, dtype),
                         negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(device, dtype),
                         true_cfg_scale=prompt.cfg_scale)
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(pipe.transformer)):
         return pipe(**text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
                     guidance_scale=prompt.guidance, max_sequence_length=max_sequence_length,
                     callback_on_step_end=_FiniteLatents(prompt.text, on_step_end),
@@ -123,7 +126,9 @@ def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, dev
                 "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
                 "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
     kwargs.update({k: v for k, v in optional.items() if k in params and v is not None})
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+    denoiser = next((getattr(pipe, c, None) for c in ("transformer", "unet") if getattr(pipe, c, None) is not None),
+                    None)
+    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(denoiser)):
         out = pipe(**kwargs)
     frames = getattr(out, "frames", None)
     return frames[0][0] if frames is not None else out.images[0]
@@ -145,7 +150,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   prefetch: int | str = "auto", host: str = "auto", device=None, resident_blocks: int | str = 0,
                   on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
                   cuda_graphs: bool = False, revision: str | None = None,
-                  files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto"):
+                  files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
+                  dtype: str = "auto"):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
@@ -154,7 +160,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     ``cuda_graphs``: replay each block's forward from a CUDA graph once it is captured (runtime/block_graphs.py).
     ``compile``: each block's forward under torch.compile, auto, on or off (runtime/block_compile.py; auto is off).
     ``attention``: which attention kernels the blocks prefer, auto, cudnn or default (runtime/attention_choice.py;
-    auto keeps torch's order here: :func:`sampling_attention`).
+    auto keeps torch's order here: :func:`sampling_attention`). ``dtype``: bf16, fp16 or auto (fp16 on GPUs without
+    bf16; the text encoders and VAE then run in fp32; runtime/compute.py).
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
@@ -180,10 +187,15 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     attention, why = sampling_attention(attention)
     log.info("attention: %s (%s).", attention, why)
     try:
+        dtype, why = resolve_dtype(dtype, device)
+        if dtype == "fp16" and compute == "auto":  # FP8's products are bf16
+            compute = "bf16"
+        log.info("dtype: %s (%s).", dtype, why)
         transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute,
-                                   cuda_graphs=cuda_graphs, compile_blocks=compile_blocks, attention=attention)
+                                   cuda_graphs=cuda_graphs, compile_blocks=compile_blocks, attention=attention,
+                                   dtype=dtype)
     except ComputeError as exc:
-        raise SampleError(f"--compute {compute}: {exc}") from None
+        raise SampleError(f"--compute {compute} --dtype {dtype}: {exc}") from None
     tuner = None
     if prefetch == "auto" or resident_blocks:
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)
@@ -212,7 +224,7 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
     streams on a small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and
     the VAE's decode (several GB at 1024²) have the GPU to themselves."""
     run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
-    with open_encoders(encoders, device, family, run=run) as opened:
+    with open_encoders(encoders, device, family, run=run, dtype=_encoder_dtype(transformer)) as opened:
         entries = {t: opened.encode_prompts([t], max_sequence_length)[0] for p in settled for t in p.texts}
         dtype = opened.dtype
     pipe = open_decoder(encoders, family, dtype)
@@ -224,6 +236,11 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
             negative=entries.get(prompt.negative)))
     finally:
         pipe.transformer = None
+
+
+def _encoder_dtype(transformer) -> torch.dtype | None:
+    """fp32 for the text encoders and VAE beside an fp16 denoiser (T5 and VAEs overflow fp16), else their default."""
+    return torch.float32 if runtime.runtime_of(transformer).dtype == "fp16" else None
 
 
 def _check_family(slab, family: str, encoders: EncoderSource) -> bool:
@@ -251,7 +268,7 @@ def _draw_through_pipeline(encoders: EncoderSource, family: str, transformer, se
                            max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
     """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler; the streamed
     ``transformer`` as its denoiser)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _encoder_dtype(transformer) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     component = ADAPTERS[family].component
     run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
     with open_family_pipeline(encoders, family, device, dtype, run=run) as opened:

@@ -9,8 +9,8 @@ from squareq import runtime
 from squareq.models import tiny_flux_inputs
 
 
-def inputs(device, batch: int = 2, seed: int = 0) -> dict:
-    return {k: v.to(device) for k, v in tiny_flux_inputs(batch=batch, dtype=torch.bfloat16, seed=seed).items()}
+def inputs(device, batch: int = 2, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
+    return {k: v.to(device) for k, v in tiny_flux_inputs(batch=batch, dtype=dtype, seed=seed).items()}
 
 
 def with_lora(model, seed: int = 0, targets=runtime.DEFAULT_TARGETS) -> list[torch.nn.Parameter]:
@@ -23,14 +23,16 @@ def with_lora(model, seed: int = 0, targets=runtime.DEFAULT_TARGETS) -> list[tor
     return params
 
 
-def step(model, batch: dict, checkpointing: bool, autocast: bool = False):
-    """Forward, MSE-to-zero loss, backward; the output and every LoRA gradient (cloned), grads cleared."""
+def step(model, batch: dict, checkpointing: bool, autocast: bool | torch.dtype = False):
+    """Forward, MSE-to-zero loss, backward; the output and every LoRA gradient (cloned), grads cleared. ``autocast``:
+    True (bf16) or the dtype to autocast to."""
     if checkpointing:
         model.enable_gradient_checkpointing()
     else:
         model.disable_gradient_checkpointing()
     device_type = next(iter(batch.values())).device.type
-    amp = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    dtype = torch.bfloat16 if autocast is True else autocast
+    amp = torch.autocast(device_type, dtype=dtype) if autocast else contextlib.nullcontext()
     with amp:
         out = model(**batch, return_dict=False)[0]
     loss = out.float().pow(2).mean()

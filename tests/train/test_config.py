@@ -210,9 +210,11 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
                     'resolution = "768,768"\ncaption_extension = ".caption"\nbucket_no_upscale = true\n'
                     'output_name = "my-lora"\nnetwork_module = "networks.lora_flux"\ngradient_checkpointing = true\n'
                     'discrete_flow_shift = 3.1582\nweighting_scheme = "cosmap"\ntimestep_sampling = "sigmoid"\n'
-                    'clip_l = "m/clip_l.safetensors"\nt5xxl = "m/t5xxl_fp16.safetensors"\nae = "m/ae.safetensors"\n')
+                    'clip_l = "m/clip_l.safetensors"\nt5xxl = "m/t5xxl_fp16.safetensors"\nae = "m/ae.safetensors"\n'
+                    'mixed_precision = "fp16"\n')
     with caplog.at_level("WARNING", logger="squareq.train"):
         cfg = load_config(path)
+    assert cfg.dtype == "fp16"  # kohya's mixed_precision
     assert (cfg.rank, cfg.lora_alpha, cfg.lr, cfg.steps, cfg.optimizer, cfg.schedule, cfg.warmup) == \
         (32, 16.0, 5e-4, 300, "adamw8bit", "constant_with_warmup", 10)
     assert (cfg.resolution, cfg.caption_ext, cfg.no_upscale, cfg.title, cfg.shift) == \
@@ -223,12 +225,12 @@ def test_kohya_keys_map_to_ours_or_get_a_sentence_each(tmp_path, caplog):
     assert any("gradient_checkpointing" in r.getMessage() and "always checkpoints" in r.getMessage()
                for r in caplog.records)
     path.write_text('network_dim = 8\nnetwork_args = ["x=1"]\npretrained_model_name_or_path = "flux1-dev.safetensors"\n'
-                    'optimizer_type = "Lion"\n')
+                    'optimizer_type = "Lion"\nmixed_precision = "no"\n')
     with pytest.raises(ConfigError) as err:
         load_config(path)
     message = str(err.value)
     for words in ("network_args: SquareQ's LoRA takes no network_args", "pretrained_model_name_or_path: the model is the slab",
-                  "optimizer_type = 'Lion'"):
+                  "optimizer_type = 'Lion'", "mixed_precision = 'no': SquareQ trains the LoRA in fp32 under bf16 or fp16"):
         assert words in message, (words, message)
     path.write_text("network_dim = 8\nrank = 16\n")
     with pytest.raises(ConfigError, match="network_dim and rank both set rank"):
