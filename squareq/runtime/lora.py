@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .block_compile import trace_quantized_layers
-from .peft_lora import LoraVariant, add_peft_lora, file_name, is_lora_parameter
+from .peft_lora import LoraVariant, add_peft_lora, add_peft_lycoris, file_name, is_lora_parameter
 from .qlinear import QuantLinear
 
 DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -40,7 +40,8 @@ def add_lora(model: nn.Module, rank: int = 16, alpha: float | None = None, targe
                          "name layers as PEFT target_modules do (e.g. to_q, attn.to_out.0).")
     variant = variant or LoraVariant()
     if peft or not variant.plain:
-        params = add_peft_lora(model, layers, rank, alpha, variant, seed)
+        adder = add_peft_lora if variant.kind == "lora" else add_peft_lycoris
+        params = adder(model, layers, rank, alpha, variant, seed)
         if _compiled(model):  # PEFT's new wrappers run eagerly (runtime/block_compile.py)
             trace_quantized_layers(model)
         return params

@@ -1,4 +1,5 @@
-"""LoRA variants through PEFT's own layers: DoRA, rsLoRA and LoRA dropout on a runtime model's QuantLinear.
+"""LoRA variants through PEFT's own layers: DoRA, rsLoRA and LoRA dropout on a runtime model's QuantLinear, and
+LyCORIS' LoKr (Kronecker factors) and LoHa (Hadamard product of two low-rank pairs) as PEFT implements them.
 
 PEFT's ``lora.Linear`` wraps a QuantLinear through ``LoraConfig``'s custom-module mapping; its forward calls the
 QuantLinear (dequantize and matmul, streamed or not) and adds the adapter, so every variant PEFT has works as PEFT
@@ -12,6 +13,11 @@ defines it. Three things make that hold on a streamed model:
 Factors are fp32 masters, initialised from ``seed`` exactly as :func:`squareq.runtime.lora.add_lora` initialises its
 own, so a plain LoRA through PEFT starts where the fast path starts. Parameter names are reported in the file
 naming (``<layer>.lora_A.weight``, ``<layer>.lora_magnitude_vector``) by :func:`file_name`.
+
+PEFT builds a LoKr or LoHa layer only around an ``nn.Linear`` (it reads the base layer's sizes, weight shape, device
+and dtype to shape and place the factors): :func:`add_peft_lycoris` builds each around a weightless stand-in
+(:class:`_Shape`) and then sets the QuantLinear as its base layer, which is all its forward calls. Their parameters
+are named as PEFT saves them (``<layer>.lokr_w1``, ``<layer>.hada_w1_a``, ...).
 """
 from __future__ import annotations
 
@@ -41,31 +47,37 @@ def require_peft() -> None:
                           "installed: pip install 'squareq[peft]' (or pip install peft), or train a plain "
                           "LoRA.") from None
 _PEFT_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.default\.weight$")
+_LYCORIS = re.compile(r"\.((?:lokr|hada)_[wt][12](?:_[ab])?)\.default$")
+KINDS = ("lora", "lokr", "loha")
 _MAGNITUDE = re.compile(r"\.lora_magnitude_vector\.default\.weight$")
 
 
 @dataclass(frozen=True)
 class LoraVariant:
     """What differs from a plain LoRA: DoRA's magnitude vector, rsLoRA's scale alpha/sqrt(rank), dropout on the
-    adapter's input while training."""
+    adapter's input while training; or another kind of adapter (``kind`` lokr or loha; ``factor``: LoKr's
+    ``decompose_factor``, -1 for the most balanced split)."""
 
     dora: bool = False
     rslora: bool = False
     dropout: float = 0.0
+    kind: str = "lora"
+    factor: int = -1
 
     @property
     def plain(self) -> bool:
-        return not (self.dora or self.rslora or self.dropout)
+        return self.kind == "lora" and not (self.dora or self.rslora or self.dropout)
 
 
 def file_name(name: str) -> str:
     """A PEFT parameter name in the LoRA file naming: ``x.lora_A.default.weight`` -> ``x.lora_A.weight``,
     ``x.lora_magnitude_vector.default.weight`` -> ``x.lora_magnitude_vector`` (what PEFT itself saves)."""
-    return _MAGNITUDE.sub(".lora_magnitude_vector", _PEFT_SUFFIX.sub(r".\1.weight", name))
+    return _LYCORIS.sub(r".\1", _MAGNITUDE.sub(".lora_magnitude_vector", _PEFT_SUFFIX.sub(r".\1.weight", name)))
 
 
 def is_lora_parameter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name or ".lora_magnitude_vector." in name
+    return (".lora_A." in name or ".lora_B." in name or ".lora_magnitude_vector." in name
+            or _LYCORIS.search(name) is not None)
 
 
 def _bound(module: nn.Module):
@@ -140,3 +152,56 @@ def _start(wrapper: nn.Module, a: torch.Tensor, variant: LoraVariant) -> None:
             wrapper.lora_magnitude_vector[ADAPTER].update_layer(
                 base_layer=wrapper.get_base_layer(), lora_A=wrapper.lora_A[ADAPTER].weight,
                 lora_B=wrapper.lora_B[ADAPTER].weight, scaling=wrapper.scaling[ADAPTER])
+
+
+class _Shape(nn.Linear):
+    """What PEFT's LoKr and LoHa layers read of their base layer while they build their factors: nn.Linear's type, the
+    sizes, and a weight's shape, device and dtype (fp32, the factors' master type); it holds no weight."""
+
+    def __init__(self, layer: QuantLinear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        empty = torch.empty((), dtype=torch.float32, device=layer.scratch.buffer.device)
+        self.weight = nn.Parameter(empty.expand(self.out_features, self.in_features), requires_grad=False)
+        self.bias = None
+
+
+def add_peft_lycoris(model: nn.Module, layers: list[str], rank: int, alpha: float, variant: LoraVariant,
+                     seed: int = 0) -> list[nn.Parameter]:
+    """Wrap the QuantLinear ``layers`` (full names, in model order) in PEFT's LoKr or LoHa layers (``variant.kind``),
+    factors in fp32 initialised as PEFT initialises them (the delta starts at zero) from ``seed``; return the
+    trainable parameters in that order."""
+    require_peft()
+    from peft import LoHaConfig, LoKrConfig
+    from peft.tuners.loha.layer import Linear as LoHaLinear
+    from peft.tuners.lokr.layer import Linear as LoKrLinear
+
+    if variant.kind == "lokr":
+        config, layer_class = LoKrConfig(r=rank, alpha=alpha, decompose_factor=variant.factor), LoKrLinear
+    else:
+        config, layer_class = LoHaConfig(r=rank, alpha=alpha), LoHaLinear
+    params = []
+    with torch.random.fork_rng(devices=[]):  # PEFT draws from the global generator, on the host: seeded, restored
+        torch.manual_seed(seed)
+        for name in layers:
+            base = model.get_submodule(name)
+            wrapper = layer_class(_Shape(base), ADAPTER, config, r=rank, alpha=alpha)
+            wrapper.base_layer = base  # all the wrapper's forward calls of it
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, wrapper)
+            own = [p for n, p in wrapper.named_parameters() if not n.startswith("base_layer.")]
+            for p in own:
+                p.requires_grad_(True)
+            params += own
+    return params
+
+
+def lycoris_config(variant: LoraVariant, rank: int, alpha: float, layers: list[str]) -> dict:
+    """The ``adapter_config.json`` PEFT writes for these factors (``PeftModel.from_pretrained`` reads it back)."""
+    from peft import LoHaConfig, LoKrConfig
+
+    if variant.kind == "lokr":
+        config = LoKrConfig(r=rank, alpha=alpha, decompose_factor=variant.factor).to_dict()
+    else:
+        config = LoHaConfig(r=rank, alpha=alpha).to_dict()
+    return {**config, "peft_type": str(config["peft_type"].value), "target_modules": sorted(layers)}

@@ -23,7 +23,7 @@ from ..runtime.block_compile import MODES as COMPILE_MODES
 from ..runtime.compute import DTYPES
 from ..runtime.compute import MODES as COMPUTE_MODES
 from ..runtime.lora import DEFAULT_TARGETS
-from ..runtime.peft_lora import LoraVariant
+from ..runtime.peft_lora import KINDS, LoraVariant
 from ..sizes import SizeError, parse_size
 from .data import refused_character
 from .encoder_source import SINGLE_FILE_FLAGS
@@ -39,7 +39,7 @@ TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("auto", "pinned", "shared", "disk")
 CUDA_GRAPHS = ("auto", "on", "off")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
-SAVE_FORMATS = ("diffusers", "kohya")
+SAVE_FORMATS = ("diffusers", "kohya", "peft")
 # seeds go to numpy's legacy seeding and kohya's set_seed as well as torch's, which take 0 to 2**32 - 1
 MAX_SEED = 2**32 - 1
 # the LoRA's scale alpha/rank: kohya and PEFT users pick 1/rank to 2, so 1024 is far beyond any recipe, and far above
@@ -78,6 +78,13 @@ HELP = {
     "use_rslora": "Scale the LoRA by alpha/sqrt(rank) instead of alpha/rank (rank-stabilised LoRA, through PEFT's "
                   "layers).",
     "lora_dropout": "Dropout on the LoRA's input while training (through PEFT's layers), e.g. 0.1.",
+    "lora_type": "The adapter: lora; lokr (LyCORIS' Kronecker-product adapter, rank is its low-rank factor's rank) "
+                 "or loha (LyCORIS' Hadamard product of two rank-r pairs), both through PEFT's layers and written "
+                 "as a PEFT adapter folder (OUT/<title>_peft, PeftModel.from_pretrained loads it); ai-toolkit's "
+                 "network type, kohya's LyCORIS algo.",
+    "lokr_factor": "LoKr's decompose factor (ai-toolkit's lokr_factor, PEFT's decompose_factor): -1 splits each "
+                   "layer's sides as evenly as they factor, N makes the Kronecker product's first factor at most "
+                   "N x N.",
     "lr": "Learning rate.",
     "optimizer": "adamw, adamw8bit (needs bitsandbytes), prodigy (needs prodigyopt; use lr 1.0) or adafactor.",
     "weight_decay": "AdamW weight decay.",
@@ -184,7 +191,8 @@ HELP = {
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
-                   "(default: both for FLUX.1, diffusers otherwise).",
+                   "(default: both for FLUX.1, diffusers otherwise); peft (OUT/<title>_peft/, the only one for "
+                   "lora_type lokr and loha).",
     "title": "The LoRA's title in its metadata (modelspec.title) and the kohya file's name (default: the output "
              "folder's name).",
 }
@@ -218,6 +226,8 @@ class TrainConfig:
     use_dora: bool = False
     use_rslora: bool = False
     lora_dropout: float = 0.0
+    lora_type: str = "lora"
+    lokr_factor: int = -1
     # optimization
     lr: float = 1e-4
     optimizer: str = "adamw"
@@ -311,6 +321,28 @@ class TrainConfig:
                 parse_size(self.vram_budget)
             except SizeError as exc:
                 raise ConfigError(f"{where}: vram_budget: {exc}") from None
+
+    def _check_adapter(self, bad) -> None:
+        """lora_type and what goes with it (:meth:`validate`'s ``bad`` builds the error)."""
+        if self.lora_type not in KINDS:
+            raise bad("lora_type", f"is not one of {', '.join(KINDS)}")
+        if not isinstance(self.lokr_factor, int) or isinstance(self.lokr_factor, bool) \
+                or not (self.lokr_factor == -1 or self.lokr_factor >= 1):
+            raise bad("lokr_factor", "must be -1 (balanced) or a whole number of at least 1")
+        if self.lora_type == "lora":
+            if self.save_format is not None and "peft" in self.save_format:
+                raise bad("save_format", "names peft, the folder LoKr and LoHa are written as; a LoRA is written as "
+                                         "diffusers and kohya files")
+            return
+        given = [k for k in ("use_dora", "use_rslora") if getattr(self, k)] + (["lora_dropout"] if self.lora_dropout
+                                                                                else [])
+        if given:
+            raise bad("lora_type", f"is {self.lora_type}, which takes none of {', '.join(given)} (they are LoRA's); "
+                                   "remove them or set lora_type = \"lora\"")
+        if self.save_format is not None and set(self.save_format) != {"peft"}:
+            raise bad("save_format", f"names {', '.join(f for f in self.save_format if f != 'peft')}, which hold "
+                                     f"LoRA factors only; a {self.lora_type} adapter is written as a PEFT folder: "
+                                     "save_format = peft")
 
     def _check_numbers(self, bad) -> None:
         """Choices, counts and numeric ranges (:meth:`validate`'s ``bad`` builds the error)."""
@@ -424,6 +456,7 @@ class TrainConfig:
             if not isinstance(getattr(self, key), bool):
                 raise bad(key, "must be true or false")
         self._check_masks(bad)
+        self._check_adapter(bad)
         if self.wandb_project != "squareq" and self.log != "wandb":
             raise bad("wandb_project", "names a Weights & Biases project, and log is not wandb; set log = \"wandb\" "
                                        "(--log wandb) or remove wandb_project")
@@ -485,7 +518,8 @@ class TrainConfig:
     @property
     def lora_variant(self) -> LoraVariant:
         """DoRA, rsLoRA and dropout as the runtime takes them (any of them: PEFT's layers)."""
-        return LoraVariant(dora=self.use_dora, rslora=self.use_rslora, dropout=float(self.lora_dropout))
+        return LoraVariant(dora=self.use_dora, rslora=self.use_rslora, dropout=float(self.lora_dropout),
+                           kind=self.lora_type, factor=self.lokr_factor)
 
     @property
     def encoder_files(self) -> dict[str, str | None]:

@@ -40,6 +40,7 @@ from ..runtime.block_compile import compile_seconds, resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..runtime.host_choice import choose_host
 from ..runtime.host_memory import HostMemoryError
+from ..runtime.peft_lora import lycoris_config
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from ..slab.atomic import atomic_write_bytes, ensure_output_dir, os_error_sentence, remove_debris
@@ -75,7 +76,14 @@ from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
-from .lora_files import adapter_metadata, save_diffusers_lora, save_kohya_lora
+from .lora_files import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    adapter_metadata,
+    save_diffusers_lora,
+    save_kohya_lora,
+    save_peft_adapter,
+)
 from .lora_metadata import dataset_summary, lora_header, source_date_epoch
 from .loss_scale import LossScale
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
@@ -800,7 +808,8 @@ class _Run:
             path = save_checkpoint(self.out, self.step, lora, self.optimizer, names, self.scheduler,
                                    {"batches": data_state or self.batches.state_dict(), "skipped": self.skipped},
                                    cfg.to_dict(), extra=extra,
-                                   lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha, cfg.lora_variant))
+                                   lora_metadata=adapter_metadata(lora, cfg.rank, cfg.lora_alpha, cfg.lora_variant)
+                                   if cfg.lora_type == "lora" else None)
             prune_checkpoints(self.out, max(1, cfg.keep_last))
             self.metrics.flush()
             plot_losses(self.out)
@@ -888,7 +897,9 @@ class _Run:
 def _remove_debris(cfg: TrainConfig, out: Path, echo) -> None:
     """The temporaries a killed run left in ``out`` (a checkpoint, LoRA file or log it was writing: Python's cleanup
     never ran), one line each; only names this run's own writers make, never a user's file."""
-    written = [*lora_paths(cfg, out).values(), out / METRICS_FILE, out / VALIDATION_FILE, out / "loss.png"]
+    paths = lora_paths(cfg, out)
+    written = [paths["diffusers"], paths["kohya"], paths["peft"] / PEFT_WEIGHTS, paths["peft"] / PEFT_CONFIG,
+               out / METRICS_FILE, out / VALIDATION_FILE, out / "loss.png"]
     for debris in [*remove_checkpoint_debris(out), *(p for path in written for p in remove_debris(path))]:
         echo(f"removed {debris}, left by a run that was killed while writing it")
 
@@ -916,6 +927,10 @@ def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
             raise TrainError(f"{path} was trained with {key} = {str(bool(saved[key])).lower()}; resume with the same "
                              f"setting ({flag} {'on' if saved[key] else 'off'}), or start a new run in a new -o "
                              "folder.")
+    for key in ("lora_type", "lokr_factor"):
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise TrainError(f"{path} was trained with {key} = {saved[key]}; resume with the same setting "
+                             f"(--{key.replace('_', '-')} {saved[key]}), or start a new run in a new -o folder.")
 
 
 def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:
@@ -932,6 +947,8 @@ def save_formats(cfg: TrainConfig, family: str) -> list[str]:
     """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file and, for FLUX.1, the kohya
     file whose ``.alpha`` tensors carry the strength to ComfyUI. Refused before training where a layout cannot
     hold this family's LoRA."""
+    if cfg.lora_type != "lora":  # config.py refused any other format for them
+        return ["peft"]
     formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" and not cfg.use_dora else ["diffusers"])
     if "kohya" in formats and family != "flux":
         raise TrainError(f"save_format = {','.join(formats)}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's, and "
@@ -943,13 +960,14 @@ def save_formats(cfg: TrainConfig, family: str) -> list[str]:
 
 
 def lora_paths(cfg: TrainConfig, out: Path) -> dict[str, Path]:
-    """Where each layout goes: ``OUT/pytorch_lora_weights.safetensors`` and ``OUT/<title>_kohya.safetensors`` (the
-    title made safe as a file name)."""
+    """Where each layout goes: ``OUT/pytorch_lora_weights.safetensors``, ``OUT/<title>_kohya.safetensors`` and the
+    folder ``OUT/<title>_peft`` (the title made safe as a file name)."""
     title = cfg.title or out.name
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in title).strip("._") or "lora"
     # a title is checked against this limit up front; the default one, the -o folder's name, may be longer
     stem = stem.encode()[:MAX_TITLE_BYTES].decode("utf-8", "ignore")
-    return {"diffusers": out / "pytorch_lora_weights.safetensors", "kohya": out / f"{stem}_kohya.safetensors"}
+    return {"diffusers": out / "pytorch_lora_weights.safetensors", "kohya": out / f"{stem}_kohya.safetensors",
+            "peft": out / f"{stem}_peft"}
 
 
 def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str, dataset, formats: list[str],
@@ -988,6 +1006,10 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     if "kohya" in formats:
         files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, kohya_alpha, cfg.targets,
                                          extra_metadata=provenance, header=header("kohya"))
+    if "peft" in formats:
+        layers = sorted({name.rsplit(".", 1)[0] for name in lora})
+        config = lycoris_config(cfg.lora_variant, cfg.rank, cfg.lora_alpha, layers)
+        files["peft"] = save_peft_adapter(lora, files["peft"], config, header=header("peft"))
     return files
 
 

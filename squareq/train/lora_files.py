@@ -593,6 +593,10 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     alpha/sqrt(rank) is read as the alpha of the same plain scale, alpha·sqrt(rank), so it applies without PEFT.
     """
     path = Path(path)
+    if path.is_dir() and (path / PEFT_CONFIG).is_file():
+        raise LoraFileError(f"{path} is a PEFT adapter folder (a LoKr or LoHa from lora_type lokr/loha); load it with "
+                            "peft's PeftModel.from_pretrained(denoiser, folder), since SquareQ's sampler and exports "
+                            "take LoRA files only.")
     file = path / WEIGHT_NAME if path.is_dir() else path
     if not file.is_file():
         raise LoraFileError(f"{file} does not exist; pass a LoRA .safetensors file or the folder holding "
@@ -745,3 +749,22 @@ def _layer_of(name: str) -> tuple[str, str]:
     """(layer, suffix) of a runtime factor name: ``.lora_A.weight``, ``.lora_B.weight`` or the DoRA magnitude."""
     suffix = next((s for s in (_A, _B, _MAGNITUDE) if name.endswith(s)), "")
     return name[: len(name) - len(suffix)], suffix
+
+
+# ------------------------------------------------------------------------------------------ PEFT (LoKr, LoHa)
+
+PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+def save_peft_adapter(lora: Mapping[str, torch.Tensor], folder, config: Mapping[str, Any],
+                      header: Mapping[str, str] | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``folder/adapter_model.safetensors`` and ``adapter_config.json`` as PEFT's ``save_pretrained`` writes
+    them, for ``PeftModel.from_pretrained(denoiser, folder)``: the LoKr or LoHa factors of ``lora``
+    (``runtime.lora_state_dict``; ``<layer>.lokr_w1``, ...) under ``base_model.model.``, and ``config``
+    (runtime/peft_lora.py ``lycoris_config``). Each file is written atomically. Returns the folder."""
+    _check_dtype(dtype)
+    folder = Path(folder)
+    tensors = {f"base_model.model.{name}": t.detach().to("cpu", dtype).contiguous() for name, t in sorted(lora.items())}
+    _write(folder / PEFT_WEIGHTS, tensors, {"format": "pt", **(header or {})})
+    atomic_write_bytes(folder / PEFT_CONFIG, (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode())
+    return folder

@@ -33,7 +33,7 @@ def _text(x: float) -> str:
 _ARCHITECTURES = {"flux": "flux-1-dev", "chroma": "chroma", "sd3": "stable-diffusion-3"}
 # sd-scripts' ss_base_model_version of the families it trains
 _BASE_VERSIONS = {"flux": "flux1", "chroma": "chroma", "sd3": "sd3"}
-_IMPLEMENTATIONS = {"diffusers": "diffusers", "kohya": "https://github.com/black-forest-labs/flux"}
+_IMPLEMENTATIONS = {"diffusers": "diffusers", "kohya": "https://github.com/black-forest-labs/flux", "peft": "peft"}
 
 
 def architecture(family: str, config: Mapping | None = None) -> tuple[str, str]:
@@ -85,7 +85,7 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
     title = cfg.title or Path(cfg.output).name
     header = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
-        "modelspec.architecture": f"{arch}/lora",
+        "modelspec.architecture": f"{arch}/{getattr(cfg, 'lora_type', 'lora')}",
         "modelspec.implementation": _IMPLEMENTATIONS[layout],
         "modelspec.title": title,
         "modelspec.date": datetime.datetime.fromtimestamp(finished, datetime.UTC).isoformat(
@@ -124,5 +124,9 @@ def lora_header(cfg, *, family: str, layout: str, base_model: str, base_config: 
         header["ss_network_dropout"] = _text(cfg.lora_dropout)
     if cfg.use_dora or cfg.use_rslora:
         header["ss_network_args"] = json.dumps({k: True for k in ("use_dora", "use_rslora") if getattr(cfg, k)})
+    if getattr(cfg, "lora_type", "lora") != "lora":  # as kohya's LyCORIS runs record theirs
+        header["ss_network_module"] = "lycoris.kohya"
+        header["ss_network_args"] = json.dumps({"algo": cfg.lora_type, **({"factor": cfg.lokr_factor}
+                                                                          if cfg.lora_type == "lokr" else {})})
     return header
 

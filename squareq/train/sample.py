@@ -53,10 +53,8 @@ class _FiniteLatents:
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
                               "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
-        # the tuner's callback first: it asks the graphs whether this step settled them (StreamTuner.after_step)
-        out = self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
         _end_graph_step(getattr(pipe, "transformer", None) or getattr(pipe, "unet", None))
-        return out
+        return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
 
 
 def _end_graph_step(transformer) -> None:

@@ -53,7 +53,7 @@ def assert_same(a, b) -> None:
         assert torch.equal(grads_a[name], grads_b[name]), f"LoRA gradient of {name} differs"
 
 
-def train_steps(model, device, steps: int, autocast: bool = False):
+def train_steps(model, device, steps: int, autocast: bool | torch.dtype = False, dtype: torch.dtype = torch.bfloat16):
     """``steps`` LoRA training steps on seeded batches (LoRA from :func:`with_lora`, an SGD step between them): each
     step's output and LoRA gradients, and the runtime's CUDA-graph counts of each step (None without graphs)."""
     params = with_lora(model)
@@ -61,7 +61,7 @@ def train_steps(model, device, steps: int, autocast: bool = False):
     graphs = runtime.runtime_of(model).graphs
     results, counts = [], []
     for i in range(steps):
-        out, grads = step(model, inputs(device, seed=i), checkpointing=True, autocast=autocast)
+        out, grads = step(model, inputs(device, seed=i, dtype=dtype), checkpointing=True, autocast=autocast)
         for name, p in runtime.lora_parameters(model).items():
             p.grad = grads[name].clone()
         opt.step()

@@ -11,7 +11,7 @@ from squareq.models import load_builtin
 from squareq.quant import QuantSpec
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.config import ConfigError, TrainConfig, load_config
-from squareq.train.lora_files import load_lora
+from squareq.train.lora_files import LoraFileError, load_lora
 from squareq.train.loop import TrainError, train
 
 
@@ -1461,3 +1461,70 @@ def test_squareq_sample_draws_in_fp16_close_to_bf16(workspace, tmp_path):
     close = np.abs(images["fp16"] - images["bf16"]).mean()
     far = np.abs(images["other"] - images["bf16"]).mean()
     assert close < 2.0 and far > 5 * max(close, 1.0), (close, far)
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace, tmp_path, kind, monkeypatch):
+    """lora_type lokr / loha: the adapter trains (LoKr's w1 and LoHa's w2_b start at zero and move), a run killed
+    after step 4 and resumed from step 3 writes the same factors bit for bit, and the PEFT folder it writes loads
+    with PeftModel.from_pretrained into the plain denoiser (the slab's weights as nn.Linear) to the outputs the
+    runtime gives with those factors (both in fp32, so bf16's rounding, larger than the adapter's effect on the tiny
+    model, stays out). Negative control: the plain denoiser without the adapter is far from them."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from squareq.models import tiny_flux_inputs
+    from squareq.runtime import LoraVariant
+    from squareq.runtime import compute as compute_mode
+
+    kw = dict(lora_type=kind, steps=6, save_every=3, lr=1e-2, title="run")
+    straight = train(_config(workspace, tmp_path / "straight", **kw), echo=lambda s: None)
+
+    def kill(step):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(workspace, tmp_path / "killed", **kw), echo=lambda s: None, after_step=kill)
+    resumed = train(_config(workspace, tmp_path / "killed", resume="latest", **kw), echo=lambda s: None)
+    assert straight.lora_file == tmp_path / "straight" / "run_peft"
+    a = load_file(straight.lora_file / "adapter_model.safetensors")
+    b = load_file(resumed.lora_file / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    zero_at_start = "lokr_w1" if kind == "lokr" else "hada_w2_b"
+    assert all(a[k].abs().max() > 0 for k in a if k.endswith(zero_at_start))
+
+    with pytest.raises(LoraFileError, match="is a PEFT adapter folder .* load it with peft's PeftModel"):
+        load_lora(straight.lora_file)  # squareq sample --lora and export-lora say so too
+    config = json.loads((straight.lora_file / "adapter_config.json").read_text())
+    assert config["peft_type"] == kind.upper() and config["r"] == 4
+    monkeypatch.setitem(compute_mode.DTYPES, "fp32", torch.float32)
+    ours_model = runtime.load(workspace / "tiny.slab", "cpu", stream=False, dtype="fp32")
+    plain = load_builtin("tiny-flux")[0].float()
+    with torch.no_grad():  # the plain model holds the slab's effective weights
+        for name, layer in ours_model.named_modules():
+            if isinstance(layer, runtime.QuantLinear):
+                plain.get_submodule(name).weight.copy_(layer.dequantized_weight().float())
+    batch = tiny_flux_inputs(batch=1, dtype=torch.float32, seed=3)
+    with torch.no_grad():
+        base = plain(**batch, return_dict=False)[0]
+    peft_model = PeftModel.from_pretrained(plain, str(straight.lora_file)).eval()
+    runtime.add_lora(ours_model, rank=4, targets=config["target_modules"], variant=LoraVariant(kind=kind))
+    with torch.no_grad():
+        for name, p in runtime.lora_parameters(ours_model).items():
+            p.copy_(a["base_model.model." + name].float())
+        ours = ours_model(**batch, return_dict=False)[0]
+        theirs = peft_model(**batch, return_dict=False)[0]
+    effect = (ours - base).abs().mean()
+    assert (ours - theirs).abs().mean() < 0.1 * effect, ((ours - theirs).abs().mean(), effect)
+
+
+def test_lokr_and_loha_options_are_checked(workspace, tmp_path):
+    for values, why in (
+            (dict(lora_type="lycoris"), "lora_type = 'lycoris' is not one of lora, lokr, loha"),
+            (dict(lora_type="lokr", use_dora=True), "lora_type = 'lokr' is lokr, which takes none of use_dora"),
+            (dict(lora_type="loha", save_format=["diffusers"]), "save_format = \\['diffusers'\\] names diffusers"),
+            (dict(save_format=["peft"]), "names peft, the folder LoKr and LoHa are written as"),
+            (dict(lora_type="lokr", lokr_factor=0), "lokr_factor = 0 must be -1 \\(balanced\\)")):
+        with pytest.raises(ConfigError, match=why):
+            _config(workspace, tmp_path / "x", **values)
