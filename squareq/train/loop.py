@@ -72,7 +72,7 @@ from .data import (
 from .distributed import Ranks
 from .ema import LoraEma
 from .encoder_placement import EncoderRun
-from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
+from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pipeline_folder, recorded_encoders
 from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
@@ -89,7 +89,7 @@ from .loss_scale import LossScale
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
 from .prompt_options import SamplePrompt, parse_prompt
-from .sample import FORWARD_SLOTS, draw_image
+from .sample import FORWARD_SLOTS, draw_image, draw_through_pipeline
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 
 METRICS_FILE = "metrics.jsonl"
@@ -436,11 +436,10 @@ class _Run:
         _check_trainable(cfg.slab, family)
         self.formats = save_formats(cfg, family)
         self.started = time.time()
-        if cfg.sample_every and not ADAPTERS[family].samples:
-            raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} "
-                             "family yet; set sample_every = 0 (--sample-every 0).")
         self.recipe = ADAPTERS[family].recipe
         self.encoder_source = run_encoders(cfg, slab.manifest.model)
+        if cfg.sample_every:
+            _check_samples(cfg, family, self.encoder_source)
         self.objective = objective = training_objective(self.encoder_source, family)
         if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
             raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} "
@@ -854,8 +853,19 @@ class _Run:
                   + (f" (step {first['step']}: {first['val_loss']:.4f})" if first["step"] != step else ""))
 
     def samples(self) -> None:
-        """Sample images of the prompts, from their cached embeddings through the VAE, which stays on the host
-        between samples (loaded at the first)."""
+        """Sample images of the prompts: FLUX.1's from their cached embeddings through the VAE, which stays on the host
+        between samples (loaded at the first); the other families' through their own diffusers pipeline folder, its
+        text encoders and VAE opened for each round of samples (train/sample.py ``draw_through_pipeline``)."""
+        if not ADAPTERS[self.family].samples:
+            folder, step = self.out / "samples", self.step
+            folder.mkdir(parents=True, exist_ok=True)
+            with _forward_only(self.model, self.device):
+                images = draw_through_pipeline(
+                    self.encoder_source, self.family, self.model, _sample_prompts(self.cfg),
+                    self.cfg.max_sequence_length, self.device, None,
+                    lambda i, image: write_png(image, folder / f"step-{step:08d}-{i}.png"))
+            write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
+            return
         if self.decoder is None:
             self.decoder = open_decoder(self.encoder_source, self.family,
                                         encoder_dtype(self.cfg, self.device)
@@ -1024,6 +1034,25 @@ def _settled_prompts(prompts: tuple[str, ...], resolution: int, steps: int, guid
                      seed: int) -> tuple[SamplePrompt, ...]:
     # parsed once per run and settings, not at every sample round (a skipped kohya option is said once anyway)
     return tuple(parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts)
+
+
+def _check_samples(cfg: TrainConfig, family: str, encoders) -> None:
+    """Refuse ``sample_every`` (:class:`TrainError`, one sentence) where no sample images can be drawn: a family with
+    neither SquareQ's own sampler nor a diffusers pipeline, or a pipeline family without a pipeline folder."""
+    adapter = ADAPTERS[family]
+    if adapter.samples:
+        return
+    if not adapter.pipeline_samples:
+        raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} "
+                         "family yet; set sample_every = 0 (--sample-every 0).")
+    try:
+        folder = pipeline_folder(encoders)
+    except EncoderError as exc:
+        raise TrainError(f"sample_every = {cfg.sample_every}: {exc}") from None
+    if folder is None:
+        raise TrainError(f"sample_every = {cfg.sample_every}: {family} sample images are drawn through the family's "
+                         "diffusers pipeline, and the built-in tiny model has none; pass its pipeline folder with "
+                         "--model, or set sample_every = 0.")
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder: Path, step: int,

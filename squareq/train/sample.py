@@ -199,7 +199,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)
     if lora is not None:
         attach_lora(transformer, *load_lora(lora))
-    draw = _draw_through_pipeline if through_pipeline else _draw_flux
+    draw = draw_through_pipeline if through_pipeline else _draw_flux
     try:
         return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image)
     finally:
@@ -262,7 +262,7 @@ def _check_family(slab, family: str, encoders: EncoderSource) -> bool:
     return True
 
 
-def _draw_through_pipeline(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
+def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
                            max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
     """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler; the streamed
     ``transformer`` as its denoiser)."""

@@ -3,6 +3,7 @@ layout, training with the family's objective lowers that objective's loss on the
 writes loads back onto the slab."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,20 +98,25 @@ def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_b
 
 
 def test_sample_images_need_the_family_pipeline(data, tmp_path):
-    """squareq sample draws another family through its diffusers pipeline: without one (a built-in tiny model's
-    source) it says to pass it with --model. The trainer's sample images stay FLUX.1's."""
+    """squareq sample and the trainer's sample images draw another family through its diffusers pipeline: without one
+    (a built-in tiny model's source) each says to pass it with --model; a family without a pipeline sampler is
+    refused."""
     from squareq.train.sample import SampleError, sample_images
 
     slab = _slab("tiny-wan", tmp_path)
-    with pytest.raises(TrainError, match="sample images are not supported for the wan family"):
+    with pytest.raises(TrainError, match="sample_every = 2: wan sample images are drawn through the family's diffusers "
+                                         "pipeline, and the built-in tiny model has none; pass its pipeline folder"):
         train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
+    z_image = _slab("tiny-z-image", tmp_path)
+    with pytest.raises(TrainError, match="sample images are not supported for the z-image family"):
+        train(_config(z_image, data, tmp_path / "z", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
     with pytest.raises(SampleError, match="holds a wan model, which squareq sample draws through its diffusers pipeline "
                                           r"\(WanPipeline\); the built-in tiny model has none, so pass the pipeline "
                                           "folder or Hub ID with --model"):
         sample_images(slab, ["a cat"], resolution=64, steps=2)
     with pytest.raises(SampleError, match="holds a z-image model; squareq sample draws flux, flux2, chroma, sd3, "
                                           "qwen-image, wan, sd-unet models only so far"):
-        sample_images(_slab("tiny-z-image", tmp_path), ["a cat"], resolution=64, steps=2)
+        sample_images(z_image, ["a cat"], resolution=64, steps=2)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-chroma", "tiny-wan", "tiny-qwen-image",
@@ -159,9 +165,15 @@ def test_training_from_the_family_pipeline_folder(name, objective, data, tmp_pat
     pipe = build_pipeline(name, prediction_type=objective)
     family = BUILTIN_MODELS[name][0]
     lines = []
-    result = train(_config(_slab(name, tmp_path), data, tmp_path / "out", model=str(folder), steps=2),
-                   echo=lines.append)
+    result = train(_config(_slab(name, tmp_path), data, tmp_path / "out", model=str(folder), steps=2, sample_every=2,
+                           sample_prompts=["a cat --w 64 --h 48"], sample_steps=2), echo=lines.append)
     assert result.steps == 2 and f"training a {family} LoRA with the {objective} objective" in lines
+    # sample images through the family's pipeline (a video family's first frame) at step 0 and at step 2
+    from PIL import Image
+
+    for step in (0, 2):
+        image = np.asarray(Image.open(tmp_path / "out" / "samples" / f"step-{step:08d}-0.png")).astype(float)
+        assert image.shape == (48, 64, 3) and image.std() > 1.0
 
     cache = tmp_path / "out" / "cache"
     entries = [EmbeddingCache(cache).load("text", p.stem) for p in sorted((cache / "text").iterdir())]
