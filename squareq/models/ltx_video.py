@@ -80,4 +80,5 @@ LTX_VIDEO = FamilyAdapter(family="ltx-video", class_name="LTXVideoTransformer3DM
                                                 text_fields=lambda cfg: TextFields(cfg.caption_channels, mask=True),
                                                 forward=ltx_video_forward, prediction=ltx_video_prediction,
                                                 frames=True, pipeline=PipelineFolder(("LTXPipeline",),
-                                                                                     ltx_video_captions)))
+                                                                                     ltx_video_captions)),
+                          pipeline_samples=True)

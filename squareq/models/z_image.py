@@ -66,4 +66,5 @@ Z_IMAGE = FamilyAdapter(family="z-image", class_name="ZImageTransformer2DModel",
                         recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                               text_fields=lambda cfg: TextFields(cfg.cap_feat_dim, mask=True),
                                               forward=z_image_forward, prediction=z_image_prediction,
-                                              pipeline=PipelineFolder(("ZImagePipeline",), z_image_captions)))
+                                              pipeline=PipelineFolder(("ZImagePipeline",), z_image_captions)),
+                        pipeline_samples=True)

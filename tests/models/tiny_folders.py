@@ -77,9 +77,34 @@ def _qwen_image_parts(denoiser, layers: int = 2):
     return dict(vae=vae, text_encoder=encoder, tokenizer=char_tokenizer(), transformer=denoiser)
 
 
+def _z_image_parts(denoiser, layers: int = 2):
+    """Z-Image's pipeline parts at toy size: a Qwen3 text encoder as wide as the transformer's caption features, a
+    character tokenizer whose chat template keeps the user's text, and the FLUX-style toy VAE (4 latent channels)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    encoder = Qwen3Model(Qwen3Config(vocab_size=64, hidden_size=denoiser.config.cap_feat_dim, intermediate_size=32,
+                                     num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                     bos_token_id=2, eos_token_id=3, pad_token_id=0)).eval()
+    return dict(vae=build_tiny_vae(), text_encoder=encoder, tokenizer=tokenizer, transformer=denoiser)
+
+
+def _ltx_video_vae():
+    """LTX-Video's VAE at toy size: 32x spatial (patch 4, three 2x stages), 8 latent channels as tiny-ltx-video takes."""
+    from diffusers import AutoencoderKLLTXVideo
+
+    return AutoencoderKLLTXVideo(latent_channels=8, block_out_channels=(8, 8, 8, 8),
+                                 decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                                 decoder_layers_per_block=(1, 1, 1, 1, 1),
+                                 spatio_temporal_scaling=(True, True, True, False),
+                                 decoder_spatio_temporal_scaling=(True, True, True, False),
+                                 decoder_inject_noise=(False,) * 5, patch_size=4, patch_size_t=1).eval()
+
+
 def build_pipeline(name: str, prediction_type: str = "epsilon", text_layers: int = 2):
     """The diffusers pipeline of built-in model ``name`` (tiny-sd15, tiny-sdxl, tiny-sd3, tiny-chroma, tiny-wan,
-    tiny-qwen-image, tiny-flux) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder).
+    tiny-qwen-image, tiny-z-image, tiny-ltx-video, tiny-flux) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder).
     ``text_layers``: the T5, UMT5 and Qwen2.5-VL text encoders' layers (FLUX.2's Mistral has 31)."""
     import diffusers
 
@@ -117,6 +142,11 @@ def build_pipeline(name: str, prediction_type: str = "epsilon", text_layers: int
                                         tokenizer=t5_tok, transformer=denoiser)
     if name == "tiny-qwen-image":
         return diffusers.QwenImagePipeline(scheduler=flow, **_qwen_image_parts(denoiser, text_layers))
+    if name == "tiny-z-image":
+        return diffusers.ZImagePipeline(scheduler=flow, **_z_image_parts(denoiser, text_layers))
+    if name == "tiny-ltx-video":
+        return diffusers.LTXPipeline(scheduler=flow, vae=_ltx_video_vae(), tokenizer=t5_tok, transformer=denoiser,
+                                     text_encoder=_t5(t5_tok, denoiser.config.caption_channels, layers=text_layers))
     if name == "tiny-wan":
         return diffusers.WanPipeline(tokenizer=t5_tok, text_encoder=_t5(t5_tok, 32, umt5=True, layers=text_layers),
                                      transformer=denoiser,
