@@ -75,4 +75,5 @@ HUNYUAN_VIDEO = FamilyAdapter(family="hunyuan-video", class_name="HunyuanVideoTr
                                                                                        mask=True),
                                                     forward=hunyuan_video_forward, prediction=first_output,
                                                     frames=True, pipeline=PipelineFolder(("HunyuanVideoPipeline",),
-                                                                                         hunyuan_video_captions)))
+                                                                                         hunyuan_video_captions)),
+                              pipeline_samples=True)

@@ -107,20 +107,20 @@ def test_sample_images_need_the_family_pipeline(data, tmp_path):
     with pytest.raises(TrainError, match="sample_every = 2: wan sample images are drawn through the family's diffusers "
                                          "pipeline, and the built-in tiny model has none; pass its pipeline folder"):
         train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
-    hunyuan = _slab("tiny-hunyuan-video", tmp_path)
-    with pytest.raises(TrainError, match="sample images are not supported for the hunyuan-video family"):
-        train(_config(hunyuan, data, tmp_path / "h", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
+    prior = _slab("tiny-wuerstchen-prior", tmp_path)
+    with pytest.raises(TrainError, match="sample images are not supported for the wuerstchen-prior family"):
+        train(_config(prior, data, tmp_path / "p", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
     with pytest.raises(SampleError, match="holds a wan model, which squareq sample draws through its diffusers pipeline "
                                           r"\(WanPipeline\); the built-in tiny model has none, so pass the pipeline "
                                           "folder or Hub ID with --model"):
         sample_images(slab, ["a cat"], resolution=64, steps=2)
-    with pytest.raises(SampleError, match="holds a hunyuan-video model; squareq sample draws flux, flux2, chroma, sd3, "
-                                          "qwen-image, wan, ltx-video, z-image, sd-unet models only so far"):
-        sample_images(hunyuan, ["a cat"], resolution=64, steps=2)
+    with pytest.raises(SampleError, match="holds a wuerstchen-prior model; squareq sample draws flux, flux2, chroma, "
+                                          "sd3, qwen-image, wan, hunyuan-video, ltx-video, z-image, sd-unet models only"):
+        sample_images(prior, ["a cat"], resolution=64, steps=2)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-chroma", "tiny-wan", "tiny-qwen-image",
-                                  "tiny-flux2", "tiny-z-image", "tiny-ltx-video"])
+                                  "tiny-flux2", "tiny-z-image", "tiny-ltx-video", "tiny-hunyuan-video"])
 def test_sample_draws_each_family_through_its_pipeline_with_the_streamed_denoiser(name, tmp_path):
     """An image (a video family's first frame) of the asked size from the family's own pipeline folder, the same
     for the same seed, with the slab as the denoiser: a slab of other weights draws another image (the negative

@@ -102,9 +102,28 @@ def _ltx_video_vae():
                                  decoder_inject_noise=(False,) * 5, patch_size=4, patch_size_t=1).eval()
 
 
+def _hunyuan_video_parts(denoiser, clip_tok, layers: int = 3):
+    """HunyuanVideo's pipeline parts at toy size: a Llama text encoder as wide as the transformer's text input (the
+    pipeline reads its second-to-last layer), a character tokenizer, CLIP for the pooled projection, and the
+    HunyuanVideo VAE (8x spatial, 4x temporal)."""
+    import diffusers
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = denoiser.config
+    llama = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=cfg.text_embed_dim, intermediate_size=64,
+                                   num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   bos_token_id=2, eos_token_id=3, pad_token_id=0)).eval()
+    vae = diffusers.AutoencoderKLHunyuanVideo(latent_channels=cfg.in_channels, block_out_channels=(8, 8, 8, 8),
+                                              layers_per_block=1, norm_num_groups=4,
+                                              down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+                                              up_block_types=("HunyuanVideoUpBlock3D",) * 4).eval()
+    return dict(text_encoder=llama, tokenizer=char_tokenizer(), transformer=denoiser, vae=vae,
+                text_encoder_2=_clip(clip_tok, cfg.pooled_projection_dim), tokenizer_2=clip_tok)
+
+
 def build_pipeline(name: str, prediction_type: str = "epsilon", text_layers: int = 2):
     """The diffusers pipeline of built-in model ``name`` (tiny-sd15, tiny-sdxl, tiny-sd3, tiny-chroma, tiny-wan,
-    tiny-qwen-image, tiny-z-image, tiny-ltx-video, tiny-flux) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder).
+    tiny-qwen-image, tiny-z-image, tiny-ltx-video, tiny-hunyuan-video, tiny-flux) or of a toy FLUX.2 (tiny-flux2: its own transformer, whose text width fits a Mistral encoder).
     ``text_layers``: the T5, UMT5 and Qwen2.5-VL text encoders' layers (FLUX.2's Mistral has 31)."""
     import diffusers
 
@@ -147,6 +166,8 @@ def build_pipeline(name: str, prediction_type: str = "epsilon", text_layers: int
     if name == "tiny-ltx-video":
         return diffusers.LTXPipeline(scheduler=flow, vae=_ltx_video_vae(), tokenizer=t5_tok, transformer=denoiser,
                                      text_encoder=_t5(t5_tok, denoiser.config.caption_channels, layers=text_layers))
+    if name == "tiny-hunyuan-video":
+        return diffusers.HunyuanVideoPipeline(scheduler=flow, **_hunyuan_video_parts(denoiser, clip_tok, text_layers + 1))
     if name == "tiny-wan":
         return diffusers.WanPipeline(tokenizer=t5_tok, text_encoder=_t5(t5_tok, 32, umt5=True, layers=text_layers),
                                      transformer=denoiser,
