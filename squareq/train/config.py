@@ -425,7 +425,7 @@ class TrainConfig:
                                f"keep it to {MAX_TITLE_BYTES} bytes ({MAX_TITLE_BYTES} ASCII characters)")
         for prompt in self.sample_prompts or []:
             try:
-                parse_prompt(prompt)
+                parse_prompt(prompt, true_cfg_only=False)  # the family's rule on --n is checked when the slab opens
             except PromptError as exc:
                 raise bad("sample_prompts", f"cannot be drawn: {exc}") from None
         for key in ("trigger", "sample_prompts"):

@@ -88,8 +88,8 @@ from .lora_metadata import dataset_summary, lora_header, source_date_epoch
 from .loss_scale import LossScale
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
-from .prompt_options import SamplePrompt, parse_prompt
-from .sample import FORWARD_SLOTS, draw_image, draw_through_pipeline
+from .prompt_options import PromptError, SamplePrompt, parse_prompt
+from .sample import FORWARD_SLOTS, draw_image, draw_through_pipeline, negative_needs_true_cfg
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 
 METRICS_FILE = "metrics.jsonl"
@@ -322,7 +322,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
                 cache.record_encoders(encoders.text_identity, encoders.placement.record())
             # the sample prompts too: sample images then need the VAE only, never the text encoders again
             texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
-                           | {t for p in _sample_prompts(cfg) for t in p.texts})
+                           | {t for p in _sample_prompts(cfg, model.family) for t in p.texts})
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
                                flipped=len(items) if cfg.flip_aug else 0,
                                masks=_masks(cfg, dataset, items) + held_masks)
@@ -440,6 +440,10 @@ class _Run:
         self.encoder_source = run_encoders(cfg, slab.manifest.model)
         if cfg.sample_every:
             _check_samples(cfg, family, self.encoder_source)
+        try:  # a negative prompt without --l: refused for a guidance-distilled family only
+            _sample_prompts(cfg, family)
+        except PromptError as exc:
+            raise TrainError(f"sample_prompts: {exc}") from None
         self.objective = objective = training_objective(self.encoder_source, family)
         if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
             raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} "
@@ -861,7 +865,7 @@ class _Run:
             folder.mkdir(parents=True, exist_ok=True)
             with _forward_only(self.model, self.device):
                 images = draw_through_pipeline(
-                    self.encoder_source, self.family, self.model, _sample_prompts(self.cfg),
+                    self.encoder_source, self.family, self.model, _sample_prompts(self.cfg, self.family),
                     self.cfg.max_sequence_length, self.device, None,
                     lambda i, image: write_png(image, folder / f"step-{step:08d}-{i}.png"))
             write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
@@ -871,7 +875,8 @@ class _Run:
                                         encoder_dtype(self.cfg, self.device)
                                         or (torch.bfloat16 if self.device.type == "cuda" else torch.float32))
         text_keys = self.data.keys[1]
-        embeds = {t: self.data.cache.load("text", text_keys[t]) for p in _sample_prompts(self.cfg) for t in p.texts}
+        embeds = {t: self.data.cache.load("text", text_keys[t]) for p in _sample_prompts(self.cfg, self.family)
+                  for t in p.texts}
         _save_samples(self.cfg, self.model, self.decoder, embeds, self.out / "samples", self.step, self.device)
 
     def close(self) -> None:
@@ -1023,17 +1028,18 @@ def _write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str,
     return files
 
 
-def _sample_prompts(cfg: TrainConfig) -> list[SamplePrompt]:
-    """``cfg.sample_prompts`` with their options settled (train/prompt_options.py)."""
+def _sample_prompts(cfg: TrainConfig, family: str) -> list[SamplePrompt]:
+    """``cfg.sample_prompts`` with their options settled (train/prompt_options.py), ``--n`` under ``family``'s rule."""
     return list(_settled_prompts(tuple(cfg.sample_prompts), cfg.largest_resolution, cfg.sample_steps,
-                                 cfg.sample_guidance, cfg.sample_seed))
+                                 cfg.sample_guidance, cfg.sample_seed, family))
 
 
 @functools.lru_cache(maxsize=16)
 def _settled_prompts(prompts: tuple[str, ...], resolution: int, steps: int, guidance: float,
-                     seed: int) -> tuple[SamplePrompt, ...]:
+                     seed: int, family: str) -> tuple[SamplePrompt, ...]:
     # parsed once per run and settings, not at every sample round (a skipped kohya option is said once anyway)
-    return tuple(parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts)
+    return tuple(parse_prompt(p, negative_needs_true_cfg(family)).settled(resolution, steps, guidance, seed)
+                 for p in prompts)
 
 
 def _check_samples(cfg: TrainConfig, family: str, encoders) -> None:
@@ -1066,7 +1072,7 @@ def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder
     try:
         with _forward_only(model, device):
             images = []
-            for i, prompt in enumerate(_sample_prompts(cfg)):
+            for i, prompt in enumerate(_sample_prompts(cfg, "flux")):
                 images.append(draw_image(pipe, prompt, cfg.max_sequence_length, device, embeds=embeds[prompt.text],
                                          negative=embeds.get(prompt.negative)))
                 write_png(images[-1], folder / f"step-{step:08d}-{i}.png")

@@ -99,8 +99,11 @@ IGNORED = {"ss": "a sampler (SquareQ draws with the pipeline's own scheduler)", 
 _WARNED: set[tuple[str, str]] = set()  # (prompt, option) pairs already said skipped in this process
 
 
-def parse_prompt(line: str) -> SamplePrompt:
-    """A prompt with its options (module docstring); :class:`PromptError` naming the prompt and the option."""
+def parse_prompt(line: str, true_cfg_only: bool = True) -> SamplePrompt:
+    """A prompt with its options (module docstring); :class:`PromptError` naming the prompt and the option.
+    ``true_cfg_only``: a negative prompt acts only through true CFG (``--l``), as for the guidance-distilled
+    FLUX.1; False for a pipeline whose ``guidance_scale`` is classifier-free guidance (SD 1.5, SDXL, SD3, Wan, ...),
+    where ``--n`` acts without ``--l``."""
     text, *parts = (" " + line.strip()).split(" --")  # the space: a line may start with an option
     values: dict = {}
     short = f"{text.strip()[:40]!r}"
@@ -125,9 +128,10 @@ def parse_prompt(line: str) -> SamplePrompt:
             raise PromptError(f"the prompt {short}: --{letter} {value.strip()!r} {detail}.") from None
     if not text.strip():
         raise PromptError(f"{line.strip()[:40]!r} has options but no prompt before them; write the prompt first.")
-    if values.get("negative") and values.get("cfg_scale", 1.0) <= 1.0:
-        raise PromptError(f"the prompt {short} has a negative prompt (--n) but no --l above 1: FLUX.1 is guidance-"
-                          "distilled, so a negative prompt acts only through true CFG; add e.g. --l 4 or drop --n.")
+    if true_cfg_only and values.get("negative") and values.get("cfg_scale", 1.0) <= 1.0:
+        raise PromptError(f"the prompt {short} has a negative prompt (--n) but no --l above 1: this model is "
+                          "guidance-distilled (as FLUX.1), so a negative prompt acts only through true CFG; add e.g. "
+                          "--l 4 or drop --n.")
     return SamplePrompt(text.strip(), **values)
 
 

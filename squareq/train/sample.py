@@ -164,13 +164,18 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
-    try:
-        settled = [parse_prompt(p).settled(resolution, steps, guidance, seed) for p in prompts]
+    try:  # before the slab is hashed; the family's rule on --n once it is open
+        [parse_prompt(p, true_cfg_only=False) for p in prompts]
     except PromptError as exc:
         raise SampleError(f"--prompt: {exc}") from None
     device = default_device(device)
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
+    try:
+        settled = [parse_prompt(p, negative_needs_true_cfg(family)).settled(resolution, steps, guidance, seed)
+                   for p in prompts]
+    except PromptError as exc:
+        raise SampleError(f"--prompt: {exc}") from None
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
     through_pipeline = _check_family(slab, family, encoders)
@@ -234,6 +239,19 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
             negative=entries.get(prompt.negative)))
     finally:
         pipe.transformer = None
+
+
+def negative_needs_true_cfg(family: str) -> bool:
+    """Whether a negative prompt (``--n``) acts only through true CFG (``--l``) for ``family``: FLUX.1's own sampler,
+    and a family whose pipeline has ``true_cfg_scale`` (Qwen-Image, HunyuanVideo); False where the pipeline's
+    ``guidance_scale`` is classifier-free guidance and takes the negative prompt itself."""
+    adapter = ADAPTERS.get(family)
+    if adapter is None or adapter.samples or not adapter.pipeline_samples:
+        return True
+    import diffusers
+
+    call = getattr(diffusers, adapter.recipe.pipeline.classes[0]).__call__
+    return "true_cfg_scale" in inspect.signature(call).parameters
 
 
 def _encoder_dtype(transformer) -> torch.dtype | None:

@@ -259,3 +259,23 @@ def test_only_the_unet_families_read_the_scheduler_s_prediction_type(tmp_path):
     assert training_objective(tmp_path, "sd-unet") == "v_prediction"
     assert training_objective(tmp_path, "wuerstchen-prior") == "cosine_epsilon"
     assert training_objective(tmp_path, "sd3") == "flow"
+
+
+def test_a_negative_prompt_acts_through_cfg_without_true_cfg(tmp_path):
+    """SD 1.5's guidance is classifier-free: a prompt's --n is taken without --l and given to the pipeline, which
+    draws another image with it. Negative control: FLUX.1 (guidance-distilled) refuses --n without --l."""
+    from squareq.train.sample import SampleError, sample_images
+
+    from .tiny_folders import write_pipeline
+
+    folder = write_pipeline("tiny-sd15", tmp_path / "pipeline")
+    slab = _slab("tiny-sd15", tmp_path)
+
+    def draw(prompt):
+        (image,) = sample_images(slab, [prompt], model=str(folder), resolution=64, steps=2, max_sequence_length=16,
+                                 device="cpu", guidance=7.0)
+        return np.asarray(image).astype(np.float64)
+
+    assert np.abs(draw("a cat --n a dog") - draw("a cat")).mean() > 0.5
+    with pytest.raises(SampleError, match="has a negative prompt \\(--n\\) but no --l above 1"):
+        sample_images(_slab("tiny-flux", tmp_path), ["a cat --n a dog"], resolution=64, steps=2)

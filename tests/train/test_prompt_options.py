@@ -68,14 +68,14 @@ def test_a_training_run_says_a_skipped_kohya_option_once(caplog, fresh_warnings)
     cfg = SimpleNamespace(sample_prompts=["a dog --ss euler_a"], largest_resolution=512, sample_steps=20,
                           sample_guidance=3.5, sample_seed=11)
     with caplog.at_level("WARNING", logger="squareq.sample"):
-        parse_prompt(cfg.sample_prompts[0])  # as TrainConfig.validate does
-        rounds = [_sample_prompts(cfg) for _ in range(3)]
+        parse_prompt(cfg.sample_prompts[0], true_cfg_only=False)  # as TrainConfig.validate does
+        rounds = [_sample_prompts(cfg, "flux") for _ in range(3)]
         cfg.sample_seed = 12
-        _sample_prompts(cfg)
+        _sample_prompts(cfg, "flux")
     assert rounds[0] == rounds[2] and rounds[0][0].text == "a dog" and caplog.text.count("(--ss)") == 1
     cfg.sample_prompts = ["a fox --ss euler_a"]
     with caplog.at_level("WARNING", logger="squareq.sample"):
-        _sample_prompts(cfg)
+        _sample_prompts(cfg, "flux")
     assert caplog.text.count("(--ss)") == 2
 
 
@@ -151,3 +151,16 @@ def test_the_trainer_s_sample_steps_have_the_bound_a_prompt_s_steps_have(tiny_sl
     with pytest.raises(ConfigError, match="sample_steps = 1001 must be at most 1000"):
         load_config(None, {**base, "sample_steps": 1001})
     assert load_config(None, {**base, "sample_steps": 1000}).sample_steps == 1000
+
+
+def test_a_negative_prompt_needs_true_cfg_only_where_the_model_is_guidance_distilled():
+    """--n without --l: refused for FLUX.1 (guidance-distilled: only true CFG uses a negative prompt) and for a
+    pipeline with true_cfg_scale (Qwen-Image); taken where the pipeline's guidance is classifier-free (SD 1.5, SD3,
+    Wan), the pipeline then given the negative prompt."""
+    from squareq.train.sample import negative_needs_true_cfg
+
+    assert [negative_needs_true_cfg(f) for f in ("flux", "qwen-image", "sd-unet", "sd3", "wan")] == \
+        [True, True, False, False, False]
+    assert parse_prompt("a cat --n blurry", true_cfg_only=False).negative == "blurry"
+    with pytest.raises(PromptError, match="has a negative prompt"):
+        parse_prompt("a cat --n blurry")
