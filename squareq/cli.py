@@ -525,6 +525,9 @@ class AutoOrInt(click.ParamType):
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16"]), default="auto", show_default=True,
               help="The activations' 16-bit type: auto (fp16 on GPUs without bf16: T4, V100, RTX 20xx; bf16 "
                    "elsewhere), bf16 or fp16.")
+@click.option("--frames", type=int, default=1, show_default=True,
+              help="Frames of a video family's clip (Wan, HunyuanVideo, LTX-Video), saved as an animated WebP; a "
+                   "prompt's --f sets its own.")
 @click.option("--cuda-graphs", is_flag=True, help="Replay each block's forward from a CUDA graph once the first "
               "denoising steps have captured it (CUDA only; docs/tuning.md says when it pays).")
 @click.option("--compile", "compile_mode", type=click.Choice(COMPILE_MODES), default="auto", show_default=True,
@@ -533,11 +536,11 @@ class AutoOrInt(click.ParamType):
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
               help=HELP["attention"])
 def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps,
-           guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, dtype, cuda_graphs,
+           guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, dtype, frames, cuda_graphs,
            compile_mode, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
-    from .plot import write_png
+    from .plot import write_sample
     from .train.prompt_options import PromptError, read_prompt_file
 
     try:
@@ -554,18 +557,18 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
     ensure_output_dir(out, "-o/--out")  # before any drawing, whose images would otherwise be lost
 
     def save(i: int, image) -> None:
-        path = out / f"sample-{i:03d}.png"
+        stem = out / f"sample-{i:03d}"
         try:
-            write_png(image, path)
+            path = write_sample(image, stem)  # a video's frames: an animated WebP
         except OSError as exc:
-            raise SampleError(os_error_sentence(exc, f"saving {path}", "draw the remaining prompts again")) from None
+            raise SampleError(os_error_sentence(exc, f"saving {stem}", "draw the remaining prompts again")) from None
         click.echo(f"wrote {path}")
 
     sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
                   resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
                   revision=revision, files=_given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
-                  attention=attention, dtype=dtype)
+                  attention=attention, dtype=dtype, frames=frames)
 
 
 @main.command("export-lora")

@@ -64,6 +64,28 @@ def write_png(image: Image.Image, path: str | Path) -> Path:
     return Path(path)
 
 
+def write_frames(frames: list[Image.Image], path: str | Path, fps: int = 16) -> Path:
+    """A video's frames as an animated WebP at ``path`` (looping, ``fps`` frames a second), written atomically."""
+    out = io.BytesIO()
+    frames[0].save(out, format="WEBP", save_all=True, append_images=list(frames[1:]), duration=round(1000 / fps),
+                   loop=0, quality=90)
+    atomic.atomic_write_bytes(Path(path), out.getvalue())
+    return Path(path)
+
+
+def write_sample(sample: Image.Image | list[Image.Image], stem: str | Path) -> Path:
+    """A drawn sample at ``stem``: an image as ``stem.png``, a video's frames as ``stem.webp``."""
+    stem = Path(stem)
+    if isinstance(sample, list):
+        return write_frames(sample, stem.with_name(stem.name + ".webp"))
+    return write_png(sample, stem.with_name(stem.name + ".png"))
+
+
+def first_frame(sample: Image.Image | list[Image.Image]) -> Image.Image:
+    """A sample's picture for a grid: the image, or a video's first frame."""
+    return sample[0] if isinstance(sample, list) else sample
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing mean over the last ``window`` values at each step."""
     out, total = [], 0.0

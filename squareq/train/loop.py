@@ -35,7 +35,7 @@ from .. import runtime
 from ..devices import default_device
 from ..extras import require
 from ..models import ADAPTERS
-from ..plot import plot_curves, smooth, write_png
+from ..plot import first_frame, plot_curves, smooth, write_png, write_sample
 from ..runtime.block_compile import compile_seconds, resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..runtime.host_choice import choose_host
@@ -89,7 +89,7 @@ from .loss_scale import LossScale
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
 from .prompt_options import PromptError, SamplePrompt, parse_prompt
-from .sample import FORWARD_SLOTS, draw_image, draw_through_pipeline, negative_needs_true_cfg
+from .sample import FORWARD_SLOTS, SampleError, check_frames, draw_image, draw_through_pipeline, negative_needs_true_cfg
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 
 METRICS_FILE = "metrics.jsonl"
@@ -440,9 +440,9 @@ class _Run:
         self.encoder_source = run_encoders(cfg, slab.manifest.model)
         if cfg.sample_every:
             _check_samples(cfg, family, self.encoder_source)
-        try:  # a negative prompt without --l: refused for a guidance-distilled family only
-            _sample_prompts(cfg, family)
-        except PromptError as exc:
+        try:  # a negative prompt without --l: refused for a guidance-distilled family only; frames for a video one
+            check_frames(family, _sample_prompts(cfg, family))
+        except (PromptError, SampleError) as exc:
             raise TrainError(f"sample_prompts: {exc}") from None
         self.objective = objective = training_objective(self.encoder_source, family)
         if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
@@ -867,8 +867,8 @@ class _Run:
                 images = draw_through_pipeline(
                     self.encoder_source, self.family, self.model, _sample_prompts(self.cfg, self.family),
                     self.cfg.max_sequence_length, self.device, None,
-                    lambda i, image: write_png(image, folder / f"step-{step:08d}-{i}.png"))
-            write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
+                    lambda i, image: write_sample(image, folder / f"step-{step:08d}-{i}"))
+            write_png(_side_by_side([first_frame(im) for im in images]), folder / f"step-{step:08d}-grid.png")
             return
         if self.decoder is None:
             self.decoder = open_decoder(self.encoder_source, self.family,

@@ -7,7 +7,8 @@ A prompt may end with options, each ``--<letter> <value>``::
 ``--w``/``--h`` width and height (multiples of 16), ``--s`` denoising steps, ``--g`` FLUX's embedded guidance,
 ``--d`` the seed, ``--n`` a negative prompt and ``--l`` the true classifier-free guidance scale that uses it (FLUX.1
 is guidance-distilled: a negative prompt acts only with ``--l`` above 1, as in kohya's sampler, and each step then
-runs the transformer twice). What a prompt does not set comes from the command's flags. A prompt file holds one
+runs the transformer twice), ``--f`` the frames of a video family's clip (musubi-tuner's option). What a prompt
+does not set comes from the command's flags. A prompt file holds one
 prompt a line; empty lines and lines starting with ``#`` are skipped, as kohya's are.
 """
 from __future__ import annotations
@@ -40,13 +41,14 @@ class SamplePrompt:
     seed: int | None = None
     negative: str | None = None
     cfg_scale: float | None = None
+    frames: int | None = None
 
-    def settled(self, resolution: int, steps: int, guidance: float, seed: int) -> SamplePrompt:
+    def settled(self, resolution: int, steps: int, guidance: float, seed: int, frames: int = 1) -> SamplePrompt:
         """Every setting filled in, the command's where the prompt has none."""
         return replace(self, width=self.width or resolution, height=self.height or resolution,
                        steps=self.steps or steps, guidance=guidance if self.guidance is None else self.guidance,
                        seed=seed if self.seed is None else self.seed,
-                       cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale)
+                       cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale, frames=self.frames or frames)
 
     @property
     def texts(self) -> list[str]:
@@ -61,6 +63,7 @@ class SamplePrompt:
 MAX_SIDE = 8192  # pixels: FLUX.1 is trained up to about 2 MP; beyond this a side is a typo
 MAX_STEPS = 1000  # kohya's bound
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
+MAX_FRAMES = 1025  # a clip's frames: Wan draws 81, HunyuanVideo 129, LTX-Video up to 257
 
 
 def _size(v: str) -> int:
@@ -90,7 +93,7 @@ def _scale(least: float):
 
 OPTIONS = {"w": ("width", _size), "h": ("height", _size), "s": ("steps", _count(1, MAX_STEPS)),
            "g": ("guidance", _scale(0.0)), "d": ("seed", _count(0, MAX_SEED)), "n": ("negative", str),
-           "l": ("cfg_scale", _scale(1.0))}
+           "l": ("cfg_scale", _scale(1.0)), "f": ("frames", _count(1, MAX_FRAMES))}
 # kohya options that choose what SquareQ's FLUX sampler does not offer: skipped with a warning, so a kohya prompt
 # file works as it is
 IGNORED = {"ss": "a sampler (SquareQ draws with the pipeline's own scheduler)", "fs": "a flow shift",

@@ -28,7 +28,7 @@ from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pip
 from .encoders import open_decoder, open_encoders
 from .family_encoders import open_family_pipeline
 from .lora_files import attach_lora, load_lora
-from .prompt_options import MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
+from .prompt_options import MAX_FRAMES, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
 
 log = logging.getLogger("squareq.sample")
 
@@ -119,7 +119,7 @@ def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, dev
     params = inspect.signature(pipe.__call__).parameters
     kwargs = dict(prompt=prompt.text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
                   guidance_scale=prompt.guidance, generator=torch.Generator(device).manual_seed(prompt.seed))
-    optional = {"max_sequence_length": max_sequence_length, "num_frames": 1, "output_type": "pil",
+    optional = {"max_sequence_length": max_sequence_length, "num_frames": prompt.frames or 1, "output_type": "pil",
                 "negative_prompt": prompt.negative or None,
                 "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
                 "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
@@ -129,7 +129,9 @@ def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, dev
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(denoiser)):
         out = pipe(**kwargs)
     frames = getattr(out, "frames", None)
-    return frames[0][0] if frames is not None else out.images[0]
+    if frames is None:
+        return out.images[0]
+    return list(frames[0]) if (prompt.frames or 1) > 1 else frames[0][0]
 
 
 def sampling_attention(mode: str) -> tuple[str, str]:
@@ -149,7 +151,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
                   cuda_graphs: bool = False, revision: str | None = None,
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
-                  dtype: str = "auto"):
+                  dtype: str = "auto", frames: int = 1):
     """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
     but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
@@ -159,11 +161,14 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     ``compile``: each block's forward under torch.compile, auto, on or off (runtime/block_compile.py; auto is off).
     ``attention``: which attention kernels the blocks prefer, auto, cudnn or default (runtime/attention_choice.py;
     auto keeps torch's order here: :func:`sampling_attention`). ``dtype``: bf16, fp16 or auto (fp16 on GPUs without
-    bf16; the text encoders and VAE then run in fp32; runtime/compute.py).
+    bf16; the text encoders and VAE then run in fp32; runtime/compute.py). ``frames``: a video family's clip length
+    (a prompt's ``--f`` sets its own); a clip comes back as its list of frames, an image as itself.
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
     check_sample_options(resolution, steps, guidance, max_sequence_length)
+    if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= MAX_FRAMES:
+        raise SampleError(f"--frames {frames} must be a whole number from 1 to {MAX_FRAMES}, e.g. 81 for Wan.")
     try:  # before the slab is hashed; the family's rule on --n once it is open
         [parse_prompt(p, true_cfg_only=False) for p in prompts]
     except PromptError as exc:
@@ -172,10 +177,11 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
     try:
-        settled = [parse_prompt(p, negative_needs_true_cfg(family)).settled(resolution, steps, guidance, seed)
+        settled = [parse_prompt(p, negative_needs_true_cfg(family)).settled(resolution, steps, guidance, seed, frames)
                    for p in prompts]
     except PromptError as exc:
         raise SampleError(f"--prompt: {exc}") from None
+    check_frames(family, settled)
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
     through_pipeline = _check_family(slab, family, encoders)
@@ -239,6 +245,15 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
             negative=entries.get(prompt.negative)))
     finally:
         pipe.transformer = None
+
+
+def check_frames(family: str, settled: list[SamplePrompt]) -> None:
+    """Refuse (:class:`SampleError`) more than one frame for a family that draws images."""
+    recipe = getattr(ADAPTERS.get(family), "recipe", None)
+    clips = [p for p in settled if p.frames > 1]
+    if clips and not (recipe is not None and recipe.frames):
+        raise SampleError(f"--frames/--f {clips[0].frames}: this slab holds a {family} model, which draws images; "
+                          "frames are for the video families (Wan, HunyuanVideo, LTX-Video), so leave them at 1.")
 
 
 def negative_needs_true_cfg(family: str) -> bool:

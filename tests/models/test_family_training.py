@@ -279,3 +279,30 @@ def test_a_negative_prompt_acts_through_cfg_without_true_cfg(tmp_path):
     assert np.abs(draw("a cat --n a dog") - draw("a cat")).mean() > 0.5
     with pytest.raises(SampleError, match="has a negative prompt \\(--n\\) but no --l above 1"):
         sample_images(_slab("tiny-flux", tmp_path), ["a cat --n a dog"], resolution=64, steps=2)
+
+
+def test_a_video_family_draws_a_clip_of_the_asked_frames(tmp_path):
+    """Wan with --frames 5 (or a prompt's --f 5): five frames of the asked size, saved by squareq sample as an
+    animated WebP of five frames; --f 1 is one image. Negative control: an image family refuses frames."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from squareq.cli import main
+    from squareq.train.sample import SampleError, sample_images
+
+    from .tiny_folders import write_pipeline
+
+    folder = write_pipeline("tiny-wan", tmp_path / "pipeline")
+    slab = _slab("tiny-wan", tmp_path)
+    clip, still = sample_images(slab, ["a cat --f 5", "a cat"], model=str(folder), resolution=64, steps=2,
+                                max_sequence_length=16, device="cpu")
+    assert isinstance(clip, list) and len(clip) == 5 and all(f.size == (64, 64) for f in clip)
+    assert isinstance(still, Image.Image)
+    result = CliRunner().invoke(main, ["sample", str(slab), "--prompt", "a cat", "--model", str(folder), "--frames", "5",
+                                       "--resolution", "64", "--steps", "2", "--max-sequence-length", "16",
+                                       "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    with Image.open(tmp_path / "out" / "sample-000.webp") as webp:
+        assert webp.n_frames == 5 and webp.size == (64, 64)
+    with pytest.raises(SampleError, match="holds a sd-unet model, which draws images; frames are for the video"):
+        sample_images(_slab("tiny-sd15", tmp_path), ["a cat --f 5"], resolution=64, steps=2)
