@@ -594,9 +594,10 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """
     path = Path(path)
     if path.is_dir() and (path / PEFT_CONFIG).is_file():
-        raise LoraFileError(f"{path} is a PEFT adapter folder (a LoKr or LoHa from lora_type lokr/loha); load it with "
-                            "peft's PeftModel.from_pretrained(denoiser, folder), since SquareQ's sampler and exports "
-                            "take LoRA files only.")
+        raise LoraFileError(f"{path} is a PEFT adapter folder (a LoKr or LoHa from lora_type lokr/loha), not a LoRA "
+                            "file: squareq sample --lora takes it as it is (attach_peft_adapter), peft's "
+                            "PeftModel.from_pretrained(denoiser, folder) loads it, and export-lora has no other layout "
+                            "for it.")
     file = path / WEIGHT_NAME if path.is_dir() else path
     if not file.is_file():
         raise LoraFileError(f"{file} does not exist; pass a LoRA .safetensors file or the folder holding "
@@ -768,3 +769,45 @@ def save_peft_adapter(lora: Mapping[str, torch.Tensor], folder, config: Mapping[
     _write(folder / PEFT_WEIGHTS, tensors, {"format": "pt", **(header or {})})
     atomic_write_bytes(folder / PEFT_CONFIG, (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode())
     return folder
+
+
+def is_peft_adapter(path) -> bool:
+    """Whether ``path`` is a PEFT adapter folder (:func:`save_peft_adapter`'s)."""
+    return Path(path).is_dir() and (Path(path) / PEFT_CONFIG).is_file()
+
+
+def attach_peft_adapter(model: torch.nn.Module, folder) -> list[torch.nn.Parameter]:
+    """Put the LoKr or LoHa adapter of a PEFT folder on a runtime model (``squareq.runtime.load``), as
+    ``lora_type`` trained it: its rank, alpha, factor and layers from ``adapter_config.json``, its factors from
+    ``adapter_model.safetensors``. Returns the adapter's parameters. :class:`LoraFileError` for a folder that is not
+    one (another PEFT type, factors that do not fit)."""
+    from ..runtime import LoraVariant, add_lora, lora_parameters
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / PEFT_CONFIG).read_text(encoding="utf-8"))
+        kind = {"LOKR": "lokr", "LOHA": "loha"}.get(config.get("peft_type"))
+        rank, alpha, layers = int(config["r"]), float(config["alpha"]), list(config["target_modules"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise LoraFileError(f"{folder / PEFT_CONFIG} is not a PEFT adapter config SquareQ can read ({exc!r}); use "
+                            "the folder squareq train wrote, or train again.") from None
+    if kind is None:
+        raise LoraFileError(f"{folder}: its peft_type is {config.get('peft_type')!r}; SquareQ attaches PEFT LoKr and "
+                            "LoHa folders, and LoRAs as .safetensors files.")
+    tensors, _ = _read_safetensors(folder / PEFT_WEIGHTS)
+    prefix = "base_model.model."
+    named = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+    variant = LoraVariant(kind=kind, factor=int(config.get("decompose_factor", -1)))
+    try:
+        params = add_lora(model, rank=rank, alpha=alpha, targets=layers, variant=variant)
+    except ValueError as exc:
+        raise LoraFileError(f"{folder}: {exc}") from None
+    own = lora_parameters(model)
+    if set(own) != set(named) or any(own[n].shape != named[n].shape for n in own):
+        missing = sorted(set(own) ^ set(named)) or [n for n in own if own[n].shape != named[n].shape]
+        raise LoraFileError(f"{folder} does not fit this model's {kind} layers (e.g. {missing[0]}); it was trained on "
+                            "another slab's model, so sample with that slab.")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(named[name].float())
+    return params

@@ -27,7 +27,7 @@ from .encoder_placement import EncoderRun
 from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pipeline_folder, recorded_encoders
 from .encoders import open_decoder, open_encoders
 from .family_encoders import open_family_pipeline
-from .lora_files import attach_lora, load_lora
+from .lora_files import attach_lora, attach_peft_adapter, is_peft_adapter, load_lora
 from .prompt_options import MAX_FRAMES, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
 
 log = logging.getLogger("squareq.sample")
@@ -208,7 +208,9 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     tuner = None
     if prefetch == "auto" or resident_blocks:
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)
-    if lora is not None:
+    if lora is not None and is_peft_adapter(lora):  # a LoKr or LoHa folder (lora_type lokr/loha)
+        attach_peft_adapter(transformer, lora)
+    elif lora is not None:
         attach_lora(transformer, *load_lora(lora))
     draw = draw_through_pipeline if through_pipeline else _draw_flux
     try:

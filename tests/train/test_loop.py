@@ -1476,6 +1476,8 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     from squareq.models import tiny_flux_inputs
     from squareq.runtime import LoraVariant
     from squareq.runtime import compute as compute_mode
+    from squareq.train.lora_files import attach_peft_adapter
+    from squareq.train.sample import sample_images
 
     kw = dict(lora_type=kind, steps=6, save_every=3, lr=1e-2, title="run")
     straight = train(_config(workspace, tmp_path / "straight", **kw), echo=lambda s: None)
@@ -1494,8 +1496,8 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     zero_at_start = "lokr_w1" if kind == "lokr" else "hada_w2_b"
     assert all(a[k].abs().max() > 0 for k in a if k.endswith(zero_at_start))
 
-    with pytest.raises(LoraFileError, match="is a PEFT adapter folder .* load it with peft's PeftModel"):
-        load_lora(straight.lora_file)  # squareq sample --lora and export-lora say so too
+    with pytest.raises(LoraFileError, match="is a PEFT adapter folder .* not a LoRA file: squareq sample --lora takes"):
+        load_lora(straight.lora_file)  # export-lora says so too
     config = json.loads((straight.lora_file / "adapter_config.json").read_text())
     assert config["peft_type"] == kind.upper() and config["r"] == 4
     monkeypatch.setitem(compute_mode.DTYPES, "fp32", torch.float32)
@@ -1517,6 +1519,15 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
         theirs = peft_model(**batch, return_dict=False)[0]
     effect = (ours - base).abs().mean()
     assert (ours - theirs).abs().mean() < 0.1 * effect, ((ours - theirs).abs().mean(), effect)
+    # SquareQ takes the folder back too: attached to a fresh runtime model, and by squareq sample --lora
+    fresh = runtime.load(workspace / "tiny.slab", "cpu", stream=False, dtype="fp32")
+    attach_peft_adapter(fresh, straight.lora_file)
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch, return_dict=False)[0], ours)
+    draw = dict(resolution=64, steps=2, max_sequence_length=16, device="cpu")
+    (with_adapter,) = sample_images(workspace / "tiny.slab", ["a cat"], lora=straight.lora_file, **draw)
+    (without,) = sample_images(workspace / "tiny.slab", ["a cat"], **draw)
+    assert with_adapter.size == (64, 64) and with_adapter.tobytes() != without.tobytes()
 
 
 def test_lokr_and_loha_options_are_checked(workspace, tmp_path):
