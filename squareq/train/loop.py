@@ -72,7 +72,7 @@ from .data import (
 from .distributed import Ranks
 from .ema import LoraEma
 from .encoder_placement import EncoderRun
-from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pipeline_folder, recorded_encoders
+from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
 from .encoders import Encoders, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
@@ -89,7 +89,15 @@ from .loss_scale import LossScale
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .objective import denoising_loss, draw_times, image_tokens
 from .prompt_options import PromptError, SamplePrompt, parse_prompt
-from .sample import FORWARD_SLOTS, SampleError, check_frames, draw_image, draw_through_pipeline, negative_needs_true_cfg
+from .sample import (
+    FORWARD_SLOTS,
+    SampleError,
+    check_family,
+    check_frames,
+    draw_image,
+    draw_through_pipeline,
+    negative_needs_true_cfg,
+)
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
 
 METRICS_FILE = "metrics.jsonl"
@@ -1043,22 +1051,12 @@ def _settled_prompts(prompts: tuple[str, ...], resolution: int, steps: int, guid
 
 
 def _check_samples(cfg: TrainConfig, family: str, encoders) -> None:
-    """Refuse ``sample_every`` (:class:`TrainError`, one sentence) where no sample images can be drawn: a family with
-    neither SquareQ's own sampler nor a diffusers pipeline, or a pipeline family without a pipeline folder."""
-    adapter = ADAPTERS[family]
-    if adapter.samples:
-        return
-    if not adapter.pipeline_samples:
-        raise TrainError(f"sample_every = {cfg.sample_every}: sample images are not supported for the {family} "
-                         "family yet; set sample_every = 0 (--sample-every 0).")
+    """Refuse ``sample_every`` (:class:`TrainError`, one sentence) where squareq sample could not draw either: a
+    family with neither SquareQ's own sampler nor a diffusers pipeline, or a pipeline family without its folder."""
     try:
-        folder = pipeline_folder(encoders)
-    except EncoderError as exc:
-        raise TrainError(f"sample_every = {cfg.sample_every}: {exc}") from None
-    if folder is None:
-        raise TrainError(f"sample_every = {cfg.sample_every}: {family} sample images are drawn through the family's "
-                         "diffusers pipeline, and the built-in tiny model has none; pass its pipeline folder with "
-                         "--model, or set sample_every = 0.")
+        check_family(cfg.slab, family, encoders)
+    except SampleError as exc:
+        raise TrainError(f"sample_every = {cfg.sample_every}: {exc} (Or set sample_every = 0.)") from None
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder: Path, step: int,

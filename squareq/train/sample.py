@@ -184,7 +184,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     check_frames(family, settled)
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
-    through_pipeline = _check_family(slab, family, encoders)
+    through_pipeline = check_family(slab, family, encoders)
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
@@ -276,7 +276,7 @@ def _encoder_dtype(transformer) -> torch.dtype | None:
     return torch.float32 if runtime.runtime_of(transformer).dtype == "fp16" else None
 
 
-def _check_family(slab, family: str, encoders: EncoderSource) -> bool:
+def check_family(slab, family: str, encoders: EncoderSource) -> bool:
     """Whether ``family`` is drawn through its own diffusers pipeline (True) or SquareQ's FLUX.1 path (False);
     :class:`SampleError` naming what to pass where neither can draw it."""
     adapter = ADAPTERS.get(family)
