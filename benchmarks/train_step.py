@@ -542,11 +542,15 @@ def lora_step(setup: Setup, res: int, compute: str, dtype: str = "bf16") -> tupl
     import squareq.runtime as rt
     from squareq.train.loss_scale import LossScale
 
-    if dtype == "fp32":  # the reference only: the same effective weights and activations in fp32, no autocast
-        from squareq.runtime import compute as compute_mode
+    from squareq.runtime import compute as compute_mode
 
+    if dtype == "fp32":  # the reference only: the same effective weights and activations in fp32, no autocast
         compute_mode.DTYPES["fp32"] = torch.float32
-    model = rt.load(setup.slab, setup.device, prefetch=3, host="pinned", verify="off", compute=compute, dtype=dtype)
+    try:
+        model = rt.load(setup.slab, setup.device, prefetch=3, host="pinned", verify="off", compute=compute,
+                        dtype=dtype)
+    finally:  # not a dtype SquareQ offers: gone again once this model is built
+        compute_mode.DTYPES.pop("fp32", None) if dtype == "fp32" else None
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, seed=0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # B off zero: every A gets a gradient too

@@ -36,11 +36,12 @@ from .train.encoder_source import SINGLE_FILE_FLAGS, cli_flag
 from .train.encoders import EncoderError
 from .train.loop import TrainError
 from .train.lora_files import LoraFileError
+from .train.prompt_options import PromptError
 from .train.sample import SampleError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError, MissingExtra)
+               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError, MissingExtra, PromptError)
 
 
 class _Group(click.Group):
@@ -541,7 +542,7 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
     from .plot import write_sample
-    from .train.prompt_options import PromptError, read_prompt_file
+    from .train.prompt_options import read_prompt_file
 
     try:
         prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])

@@ -34,14 +34,20 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def resolve_compute(mode: str, device: torch.device | str) -> tuple[str, str]:
-    """``(mode, why)`` with ``auto`` settled for ``device``; refuses (:class:`ComputeError`) ``fp8`` on a GPU without
-    FP8 tensor cores.
+def resolve_compute(mode: str, device: torch.device | str, dtype: str = "bf16") -> tuple[str, str]:
+    """``(mode, why)`` with ``auto`` settled for ``device`` and the run's settled ``dtype``; refuses
+    (:class:`ComputeError`) ``fp8`` on a GPU without FP8 tensor cores, and in an fp16 run (the FP8 products return
+    bf16, and the GPUs that need fp16 have no FP8), where ``auto`` is ``bf16``: no FP8.
 
     On the CPU ``fp8`` is allowed (torch emulates the FP8 matmul; tests use it) but ``auto`` stays ``bf16``."""
     device = torch.device(device)
     if mode not in MODES:
         raise ComputeError(f"compute={mode!r}: choose one of {', '.join(MODES)}.")
+    if dtype == "fp16":
+        if mode == "fp8":
+            raise ComputeError("fp8 compute runs in bf16 runs only (GPUs with FP8 tensor cores have bf16 too); "
+                               "choose compute bf16 or auto with dtype fp16, or dtype bf16 with compute fp8.")
+        return "bf16", "an fp16 run computes without FP8" if mode == "auto" else "asked for"
     if device.type != "cuda":
         if mode == "auto":
             return "bf16", f"{device.type} has no FP8 tensor cores"
@@ -76,11 +82,3 @@ def resolve_dtype(mode: str, device: torch.device | str) -> tuple[str, str]:
     if capability < BF16_CAPABILITY:
         return "fp16", f"the {name} has no bf16 tensor cores (they need 8.0 or newer)"
     return "bf16", f"the {name} has bf16 tensor cores"
-
-
-def check_fp16_compute(compute: str, dtype: str) -> None:
-    """Refuse FP8 compute in an fp16 run (:class:`ComputeError`): the FP8 products return bf16, and the GPUs that need
-    fp16 have no FP8 tensor cores."""
-    if dtype == "fp16" and compute == "fp8":
-        raise ComputeError("fp8 compute runs in bf16 runs only (GPUs with FP8 tensor cores have bf16 too); choose "
-                           "compute bf16 or auto with dtype fp16, or dtype bf16 with compute fp8.")

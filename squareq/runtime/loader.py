@@ -25,7 +25,7 @@ from .attention_choice import head_dim, preferring_cudnn, resolve_attention
 from .block_compile import compile_block_forwards
 from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
-from .compute import DTYPES, check_fp16_compute, resolve_compute, resolve_dtype
+from .compute import DTYPES, resolve_compute, resolve_dtype
 from .flux_attention import install_fused_attention
 from .host import DiskStaging, PinnedArena
 from .host_choice import choose_host
@@ -304,9 +304,8 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     device = _checked_device(device, host, prefetch, stream, cuda_graphs)
     s, model = _skeleton(slab, verify)
     m = s.manifest
-    compute, compute_reason = resolve_compute(compute, device)
     dtype, dtype_reason = resolve_dtype(dtype, device)
-    check_fp16_compute(compute, dtype)
+    compute, compute_reason = resolve_compute(compute, device, dtype)
     scratch = _scratch(m, compute, device, DTYPES[dtype])
     _install_quant_linears(model, m, scratch)
     if fused_attention:

@@ -179,17 +179,22 @@ def open_decoder(source: EncoderSource | str, family: str, dtype: torch.dtype):
     return _load_folder(source, dtype, text=False)
 
 
+def encoder_dtype(device: torch.device, run_dtype: str = "bf16") -> torch.dtype:
+    """The text encoders' and VAE's type beside a denoiser running in ``run_dtype``: fp32 on the CPU and in an fp16
+    run (T5 and VAEs overflow fp16; the cards that need fp16 have no bf16), else bf16."""
+    return torch.bfloat16 if device.type == "cuda" and run_dtype != "fp16" else torch.float32
+
+
 @contextlib.contextmanager
 def open_encoders(source: EncoderSource | str, device: torch.device, family: str, config=None,
                   run: EncoderRun = DEFAULT_RUN, dtype: torch.dtype | None = None) -> Iterator[Encoders]:
     """The encoders of ``source`` (a built-in tiny model, a pipeline folder or Hub ID, and single files) for a
     ``family`` model with ``config`` (the slab's recorded model config) on ``device``, placed for ``run`` (whole, or
-    the large text encoders streamed: train/encoder_placement.py), released on exit. ``dtype``: theirs (default bf16
-    on a GPU, fp32 on the CPU)."""
+    the large text encoders streamed: train/encoder_placement.py), released on exit. ``dtype``: theirs (default:
+    :func:`encoder_dtype`'s for a bf16 run)."""
     source = EncoderSource.of(source)
     check_encoder_source(source, family)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or encoder_dtype(device)
     if family != "flux":
         if builtin_family(source) == family:
             try:

@@ -73,7 +73,7 @@ from .distributed import Ranks
 from .ema import LoraEma
 from .encoder_placement import EncoderRun
 from .encoder_source import EncoderSource, encoder_source_for, recorded_encoders
-from .encoders import Encoders, open_decoder, open_encoders
+from .encoders import Encoders, encoder_dtype, open_decoder, open_encoders
 from .family_encoders import training_objective
 from .feed import CacheFeed
 from .lora_files import (
@@ -93,7 +93,7 @@ from .sample import (
     FORWARD_SLOTS,
     SampleError,
     check_family,
-    check_frames,
+    check_prompts,
     draw_image,
     draw_through_pipeline,
     negative_needs_true_cfg,
@@ -267,12 +267,6 @@ def run_encoders(cfg: TrainConfig, record) -> EncoderSource:
                               cfg.encoder_files)
 
 
-def encoder_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The encoders' and the sample VAE's type: fp32 in an fp16 run (T5 and the VAEs overflow fp16, and the cards
-    without bf16 have no faster choice; they run once, to fill the cache), else their default (bf16 on a GPU)."""
-    return torch.float32 if resolve_dtype(cfg.dtype, device)[0] == "fp16" else None
-
-
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
@@ -324,7 +318,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
 
         run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget")
         with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config), run,
-                           encoder_dtype(cfg, device)) as encoders:
+                           encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
             if encoders.placement is not None:
                 echo(encoders.placement.describe())
                 cache.record_encoders(encoders.text_identity, encoders.placement.record())
@@ -449,7 +443,7 @@ class _Run:
         if cfg.sample_every:
             _check_samples(cfg, family, self.encoder_source)
         try:  # a negative prompt without --l: refused for a guidance-distilled family only; frames for a video one
-            check_frames(family, _sample_prompts(cfg, family))
+            check_prompts(family, _sample_prompts(cfg, family))
         except (PromptError, SampleError) as exc:
             raise TrainError(f"sample_prompts: {exc}") from None
         self.objective = objective = training_objective(self.encoder_source, family)
@@ -461,16 +455,10 @@ class _Run:
         echo(f"training a {family} LoRA with the {objective} objective")
 
     def _compute(self) -> str:
-        """The base layers' arithmetic for ``cfg.compute`` on this device; ``auto`` says what it chose (in an fp16
-        run: no FP8, whose products are bf16)."""
-        if self.dtype == "fp16" and self.cfg.compute == "auto":
-            self.compute_why = "an fp16 run computes without FP8"
-            return "bf16"
-        if self.dtype == "fp16" and self.cfg.compute == "fp8":
-            raise TrainError("--compute fp8 with --dtype fp16: FP8 compute runs in bf16 runs only (GPUs with FP8 "
-                             "tensor cores have bf16 too); choose --compute auto or bf16, or --dtype bf16.")
+        """The base layers' arithmetic for ``cfg.compute`` on this device and the run's dtype; ``auto`` says what it
+        chose (an fp16 run: no FP8)."""
         try:
-            compute, why = resolve_compute(self.cfg.compute, self.device)
+            compute, why = resolve_compute(self.cfg.compute, self.device, self.dtype)
         except ComputeError as exc:
             raise TrainError(f"--compute {self.cfg.compute}: {exc}") from None
         self.compute_why = why
@@ -485,7 +473,7 @@ class _Run:
             self.echo(f"dtype {cfg.dtype}: fp16: {self.dtype_why}; the LoRA trains in fp32 with a scaled loss, the "
                       "encoders and the sample VAE run in fp32")
         if cfg.compute == "auto":
-            self.echo(f"compute auto: {'fp16' if self.dtype == 'fp16' else self.compute}: {self.compute_why}")
+            self.echo(f"compute auto: {'no FP8' if self.dtype == 'fp16' else self.compute}: {self.compute_why}")
         if cfg.compile == "auto":
             self.echo(f"compile auto: {'on' if self.compile_blocks else 'off'}: {self.compile_why}")
         asked = cfg.host
@@ -718,17 +706,27 @@ class _Run:
 
     def scale_overflowed(self, step_start) -> None:
         """An fp16 step whose loss is finite but whose scaled gradients overflowed: halve the loss scale and take the
-        same step again, as torch.amp.GradScaler halves it (it skips the batch; here no batch is lost)."""
+        same step again (torch.amp.GradScaler halves it and skips the batch; here the batch is kept), at most
+        ``loss_scale.RETRIES`` times; then the batch is skipped with the scale halved once, not counted as a NaN step
+        (train/loss_scale.py)."""
         self.optimizer.zero_grad(set_to_none=True)
-        before = self.loss_scale.value
-        log.info("step %d: fp16 gradients overflowed at loss scale %g; the step runs again at %g.", self.step + 1,
-                 before, self.loss_scale.overflowed())
-        self.again(step_start)
+        scale, before = self.loss_scale, self.loss_scale.value
+        if scale.can_retry():
+            log.info("step %d: fp16 gradients overflowed at loss scale %g; the step runs again at %g.",
+                     self.step + 1, before, scale.overflowed())
+            self.again(step_start)
+            return
+        scale.skipped()
+        self.skipped += 1
+        log.info("step %d: fp16 gradients still overflowed at loss scale %g; this batch is skipped and the next "
+                 "starts at %g.", self.step + 1, before, scale.value)
 
     def non_finite(self, step_start) -> None:
         """A NaN/Inf loss or gradient: the same step again without cuDNN attention when that may be the cause,
         otherwise skipped; ``nan_patience`` skips in a row stop the run."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_scale is not None:
+            self.loss_scale.skipped()
         if runtime.retry_without_cudnn(self.device):
             self.again(step_start)  # with the cuDNN attention backend off
             return
@@ -879,9 +877,7 @@ class _Run:
             write_png(_side_by_side([first_frame(im) for im in images]), folder / f"step-{step:08d}-grid.png")
             return
         if self.decoder is None:
-            self.decoder = open_decoder(self.encoder_source, self.family,
-                                        encoder_dtype(self.cfg, self.device)
-                                        or (torch.bfloat16 if self.device.type == "cuda" else torch.float32))
+            self.decoder = open_decoder(self.encoder_source, self.family, encoder_dtype(self.device, self.dtype))
         text_keys = self.data.keys[1]
         embeds = {t: self.data.cache.load("text", text_keys[t]) for p in _sample_prompts(self.cfg, self.family)
                   for t in p.texts}

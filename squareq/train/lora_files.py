@@ -593,7 +593,7 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     alpha/sqrt(rank) is read as the alpha of the same plain scale, alpha·sqrt(rank), so it applies without PEFT.
     """
     path = Path(path)
-    if path.is_dir() and (path / PEFT_CONFIG).is_file():
+    if is_peft_adapter(path):
         raise LoraFileError(f"{path} is a PEFT adapter folder (a LoKr or LoHa from lora_type lokr/loha), not a LoRA "
                             "file: squareq sample --lora takes it as it is (attach_peft_adapter), peft's "
                             "PeftModel.from_pretrained(denoiser, folder) loads it, and export-lora has no other layout "
@@ -762,7 +762,8 @@ def save_peft_adapter(lora: Mapping[str, torch.Tensor], folder, config: Mapping[
     """Write ``folder/adapter_model.safetensors`` and ``adapter_config.json`` as PEFT's ``save_pretrained`` writes
     them, for ``PeftModel.from_pretrained(denoiser, folder)``: the LoKr or LoHa factors of ``lora``
     (``runtime.lora_state_dict``; ``<layer>.lokr_w1``, ...) under ``base_model.model.``, and ``config``
-    (runtime/peft_lora.py ``lycoris_config``). Each file is written atomically. Returns the folder."""
+    (runtime/peft_lora.py ``lycoris_config``). Each file is written atomically, the weights first: the config, which
+    :func:`is_peft_adapter` looks for, marks a whole folder. Returns the folder."""
     _check_dtype(dtype)
     folder = Path(folder)
     tensors = {f"base_model.model.{name}": t.detach().to("cpu", dtype).contiguous() for name, t in sorted(lora.items())}

@@ -25,7 +25,7 @@ from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from .encoder_placement import EncoderRun
 from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pipeline_folder, recorded_encoders
-from .encoders import open_decoder, open_encoders
+from .encoders import encoder_dtype, open_decoder, open_encoders
 from .family_encoders import open_family_pipeline
 from .lora_files import attach_lora, attach_peft_adapter, is_peft_adapter, load_lora
 from .prompt_options import MAX_FRAMES, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
@@ -152,8 +152,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   cuda_graphs: bool = False, revision: str | None = None,
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
                   dtype: str = "auto", frames: int = 1):
-    """One PIL image per prompt, each from ``seed`` (so a prompt gives the same image with and without a LoRA,
-    but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
+    """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
+    (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
     it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py).
@@ -181,7 +181,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                    for p in prompts]
     except PromptError as exc:
         raise SampleError(f"--prompt: {exc}") from None
-    check_frames(family, settled)
+    check_prompts(family, settled)
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
     through_pipeline = check_family(slab, family, encoders)
@@ -197,8 +197,6 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     log.info("attention: %s (%s).", attention, why)
     try:
         dtype, why = resolve_dtype(dtype, device)
-        if dtype == "fp16" and compute == "auto":  # FP8's products are bf16
-            compute = "bf16"
         log.info("dtype: %s (%s).", dtype, why)
         transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute,
                                    cuda_graphs=cuda_graphs, compile_blocks=compile_blocks, attention=attention,
@@ -235,7 +233,7 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
     streams on a small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and
     the VAE's decode (several GB at 1024²) have the GPU to themselves."""
     run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
-    with open_encoders(encoders, device, family, run=run, dtype=_encoder_dtype(transformer)) as opened:
+    with open_encoders(encoders, device, family, run=run, dtype=_encoder_dtype(transformer, device)) as opened:
         entries = {t: opened.encode_prompts([t], max_sequence_length)[0] for p in settled for t in p.texts}
         dtype = opened.dtype
     pipe = open_decoder(encoders, family, dtype)
@@ -249,31 +247,58 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
         pipe.transformer = None
 
 
-def check_frames(family: str, settled: list[SamplePrompt]) -> None:
-    """Refuse (:class:`SampleError`) more than one frame for a family that draws images."""
+# a clip's frames are 1 + stride·k, the VAE's temporal compression (diffusers' pipelines round other counts)
+TEMPORAL_STRIDE = {"wan": 4, "hunyuan-video": 4, "ltx-video": 8}
+
+
+def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
+    """Refuse (:class:`SampleError`, naming the option) what ``family``'s sampler would drop or change: frames for
+    an image family or a count its VAE cannot make, a negative prompt or true-CFG scale its pipeline does not take."""
     recipe = getattr(ADAPTERS.get(family), "recipe", None)
     clips = [p for p in settled if p.frames > 1]
     if clips and not (recipe is not None and recipe.frames):
         raise SampleError(f"--frames/--f {clips[0].frames}: this slab holds a {family} model, which draws images; "
                           "frames are for the video families (Wan, HunyuanVideo, LTX-Video), so leave them at 1.")
+    stride = TEMPORAL_STRIDE.get(family, 1)
+    odd = [p for p in clips if (p.frames - 1) % stride]
+    if odd:
+        k = (odd[0].frames - 1) // stride
+        raise SampleError(f"--frames/--f {odd[0].frames}: a {family} clip has 1 + {stride}·k frames (its VAE packs "
+                          f"{stride} frames into one); give {1 + stride * k} or {1 + stride * (k + 1)}.")
+    params = _pipeline_parameters(family)
+    if params is None:  # FLUX.1's own sampler: parse_prompt's rule
+        return
+    for p in settled:
+        if p.negative and "negative_prompt" not in params:
+            raise SampleError(f"--n in the prompt {p.text[:40]!r}: the {family} pipeline takes no negative prompt, so "
+                              "it would be ignored; drop --n.")
+        if p.cfg_scale > 1.0 and "true_cfg_scale" not in params:
+            raise SampleError(f"--l in the prompt {p.text[:40]!r}: the {family} pipeline has no true CFG scale, so it "
+                              "would be ignored (its guidance, --g, is the one to set); drop --l.")
+
+
+def _pipeline_parameters(family: str):
+    """The parameters of ``family``'s diffusers pipeline call, or None where SquareQ's own sampler draws it."""
+    adapter = ADAPTERS.get(family)
+    if adapter is None or adapter.samples or not adapter.pipeline_samples:
+        return None
+    import diffusers
+
+    return inspect.signature(getattr(diffusers, adapter.recipe.pipeline.classes[0]).__call__).parameters
 
 
 def negative_needs_true_cfg(family: str) -> bool:
     """Whether a negative prompt (``--n``) acts only through true CFG (``--l``) for ``family``: FLUX.1's own sampler,
     and a family whose pipeline has ``true_cfg_scale`` (Qwen-Image, HunyuanVideo); False where the pipeline's
-    ``guidance_scale`` is classifier-free guidance and takes the negative prompt itself."""
-    adapter = ADAPTERS.get(family)
-    if adapter is None or adapter.samples or not adapter.pipeline_samples:
-        return True
-    import diffusers
-
-    call = getattr(diffusers, adapter.recipe.pipeline.classes[0]).__call__
-    return "true_cfg_scale" in inspect.signature(call).parameters
+    ``guidance_scale`` is classifier-free guidance and takes the negative prompt itself (:func:`check_prompts`
+    refuses it where the pipeline takes none)."""
+    params = _pipeline_parameters(family)
+    return params is None or "true_cfg_scale" in params
 
 
-def _encoder_dtype(transformer) -> torch.dtype | None:
-    """fp32 for the text encoders and VAE beside an fp16 denoiser (T5 and VAEs overflow fp16), else their default."""
-    return torch.float32 if runtime.runtime_of(transformer).dtype == "fp16" else None
+def _encoder_dtype(transformer, device: torch.device) -> torch.dtype:
+    """The text encoders' and VAE's type beside ``transformer`` (train/encoders.py :func:`encoder_dtype`)."""
+    return encoder_dtype(device, runtime.runtime_of(transformer).dtype)
 
 
 def check_family(slab, family: str, encoders: EncoderSource) -> bool:
@@ -298,10 +323,10 @@ def check_family(slab, family: str, encoders: EncoderSource) -> bool:
 
 
 def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
-                           max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+                          max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
     """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler; the streamed
     ``transformer`` as its denoiser)."""
-    dtype = _encoder_dtype(transformer) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = _encoder_dtype(transformer, device)
     component = ADAPTERS[family].component
     run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
     with open_family_pipeline(encoders, family, device, dtype, run=run) as opened:

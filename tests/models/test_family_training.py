@@ -279,11 +279,20 @@ def test_a_negative_prompt_acts_through_cfg_without_true_cfg(tmp_path):
     assert np.abs(draw("a cat --n a dog") - draw("a cat")).mean() > 0.5
     with pytest.raises(SampleError, match="has a negative prompt \\(--n\\) but no --l above 1"):
         sample_images(_slab("tiny-flux", tmp_path), ["a cat --n a dog"], resolution=64, steps=2)
+    # what a pipeline would drop is refused: SD 1.5 has no true CFG scale, FLUX.2's pipeline no negative prompt
+    with pytest.raises(SampleError, match="--l in the prompt 'a cat': the sd-unet pipeline has no true CFG scale"):
+        draw("a cat --n a dog --l 4")
+    from squareq.train.sample import check_prompts
+    from squareq.train.prompt_options import parse_prompt
+
+    with pytest.raises(SampleError, match="--n in the prompt 'a cat': the flux2 pipeline takes no negative prompt"):
+        check_prompts("flux2", [parse_prompt("a cat --n a dog", true_cfg_only=False).settled(64, 2, 3.5, 0)])
 
 
 def test_a_video_family_draws_a_clip_of_the_asked_frames(tmp_path):
     """Wan with --frames 5 (or a prompt's --f 5): five frames of the asked size, saved by squareq sample as an
-    animated WebP of five frames; --f 1 is one image. Negative control: an image family refuses frames."""
+    animated WebP of five frames; --f 1 is one image. Negative controls: an image family refuses frames, and Wan a
+    count its VAE cannot make (1 + 4k)."""
     from click.testing import CliRunner
     from PIL import Image
 
@@ -294,7 +303,7 @@ def test_a_video_family_draws_a_clip_of_the_asked_frames(tmp_path):
 
     folder = write_pipeline("tiny-wan", tmp_path / "pipeline")
     slab = _slab("tiny-wan", tmp_path)
-    clip, still = sample_images(slab, ["a cat --f 5", "a cat"], model=str(folder), resolution=64, steps=2,
+    clip, still = sample_images(slab, ["a cat --f 5", "a cat --f 1"], model=str(folder), resolution=64, steps=2,
                                 max_sequence_length=16, device="cpu")
     assert isinstance(clip, list) and len(clip) == 5 and all(f.size == (64, 64) for f in clip)
     assert isinstance(still, Image.Image)
@@ -306,3 +315,22 @@ def test_a_video_family_draws_a_clip_of_the_asked_frames(tmp_path):
         assert webp.n_frames == 5 and webp.size == (64, 64)
     with pytest.raises(SampleError, match="holds a sd-unet model, which draws images; frames are for the video"):
         sample_images(_slab("tiny-sd15", tmp_path), ["a cat --f 5"], resolution=64, steps=2)
+    with pytest.raises(SampleError, match="--f 6: a wan clip has 1 \\+ 4·k frames .* give 5 or 9"):
+        sample_images(slab, ["a cat --f 6"], model=str(folder), resolution=64, steps=2)
+
+
+def test_pipeline_samples_leave_the_training_run_as_it_was(data, tmp_path):
+    """Sample images through SD 1.5's pipeline at every step (its own RNG draws, set aside) train the LoRA a run
+    without samples trains, bit for bit, with the same losses; the samples are there."""
+    from .tiny_folders import write_pipeline
+
+    folder = write_pipeline("tiny-sd15", tmp_path / "pipeline")
+    slab = _slab("tiny-sd15", tmp_path)
+    plain = train(_config(slab, data, tmp_path / "plain", model=str(folder), steps=3), echo=lambda s: None)
+    sampled = train(_config(slab, data, tmp_path / "sampled", model=str(folder), steps=3, sample_every=1,
+                            sample_prompts=["a cat"], sample_steps=2), echo=lambda s: None)
+    assert sampled.losses == plain.losses
+    a, _ = load_lora(plain.lora_file)
+    b, _ = load_lora(sampled.lora_file)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(list((tmp_path / "sampled" / "samples").glob("step-*-0.png"))) == 4  # steps 0 to 3

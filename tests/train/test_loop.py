@@ -1222,9 +1222,9 @@ def test_prefetch_and_host_auto_say_what_they_chose_and_train_the_same(workspace
 
 
 def test_resident_blocks_keep_blocks_on_the_device_and_train_the_same(workspace, tmp_path):
-    """resident_blocks = 2 keeps two blocks out of the ring after the second step (fewer bytes copied a step) and
-    trains the LoRA a fully streamed run does, bit for bit; the fully streamed run (0, the default) keeps none and
-    copies every block. A count below 0 or a word other than auto is refused."""
+    """resident_blocks = 2 keeps two blocks out of the ring after the second step (the run says so; that a kept block
+    is no longer copied is tests/runtime/test_residency.py's) and trains the LoRA a fully streamed run does, bit for
+    bit. A count below 0 or a word other than auto is refused."""
     said = []
     kept = train(_config(workspace, tmp_path / "kept", steps=4, prefetch=2, host="pinned", resident_blocks=2),
                  echo=said.append)
@@ -1424,6 +1424,7 @@ def test_fp16_trains_with_a_scaled_loss_and_resumes_bit_for_bit(workspace, tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
     monkeypatch.setattr(loss_scale, "INITIAL", 2.0 ** 40)
+    monkeypatch.setattr(loss_scale, "RETRIES", 64)
     caplog.set_level("INFO", logger="squareq.train")
     big = train(_config(workspace, tmp_path / "big", **kw), echo=lambda s: None)
     halvings = [r.message for r in caplog.records if "fp16 gradients overflowed at loss scale" in r.message]
@@ -1433,6 +1434,16 @@ def test_fp16_trains_with_a_scaled_loss_and_resumes_bit_for_bit(workspace, tmp_p
     ended, _ = load_lora(big.lora_file)
     for n in started:
         torch.testing.assert_close(ended[n].float(), started[n].float(), rtol=1e-2, atol=1e-5)
+    # one retry a step: a batch still overflowing is skipped with the scale halved once from its start, the skips
+    # not counted as NaN steps (nan_patience 2 would have stopped the run), and the run reaches its steps
+    monkeypatch.setattr(loss_scale, "RETRIES", 1)
+    monkeypatch.setattr(loss_scale, "INITIAL", 2.0 ** 26)
+    caplog.clear()
+    skipping = train(_config(workspace, tmp_path / "skipping", nan_patience=2, **kw), echo=lambda s: None)
+    gave_up = [r.message for r in caplog.records if "this batch is skipped" in r.message]
+    assert skipping.steps == 4 and skipping.skipped_steps == len(gave_up) > 2
+    assert "still overflowed at loss scale 3.35544e+07; this batch is skipped and the next starts at 3.35544e+07" \
+        in gave_up[0]
 
 
 def test_fp8_compute_with_fp16_is_refused(workspace, tmp_path):
