@@ -153,7 +153,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
                   dtype: str = "auto", frames: int = 1):
     """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
-    (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts the ring at :data:`FORWARD_SLOTS` slots and grows it
+    (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts
+    the ring at :data:`FORWARD_SLOTS` slots and grows it
     after the second step if the copies were not hidden; resident_blocks ("auto" or a count) keeps blocks on the
     GPU from then on (runtime/residency.py). ``on_image(i, image)`` is called as each image is drawn (the CLI saves
     it then, so a failure later keeps what was drawn). ``compute``: the base layers' arithmetic (runtime/compute.py).
