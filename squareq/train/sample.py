@@ -53,8 +53,13 @@ class _FiniteLatents:
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
                               "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
-        _end_graph_step(getattr(pipe, "transformer", None) or getattr(pipe, "unet", None))
+        _end_graph_step(_denoiser(pipe))
         return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
+
+
+def _denoiser(pipe):
+    """A diffusers pipeline's denoiser: its transformer, or its UNet (SD 1.5, SDXL)."""
+    return getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
 
 
 def _end_graph_step(transformer) -> None:
@@ -124,9 +129,7 @@ def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, dev
                 "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
                 "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
     kwargs.update({k: v for k, v in optional.items() if k in params and v is not None})
-    denoiser = next((getattr(pipe, c, None) for c in ("transformer", "unet") if getattr(pipe, c, None) is not None),
-                    None)
-    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(denoiser)):
+    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(_denoiser(pipe))):
         out = pipe(**kwargs)
     frames = getattr(out, "frames", None)
     if frames is None:
