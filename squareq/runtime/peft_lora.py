@@ -172,14 +172,11 @@ def add_peft_lycoris(model: nn.Module, layers: list[str], rank: int, alpha: floa
     factors in fp32 initialised as PEFT initialises them (the delta starts at zero) from ``seed``; return the
     trainable parameters in that order."""
     require_peft()
-    from peft import LoHaConfig, LoKrConfig
     from peft.tuners.loha.layer import Linear as LoHaLinear
     from peft.tuners.lokr.layer import Linear as LoKrLinear
 
-    if variant.kind == "lokr":
-        config, layer_class = LoKrConfig(r=rank, alpha=alpha, decompose_factor=variant.factor), LoKrLinear
-    else:
-        config, layer_class = LoHaConfig(r=rank, alpha=alpha), LoHaLinear
+    config = _peft_config(variant, rank, alpha)
+    layer_class = LoKrLinear if variant.kind == "lokr" else LoHaLinear
     params = []
     with torch.random.fork_rng(devices=[]):  # PEFT draws from the global generator, on the host: seeded, restored
         torch.manual_seed(seed)
@@ -198,10 +195,14 @@ def add_peft_lycoris(model: nn.Module, layers: list[str], rank: int, alpha: floa
 
 def lycoris_config(variant: LoraVariant, rank: int, alpha: float, layers: list[str]) -> dict:
     """The ``adapter_config.json`` PEFT writes for these factors (``PeftModel.from_pretrained`` reads it back)."""
+    config = _peft_config(variant, rank, alpha).to_dict()
+    return {**config, "peft_type": str(config["peft_type"].value), "target_modules": sorted(layers)}
+
+
+def _peft_config(variant: LoraVariant, rank: int, alpha: float):
+    """PEFT's LoKr or LoHa config for ``variant``: the one the layers are built from and the file records."""
     from peft import LoHaConfig, LoKrConfig
 
     if variant.kind == "lokr":
-        config = LoKrConfig(r=rank, alpha=alpha, decompose_factor=variant.factor).to_dict()
-    else:
-        config = LoHaConfig(r=rank, alpha=alpha).to_dict()
-    return {**config, "peft_type": str(config["peft_type"].value), "target_modules": sorted(layers)}
+        return LoKrConfig(r=rank, alpha=alpha, decompose_factor=variant.factor)
+    return LoHaConfig(r=rank, alpha=alpha)
