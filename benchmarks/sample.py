@@ -26,9 +26,10 @@ in its own process so memory statistics start clean:
   ``runtime.load(attention=...)``: cuDNN first where measured faster (squareq sample's default) or torch's order;
   cuDNN attention is switched off for every other setup, as before (its backward fails on the device image for
   narrow heads), so the peers run torch's order;
-* ``squareq auto`` / ``squareq auto+resident``: what ``squareq sample --prefetch auto [--resident-blocks auto]``
-  does: K = 3 slots, then after step 2 a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with
-  ``+resident``) keeps blocks on the GPU from the measured copy and compute times; the plan is reported;
+* ``squareq auto`` / ``squareq auto+resident[+budgetG]``: what ``squareq sample --prefetch auto [--resident-blocks
+  auto] [--vram-budget G GB]`` does: K = 3 slots, then after the first step that replays its blocks' CUDA graphs
+  (or the second step) a ``StreamTuner`` (squareq/runtime/residency.py) adds slots and (with ``+resident``) keeps
+  blocks on the GPU from the measured copy and compute times, within G GB reserved; the plan is reported;
 * ``group_offload``: diffusers block-level group offloading with CUDA streams;
 * ``model_offload``: accelerate's ``cpu_offload_with_hook`` (what ``enable_model_cpu_offload`` applies to the
   transformer): moved to the GPU at the first step of a sampling run, so its one transfer is counted over the run;
@@ -167,8 +168,10 @@ def phase(args) -> None:
                        cudnn_attention_first=rt.runtime_of(model).prefer_cudnn)
             if k == "auto":
                 resident = "auto" if "resident" in rest else 0
-                rec["resident_blocks"] = resident
-                tuner = StreamTuner(model, prefetch="auto", resident=resident)
+                budget = next((float(w[6:]) for w in rest if w.startswith("budget")), None)
+                rec.update(resident_blocks=resident, vram_budget_GB=budget)
+                tuner = StreamTuner(model, prefetch="auto", resident=resident, wait_for_graphs=True,
+                                    peak_limit=int(budget * 1e9) if budget else None)  # as squareq sample's
         else:
             model = ts.build_model(setup)
             if attention == "fused":
@@ -232,7 +235,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--sequential-steps", type=int, default=2)
     ap.add_argument("--prefetch", nargs="+", default=["2", "3", "auto", "auto+resident"],
-                    help="ring sizes K, auto, auto+resident")
+                    help="ring sizes K, auto, auto+resident, auto+resident+budget3 (within 3 GB reserved)")
     ap.add_argument("--compute", nargs="+", default=["auto"], help="SquareQ compute modes: bf16, fp8, auto")
     ap.add_argument("--graphs", nargs="+", choices=("off", "on"), default=["off"],
                     help="SquareQ without and/or with CUDA graphs per block (squareq sample --cuda-graphs)")
@@ -321,6 +324,7 @@ def main() -> None:
             continue
         label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
             " +resident" if r.get("resident_blocks") == "auto" else "") + (
+            f" within {r['vram_budget_GB']:g} GB" if r.get("vram_budget_GB") else "") + (
             f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
         label += " graphs" if r.get("cuda_graphs") else ""
         label += " compiled" if r.get("block_compile") else ""

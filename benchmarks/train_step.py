@@ -125,6 +125,7 @@ class Setup:
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.device_name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         self.steps, self.warmup = args.steps, args.warmup
+        self.guidance = getattr(args, "guidance", 3.5)  # the embedded guidance of every batch (sample.py: 3.5)
         self.rotate = args.rotate
         self.slab = Path(args.workdir) / (f"{'tiny' if args.tiny else 'full'}-{args.family}"
                                           f"{'-rotated' if args.rotate else ''}.slab")
@@ -183,7 +184,7 @@ def make_batch(setup: Setup, res: int, model):
                  encoder_hidden_states=rand(1, setup.text_tokens, cfg["joint_attention_dim"]),
                  pooled_projections=rand(1, cfg["pooled_projection_dim"]),
                  timestep=torch.full((1,), 0.5, device=dev, dtype=torch.bfloat16),
-                 guidance=torch.full((1,), 3.5, device=dev, dtype=torch.bfloat16),
+                 guidance=torch.full((1,), setup.guidance, device=dev, dtype=torch.bfloat16),
                  img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(setup.text_tokens, 3, device=dev))
     return batch, rand(1, side * side, cfg["in_channels"])
 
@@ -827,7 +828,7 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
     """Run a phase subprocess, echo its output, return its JSON records (an error record if it died)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family,
-           "--targets", args.targets] + \
+           "--targets", args.targets, "--guidance", repr(args.guidance)] + \
         (["--tiny"] if args.tiny else []) + (["--rotate"] if args.rotate else [])
     log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
     start = time.perf_counter()
@@ -1033,6 +1034,12 @@ def main() -> None:
     ap.add_argument("--lora-layers", default="squareq",
                     help="comma list of LoRA layers for the pinned SquareQ setups: squareq (its own fast path), peft "
                          "(PEFT's lora.Linear around the quantized layer), dora (PEFT's DoRA)")
+    from squareq.models.noising import DEFAULT_GUIDANCE
+
+    ap.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
+                    help="the embedded guidance of every training batch (default: squareq train's). The model "
+                         "multiplies it by 1000 in the activations' type, where bf16 rounds 3500 to 3504 but not "
+                         "1000: a guidance of 3.5 gives bf16 another input than fp16 and fp32 (docs/benchmarks.md)")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
     args = ap.parse_args()
     global LORA_TARGETS
@@ -1072,7 +1079,7 @@ def main() -> None:
     commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
-           "steps": args.steps, "targets": args.targets, "rotate": args.rotate,
+           "steps": args.steps, "targets": args.targets, "rotate": args.rotate, "guidance": args.guidance,
            "warmup": args.warmup, "commit": commit, "sdpa_priority": _sdpa_priority(),
            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     emit(env)

@@ -24,7 +24,7 @@ from .runtime import PeftMissing, PlanError, StreamError
 from .runtime.attention_choice import MODES as ATTENTION_MODES
 from .runtime.block_compile import MODES as COMPILE_MODES
 from .runtime.compute import MODES as COMPUTE_MODES
-from .sizes import SizeError
+from .sizes import SizeError, parse_size
 from .slab import SlabError, open_slab
 from .slab.atomic import OutputError, os_error_sentence
 from .slab.summary import format_summary, summarize
@@ -167,7 +167,7 @@ def accept(slab, model, revision, clip_l, clip_g, t5, vae, thresholds_file, budg
     from .acceptance import AcceptOptions
     from .acceptance import accept as run_accept
     from .acceptance.convergence import ConvergenceSettings
-    from .compiler import Thresholds, parse_size
+    from .compiler import Thresholds
 
     for flag, path in (("--report", report), ("--junit", junit)):
         if path is not None and not Path(path).parent.is_dir():
@@ -312,7 +312,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     flux1-dev.safetensors, with --clip-l, --t5 and --vae), tiny-flux, or, with --blocks, any diffusers/transformers
     model folder or Hub ID.
     """
-    from .compiler import CompileOptions, Thresholds, check_budget, compile_slab, open_source, parse_size
+    from .compiler import CompileOptions, Thresholds, check_budget, compile_slab, open_source
     from .compiler.device_choice import choose_device, compile_flops
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
     from .compiler.previous import check_previous
@@ -519,6 +519,9 @@ class AutoOrInt(click.ParamType):
 @click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
               help="Blocks kept on the GPU after the second step, those whose copy outweighs their compute "
                    "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
+@click.option("--vram-budget", help="Largest peak reserved GPU memory of the denoising steps, e.g. 3GB: the slots "
+              "--prefetch auto adds and the blocks --resident-blocks keeps stay within it (default: what the device "
+              "has free, less a margin). The text encoders and the VAE's decode run apart and are not counted.")
 @click.option("--host", type=click.Choice(["auto", "pinned", "disk"]), default="auto", show_default=True,
               help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
                    "spare, else disk), pinned (RAM) or disk (read from the slab file).")
@@ -537,8 +540,8 @@ class AutoOrInt(click.ParamType):
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
               help=HELP["attention"])
 def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps,
-           guidance, seed, max_sequence_length, prefetch, resident_blocks, host, compute, dtype, frames, cuda_graphs,
-           compile_mode, attention):
+           guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, compute, dtype, frames,
+           cuda_graphs, compile_mode, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
     from .plot import write_sample
@@ -555,6 +558,7 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
     from .train.sample import check_sample_options, sample_images
 
     check_sample_options(resolution, steps, guidance, max_sequence_length)
+    limit = parse_size(vram_budget, "--vram-budget") if vram_budget else None
     ensure_output_dir(out, "-o/--out")  # before any drawing, whose images would otherwise be lost
 
     def save(i: int, image) -> None:
@@ -569,7 +573,7 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
                   resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
                   revision=revision, files=_given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
-                  attention=attention, dtype=dtype, frames=frames)
+                  attention=attention, dtype=dtype, frames=frames, vram_budget=limit)
 
 
 @main.command("export-lora")
@@ -664,7 +668,6 @@ class _StatusLine:
 @click.option("--force", is_flag=True, help="Replace an earlier demo in --out.")
 def demo(out: Path, budget: str, steps: int, force: bool) -> None:
     """compile → train → sample → accept on the built-in tiny model and dataset (a few minutes on a CPU)."""
-    from .compiler import parse_size
     from .demo import run_demo
 
     started = time.perf_counter()

@@ -277,6 +277,12 @@ class BlockGraphs:
 
     # ------------------------------------------------------------------ upkeep
 
+    @property
+    def settling(self) -> bool:
+        """Whether the step since the last :meth:`end_step` ran blocks eagerly before their capture, or captured them:
+        its timings are not a replaying step's."""
+        return self._settling
+
     def end_step(self) -> None:
         """Between steps (``Runtime.step_stats`` and ``squareq sample`` call it). Over :data:`STATIC_BYTES_CAP`, the
         graphs used longest ago go with the buffers only they used. After a step that ran blocks eagerly or captured

@@ -128,11 +128,15 @@ class StreamTuner:
     Call :meth:`before_step` / :meth:`after_step` around each step (a diffusers pipeline: pass
     :meth:`pipeline_callback` as ``callback_on_step_end``). ``budget_bytes``: free device memory to plan with, or a
     function that says it after the probe step (default: what the device, or for a CPU model the host, reports free
-    after the probe step, less a margin for activations). The plan applied is :attr:`plan`.
+    after the probe step, less a margin for activations). ``peak_limit``: the memory reserved after the probe step plus
+    what the plan adds stays within it (CUDA; ``squareq sample --vram-budget``). ``wait_for_graphs``: probe the
+    first step that replays every block's CUDA graph (sampling), not one that ran blocks eagerly before their
+    capture. The plan applied is :attr:`plan`.
     """
 
     def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
-                 probe_step: int = 1, budget_bytes: int | Callable[[], int] | None = None) -> None:
+                 probe_step: int = 1, budget_bytes: int | Callable[[], int] | None = None,
+                 wait_for_graphs: bool = False, peak_limit: int | None = None) -> None:
         from .loader import runtime_of
 
         self.rt = runtime_of(model)
@@ -140,6 +144,7 @@ class StreamTuner:
             raise ValueError("StreamTuner sizes a streamed model's ring; this model was loaded with stream=False.")
         self.prefetch, self.resident = prefetch, resident
         self.probe_step, self.budget_bytes = probe_step, budget_bytes
+        self.wait_for_graphs, self.peak_limit = wait_for_graphs, peak_limit
         self.plan: StreamPlan | None = None
         self._compiled_before = 0.0
         self._postponed = 0
@@ -154,12 +159,13 @@ class StreamTuner:
         """Step ``step`` has been enqueued: after the probe step, measure the copies, plan, and apply the plan."""
         if step != self.probe_step or self.rt.block_timer is None:
             return
-        # A step whose blocks ran eagerly before their CUDA-graph capture also looks slower than a replaying one; a
-        # probe that waited for the graphs measured a larger ring that costs more memory than it saves time (issue 41,
-        # docs/benchmarks.md), so only a compile postpones the probe.
-        if compile_seconds() > self._compiled_before and self._postponed < MAX_POSTPONED_PROBES:
-            # torch.compile compiled in this step (runtime/block_compile.py): the GPU waited on the host, and the
-            # blocks would look slower than they are, hiding copies that are not hidden. Probe the next step.
+        # torch.compile compiled in this step (runtime/block_compile.py), or (wait_for_graphs) blocks ran eagerly
+        # before their CUDA-graph capture: the GPU waited on the host, and the blocks would look slower than they
+        # are, hiding copies that are not hidden. Probe the next step. Training does not wait for the graphs: there a
+        # settled probe grew a ring that cost more memory than it saved time (issue 41, docs/benchmarks.md).
+        graphs = self.rt.graphs
+        settling = self.wait_for_graphs and graphs is not None and graphs.settling
+        if (settling or compile_seconds() > self._compiled_before) and self._postponed < MAX_POSTPONED_PROBES:
             self.rt.block_timer = None
             self.probe_step += 1
             self._postponed += 1
@@ -177,6 +183,14 @@ class StreamTuner:
                  self.plan.describe(), bandwidth / 1e9)
 
     def _budget(self) -> int:
+        free = self._free_budget()
+        if self.peak_limit is not None and self.rt.device.type == "cuda":
+            # what the caching allocator holds after the probe step is that step's need (its graphs' pool, its cached
+            # temporaries); the peak since the start would count the text encoders that ran before the denoiser
+            return min(free, max(0, self.peak_limit - torch.cuda.memory_reserved(self.rt.device)))
+        return free
+
+    def _free_budget(self) -> int:
         if callable(self.budget_bytes):
             return self.budget_bytes()
         if self.budget_bytes is not None:

@@ -53,8 +53,10 @@ class _FiniteLatents:
         if latents is not None and not bool(torch.isfinite(latents).all()):
             raise SampleError(f"denoising step {step + 1} for the prompt {self.prompt[:40]!r} produced NaN or Inf, so "
                               "its image (it would be black) is not saved; check the LoRA (--lora) and --guidance.")
+        # the tuner's callback first: it asks the graphs whether this step settled them (StreamTuner.after_step)
+        out = self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
         _end_graph_step(_denoiser(pipe))
-        return self.then(pipe, step, timestep, kwargs) if self.then is not None else kwargs
+        return out
 
 
 def _denoiser(pipe):
@@ -154,7 +156,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
                   cuda_graphs: bool = False, revision: str | None = None,
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
-                  dtype: str = "auto", frames: int = 1):
+                  dtype: str = "auto", frames: int = 1, vram_budget: int | None = None):
     """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
     (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts
     the ring at :data:`FORWARD_SLOTS` slots and grows it
@@ -166,7 +168,9 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     ``attention``: which attention kernels the blocks prefer, auto, cudnn or default (runtime/attention_choice.py;
     auto keeps torch's order here: :func:`sampling_attention`). ``dtype``: bf16, fp16 or auto (fp16 on GPUs without
     bf16; the text encoders and VAE then run in fp32; runtime/compute.py). ``frames``: a video family's clip length
-    (a prompt's ``--f`` sets its own); a clip comes back as its list of frames, an image as itself.
+    (a prompt's ``--f`` sets its own); a clip comes back as its list of frames, an image as itself. ``vram_budget``
+    (bytes): the denoising steps' peak reserved GPU memory, ring slots and kept blocks included, stays within it
+    (default: they may use what the device has free, less a margin).
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
@@ -208,8 +212,9 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     except ComputeError as exc:
         raise SampleError(f"--compute {compute} --dtype {dtype}: {exc}") from None
     tuner = None
-    if prefetch == "auto" or resident_blocks:
-        tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks)
+    if prefetch == "auto" or resident_blocks:  # probed once the blocks replay their graphs, if they have any
+        tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks, wait_for_graphs=True,
+                            peak_limit=vram_budget)
     if lora is not None and is_peft_adapter(lora):  # a LoKr or LoHa folder (lora_type lokr/loha)
         attach_peft_adapter(transformer, lora)
     elif lora is not None:

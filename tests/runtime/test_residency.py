@@ -122,3 +122,40 @@ def test_a_probe_step_that_compiled_is_not_measured(tiny_slab, monkeypatch):
     assert planned_after((True, True, False)) == [False, False, True]
     assert planned_after((False, False, False)) == [False, True, True]
 
+
+
+def test_a_sampling_tuner_probes_the_first_step_that_replays_its_graphs(tiny_slab):
+    """``wait_for_graphs`` (squareq sample): a step that ran blocks eagerly before their CUDA-graph capture, or captured
+    them, is no replaying step, so the tuner probes the first step after the graphs settled. The CPU's stand-in
+    capture runs the body and replays by running it again (tests/runtime/test_block_graphs.py), so the graphs warm up
+    and settle as on a GPU. Negative controls: without ``wait_for_graphs`` (training), and with graphs that never say
+    they are settling, the probe is step 1."""
+    from squareq.runtime.block_graphs import WARMUP, BlockGraphs
+
+    class NeverSettling(BlockGraphs):
+        settling = property(lambda self: False)
+
+    def rerun(body, pool, stream):
+        body()
+        return body
+
+    batch = inputs("cpu")
+
+    def probed_at(graphs_class, wait: bool) -> int:
+        model = runtime.load(tiny_slab, "cpu", prefetch=2)
+        rt = runtime.runtime_of(model)
+        rt.graphs = graphs_class(rt.device, capture=rerun)
+        tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40, wait_for_graphs=wait)
+        with torch.no_grad():
+            for i in range(8):
+                tuner.before_step(i)
+                model(**batch, return_dict=False)
+                tuner.after_step(i)
+                rt.graphs.end_step()
+                if tuner.plan is not None:
+                    return i
+        return -1
+
+    assert probed_at(BlockGraphs, wait=True) == WARMUP + 1  # the warm-up runs, then the capture, then a replay
+    assert probed_at(BlockGraphs, wait=False) == 1
+    assert probed_at(NeverSettling, wait=True) == 1

@@ -347,6 +347,8 @@ def test_sample_and_export_commands(workspace, tmp_path, caplog):
                           np.asarray(Image.open(tmp_path / "streamed3" / "sample-000.png")))
     refused = runner.invoke(main, base + ["--prefetch", "0"])
     assert refused.exit_code == 2 and "'0': give auto or a whole number of at least 1" in refused.output
+    unread = runner.invoke(main, base + ["--vram-budget", "lots"])
+    assert unread.exit_code == 1 and "--vram-budget: cannot read the size 'lots'" in unread.output
 
     kohya = tmp_path / "lora_kohya.safetensors"
     exported = runner.invoke(main, ["export-lora", str(tmp_path / "lora"), "-o", str(kohya)])
