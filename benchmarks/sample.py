@@ -170,7 +170,7 @@ def phase(args) -> None:
                 resident = "auto" if "resident" in rest else 0
                 budget = next((float(w[6:]) for w in rest if w.startswith("budget")), None)
                 rec.update(resident_blocks=resident, vram_budget_GB=budget)
-                tuner = StreamTuner(model, prefetch="auto", resident=resident, wait_for_graphs=True,
+                tuner = StreamTuner(model, prefetch="auto", resident=resident, forward_only=True,
                                     peak_limit=int(budget * 1e9) if budget else None)  # as squareq sample's
         else:
             model = ts.build_model(setup)

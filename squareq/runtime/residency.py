@@ -5,7 +5,10 @@ the device, the resolution and the slab, so :class:`StreamTuner` measures one st
 on the compute stream, host-to-device bandwidth from timed copies of the largest blocks) and then
 
 * adds ring slots until the longest copy fits in the compute of the blocks ahead of it (``prefetch="auto"``; an
-  integer grows the ring to that many),
+  integer grows the ring to that many); for a forward-only (sampling) step it instead simulates the step's copies
+  and computes in block order for each ring size and takes the smallest within :data:`RING_TOLERANCE` of the
+  fastest (:func:`forward_step_seconds`): where every block's copy outlasts its compute, more slots buy nothing,
+  while each extra slot costs a block's memory and, with CUDA graphs, a capture of every block in it,
 * keeps blocks on the GPU, those whose copy most exceeds their own compute first, while the copies of the blocks
   still streamed take more than :data:`COPY_SLACK` of a whole step's block compute and free VRAM allows
   (``resident="auto"``; an integer keeps that many). At least one block keeps streaming.
@@ -31,6 +34,7 @@ MAX_SLOTS = 8
 COPY_SLACK = 0.85  # streamed copies may take this share of a step's compute: the copy stream needs headroom
 MAX_POSTPONED_PROBES = 4  # steps that compiled and so were not measured, before one is measured anyway
 MIN_MARGIN_BYTES = 3 << 29  # VRAM left free for activations and the allocator beyond what a step used (1.5 GiB)
+RING_TOLERANCE = 0.01  # a forward-only ring grows only while the simulated step gets faster than this share
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,38 @@ class StreamPlan:
                 f"{self.copy_s * 1e3:.0f} ms against {self.compute_s * 1e3:.0f} ms of block compute: {state}")
 
 
+def forward_step_seconds(order: list[int], copy_s: dict[int, float], compute_s: dict[int, float],
+                         slots: int) -> float:
+    """A forward-only step's seconds once steps follow each other: the blocks of ``order`` compute one after
+    another; each streamed block (those in ``copy_s``; kept blocks have no copy) is copied in the same order on one
+    copy stream into one of ``slots`` slots, a slot being free once the block before in it has computed. The third
+    of three steps back to back is measured, so a step's first copies may run during the end of the step before."""
+    copy_free = compute_free = start = 0.0
+    computed: list[float] = []  # when each streamed visit's compute ended, in copy order
+    for _ in range(3):
+        start = compute_free
+        for b in order:
+            ready = compute_free
+            if b in copy_s:
+                slot_free = computed[-slots] if len(computed) >= slots else 0.0
+                copy_free = max(copy_free, slot_free) + copy_s[b]
+                ready = max(ready, copy_free)
+            compute_free = ready + compute_s.get(b, 0.0)
+            if b in copy_s:
+                computed.append(compute_free)
+    return compute_free - start
+
+
 def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: int, resident: int | str = 0,
-                prefetch: int | str = "auto") -> StreamPlan:
+                prefetch: int | str = "auto", order: list[int] | None = None) -> StreamPlan:
     """The ring size and resident blocks for ``times`` within ``budget_bytes`` of free device memory.
 
     resident: "auto" (as many as help, see the module docstring), a count (the blocks whose copy most exceeds
     their compute first, as the budget allows) or 0. prefetch: "auto" (enough slots that the longest streamed copy
     fits in the compute of the slots ahead of it, as the budget allows, at most :data:`MAX_SLOTS`) or a K to grow
-    the ring to. The ring never shrinks.
+    the ring to. ``order``: the blocks in the order a forward-only step runs them; given, "auto" takes the smallest
+    ring whose simulated step (:func:`forward_step_seconds`) is within :data:`RING_TOLERANCE` of the fastest the
+    budget allows. The ring never shrinks.
     """
     total_compute = sum(times.compute_s.values())
     streamed = dict(times.copy_s)
@@ -86,7 +114,12 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
             chosen.append(b)
             del streamed[b]
     want = slots if prefetch == "auto" else max(slots, int(prefetch))
-    if prefetch == "auto" and streamed:
+    if prefetch == "auto" and streamed and order:
+        most = max(slots, min(MAX_SLOTS, slots + budget_bytes // max(1, slot_bytes)))
+        seconds = {k: forward_step_seconds(order, streamed, times.compute_s, k) for k in range(slots, most + 1)}
+        fastest = min(seconds.values())
+        want = min(k for k, t in seconds.items() if t <= fastest * (1 + RING_TOLERANCE))
+    elif prefetch == "auto" and streamed:
         per_block = total_compute / max(1, len(times.compute_s))
         want = 1 + math.ceil(max(streamed.values()) / per_block) if per_block > 0 else MAX_SLOTS
         want = max(slots, min(MAX_SLOTS, want, slots + budget_bytes // max(1, slot_bytes)))
@@ -112,6 +145,10 @@ class BlockTimer:
         if start is not None:
             self.marks.append((block, start, self.clock.mark()))
 
+    def order(self) -> list[int]:
+        """The blocks timed, in the order they ran (each once)."""
+        return list(dict.fromkeys(block for block, _, _ in self.marks))
+
     def seconds(self) -> dict[int, float]:
         """Compute seconds per block over the marks so far (waits for the last one)."""
         if self.marks:
@@ -128,15 +165,18 @@ class StreamTuner:
     Call :meth:`before_step` / :meth:`after_step` around each step (a diffusers pipeline: pass
     :meth:`pipeline_callback` as ``callback_on_step_end``). ``budget_bytes``: free device memory to plan with, or a
     function that says it after the probe step (default: what the device, or for a CPU model the host, reports free
-    after the probe step, less a margin for activations). ``peak_limit``: the memory reserved after the probe step plus
-    what the plan adds stays within it (CUDA; ``squareq sample --vram-budget``). ``wait_for_graphs``: probe the
-    first step that replays every block's CUDA graph (sampling), not one that ran blocks eagerly before their
-    capture. The plan applied is :attr:`plan`.
+    after the probe step, less a margin for activations). ``forward_only`` (sampling): probe the first step
+    that replays every block's CUDA graph, not one that ran blocks eagerly before their capture, and size the ring
+    by simulating the step (:func:`plan_stream`'s ``order``). ``peak_limit`` (CUDA; ``squareq sample
+    --vram-budget``): the peak reserved memory of the steps after the plan stays within it. It resets the device's
+    peak memory statistics at the first step the tuner sees, and plans with the memory reserved after the probe
+    step plus the most the peak since then exceeded it by (the eager runs and captures, which newly kept blocks and
+    slots go through again). The plan applied is :attr:`plan`.
     """
 
     def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
                  probe_step: int = 1, budget_bytes: int | Callable[[], int] | None = None,
-                 wait_for_graphs: bool = False, peak_limit: int | None = None) -> None:
+                 forward_only: bool = False, peak_limit: int | None = None) -> None:
         from .loader import runtime_of
 
         self.rt = runtime_of(model)
@@ -144,13 +184,17 @@ class StreamTuner:
             raise ValueError("StreamTuner sizes a streamed model's ring; this model was loaded with stream=False.")
         self.prefetch, self.resident = prefetch, resident
         self.probe_step, self.budget_bytes = probe_step, budget_bytes
-        self.wait_for_graphs, self.peak_limit = wait_for_graphs, peak_limit
+        self.forward_only, self.peak_limit = forward_only, peak_limit
+        self._peaks_reset = False  # peak_limit: the peak statistics count from the first step seen
         self.plan: StreamPlan | None = None
         self._compiled_before = 0.0
         self._postponed = 0
 
     def before_step(self, step: int) -> None:
         """Step ``step`` is about to run: start timing its blocks if it is the probe step."""
+        if self.peak_limit is not None and not self._peaks_reset and self.rt.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.rt.device)  # what ran before the denoiser (its encoders) is not its
+            self._peaks_reset = True
         if step == self.probe_step and self.plan is None:
             self.rt.block_timer = BlockTimer(self.rt.telemetry.clock)
             self._compiled_before = compile_seconds()
@@ -159,25 +203,26 @@ class StreamTuner:
         """Step ``step`` has been enqueued: after the probe step, measure the copies, plan, and apply the plan."""
         if step != self.probe_step or self.rt.block_timer is None:
             return
-        # torch.compile compiled in this step (runtime/block_compile.py), or (wait_for_graphs) blocks ran eagerly
+        # torch.compile compiled in this step (runtime/block_compile.py), or (forward_only) blocks ran eagerly
         # before their CUDA-graph capture: the GPU waited on the host, and the blocks would look slower than they
         # are, hiding copies that are not hidden. Probe the next step. Training does not wait for the graphs: there a
         # settled probe grew a ring that cost more memory than it saved time (issue 41, docs/benchmarks.md).
         graphs = self.rt.graphs
-        settling = self.wait_for_graphs and graphs is not None and graphs.settling
+        settling = self.forward_only and graphs is not None and graphs.settling
         if (settling or compile_seconds() > self._compiled_before) and self._postponed < MAX_POSTPONED_PROBES:
             self.rt.block_timer = None
             self.probe_step += 1
             self._postponed += 1
             return
         compute = self.rt.block_timer.seconds()
+        order = self.rt.block_timer.order() if self.forward_only else None
         self.rt.block_timer = None
         streamer = self.rt.streamer
         nbytes = {b: streamer.block_sizes[b] for b in compute}
         bandwidth = self.rt.measure_copy_bandwidth()
         times = BlockTimes(nbytes, {b: n / bandwidth for b, n in nbytes.items()}, compute)
         self.plan = plan_stream(times, len(streamer.slots), max(streamer.block_sizes), self._budget(),
-                                self.resident, self.prefetch)
+                                self.resident, self.prefetch, order)
         self.rt.apply_stream_plan(self.plan)
         log.info("streaming tuned after step %d: %s (host-to-device copies at %.1f GB/s).", step,
                  self.plan.describe(), bandwidth / 1e9)
@@ -185,9 +230,11 @@ class StreamTuner:
     def _budget(self) -> int:
         free = self._free_budget()
         if self.peak_limit is not None and self.rt.device.type == "cuda":
-            # what the caching allocator holds after the probe step is that step's need (its graphs' pool, its cached
-            # temporaries); the peak since the start would count the text encoders that ran before the denoiser
-            return min(free, max(0, self.peak_limit - torch.cuda.memory_reserved(self.rt.device)))
+            # held now: the probe step's need (its graphs' pool, cached temporaries); growth: what a step beyond that
+            # took while it ran blocks eagerly or captured them, as the blocks and slots the plan adds will
+            now = torch.cuda.memory_reserved(self.rt.device)
+            growth = max(0, torch.cuda.max_memory_reserved(self.rt.device) - now)
+            return min(free, max(0, self.peak_limit - now - growth))
         return free
 
     def _free_budget(self) -> int:

@@ -213,7 +213,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         raise SampleError(f"--compute {compute} --dtype {dtype}: {exc}") from None
     tuner = None
     if prefetch == "auto" or resident_blocks:  # probed once the blocks replay their graphs, if they have any
-        tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks, wait_for_graphs=True,
+        tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks, forward_only=True,
                             peak_limit=vram_budget)
     if lora is not None and is_peft_adapter(lora):  # a LoKr or LoHa folder (lora_type lokr/loha)
         attach_peft_adapter(transformer, lora)

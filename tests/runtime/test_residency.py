@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from squareq import runtime
-from squareq.runtime.residency import MAX_SLOTS, BlockTimes, StreamTuner, plan_stream
+from squareq.runtime.residency import MAX_SLOTS, BlockTimes, StreamTuner, forward_step_seconds, plan_stream
 
 from .harness import assert_same, inputs, step, with_lora
 
@@ -42,6 +42,33 @@ def test_auto_prefetch_covers_the_longest_streamed_copy_within_the_budget():
     assert plan_stream(times, 6, 100 * MB, 10_000 * MB, prefetch="auto").slots == 6  # never shrinks
     assert plan_stream(_times([500, 5], [1, 1]), 2, MB, 10_000 * MB, prefetch="auto").slots == MAX_SLOTS
     assert plan_stream(times, 2, 100 * MB, 10_000 * MB, prefetch=2).slots == 2
+
+
+def test_a_simulated_forward_step_is_its_compute_when_copies_hide_and_its_copies_when_they_do_not():
+    order = list(range(6))
+    hidden = {b: 0.004 for b in order}, {b: 0.006 for b in order}
+    assert forward_step_seconds(order, *hidden, slots=2) == pytest.approx(0.036)
+    bound = {b: 0.010 for b in order}, {b: 0.006 for b in order}
+    assert forward_step_seconds(order, *bound, slots=2) == pytest.approx(0.060)
+    assert forward_step_seconds(order, *bound, slots=8) == pytest.approx(0.060)  # more slots cannot help
+    kept = {b: 0.010 for b in order[:3]}, {b: 0.006 for b in order}  # blocks 3-5 kept: no copies, still compute
+    assert forward_step_seconds(order, *kept, slots=2) < forward_step_seconds(order, *bound, slots=2)
+
+
+def test_a_forward_only_ring_grows_only_where_the_simulated_step_gets_faster():
+    """With the step's block order (sampling), the ring grows only while the simulated step gains: copy-bound
+    blocks everywhere keep the ring (the average rule would add a slot, the negative control); one long copy,
+    which more blocks' compute ahead of it hides, grows it."""
+    order = list(range(6))
+    bound = _times([10] * 6, [6] * 6)
+    assert plan_stream(bound, 2, 100 * MB, 10_000 * MB, prefetch="auto", order=order).slots == 2
+    assert plan_stream(bound, 2, 100 * MB, 10_000 * MB, prefetch="auto").slots == 3  # the average rule's ring
+    spike = _times([20, 1, 1, 1, 1, 1], [5] * 6)
+    grown = plan_stream(spike, 2, 100 * MB, 10_000 * MB, prefetch="auto", order=order).slots
+    assert grown > 2
+    seconds = [forward_step_seconds(order, spike.copy_s, spike.compute_s, k) for k in (2, grown, MAX_SLOTS)]
+    assert seconds[1] < seconds[0] and seconds[1] <= seconds[2] * 1.01
+    assert plan_stream(spike, 2, 100 * MB, 150 * MB, prefetch="auto", order=order).slots == 3  # the budget's one
 
 
 def test_a_tuned_streamed_model_computes_the_same_and_copies_only_what_streams(tiny_slab):
@@ -125,10 +152,10 @@ def test_a_probe_step_that_compiled_is_not_measured(tiny_slab, monkeypatch):
 
 
 def test_a_sampling_tuner_probes_the_first_step_that_replays_its_graphs(tiny_slab):
-    """``wait_for_graphs`` (squareq sample): a step that ran blocks eagerly before their CUDA-graph capture, or captured
+    """``forward_only`` (squareq sample): a step that ran blocks eagerly before their CUDA-graph capture, or captured
     them, is no replaying step, so the tuner probes the first step after the graphs settled. The CPU's stand-in
     capture runs the body and replays by running it again (tests/runtime/test_block_graphs.py), so the graphs warm up
-    and settle as on a GPU. Negative controls: without ``wait_for_graphs`` (training), and with graphs that never say
+    and settle as on a GPU. Negative controls: without ``forward_only`` (training), and with graphs that never say
     they are settling, the probe is step 1."""
     from squareq.runtime.block_graphs import WARMUP, BlockGraphs
 
@@ -145,7 +172,7 @@ def test_a_sampling_tuner_probes_the_first_step_that_replays_its_graphs(tiny_sla
         model = runtime.load(tiny_slab, "cpu", prefetch=2)
         rt = runtime.runtime_of(model)
         rt.graphs = graphs_class(rt.device, capture=rerun)
-        tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40, wait_for_graphs=wait)
+        tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40, forward_only=wait)
         with torch.no_grad():
             for i in range(8):
                 tuner.before_step(i)
