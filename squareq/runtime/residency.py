@@ -86,7 +86,8 @@ def forward_step_seconds(order: list[int], copy_s: dict[int, float], compute_s: 
 
 
 def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: int, resident: int | str = 0,
-                prefetch: int | str = "auto", order: list[int] | None = None) -> StreamPlan:
+                prefetch: int | str = "auto", order: list[int] | None = None,
+                whole_turns: bool = False) -> StreamPlan:
     """The ring size and resident blocks for ``times`` within ``budget_bytes`` of free device memory.
 
     resident: "auto" (as many as help, see the module docstring), a count (the blocks whose copy most exceeds
@@ -94,7 +95,10 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
     fits in the compute of the slots ahead of it, as the budget allows, at most :data:`MAX_SLOTS`) or a K to grow
     the ring to. ``order``: the blocks in the order a forward-only step runs them; given, "auto" takes the smallest
     ring whose simulated step (:func:`forward_step_seconds`) is within :data:`RING_TOLERANCE` of the fastest the
-    budget allows. The ring never shrinks.
+    budget allows. ``whole_turns`` (CUDA graphs): every streamed block comes back to the same slot each step, so a
+    grown ring must divide the streamed blocks, and blocks kept last are streamed again until the ring does
+    (the streamer fills its slots in turn across steps, and a block in another slot is another capture).
+    The ring never shrinks.
     """
     total_compute = sum(times.compute_s.values())
     streamed = dict(times.copy_s)
@@ -116,13 +120,17 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
     want = slots if prefetch == "auto" else max(slots, int(prefetch))
     if prefetch == "auto" and streamed and order:
         most = max(slots, min(MAX_SLOTS, slots + budget_bytes // max(1, slot_bytes)))
-        seconds = {k: forward_step_seconds(order, streamed, times.compute_s, k) for k in range(slots, most + 1)}
+        sizes = [k for k in range(slots, most + 1) if k == slots or not whole_turns or len(streamed) % k == 0]
+        seconds = {k: forward_step_seconds(order, streamed, times.compute_s, k) for k in sizes}
         fastest = min(seconds.values())
         want = min(k for k, t in seconds.items() if t <= fastest * (1 + RING_TOLERANCE))
     elif prefetch == "auto" and streamed:
         per_block = total_compute / max(1, len(times.compute_s))
         want = 1 + math.ceil(max(streamed.values()) / per_block) if per_block > 0 else MAX_SLOTS
         want = max(slots, min(MAX_SLOTS, want, slots + budget_bytes // max(1, slot_bytes)))
+    while whole_turns and chosen and len(streamed) % want:
+        b = chosen.pop()  # the least helpful kept block streams again
+        streamed[b] = times.copy_s[b]
     return StreamPlan(int(want), tuple(sorted(chosen)), sum(streamed.values()), total_compute)
 
 
@@ -169,9 +177,10 @@ class StreamTuner:
     that replays every block's CUDA graph, not one that ran blocks eagerly before their capture, and size the ring
     by simulating the step (:func:`plan_stream`'s ``order``). ``peak_limit`` (CUDA; ``squareq sample
     --vram-budget``): the peak reserved memory of the steps after the plan stays within it. It resets the device's
-    peak memory statistics at the first step the tuner sees, and plans with the memory reserved after the probe
-    step plus the most the peak since then exceeded it by (the eager runs and captures, which newly kept blocks and
-    slots go through again). The plan applied is :attr:`plan`.
+    peak memory statistics at the first step the tuner sees (after emptying the allocator's cache), and plans with
+    the memory reserved after the probe step plus how far the peak since then rose above what that first step
+    started with (its eager runs and captures, which newly kept blocks and slots go through again). The plan
+    applied is :attr:`plan`.
     """
 
     def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
@@ -185,16 +194,17 @@ class StreamTuner:
         self.prefetch, self.resident = prefetch, resident
         self.probe_step, self.budget_bytes = probe_step, budget_bytes
         self.forward_only, self.peak_limit = forward_only, peak_limit
-        self._peaks_reset = False  # peak_limit: the peak statistics count from the first step seen
+        self._first_reserved: int | None = None  # peak_limit: reserved as the first step seen began
         self.plan: StreamPlan | None = None
         self._compiled_before = 0.0
         self._postponed = 0
 
     def before_step(self, step: int) -> None:
         """Step ``step`` is about to run: start timing its blocks if it is the probe step."""
-        if self.peak_limit is not None and not self._peaks_reset and self.rt.device.type == "cuda":
+        if self.peak_limit is not None and self._first_reserved is None and self.rt.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the steps before cached is not what a step holds
+            self._first_reserved = torch.cuda.memory_reserved(self.rt.device)
             torch.cuda.reset_peak_memory_stats(self.rt.device)  # what ran before the denoiser (its encoders) is not its
-            self._peaks_reset = True
         if step == self.probe_step and self.plan is None:
             self.rt.block_timer = BlockTimer(self.rt.telemetry.clock)
             self._compiled_before = compile_seconds()
@@ -221,8 +231,9 @@ class StreamTuner:
         nbytes = {b: streamer.block_sizes[b] for b in compute}
         bandwidth = self.rt.measure_copy_bandwidth()
         times = BlockTimes(nbytes, {b: n / bandwidth for b, n in nbytes.items()}, compute)
+        whole_turns = self.forward_only and graphs is not None and graphs.enabled
         self.plan = plan_stream(times, len(streamer.slots), max(streamer.block_sizes), self._budget(),
-                                self.resident, self.prefetch, order)
+                                self.resident, self.prefetch, order, whole_turns)
         self.rt.apply_stream_plan(self.plan)
         log.info("streaming tuned after step %d: %s (host-to-device copies at %.1f GB/s).", step,
                  self.plan.describe(), bandwidth / 1e9)
@@ -230,10 +241,11 @@ class StreamTuner:
     def _budget(self) -> int:
         free = self._free_budget()
         if self.peak_limit is not None and self.rt.device.type == "cuda":
-            # held now: the probe step's need (its graphs' pool, cached temporaries); growth: what a step beyond that
-            # took while it ran blocks eagerly or captured them, as the blocks and slots the plan adds will
+            # held now: the probe step's need (its graphs' pool, cached temporaries); growth: what the steps took
+            # beyond what they started with while they ran blocks eagerly or captured them, as the blocks and slots
+            # the plan adds will again, beside the graphs' pool that is now held
             now = torch.cuda.memory_reserved(self.rt.device)
-            growth = max(0, torch.cuda.max_memory_reserved(self.rt.device) - now)
+            growth = max(0, torch.cuda.max_memory_reserved(self.rt.device) - min(now, self._first_reserved or now))
             return min(free, max(0, self.peak_limit - now - growth))
         return free
 

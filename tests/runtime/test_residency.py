@@ -71,6 +71,20 @@ def test_a_forward_only_ring_grows_only_where_the_simulated_step_gets_faster():
     assert plan_stream(spike, 2, 100 * MB, 150 * MB, prefetch="auto", order=order).slots == 3  # the budget's one
 
 
+def test_with_cuda_graphs_a_forward_only_ring_divides_the_streamed_blocks():
+    """``whole_turns``: a ring that does not divide the streamed blocks puts each block in another slot every step
+    (another capture each), so the ring grows only to a divisor, and kept blocks are streamed again, the least
+    helpful first, until the ring divides what streams. Negative control: without it, the 7-block ring takes 5."""
+    order = list(range(7))
+    spike = _times([20, 1, 1, 1, 1, 1, 1], [5] * 7)
+    assert plan_stream(spike, 2, 100 * MB, 10_000 * MB, prefetch="auto", order=order).slots == 5
+    assert plan_stream(spike, 2, 100 * MB, 10_000 * MB, prefetch="auto", order=order, whole_turns=True).slots == 7
+    bound = _times([10, 11, 8, 12, 10, 10, 10], [6] * 7)
+    free = plan_stream(bound, 3, 100 * MB, 10_000 * MB, resident=2, prefetch=3, order=order)
+    turns = plan_stream(bound, 3, 100 * MB, 10_000 * MB, resident=2, prefetch=3, order=order, whole_turns=True)
+    assert free.resident == (1, 3) and turns.resident == (3,)  # 6 streamed blocks for 3 slots, not 5
+
+
 def test_a_tuned_streamed_model_computes_the_same_and_copies_only_what_streams(tiny_slab):
     """Two resident blocks and a larger ring, applied after the probe step: the same outputs and LoRA gradients
     bit for bit, forward-only and training, and the resident blocks are not copied any more."""
