@@ -508,6 +508,10 @@ class AutoOrInt(click.ParamType):
 @click.option("--model", help=HELP["model"])
 @_REVISION
 @_encoder_file_options
+@click.option("--prior", help="Würstchen: the prior's pipeline folder or Hub ID (warp-ai/wuerstchen-prior), run whole "
+              "beside a decoder slab; an image needs both stages.")
+@click.option("--decoder", help="Würstchen: the decoder's pipeline folder or Hub ID (warp-ai/wuerstchen), run whole "
+              "beside a prior slab.")
 @click.option("--resolution", type=int, default=1024, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=3.5, show_default=True, help="Guidance scale, 0 to 100.")
@@ -539,7 +543,8 @@ class AutoOrInt(click.ParamType):
                    "slower with its compile counted; docs/tuning.md).")
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
               help=HELP["attention"])
-def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, resolution, steps,
+def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, prior, decoder, resolution,
+           steps,
            guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, compute, dtype, frames,
            cuda_graphs, compile_mode, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
@@ -573,7 +578,8 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
                   seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
                   resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
                   revision=revision, files=_given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
-                  attention=attention, dtype=dtype, frames=frames, vram_budget=limit)
+                  attention=attention, dtype=dtype, frames=frames, vram_budget=limit,
+                  stages={"prior": prior, "decoder": decoder})
 
 
 @main.command("export-lora")

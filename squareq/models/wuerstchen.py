@@ -107,6 +107,7 @@ NO_EFFNET = "Würstchen's EfficientNet image encoder"  # what no Würstchen pipe
 WUERSTCHEN_PRIOR = FamilyAdapter(
     family="wuerstchen-prior", class_name="WuerstchenPrior", block_lists=("blocks",),
     calibration_inputs=prior_synthetic_inputs, sequence_shape=prior_sequence_shape, component="prior",
+    pipeline_samples=True,  # through both stages' pipelines, the decoder's folder given (train/wuerstchen_sample.py)
     recipe=TrainingRecipe(objective="cosine_epsilon", latent_channels=lambda cfg: cfg.c_in,
                           text_fields=lambda cfg: TextFields(cfg.c_cond), forward=prior_forward,
                           prediction=first_output, no_pipeline=NO_EFFNET + " (the prior's latents are its embeddings)"))
@@ -114,6 +115,7 @@ WUERSTCHEN_PRIOR = FamilyAdapter(
 WUERSTCHEN_DECODER = FamilyAdapter(
     family="wuerstchen-decoder", class_name="WuerstchenDiffNeXt", block_lists=("down_blocks.*", "up_blocks.*"),
     calibration_inputs=decoder_synthetic_inputs, sequence_shape=decoder_sequence_shape, component="decoder",
+    pipeline_samples=True,  # through both stages' pipelines, the prior's folder given (train/wuerstchen_sample.py)
     recipe=TrainingRecipe(objective="cosine_epsilon", latent_channels=lambda cfg: cfg.c_in,
                           text_fields=lambda cfg: TextFields(cfg.clip_embd), forward=decoder_forward,
                           prediction=first_output, image_conditioning=toy_image_embedding,

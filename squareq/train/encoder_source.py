@@ -254,6 +254,33 @@ def _hub_pipeline(ref: hub.HubRef, flags: list[str]) -> Path:
     return folder
 
 
+def whole_pipeline_folder(where: str | Path, skip: tuple[str, ...] = (), flag: str = "--model") -> Path:
+    """A diffusers pipeline folder with the files of every component but those in ``skip`` (a local folder, or a
+    Hub ID's snapshot, fetched): a pipeline that runs whole beside the slab (Würstchen's other stage). Pickled
+    weights are refused; :class:`EncoderError` names ``flag`` and ``where``."""
+    ref = hub.hub_ref(str(where))
+    try:
+        if ref is None:
+            folder = Path(where).expanduser()
+            index = hub.read_index(folder) if folder.is_dir() else None
+            if index is None:
+                raise EncoderError(f"{flag} {where} is not a diffusers pipeline folder (no model_index.json in it); "
+                                   "pass the pipeline's folder or Hub ID.")
+        else:
+            folder, index = hub.index_of(ref)
+            if index is None:
+                raise EncoderError(f"{flag} {where} is one model, not a diffusers pipeline (no model_index.json); "
+                                   "pass the pipeline's Hub ID or folder.")
+            ref = hub.resolved(ref, folder)
+            parts = [c for c in hub.pipeline_components(index, ("",)) if c not in skip]
+            folder = hub.fetch(ref, hub.pipeline_patterns(parts))
+            hub.require(folder, ref, parts)
+        refuse_pickled(*(folder / c for c in hub.pipeline_components(index, ("",)) if c not in skip))
+    except ModelError as exc:
+        raise EncoderError(f"{flag}: {exc}") from None
+    return folder
+
+
 def dtype_tag(dtype: torch.dtype) -> str:
     """The part of an encoder's cache identity that says which precision computed its entries (bf16 on a GPU and
     fp32 on a CPU give different bits)."""

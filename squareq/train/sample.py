@@ -17,18 +17,26 @@ import torch
 
 from .. import runtime
 from ..devices import default_device
-from ..models import ADAPTERS
+from ..models import ADAPTERS, BUILTIN_MODELS
 from ..runtime import autocast_dtype
 from ..runtime.block_compile import CompileModeError, resolve_compile
 from ..runtime.compute import ComputeError, resolve_dtype
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
 from .encoder_placement import EncoderRun
-from .encoder_source import EncoderError, EncoderSource, encoder_source_for, pipeline_folder, recorded_encoders
+from .encoder_source import (
+    EncoderError,
+    EncoderSource,
+    encoder_source_for,
+    pipeline_folder,
+    recorded_encoders,
+    whole_pipeline_folder,
+)
 from .encoders import encoder_dtype, open_decoder, open_encoders
 from .family_encoders import open_family_pipeline
 from .lora_files import attach_lora, attach_peft_adapter, is_peft_adapter, load_lora
 from .prompt_options import MAX_FRAMES, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
+from .wuerstchen_sample import SIDE_MULTIPLE, STAGES, draw_stages, open_stages, other_stage, stage_parameters
 
 log = logging.getLogger("squareq.sample")
 
@@ -60,8 +68,9 @@ class _FiniteLatents:
 
 
 def _denoiser(pipe):
-    """A diffusers pipeline's denoiser: its transformer, or its UNet (SD 1.5, SDXL)."""
-    return getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    """A diffusers pipeline's denoiser: its transformer, its UNet (SD 1.5, SDXL), or Würstchen's prior or decoder."""
+    return next((m for m in (getattr(pipe, a, None) for a in ("transformer", "unet", "prior", "decoder"))
+                 if isinstance(m, torch.nn.Module)), None)
 
 
 def _end_graph_step(transformer) -> None:
@@ -156,7 +165,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   on_image: Callable[[int, object], None] | None = None, compute: str = "auto",
                   cuda_graphs: bool = False, revision: str | None = None,
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
-                  dtype: str = "auto", frames: int = 1, vram_budget: int | None = None):
+                  dtype: str = "auto", frames: int = 1, vram_budget: int | None = None,
+                  stages: dict[str, str | None] | None = None):
     """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
     (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts
     the ring at :data:`FORWARD_SLOTS` slots and grows it
@@ -170,7 +180,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     bf16; the text encoders and VAE then run in fp32; runtime/compute.py). ``frames``: a video family's clip length
     (a prompt's ``--f`` sets its own); a clip comes back as its list of frames, an image as itself. ``vram_budget``
     (bytes): the denoising steps' peak reserved GPU memory, ring slots and kept blocks included, stays within it
-    (default: they may use what the device has free, less a margin).
+    (default: they may use what the device has free, less a margin). ``stages``: Würstchen's other stage's pipeline
+    folder or Hub ID, ``{"prior": ...}`` beside a decoder slab or ``{"decoder": ...}`` beside a prior slab.
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
@@ -192,7 +203,12 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     check_prompts(family, settled)
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
-    through_pipeline = check_family(slab, family, encoders)
+    if family in STAGES:
+        folders = wuerstchen_folders(slab, family, encoders, stages or {})
+        draw = lambda *args: draw_wuerstchen(folders, *args)  # noqa: E731
+    else:
+        check_stages_unused(family, stages or {})
+        draw = draw_through_pipeline if check_family(slab, family, encoders) else _draw_flux
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
@@ -219,7 +235,6 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         attach_peft_adapter(transformer, lora)
     elif lora is not None:
         attach_lora(transformer, *load_lora(lora))
-    draw = draw_through_pipeline if through_pipeline else _draw_flux
     try:
         return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image)
     finally:
@@ -274,6 +289,11 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
         k = (odd[0].frames - 1) // stride
         raise SampleError(f"--frames/--f {odd[0].frames}: a {family} clip has 1 + {stride}·k frames (its VAE packs "
                           f"{stride} frames into one); give {1 + stride * k} or {1 + stride * (k + 1)}.")
+    odd = [p for p in settled if family in STAGES and (p.width % SIDE_MULTIPLE or p.height % SIDE_MULTIPLE)]
+    if odd:
+        raise SampleError(f"--resolution/--w/--h {odd[0].width}x{odd[0].height}: a Würstchen image's sides are "
+                          f"multiples of {SIDE_MULTIPLE} (its latents are 1/{SIDE_MULTIPLE // 4} of the decoder's "
+                          "4x VQGAN output, rounded); give e.g. 512 or 1024.")
     params = _pipeline_parameters(family)
     if params is None:  # FLUX.1's own sampler: parse_prompt's rule
         return
@@ -288,6 +308,8 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
 
 def _pipeline_parameters(family: str):
     """The parameters of ``family``'s diffusers pipeline call, or None where SquareQ's own sampler draws it."""
+    if family in STAGES:  # the pipeline of the stage the slab holds, whose call the prompts' options set
+        return stage_parameters(family)
     adapter = ADAPTERS.get(family)
     if adapter is None or adapter.samples or not adapter.pipeline_samples:
         return None
@@ -316,6 +338,10 @@ def check_family(slab, family: str, encoders: EncoderSource) -> bool:
     adapter = ADAPTERS.get(family)
     if adapter is not None and adapter.samples:
         return False
+    if family in STAGES:  # the trainer's sample images: squareq sample draws them through both stages
+        raise SampleError(f"{slab} holds Würstchen's {STAGES[family]}, whose images need the {other_stage(family)}'s "
+                          f"pipeline too, which a training run does not load; leave sample_every at 0 and draw with "
+                          f"squareq sample --{other_stage(family)} after training.")
     if adapter is None or not adapter.pipeline_samples:
         drawn = [f for f, a in ADAPTERS.items() if a.samples or a.pipeline_samples]
         raise SampleError(f"{slab} holds a {family} model; squareq sample draws {', '.join(drawn)} models only so far.")
@@ -346,3 +372,50 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
                 pipe, prompt, max_sequence_length, device, callback))
         finally:
             setattr(pipe, component, None)
+
+
+def check_stages_unused(family: str, stages: dict[str, str | None]) -> None:
+    """Refuse --prior/--decoder beside a slab that is not one of Würstchen's stages."""
+    given = [f"--{k}" for k, v in stages.items() if v]
+    if given:
+        raise SampleError(f"{given[0]} is for a Würstchen slab (the stage it does not hold); this slab holds a "
+                          f"{family} model, so leave it out.")
+
+
+def wuerstchen_folders(slab, family: str, encoders: EncoderSource, stages: dict[str, str | None]) -> tuple[Path, Path]:
+    """The pipeline folders of a Würstchen slab's own stage (``--model``) and of the other stage (``--prior`` or
+    ``--decoder``), fetched if Hub IDs; :class:`SampleError` naming the flag to give."""
+    own, other = STAGES[family], other_stage(family)
+    if stages.get(own):
+        raise SampleError(f"--{own}: {slab} holds Würstchen's {own} itself; give the {other}'s pipeline with "
+                          f"--{other}.")
+    hub_id = {"prior": "warp-ai/wuerstchen-prior", "decoder": "warp-ai/wuerstchen"}
+    if not stages.get(other):
+        raise SampleError(f"{slab} holds Würstchen's {own}, and an image needs its {other} too: give the {other}'s "
+                          f"pipeline folder or Hub ID with --{other} (e.g. --{other} {hub_id[other]}).")
+    if encoders.where in BUILTIN_MODELS:
+        raise SampleError(f"{slab} holds Würstchen's {own}, which squareq sample draws through its pipeline (its text "
+                          f"encoder and scheduler); the built-in tiny model has none, so pass the {own}'s pipeline "
+                          f"folder or Hub ID with --model (e.g. --model {hub_id[own]}).")
+    try:
+        return (whole_pipeline_folder(encoders.where, skip=(own,), flag="--model"),
+                whole_pipeline_folder(stages[other], flag=f"--{other}"))
+    except EncoderError as exc:
+        raise SampleError(str(exc)) from None
+
+
+def draw_wuerstchen(folders: tuple[Path, Path], encoders, family: str, transformer, settled: list[SamplePrompt],
+                    max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+    """The images of ``settled`` from Würstchen's two pipelines, the streamed ``transformer`` as the slab's stage
+    (train/wuerstchen_sample.py). The tuner and the NaN check follow the slab's stage's steps."""
+    dtype = _encoder_dtype(transformer, device)
+    own = STAGES[family]
+    try:
+        with open_stages(*folders, family, transformer, device, dtype) as (prior_pipe, decoder_pipe):
+            def draw_one(prompt, callback):
+                return draw_stages(prior_pipe, decoder_pipe, family, prompt, device, autocast_dtype(transformer),
+                                   lambda stage: _FiniteLatents(prompt.text, callback if stage == own else None))
+
+            return _each_prompt(settled, tuner, on_image, draw_one)
+    except EncoderError as exc:
+        raise SampleError(str(exc)) from None

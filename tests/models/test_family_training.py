@@ -99,8 +99,8 @@ def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_b
 
 def test_sample_images_need_the_family_pipeline(data, tmp_path):
     """squareq sample and the trainer's sample images draw another family through its diffusers pipeline: without one
-    (a built-in tiny model's source) each says to pass it with --model; a family without a pipeline sampler is
-    refused."""
+    (a built-in tiny model's source) each says to pass it with --model. A Würstchen stage needs the other stage's
+    pipeline too: squareq sample asks for it, the trainer's sample images are refused."""
     from squareq.train.sample import SampleError, sample_images
 
     slab = _slab("tiny-wan", tmp_path)
@@ -108,15 +108,16 @@ def test_sample_images_need_the_family_pipeline(data, tmp_path):
                                          "its diffusers pipeline .* so pass the pipeline folder or Hub ID with --model"):
         train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
     prior = _slab("tiny-wuerstchen-prior", tmp_path)
-    with pytest.raises(TrainError, match="sample_every = 2: .* holds a wuerstchen-prior model; squareq sample draws "):
+    with pytest.raises(TrainError, match="sample_every = 2: .* holds Würstchen's prior, whose images need the "
+                                         "decoder's pipeline too, which a training run does not load; leave "):
         train(_config(prior, data, tmp_path / "p", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
     with pytest.raises(SampleError, match="holds a wan model, which squareq sample draws through its diffusers pipeline "
                                           r"\(WanPipeline\); the built-in tiny model has none, so pass the pipeline "
                                           "folder or Hub ID with --model"):
         sample_images(slab, ["a cat"], resolution=64, steps=2)
-    with pytest.raises(SampleError, match="holds a wuerstchen-prior model; squareq sample draws flux, flux2, chroma, "
-                                          "sd3, qwen-image, wan, hunyuan-video, ltx-video, z-image, sd-unet models only"):
-        sample_images(prior, ["a cat"], resolution=64, steps=2)
+    with pytest.raises(SampleError, match="holds Würstchen's prior, and an image needs its decoder too: give the "
+                                          "decoder's pipeline folder or Hub ID with --decoder"):
+        sample_images(prior, ["a cat"], resolution=128, steps=2)
 
 
 @pytest.mark.parametrize("name", ["tiny-sd15", "tiny-sdxl", "tiny-sd3", "tiny-chroma", "tiny-wan", "tiny-qwen-image",
@@ -317,6 +318,67 @@ def test_a_video_family_draws_a_clip_of_the_asked_frames(tmp_path):
         sample_images(_slab("tiny-sd15", tmp_path), ["a cat --f 5"], resolution=64, steps=2)
     with pytest.raises(SampleError, match="--f 6: a wan clip has 1 \\+ 4·k frames .* give 5 or 9"):
         sample_images(slab, ["a cat --f 6"], model=str(folder), resolution=64, steps=2)
+
+
+def test_wuerstchen_draws_with_either_stage_streamed_and_the_other_from_its_folder(tmp_path, monkeypatch):
+    """A Würstchen slab is one stage; squareq sample draws through both pipelines (loaded from folders in the Hub's
+    layout, which diffusers 0.42 cannot load whole), the slab streamed as its stage. The slab's weights draw the
+    image (another seed's slab draws another; the same slab the same), and --g sets the slab's stage. Negative
+    controls: the other stage missing, the slab's own stage given again, --prior beside a FLUX slab, a side that is
+    not a multiple of 128, no --model for the built-in tiny model."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from squareq.cli import main
+    from squareq.models import build_tiny_wuerstchen_decoder, build_tiny_wuerstchen_prior
+    from squareq.train.sample import SampleError, sample_images
+
+    from .tiny_folders import write_wuerstchen_folders
+
+    import diffusers
+
+    prior_dir, decoder_dir = write_wuerstchen_folders(tmp_path / "pipes")
+    embeddings = []  # what the prior handed the decoder, per drawing
+    decode = diffusers.WuerstchenDecoderPipeline.__call__
+    monkeypatch.setattr(diffusers.WuerstchenDecoderPipeline, "__call__", lambda pipe, image_embeddings, **kw: (
+        embeddings.append(image_embeddings.float().clone()), decode(pipe, image_embeddings, **kw))[1])
+
+    def output(image):  # the prior's stage: its embeddings; the decoder's: the image
+        return embeddings[-1] if family == "wuerstchen-prior" else torch.from_numpy(np.asarray(image).astype(float))
+    for family, build, own, other in (("wuerstchen-prior", build_tiny_wuerstchen_prior, prior_dir,
+                                       {"decoder": str(decoder_dir)}),
+                                      ("wuerstchen-decoder", build_tiny_wuerstchen_decoder, decoder_dir,
+                                       {"prior": str(prior_dir)})):
+        slab = _slab(f"tiny-{family}", tmp_path)
+        reseeded = tmp_path / f"{family}-seed5.slab"
+        model = build(5)
+        write_rtn_slab(model, ADAPTERS[family].blocks(model), {}, reseeded,
+                       PlainOptions(default_spec=QuantSpec(bits=8), family=family, source=f"tiny-{family}"))
+        draw = lambda path, prompt: sample_images(path, [prompt], model=str(own), resolution=128, steps=3,  # noqa: E731
+                                                  device="cpu", stages=other)[0]
+        image = draw(slab, "a cat --g 4")
+        first = output(image)
+        assert image.size == (128, 128) and torch.equal(output(draw(slab, "a cat --g 4")), first)
+        scale = first.abs().mean()
+        assert (output(draw(reseeded, "a cat --g 4")) - first).abs().mean() > 0.05 * scale, family
+        assert (output(draw(slab, "a cat --g 1")) - first).abs().mean() > 0.05 * scale, family
+        with pytest.raises(SampleError, match=f"an image needs its {list(other)[0]} too: give"):
+            sample_images(slab, ["a cat"], model=str(own), resolution=128, steps=2)
+        with pytest.raises(SampleError, match="holds Würstchen's .* itself"):
+            sample_images(slab, ["a cat"], model=str(own), resolution=128, steps=2,
+                          stages={**other, family.split("-")[1]: str(own)})
+        with pytest.raises(SampleError, match="multiples of 128"):
+            sample_images(slab, ["a cat"], model=str(own), resolution=96, steps=2, stages=other)
+        with pytest.raises(SampleError, match="the built-in tiny model has none, so pass"):
+            sample_images(slab, ["a cat"], resolution=128, steps=2, stages=other)
+    with pytest.raises(SampleError, match="--prior is for a Würstchen slab"):
+        sample_images(_slab("tiny-flux", tmp_path), ["a cat"], resolution=64, steps=2, stages={"prior": str(prior_dir)})
+    result = CliRunner().invoke(main, ["sample", str(tmp_path / "tiny-wuerstchen-prior.slab"), "--prompt", "a cat",
+                                       "--model", str(prior_dir), "--decoder", str(decoder_dir), "--resolution", "128",
+                                       "--steps", "2", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    with Image.open(tmp_path / "out" / "sample-000.png") as png:
+        assert png.size == (128, 128)
 
 
 def test_pipeline_samples_leave_the_training_run_as_it_was(data, tmp_path):

@@ -179,3 +179,47 @@ def write_pipeline(name: str, folder: Path, prediction_type: str = "epsilon", te
     """``build_pipeline(name)`` saved as a diffusers folder (safetensors)."""
     build_pipeline(name, prediction_type, text_layers).save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+# what the Hub's Würstchen folders declare (warp-ai/wuerstchen-prior, warp-ai/wuerstchen): the "wuerstchen" library,
+# which diffusers 0.42 no longer resolves (huggingface/diffusers#14008)
+WUERSTCHEN_HUB_INDEX = {
+    "prior": {"_class_name": "WuerstchenPriorPipeline", "_diffusers_version": "0.21.0.dev0", "latent_mean": 42.0,
+              "latent_std": 1.0, "resolution_multiple": 42.67, "prior": ["wuerstchen", "WuerstchenPrior"],
+              "scheduler": ["diffusers", "DDPMWuerstchenScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
+              "tokenizer": ["transformers", "CLIPTokenizerFast"]},
+    "decoder": {"_class_name": "WuerstchenDecoderPipeline", "_diffusers_version": "0.21.0.dev0",
+                "decoder": ["wuerstchen", "WuerstchenDiffNeXt"], "latent_dim_scale": 10.67,
+                "scheduler": ["diffusers", "DDPMWuerstchenScheduler"],
+                "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizerFast"],
+                "vqgan": ["wuerstchen", "PaellaVQModel"]},
+}
+
+
+def write_wuerstchen_folders(folder: Path, seed: int = 11) -> tuple[Path, Path]:
+    """The prior's and the decoder's pipeline folders around the tiny Würstchen denoisers, in the Hub's layout: each
+    stage's CLIP as wide as its denoiser's text input, a toy Stage A (PaellaVQ, 4x), the Hub's model_index.json."""
+    import json
+
+    from diffusers import DDPMWuerstchenScheduler
+    from diffusers.pipelines.deprecated.wuerstchen import (
+        PaellaVQModel,
+        WuerstchenDecoderPipeline,
+        WuerstchenPriorPipeline,
+    )
+
+    torch.manual_seed(seed)
+    clip_tok, _ = build_tiny_tokenizers()
+    prior, _ = load_builtin("tiny-wuerstchen-prior")
+    decoder, _ = load_builtin("tiny-wuerstchen-decoder")
+    vqgan = PaellaVQModel(up_down_scale_factor=2, levels=2, bottleneck_blocks=1, embed_dim=8, latent_channels=4,
+                          num_vq_embeddings=16).eval()
+    pipes = {"prior": WuerstchenPriorPipeline(tokenizer=clip_tok, text_encoder=_clip(clip_tok, prior.config.c_cond),
+                                              prior=prior, scheduler=DDPMWuerstchenScheduler()),
+             "decoder": WuerstchenDecoderPipeline(tokenizer=clip_tok,
+                                                  text_encoder=_clip(clip_tok, decoder.config.clip_embd),
+                                                  decoder=decoder, scheduler=DDPMWuerstchenScheduler(), vqgan=vqgan)}
+    for stage, pipe in pipes.items():
+        pipe.save_pretrained(folder / stage, safe_serialization=True)
+        (folder / stage / "model_index.json").write_text(json.dumps(WUERSTCHEN_HUB_INDEX[stage], indent=2))
+    return folder / "prior", folder / "decoder"
