@@ -153,6 +153,12 @@ HELP = {
     "sample_seed": "Seed for sample images.",
     "sample_steps": "Denoising steps per sample image, 1 to 1000.",
     "sample_guidance": "Guidance scale for sample images.",
+    "sample_prior": "Würstchen: the prior's pipeline folder or Hub ID (warp-ai/wuerstchen-prior) for sample images: "
+                    "its text encoder and scheduler beside a prior slab being trained, or the whole prior beside a "
+                    "decoder slab.",
+    "sample_decoder": "Würstchen: the decoder's pipeline folder or Hub ID (warp-ai/wuerstchen) for sample images: its "
+                      "text encoder, scheduler and VQGAN beside a decoder slab being trained, or the whole decoder "
+                      "beside a prior slab.",
     "log": "Metrics: jsonl (always written), tensorboard, or wandb (Weights & Biases; pip install 'squareq[wandb]'; "
            "WANDB_MODE=offline logs without an account, a resumed run continues the same W&B run).",
     "wandb_project": "The Weights & Biases project of --log wandb (kohya's log_tracker_name).",
@@ -275,6 +281,8 @@ class TrainConfig:
     sample_seed: int = 42
     sample_steps: int = 20
     sample_guidance: float = 3.5
+    sample_prior: str | None = None  # Würstchen: the prior's pipeline folder or Hub ID for sample images
+    sample_decoder: str | None = None  # Würstchen: the decoder's
     log: str = "jsonl"
     wandb_project: str = "squareq"
     resume: str | None = None  # "latest" or a checkpoint folder

@@ -96,9 +96,12 @@ from .sample import (
     check_prompts,
     draw_image,
     draw_through_pipeline,
+    draw_wuerstchen,
     negative_needs_true_cfg,
+    wuerstchen_training_folders,
 )
 from .validation import VALIDATION_FILE, record_validation, validation_history, validation_loss
+from .wuerstchen_sample import STAGES
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger("squareq.train")
@@ -440,6 +443,7 @@ class _Run:
         self.started = time.time()
         self.recipe = ADAPTERS[family].recipe
         self.encoder_source = run_encoders(cfg, slab.manifest.model)
+        _check_stage_keys(cfg, family)
         if cfg.sample_every:
             _check_samples(cfg, family, self.encoder_source)
         try:  # a negative prompt without --l: refused for a guidance-distilled family only; frames for a video one
@@ -867,12 +871,16 @@ class _Run:
         between samples (loaded at the first); the other families' through their own diffusers pipeline folder, its
         text encoders and VAE opened for each round of samples (train/sample.py ``draw_through_pipeline``)."""
         if not ADAPTERS[self.family].samples:
-            folder, step = self.out / "samples", self.step
+            folder, step, cfg = self.out / "samples", self.step, self.cfg
             folder.mkdir(parents=True, exist_ok=True)
+            draw = draw_through_pipeline
+            if self.family in STAGES:  # Würstchen: both stages' pipelines, the model being trained as its own
+                stages = wuerstchen_training_folders(cfg.slab, self.family, cfg.sample_prior, cfg.sample_decoder)
+                draw = lambda *args: draw_wuerstchen(stages, *args)  # noqa: E731
             with _forward_only(self.model, self.device):
-                images = draw_through_pipeline(
-                    self.encoder_source, self.family, self.model, _sample_prompts(self.cfg, self.family),
-                    self.cfg.max_sequence_length, self.device, None,
+                images = draw(
+                    self.encoder_source, self.family, self.model, _sample_prompts(cfg, self.family),
+                    cfg.max_sequence_length, self.device, None,
                     lambda i, image: write_sample(image, folder / f"step-{step:08d}-{i}"))
             write_png(_side_by_side([first_frame(im) for im in images]), folder / f"step-{step:08d}-grid.png")
             return
@@ -1050,9 +1058,20 @@ def _check_samples(cfg: TrainConfig, family: str, encoders) -> None:
     """Refuse ``sample_every`` (:class:`TrainError`, one sentence) where squareq sample could not draw either: a
     family with neither SquareQ's own sampler nor a diffusers pipeline, or a pipeline family without its folder."""
     try:
-        check_family(cfg.slab, family, encoders)
+        if family in STAGES:
+            wuerstchen_training_folders(cfg.slab, family, cfg.sample_prior, cfg.sample_decoder)
+        else:
+            check_family(cfg.slab, family, encoders)
     except SampleError as exc:
         raise TrainError(f"sample_every = {cfg.sample_every}: {exc} (Or set sample_every = 0.)") from None
+
+
+def _check_stage_keys(cfg: TrainConfig, family: str) -> None:
+    """Refuse sample_prior / sample_decoder beside a slab that is not one of Würstchen's stages."""
+    given = [k for k in ("sample_prior", "sample_decoder") if getattr(cfg, k)]
+    if given and family not in STAGES:
+        raise TrainError(f"{given[0]} is for a Würstchen slab's sample images; this slab holds a {family} model, so "
+                         "leave it out.")
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder: Path, step: int,

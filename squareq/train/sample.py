@@ -203,12 +203,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     check_prompts(family, settled)
     record = s.manifest.model
     encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
-    if family in STAGES:
-        folders = wuerstchen_folders(slab, family, encoders, stages or {})
-        draw = lambda *args: draw_wuerstchen(folders, *args)  # noqa: E731
-    else:
-        check_stages_unused(family, stages or {})
-        draw = draw_through_pipeline if check_family(slab, family, encoders) else _draw_flux
+    draw = _drawer(slab, family, encoders, stages or {})
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
@@ -338,10 +333,9 @@ def check_family(slab, family: str, encoders: EncoderSource) -> bool:
     adapter = ADAPTERS.get(family)
     if adapter is not None and adapter.samples:
         return False
-    if family in STAGES:  # the trainer's sample images: squareq sample draws them through both stages
-        raise SampleError(f"{slab} holds Würstchen's {STAGES[family]}, whose images need the {other_stage(family)}'s "
-                          f"pipeline too, which a training run does not load; leave sample_every at 0 and draw with "
-                          f"squareq sample --{other_stage(family)} after training.")
+    if family in STAGES:  # drawn through both stages' pipelines: wuerstchen_folders says what they need
+        raise SampleError(f"{slab} holds Würstchen's {STAGES[family]}, whose images need both stages' pipelines: "
+                          f"squareq sample --{other_stage(family)}, or sample_prior and sample_decoder in training.")
     if adapter is None or not adapter.pipeline_samples:
         drawn = [f for f, a in ADAPTERS.items() if a.samples or a.pipeline_samples]
         raise SampleError(f"{slab} holds a {family} model; squareq sample draws {', '.join(drawn)} models only so far.")
@@ -374,34 +368,60 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
             setattr(pipe, component, None)
 
 
-def check_stages_unused(family: str, stages: dict[str, str | None]) -> None:
-    """Refuse --prior/--decoder beside a slab that is not one of Würstchen's stages."""
+def _drawer(slab, family: str, encoders: EncoderSource, stages: dict[str, str | None]) -> Callable:
+    """What draws ``family``'s images: Würstchen's two pipelines (``stages`` names the other one), a family's own
+    pipeline, or SquareQ's FLUX.1 sampler; :class:`SampleError` for what cannot draw, or --prior/--decoder beside a
+    slab that is not one of Würstchen's stages."""
+    if family in STAGES:
+        folders = wuerstchen_folders(slab, family, encoders, stages)
+        return lambda *args: draw_wuerstchen(folders, *args)
     given = [f"--{k}" for k, v in stages.items() if v]
     if given:
         raise SampleError(f"{given[0]} is for a Würstchen slab (the stage it does not hold); this slab holds a "
                           f"{family} model, so leave it out.")
+    return draw_through_pipeline if check_family(slab, family, encoders) else _draw_flux
 
 
-def wuerstchen_folders(slab, family: str, encoders: EncoderSource, stages: dict[str, str | None]) -> tuple[Path, Path]:
-    """The pipeline folders of a Würstchen slab's own stage (``--model``) and of the other stage (``--prior`` or
-    ``--decoder``), fetched if Hub IDs; :class:`SampleError` naming the flag to give."""
+SAMPLE_FLAGS = {"model": "--model", "prior": "--prior", "decoder": "--decoder"}  # squareq sample's
+TRAIN_SAMPLE_KEYS = {"prior": "sample_prior", "decoder": "sample_decoder"}  # the trainer's (TrainConfig)
+
+
+def wuerstchen_folders(slab, family: str, encoders: EncoderSource, stages: dict[str, str | None],
+                       flags: dict[str, str] = SAMPLE_FLAGS) -> tuple[Path, Path]:
+    """The pipeline folders of a Würstchen slab's own stage (``encoders``, given as ``flags["model"]``) and of the
+    other stage (``stages``, given as ``flags[stage]``), fetched if Hub IDs; :class:`SampleError` naming the flag or
+    key to give."""
     own, other = STAGES[family], other_stage(family)
-    if stages.get(own):
-        raise SampleError(f"--{own}: {slab} holds Würstchen's {own} itself; give the {other}'s pipeline with "
-                          f"--{other}.")
+    if stages.get(own) and flags["model"] != flags[own]:
+        raise SampleError(f"{flags[own]}: {slab} holds Würstchen's {own} itself; give the {other}'s pipeline with "
+                          f"{flags[other]}.")
     hub_id = {"prior": "warp-ai/wuerstchen-prior", "decoder": "warp-ai/wuerstchen"}
     if not stages.get(other):
         raise SampleError(f"{slab} holds Würstchen's {own}, and an image needs its {other} too: give the {other}'s "
-                          f"pipeline folder or Hub ID with --{other} (e.g. --{other} {hub_id[other]}).")
+                          f"pipeline folder or Hub ID with {flags[other]} (e.g. {flags[other]} {hub_id[other]}).")
     if encoders.where in BUILTIN_MODELS:
-        raise SampleError(f"{slab} holds Würstchen's {own}, which squareq sample draws through its pipeline (its text "
-                          f"encoder and scheduler); the built-in tiny model has none, so pass the {own}'s pipeline "
-                          f"folder or Hub ID with --model (e.g. --model {hub_id[own]}).")
+        raise SampleError(f"{slab} holds Würstchen's {own}, which is drawn through its pipeline (its text encoder and "
+                          f"scheduler); the built-in tiny model has none, so pass the {own}'s pipeline folder or Hub "
+                          f"ID with {flags['model']} (e.g. {flags['model']} {hub_id[own]}).")
     try:
-        return (whole_pipeline_folder(encoders.where, skip=(own,), flag="--model"),
-                whole_pipeline_folder(stages[other], flag=f"--{other}"))
+        return (whole_pipeline_folder(encoders.where, skip=(own,), flag=flags["model"]),
+                whole_pipeline_folder(stages[other], flag=flags[other]))
     except EncoderError as exc:
         raise SampleError(str(exc)) from None
+
+
+def wuerstchen_training_folders(slab, family: str, sample_prior: str | None,
+                                sample_decoder: str | None) -> tuple[Path, Path]:
+    """:func:`wuerstchen_folders` for the trainer's sample images: both stages' folders from its keys (a Würstchen
+    run trains on a cache or a built-in model, so its own stage's text encoder has to be named too)."""
+    given = {"prior": sample_prior, "decoder": sample_decoder}
+    own = STAGES[family]
+    if not given[own]:
+        raise SampleError(f"{slab} holds Würstchen's {own}, whose sample images are drawn through its pipeline (its "
+                          f"text encoder and scheduler): give its folder or Hub ID with {TRAIN_SAMPLE_KEYS[own]}, "
+                          f"and the {other_stage(family)}'s with {TRAIN_SAMPLE_KEYS[other_stage(family)]}.")
+    keys = {**TRAIN_SAMPLE_KEYS, "model": TRAIN_SAMPLE_KEYS[own]}
+    return wuerstchen_folders(slab, family, EncoderSource(given[own]), given, keys)
 
 
 def draw_wuerstchen(folders: tuple[Path, Path], encoders, family: str, transformer, settled: list[SamplePrompt],

@@ -100,7 +100,8 @@ def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_b
 def test_sample_images_need_the_family_pipeline(data, tmp_path):
     """squareq sample and the trainer's sample images draw another family through its diffusers pipeline: without one
     (a built-in tiny model's source) each says to pass it with --model. A Würstchen stage needs the other stage's
-    pipeline too: squareq sample asks for it, the trainer's sample images are refused."""
+    pipeline too: squareq sample asks for it with --decoder, the trainer for both stages' with sample_prior and
+    sample_decoder."""
     from squareq.train.sample import SampleError, sample_images
 
     slab = _slab("tiny-wan", tmp_path)
@@ -108,8 +109,9 @@ def test_sample_images_need_the_family_pipeline(data, tmp_path):
                                          "its diffusers pipeline .* so pass the pipeline folder or Hub ID with --model"):
         train(_config(slab, data, tmp_path / "out", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
     prior = _slab("tiny-wuerstchen-prior", tmp_path)
-    with pytest.raises(TrainError, match="sample_every = 2: .* holds Würstchen's prior, whose images need the "
-                                         "decoder's pipeline too, which a training run does not load; leave "):
+    with pytest.raises(TrainError, match="sample_every = 2: .* holds Würstchen's prior, whose sample images are "
+                                         "drawn through its pipeline .* give its folder or Hub ID with sample_prior, "
+                                         "and the decoder's with sample_decoder"):
         train(_config(prior, data, tmp_path / "p", sample_every=2, sample_prompts=["a cat"]), echo=lambda s: None)
     with pytest.raises(SampleError, match="holds a wan model, which squareq sample draws through its diffusers pipeline "
                                           r"\(WanPipeline\); the built-in tiny model has none, so pass the pipeline "
@@ -396,3 +398,35 @@ def test_pipeline_samples_leave_the_training_run_as_it_was(data, tmp_path):
     b, _ = load_lora(sampled.lora_file)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert len(list((tmp_path / "sampled" / "samples").glob("step-*-0.png"))) == 4  # steps 0 to 3
+
+
+def test_wuerstchen_sample_images_during_training_through_both_stages(data, tmp_path):
+    """A Würstchen decoder trained on the built-in model draws its sample images through both stages' pipelines
+    (sample_decoder: its own text encoder, scheduler and VQGAN; sample_prior: the whole prior), the model being
+    trained as the decoder, with the training RNG set aside: the same losses and LoRA as without samples, and a
+    128² image at each sample step. Negative controls: without sample_prior, and sample_prior beside a Wan slab."""
+    from PIL import Image
+
+    from .tiny_folders import write_wuerstchen_folders
+
+    prior_dir, decoder_dir = write_wuerstchen_folders(tmp_path / "pipes")
+    slab = _slab("tiny-wuerstchen-decoder", tmp_path)
+    plain = train(_config(slab, data, tmp_path / "plain", steps=2), echo=lambda s: None)
+    sampled = train(_config(slab, data, tmp_path / "sampled", steps=2, sample_every=1, sample_steps=2,
+                            sample_prompts=["a cat --w 128 --h 128"], sample_prior=str(prior_dir),
+                            sample_decoder=str(decoder_dir)), echo=lambda s: None)
+    assert sampled.losses == plain.losses
+    a, _ = load_lora(plain.lora_file)
+    b, _ = load_lora(sampled.lora_file)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    images = sorted((tmp_path / "sampled" / "samples").glob("step-*-0.png"))
+    assert len(images) == 3  # steps 0 to 2
+    with Image.open(images[-1]) as png:
+        assert png.size == (128, 128)
+    with pytest.raises(TrainError, match="sample_every = 1: .* an image needs its prior too: give the prior's "
+                                         "pipeline folder or Hub ID with sample_prior"):
+        train(_config(slab, data, tmp_path / "no-prior", steps=2, sample_every=1, sample_prompts=["a cat --w 128"],
+                      sample_decoder=str(decoder_dir)), echo=lambda s: None)
+    with pytest.raises(TrainError, match="sample_prior is for a Würstchen slab's sample images; this slab holds a wan"):
+        train(_config(_slab("tiny-wan", tmp_path), data, tmp_path / "wan", steps=2, sample_prior=str(prior_dir)),
+              echo=lambda s: None)
