@@ -518,14 +518,16 @@ class AutoOrInt(click.ParamType):
 @click.option("--seed", type=int, default=42, show_default=True)
 @click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
 @click.option("--prefetch", type=AutoOrInt(minimum=1), default="auto", show_default=True,
-              help="Block slots on the GPU: a number, or auto (start at 3, add slots after the second step until "
-                   "the measured copies hide behind the measured compute, as free VRAM allows, at most 8).")
+              help="Block slots on the GPU: a number, or auto (start at 3; after the second step, or with "
+                   "--cuda-graphs the first that replays them, add slots while a step simulated from the measured "
+                   "copies and compute gets faster, as free VRAM allows, at most 8).")
 @click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
-              help="Blocks kept on the GPU after the second step, those whose copy outweighs their compute "
+              help="Blocks kept on the GPU after the measured step, those whose copy outweighs their compute "
                    "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
-@click.option("--vram-budget", help="Largest peak reserved GPU memory of the denoising steps, e.g. 3GB: the slots "
-              "--prefetch auto adds and the blocks --resident-blocks keeps stay within it (default: what the device "
-              "has free, less a margin). The text encoders and the VAE's decode run apart and are not counted.")
+@click.option("--vram-budget", help="GPU memory the denoising steps may reserve, e.g. 3GB: bounds the slots "
+              "--prefetch auto adds and the blocks --resident-blocks keeps (default: what the device has free, less a "
+              "margin). What is on the GPU when they are planned (the denoiser, Würstchen's other stage) counts; "
+              "FLUX.1's text encoders, which run before, and the VAE's decode after, do not.")
 @click.option("--host", type=click.Choice(["auto", "pinned", "disk"]), default="auto", show_default=True,
               help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
                    "spare, else disk), pinned (RAM) or disk (read from the slab file).")

@@ -96,8 +96,9 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
     the ring to. ``order``: the blocks in the order a forward-only step runs them; given, "auto" takes the smallest
     ring whose simulated step (:func:`forward_step_seconds`) is within :data:`RING_TOLERANCE` of the fastest the
     budget allows. ``whole_turns`` (CUDA graphs): every streamed block comes back to the same slot each step, so a
-    grown ring must divide the streamed blocks, and blocks kept last are streamed again until the ring does
-    (the streamer fills its slots in turn across steps, and a block in another slot is another capture).
+    grown ring must divide the streamed blocks, and with ``resident="auto"`` the blocks kept last are streamed again
+    until the ring does (the streamer fills its slots in turn across steps, and a block in another slot is another
+    capture); a count of blocks to keep is kept as asked.
     The ring never shrinks.
     """
     total_compute = sum(times.compute_s.values())
@@ -105,9 +106,9 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
     chosen: list[int] = []
     if resident:
         # the blocks whose copy is least covered by their own compute first; ties: the larger first
-        order = sorted(streamed, key=lambda b: (times.copy_s[b] - times.compute_s.get(b, 0.0), times.nbytes[b]),
-                       reverse=True)
-        for b in order:
+        by_need = sorted(streamed, key=lambda b: (times.copy_s[b] - times.compute_s.get(b, 0.0), times.nbytes[b]),
+                         reverse=True)
+        for b in by_need:
             if resident == "auto" and sum(streamed.values()) <= COPY_SLACK * total_compute:
                 break
             if resident != "auto" and len(chosen) >= int(resident):
@@ -128,7 +129,7 @@ def plan_stream(times: BlockTimes, slots: int, slot_bytes: int, budget_bytes: in
         per_block = total_compute / max(1, len(times.compute_s))
         want = 1 + math.ceil(max(streamed.values()) / per_block) if per_block > 0 else MAX_SLOTS
         want = max(slots, min(MAX_SLOTS, want, slots + budget_bytes // max(1, slot_bytes)))
-    while whole_turns and chosen and len(streamed) % want:
+    while whole_turns and resident == "auto" and chosen and len(streamed) % want:
         b = chosen.pop()  # the least helpful kept block streams again
         streamed[b] = times.copy_s[b]
     return StreamPlan(int(want), tuple(sorted(chosen)), sum(streamed.values()), total_compute)
@@ -211,6 +212,12 @@ class StreamTuner:
 
     def after_step(self, step: int) -> None:
         """Step ``step`` has been enqueued: after the probe step, measure the copies, plan, and apply the plan."""
+        if self.rt.block_timer is not None and step != self.probe_step:
+            # armed for a step that never came (a postponed probe past the end of an image: the next image counts
+            # its steps from 0 again, so its timer would add up several steps); time the next step instead
+            self.rt.block_timer = None
+            self.probe_step = step + 1
+            return
         if step != self.probe_step or self.rt.block_timer is None:
             return
         # torch.compile compiled in this step (runtime/block_compile.py), or (forward_only) blocks ran eagerly
@@ -245,7 +252,12 @@ class StreamTuner:
             # beyond what they started with while they ran blocks eagerly or captured them, as the blocks and slots
             # the plan adds will again, beside the graphs' pool that is now held
             now = torch.cuda.memory_reserved(self.rt.device)
-            growth = max(0, torch.cuda.max_memory_reserved(self.rt.device) - min(now, self._first_reserved or now))
+            first = now if self._first_reserved is None else self._first_reserved
+            growth = max(0, torch.cuda.max_memory_reserved(self.rt.device) - min(now, first))
+            if now + growth >= self.peak_limit:
+                log.warning("the denoising steps already reserve %.2f GB with their eager runs, at or over the "
+                            "VRAM budget of %.2f GB: no slots or blocks are added.", (now + growth) / 1e9,
+                            self.peak_limit / 1e9)
             return min(free, max(0, self.peak_limit - now - growth))
         return free
 

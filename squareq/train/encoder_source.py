@@ -274,7 +274,7 @@ def whole_pipeline_folder(where: str | Path, skip: tuple[str, ...] = (), flag: s
             ref = hub.resolved(ref, folder)
             parts = [c for c in hub.pipeline_components(index, ("",)) if c not in skip]
             folder = hub.fetch(ref, hub.pipeline_patterns(parts))
-            hub.require(folder, ref, parts)
+            hub.require(folder, ref, parts, weights=[c for c in parts if not c.startswith(("scheduler", "tokenizer"))])
         refuse_pickled(*(folder / c for c in hub.pipeline_components(index, ("",)) if c not in skip))
     except ModelError as exc:
         raise EncoderError(f"{flag}: {exc}") from None

@@ -36,7 +36,15 @@ from .encoders import encoder_dtype, open_decoder, open_encoders
 from .family_encoders import open_family_pipeline
 from .lora_files import attach_lora, attach_peft_adapter, is_peft_adapter, load_lora
 from .prompt_options import MAX_FRAMES, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
-from .wuerstchen_sample import SIDE_MULTIPLE, STAGES, draw_stages, open_stages, other_stage, stage_parameters
+from .wuerstchen_sample import (
+    HUB_IDS,
+    SIDE_MULTIPLE,
+    STAGES,
+    draw_stages,
+    open_stages,
+    other_stage,
+    stage_parameters,
+)
 
 log = logging.getLogger("squareq.sample")
 
@@ -179,9 +187,10 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     auto keeps torch's order here: :func:`sampling_attention`). ``dtype``: bf16, fp16 or auto (fp16 on GPUs without
     bf16; the text encoders and VAE then run in fp32; runtime/compute.py). ``frames``: a video family's clip length
     (a prompt's ``--f`` sets its own); a clip comes back as its list of frames, an image as itself. ``vram_budget``
-    (bytes): the denoising steps' peak reserved GPU memory, ring slots and kept blocks included, stays within it
-    (default: they may use what the device has free, less a margin). ``stages``: Würstchen's other stage's pipeline
-    folder or Hub ID, ``{"prior": ...}`` beside a decoder slab or ``{"decoder": ...}`` beside a prior slab.
+    (bytes): bounds the ring slots and kept blocks the tuner adds, so that the reserved GPU memory stays within it
+    (runtime/residency.py ``peak_limit``; default: what the device has free, less a margin). ``stages``:
+    Würstchen's other stage's pipeline folder or Hub ID, ``{"prior": ...}`` beside a decoder slab or
+    ``{"decoder": ...}`` beside a prior slab.
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
@@ -222,6 +231,10 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                                    dtype=dtype)
     except ComputeError as exc:
         raise SampleError(f"--compute {compute} --dtype {dtype}: {exc}") from None
+    if vram_budget is not None and (device.type != "cuda" or (prefetch != "auto" and not resident_blocks)):
+        raise SampleError(f"--vram-budget bounds the GPU slots --prefetch auto adds and the blocks --resident-blocks "
+                          f"keeps, and this run {'samples on ' + str(device) if device.type != 'cuda' else 'adds none'}"
+                          "; leave it out.")
     tuner = None
     if prefetch == "auto" or resident_blocks:  # probed once the blocks replay their graphs, if they have any
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks, forward_only=True,
@@ -287,8 +300,8 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
     odd = [p for p in settled if family in STAGES and (p.width % SIDE_MULTIPLE or p.height % SIDE_MULTIPLE)]
     if odd:
         raise SampleError(f"--resolution/--w/--h {odd[0].width}x{odd[0].height}: a Würstchen image's sides are "
-                          f"multiples of {SIDE_MULTIPLE} (its latents are 1/{SIDE_MULTIPLE // 4} of the decoder's "
-                          "4x VQGAN output, rounded); give e.g. 512 or 1024.")
+                          f"multiples of {SIDE_MULTIPLE} (the prior's latents are 1/42.67 of a side, rounded up, and "
+                          "other sides come back another size or fail in the decoder); give e.g. 512 or 1024.")
     params = _pipeline_parameters(family)
     if params is None:  # FLUX.1's own sampler: parse_prompt's rule
         return
@@ -395,14 +408,13 @@ def wuerstchen_folders(slab, family: str, encoders: EncoderSource, stages: dict[
     if stages.get(own) and flags["model"] != flags[own]:
         raise SampleError(f"{flags[own]}: {slab} holds Würstchen's {own} itself; give the {other}'s pipeline with "
                           f"{flags[other]}.")
-    hub_id = {"prior": "warp-ai/wuerstchen-prior", "decoder": "warp-ai/wuerstchen"}
     if not stages.get(other):
         raise SampleError(f"{slab} holds Würstchen's {own}, and an image needs its {other} too: give the {other}'s "
-                          f"pipeline folder or Hub ID with {flags[other]} (e.g. {flags[other]} {hub_id[other]}).")
+                          f"pipeline folder or Hub ID with {flags[other]} (e.g. {flags[other]} {HUB_IDS[other]}).")
     if encoders.where in BUILTIN_MODELS:
         raise SampleError(f"{slab} holds Würstchen's {own}, which is drawn through its pipeline (its text encoder and "
                           f"scheduler); the built-in tiny model has none, so pass the {own}'s pipeline folder or Hub "
-                          f"ID with {flags['model']} (e.g. {flags['model']} {hub_id[own]}).")
+                          f"ID with {flags['model']} (e.g. {flags['model']} {HUB_IDS[own]}).")
     try:
         return (whole_pipeline_folder(encoders.where, skip=(own,), flag=flags["model"]),
                 whole_pipeline_folder(stages[other], flag=flags[other]))

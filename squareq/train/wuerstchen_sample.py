@@ -21,6 +21,7 @@ from ..slab.errors import brief
 from .encoder_source import EncoderError
 
 STAGES = {"wuerstchen-prior": "prior", "wuerstchen-decoder": "decoder"}  # family -> the stage its slab holds
+HUB_IDS = {"prior": "warp-ai/wuerstchen-prior", "decoder": "warp-ai/wuerstchen"}  # each stage's pipeline on the Hub
 # the prior's latents are 1/42.67 of the image's side, the decoder's 10.67 times those and Stage A's pixels 4 times
 # the decoder's: only multiples of 128 come back at the size asked (others are rounded up, or fail in the decoder)
 SIDE_MULTIPLE = 128
@@ -51,14 +52,17 @@ def open_stages(own: Path, other: Path, family: str, denoiser, device: torch.dev
     denoiser in ``dtype``. :class:`EncoderError` names the folder that does not load."""
     stage = STAGES[family]
     folders = {stage: own, other_stage(family): other}
-    pipes = {name: _load_stage(name, folders[name], dtype, skip_denoiser=name == stage) for name in _PIPELINES}
+    pipes: dict = {}
     try:
+        for name in _PIPELINES:
+            pipes[name] = _load_stage(name, folders[name], dtype, skip_denoiser=name == stage)
         for pipe in pipes.values():
             pipe.to(device)
         setattr(pipes[stage], stage, denoiser)
         yield pipes["prior"], pipes["decoder"]
     finally:
-        setattr(pipes[stage], stage, None)
+        if stage in pipes:
+            setattr(pipes[stage], stage, None)
         del pipes
         gc.collect()
         if device.type == "cuda":
@@ -77,12 +81,11 @@ def _load_stage(stage: str, folder: Path, dtype: torch.dtype, skip_denoiser: boo
             if part == stage and skip_denoiser:
                 continue  # the slab's
             model = diffusers_class(class_name).from_pretrained(str(folder), subfolder=part, torch_dtype=dtype,
-                                                                use_safetensors=True)
+                                                                local_files_only=True, use_safetensors=True)
             setattr(pipe, part, model.eval())
     except (OSError, ValueError, TypeError) as exc:
         raise EncoderError(f"cannot load the Würstchen {stage} pipeline from {folder} ({brief(exc)}); pass a complete "
-                           f"{pipeline} folder or Hub ID (warp-ai/wuerstchen{'-prior' if stage == 'prior' else ''}).") \
-            from None
+                           f"{pipeline} folder or Hub ID ({HUB_IDS[stage]}).") from None
     return pipe
 
 

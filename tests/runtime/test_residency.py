@@ -73,16 +73,18 @@ def test_a_forward_only_ring_grows_only_where_the_simulated_step_gets_faster():
 
 def test_with_cuda_graphs_a_forward_only_ring_divides_the_streamed_blocks():
     """``whole_turns``: a ring that does not divide the streamed blocks puts each block in another slot every step
-    (another capture each), so the ring grows only to a divisor, and kept blocks are streamed again, the least
-    helpful first, until the ring divides what streams. Negative control: without it, the 7-block ring takes 5."""
+    (another capture each), so the ring grows only to a divisor, and blocks kept by "auto" are streamed again, the
+    least helpful first, until the ring divides what streams. Negative control: without it, the 7-block ring takes 5."""
     order = list(range(7))
     spike = _times([20, 1, 1, 1, 1, 1, 1], [5] * 7)
     assert plan_stream(spike, 2, 100 * MB, 10_000 * MB, prefetch="auto", order=order).slots == 5
     assert plan_stream(spike, 2, 100 * MB, 10_000 * MB, prefetch="auto", order=order, whole_turns=True).slots == 7
     bound = _times([10, 11, 8, 12, 10, 10, 10], [6] * 7)
-    free = plan_stream(bound, 3, 100 * MB, 10_000 * MB, resident=2, prefetch=3, order=order)
-    turns = plan_stream(bound, 3, 100 * MB, 10_000 * MB, resident=2, prefetch=3, order=order, whole_turns=True)
-    assert free.resident == (1, 3) and turns.resident == (3,)  # 6 streamed blocks for 3 slots, not 5
+    free = plan_stream(bound, 3, 100 * MB, 350 * MB, resident="auto", prefetch=3, order=order)
+    turns = plan_stream(bound, 3, 100 * MB, 350 * MB, resident="auto", prefetch=3, order=order, whole_turns=True)
+    assert free.resident == (0, 1, 3) and turns.resident == (3,)  # 6 streamed blocks for 3 slots, not 4
+    asked = plan_stream(bound, 3, 100 * MB, 10_000 * MB, resident=2, prefetch=3, order=order, whole_turns=True)
+    assert asked.resident == (1, 3)  # a count is kept as asked
 
 
 def test_a_tuned_streamed_model_computes_the_same_and_copies_only_what_streams(tiny_slab):
@@ -200,3 +202,56 @@ def test_a_sampling_tuner_probes_the_first_step_that_replays_its_graphs(tiny_sla
     assert probed_at(BlockGraphs, wait=True) == WARMUP + 1  # the warm-up runs, then the capture, then a replay
     assert probed_at(BlockGraphs, wait=False) == 1
     assert probed_at(NeverSettling, wait=True) == 1
+
+
+def test_kept_blocks_leave_the_ring_rule_as_it_was():
+    """``resident`` with ``prefetch="auto"``: without ``order`` (training) the ring follows the average rule, as with
+    nothing kept; with ``order`` (sampling) the simulated step in that order. (The kept blocks' own ordering once
+    leaked into ``order`` and sent training through the simulation: 3 slots here.)"""
+    times = _times([12, 12, 1, 1], [5, 5, 5, 5])
+    assert plan_stream(times, 2, 100 * MB, 10_000 * MB, resident=1, prefetch="auto").slots == 4
+    assert plan_stream(times, 2, 100 * MB, 10_000 * MB, resident=1, prefetch="auto", order=[0, 1, 2, 3]).slots == 3
+
+
+def test_a_probe_armed_past_the_end_of_an_image_times_one_step_of_the_next(tiny_slab, monkeypatch):
+    """A pipeline's callback arms the probe for the step after an image's last; the next image counts its steps from
+    0 again, so the tuner times that image's next step instead: one step's blocks, not several added up.
+    Negative control, the same with the probe due within the image: planned at once."""
+    from squareq.runtime import residency
+
+    counted = []
+    seconds = residency.BlockTimer.seconds
+    monkeypatch.setattr(residency.BlockTimer, "seconds", lambda self: (counted.append(len(self.marks)),
+                                                                       seconds(self))[1])
+    batch = inputs("cpu")
+
+    def run(probe_step: int) -> list[int]:
+        counted.clear()
+        model = runtime.load(tiny_slab, "cpu", prefetch=2)
+        tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40, probe_step=probe_step)
+        with torch.no_grad():
+            for _ in range(2):  # two images of two steps; the callback runs after each step
+                for step in range(2):
+                    model(**batch, return_dict=False)
+                    tuner.pipeline_callback(None, step, None, {})
+        assert tuner.plan is not None
+        return list(counted)
+
+    n = len(runtime.runtime_of(runtime.load(tiny_slab, "cpu", prefetch=2)).manifest.blocks)
+    assert run(probe_step=2) == [n]
+    assert run(probe_step=1) == [n]
+
+
+def test_a_vram_budget_leaves_room_for_what_the_eager_steps_grew(monkeypatch):
+    """``peak_limit``: the budget is the limit less what is reserved after the probe less how far the peak rose above
+    what the first step started with; at or over the limit, nothing."""
+    from types import SimpleNamespace
+
+    tuner = StreamTuner.__new__(StreamTuner)
+    tuner.rt = SimpleNamespace(device=torch.device("cuda", 0))
+    tuner.budget_bytes, tuner.peak_limit, tuner._first_reserved = 10_000, 3_000, 1_000
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1_800)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2_100)
+    assert tuner._budget() == 3_000 - 1_800 - (2_100 - 1_000)
+    tuner.peak_limit = 2_500
+    assert tuner._budget() == 0

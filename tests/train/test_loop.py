@@ -349,6 +349,8 @@ def test_sample_and_export_commands(workspace, tmp_path, caplog):
     assert refused.exit_code == 2 and "'0': give auto or a whole number of at least 1" in refused.output
     unread = runner.invoke(main, base + ["--vram-budget", "lots"])
     assert unread.exit_code == 1 and "--vram-budget: cannot read the size 'lots'" in unread.output
+    cpu = runner.invoke(main, base + ["--vram-budget", "3GB", "-o", str(tmp_path / "cpu")])
+    assert cpu.exit_code == 1 and "--vram-budget bounds the GPU slots" in cpu.output and "samples on cpu" in cpu.output
 
     kohya = tmp_path / "lora_kohya.safetensors"
     exported = runner.invoke(main, ["export-lora", str(tmp_path / "lora"), "-o", str(kohya)])
