@@ -231,10 +231,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                                    dtype=dtype)
     except ComputeError as exc:
         raise SampleError(f"--compute {compute} --dtype {dtype}: {exc}") from None
-    if vram_budget is not None and (device.type != "cuda" or (prefetch != "auto" and not resident_blocks)):
-        raise SampleError(f"--vram-budget bounds the GPU slots --prefetch auto adds and the blocks --resident-blocks "
-                          f"keeps, and this run {'samples on ' + str(device) if device.type != 'cuda' else 'adds none'}"
-                          "; leave it out.")
+    _check_vram_budget(vram_budget, device, prefetch, resident_blocks)
     tuner = None
     if prefetch == "auto" or resident_blocks:  # probed once the blocks replay their graphs, if they have any
         tuner = StreamTuner(transformer, prefetch=prefetch, resident=resident_blocks, forward_only=True,
@@ -247,6 +244,14 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image)
     finally:
         runtime.runtime_of(transformer).close()
+
+
+def _check_vram_budget(vram_budget: int | None, device: torch.device, prefetch, resident_blocks) -> None:
+    """Refuse --vram-budget where it bounds nothing: a run off the GPU, or one that adds no slots or blocks."""
+    if vram_budget is not None and (device.type != "cuda" or (prefetch != "auto" and not resident_blocks)):
+        raise SampleError(f"--vram-budget bounds the GPU slots --prefetch auto adds and the blocks --resident-blocks "
+                          f"keeps, and this run {'samples on ' + str(device) if device.type != 'cuda' else 'adds none'}"
+                          "; leave it out.")
 
 
 def _each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one) -> list:
