@@ -444,8 +444,8 @@ class _Run:
         self.recipe = ADAPTERS[family].recipe
         self.encoder_source = run_encoders(cfg, slab.manifest.model)
         _check_stage_keys(cfg, family)
-        if cfg.sample_every:
-            _check_samples(cfg, family, self.encoder_source)
+        # Würstchen's two pipeline folders, resolved (a Hub ID fetched) once, not at every round of samples
+        self.sample_stages = _check_samples(cfg, family, self.encoder_source) if cfg.sample_every else None
         try:  # a negative prompt without --l: refused for a guidance-distilled family only; frames for a video one
             check_prompts(family, _sample_prompts(cfg, family))
         except (PromptError, SampleError) as exc:
@@ -875,8 +875,7 @@ class _Run:
             folder.mkdir(parents=True, exist_ok=True)
             draw = draw_through_pipeline
             if self.family in STAGES:  # Würstchen: both stages' pipelines, the model being trained as its own
-                stages = wuerstchen_training_folders(cfg.slab, self.family, cfg.sample_prior, cfg.sample_decoder)
-                draw = lambda *args: draw_wuerstchen(stages, *args)  # noqa: E731
+                draw = lambda *args: draw_wuerstchen(self.sample_stages, *args)  # noqa: E731
             with _forward_only(self.model, self.device):
                 images = draw(
                     self.encoder_source, self.family, self.model, _sample_prompts(cfg, self.family),
@@ -1054,14 +1053,15 @@ def _settled_prompts(prompts: tuple[str, ...], resolution: int, steps: int, guid
                  for p in prompts)
 
 
-def _check_samples(cfg: TrainConfig, family: str, encoders) -> None:
+def _check_samples(cfg: TrainConfig, family: str, encoders) -> tuple[Path, Path] | None:
     """Refuse ``sample_every`` (:class:`TrainError`, one sentence) where squareq sample could not draw either: a
-    family with neither SquareQ's own sampler nor a diffusers pipeline, or a pipeline family without its folder."""
+    family with neither SquareQ's own sampler nor a diffusers pipeline, or a pipeline family without its folder.
+    Returns a Würstchen stage's two pipeline folders (``sample_prior``, ``sample_decoder``), else None."""
     try:
         if family in STAGES:
-            wuerstchen_training_folders(cfg.slab, family, cfg.sample_prior, cfg.sample_decoder)
-        else:
-            check_family(cfg.slab, family, encoders)
+            return wuerstchen_training_folders(cfg.slab, family, cfg.sample_prior, cfg.sample_decoder)
+        check_family(cfg.slab, family, encoders)
+        return None
     except SampleError as exc:
         raise TrainError(f"sample_every = {cfg.sample_every}: {exc} (Or set sample_every = 0.)") from None
 
