@@ -500,7 +500,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         if runtime.graphs is not None:  # captures in a step make train() warm up one step more
             counts = runtime.graphs.reset_stats()
             stats.update(graph_captures=counts.captures, graph_replays=counts.replays, graph_eager=counts.eager,
-                         graph_failures=counts.failures, graph_ungraphed=counts.ungraphed)
+                         graph_failures=counts.failures, graph_ungraphed=counts.ungraphed,
+                         graph_at_once=counts.at_once)
         if cold:  # outside the timed step; the ring's prefetched blocks are already in flight
             runtime.streamer.settle()
             evict_page_cache(setup.slab)

@@ -11,8 +11,13 @@ in that slot again. Inputs are copied into static buffers before a replay and ou
 after it. Those buffers are shared by every graph with the same signature, and every graph's temporaries come from
 one memory pool, so memory grows by about one block's working set, not by one per graph.
 
-* A key is captured only after it ran eagerly :data:`WARMUP` times: Triton compiles, each layer's one-time launch
-  checks and FP8 compute's row maxima happen then, not during a capture.
+* A call is captured only after it ran eagerly :data:`WARMUP` times: Triton compiles, each layer's one-time launch
+  checks and FP8 compute's row maxima happen then, not during a capture. Those runs are counted per block call, in
+  whichever slots they ran (:func:`twin`: the key less its slot), since that one-time work is the block's, not the
+  slot's. So a block kept on the device, or a block in a slot the ring just grew, is captured at its first call there,
+  with no eager runs, whose temporaries would otherwise be reserved beside the graphs' pool (the sampling steps after
+  a plan peaked 0.4 GB above the steady steps: docs/benchmarks.md). Should such a capture fail, every key warms up in
+  its own slot from then on (said once).
 * A key whose capture fails runs eagerly from then on (said once); after :data:`MAX_FAILURES` failures no block is
   graphed any more.
 * Static buffers are capped at :data:`STATIC_BYTES_CAP`: when shapes keep changing (many aspect buckets), the graphs
@@ -110,14 +115,22 @@ def _clean_up_failed_capture(device: torch.device, pool) -> None:
 class _Entry:
     """One key's state: eager runs so far, then its graph and the static buffers it reads and writes."""
 
-    runs: int = 0
+    runs: int = 0  # eager runs of this key itself
     failed: bool = False
-    outputs: list | None = None  # per output: None, or (shape, dtype, strides) of the last eager run's tensor
+    outputs: list | None = None  # per output: None, or (shape, dtype, strides) of the warm-up's tensor
     replay: Callable[[], None] | None = None
     static_in: list[torch.Tensor] = field(default_factory=list)
     static_out: list[torch.Tensor | None] = field(default_factory=list)
     extra: Any = None  # what the run returned beside its tensors, at capture
     used: int = 0  # the step it last ran in
+
+
+@dataclass
+class _Warmup:
+    """A block call's eager runs so far, in any slot (:func:`twin`), and the layouts of its outputs."""
+
+    runs: int = 0
+    outputs: list | None = None
 
 
 @dataclass
@@ -128,6 +141,7 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     failures: int = 0
+    at_once: int = 0  # captures of keys that had not run WARMUP times themselves (their block had, in other slots)
     ungraphed: int = 0  # calls that could not be graphed (dropout, unusual arguments, a failed key)
     evicted: int = 0  # graphs dropped to keep the static buffers under STATIC_BYTES_CAP
 
@@ -150,6 +164,8 @@ class BlockGraphs:
         self._pool = self._stream = None
         self._said: set[str] = set()
         self._settling = False  # this step ran keys eagerly before their capture, or captured
+        self.at_once = True  # count warm-up runs per block call across slots (twin), not per key
+        self._warmups: dict[tuple, _Warmup] = {}  # per twin (per key once at_once is off)
         self._states: dict[int, ModuleState] = {}  # per block module
 
     # ------------------------------------------------------------------ keys
@@ -158,7 +174,8 @@ class BlockGraphs:
             tensors: list[torch.Tensor], module: nn.Module) -> tuple | None:
         """The graph key of one call of block ``module`` (number ``block``, in slot ``slot``), or None where it must
         run eagerly (said once per reason). ``spec``, ``layout`` and ``values``: the call's argument structure, where
-        its tensors go in it, and its other arguments; ``extra``: whatever else its kernels depend on."""
+        its tensors go in it, and its other arguments; ``extra``: whatever else its kernels depend on. The slot is
+        the key's third item (:func:`twin`)."""
         if not self.enabled:
             self.stats.ungraphed += 1
             return None
@@ -186,23 +203,42 @@ class BlockGraphs:
             self.stats.ungraphed += 1
             return run(tensors, False)
         entry.used = self._step
-        if entry.replay is None and entry.runs < WARMUP:
-            outs, extra = run(tensors, False)
-            entry.runs += 1
-            entry.outputs = _layouts(outs)
-            self.stats.eager += 1
-            self._settling = True
-            return outs, extra
+        if entry.replay is None:
+            warmup = self._warmups.setdefault(twin(key) if self.at_once else key, _Warmup())
+            if warmup.runs < WARMUP:
+                return self._eager(entry, warmup, tensors, run)
+            entry.outputs = warmup.outputs
         self._load_inputs(entry, tensors)
         if entry.replay is None:
             try:
                 self._capture(entry, run)
             except Exception as exc:  # noqa: BLE001 - any failed capture falls back to eager, said once
+                if self.at_once and entry.runs < WARMUP:  # warmed up in other slots: warm it up in its own first
+                    self._no_captures_at_once(exc)
+                    return self.call(key, tensors, run)
                 self._failed(entry, exc)
                 return run(tensors, False)
+            self.stats.at_once += entry.runs < WARMUP
         entry.replay()
         self.stats.replays += 1
         return [None if s is None else copy_in_layout(s) for s in entry.static_out], entry.extra
+
+    def _eager(self, entry: _Entry, warmup: _Warmup, tensors: list[torch.Tensor], run: Run) -> tuple[list, Any]:
+        """One of the eager runs before ``entry``'s capture."""
+        outs, extra = run(tensors, False)
+        entry.runs += 1
+        warmup.runs += 1
+        warmup.outputs = _layouts(outs)
+        self.stats.eager += 1
+        self._settling = True
+        return outs, extra
+
+    def _no_captures_at_once(self, exc: Exception) -> None:
+        self.at_once = False
+        self._say("at once", f"capturing a streamed block in a slot where it had not run eagerly failed "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                             "from now on every block runs eagerly in each slot before its capture there, which "
+                             "is correct and costs a few slower steps.")
 
     def _failed(self, entry: _Entry, exc: Exception) -> None:
         entry.failed, entry.replay = True, None
@@ -325,6 +361,7 @@ class BlockGraphs:
         """Drop every graph and static buffer (they are captured again as calls come)."""
         self.entries.clear()
         self.buffers.clear()
+        self._warmups.clear()
 
     def reset_stats(self) -> GraphStats:
         """The counts so far, and start counting again."""
@@ -335,6 +372,11 @@ class BlockGraphs:
         if reason not in self._said:
             self._said.add(reason)
             log.warning("CUDA graphs: %s", message)
+
+
+def twin(key: tuple) -> tuple:
+    """``key`` without its slot: the keys of one block's call in every slot."""
+    return key[:2] + key[3:]
 
 
 def _layouts(outs: list[torch.Tensor | None]) -> list:

@@ -34,6 +34,7 @@ MAX_SLOTS = 8
 COPY_SLACK = 0.85  # streamed copies may take this share of a step's compute: the copy stream needs headroom
 MAX_POSTPONED_PROBES = 4  # steps that compiled and so were not measured, before one is measured anyway
 MIN_MARGIN_BYTES = 3 << 29  # VRAM left free for activations and the allocator beyond what a step used (1.5 GiB)
+CAPTURE_MARGIN = 1 << 26  # peak_limit: room for the captures of newly kept blocks and slots (64 MiB)
 RING_TOLERANCE = 0.01  # a forward-only ring grows only while the simulated step gets faster than this share
 
 
@@ -177,10 +178,12 @@ class StreamTuner:
     after the probe step, less a margin for activations). ``forward_only`` (sampling): probe the first step
     that replays every block's CUDA graph, not one that ran blocks eagerly before their capture, and size the ring
     by simulating the step (:func:`plan_stream`'s ``order``). ``peak_limit`` (CUDA; ``squareq sample
-    --vram-budget``): the peak reserved memory of the steps after the plan stays within it. It resets the device's
-    peak memory statistics at the first step the tuner sees (after emptying the allocator's cache), and plans with
-    the memory reserved after the probe step plus how far the peak since then rose above what that first step
-    started with (its eager runs and captures, which newly kept blocks and slots go through again). The plan
+    --vram-budget``): the peak reserved memory of the steps after the plan stays within it. With CUDA graphs the
+    blocks the plan keeps and those in its new slots are captured at their first call, without eager runs (their
+    twins in the ring were captured: runtime/block_graphs.py), so the plan gets the limit less what the probe step
+    left reserved, less :data:`CAPTURE_MARGIN`. Without graphs (or once such a capture failed) blocks run eagerly,
+    so it gets the limit less the peak since the first step the tuner saw (whose start empties the allocator's
+    cache and resets the device's peak statistics: the encoders before it are not the denoiser's). The plan
     applied is :attr:`plan`.
     """
 
@@ -195,17 +198,17 @@ class StreamTuner:
         self.prefetch, self.resident = prefetch, resident
         self.probe_step, self.budget_bytes = probe_step, budget_bytes
         self.forward_only, self.peak_limit = forward_only, peak_limit
-        self._first_reserved: int | None = None  # peak_limit: reserved as the first step seen began
+        self._peak_reset = False  # peak_limit: the peak statistics were reset at the first step seen
         self.plan: StreamPlan | None = None
         self._compiled_before = 0.0
         self._postponed = 0
 
     def before_step(self, step: int) -> None:
         """Step ``step`` is about to run: start timing its blocks if it is the probe step."""
-        if self.peak_limit is not None and self._first_reserved is None and self.rt.device.type == "cuda":
+        if self.peak_limit is not None and not self._peak_reset and self.rt.device.type == "cuda":
             torch.cuda.empty_cache()  # what the steps before cached is not what a step holds
-            self._first_reserved = torch.cuda.memory_reserved(self.rt.device)
             torch.cuda.reset_peak_memory_stats(self.rt.device)  # what ran before the denoiser (its encoders) is not its
+            self._peak_reset = True
         if step == self.probe_step and self.plan is None:
             self.rt.block_timer = BlockTimer(self.rt.telemetry.clock)
             self._compiled_before = compile_seconds()
@@ -247,19 +250,19 @@ class StreamTuner:
 
     def _budget(self) -> int:
         free = self._free_budget()
-        if self.peak_limit is not None and self.rt.device.type == "cuda":
-            # held now: the probe step's need (its graphs' pool, cached temporaries); growth: what the steps took
-            # beyond what they started with while they ran blocks eagerly or captured them, as the blocks and slots
-            # the plan adds will again, beside the graphs' pool that is now held
-            now = torch.cuda.memory_reserved(self.rt.device)
-            first = now if self._first_reserved is None else self._first_reserved
-            growth = max(0, torch.cuda.max_memory_reserved(self.rt.device) - min(now, first))
-            if now + growth >= self.peak_limit:
-                log.warning("the denoising steps already reserve %.2f GB with their eager runs, at or over the "
-                            "VRAM budget of %.2f GB: no slots or blocks are added.", (now + growth) / 1e9,
-                            self.peak_limit / 1e9)
-            return min(free, max(0, self.peak_limit - now - growth))
-        return free
+        if self.peak_limit is None or self.rt.device.type != "cuda":
+            return free
+        device, graphs = self.rt.device, self.rt.graphs
+        if graphs is not None and graphs.enabled and graphs.at_once:
+            # what the plan adds is captured at once: the steps after it hold what the probe step left reserved (the
+            # graphs' pool, the cached temporaries of the unblocked parts) plus the plan's blocks and slots
+            held = torch.cuda.memory_reserved(device) + CAPTURE_MARGIN
+        else:  # blocks run eagerly before (or without) their capture: the peak so far comes back
+            held = max(torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
+        if held >= self.peak_limit:
+            log.warning("the denoising steps already reserve %.2f GB, at or over the VRAM budget of %.2f GB: no slots "
+                        "or blocks are added.", held / 1e9, self.peak_limit / 1e9)
+        return min(free, max(0, self.peak_limit - held))
 
     def _free_budget(self) -> int:
         if callable(self.budget_bytes):

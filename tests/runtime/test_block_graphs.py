@@ -294,3 +294,58 @@ def test_the_graphed_recompute_differentiates_fresh_leaves_and_puts_the_paramete
     except RuntimeError:
         pass
     assert block[1].weight is trained[0]
+
+
+def _forwards(model, n: int) -> list[torch.Tensor]:
+    batch = inputs("cpu")
+    with torch.no_grad():
+        return [model(**batch, return_dict=False)[0] for _ in range(n)]
+
+
+def test_a_block_warms_up_once_whichever_slots_it_visits(tiny_slab):
+    """Blocks visit every slot of the ring in turn across steps: a block call runs eagerly WARMUP times in all, and
+    in every other slot it is captured at its first call; the replays compute what the eager model does. Negative
+    control: with ``at_once`` off, every (block, slot) runs eagerly WARMUP times."""
+    expected = _forwards(runtime.load(tiny_slab, "cpu", prefetch=3), 1)[0]
+    counts = {}
+    for at_once in (True, False):
+        model = graphed(tiny_slab, k=3)
+        graphs = runtime.runtime_of(model).graphs
+        graphs.at_once = at_once
+        for out in _forwards(model, 4 * (WARMUP + 1)):
+            assert torch.equal(out, expected)
+        keys = {k for k, e in graphs.entries.items() if e.replay is not None}
+        twins = {block_graphs.twin(k) for k in keys}
+        assert len(keys) > len(twins)  # the blocks did visit several slots
+        counts[at_once] = (graphs.stats.eager, graphs.stats.at_once, len(keys), len(twins))
+    eager, at_once, keys, twins = counts[True]
+    assert eager == WARMUP * twins and at_once >= keys - twins
+    eager, at_once, keys, twins = counts[False]
+    assert eager == WARMUP * keys and at_once == 0
+
+
+def test_a_failed_capture_at_once_goes_back_to_warming_up_and_says_so(tiny_slab, caplog):
+    """A capture at once that fails is not one of the MAX_FAILURES: that key runs eagerly and warms up, as every
+    key does from then on, and the run goes on graphed with the eager model's outputs."""
+    expected = _forwards(runtime.load(tiny_slab, "cpu", prefetch=3), 1)[0]
+    state = {"captures": 0, "fail_at": None}
+
+    def capture(body, pool, stream):
+        state["captures"] += 1
+        if state["captures"] == state["fail_at"]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return rerun(body, pool, stream)
+
+    model = graphed(tiny_slab, k=3, capture=capture)
+    graphs = runtime.runtime_of(model).graphs
+    with caplog.at_level(logging.WARNING, logger="squareq.runtime"):
+        _forwards(model, WARMUP + 1)  # every block captured in some slot
+        assert graphs.stats.at_once > 0
+        state["fail_at"] = state["captures"] + 1  # the next capture (one at once: every block is warm) fails
+        at_once, eager = graphs.stats.at_once, graphs.stats.eager
+        outs = _forwards(model, 4 * (WARMUP + 1))
+    assert all(torch.equal(o, expected) for o in outs)
+    assert not graphs.at_once and graphs.enabled and graphs.stats.failures == 0
+    assert graphs.stats.at_once == at_once and graphs.stats.eager > eager and graphs.stats.replays > 0
+    said = [r for r in caplog.records if "where it had not run eagerly failed" in r.getMessage()]
+    assert len(said) == 1 and "not permitted" in said[0].getMessage()

@@ -242,16 +242,27 @@ def test_a_probe_armed_past_the_end_of_an_image_times_one_step_of_the_next(tiny_
     assert run(probe_step=1) == [n]
 
 
-def test_a_vram_budget_leaves_room_for_what_the_eager_steps_grew(monkeypatch):
-    """``peak_limit``: the budget is the limit less what is reserved after the probe less how far the peak rose above
-    what the first step started with; at or over the limit, nothing."""
+def test_a_vram_budget_counts_the_eager_peak_only_where_blocks_run_eagerly(monkeypatch):
+    """``peak_limit``: with CUDA graphs that capture new blocks and slots at once, the budget is the limit less what
+    the probe step left reserved, less the capture margin; without graphs (or once a capture at once failed), the
+    limit less the peak so far, which the eager steps reach again. At or over the limit, nothing."""
     from types import SimpleNamespace
 
+    from squareq.runtime.residency import CAPTURE_MARGIN
+
     tuner = StreamTuner.__new__(StreamTuner)
-    tuner.rt = SimpleNamespace(device=torch.device("cuda", 0))
-    tuner.budget_bytes, tuner.peak_limit, tuner._first_reserved = 10_000, 3_000, 1_000
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1_800)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2_100)
-    assert tuner._budget() == 3_000 - 1_800 - (2_100 - 1_000)
-    tuner.peak_limit = 2_500
+    graphs = SimpleNamespace(enabled=True, at_once=True)
+    tuner.rt = SimpleNamespace(device=torch.device("cuda", 0), graphs=graphs)
+    limit, now, peak = 3_000_000_000, 1_800_000_000, 2_300_000_000
+    tuner.budget_bytes, tuner.peak_limit = 10 * limit, limit
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: now)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peak)
+    assert tuner._budget() == limit - now - CAPTURE_MARGIN
+    graphs.at_once = False
+    assert tuner._budget() == limit - peak
+    tuner.rt.graphs = None
+    assert tuner._budget() == limit - peak
+    tuner.peak_limit = peak - 1
+    assert tuner._budget() == 0
+    tuner.rt.graphs, tuner.peak_limit = SimpleNamespace(enabled=True, at_once=True), now
     assert tuner._budget() == 0
