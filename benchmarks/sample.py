@@ -23,7 +23,7 @@ in its own process so memory statistics start clean:
   diffusers' stock processor; the resident model runs the stock one always (every ratio divides by it) and also
   the fused one when ``--attention`` names it, so the share of the step the processor saves is measured apart;
 * ``... kernels=auto`` / ``kernels=default`` (``--sdpa-kernels``): the SquareQ setups' attention kernels,
-  ``runtime.load(attention=...)``: cuDNN first where measured faster (squareq sample's default) or torch's order;
+  ``runtime.load(attention=...)``: cuDNN first where measured faster (``squareq sample --attention cudnn``) or torch's order;
   cuDNN attention is switched off for every other setup, as before (its backward fails on the device image for
   narrow heads), so the peers run torch's order;
 * ``squareq auto`` / ``squareq auto+resident[+budgetG]``: what ``squareq sample --prefetch auto [--resident-blocks

@@ -525,7 +525,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         rec.update(block_compile_s=compile_seconds(), compile_s=result["beyond_steady_s"], dynamo=dynamo_figures())
     if graphs:
         rec.update({k: stats[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures",
-                                          "graph_ungraphed")})
+                                          "graph_ungraphed", "graph_at_once")})
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
                read_wait_s=stats.get("read_wait_s", 0.0),
                bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],

@@ -238,7 +238,8 @@ class BlockGraphs:
         self._say("at once", f"capturing a streamed block in a slot where it had not run eagerly failed "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
                              "from now on every block runs eagerly in each slot before its capture there, which "
-                             "is correct and costs a few slower steps.")
+                             "is correct and costs a few slower steps; their eager runs reserve more memory than a "
+                             "--vram-budget plan made before allowed for.")
 
     def _failed(self, entry: _Entry, exc: Exception) -> None:
         entry.failed, entry.replay = True, None
@@ -343,6 +344,7 @@ class BlockGraphs:
             if entry.used >= self._step - 1 or held <= STATIC_BYTES_CAP:
                 break
             del self.entries[key]
+            self._warmups.pop(key, None)  # a key's own warm-up (at_once off): run again when it returns
             self.stats.evicted += 1
             for b in _buffers_of(entry):
                 users[id(b)] -= 1
@@ -356,6 +358,7 @@ class BlockGraphs:
         """Slot ``slot``'s buffer is gone: drop its graphs, which read it."""
         for key in [k for k in self.entries if k[2] == slot]:
             del self.entries[key]
+            self._warmups.pop(key, None)
 
     def clear(self) -> None:
         """Drop every graph and static buffer (they are captured again as calls come)."""

@@ -258,10 +258,10 @@ class StreamTuner:
             # graphs' pool, the cached temporaries of the unblocked parts) plus the plan's blocks and slots
             held = torch.cuda.memory_reserved(device) + CAPTURE_MARGIN
         else:  # blocks run eagerly before (or without) their capture: the peak so far comes back
-            held = max(torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
+            held = torch.cuda.max_memory_reserved(device)
         if held >= self.peak_limit:
-            log.warning("the denoising steps already reserve %.2f GB, at or over the VRAM budget of %.2f GB: no slots "
-                        "or blocks are added.", held / 1e9, self.peak_limit / 1e9)
+            log.warning("the denoising steps already reserve %.2f GB (with room for captures), at or over the VRAM "
+                        "budget of %.2f GB: no slots or blocks are added.", held / 1e9, self.peak_limit / 1e9)
         return min(free, max(0, self.peak_limit - held))
 
     def _free_budget(self) -> int:

@@ -53,14 +53,18 @@ def assert_same(a, b) -> None:
         assert torch.equal(grads_a[name], grads_b[name]), f"LoRA gradient of {name} differs"
 
 
-def train_steps(model, device, steps: int, autocast: bool | torch.dtype = False, dtype: torch.dtype = torch.bfloat16):
+def train_steps(model, device, steps: int, autocast: bool | torch.dtype = False, dtype: torch.dtype = torch.bfloat16,
+                before_step=None):
     """``steps`` LoRA training steps on seeded batches (LoRA from :func:`with_lora`, an SGD step between them): each
-    step's output and LoRA gradients, and the runtime's CUDA-graph counts of each step (None without graphs)."""
+    step's output and LoRA gradients, and the runtime's CUDA-graph counts of each step (None without graphs).
+    ``before_step(model, i)``, if given, runs before step ``i``."""
     params = with_lora(model)
     opt = torch.optim.SGD(params, lr=0.5)
     graphs = runtime.runtime_of(model).graphs
     results, counts = [], []
     for i in range(steps):
+        if before_step is not None:
+            before_step(model, i)
         out, grads = step(model, inputs(device, seed=i, dtype=dtype), checkpointing=True, autocast=autocast)
         for name, p in runtime.lora_parameters(model).items():
             p.grad = grads[name].clone()

@@ -5,6 +5,7 @@ import torch
 
 from squareq import runtime
 from squareq.runtime.block_graphs import WARMUP
+from squareq.runtime.blocks import RESIDENT
 
 from .harness import assert_same, inputs, train_steps, with_lora
 
@@ -56,6 +57,71 @@ def test_no_grad_sampling_under_cuda_graphs_equals_eager(tiny_slab):
         for _ in range(WARMUP + 2):
             assert torch.equal(model(**batch, return_dict=False)[0], expected)
     assert runtime.runtime_of(model).graphs.stats.replays > 0
+
+
+def _keep_block_at(step: int, block: int = 1):
+    """A ``before_step`` that keeps ``block`` on the device from step ``step`` on, as a StreamTuner plan does."""
+    from squareq.runtime.residency import StreamPlan
+
+    def before(model, i):
+        if i == step:
+            rt = runtime.runtime_of(model)
+            rt.apply_stream_plan(StreamPlan(len(rt.streamer.slots), (block,), 0.0, 0.0))
+    return before
+
+
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_a_block_kept_mid_run_is_captured_at_once_and_trains_like_eager(tiny_slab, compute):
+    """A block kept after the warm-up is captured at its first call on the device (no eager runs there), forward and
+    recompute, and the graphed steps still equal the eager ones bit for bit."""
+    if compute == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 compute needs FP8 tensor cores")
+    steps, keep = STEPS + 2, _keep_block_at(WARMUP + 2)
+    load = dict(prefetch=2, compute=compute)
+    eager, _ = train_steps(runtime.load(tiny_slab, "cuda", **load), "cuda", steps, autocast=True, before_step=keep)
+    model = runtime.load(tiny_slab, "cuda", cuda_graphs=True, **load)
+    try:
+        got, stats = train_steps(model, "cuda", steps, autocast=True, before_step=keep)
+        for g, e in zip(got, eager, strict=True):
+            assert_same(g, e)
+        graphs = runtime.runtime_of(model).graphs
+        kept = [k for k, e in graphs.entries.items() if k[1] == 1 and k[2] == RESIDENT and e.replay is not None]
+        assert len(kept) == 2  # its forward and its recompute + backward
+        assert sum(s.at_once for s in stats[WARMUP + 2:]) >= 2 and sum(s.eager for s in stats[WARMUP + 2:]) == 0
+        assert all(s.failures == 0 for s in stats)
+    finally:
+        runtime.runtime_of(model).close()
+
+
+@pytest.mark.parametrize("compute,compiled", [("bf16", False), ("fp8", False), ("bf16", True)])
+def test_sampling_blocks_in_new_slots_and_kept_are_captured_at_once_and_equal_eager(tiny_slab, compute, compiled):
+    """Sampling with 3 slots: blocks visit new slots across steps, and a block is kept halfway; every replay's output
+    equals the same model without graphs (bit for bit; within inductor's last bits for compiled blocks)."""
+    if compute == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 compute needs FP8 tensor cores")
+    if compiled:
+        torch._dynamo.reset()  # the other tests' compiles count toward Dynamo's recompile limit
+    load = dict(prefetch=3, compute=compute, compile_blocks=compiled)
+    eager = runtime.load(tiny_slab, "cuda", **load)
+    model = runtime.load(tiny_slab, "cuda", cuda_graphs=True, **load)
+    batch, keep = inputs("cuda"), _keep_block_at(2 * (WARMUP + 1))
+    try:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            for i in range(4 * (WARMUP + 1)):
+                keep(eager, i)
+                keep(model, i)
+                expected, got = eager(**batch, return_dict=False)[0], model(**batch, return_dict=False)[0]
+                if compiled:
+                    rel = ((got.float() - expected.float()).pow(2).mean() / expected.float().pow(2).mean()).item()
+                    assert rel < 1e-4, f"step {i}: rel. error {rel:.2e}"
+                else:
+                    assert torch.equal(got, expected), f"step {i}"
+        graphs = runtime.runtime_of(model).graphs
+        assert graphs.stats.at_once > 0 and graphs.stats.failures == 0 and graphs.at_once
+        assert any(k[2] == RESIDENT and e.replay is not None for k, e in graphs.entries.items())
+    finally:
+        runtime.runtime_of(model).close()
+        runtime.runtime_of(eager).close()
 
 
 def test_reserved_memory_is_flat_once_every_graph_is_captured(tiny_slab):
