@@ -117,7 +117,6 @@ class _Entry:
 
     runs: int = 0  # eager runs of this key itself
     failed: bool = False
-    outputs: list | None = None  # per output: None, or (shape, dtype, strides) of the warm-up's tensor
     replay: Callable[[], None] | None = None
     static_in: list[torch.Tensor] = field(default_factory=list)
     static_out: list[torch.Tensor | None] = field(default_factory=list)
@@ -130,7 +129,7 @@ class _Warmup:
     """A block call's eager runs so far, in any slot (:func:`twin`), and the layouts of its outputs."""
 
     runs: int = 0
-    outputs: list | None = None
+    outputs: list | None = None  # per output: None, or (shape, dtype, strides) of the last eager run's tensor
 
 
 @dataclass
@@ -207,11 +206,10 @@ class BlockGraphs:
             warmup = self._warmups.setdefault(twin(key) if self.at_once else key, _Warmup())
             if warmup.runs < WARMUP:
                 return self._eager(entry, warmup, tensors, run)
-            entry.outputs = warmup.outputs
         self._load_inputs(entry, tensors)
         if entry.replay is None:
             try:
-                self._capture(entry, run)
+                self._capture(entry, run, warmup.outputs)
             except Exception as exc:  # noqa: BLE001 - any failed capture falls back to eager, said once
                 if self.at_once and entry.runs < WARMUP:  # warmed up in other slots: warm it up in its own first
                     self._no_captures_at_once(exc)
@@ -260,13 +258,14 @@ class BlockGraphs:
             for static, t in zip(entry.static_in, tensors, strict=True):
                 static.copy_(t)
 
-    def _capture(self, entry: _Entry, run: Run) -> None:
-        entry.static_out = [None if o is None else self._buffer("out", i, *o) for i, o in enumerate(entry.outputs)]
+    def _capture(self, entry: _Entry, run: Run, outputs: list) -> None:
+        """Capture ``entry``'s graph; ``outputs``: the layouts of its block call's outputs in the eager runs."""
+        entry.static_out = [None if o is None else self._buffer("out", i, *o) for i, o in enumerate(outputs)]
         box: dict[str, Any] = {}
 
         def body() -> None:
             outs, box["extra"] = run(entry.static_in, True)
-            if _layouts(outs) != entry.outputs:
+            if _layouts(outs) != outputs:
                 raise RuntimeError("the block's outputs changed shape or dtype between its eager runs and the capture")
             for static, o in zip(entry.static_out, outs):
                 if static is not None:

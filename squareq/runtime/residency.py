@@ -179,12 +179,12 @@ class StreamTuner:
     that replays every block's CUDA graph, not one that ran blocks eagerly before their capture, and size the ring
     by simulating the step (:func:`plan_stream`'s ``order``). ``peak_limit`` (CUDA; ``squareq sample
     --vram-budget``): the peak reserved memory of the steps after the plan stays within it. With CUDA graphs the
-    blocks the plan keeps and those in its new slots are captured at their first call, without eager runs (their
-    twins in the ring were captured: runtime/block_graphs.py), so the plan gets the limit less what the probe step
-    left reserved, less :data:`CAPTURE_MARGIN`. Without graphs (or once such a capture failed) blocks run eagerly,
-    so it gets the limit less the peak since the first step the tuner saw (whose start empties the allocator's
-    cache and resets the device's peak statistics: the encoders before it are not the denoiser's). The plan
-    applied is :attr:`plan`.
+    blocks the plan keeps and those in its new slots are captured at their first call, without eager runs (the
+    same block calls ran eagerly in their first slots: runtime/block_graphs.py), so the plan gets the limit less
+    what the probe step left reserved, less :data:`CAPTURE_MARGIN`. Without graphs (or once such a capture failed)
+    blocks run eagerly, so it gets the limit less the peak since the first step the tuner saw (whose start empties
+    the allocator's cache and resets the device's peak statistics: the encoders before it are not the denoiser's).
+    The plan applied is :attr:`plan`.
     """
 
     def __init__(self, model: nn.Module, prefetch: int | str = "auto", resident: int | str = 0,
