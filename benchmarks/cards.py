@@ -11,7 +11,7 @@ For each config in ``examples/`` (its card below, :data:`CARDS`), in a process o
 * the family's text encoders and VAE are built in host memory at their released shapes with seeded random weights
   (FLUX.1: CLIP-L and T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B),
   and the trainer's own caching (``squareq.train.loop``) runs through them: the encoders are placed within the
-  config's ``vram_budget`` by ``squareq.train.encoder_placement``, so those that do not fit stream block by block;
+  config's ``vram_budget`` by ``squareq.sources.encoder_placement``, so those that do not fit stream block by block;
 * ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring and host)
   on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same random weights and W4/W6/W8 mix);
 * where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution.
@@ -21,13 +21,19 @@ the real ones do), so token counts are like the real ones' but ids are not. Each
 memory of caching, of the steps and of sampling against the card, the median step, the bytes copied into the ring per
 step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not measured). One JSON
 line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as wide as them, no
-caps (a smoke test anywhere).
+caps, 2 steps and a 2-step sample at 64 px, every config in this one process (a smoke test anywhere, seconds on a
+CPU; memory peaks are null there, not measured).
+
+The encoders are handed to the trainer in memory: squareq has no public hook for that, so :func:`in_memory_encoders`
+puts a stand-in for ``squareq.sources.encoders.open_encoders`` (and ``open_decoder``) wherever a loaded squareq module
+holds it, reading the caller's arguments by the real function's own signature.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
+import inspect
 import json
 import os
 import resource
@@ -43,7 +49,7 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from common import RECORDS, emit, git_commit, log, write_records  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
 from train_e2e import write_data  # noqa: E402  (noise images with captions)
 
 GIB = 1 << 30
@@ -53,6 +59,7 @@ CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-de
 PCIE4_BYTES_PER_S = 25e9  # a PCIe 4.0 x16 link's practical host-to-device rate
 SAMPLE_PROMPT = "a photo of sks on a beach"
 IMAGES = 8  # noise images: enough for the largest batch (4) in every bucket
+TINY_STEPS = 2  # --tiny's training and sampling steps (unless given)
 
 # the released text encoders' shapes (their config.json on the Hub)
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
@@ -196,19 +203,19 @@ def build_encoders(family: str, config: dict, tiny: bool):
 
 
 @contextlib.contextmanager
-def encoders_of(pipe, family: str, run, measure: dict):
-    """The trainer's encoder objects around the in-memory ``pipe``, placed as ``open_encoders`` places them; the
-    caching's wall time and peak reserved memory go into ``measure``."""
+def encoders_of(pipe, family: str, device, run, dtype, measure: dict):
+    """The trainer's encoder objects around the in-memory ``pipe`` on ``device`` in ``dtype``, placed as
+    ``open_encoders`` places them for ``run``; the caching's wall time and peak reserved memory go into ``measure``."""
     import torch
 
-    from squareq.train.cache import module_identity
-    from squareq.train.encoder_placement import placed
-    from squareq.train.encoder_source import dtype_tag
-    from squareq.train.encoders import Encoders
-    from squareq.train.family_encoders import TEXT_ENCODERS, PipelineEncoders
+    from squareq.sources.encoder_identity import module_identity
+    from squareq.sources.encoder_placement import placed
+    from squareq.sources.encoder_source import dtype_tag
+    from squareq.sources.encoders import Encoders, encoder_dtype
+    from squareq.sources.pipeline_encoders import TEXT_ENCODERS, PipelineEncoders
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device = torch.device(device)
+    dtype = dtype or encoder_dtype(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -225,6 +232,7 @@ def encoders_of(pipe, family: str, run, measure: dict):
             else:
                 yield PipelineEncoders(pipe, family, device, dtype, placement)
     finally:
+        measure["cache_peak_reserved_GB"] = measure["cache_peak_allocated_GB"] = None  # not measured on a CPU
         if device.type == "cuda":
             torch.cuda.synchronize()
             measure["cache_peak_reserved_GB"] = torch.cuda.max_memory_reserved() / 1e9
@@ -241,6 +249,45 @@ def encoders_of(pipe, family: str, run, measure: dict):
             torch.cuda.reset_peak_memory_stats()
 
 
+@contextlib.contextmanager
+def in_memory_encoders(open_pipe, family: str, measure: dict):
+    """Within: every loaded squareq module's ``open_encoders`` opens the pipeline ``open_pipe()`` returns (the
+    caching's figures into ``measure``), and its ``open_decoder`` gives that pipeline's VAE and scheduler. The
+    caller's arguments are bound to the real functions' signatures, so a call reads the same wherever it moved."""
+    from squareq.sources import encoders
+
+    real_open, real_decoder = encoders.open_encoders, encoders.open_decoder
+    opened = {}
+
+    def open_in_memory(*args, **kwargs):
+        call = inspect.signature(real_open).bind(*args, **kwargs)
+        call.apply_defaults()
+        pipe = open_pipe()
+        opened.update(kind=type(pipe), scheduler=pipe.scheduler, vae=pipe.vae)  # the decoder keeps the VAE
+        return encoders_of(pipe, family, call.arguments["device"], call.arguments["run"], call.arguments["dtype"],
+                           measure)
+
+    def decoder_in_memory(*args, **kwargs):
+        dtype = inspect.signature(real_decoder).bind(*args, **kwargs).arguments["dtype"]
+        if not opened:
+            pipe = open_pipe()
+            opened.update(kind=type(pipe), scheduler=pipe.scheduler, vae=pipe.vae)
+        return opened["kind"](scheduler=opened["scheduler"], vae=opened["vae"].to(dtype), text_encoder=None,
+                              tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=None)
+
+    stand_ins = {real_open: open_in_memory, real_decoder: decoder_in_memory}
+    patched = [(module, name, value) for module in list(sys.modules.values())
+               if getattr(module, "__name__", "").startswith("squareq.")
+               for name, value in list(vars(module).items()) if any(value is real for real in stand_ins)]
+    for module, name, value in patched:
+        setattr(module, name, stand_ins[value])
+    try:
+        yield
+    finally:
+        for module, name, value in patched:
+            setattr(module, name, value)
+
+
 def cap_to_card(card_gib: int) -> dict:
     """Cap this process's CUDA caching allocator at the card's memory less the CUDA context it holds here."""
     import torch
@@ -251,7 +298,7 @@ def cap_to_card(card_gib: int) -> dict:
     context = total - free - torch.cuda.memory_reserved()
     limit = card_gib * GIB - context
     torch.cuda.set_per_process_memory_fraction(limit / total)
-    return {"card_GiB": card_gib, "cuda_context_GB": context / 1e9, "allocator_cap_GB": limit / 1e9,
+    return {"cuda_context_GB": context / 1e9, "allocator_cap_GB": limit / 1e9,
             "device": torch.cuda.get_device_name(0), "device_total_GB": total / 1e9}
 
 
@@ -265,12 +312,10 @@ def run_config(args, name: str) -> None:
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # the cuDNN attention backward fails on the device image
     from squareq.slab import open_slab
-    from squareq.train import loop, sample
-    from squareq.train.config import load_config
 
     family, card = CARDS[name]
     work = Path(args.workdir)
-    rec = {"what": "card", "config": name, "family": family, "commit": git_commit(),
+    rec = {"what": "card", "config": name, "family": family, "card_GiB": card, "commit": git_commit(),
            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
     cuda = torch.cuda.is_available()
     slab = slab_path(work, family, args.tiny)
@@ -283,23 +328,49 @@ def run_config(args, name: str) -> None:
     if cuda and not args.tiny:
         torch.cuda.empty_cache()
         rec.update(cap_to_card(card))
-    overrides = {"slab": str(slab), "output": str(work / f"out-{name}-{int(time.time())}"),
-                 "cache_dir": str(work / f"cache-{name}-{int(time.time())}"), "steps": args.steps, "save_every": 0,
-                 "sample_every": 0, "seed": 0}
+    cfg = config_of(args, name, slab)
+    rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
+               prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
+    train_config(cfg, pipe, family, rec)
+    rec.update(sample_s=None, sample_steps=None, sample_size=None, sample_placement=None, sample_peak_reserved_GB=None)
+    if family == "flux":  # the caching released the first encoders: sampling gets its own, built before it is timed
+        sample_pipe = build_encoders(family, model_config, args.tiny)
+        sample_config(args, slab, cfg, lambda: sample_pipe, rec)
+    peaks = [rec.get(k) or 0 for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB", "sample_peak_reserved_GB")]
+    rec["peak_reserved_GB"] = max(peaks) if cuda else None
+    rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB if cuda else None
+    rec["host_rss_peak_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    emit(rec)
+
+
+def config_of(args, name: str, slab: Path):
+    """The example config ``name`` on ``slab`` for ``--steps`` steps, with noise images at its largest resolution."""
+    from squareq.train.config import load_config
+
+    work = Path(args.workdir)
+    stamp = f"{name}-{time.time_ns()}"
+    overrides = {"slab": str(slab), "output": str(work / f"out-{stamp}"), "cache_dir": str(work / f"cache-{stamp}"),
+                 "steps": args.steps, "save_every": 0, "sample_every": 0, "seed": 0}
     if args.tiny:
         overrides.update(resolution=64, max_sequence_length=16, vram_budget=None)
     cfg = load_config(ROOT / "examples" / f"{name}.toml", overrides)
     res = max(cfg.resolution)
     cfg.data = str(work / f"data-{res}")
     write_data(Path(cfg.data), IMAGES, res)
-    rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
-               prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
+    return cfg
+
+
+def train_config(cfg, pipe, family: str, rec: dict) -> None:
+    """``squareq.train``'s trainer on ``cfg``, caching through the in-memory ``pipe``: wall time, caching and the
+    steps' figures (from its metrics.jsonl) into ``rec``."""
+    import torch
+
+    from squareq.train.loop import train
 
     measure: dict = {}
-    loop.open_encoders = lambda source, device, fam, config=None, run=None: encoders_of(pipe, family, run, measure)
-    loop.run_encoders = lambda cfg, record: str(slab)  # the encoders are the in-memory ones above
     start = time.perf_counter()
-    loop.train(cfg, echo=lambda s: log(s))
+    with in_memory_encoders(lambda: pipe, family, measure):
+        train(cfg, echo=lambda s: log(s))
     rec["train_wall_s"] = time.perf_counter() - start
     rec.update(measure)
     rows = [json.loads(line) for line in (Path(cfg.output) / "metrics.jsonl").read_text().splitlines()]
@@ -308,37 +379,33 @@ def run_config(args, name: str) -> None:
     rec["step_s"] = statistics.median(r["seconds"] for r in timed)
     rec["step_times"] = [round(r["seconds"], 3) for r in rows]
     rec["losses_finite"] = all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in rows)
+    rec["copied_GB_per_step"] = statistics.median(r.get("copied_GB", 0) for r in timed)
+    rec["pcie4_copy_s_arithmetic"] = rec["copied_GB_per_step"] * 1e9 / PCIE4_BYTES_PER_S
+    cuda = torch.cuda.is_available()
+    rec["train_peak_reserved_GB"] = max(r.get("peak_reserved_GB", 0) for r in rows) if cuda else None
+
+
+def sample_config(args, slab: Path, cfg, open_pipe, rec: dict) -> None:
+    """``squareq sample``'s path: one image at the config's largest resolution; its figures into ``rec``."""
+    import torch
+
+    from squareq.train import sample
+
+    sample_measure: dict = {}
+    cuda = torch.cuda.is_available()
     if cuda:
-        rec["train_peak_reserved_GB"] = max(r.get("peak_reserved_GB", 0) for r in rows)
-        rec["copied_GB_per_step"] = statistics.median(r.get("copied_GB", 0) for r in timed)
-        rec["pcie4_copy_s_arithmetic"] = rec["copied_GB_per_step"] * 1e9 / PCIE4_BYTES_PER_S
-    if family == "flux":
-        pipe = build_encoders(family, model_config, args.tiny)  # the caching released the first ones
-        sample_measure: dict = {}
-        vae = pipe.vae  # the decoder keeps it after the encoders are released
-        sample.encoder_source_for = lambda *a, **k: None  # the encoders are the in-memory ones
-        sample.open_encoders = lambda source, device, fam, config=None, run=None: \
-            encoders_of(pipe, family, run, sample_measure)
-        sample.open_decoder = lambda source, fam, dtype: type(pipe)(
-            scheduler=pipe.scheduler, vae=vae.to(dtype), text_encoder=None, tokenizer=None, text_encoder_2=None,
-            tokenizer_2=None, transformer=None)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        images = sample.sample_images(slab, [SAMPLE_PROMPT], resolution=res, steps=args.sample_steps,
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with in_memory_encoders(open_pipe, "flux", sample_measure):
+        images = sample.sample_images(slab, [SAMPLE_PROMPT], resolution=max(cfg.resolution), steps=args.sample_steps,
                                       max_sequence_length=cfg.max_sequence_length)
-        rec["sample_s"] = time.perf_counter() - start
-        rec["sample_steps"] = args.sample_steps
-        rec["sample_size"] = list(images[0].size)
-        rec["sample_placement"] = sample_measure.get("placement", {}).get("streamed")
-        if cuda:
-            rec["sample_peak_reserved_GB"] = max(torch.cuda.max_memory_reserved() / 1e9,
-                                                 sample_measure.get("cache_peak_reserved_GB", 0))
-    peaks = [rec.get(k, 0) for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB", "sample_peak_reserved_GB")]
-    rec["peak_reserved_GB"] = max(peaks)
-    rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB
-    rec["host_rss_peak_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    emit(rec)
+    rec["sample_s"] = time.perf_counter() - start
+    rec["sample_steps"] = args.sample_steps
+    rec["sample_size"] = list(images[0].size)
+    rec["sample_placement"] = sample_measure.get("placement", {}).get("streamed")
+    if cuda:
+        rec["sample_peak_reserved_GB"] = max(torch.cuda.max_memory_reserved() / 1e9,
+                                             sample_measure.get("cache_peak_reserved_GB") or 0)
 
 
 def tiny_flux2_slab(path: Path) -> None:
@@ -365,30 +432,42 @@ def ensure_slab(args, family: str) -> None:
     if args.tiny and family == "flux2":
         tiny_flux2_slab(slab_path(work, family, True))
         return
-    cmd = [sys.executable, str(HERE / "train_step.py"), "--family", family, "--only", "slab", "--workdir", str(work),
-           "--out", str(work / f"slab-{family}")] + (["--tiny"] if args.tiny else [])
-    log(f"slab for {family}: {' '.join(cmd[1:])}")
-    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    cmd = ["--family", family, "--only", "slab", "--workdir", str(work), "--out", str(work / f"slab-{family}")] + (
+        ["--tiny"] if args.tiny else [])
+    log(f"slab for {family}: train_step.py {' '.join(cmd)}")
+    if args.tiny:  # in this process: train_step.py's slab phase, its JSON line on stderr
+        import train_step
+
+        with contextlib.redirect_stdout(sys.stderr):
+            train_step.phase_slab(train_step.Setup(train_step.parse_args(cmd)))
+        return
+    subprocess.run([sys.executable, str(HERE / "train_step.py"), *cmd], check=True, stdout=sys.stderr)
 
 
-def table(records: list[dict]) -> str:
-    rows = ["| config | card | encoders (streamed) | cache s / peak GB | step s | train peak GB | copied GB / step | "
-            "at PCIe 4.0 x16 (arithmetic) s | sample s / peak GB | fits |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        if "error" in r:
-            rows.append(f"| {r.get('config')} | | error: {r['error'][:120]} | | | | | | | |")
-            continue
-        streamed = ", ".join(r.get("placement", {}).get("streamed", [])) or "none"
-        sample = f"{r['sample_s']:.1f} / {r.get('sample_peak_reserved_GB', 0):.2f}" if "sample_s" in r else "-"
-        rows.append(f"| {r['config']} | {r['card_GiB'] if 'card_GiB' in r else '-'} GiB | "
-                    f"{r['encoder_params_B']:.2f} B ({streamed}) | {r['cache_s']:.1f} / "
-                    f"{r.get('cache_peak_reserved_GB', 0):.2f} "
-                    f"(planned {r['placement']['expected_peak_bytes'] / 1e9:.2f}) | "
-                    f"{r['step_s']:.3f} | "
-                    f"{r.get('train_peak_reserved_GB', 0):.2f} | {r.get('copied_GB_per_step', 0):.1f} | "
-                    f"{r.get('pcie4_copy_s_arithmetic', 0):.2f} | {sample} | {r['fits_card']} |")
-    return "\n".join(rows)
+def card_table(records: list[dict]) -> str:
+    def gb(key):
+        return lambda r: "-" if r.get(key) is None else f"{r[key]:.2f}"
+
+    def encoders(r):
+        return f"{r['encoder_params_B']:.2f} B ({', '.join(r['placement'].get('streamed', [])) or 'none'})"
+
+    def cache(r):
+        return f"{r['cache_s']:.1f} / {gb('cache_peak_reserved_GB')(r)} " \
+               f"(planned {r['placement']['expected_peak_bytes'] / 1e9:.2f})"
+
+    def sample(r):
+        return "-" if r["sample_s"] is None else f"{r['sample_s']:.1f} / {gb('sample_peak_reserved_GB')(r)}"
+
+    columns = [Column("config", "config"), Column("card", "card_GiB", lambda r: f"{r['card_GiB']} GiB"),
+               Column("encoders (streamed)", "encoder_params_B", encoders, also=("placement",)),
+               Column("cache s / peak GB", "cache_s", cache, also=("cache_peak_reserved_GB", "placement")),
+               Column("step s", "step_s", ".3f"),
+               Column("train peak GB", "train_peak_reserved_GB", gb("train_peak_reserved_GB")),
+               Column("copied GB / step", "copied_GB_per_step", ".1f"),
+               Column("at PCIe 4.0 x16 (arithmetic) s", "pcie4_copy_s_arithmetic", ".2f"),
+               Column("sample s / peak GB", "sample_s", sample, also=("sample_peak_reserved_GB",)),
+               Column("fits", "fits_card"), Column("error", None, lambda r: r.get("error", "")[:120])]
+    return table(records, columns, where={"what": "card"})
 
 
 def main() -> None:
@@ -396,12 +475,14 @@ def main() -> None:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--configs", default=",".join(CARDS))
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--sample-steps", type=int, default=20)
-    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--steps", type=int, help=f"training steps (default 5; --tiny: {TINY_STEPS})")
+    parser.add_argument("--sample-steps", type=int, help=f"denoising steps (default 20; --tiny: {TINY_STEPS})")
+    parser.add_argument("--tiny", action="store_true", help="tiny slabs and encoders, every config in this process")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one config, in this process
     parser.add_argument("--timeout", type=float, default=540)
     args = parser.parse_args()
+    args.steps = args.steps or (TINY_STEPS if args.tiny else 5)
+    args.sample_steps = args.sample_steps or (TINY_STEPS if args.tiny else 20)
     if args.run:
         run_config(args, args.run)
         return
@@ -412,21 +493,40 @@ def main() -> None:
     for family in dict.fromkeys(CARDS[n][0] for n in names):
         ensure_slab(args, family)
     for name in names:
-        cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--steps", str(args.steps),
-               "--sample-steps", str(args.sample_steps)] + (["--tiny"] if args.tiny else [])
         log(f"config {name}")
-        try:
-            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
-            lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                raise RuntimeError(f"exit code {done.returncode}")
-            for rec in lines:
-                RECORDS.append(rec)
-                print(json.dumps(rec, sort_keys=True), flush=True)
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            emit({"what": "card", "config": name, "error": str(exc)})
+        if args.tiny:
+            in_this_process(args, name)
+        else:
+            in_its_own_process(args, name)
         write_records(args.out, "cards.jsonl")
-    print(table(RECORDS))
+    print(card_table(RECORDS))
+
+
+def in_this_process(args, name: str) -> None:
+    """``--tiny``: the config in this process, a failure an error record."""
+    try:
+        run_config(args, name)
+    except Exception as exc:  # noqa: BLE001 - the next config still runs
+        import traceback
+
+        traceback.print_exc()
+        emit({"what": "card", "config": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
+
+
+def in_its_own_process(args, name: str) -> None:
+    """The config in a process of its own (its allocator capped to the card), its JSON lines echoed."""
+    cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--steps", str(args.steps),
+           "--sample-steps", str(args.sample_steps)]
+    try:
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+        lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"exit code {done.returncode}")
+        for rec in lines:
+            RECORDS.append(rec)
+            print(json.dumps(rec, sort_keys=True), flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        emit({"what": "card", "config": name, "error": str(exc)})
 
 
 if __name__ == "__main__":

@@ -1,14 +1,23 @@
 """What the benchmark scripts share: one JSON line per measurement (kept for the final table and the --out file),
-progress on stderr, and the commit measured."""
+progress on stderr, the commit measured, and the markdown table, whose columns each script names once
+(:class:`Column`, :func:`table`) so that tests/test_benchmarks.py can check every JSON line has what the table shows."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS: list[dict] = []
+COLUMNS_LINE = "# columns: "  # the stderr line a table declares its rows and fields on (tests/test_benchmarks.py)
+# The compile options of the tiny paths (--tiny) that compile: the compiler's search in its cheapest form (few
+# calibration samples and rows, plain rounding, no rotation or learned rounding, two effect probes). The same code
+# runs as in a real run; only the work per layer shrinks.
+TINY_SEARCH = {"calib_samples": 4, "rounding": "nearest", "rotation": False, "learned_rounding": False,
+               "max_rows": 64, "effect_probes": 2}
 
 
 def emit(rec: dict) -> dict:
@@ -18,12 +27,16 @@ def emit(rec: dict) -> dict:
     return rec
 
 
-def write_records(out, name: str) -> None:
-    """With ``--out DIR``: every kept line to ``DIR/name`` (nothing without it)."""
+def write_records(out, name: str, records: list[dict] | None = None) -> None:
+    """With ``--out DIR``: every kept line (or ``records``) to ``DIR/name``, whole or not at all (nothing without
+    ``--out``)."""
     if out is None:
         return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / name).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS))
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in (RECORDS if records is None else records))
+    os.replace(path + ".tmp", path)
 
 
 def log(msg: str) -> None:
@@ -40,3 +53,72 @@ def git_commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def device_name() -> str:
+    """The GPU's name, or ``cpu`` without one."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a benchmark's markdown table: its header, the record field its cell shows, and how: a format
+    spec of that field's value (``".3f"``) or a function of the whole record, for a cell derived from the field and
+    the fields named in ``also``. ``field=None``: a cell made only of fields some rows have and others not (notes)."""
+
+    header: str
+    field: str | None
+    show: str | Callable[[dict], object] = ""
+    also: tuple[str, ...] = ()
+
+    def cell(self, rec: dict) -> str:
+        """Empty where ``rec`` lacks a field the cell reads (a row that failed or was skipped) or holds None."""
+        if any(f not in rec for f in (self.field, *self.also) if f):
+            return ""
+        value = self.show(rec) if callable(self.show) else rec[self.field]
+        if value is None:
+            return ""
+        return str(value) if callable(self.show) else format(value, self.show)
+
+
+def matches(rec: dict, where: dict | None) -> bool:
+    """Whether ``rec`` has, for every field of ``where``, its value (or one of its values, given a list)."""
+    return all(rec.get(k) in (v if isinstance(v, list) else [v]) for k, v in (where or {}).items())
+
+
+def table(records: list[dict], columns: list[Column], where: dict | None = None) -> str:
+    """The markdown table of the records that match ``where`` ({field: value or [values]}), a row each: the one
+    place a script names its table's columns. A row without a field shows an empty cell. It also declares on stderr
+    (:data:`COLUMNS_LINE`) which records are rows and which fields they show, for :func:`missing_fields`."""
+    fields = list(dict.fromkeys(f for c in columns for f in (c.field, *c.also) if f))
+    print(COLUMNS_LINE + json.dumps({"where": where or {}, "fields": fields}), file=sys.stderr, flush=True)
+    lines = ["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
+    for rec in records:
+        if matches(rec, where):
+            lines.append("| " + " | ".join(c.cell(rec).replace("|", "/") for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def declared_tables(stderr: str) -> list[dict]:
+    """The tables a run declared (:func:`table`) in its stderr ``stderr``."""
+    return [json.loads(line[len(COLUMNS_LINE):]) for line in stderr.splitlines() if line.startswith(COLUMNS_LINE)]
+
+
+def missing_fields(records: list[dict], declared: dict) -> list[str]:
+    """What is wrong with ``records`` (JSON lines) for the table ``declared``: no record is one of its rows, a row
+    holds an error, or a row lacks a field the table shows. A row that says why it was skipped (``skipped``) needs no
+    measurement."""
+    rows = [r for r in records if matches(r, declared["where"])]
+    if not rows:
+        return [f"no record is a row of the table of {declared['fields']} (where {declared['where']})"]
+    problems = []
+    for r in rows:
+        if "error" in r:
+            problems.append(f"a row has an error: {str(r['error'])[:300]}")
+        elif not r.get("skipped"):
+            lacking = [f for f in declared["fields"] if f not in r]
+            if lacking:
+                problems.append(f"a row ({ {k: r[k] for k in list(declared['where'])} }) lacks {lacking}")
+    return problems

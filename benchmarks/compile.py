@@ -4,7 +4,7 @@ safetensors) (issues 3, 15, 23).
 
     python benchmarks/compile.py --workdir DIR [--out DIR] [--model flux1|flux2] [--budget 8GB]
         [--vram-budgets free,8GB] [--host-budget 32GB] [--layers N] [--single-layers N] [--samples N]
-        [--no-rotation] [--phase all|source|compile]
+        [--no-rotation] [--phase all|source|compile] [--tiny]
 
 Phase 1 writes the source unless it is already in the work dir. flux1: a FluxPipeline folder whose transformer
 (FLUX.1-dev's config, 11.9 B parameters), VAE (FLUX.1's AutoencoderKL config), CLIP-L and T5-XXL text encoders have
@@ -18,22 +18,30 @@ can be reset; else the process's so far), GPU memory peaks and the host plan (wh
 were spilled to disk), and whether the slabs of the different budgets have the same tensor bytes. Random weights
 measure speed and memory, not quality. One JSON line per measurement, a markdown table last; the progress log has a
 timestamp per block, so a run cut short still shows the per-block rate (and a rerun resumes it).
+
+``--tiny``: the source is tiny (flux1: the built-in tiny-flux pipeline folder; flux2: a two-block FLUX.2 with random
+weights), calibrated on 4 samples at 64 px and compiled within 2 MB by the compiler's search in its cheapest form
+(``common.TINY_SEARCH``), on the CPU when there is no GPU (seconds; the GPU memory figures are null there, not
+measured).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
-import os
 import re
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+for _path in (str(ROOT), str(ROOT / "benchmarks")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from common import TINY_SEARCH, Column, device_name, git_commit, log, table, write_records  # noqa: E402
 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -50,11 +58,12 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, tie_word_embeddings=False)
 SHARD_BYTES = 4 << 30
 LAYER_LINE = re.compile(r"^block \d+/\d+ \S+: [^ ]+$")
+TINY_RESOLUTION, TINY_TOKENS = 64, 16
 
 
 def emit(rec: dict, sink: list) -> None:
     sink.append(rec)
-    print(json.dumps(rec), flush=True)
+    print(json.dumps(rec, sort_keys=True), flush=True)
 
 
 def write_random(folder: Path, skeleton, device: str, weights: str, seed: int = 0) -> int:
@@ -124,26 +133,31 @@ def write_source(folder: Path, config: dict, device: str) -> dict:
 FLUX2_DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
                  num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
                  axes_dims_rope=(32, 32, 32, 32), guidance_embeds=True)
+TINY_FLUX2 = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=16,
+                  axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
 
 
-def write_flux2_source(folder: Path, layers: int, single_layers: int, device: str) -> dict:
-    """A FLUX.2-dev-shaped transformer folder (random bf16 weights); FLUX.2's Mistral encoder is not written, so its
-    calibration set is made of random latents and text states of the real shapes (speed and memory, not quality)."""
+def write_flux2_source(folder: Path, config: dict, layers: int, single_layers: int, device: str) -> dict:
+    """A FLUX.2-dev-shaped (or, --tiny, a tiny) transformer folder (random bf16 weights); FLUX.2's Mistral encoder is
+    not written, so its calibration set is made of random latents and text states of the real shapes (speed and
+    memory, not quality)."""
     import torch
     from diffusers import Flux2Transformer2DModel
 
     start = time.perf_counter()
     with torch.device("meta"):
-        skeleton = Flux2Transformer2DModel(**{**FLUX2_DEV, "num_layers": layers, "num_single_layers": single_layers})
+        skeleton = Flux2Transformer2DModel(**{**config, "num_layers": layers, "num_single_layers": single_layers})
     params = write_random(folder, skeleton, device, "diffusion_pytorch_model")
     return {"params": {"transformer": params}, "seconds": time.perf_counter() - start}
 
 
 def random_calibration_set(images: int, latent: tuple[int, int, int], text: tuple[int, int]):
-    """16 'images' of N(0, 1) latents and captions of N(0, 1) text states, at the shapes the real encoders give."""
+    """``images`` 'images' of N(0, 1) latents and captions of N(0, 1) text states, at the shapes the real encoders
+    give."""
     import torch
 
-    from squareq.models.calibration import CalibrationSet
+    from squareq.models.calibration_set import CalibrationSet
 
     g = torch.Generator().manual_seed(0)
     return CalibrationSet([{"latents": torch.randn(latent, generator=g)} for _ in range(images)],
@@ -157,7 +171,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, required=True)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--model", choices=("flux1", "flux2"), default="flux1")
-    ap.add_argument("--budget", default="8GB")
+    ap.add_argument("--budget", default=None, help="the slab's budget (default 8GB; --tiny: 2MB)")
     ap.add_argument("--vram-budgets", default="free",
                     help="comma-separated --vram-budget values, one compile each in this run ('free': the default); "
                          "the slabs' tensor bytes are compared")
@@ -171,31 +185,26 @@ def main() -> None:
     ap.add_argument("--no-rotation", action="store_true",
                     help="the search without its Hadamard-rotated candidates (squareq compile --no-rotation)")
     ap.add_argument("--phase", choices=("all", "source", "compile"), default="all")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny source, 4 samples at 64 px, the cheapest search; runs on a CPU")
     args = ap.parse_args()
 
     import torch
 
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/compile.py needs a CUDA device; run it on the GPU machine.")
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cpu" and not args.tiny:
+        sys.exit("benchmarks/compile.py needs a CUDA device; run it on the GPU machine (or --tiny on a CPU).")
+    args.budget = args.budget or ("2MB" if args.tiny else "8GB")
+    args.samples = args.samples or (TINY_SEARCH["calib_samples"] if args.tiny else None)
     torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN SDPA backward fails on the device image
-    from squareq.compiler import open_source
+    from squareq.sources import open_source
 
     records: list = []
-    # The device gets a copy of the working tree without git history: pass SQUAREQ_COMMIT there.
-    commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    env = {"kind": "env", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "commit": commit,
-           "model": args.model}
+    env = {"kind": "env", "device": device_name(), "torch": torch.__version__, "commit": git_commit(),
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "model": args.model,
+           "tiny": args.tiny}
     emit(env, records)
-    base = FLUX_DEV if args.model == "flux1" else FLUX2_DEV
-    layers = args.layers if args.layers is not None else base["num_layers"]
-    single = args.single_layers if args.single_layers is not None else base["num_single_layers"]
-    src = args.workdir / f"{args.model}-dev-{layers}-{single}"
-    if not (src / ("model_index.json" if args.model == "flux1" else "config.json")).is_file():
-        written = write_source(src, {**FLUX_DEV, "num_layers": layers, "num_single_layers": single}, "cuda") \
-            if args.model == "flux1" else write_flux2_source(src, layers, single, "cuda")
-        emit({"kind": "source_written", **written}, records)
+    src = write_source_once(args, records)
     if args.phase == "source":
         return
     source = open_source(str(src))
@@ -204,23 +213,54 @@ def main() -> None:
     runs = [r for r in (compile_once(args, source, images, encode, budget, records) for budget in budgets) if r]
     same = len({r["slab_sha256"] for r in runs}) == 1 and len({json.dumps(r["rungs"]) for r in runs}) == 1
     emit({"kind": "identical", "value": same, "budgets": [r["vram_budget"] for r in runs]}, records)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"compile-{args.model}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_records(args.out, f"compile-{args.model}.jsonl", records)
     if not runs:
         return
     print(f"\n{env['device']}, {args.model}, {runs[0]['blocks']} blocks; slabs identical across budgets: {same}\n")
-    print("| --vram-budget | --host-budget | wall s | encode s | calibrate s | target s | slab GB | bits/w | "
-          "host RSS peak / expected GB | VRAM peak alloc / reserved GB | expected GB | recorded inputs | "
-          "effect inputs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in runs:
-        v = r["vram"]
-        print(f"| {r['vram_budget']} | {r['host_budget']} | {r['wall_s']:.0f} | {r['encode_s']:.0f} | "
-              f"{r['calibrate_s']:.0f} | 900 | {r['slab_bytes'] / 1e9:.2f} | {r['bits_per_layer_weight']:.2f} | "
-              f"{r['host_rss_peak_gb']:.1f} / {v['host_expected_peak_bytes'] / 1e9:.1f} | "
-              f"{r['vram_peak_allocated_gb']:.2f} / {r['vram_peak_reserved_gb']:.2f} | "
-              f"{v['expected_peak_bytes'] / 1e9:.2f} | {where(v, 'recorded_inputs')} | {where(v, 'effect_inputs')} |")
+    print(table(records, COLUMNS, where={"kind": "compile"}))
+
+
+def write_source_once(args, records: list) -> Path:
+    """The source folder in the work dir, written unless it is already there."""
+    base = FLUX_DEV if args.model == "flux1" else FLUX2_DEV
+    if args.tiny:
+        base = {"num_layers": 0, "num_single_layers": 0} if args.model == "flux1" else TINY_FLUX2
+    layers = args.layers if args.layers is not None else base["num_layers"]
+    single = args.single_layers if args.single_layers is not None else base["num_single_layers"]
+    src = args.workdir / (f"{args.model}-tiny" if args.tiny else f"{args.model}-dev-{layers}-{single}")
+    if not (src / ("model_index.json" if args.model == "flux1" else "config.json")).is_file():
+        if args.model == "flux2":
+            written = write_flux2_source(src, base, layers, single, args.device)
+        elif args.tiny:  # the built-in tiny-flux pipeline as it is
+            from squareq.models import write_tiny_flux_pipeline
+
+            start = time.perf_counter()
+            write_tiny_flux_pipeline(src)
+            written = {"params": "tiny-flux", "seconds": time.perf_counter() - start}
+        else:
+            written = write_source(src, {**FLUX_DEV, "num_layers": layers, "num_single_layers": single}, args.device)
+        emit({"kind": "source_written", **written}, records)
+    return src
+
+
+def gb(key: str, digits: int):
+    return lambda r: "-" if r[key] is None else f"{r[key]:.{digits}f}"
+
+
+COLUMNS = [
+    Column("--vram-budget", "vram_budget"), Column("--host-budget", "host_budget"), Column("wall s", "wall_s", ".0f"),
+    Column("encode s", "encode_s", ".0f"), Column("calibrate s", "calibrate_s", ".0f"),
+    Column("target s", "target_s"), Column("slab GB", "slab_bytes", lambda r: f"{r['slab_bytes'] / 1e9:.2f}"),
+    Column("bits/w", "bits_per_layer_weight", ".2f"),
+    Column("host RSS peak / expected GB", "host_rss_peak_gb",
+           lambda r: f"{r['host_rss_peak_gb']:.1f} / {r['vram']['host_expected_peak_bytes'] / 1e9:.1f}",
+           also=("vram",)),
+    Column("VRAM peak alloc / reserved GB", "vram_peak_allocated_gb",
+           lambda r: f"{gb('vram_peak_allocated_gb', 2)(r)} / {gb('vram_peak_reserved_gb', 2)(r)}",
+           also=("vram_peak_reserved_gb",)),
+    Column("expected GB", "vram", lambda r: f"{r['vram']['expected_peak_bytes'] / 1e9:.2f}"),
+    Column("recorded inputs", "vram", lambda r: where(r["vram"], "recorded_inputs")),
+    Column("effect inputs", "vram", lambda r: where(r["vram"], "effect_inputs"))]
 
 
 def where(vram: dict, part: str) -> str:
@@ -260,20 +300,25 @@ def calibration(args, source, budgets, records):
 
     own_peak = reset_peak_rss()  # the encoders' host memory, apart from the source writing before it
     start = time.perf_counter()
+    cuda = args.device == "cuda"
+    resolution, tokens = (TINY_RESOLUTION, TINY_TOKENS) if args.tiny else (512, 512)
     if args.model == "flux2":
-        side = 512 // 8
-        images = random_calibration_set(16, (FLUX2_DEV["in_channels"] // 4, side, side),
-                                        (512, FLUX2_DEV["joint_attention_dim"]))
+        config, side = TINY_FLUX2 if args.tiny else FLUX2_DEV, resolution // 8
+        images = random_calibration_set(args.samples or 16, (config["in_channels"] // 4, side, side),
+                                        (tokens, config["joint_attention_dim"]))
     else:
-        from squareq.train.calibration import calibration_images
+        from squareq.train.calibration_images import calibration_images
 
         tight = min((parse_size(b) for b in budgets if b), default=None)
-        torch.cuda.reset_peak_memory_stats()
-        with memory_cap(tight, "cuda"):
-            images = calibration_images(source, device="cuda", limit=args.samples or 32, echo=print)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with memory_cap(tight, "cuda") if cuda else contextlib.nullcontext():
+            images = calibration_images(source, device=args.device, limit=args.samples or 32, echo=log,
+                                        resolution=resolution, max_sequence_length=tokens)
     seconds = time.perf_counter() - start
     emit({"kind": "encode", "seconds": seconds, "images": images.description["images"],
-          "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9, "host_rss_peak_gb": peak_rss() / 1e9,
+          "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
+          "host_rss_peak_gb": peak_rss() / 1e9,
           "host_rss_peak_of": "the encoding" if own_peak else "the process so far"}, records)
     return images, seconds
 
@@ -289,8 +334,10 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
     folder = source.pipeline or source.folder
     out = args.workdir / (f"{folder.name if folder else args.model}-{budget or 'free'}"
                           f"{'-no-rotation' if args.no_rotation else ''}.slab")
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     own_peak = reset_peak_rss()
     start = time.perf_counter()
     plan_lines = []
@@ -301,14 +348,17 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
         if line.startswith(("VRAM plan:", "Host plan:")):
             plan_lines.append(line)
         # the compile resets the peak counters phase by phase (its log lines carry the peaks): these are current
-        gb, alloc = torch.cuda.memory_reserved() / 1e9, torch.cuda.memory_allocated() / 1e9
-        print(f"[{time.perf_counter() - start:8.1f}s] [now alloc/reserved {alloc:5.2f}/{gb:5.2f} GB] {line}",
-              flush=True)
+        now = f"[now alloc/reserved {torch.cuda.memory_allocated() / 1e9:5.2f}/" \
+              f"{torch.cuda.memory_reserved() / 1e9:5.2f} GB] " if cuda else ""
+        print(f"[{time.perf_counter() - start:8.1f}s] {now}{line}", file=sys.stderr, flush=True)
 
     state = out.parent / f"{out.name}.state"  # may exist empty (e.g. a link to a roomier disk) or hold a cut-off run
     reused = len(list(state.glob("block.*.json"))) if state.exists() else 0
-    opts = CompileOptions(budget=parse_size(args.budget), device="cuda", calib_samples=args.samples,
-                          rounding=args.rounding, rotation=not args.no_rotation, overwrite=True, calib_images=images,
+    search = {"calib_samples": args.samples, "rounding": args.rounding, "rotation": not args.no_rotation}
+    if args.tiny:
+        search.update({k: v for k, v in TINY_SEARCH.items() if k != "calib_samples"})
+    opts = CompileOptions(budget=parse_size(args.budget), device=args.device, **search, overwrite=True,
+                          calib_images=images,
                           vram_budget=parse_size(budget) if budget else None,
                           host_budget=parse_size(args.host_budget) if args.host_budget else None,
                           resume=state.exists())
@@ -329,8 +379,9 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
         rungs[layer.spec.bits] = rungs.get(layer.spec.bits, 0) + 1
     weights = sum(layer.shape[0] * layer.shape[1] for layer in manifest.layers)
     layer_bytes = sum(t.nbytes for layer in manifest.layers for t in layer.tensors.values())
-    rec = {"kind": "compile", "rotation": not args.no_rotation, "vram_budget": budget or "free", "blocks": len(manifest.blocks),
-           "layers": len(manifest.layers), "wall_s": wall + encode_s, "compile_s": wall, "encode_s": encode_s,
+    rec = {"kind": "compile", "rotation": not args.no_rotation, "vram_budget": budget or "free",
+           "blocks": len(manifest.blocks), "layers": len(manifest.layers), "wall_s": wall + encode_s,
+           "compile_s": wall, "encode_s": encode_s,
            "slab_bytes": size, "slab_sha256": digest.hexdigest(), "bits_per_layer_weight": 8 * layer_bytes / weights,
            "rungs": rungs, "host_budget": args.host_budget or "default", "host_rss_peak_gb": peak_rss() / 1e9,
            "host_rss_peak_of": "this compile" if own_peak else "the process so far",
@@ -338,8 +389,8 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
                "recorded_inputs", "effect_inputs", "host_budget_bytes", "host_expected_peak_bytes",
                "recorded_inputs_spilled_bytes", "effect_inputs_spilled_bytes")},
            "plan_lines": plan_lines,
-           "vram_peak_allocated_gb": manifest.calibration["vram"]["peak_allocated_bytes"] / 1e9,
-           "vram_peak_reserved_gb": manifest.calibration["vram"]["peak_reserved_bytes"] / 1e9,
+           "vram_peak_allocated_gb": manifest.calibration["vram"]["peak_allocated_bytes"] / 1e9 if cuda else None,
+           "vram_peak_reserved_gb": manifest.calibration["vram"]["peak_reserved_bytes"] / 1e9 if cuda else None,
            "vram": manifest.calibration["vram"], "effect": manifest.calibration["effect"],
            "chunk_samples": manifest.calibration.get("chunk_samples"),
            "calibrate_s": manifest.calibration["calibrate_seconds"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Dequantization throughput of the Triton kernel on FLUX shapes, next to a measured copy (issue 2).
 
-    python benchmarks/dequant.py [--out DIR] [--quick]
+    python benchmarks/dequant.py [--out DIR] [--quick] [--tiny]
 
 Everything printed is measured in this run. For each weight shape (out N, in K) and format it
 
@@ -19,13 +19,17 @@ plain bf16 ``copy_`` of an N x K weight, timed the same way as the kernel.
 
 Output: one JSON object per line per measurement, then a markdown table. ``--out DIR`` also writes
 the JSON lines to ``DIR/dequant.jsonl``.
+
+``--tiny``: one 64 x 256 shape, the three target formats and a rotated one, the default tile, a 16 MiB copy reference,
+one call per replay and two replays. On a CPU the kernel runs where it runs there (Triton's interpreter with
+``TRITON_INTERPRET=1``), eagerly and timed by the host's clock; CUDA graphs and bitsandbytes are GPU-only here and
+skipped (said on stderr).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import hashlib
-import json
 import math
 import os
 import statistics
@@ -33,8 +37,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for path in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from common import RECORDS, Column, emit, log, table, write_records  # noqa: E402
 
 SHAPES = [(3072, 3072), (12288, 3072), (3072, 15360)]  # (out N, in K) of FLUX linear layers
 COPY_BYTES = 1 << 30  # the copy reference moves a 1 GiB buffer (2 GiB read + written)
@@ -53,6 +60,10 @@ FORMATS = [
     ("W4 g128 sym H", dict(bits=4, group_size=128, symmetric=True, rotate=True), False),
 ]
 TARGET_FORMATS = {"W4 g64 asym", "W6 g64 asym", "W8 g64 asym"}
+TINY_SHAPES = [(64, 256)]
+TINY_FORMATS = (*TARGET_FORMATS, "W4 g64 asym H")
+TINY_COPY_BYTES = 16 << 20
+TIMING = {"min_calls": 32, "replays": 15}  # calls per replay (at least) and replays of time_calls; --tiny: fewer
 
 # (BLOCK_N, BLOCK_K, num_warps) tried besides the default; BLOCK_K must be a multiple of the group.
 SWEEP_TILES = [
@@ -68,17 +79,21 @@ SWEEP_TILES = [
     (64, 128, 4),
 ]
 
-RECORDS: list[dict] = []
-
-
-def emit(rec: dict) -> dict:
-    """Print one measurement as a JSON line (and keep it for the table and --out)."""
-    RECORDS.append(rec)
-    print(json.dumps(rec, sort_keys=True), flush=True)
-    return rec
-
-
 # ----------------------------------------------------------------------------------------- timing
+
+
+def _device(torch) -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync(torch) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free(torch) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sleep_cycles(torch, ms: float) -> int:
@@ -86,36 +101,39 @@ def _sleep_cycles(torch, ms: float) -> int:
     return int(ms * 1e3 * clock_mhz)
 
 
-def time_calls(torch, fns, min_calls: int = 32, replays: int = 15, graph: bool = True) -> dict:
+def time_calls(torch, fns) -> dict:
     """Median time of one call, running ``fns`` (one callable per independent buffer set) round robin.
 
     A replay is ``calls`` back-to-back launches cycling through ``fns``, captured as a CUDA graph
     (falling back to plain stream launches if capture fails). Before each replay the stream is
     held by a short spin kernel so that the launches are queued before the timed region starts;
-    ``starved`` counts replays where the host had not finished queueing when the GPU got there.
+    ``starved`` counts replays where the host had not finished queueing when the GPU got there. On a CPU
+    (``--tiny``) the calls run eagerly, timed by the host's clock.
     """
+    min_calls, replays = TIMING["min_calls"], TIMING["replays"]
     calls = [fns[i % len(fns)] for i in range(len(fns) * max(1, math.ceil(min_calls / len(fns))))]
     for f in fns:  # warm up: compile, load modules, create handles
         f()
+    if not torch.cuda.is_available():
+        return _time_on_host(calls, replays)
     torch.cuda.synchronize()
     method, g = "stream", None
-    if graph:
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for f in fns:
-                    f()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for f in calls:
-                    f()
-            method = "cuda_graph"
-        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager launches
-            torch.cuda.synchronize()
-            g, method = None, f"stream (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in calls:
+                f()
+        method = "cuda_graph"
+    except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager launches
+        torch.cuda.synchronize()
+        g, method = None, f"stream (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
 
     def run():
         if g is not None:
@@ -149,17 +167,35 @@ def time_calls(torch, fns, min_calls: int = 32, replays: int = 15, graph: bool =
     }
 
 
-def measure_copy(torch, tag: str) -> dict:
-    """Device-to-device copy bandwidth of a >= 1 GiB bf16 buffer, bytes read + written."""
-    n = COPY_BYTES // 2
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+def _time_on_host(calls, replays: int) -> dict:
+    """time_calls' figures for calls run eagerly on the host, timed by its clock."""
+    times = []
+    for _ in range(replays):
+        start = time.perf_counter()
+        for f in calls:
+            f()
+        times.append(1e3 * (time.perf_counter() - start) / len(calls))
+    return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times),
+            "calls_per_replay": len(calls), "replays": replays, "timing": "host clock (no CUDA device)",
+            "starved_replays": 0}
+
+
+def measure_copy(torch, tag: str, nbytes: int = COPY_BYTES) -> dict:
+    """Device-to-device copy bandwidth of an ``nbytes`` (>= 1 GiB but with --tiny) bf16 buffer, bytes read +
+    written (on a CPU: host memory, timed by the host's clock)."""
+    src = torch.randn(nbytes // 2, device=_device(torch), dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    _sync(torch)
     times = []
-    spin = _sleep_cycles(torch, 0.3)
-    for _ in range(25):
+    spin = _sleep_cycles(torch, 0.3) if torch.cuda.is_available() else 0
+    for _ in range(TIMING["replays"] + 10):
+        if not torch.cuda.is_available():
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(1e3 * (time.perf_counter() - start))
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(spin)  # queue the copy before the start event fires
         a.record()
@@ -169,13 +205,13 @@ def measure_copy(torch, tag: str) -> dict:
         times.append(a.elapsed_time(b))
     ok = torch.equal(dst, src)
     ms = statistics.median(times)
-    moved = 2 * COPY_BYTES
+    moved = 2 * nbytes
     del src, dst
-    torch.cuda.empty_cache()
+    _free(torch)
     return emit({
-        "kind": "copy", "tag": tag, "buffer_bytes": COPY_BYTES, "bytes_moved": moved, "ms": ms,
+        "kind": "copy", "tag": tag, "buffer_bytes": nbytes, "bytes_moved": moved, "ms": ms,
         "ms_min": min(times), "ms_max": max(times), "repeats": len(times), "gbps": moved / ms / 1e6,
-        "copy_matches_source": ok, "timing": "cuda_events",
+        "copy_matches_source": ok, "timing": "cuda_events" if torch.cuda.is_available() else "host clock",
     })
 
 
@@ -194,9 +230,9 @@ def bench_shape_format(torch, shape, label, spec_kwargs, smooth, tiles, copy_gbp
     spec = QuantSpec(**spec_kwargs)
 
     def make(seed: int):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
-        s = (torch.rand(k, device="cuda", generator=gen) + 0.5) if smooth else None
+        gen = torch.Generator(device=_device(torch)).manual_seed(seed)
+        w = torch.randn(n, k, device=_device(torch), generator=gen) * 0.02
+        s = (torch.rand(k, device=_device(torch), generator=gen) + 0.5) if smooth else None
         return quantize(w, spec, s)
 
     default = default_tile(spec.group_size, k, spec.bits, spec.smooth)  # what tile=None launches
@@ -207,9 +243,9 @@ def bench_shape_format(torch, shape, label, spec_kwargs, smooth, tiles, copy_gbp
     ref = dequantize(qw).view(torch.int16)
     exact = {}
     for t in tiles if check_tiles else [default]:
-        out = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((n, k), float("nan"), device=_device(torch), dtype=torch.bfloat16)
         triton_dequantize_into(out, qw, tile=None if t == default else t)
-        torch.cuda.synchronize()
+        _sync(torch)
         exact[t] = bool(torch.equal(out.view(torch.int16), ref))
     emit({"kind": "check", "shape": [n, k], "format": label, "tiles": [list(t) for t in exact],
           "bit_exact": [exact[t] for t in exact], "all_bit_exact": all(exact.values())})
@@ -221,7 +257,7 @@ def bench_shape_format(torch, shape, label, spec_kwargs, smooth, tiles, copy_gbp
     bytes_written = n * k * 2
     copies = n_copies(bytes_read + bytes_written, min_ws)
     sets = [probe] + [make(i) for i in range(1, copies)]
-    outs = [torch.empty(n, k, device="cuda", dtype=torch.bfloat16) for _ in sets]
+    outs = [torch.empty(n, k, device=_device(torch), dtype=torch.bfloat16) for _ in sets]
     moved = bytes_read + bytes_written
     results = []
     for t in tiles:
@@ -237,7 +273,7 @@ def bench_shape_format(torch, shape, label, spec_kwargs, smooth, tiles, copy_gbp
         })
         results.append(rec)
     del sets, outs, probe
-    torch.cuda.empty_cache()
+    _free(torch)
     return results
 
 
@@ -245,7 +281,7 @@ def bench_resident_copy(torch, shape, copy_gbps, min_ws):
     n, k = shape
     moved = 2 * n * k * 2
     copies = n_copies(moved, min_ws)
-    srcs = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    srcs = [torch.randn(n, k, device=_device(torch)).to(torch.bfloat16) for _ in range(copies)]
     dsts = [torch.empty_like(s) for s in srcs]
     r = time_calls(torch, [(lambda d=d, s=s: d.copy_(s)) for d, s in zip(dsts, srcs)])
     ok = all(torch.equal(d, s) for d, s in zip(dsts, srcs))
@@ -254,7 +290,7 @@ def bench_resident_copy(torch, shape, copy_gbps, min_ws):
                 "bytes_written": n * k * 2, "copies": copies, "working_set_bytes": copies * moved, "gbps": gbps,
                 "frac_copy": gbps / copy_gbps, "copy_matches_source": ok, **r})
     del srcs, dsts
-    torch.cuda.empty_cache()
+    _free(torch)
     return rec
 
 
@@ -302,44 +338,43 @@ def _fmt_tile(t):
 
 
 def markdown(copy_gbps, dev_name):
-    lines = [
-        f"Dequant throughput on {dev_name}; copy reference {copy_gbps:.0f} GB/s (read + written, 1 GiB buffer). "
-        "Bytes = stored tensors read + N*K*2 written; time = median per call, CUDA graph of back-to-back launches "
-        "over copies that exceed L2.",
-        "",
-        "| shape N x K | format | MB read | MB written | us/call | GB/s | % of copy | default tile | "
-        "best sweep tile | best GB/s (% copy) | bit-exact |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---|",
-    ]
-    for r in RECORDS:
-        if r["kind"] not in ("dequant", "bf16_copy", "peer_bnb_nf4"):
-            continue
-        shape = f"{r['shape'][0]} x {r['shape'][1]}"
-        best_txt, tile_txt, exact_txt = "", "", ""
-        if r["kind"] == "dequant":
-            same = [s for s in RECORDS if s["kind"] in ("dequant", "sweep") and s["shape"] == r["shape"]
-                    and s["format"] == r["format"]]
-            best = max(same, key=lambda s: s["gbps"])
-            tile_txt = _fmt_tile(r["tile"])
-            best_txt = f"{_fmt_tile(best['tile'])} | {best['gbps']:.0f} ({100 * best['frac_copy']:.0f}%)"
-            checks = [c for c in RECORDS if c["kind"] == "check" and c["shape"] == r["shape"]
-                      and c["format"] == r["format"]]
-            exact_txt = "yes" if checks and all(c["all_bit_exact"] for c in checks) else "NO"
-        else:
-            best_txt = " | "
-            exact_txt = "n/a"
-        lines.append(
-            f"| {shape} | {r['format']} | {r['bytes_read'] / 1e6:.2f} | {r['bytes_written'] / 1e6:.2f} | "
-            f"{r['ms'] * 1e3:.1f} | {r['gbps']:.0f} | {100 * r['frac_copy']:.0f}% | {tile_txt} | {best_txt} | "
-            f"{exact_txt} |"
-        )
-    return "\n".join(lines)
+    def same(r, kinds):  # the records of r's shape and format among kinds
+        return [s for s in RECORDS if s["kind"] in kinds and s["shape"] == r["shape"] and s["format"] == r["format"]]
+
+    def best(r):
+        return max(same(r, ("dequant", "sweep")), key=lambda s: s["gbps"]) if r["kind"] == "dequant" else None
+
+    def exact(r):
+        if r["kind"] != "dequant":
+            return "n/a"
+        checks = same(r, ("check",))
+        return "yes" if checks and all(c["all_bit_exact"] for c in checks) else "NO"
+
+    columns = [
+        Column("shape N x K", "shape", lambda r: f"{r['shape'][0]} x {r['shape'][1]}"), Column("format", "format"),
+        Column("MB read", "bytes_read", lambda r: f"{r['bytes_read'] / 1e6:.2f}"),
+        Column("MB written", "bytes_written", lambda r: f"{r['bytes_written'] / 1e6:.2f}"),
+        Column("us/call", "ms", lambda r: f"{r['ms'] * 1e3:.1f}"), Column("GB/s", "gbps", ".0f"),
+        Column("% of copy", "frac_copy", lambda r: f"{100 * r['frac_copy']:.0f}%"),
+        Column("default tile", None, lambda r: _fmt_tile(r["tile"]) if r["kind"] == "dequant" else ""),
+        Column("best sweep tile", None, lambda r: best(r) and _fmt_tile(best(r)["tile"])),
+        Column("best GB/s (% copy)", None,
+               lambda r: best(r) and f"{best(r)['gbps']:.0f} ({100 * best(r)['frac_copy']:.0f}%)"),
+        Column("bit-exact", None, exact)]
+    timing = "CUDA graph of back-to-back launches over copies that exceed L2" if dev_name != "cpu" else \
+        "eager calls timed by the host's clock"
+    return (f"Dequant throughput on {dev_name}; copy reference {copy_gbps:.0f} GB/s (read + written, "
+            f"{RECORDS[1]['buffer_bytes'] / 2**30:g} GiB buffer). Bytes = stored tensors read + N*K*2 written; time = "
+            f"median per call, {timing}.\n\n"
+            + table(RECORDS, columns, where={"kind": ["dequant", "bf16_copy", "peer_bnb_nf4"]}))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="folder to write dequant.jsonl into")
     ap.add_argument("--quick", action="store_true", help="first shape only and three tiles (a smoke run)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="one small shape, four formats, the default tile; runs on a CPU")
     ap.add_argument("--min-working-set-mb", type=float, default=400.0,
                     help="bytes the rotated copies of one measurement span at least (default 400 MB)")
     ap.add_argument("--no-sweep", action="store_true", help="time the default tile only")
@@ -347,50 +382,64 @@ def main(argv=None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        print("benchmarks/dequant.py needs a CUDA GPU and torch sees none, so nothing was measured.", file=sys.stderr)
+    if not torch.cuda.is_available() and not args.tiny:
+        print("benchmarks/dequant.py needs a CUDA GPU and torch sees none, so nothing was measured (--tiny runs on a "
+              "CPU).", file=sys.stderr)
         return 2
     torch.backends.cuda.enable_cudnn_sdp(False)
     import triton
 
-    props = torch.cuda.get_device_properties(0)
-    dev_name = torch.cuda.get_device_name(0)
-    min_ws = int(args.min_working_set_mb * 1e6)
-    l2 = getattr(props, "L2_cache_size", 0)
+    cuda = torch.cuda.is_available()
+    dev_name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    min_ws = 1 if args.tiny else int(args.min_working_set_mb * 1e6)
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) if cuda else 0
+    if args.tiny:
+        TIMING.update(min_calls=1, replays=2)
     with open(os.path.join(ROOT, "squareq", "kernels", "triton_dequant.py"), "rb") as f:
         kernel_sha = hashlib.sha256(f.read()).hexdigest()[:12]
-    emit({"kind": "env", "device": dev_name, "kernel_sha256_12": kernel_sha, "sms": props.multi_processor_count, "l2_bytes": l2,
+    emit({"kind": "env", "device": dev_name, "kernel_sha256_12": kernel_sha, "l2_bytes": l2,
+          "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
           "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
-          "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "min_working_set_bytes": min_ws})
     if l2 and min_ws < 4 * l2:
-        print(f"note: working set {min_ws / 1e6:.0f} MB is under 4x the {l2 / 1e6:.0f} MB L2.", flush=True)
+        log(f"note: working set {min_ws / 1e6:.0f} MB is under 4x the {l2 / 1e6:.0f} MB L2.")
 
-    copies = [measure_copy(torch, "start-1"), measure_copy(torch, "start-2")]
+    copy_bytes = TINY_COPY_BYTES if args.tiny else COPY_BYTES
+    copies = [measure_copy(torch, "start-1", copy_bytes), measure_copy(torch, "start-2", copy_bytes)]
     copy_gbps = max(c["gbps"] for c in copies)
     emit({"kind": "copy_reference", "gbps": copy_gbps, "from": [c["tag"] for c in copies],
-          "rule": "the higher of two 1 GiB copy measurements taken before the kernels"})
+          "rule": "the higher of two copy measurements taken before the kernels"})
 
-    shapes = SHAPES[:1] if args.quick else SHAPES
-    tiles = [] if args.no_sweep else (SWEEP_TILES[:3] if args.quick else SWEEP_TILES)
-    try:
-        import bitsandbytes as bnb
-    except Exception as e:  # noqa: BLE001 - report any import failure and carry on
-        bnb = None
-        print(f"bitsandbytes peer rows skipped: import bitsandbytes failed ({type(e).__name__}: {e}).", flush=True)
+    shapes = TINY_SHAPES if args.tiny else SHAPES[:1] if args.quick else SHAPES
+    formats = [f for f in FORMATS if f[0] in TINY_FORMATS] if args.tiny else FORMATS
+    tiles = [] if args.no_sweep or args.tiny else (SWEEP_TILES[:3] if args.quick else SWEEP_TILES)
+    bnb = None
+    if not cuda:
+        log("no CUDA device: CUDA graphs and the bitsandbytes NF4 peer rows skipped (GPU-only here); "
+            "the kernel runs eagerly")
+    else:
+        try:
+            import bitsandbytes as bnb
+        except Exception as e:  # noqa: BLE001 - report any import failure and carry on
+            log(f"bitsandbytes peer rows skipped: import bitsandbytes failed ({type(e).__name__}: {e}).")
     t0 = time.time()
     for shape in shapes:
-        for label, kw, smooth in FORMATS:
+        for label, kw, smooth in formats:
             bench_shape_format(torch, shape, label, kw, smooth, tiles, copy_gbps, min_ws, check_tiles=True)
         if bnb is not None:
             try:
                 bench_bnb(torch, shape, copy_gbps, min_ws, bnb)
             except Exception as e:  # noqa: BLE001
-                print(f"bitsandbytes peer row for {shape} skipped: {type(e).__name__}: {e}", flush=True)
+                log(f"bitsandbytes peer row for {shape} skipped: {type(e).__name__}: {e}")
         bench_resident_copy(torch, shape, copy_gbps, min_ws)
-    end_copy = measure_copy(torch, "end")
+    end_copy = measure_copy(torch, "end", copy_bytes)
     emit({"kind": "drift", "copy_end_over_reference": end_copy["gbps"] / copy_gbps, "kernel_seconds": time.time() - t0})
+    return summary(args, copy_gbps, dev_name)
 
+
+def summary(args, copy_gbps: float, dev_name: str) -> int:
+    """The targets met or not, the JSON lines to --out, the table; exit status 1 when a kernel was not bit-exact."""
     main_rows = [r for r in RECORDS if r["kind"] == "dequant" and r["format"] in TARGET_FORMATS]
     failing = [f"{r['format']} {r['shape'][0]}x{r['shape'][1]} ({100 * r['frac_copy']:.0f}%)"
                for r in main_rows if r["frac_copy"] < TARGET]
@@ -398,12 +447,7 @@ def main(argv=None) -> int:
                if c["kind"] == "check" and not c["all_bit_exact"]]
     emit({"kind": "summary", "copy_gbps": copy_gbps, "target_frac": TARGET,
           "all_targets_met": not failing, "below_target": failing, "inexact": inexact})
-
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "dequant.jsonl"), "w") as f:
-            for r in RECORDS:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
+    write_records(args.out, "dequant.jsonl")
     print()
     print(markdown(copy_gbps, dev_name))
     if failing:

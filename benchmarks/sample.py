@@ -23,7 +23,8 @@ in its own process so memory statistics start clean:
   diffusers' stock processor; the resident model runs the stock one always (every ratio divides by it) and also
   the fused one when ``--attention`` names it, so the share of the step the processor saves is measured apart;
 * ``... kernels=auto`` / ``kernels=default`` (``--sdpa-kernels``): the SquareQ setups' attention kernels,
-  ``runtime.load(attention=...)``: cuDNN first where measured faster (``squareq sample --attention cudnn``) or torch's order;
+  ``runtime.load(attention=...)``: cuDNN first where measured faster (``squareq sample --attention cudnn``) or torch's
+  order;
   cuDNN attention is switched off for every other setup, as before (its backward fails on the device image for
   narrow heads), so the peers run torch's order;
 * ``squareq auto`` / ``squareq auto+resident[+budgetG]``: what ``squareq sample --prefetch auto [--resident-blocks
@@ -44,6 +45,10 @@ against SquareQ's first (``ratio_to_compiled_with_compile``). Prints one JSON li
 table; ``--out DIR`` writes DIR/sample.jsonl. ``SQUAREQ_PROFILE_DIR=DIR`` profiles one more step of each setup
 (left out of its figures): DIR/profile_sample_<setup>.txt has the kernel table, and the record the step's GPU time
 by kind of kernel (``gpu_ms``).
+
+``--tiny``: the tiny FLUX config at 128², every setup in this one process (seconds on a CPU, where memory figures are
+null: not measured); without a GPU the offload peers, which move the weights onto one, are skipped with a record that
+says so.
 """
 from __future__ import annotations
 
@@ -61,8 +66,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 import train_step as ts  # noqa: E402  (the model, inputs and slab of the training benchmark)
+from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
 
 SETUPS = ("slab", "resident", "compiled", "squareq", "group_offload", "model_offload", "sequential_offload")
+OFFLOAD = ("group_offload", "model_offload", "sequential_offload")  # peers that move weights between host and GPU
 
 
 def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
@@ -89,8 +96,8 @@ def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
     peaks = ts.memory_peaks(setup)
     return {"step_s": sum(times) / len(times), "first_step_s": times[0],
             "steady_step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
-            "steps": len(times), "peak_reserved_GB": peaks["peak_reserved"] / 1e9,
-            "peak_alloc_GB": peaks["peak_allocated"] / 1e9}
+            "steps": len(times), "peak_reserved_GB": ts.gb(setup, peaks["peak_reserved"]),
+            "peak_alloc_GB": ts.gb(setup, peaks["peak_allocated"])}
 
 
 # kind of kernel -> name fragments (lower case); the first kind that matches a kernel's name takes it
@@ -150,7 +157,6 @@ def phase(args) -> None:
             return
         if name == "squareq":
             import squareq.runtime as rt
-
             from squareq.runtime.residency import StreamTuner
             from squareq.train.sample import FORWARD_SLOTS
 
@@ -159,10 +165,10 @@ def phase(args) -> None:
             graphs = "graphs" in rest
             block_compile = "compiled" in rest
             rec["prefetch"] = k if k == "auto" else int(k)
-            model = rt.load(setup.slab, setup.device, prefetch=FORWARD_SLOTS if k == "auto" else int(k),
-                            host="pinned", verify="off", compute=compute, cuda_graphs=graphs,
-                            fused_attention=attention == "fused", compile_blocks=block_compile,
-                            attention=kernels)
+            model = rt.load(setup.slab, setup.device, options=rt.LoadOptions(
+                prefetch=FORWARD_SLOTS if k == "auto" else int(k), host="pinned", verify="off", compute=compute,
+                cuda_graphs=graphs, fused_attention=attention == "fused", compile_blocks=block_compile,
+                attention=kernels))
             rec.update(compute=compute, compute_used=rt.runtime_of(model).compute, cuda_graphs=graphs,
                        block_compile=block_compile, attention_kernels=kernels,
                        cudnn_attention_first=rt.runtime_of(model).prefer_cudnn)
@@ -224,7 +230,7 @@ def phase(args) -> None:
             rec.update(profile_step(setup, model, batch, Path(profile_dir) / f"profile_sample_{label}.txt"))
     except Exception as exc:  # a failed setup is a row, not the end of the benchmark
         rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
-    ts.emit(rec)
+    emit(rec)
 
 
 def main() -> None:
@@ -249,26 +255,43 @@ def main() -> None:
                     help="the SquareQ setups' attention kernels (runtime.load(attention=)): auto (cuDNN first where "
                          "measured faster, squareq sample's default) or default (torch's order, flash first)")
     ap.add_argument("--only", default=",".join(SETUPS))
-    ap.add_argument("--tiny", action="store_true", help="the tiny FLUX config (runs on a CPU)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the tiny FLUX config at 128², every setup in this process (runs on a CPU)")
     ap.add_argument("--family", default="flux", help=argparse.SUPPRESS)  # train_step's Setup reads it
     ap.add_argument("--warmup", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rotate", action="store_true", help=argparse.SUPPRESS)  # train_step's Setup reads it
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per setup")
     args = ap.parse_args()
+    if args.tiny and args.res == 1024:
+        args.res = 128  # (128/16)² = 64 image tokens
     if args.phase:
         return phase(args)
     import torch
 
-    commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    env = {"what": "env", "torch": torch.__version__, "commit": commit, "res": args.res, "steps": args.steps,
-           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    ts.emit(env)
+    env = emit({"what": "env", "torch": torch.__version__, "commit": git_commit(), "res": args.res,
+                "steps": args.steps, "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
     records = [env]
-    only = args.only.split(",")
+    for p in phases_of(args):
+        log(f"setup {' '.join(p)}")
+        if p[0] in OFFLOAD and not torch.cuda.is_available():
+            records.append(emit({"what": p[0], "skipped": "no CUDA device: it moves the weights onto a GPU"}))
+        else:  # --tiny: in this process (seconds, not a process start each); else each in its own
+            records += run_here(p, args) if args.tiny else run_apart(p, args)
+    add_ratios(records)
+    write_records(args.out, "sample.jsonl", records)
+    print(f"\n{records[1].get('device') if len(records) > 1 else ''}, {env['date_utc']}, commit {env['commit']}; "
+          f"{args.res}², {args.steps} steps\n")
+    print(step_table(records))
+    for r in records:
+        if r.get("what") == "slab" and "error" in r:
+            print(f"\nslab: {r['error']}")
+
+
+def phases_of(args) -> list[list[str]]:
     phases = []
-    for s in only:  # the order of SETUPS: the slab first, then the resident model every ratio divides by
+    # the order of SETUPS: the slab first, then the resident model every ratio divides by
+    for s in args.only.split(","):
         if s == "squareq":
             phases += [["squareq", *str(k).split("+"), f"compute={c}", f"attention={a}", f"kernels={kn}"]
                        + (["graphs"] if g == "on" else []) + (["compiled"] if bc == "on" else [])
@@ -280,21 +303,36 @@ def main() -> None:
                                                            if "fused" in args.attention else [])
         else:
             phases.append([s])
-    for p in phases:
-        cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
-               "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)] + (
-            ["--tiny"] if args.tiny else [])
-        ts.log(f"setup {' '.join(p)}")
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
-        except subprocess.TimeoutExpired:
-            out = json.dumps({"what": p[0], "error": f"timed out after {args.timeout:.0f} s"})
-        for line in out.splitlines():
-            if line.startswith("{"):
-                rec = json.loads(line)
-                if rec.get("what") in SETUPS:
-                    records.append(rec)
-                    print(line, flush=True)
+    return phases
+
+
+def run_here(p: list[str], args) -> list[dict]:
+    """``--tiny``: one setup in this process; the records it emitted."""
+    first = len(RECORDS)
+    phase(argparse.Namespace(**{**vars(args), "phase": p}))
+    return [r for r in RECORDS[first:] if r.get("what") in SETUPS]
+
+
+def run_apart(p: list[str], args) -> list[dict]:
+    """One setup in a process of its own (its memory statistics start clean); its records, echoed."""
+    cmd = [sys.executable, __file__, "--phase", *p, "--workdir", str(args.workdir), "--res", str(args.res),
+           "--steps", str(args.steps), "--sequential-steps", str(args.sequential_steps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout).stdout
+    except subprocess.TimeoutExpired:
+        out = json.dumps({"what": p[0], "error": f"timed out after {args.timeout:.0f} s"})
+    records = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("what") in SETUPS:
+                records.append(rec)
+                print(line, flush=True)
+    return records
+
+
+def add_ratios(records: list[dict]) -> None:
+    """Each run's step over the stock resident model's and the compiled one's, whole run and steady."""
     base = next((r for r in records if r.get("what") == "resident" and "step_s" in r and r["attention"] == "stock"),
                 None)  # the stock diffusers model on the GPU: every ratio divides by it
     compiled = next((r for r in records if r.get("what") == "compiled" and "step_s" in r), None)
@@ -306,49 +344,55 @@ def main() -> None:
                     run[key.replace("ratio", "steady_ratio")] = run["steady_step_s"] / ref["steady_step_s"]
         if compiled and "step_s" in r and r.get("what") == "squareq":  # first runs both with their compile
             r["ratio_to_compiled_with_compile"] = r["step_s"] / compiled["run_with_compile_s"]
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        tmp = os.path.join(args.out, ".sample.jsonl.tmp")
-        with open(tmp, "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in records)
-        os.replace(tmp, os.path.join(args.out, "sample.jsonl"))
-    print(f"\n{records[1].get('device') if len(records) > 1 else ''}, {env['date_utc']}, commit {commit}; "
-          f"{args.res}², {args.steps} steps\n")
-    print("| setup | run s / step | steady s / step | × bf16 resident (run) | × bf16 resident (steady) "
-          "| × compiled (run) | × compiled (steady) | first step s | peak reserved GB | note |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
-    for r in records[1:]:
-        if "step_s" not in r:
-            if r.get("what") != "slab" or "error" in r:
-                print(f"| {r['what']} | | | | | | | | | {r.get('error', '')} |")
-            continue
-        label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
-            " +resident" if r.get("resident_blocks") == "auto" else "") + (
-            f" within {r['vram_budget_GB']:g} GB" if r.get("vram_budget_GB") else "") + (
-            f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
-        label += " graphs" if r.get("cuda_graphs") else ""
-        label += " compiled" if r.get("block_compile") else ""
-        label += " cuDNN attention" if r.get("cudnn_attention_first") else ""
-        label += f", {r['attention']} attention" if r["what"] in ("resident", "compiled", "squareq") else ""
-        ratios = " | ".join(f"{r[k]:.2f}" if k in r else "" for k in (
-            "ratio_to_resident", "steady_ratio_to_resident", "ratio_to_compiled", "steady_ratio_to_compiled"))
-        steady = f"{r['steady_step_s']:.3f}"
-        note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "") + (
-            f"; {r['graphs']['captures']} graphs captured, {r['graphs']['replays']} replays" if "graphs" in r else "")
-        note += f"; profiled step {r['profiled_step_s']:.3f} s, GPU ms {r['gpu_ms']}" if "gpu_ms" in r else ""
-        note += f"; compiled in {r['compile_s']:.1f} s before the run" if "compile_s" in r else ""
-        note += f"; {r['block_compile_s']:.1f} s compiling in the run" if "block_compile_s" in r else ""
-        note += (f"; with its compile {r['run_with_compile_s']:.3f} s/step" if "run_with_compile_s" in r else "")
-        note += (f"; {r['ratio_to_compiled_with_compile']:.2f}x the compiled peer's run with its compile"
-                 if "ratio_to_compiled_with_compile" in r else "")
-        print(f"| {label} | {r['step_s']:.3f} | {steady} | {ratios} | {r['first_step_s']:.3f} | "
-              f"{r['peak_reserved_GB']:.2f} | {note} |")
-        second = r.get("second_run")
-        if second:
-            ratios = " | ".join(f"{second[k]:.2f}" if k in second else "" for k in (
-                "ratio_to_resident", "steady_ratio_to_resident", "ratio_to_compiled", "steady_ratio_to_compiled"))
-            print(f"| {label}, second run | {second['step_s']:.3f} | {second['steady_step_s']:.3f} | {ratios} | "
-                  f"{second['first_step_s']:.3f} | {second['peak_reserved_GB']:.2f} | the same process's next image |")
+
+
+def setup_label(r: dict) -> str:
+    label = r["what"] + (f" K={r['prefetch']}" if "prefetch" in r else "") + (
+        " +resident" if r.get("resident_blocks") == "auto" else "") + (
+        f" within {r['vram_budget_GB']:g} GB" if r.get("vram_budget_GB") else "") + (
+        f" {r['compute']}" + (f" ({r['compute_used']})" if r["compute"] == "auto" else "") if "compute" in r else "")
+    label += " graphs" if r.get("cuda_graphs") else ""
+    label += " compiled" if r.get("block_compile") else ""
+    label += " cuDNN attention" if r.get("cudnn_attention_first") else ""
+    label += f", {r['attention']} attention" if r["what"] in ("resident", "compiled", "squareq") else ""
+    return label + (", second run" if r.get("run") == "second" else "")
+
+
+def setup_note(r: dict) -> str:
+    if r.get("run") == "second":
+        return "the same process's next image"
+    if "step_s" not in r:
+        return r.get("skipped") or r.get("error", "")
+    note = f"{r['steps']} steps" + (f"; {r['plan']}" if "plan" in r else "") + (
+        f"; {r['graphs']['captures']} graphs captured, {r['graphs']['replays']} replays" if "graphs" in r else "")
+    note += f"; profiled step {r['profiled_step_s']:.3f} s, GPU ms {r['gpu_ms']}" if "gpu_ms" in r else ""
+    note += f"; compiled in {r['compile_s']:.1f} s before the run" if "compile_s" in r else ""
+    note += f"; {r['block_compile_s']:.1f} s compiling in the run" if "block_compile_s" in r else ""
+    note += (f"; with its compile {r['run_with_compile_s']:.3f} s/step" if "run_with_compile_s" in r else "")
+    note += (f"; {r['ratio_to_compiled_with_compile']:.2f}x the compiled peer's run with its compile"
+             if "ratio_to_compiled_with_compile" in r else "")
+    return note
+
+
+STEP_COLUMNS = [
+    Column("setup", "what", setup_label), Column("run s / step", "step_s", ".3f"),
+    Column("steady s / step", "steady_step_s", ".3f"),
+    Column("× bf16 resident (run)", "step_s", ts.ratio("ratio_to_resident")),
+    Column("× bf16 resident (steady)", "steady_step_s", ts.ratio("steady_ratio_to_resident")),
+    Column("× compiled (run)", "step_s", ts.ratio("ratio_to_compiled")),
+    Column("× compiled (steady)", "steady_step_s", ts.ratio("steady_ratio_to_compiled")),
+    Column("first step s", "first_step_s", ".3f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
+    Column("note", None, setup_note)]
+
+
+def step_table(records: list[dict]) -> str:
+    """A row per setup, and one more for each setup's second run in its process (``second_run``)."""
+    rows = []
+    for r in records:
+        rows.append(r)
+        if r.get("second_run"):
+            rows.append({**r, **r["second_run"], "run": "second"})
+    return table(rows, STEP_COLUMNS, where={"what": [s for s in SETUPS if s != "slab"]})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ Phases, each in its own process:
   difference between the LoRA files, resumed against straight and straight against straight.
 
 Prints one JSON line per measurement and a markdown table; ``--out DIR`` writes DIR/train_ddp.jsonl. ``--tiny``
-runs tiny-flux with two gloo processes on the CPU, to check the script anywhere.
+runs tiny-flux at 64² with gloo processes on the CPU (the setup in this process), to check the script anywhere; the
+memory figures a CPU cannot measure are null there.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,13 +44,10 @@ for path in (str(ROOT), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from common import RECORDS, emit, git_commit, log, write_records  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from train_step import slab_path  # noqa: E402
 
 KILLED = 17  # the exit status of a rank stopped on purpose by the resume check
-
-
-def slab_path(args) -> Path:
-    return Path(args.workdir) / f"{'tiny' if args.tiny else 'full'}-flux.slab"
 
 
 def phase_setup(args) -> None:
@@ -58,8 +55,16 @@ def phase_setup(args) -> None:
     from train_e2e import write_data, write_pipeline
 
     work = Path(args.workdir)
-    cmd = [sys.executable, str(HERE / "train_step.py"), "--workdir", str(work), "--phase", "slab"]
-    subprocess.run(cmd + (["--tiny"] if args.tiny else []), check=True)
+    cmd = ["--workdir", str(work), "--phase", "slab"] + (["--tiny"] if args.tiny else [])
+    if args.tiny:  # in this process: train_step.py's slab phase, its JSON line on stderr
+        import contextlib
+
+        import train_step
+
+        with contextlib.redirect_stdout(sys.stderr):
+            train_step.run_phase(train_step.parse_args(cmd))
+    else:
+        subprocess.run([sys.executable, str(HERE / "train_step.py"), *cmd], check=True)
     write_pipeline(work / "pipeline", args.tiny)
     write_data(work / "data", args.images, max(args.res, args.resume_res))
 
@@ -75,7 +80,8 @@ def rank_main(args) -> None:
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # the cuDNN attention backward fails on the device image
     work = Path(args.workdir)
-    values = {"slab": str(slab_path(args)), "data": str(work / "data"), "output": args.run_out,
+    values = {"slab": str(slab_path(args.workdir, "flux", args.tiny)), "data": str(work / "data"),
+              "output": args.run_out,
               "model": str(work / "pipeline"), "cache_dir": str(work / "cache"), "resolution": args.run_res,
               "max_sequence_length": 16 if args.tiny else 512, "steps": args.run_steps, "batch_size": 1,
               "save_every": args.save_every, "seed": 0}
@@ -144,7 +150,8 @@ def torchrun(args, ranks: int, out: Path, res: int, steps: int, save_every: int 
            "--run-res", str(res), "--run-steps", str(steps), "--save-every", str(save_every),
            "--kill-at", str(kill_at)] + (["--resume-latest"] if resume else []) + \
         (["--math-attention"] if math_attention else []) + (["--tiny"] if args.tiny else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if args.tiny:
         env["CUDA_VISIBLE_DEVICES"] = ""
     log(f"{ranks} rank(s): {out.name} ({res}², {steps} steps{', killed after ' + str(kill_at) if kill_at else ''}"
@@ -163,7 +170,7 @@ def torchrun(args, ranks: int, out: Path, res: int, steps: int, save_every: int 
 def phase_scale(args) -> None:
     """Step time, images/s, per-rank memory and copy wait, host memory: 1 rank, then ``--gpus`` ranks."""
     work = Path(args.workdir)
-    for ranks in (1, args.gpus):
+    for ranks in dict.fromkeys((1, args.gpus)):
         out = work / f"scale-{ranks}"
         shutil.rmtree(out, ignore_errors=True)
         code, host = torchrun(args, ranks, out, args.res, args.steps)
@@ -172,10 +179,12 @@ def phase_scale(args) -> None:
         measured = rows[args.skip:]
         if code == 0 and measured:
             step_s = statistics.median(r["seconds"] for r in measured)
-            rec.update(step_s=step_s, images_per_s=ranks / step_s, steps=[round(r["seconds"], 4) for r in rows])
+            rec.update(step_s=step_s, images_per_s=ranks / step_s, steps=[round(r["seconds"], 4) for r in rows],
+                       rank_peak_reserved_GB=None, rank_copy_wait_share=None)  # null: what the ranks did not measure
             if "peak_reserved_GB" in rows[0]:
                 rec["rank_peak_reserved_GB"] = [max(r.get("rank_peak_reserved_GB", [r["peak_reserved_GB"]])[i]
                                                     for r in measured) for i in range(ranks)]
+            if "copy_wait_s" in rows[0]:
                 rec["rank_copy_wait_share"] = [statistics.median(
                     r.get("rank_copy_wait_s", [r["copy_wait_s"]])[i] / r["seconds"] for r in measured)
                     for i in range(ranks)]
@@ -219,28 +228,32 @@ def _max_difference(a: Path, b: Path) -> float:
     return max(float((ta[k].float() - tb[k].float()).abs().max()) for k in ta)
 
 
-def table() -> str:
-    lines = ["| ranks | res | step s | images/s | × 1 GPU | peak reserved GB per rank | copy-wait % per rank | "
-             "host PSS peak GB | Shmem peak GB |", "|---|---|---|---|---|---|---|---|---|"]
+def tables() -> str:
     scale = [r for r in RECORDS if r.get("what") == "scale"]
     one = next((r for r in scale if r["ranks"] == 1 and "images_per_s" in r), None)
-    for r in scale:
-        if "images_per_s" not in r:
-            lines.append(f"| {r['ranks']} | {r['res']}² | failed (exit {r['exit']}) | | | | | | |")
-            continue
-        speedup = f"{r['images_per_s'] / one['images_per_s']:.2f}" if one else ""
-        lines.append(f"| {r['ranks']} | {r['res']}² | {r['step_s']:.3f} | {r['images_per_s']:.2f} | {speedup} | "
-                     + ", ".join(f"{v:.2f}" for v in r.get("rank_peak_reserved_GB", [])) + " | "
-                     + ", ".join(f"{100 * v:.1f}" for v in r.get("rank_copy_wait_share", [])) + " | "
-                     f"{r['host_pss_peak_GB']:.2f} | {r['shmem_peak_GB']:.2f} |")
-    for r in RECORDS:
-        if r.get("what") == "resume":
-            lines.append(f"\nresume ({r['ranks']} ranks, {r['res']}², {r['steps']} steps, killed after step "
-                         f"{r['killed_after']}): " + (f"largest LoRA difference resumed vs straight "
-                                                     f"{r['resumed_vs_straight']:.3g}, straight vs straight "
-                                                     f"{r['straight_vs_straight']:.3g}"
-                                                     if "exact" in r else f"not compared, exits {r['exits']}"))
-    return "\n".join(lines)
+
+    def per_rank(key, fmt):
+        return lambda r: None if r.get(key) is None else ", ".join(format(v, fmt) for v in r[key])
+
+    columns = [Column("ranks", "ranks"), Column("res", "res", lambda r: f"{r['res']}²"),
+               Column("step s", "step_s", ".3f"), Column("images/s", "images_per_s", ".2f"),
+               Column("× 1 GPU", "images_per_s", lambda r: f"{r['images_per_s'] / one['images_per_s']:.2f}"
+                      if one and "images_per_s" in r else None),
+               Column("peak reserved GB per rank", "rank_peak_reserved_GB", per_rank("rank_peak_reserved_GB", ".2f")),
+               Column("copy-wait % per rank", "rank_copy_wait_share",
+                      lambda r: None if r.get("rank_copy_wait_share") is None else
+                      ", ".join(f"{100 * v:.1f}" for v in r["rank_copy_wait_share"])),
+               Column("host PSS peak GB", "host_pss_peak_GB", ".2f"), Column("Shmem peak GB", "shmem_peak_GB", ".2f"),
+               Column("note", None, lambda r: "" if "step_s" in r else f"failed (exit {r['exit']})")]
+    parts = [table(RECORDS, columns, where={"what": "scale"})]
+    if any(r.get("what") == "resume" for r in RECORDS):
+        resume = [Column("resume: ranks", "ranks"), Column("res", "res", lambda r: f"{r['res']}²"),
+                  Column("steps", "steps"), Column("killed after step", "killed_after"),
+                  Column("largest LoRA difference resumed vs straight", "resumed_vs_straight", ".3g"),
+                  Column("straight vs straight", "straight_vs_straight", ".3g"),
+                  Column("exits", "exits", lambda r: "" if "exact" in r else f"not compared, exits {r['exits']}")]
+        parts += ["", table(RECORDS, resume, where={"what": "resume"})]
+    return "\n".join(parts)
 
 
 def main() -> None:
@@ -269,12 +282,12 @@ def main() -> None:
     if args.tiny:
         args.res, args.resume_res = min(args.res, 64), min(args.resume_res, 64)
     emit({"what": "env", "commit": git_commit(), "gpus": args.gpus, "tiny": args.tiny,
-          "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+          "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
     phases = {"setup": phase_setup, "scale": phase_scale, "resume": phase_resume}
     for name in args.only.split(","):
         phases[name](args)
         write_records(args.out, "train_ddp.jsonl")
-    print(table())
+    print(tables())
 
 
 if __name__ == "__main__":

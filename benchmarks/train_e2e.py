@@ -19,7 +19,8 @@ Phases, each in its own process:
 ``SQUAREQ_PROFILE_DIR=DIR`` adds a torch.profiler table of two late trainer steps (left out of the median).
 
 Prints one JSON line per measurement and a markdown table: median step (after ``--skip`` steps), steps/s,
-peak reserved, and the trainer's overhead over the bare step (target: under 5%).
+peak reserved, and the trainer's overhead over the bare step (target: under 5%). ``--tiny``: tiny-flux at 128² on
+its tiny pipeline, every phase in this one process (seconds on a CPU, where memory figures are null: not measured).
 """
 from __future__ import annotations
 
@@ -35,13 +36,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (str(ROOT), str(HERE)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-
-def emit(rec: dict) -> dict:
-    print(json.dumps(rec), flush=True)
-    return rec
+from common import RECORDS, Column, emit, git_commit, table, write_records  # noqa: E402
 
 
 def write_pipeline(folder: Path, tiny: bool) -> None:
@@ -50,8 +49,7 @@ def write_pipeline(folder: Path, tiny: bool) -> None:
     from diffusers import AutoencoderKL, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from squareq.models.tiny_pipeline import (build_tiny_flux_pipeline, build_tiny_scheduler,
-                                              build_tiny_tokenizers)
+    from squareq.models.tiny_pipeline import build_tiny_flux_pipeline, build_tiny_scheduler, build_tiny_tokenizers
     from squareq.slab.atomic import atomic_directory
 
     if (folder / "model_index.json").is_file():
@@ -95,16 +93,15 @@ def run_train(args) -> dict:
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # the cuDNN attention backward fails on the device image
+    import train_step
+
     from squareq.train.config import load_config
     from squareq.train.loop import train
-
-    sys.path.insert(0, str(HERE))
-    import train_step
 
     work = Path(args.workdir)
     out = work / f"run-{int(time.time())}"
     cfg = load_config(None, {
-        "slab": str(train_step.slab_path(work, args.tiny)), "data": str(work / "data"), "output": str(out),
+        "slab": str(train_step.slab_path(work, "flux", args.tiny)), "data": str(work / "data"), "output": str(out),
         "model": str(work / "pipeline"), "cache_dir": str(work / "cache"), "resolution": args.res,
         "max_sequence_length": 16 if args.tiny else 512, "steps": args.steps, "batch_size": 1, "prefetch": 3,
         "save_every": 0, "seed": 0})
@@ -138,27 +135,71 @@ def run_train(args) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = [r for r in records[args.skip:] if not (profile_dir and r["step"] > args.steps - 4)]
     step_s = statistics.median(r["seconds"] for r in measured)
+    peak = max((r.get("peak_reserved_GB", 0) for r in measured), default=0) if torch.cuda.is_available() else None
     return {"what": "squareq_train", "res": args.res, "steps": len(records), "wall_s": wall, "step_s": step_s,
-            "steps_per_s": 1 / step_s, "peak_reserved_GB": max((r.get("peak_reserved_GB", 0) for r in measured),
-                                                               default=0),
+            "steps_per_s": 1 / step_s, "peak_reserved_GB": peak,
             "copy_wait_share": statistics.median(r.get("copy_wait_s", 0) / r["seconds"] for r in measured),
             "host_busy_s": statistics.median(host_busy[args.skip:len(measured) + args.skip]),
             "step_times": [round(r["seconds"], 4) for r in records]}
 
 
 def phase(args, name: str) -> list[dict]:
-    """Run a phase in a child process; its JSON lines (or an error record) come back."""
+    """Run a phase in a child process (``--tiny``: in this one); its JSON lines (or an error record) come back."""
+    if args.tiny:
+        return phase_here(args, name)
     cmd = [sys.executable, str(HERE / "train_e2e.py"), "--phase", name] + sys.argv[1:]
     if name in ("slab", "bare"):
         cmd = [sys.executable, str(HERE / "train_step.py"), "--workdir", args.workdir, "--steps", "8", "--warmup", "2",
-               "--phase"] + (["slab"] if name == "slab" else ["squareq", str(args.res), "3", "pinned"])
-        cmd += ["--tiny"] if args.tiny else []
+               "--phase", *bare_phase(args, name)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.phase_timeout, check=False)
     sys.stderr.write(proc.stderr[-4000:])
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 and not any("error" in r for r in lines):
         lines.append({"what": name, "error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
+    for r in lines:
+        print(json.dumps(r, sort_keys=True), flush=True)
     return lines
+
+
+def bare_phase(args, name: str) -> list[str]:
+    """train_step.py's phase for the slab or the bare streamed step at ``--res``."""
+    return ["slab"] if name == "slab" else ["squareq", str(args.res), "3", "pinned"]
+
+
+def phase_here(args, name: str) -> list[dict]:
+    """``--tiny``: the phase in this process, as its own process would run it; its records."""
+    import train_step
+
+    work = Path(args.workdir)
+    if name in ("slab", "bare"):
+        step_args = train_step.parse_args(["--workdir", args.workdir, "--steps", str(args.steps), "--warmup", "1",
+                                           "--tiny"])
+        return train_step.run_here(bare_phase(args, name), step_args)
+    if name == "pipeline":
+        write_pipeline(work / "pipeline", args.tiny)
+    elif name == "data":
+        write_data(work / "data", args.images, args.res)
+    else:
+        return [emit(run_train(args))]
+    return []
+
+
+def median_row(records: list[dict], what: str, label: str) -> dict | None:
+    """The median over runs of ``what`` (the bare step or the trainer), as a record of its own."""
+    runs = [r for r in records if r.get("what") == what and "step_s" in r]
+    if not runs:
+        return None
+    step_s = statistics.median(r["step_s"] for r in runs)
+    return emit({"what": "median", "setup": label, "res": runs[0]["res"], "runs": len(runs), "step_s": step_s,
+                 "steps_per_s": 1 / step_s, "runs_s": [r["step_s"] for r in runs],
+                 "peak_reserved_GB": runs[0].get("peak_reserved_GB"),
+                 "copy_wait_share": runs[0].get("copy_wait_share")})
+
+
+COLUMNS = [Column("setup", "setup", lambda r: f"{r['setup']} (median of {r['runs']} runs)"),
+           Column("res", "res", lambda r: f"{r['res']}²"), Column("step s", "step_s", ".3f"),
+           Column("steps/s", "steps_per_s", ".2f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
+           Column("copy-wait %", "copy_wait_share", lambda r: f"{100 * (r['copy_wait_share'] or 0):.1f}")]
 
 
 def main() -> None:
@@ -169,11 +210,13 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of the median (warm-up)")
     ap.add_argument("--res", type=int, default=512)
     ap.add_argument("--images", type=int, default=60)
-    ap.add_argument("--tiny", action="store_true", help="tiny-flux on a CPU, to check the script")
+    ap.add_argument("--tiny", action="store_true", help="tiny-flux at 128², every phase in this process (a CPU)")
     ap.add_argument("--phase-timeout", type=float, default=540)
     ap.add_argument("--rounds", type=int, default=1, help="trainer runs, each followed by a bare run")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tiny:
+        args.res, args.steps, args.skip, args.images = min(args.res, 128), min(args.steps, 3), min(args.skip, 1), 2
     work = Path(args.workdir)
     if args.phase == "pipeline":
         return write_pipeline(work / "pipeline", args.tiny)
@@ -182,35 +225,26 @@ def main() -> None:
     if args.phase == "train":
         emit(run_train(args))
         return
-    records = [emit({"what": "env", "commit": os.environ.get("SQUAREQ_COMMIT", "unknown"),
-                     "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})]
+    records = [emit({"what": "env", "commit": git_commit(), "tiny": args.tiny,
+                     "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})]
     # bare and trainer runs alternate (bare, then --rounds × (trainer, bare)), so drift of the machine shows in
     # both instead of passing as overhead; the comparison is median against median over the runs
     for name in ("slab", "pipeline", "data", "bare", *(["train", "bare"] * args.rounds)):
-        records += [emit(r) for r in phase(args, name)]
-    bares = [r for r in records if r.get("what") == "squareq" and "step_s" in r]
-    runs = [r for r in records if r.get("what") == "squareq_train"]
-    bare = {**bares[0], "step_s": statistics.median(r["step_s"] for r in bares),
-            "runs_s": [r["step_s"] for r in bares]} if bares else None
-    run = {**runs[0], "step_s": statistics.median(r["step_s"] for r in runs),
-           "runs_s": [r["step_s"] for r in runs]} if runs else None
+        records += phase(args, name)
+    rows = [median_row(records, "squareq", "bare streamed step (train_step.py, K=3)"),
+            median_row(records, "squareq_train", f"squareq train, {args.steps} steps")]
+    bare, run = rows
     if bare and run:
-        records.append(emit({"what": "overhead", "trainer_over_bare": run["step_s"] / bare["step_s"] - 1,
-                             "bare_runs_s": bare["runs_s"], "trainer_runs_s": run["runs_s"]}))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        tmp = args.out / "train_e2e.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        tmp.replace(args.out / "train_e2e.jsonl")
-    print("\n| setup | res | step s | steps/s | peak reserved GB | copy-wait % | note |\n|---|---|---|---|---|---|---|")
-    for r, label in ((bare, f"bare streamed step (train_step.py, K=3; median of {len(bares)} runs)"),
-                     (run, f"squareq train, {args.steps} steps (median of {len(runs)} runs)")):
-        if r:
-            print(f"| {label} | {args.res}² | {r['step_s']:.3f} | {1 / r['step_s']:.2f} | "
-                  f"{r.get('peak_reserved_GB', 0):.2f} | {100 * r.get('copy_wait_share', 0):.1f} | |")
+        emit({"what": "overhead", "trainer_over_bare": run["step_s"] / bare["step_s"] - 1,
+              "bare_runs_s": bare["runs_s"], "trainer_runs_s": run["runs_s"]})
+    write_records(args.out, "train_e2e.jsonl", [*records, *(r for r in RECORDS if r.get("what") in (
+        "median", "overhead"))])
+    print()
+    print(table(RECORDS, COLUMNS, where={"what": "median"}))
     if bare and run:
-        print(f"\ntrainer overhead over the bare step: {100 * (run['step_s'] / bare['step_s'] - 1):+.1f}% (target < 5%); "
-              f"bare runs {[round(x, 3) for x in bare['runs_s']]} s, trainer runs {[round(x, 3) for x in run['runs_s']]} s")
+        print(f"\ntrainer overhead over the bare step: {100 * (run['step_s'] / bare['step_s'] - 1):+.1f}% "
+              f"(target < 5%); bare runs {[round(x, 3) for x in bare['runs_s']]} s, trainer runs "
+              f"{[round(x, 3) for x in run['runs_s']]} s")
     for r in records:
         if "error" in r:
             print(f"error in {r.get('what')}: {r['error'][:300]}")

@@ -10,7 +10,8 @@ The model is the family's diffusers class at its released config with seeded ran
 is FLUX.1-dev's ``FluxTransformer2DModel`` (11.9B), ``flux2`` FLUX.2-dev's ``Flux2Transformer2DModel``
 (diffusers' defaults: 8 double + 48 single blocks, 32B), ``qwen-image`` Qwen-Image's
 ``QwenImageTransformer2DModel`` (60 blocks, 20B). Every setup trains LoRA rank 16 on
-``to_q,to_k,to_v,to_out.0`` (``--targets flux-default``: FLUX.1's default target set) with AdamW (lr 1e-4), gradient checkpointing, batch 1, 512 text tokens, bf16
+``to_q,to_k,to_v,to_out.0`` (``--targets flux-default``: FLUX.1's default target set) with AdamW (lr 1e-4),
+gradient checkpointing, batch 1, 512 text tokens, bf16
 autocast and an MSE loss against a random target; the step time is the median of ``--steps`` steps after
 ``--warmup`` steps. The FLUX.2 and Qwen-Image inputs come from their family adapters' calibration inputs
 (noise latents packed 2x2, Gaussian text embeddings). Setups, each one a phase in its own subprocess so
@@ -19,7 +20,8 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
 * ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
   this script already exists in ``--workdir``;
 * ``squareq RES K HOST LORA COMPUTE``: ``squareq.runtime.load(slab, prefetch=K, host=HOST, compute=COMPUTE)`` +
-  ``add_lora``; COMPUTE ``auto`` (``--compute``'s default, as squareq train's) is FP8 on GPUs with FP8 tensor cores; reports
+  ``add_lora``; COMPUTE ``auto`` (``--compute``'s default, as squareq train's) is FP8 on GPUs with FP8 tensor cores;
+  reports
   copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction. K ``auto`` is
   ``squareq train``'s default: two slots, then a StreamTuner sizes the ring from the second (warm-up) step, as the
   trainer does, and the record says how many slots it chose;
@@ -27,7 +29,8 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   warm-up goes on while a step still captures graphs, and the record counts the graph replays of each step;
 * ``squareq ... compiled`` (``--block-compile on``): the same with ``compile_blocks=True`` (``squareq train
   --compile on``): each block class's forward under ``torch.compile`` as one graph (``pieces``: the quantized
-  layers left eager between compiled pieces); the record's ``block_compile_s`` is Dynamo's count of the compile, ``compile_s`` the warm-up steps' excess;
+  layers left eager between compiled pieces); the record's ``block_compile_s`` is Dynamo's count of the compile,
+  ``compile_s`` the warm-up steps' excess;
 * ``squareq ... fp8grad`` (``--fp8-backward on``): the frozen layers' input gradients in FP8 too
   (``runtime.compute.FP8_BACKWARD``);
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
@@ -45,8 +48,9 @@ Each phase prints one JSON line per measurement; the driver echoes them, adds ``
 writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last; with the compiled resident
 model in the run, every record also has ``ratio_to_compiled``. Set
 ``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
-the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config (runs on the CPU when no GPU is
-present, where memory figures read 0) so the script can be smoke-tested anywhere.
+the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config at 128² and runs every phase in this one
+process (seconds on the CPU when no GPU is present, where memory figures are null: not measured; bitsandbytes and
+group offloading, GPU-only, are records that say they were skipped) so the script can be smoke-tested anywhere.
 ``--rotate`` stores every layer of the slab Hadamard-rotated (``QuantSpec.rotate``; a slab of its own,
 ``full-FAMILY-rotated.slab``): the same bytes, plus the rotation's work in the kernels.
 """
@@ -67,8 +71,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (str(ROOT), str(ROOT / "benchmarks")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from common import RECORDS, Column, emit, git_commit, table, write_records  # noqa: E402
 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -83,7 +90,7 @@ TARGET_SETS = ("attention", "flux-default")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this (full config)
 # Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
-SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"
+SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"  # noqa: E501
 T0 = time.perf_counter()
 _CUDNN_FIRST = None  # the resident phase's attention priority context (--resident-attention cudnn)
 MAX_CAPTURE_STEPS = 8  # extra warm-up steps allowed while CUDA graphs are still being captured
@@ -93,10 +100,6 @@ def log(msg: str) -> None:
     """A timestamped progress line on stderr (stdout carries only JSON lines and the table)."""
     stamp = datetime.datetime.now().strftime("%H:%M:%S")
     print(f"[{stamp} +{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def emit(rec: dict) -> None:
-    print(json.dumps(rec), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -127,13 +130,17 @@ class Setup:
         self.steps, self.warmup = args.steps, args.warmup
         self.guidance = getattr(args, "guidance", 3.5)  # the embedded guidance of every batch (sample.py: 3.5)
         self.rotate = args.rotate
-        self.slab = Path(args.workdir) / (f"{'tiny' if args.tiny else 'full'}-{args.family}"
-                                          f"{'-rotated' if args.rotate else ''}.slab")
+        self.slab = slab_path(args.workdir, args.family, args.tiny, args.rotate)
 
     def sync(self) -> None:
         import torch
         if self.cuda:
             torch.cuda.synchronize()
+
+
+def slab_path(workdir, family: str, tiny: bool, rotate: bool = False) -> Path:
+    """Where the slab phase writes (or finds) the slab of ``family``'s full or tiny config."""
+    return Path(workdir) / f"{'tiny' if tiny else 'full'}-{family}{'-rotated' if rotate else ''}.slab"
 
 
 def build_model(setup: Setup):
@@ -292,19 +299,26 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
             "warmup_steps_s": [round(t, 3) for t in warm],
             "beyond_steady_s": sum(warm) - warmup * statistics.median(times),
             "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
-            "peak_alloc_GB": max(f["peak_allocated"] for f in figures) / 1e9,
-            "peak_reserved_GB": max(f["peak_reserved"] for f in figures) / 1e9,
+            "peak_alloc_GB": gb(setup, max(f["peak_allocated"] for f in figures)),
+            "peak_reserved_GB": gb(setup, max(f["peak_reserved"] for f in figures)),
             # warm-up included: the steps that capture CUDA graphs hold the eager cache and the graph pool at once
-            "peak_reserved_all_steps_GB": max(f["peak_reserved"] for f in every_step) / 1e9,
-            "reserved_GB_per_step": [round(f["reserved"] / 1e9, 3) for f in figures],
+            "peak_reserved_all_steps_GB": gb(setup, max(f["peak_reserved"] for f in every_step)),
+            "reserved_GB_per_step": [gb(setup, f["reserved"], 3) for f in figures],
             "loss_first": losses[0], "loss": losses[-1], "median_figures": figures[median_step],
             **({"losses": [round(x, 6) for x in losses], "losses_finite": all(math.isfinite(x) for x in losses),
                 "loss_scale_overflows": overflows, "loss_scale": scale.value} if fp16 else {})}
 
 
-def allocated_GB(setup: Setup) -> float:
+def gb(setup: Setup, nbytes: int, digits: int | None = None) -> float | None:
+    """GPU memory in GB; None on a CPU, where it is not measured."""
+    if not setup.cuda:
+        return None
+    return nbytes / 1e9 if digits is None else round(nbytes / 1e9, digits)
+
+
+def allocated_GB(setup: Setup) -> float | None:
     import torch
-    return torch.cuda.memory_allocated() / 1e9 if setup.cuda else 0.0
+    return gb(setup, torch.cuda.memory_allocated()) if setup.cuda else None
 
 
 def peft_lora(model) -> list:
@@ -362,8 +376,8 @@ def existing_slab(setup: Setup):
 
 
 def phase_slab(setup: Setup) -> None:
-    from squareq.quant import QuantSpec
     from squareq.compiler.plain import PlainOptions, write_rtn_slab
+    from squareq.quant import QuantSpec
     from squareq.slab.writer import block_linears
 
     rec = {"what": "slab", "device": setup.device_name, "path": str(setup.slab)}
@@ -465,9 +479,9 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     start = time.perf_counter()
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
-    model = rt.load(setup.slab, setup.device, prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off",
-                    trace=trace, compute=compute, cuda_graphs=graphs, compile_blocks=block_compile,
-                    attention=attention, dtype="fp16" if fp16 else "bf16")
+    model = rt.load(setup.slab, setup.device, options=rt.LoadOptions(
+        prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off", trace=trace, compute=compute,
+        cuda_graphs=graphs, compile_blocks=block_compile, attention=attention, dtype="fp16" if fp16 else "bf16"))
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
@@ -508,7 +522,8 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         return stats
 
     result = train(setup, model, params, res, after_step,
-                   label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}" + ("" if lora == "squareq" else f"_{lora}")
+                   label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}"
+                   + ("" if lora == "squareq" else f"_{lora}")
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
                    + ("_pieces" if block_compile and pieces else "")
                    + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else "")
@@ -542,15 +557,14 @@ def lora_step(setup: Setup, res: int, compute: str, dtype: str = "bf16") -> tupl
     import torch
 
     import squareq.runtime as rt
-    from squareq.train.loss_scale import LossScale
-
     from squareq.runtime import compute as compute_mode
+    from squareq.train.loss_scale import LossScale
 
     if dtype == "fp32":  # the reference only: the same effective weights and activations in fp32, no autocast
         compute_mode.DTYPES["fp32"] = torch.float32
     try:
-        model = rt.load(setup.slab, setup.device, prefetch=3, host="pinned", verify="off", compute=compute,
-                        dtype=dtype)
+        model = rt.load(setup.slab, setup.device,
+                        options=rt.LoadOptions(prefetch=3, host="pinned", verify="off", compute=compute, dtype=dtype))
     finally:  # not a dtype SquareQ offers: gone again once this model is built
         compute_mode.DTYPES.pop("fp32", None) if dtype == "fp32" else None
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, seed=0)
@@ -790,35 +804,59 @@ def phase_record(phase: list[str]) -> dict:
     return rec
 
 
+def run_here(phase: list[str], args) -> list[dict]:
+    """``--tiny``: one phase in this process, as :func:`spawn` runs it in its own; its records (an error record if
+    it failed)."""
+    start, first = time.perf_counter(), len(RECORDS)
+    try:
+        phase_body(argparse.Namespace(**{**vars(args), "phase": phase}))
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        emit({**phase_record(phase), "error": f"{type(exc).__name__}: {exc}"[:500]})
+    records = RECORDS[first:]
+    for r in records:
+        r["phase_wall_s"] = round(time.perf_counter() - start, 1)
+    log(f"phase {' '.join(phase)}: {'FAILED' if any('error' in r for r in records) else 'ok'}")
+    return records
+
+
 def run_phase(args) -> None:
     """Run one phase in this process; an exception becomes an error record and a nonzero exit."""
-    name, rec = args.phase[0], phase_record(args.phase)
     try:
-        import torch
-        # The cuDNN attention backward fails on the device image for some shapes (tiny-flux's narrow heads: NaN);
-        # only the setups that choose cuDNN attention (SquareQ's attention="auto" at FLUX.1's head width, the
-        # resident model with it first) keep it on.
-        torch.backends.cuda.enable_cudnn_sdp(rec.get("cudnn_attention_first", False)
-                                             or (name == "squareq" and rec["attention"] == "auto"))
-        setup = Setup(args)
-        log(f"phase {' '.join(args.phase)} on {setup.device_name}")
-        if name == "slab":
-            phase_slab(setup)
-        elif name == "squareq":
-            phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
-                          rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"],
-                          rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"], rec["fp16"])
-        elif name == "resident":
-            phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
-        elif name == "gradients":
-            phase_gradients(setup, rec["res"], rec["variants"])
-        else:
-            {"bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
+        phase_body(args)
     except Exception as exc:
         import traceback
         traceback.print_exc()
-        emit({**rec, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        emit({**phase_record(args.phase), "error": f"{type(exc).__name__}: {exc}"[:500]})
         sys.exit(1)
+
+
+def phase_body(args) -> None:
+    """The phase ``args.phase`` names, in this process."""
+    import torch
+
+    name, rec = args.phase[0], phase_record(args.phase)
+    # The cuDNN attention backward fails on the device image for some shapes (tiny-flux's narrow heads: NaN);
+    # only the setups that choose cuDNN attention (SquareQ's attention="auto" at FLUX.1's head width, the
+    # resident model with it first) keep it on.
+    torch.backends.cuda.enable_cudnn_sdp(rec.get("cudnn_attention_first", False)
+                                         or (name == "squareq" and rec["attention"] == "auto"))
+    setup = Setup(args)
+    log(f"phase {' '.join(args.phase)} on {setup.device_name}")
+    if name == "slab":
+        phase_slab(setup)
+    elif name == "squareq":
+        phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
+                      rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"],
+                      rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"], rec["fp16"])
+    elif name == "resident":
+        phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
+    elif name == "gradients":
+        phase_gradients(setup, rec["res"], rec["variants"])
+    else:
+        {"bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -883,99 +921,119 @@ def add_ratios(records: list[dict]) -> None:
                 r[key] = r["step_s"] / base[r["res"]]
 
 
-def write_jsonl(out: Path, records: list[dict]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".train_step.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, out / "train_step.jsonl")  # readers never see a half-written file
-
-
-LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4", "gradients": "LoRA grads vs bf16",
+LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4",
+          "gradients": "LoRA grads vs bf16",
           "group_offload": "diffusers group offload"}
 
 
-def table(records: list[dict]) -> str:
+def setup_label(r: dict) -> str:
+    """A steps row's setup: what ran, with the options that tell it from its neighbours."""
+    what = r.get("what")
+    setup = LABELS.get(what, what)
+    if what == "squareq":
+        setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
+            f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
+            f"{' (pieces)' if r.get('block_compile_pieces') else ''}" \
+            f"{' fp8-backward' if r.get('fp8_backward') else ''}" \
+            f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''} {r.get('compute', 'bf16')}" + (
+            f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
+            "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers") + (
+            f", resident_blocks {r['resident_blocks']}" if r.get("resident_blocks") else "") + (
+            f" within {r['vram_budget_GB']} GB" if r.get("resident_blocks") and r.get("vram_budget_GB") else "") + (
+            ", dtype fp16" if r.get("dtype") == "fp16" else "")
+    if r.get("compiled"):
+        setup += ", torch.compile per block" + (", cuDNN attention first" if r.get("cudnn_attention_first") else "")
+    return setup
+
+
+def squareq_notes(r: dict) -> list[str]:
+    notes = []
+    if r.get("dtype") == "fp16" and "losses" in r:
+        notes.append(f"{len(r['losses'])} steps, losses {'all finite' if r['losses_finite'] else 'NOT finite'}"
+                     f", {len(r['loss_scale_overflows'])} loss-scale halvings (scale {r['loss_scale']:g})")
+    if r.get("slots") is not None:
+        notes.append(f"auto chose {r['slots']} slots" + (
+            f", kept {r['kept_blocks']} blocks ({r['kept_GB']:.2f} GB)" if r.get("kept_blocks") else ""))
+    if r.get("cuda_graphs") and "graph_replays" in r:
+        notes.append(f"{r['graph_replays']} graph replays/step after {r['warmup_steps']} warm-up steps"
+                     + (f", {r['graph_failures']} failed captures" if r["graph_failures"] else "")
+                     + (f"; {r['peak_reserved_all_steps_GB']:.2f} GB reserved at peak with the warm-up"
+                        if "peak_reserved_all_steps_GB" in r else ""))
+    if "step_s" in r:
+        notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
+    if "block_compile_s" in r:
+        notes.append(f"torch.compile {r['block_compile_s']:.1f} s (warm-up beyond steady {r['compile_s']:.1f} s)")
+    if "plan_peak_GB" in r:
+        notes.append(f"plan peak {r['plan_peak_GB']:.2f} GB"
+                     + (f" / {r['plan_peak_reserved_GB']:.2f} GB reserved" if "plan_peak_reserved_GB" in r else ""))
+    elif "plan_error" in r:
+        notes.append(f"plan: {r['plan_error'][:60]}")
+    return notes
+
+
+def step_notes(r: dict) -> str:
+    notes = squareq_notes(r) if r.get("what") == "squareq" else []
+    if r.get("compiled") and "compile_s" in r:
+        notes.append(f"compile {r['compile_s']:.1f} s in the warm-up steps")
+    if "loss_first" in r:
+        notes.append(f"loss₀ {r['loss_first']:.5f}")
+    if "error" in r:
+        notes.append(f"error: {r['error'][:160]}")
+    if "skipped" in r:
+        notes.append(f"skipped: {r['skipped']}")
+    return "; ".join(notes)
+
+
+def gradient_notes(r: dict) -> str:
+    notes = []
+    if "vs_fp8_cos_global" in r:
+        notes.append(f"against the fp8 variant: cos {r['vs_fp8_cos_global']:.4f} (min {r['vs_fp8_cos_min']:.4f}), "
+                     f"norm ratio {r['vs_fp8_norm_ratio']:.4f}")
+    if "vs_fp32_cos_global" in r:
+        notes.append(f"against fp32: cos {r['vs_fp32_cos_global']:.4f} (min {r['vs_fp32_cos_min']:.4f}), "
+                     f"norm ratio {r['vs_fp32_norm_ratio']:.4f}, output rel-MSE {r['vs_fp32_out_rel_mse']:.2e}")
+    return "; ".join(notes + ([f"error: {r['error'][:160]}"] if "error" in r else []))
+
+
+def ratio(key: str):
+    """A table cell: the ratio ``key`` of a step time to a peer's (add_ratios), where the run measured the peer."""
+    return lambda r: None if r.get(key) is None else f"{r[key]:.2f}"
+
+
+STEP_COLUMNS = [
+    Column("setup", "what", setup_label), Column("res", "res", lambda r: f"{r['res']}²"),
+    Column("step s", "step_s", ".3f"), Column("× bf16 resident", "step_s", ratio("ratio_to_resident")),
+    Column("× compiled resident", "step_s", ratio("ratio_to_compiled")),
+    Column("peak alloc GB", "peak_alloc_GB", ".2f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
+    Column("copy-wait %", None, lambda r: None if r.get("copy_wait_share") is None else
+           f"{100 * r['copy_wait_share']:.1f}"),
+    Column("notes", None, step_notes)]
+SLAB_COLUMNS = [
+    Column("slab", "path"), Column("GB", "slab_bytes", lambda r: f"{r['slab_bytes'] / 1e9:.2f}"),
+    Column("bits/w", "bits_per_weight"), Column("streamed GB", "streamed_GB", ".2f"),
+    Column("written", "reused", lambda r: "reused" if r["reused"] else f"in {r['write_s']:.0f} s")]
+GRADIENT_COLUMNS = [
+    Column("LoRA grads vs bf16", "variant"), Column("res", "res", lambda r: f"{r['res']}²"),
+    Column("cos", "cos_global", ".4f"), Column("cos median", "cos_median", ".4f"), Column("cos min", "cos_min", ".4f"),
+    Column("norm ratio", "norm_ratio", ".4f"), Column("output rel-MSE", "out_rel_mse", ".2e"),
+    Column("notes", None, gradient_notes)]
+
+
+def tables(records: list[dict]) -> str:
     env = records[0]
-    head = (f"{env.get('family', 'flux')}; device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, commit {env['commit']}"
-            f"{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after {env['warmup']} warm-up; "
-            f"LoRA targets: {env.get('targets', 'attention')}")
-    lines = [head, "", "| setup | res | step s | × bf16 resident | × compiled resident | peak alloc GB | peak reserved GB "
-             "| copy-wait % | notes |", "|---|---|---|---|---|---|---|---|---|"]
-
-    def f(v, fmt):
-        return "" if v is None else format(v, fmt)
-
-    for r in records[1:]:
-        what = r.get("what")
-        if what == "slab":
-            note = (f"error: {r['error']}" if "error" in r else
-                    f"{r['slab_bytes'] / 1e9:.2f} GB, {r['bits_per_weight']} bits/w, "
-                    + ("reused" if r.get("reused") else f"written in {r.get('write_s', 0):.0f} s"))
-            lines.append(f"| slab | | | | | | | | {note} |")
-            continue
-        setup = LABELS.get(what, what)
-        notes = []
-        if what == "gradients" and "cos_global" in r:
-            setup += f" ({r['variant']})" if "variant" in r else f" (backward {r.get('backward', 'bf16')})"
-            notes.append(f"LoRA grad cos {r['cos_global']:.4f} (median {r['cos_median']:.4f}, min {r['cos_min']:.4f}), "
-                         f"norm ratio {r['norm_ratio']:.4f}, output rel-MSE {r['out_rel_mse']:.2e}")
-            if "vs_fp8_cos_global" in r:
-                notes.append(f"against the fp8 variant: cos {r['vs_fp8_cos_global']:.4f} "
-                             f"(min {r['vs_fp8_cos_min']:.4f}), norm ratio {r['vs_fp8_norm_ratio']:.4f}")
-            if "vs_fp32_cos_global" in r:
-                notes.append(f"against fp32: cos {r['vs_fp32_cos_global']:.4f} (min {r['vs_fp32_cos_min']:.4f}), "
-                             f"norm ratio {r['vs_fp32_norm_ratio']:.4f}, output rel-MSE {r['vs_fp32_out_rel_mse']:.2e}")
-        if what == "squareq":
-            setup += f" K={r.get('prefetch')} {r.get('host')}{' (cold cache)' if r.get('cold_cache') else ''}" \
-                f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
-                f"{' (pieces)' if r.get('block_compile_pieces') else ''}{' fp8-backward' if r.get('fp8_backward') else ''}" \
-                f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''} {r.get('compute', 'bf16')}" + (
-                f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
-                "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers") + (
-                f", resident_blocks {r['resident_blocks']}" if r.get("resident_blocks") else "") + (
-                f" within {r['vram_budget_GB']} GB" if r.get("resident_blocks") and r.get("vram_budget_GB") else "") + (
-                ", dtype fp16" if r.get("dtype") == "fp16" else "")
-            if r.get("dtype") == "fp16" and "losses" in r:
-                notes.append(f"{len(r['losses'])} steps, losses {'all finite' if r['losses_finite'] else 'NOT finite'}"
-                             f", {len(r['loss_scale_overflows'])} loss-scale halvings (scale {r['loss_scale']:g})")
-            if r.get("slots") is not None:
-                notes.append(f"auto chose {r['slots']} slots" + (
-                    f", kept {r['kept_blocks']} blocks ({r['kept_GB']:.2f} GB)" if r.get("kept_blocks") else ""))
-            if r.get("cuda_graphs") and "graph_replays" in r:
-                notes.append(f"{r['graph_replays']} graph replays/step after {r['warmup_steps']} warm-up steps"
-                             + (f", {r['graph_failures']} failed captures" if r["graph_failures"] else "")
-                             + (f"; {r['peak_reserved_all_steps_GB']:.2f} GB reserved at peak with the warm-up"
-                                if "peak_reserved_all_steps_GB" in r else ""))
-            if "step_s" in r:
-                notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
-            if "block_compile_s" in r:
-                notes.append(f"torch.compile {r['block_compile_s']:.1f} s (warm-up beyond steady "
-                             f"{r['compile_s']:.1f} s)")
-            if "plan_peak_GB" in r:
-                notes.append(f"plan peak {r['plan_peak_GB']:.2f} GB"
-                             + (f" / {r['plan_peak_reserved_GB']:.2f} GB reserved" if "plan_peak_reserved_GB" in r else ""))
-            elif "plan_error" in r:
-                notes.append(f"plan: {r['plan_error'][:60]}")
-        if r.get("compiled"):
-            setup += ", torch.compile per block" + (", cuDNN attention first" if r.get("cudnn_attention_first") else "")
-            if "compile_s" in r:
-                notes.append(f"compile {r['compile_s']:.1f} s in the warm-up steps")
-        if "loss_first" in r:
-            notes.append(f"loss₀ {r['loss_first']:.5f}")
-        if "error" in r:
-            notes.append(f"error: {r['error'][:160]}")
-        if "skipped" in r:
-            notes.append(f"skipped: {r['skipped']}")
-        wait = r.get("copy_wait_share")
-        lines.append(f"| {setup} | {r.get('res', '')}² | {f(r.get('step_s'), '.3f')} | "
-                     f"{f(r.get('ratio_to_resident'), '.2f')} | {f(r.get('ratio_to_compiled'), '.2f')} | "
-                     f"{f(r.get('peak_alloc_GB'), '.2f')} | "
-                     f"{f(r.get('peak_reserved_GB'), '.2f')} | {'' if wait is None else f'{100 * wait:.1f}'} | "
-                     f"{'; '.join(n.replace('|', '/') for n in notes)} |")
-    return "\n".join(lines)
+    head = (f"{env.get('family', 'flux')}; device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, "
+            f"commit {env['commit']}{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after "
+            f"{env['warmup']} warm-up; LoRA targets: {env.get('targets', 'attention')}")
+    parts = [head, ""]
+    if any(r.get("what") == "slab" for r in records):
+        parts += [table(records, SLAB_COLUMNS, where={"what": "slab"}), ""]
+    parts.append(table(records, STEP_COLUMNS, where={"what": ["squareq", "resident", "bnb", "group_offload"]}))
+    if any(r.get("what") == "gradients" for r in records):
+        parts += ["", table(records, GRADIENT_COLUMNS, where={"what": "gradients"})]
+    return "\n".join(parts)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write DIR/train_step.jsonl")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/squareq_bench"), help="where the slab goes")
@@ -1008,7 +1066,8 @@ def main() -> None:
     ap.add_argument("--resident-blocks", nargs="+", default=["0"],
                     help="squareq train --resident-blocks of the pinned SquareQ setups: 0, a count or auto (each one "
                          "a setup)")
-    ap.add_argument("--vram-budget", type=float, help="GB: squareq train --vram-budget of the --resident-blocks auto setup (counts are kept whole)")
+    ap.add_argument("--vram-budget", type=float,
+                    help="GB: squareq train --vram-budget of the --resident-blocks auto setup (counts are kept whole)")
     ap.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=["bf16"],
                     help="squareq train --dtype of the pinned SquareQ setups (fp16: no FP8, the loss scaled)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
@@ -1016,7 +1075,8 @@ def main() -> None:
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
     ap.add_argument("--gradients-res", type=int, nargs="*", default=[],
                     help="resolutions at which to compare LoRA gradients in FP8 and bf16 compute (e.g. 512)")
-    ap.add_argument("--gradient-variants", nargs="+", choices=sorted(GRADIENT_VARIANTS), default=["fp8", "fp8-backward"],
+    ap.add_argument("--gradient-variants", nargs="+", choices=sorted(GRADIENT_VARIANTS),
+                    default=["fp8", "fp8-backward"],
                     help="the FP8 set-ups --gradients-res compares with bf16 (GRADIENT_VARIANTS)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -1026,7 +1086,8 @@ def main() -> None:
     ap.add_argument("--phase-timeout", type=float, default=240, help="seconds per training phase")
     ap.add_argument("--slab-timeout", type=float, default=480, help="seconds for the slab phase")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="flux", help="which model (default flux)")
-    ap.add_argument("--tiny", action="store_true", help="the family's tiny config; runs on the CPU without a GPU")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the family's tiny config, every phase in this process; runs on the CPU without a GPU")
     ap.add_argument("--rotate", action="store_true",
                     help="every slab layer Hadamard-rotated (its own slab): the rotation's cost in the step (issue 42)")
     ap.add_argument("--targets", choices=TARGET_SETS, default="attention",
@@ -1042,6 +1103,15 @@ def main() -> None:
                          "multiplies it by 1000 in the activations' type, where bf16 rounds 3500 to 3504 but not "
                          "1000: a guidance of 3.5 gives bf16 another input than fp16 and fp32 (docs/benchmarks.md)")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
     global LORA_TARGETS
     if args.targets == "flux-default":
@@ -1077,12 +1147,11 @@ def main() -> None:
     if not set(lora_layers) <= set(LORA_LAYERS):
         ap.error(f"--lora-layers: choose from {', '.join(LORA_LAYERS)}")
 
-    commit = os.environ.get("SQUAREQ_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip() or "unknown"
+    commit = git_commit()
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
            "steps": args.steps, "targets": args.targets, "rotate": args.rotate, "guidance": args.guidance,
            "warmup": args.warmup, "commit": commit, "sdpa_priority": _sdpa_priority(),
-           "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     emit(env)
     records = [env]
 
@@ -1119,20 +1188,20 @@ def main() -> None:
     log("phases: " + ", ".join(" ".join(p) for p in phases))
     for phase in phases:
         if phase[0] == "squareq" and any(r.get("what") == "slab" and "error" in r for r in records):
-            records.append({**phase_record(phase), "skipped": "no slab"})
+            records.append(emit({**phase_record(phase), "skipped": "no slab"}))
             continue
-        new = spawn(phase, args, args.slab_timeout if phase == ["slab"] else args.phase_timeout)
+        # --tiny: every phase in this process (seconds, not a process start each); else each in its own
+        new = run_here(phase, args) if args.tiny else \
+            spawn(phase, args, args.slab_timeout if phase == ["slab"] else args.phase_timeout)
         env["device"] = env["device"] or next((r["device"] for r in new if r.get("device")), None)
         records += new
         add_ratios(records)
-        if args.out:
-            write_jsonl(args.out, records)
-    records += skipped
+        write_records(args.out, "train_step.jsonl", records)
+    records += [emit(r) for r in skipped]
     add_ratios(records)
-    if args.out:
-        write_jsonl(args.out, records)
+    write_records(args.out, "train_step.jsonl", records)
     print()
-    print(table(records))
+    print(tables(records))
 
 
 if __name__ == "__main__":

@@ -28,14 +28,16 @@ from .sizes import SizeError, parse_size
 from .slab import SlabError, open_slab
 from .slab.atomic import OutputError, os_error_sentence
 from .slab.summary import format_summary, summarize
+from .sources.encoder_source import SINGLE_FILE_FLAGS, cli_flag
+from .sources.encoders import EncoderError
 from .train.cache import CacheError
-from .train.checkpoint import CheckpointError
-from .train.config import CUDA_GRAPHS, HELP, ConfigError, TrainConfig, load_config
+from .train.checkpoint_state import CheckpointError
+from .train.config import ConfigError, TrainConfig, load_config
+from .train.config_help import HELP
+from .train.config_values import CUDA_GRAPHS
 from .train.data import DataError
-from .train.encoder_source import SINGLE_FILE_FLAGS, cli_flag
-from .train.encoders import EncoderError
-from .train.loop import TrainError
-from .train.lora_files import LoraFileError
+from .train.errors import TrainError
+from .train.lora_factors import LoraFileError
 from .train.prompt_options import PromptError
 from .train.sample import SampleError
 
@@ -201,18 +203,10 @@ def accept(slab, model, revision, clip_l, clip_g, t5, vae, thresholds_file, budg
     sys.exit({"PASSED": 0, "FAILED": 3, "INCONCLUSIVE": 4}[result.verdict])
 
 
-def _progress_printer():
-    """One line per block; on a terminal, the current layer overwrites itself on the line below."""
-    tty = sys.stderr.isatty()
-
-    def show(line: str) -> None:
-        if ": " in line and line.rsplit(": ", 1)[1].count(" ") == 0:  # a layer name: transient
-            if tty:
-                click.echo(f"\r\033[K[compile] {line}", err=True, nl=False)
-            return
-        click.echo(f"{chr(13) + chr(27) + '[K' if tty else ''}[compile] {line}", err=True)
-
-    return show
+def _compile_line(line: str) -> None:
+    """One line of the compile's progress on stderr; on a terminal the blocks' bar (compile_slab's ``bar``) is drawn
+    below these lines."""
+    click.echo(f"[compile] {line}", err=True)
 
 
 def _given_calibration(calib_cache, calib_text) -> str:
@@ -312,12 +306,13 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     flux1-dev.safetensors, with --clip-l, --t5 and --vae), tiny-flux, or, with --blocks, any diffusers/transformers
     model folder or Hub ID.
     """
-    from .compiler import CompileOptions, Thresholds, check_budget, compile_slab, open_source
+    from .compiler import CompileOptions, Thresholds, check_budget, compile_slab
     from .compiler.device_choice import choose_device, compile_flops
     from .compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
     from .compiler.previous import check_previous
     from .compiler.vram import memory_cap
-    from .train.encoder_source import encoder_source_for, pinned
+    from .sources import open_source
+    from .sources.encoder_source import encoder_source_for, pinned
 
     _check_compile_flags(max_block_bytes, vram_cap, old_min_bits or old_max_bits,
                          {"--calib-data": calib_data, "--calib-cache": calib_cache, "--calib-text": calib_text,
@@ -347,13 +342,12 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
                                     lambda skeleton: compile_flops(candidate, skeleton, opts, calib_resolution))
 
     source = open_source(model, list(blocks) or None, revision, check=on_device, model_class=model_class)
-    progress = _progress_printer()
-    progress(f"compiling {source.description} on {describe(opts.device)}")
+    _compile_line(f"compiling {source.description} on {describe(opts.device)}")
     check_budget(source, opts)  # before the encoders run
     check_previous(opts.previous, source)  # --from: another model or a damaged build number, before the encoders run
     trains = source.family_adapter is not None and source.family_adapter.recipe is not None
     if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
-        from .train.calibration import calibration_images
+        from .train.calibration_images import calibration_images
 
         where = None
         if encoders or files:
@@ -364,13 +358,13 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
             opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
                                                    resolution=calib_resolution, device=opts.device,
                                                    limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
-                                                   echo=progress, vram_budget=opts.vram_budget)
+                                                   echo=_compile_line, vram_budget=opts.vram_budget)
     elif calib_data:
         raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
                                "--calib-text FILE instead.")
     elif given:
         raise click.UsageError(f"{given} encode calibration images, and {model} is calibrated on text; leave them out.")
-    manifest = compile_slab(source, out, opts, progress=progress)
+    manifest = compile_slab(source, out, opts, progress=_compile_line, bar=sys.stderr.isatty())
     counts = {}
     for layer in manifest.layers:
         counts[layer.spec.short_label] = counts.get(layer.spec.short_label, 0) + 1
@@ -458,7 +452,7 @@ def cache_cmd(slab, data, cache_dir, config_file, model, revision, clip_l, clip_
               caption_ext, max_sequence_length, device) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
 
-    from .train.loop import prepare_data
+    from .train.prepare import prepare_data
 
     cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), "model": model,
                                     "revision": revision, "resolution": resolution, "trigger": trigger,
@@ -592,7 +586,8 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
 def export_lora(lora: Path, out: Path, fmt: str) -> None:
     """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT)."""
     from .runtime import LoraVariant
-    from .train.lora_files import WEIGHT_NAME, load_lora, save_diffusers_lora, save_kohya_lora
+    from .train.lora_files import WEIGHT_NAME, save_diffusers_lora, save_kohya_lora
+    from .train.lora_reader import load_lora
 
     source = lora / WEIGHT_NAME if lora.is_dir() else lora
     target = out if fmt == "kohya" else out / WEIGHT_NAME

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from .acceptance import AcceptOptions, AcceptReport, accept
 from .acceptance.convergence import ConvergenceSettings
-from .compiler import CompileOptions, compile_slab, open_source
+from .compiler import CompileOptions, compile_slab
 from .devices import default_device
 from .extras import ACCEPT_MODULES, check_installed
 from .models import load_builtin
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
-from .train.calibration import calibration_images
+from .sources import open_source
+from .train.calibration_images import calibration_images
 from .train.config import load_config
 from .train.loop import train
 from .train.sample import sample_images

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -61,21 +60,3 @@ def run_on(requested: str | torch.device | None) -> Iterator[torch.device]:
         yield device
     finally:
         _chosen.pop()
-
-
-def host_memory() -> tuple[int, int] | None:
-    """(available, total) bytes of host RAM, or None where the system does not say."""
-    try:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                info[key] = int(value.split()[0]) * 1024
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        pass
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-    except (AttributeError, ValueError, OSError):
-        return None

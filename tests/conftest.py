@@ -59,7 +59,7 @@ def tiny_slab(tmp_path_factory, tiny_flux):
 def tiny_flux_images():
     """The built-in calibration photographs encoded by tiny-flux's own toy VAE and text encoders at 64 px (what
     `squareq compile tiny-flux` calibrates on, smaller)."""
-    from squareq.compiler import open_source
-    from squareq.train.calibration import calibration_images
+    from squareq.sources import open_source
+    from squareq.train.calibration_images import calibration_images
 
     return calibration_images(open_source("tiny-flux"), resolution=64, max_sequence_length=32)

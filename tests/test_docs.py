@@ -102,7 +102,8 @@ def test_every_threshold_is_documented_in_compiler_md():
 @pytest.fixture(scope="module")
 def compiled_manifest(tmp_path_factory, tiny_flux_images) -> dict:
     """manifest.json of a real (fast) compile of tiny-flux on the built-in photographs."""
-    from squareq.compiler import CompileOptions, compile_slab, open_source
+    from squareq.compiler import CompileOptions, compile_slab
+    from squareq.sources import open_source
 
     out = tmp_path_factory.mktemp("docs") / "tiny.slab"
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, rounding="nearest", calib_samples=4,

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from squareq.cli import main
-from squareq.train.lora_files import load_lora
+from squareq.train.lora_reader import load_lora
 from squareq.train.tiny_dataset import write_tiny_dataset
 
 from .train.test_lora_files import KOHYA_KEY

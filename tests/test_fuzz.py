@@ -113,7 +113,7 @@ def _use_slab(path, build: bool = True) -> None:
     with open_slab(path, verify="eager") as slab:
         format_summary(summarize(slab))
         if build:
-            runtime.load(slab, "cpu", stream=False)
+            runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
 
 
 @FUZZ
@@ -218,7 +218,7 @@ def test_mutated_checkpoint_state_resumes_or_is_refused_in_one_sentence(checkpoi
         text = json.dumps(data.draw(mutated(json.loads(raw[8:8 + n])))).encode()
         (work / target).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
     if target != ckpt.CHECKSUMS_FILE and data.draw(st.booleans()):
-        sums = {f: ckpt._sha256(work / f) for f in ckpt.HASHED_FILES}
+        sums = {f: ckpt.file_sha256(work / f) for f in ckpt.HASHED_FILES}
         (work / ckpt.CHECKSUMS_FILE).write_text(json.dumps({"format": ckpt.FORMAT, "sha256": sums}))
     model = _lora_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -250,7 +250,7 @@ def test_mutated_lora_metadata_loads_or_is_refused_in_one_sentence(lora_file, da
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from squareq.train.lora_files import load_lora
+    from squareq.train.lora_reader import load_lora
 
     with safe_open(str(lora_file), "pt") as f:
         metadata = dict(f.metadata())
@@ -481,9 +481,11 @@ def test_lora_factors_of_any_shape_attach_to_a_slab_or_are_refused_in_one_senten
     from safetensors.torch import save_file
 
     from squareq import runtime
-    from squareq.train.lora_files import WEIGHT_NAME, attach_lora, load_lora
+    from squareq.train.lora_attach import attach_lora
+    from squareq.train.lora_files import WEIGHT_NAME
+    from squareq.train.lora_reader import load_lora
 
-    model = runtime.load(tiny_slab, "cpu", stream=False)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
     dims = st.one_of(st.integers(0, 3), st.integers(60, 70), st.sampled_from([1, 4, 64, 128, 256]))
     tensors = {}
     for layer in data.draw(st.lists(st.sampled_from(LORA_LAYERS), min_size=1, max_size=2, unique=True)):

@@ -15,9 +15,9 @@ import time
 import torch
 
 from ..compiler.effect import main_output
-from ..compiler.sources import Source
 from ..slab import Slab
 from ..slab.writer import block_linears
+from ..sources import Source
 from .gates import FAIL, PASS, GateResult
 from .layer_mse import fresh_inputs
 

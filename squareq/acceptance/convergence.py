@@ -26,16 +26,17 @@ from pathlib import Path
 import torch
 
 from .. import quant
-from ..compiler.sources import Source
 from ..extras import require
 from ..models import ADAPTERS
 from ..plot import plot_curves, smooth
 from ..slab import BlockContent, Slab, SlabBuilder, SlabError, WriteOptions, open_slab
 from ..slab.writer import block_linears
+from ..sources import Source
+from ..sources.encoder_source import EncoderSource
+from ..sources.encoders import EncoderError, check_encoder_source
 from ..train.config import TrainConfig, load_config
-from ..train.encoder_source import EncoderSource
-from ..train.encoders import EncoderError, check_encoder_source
-from ..train.loop import METRICS_FILE, train
+from ..train.loop import train
+from ..train.sinks import METRICS_FILE
 from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
 
 NAME = "convergence"

@@ -17,17 +17,17 @@ import time
 import torch
 
 from .. import runtime
-from ..compiler.sources import Source
 from ..devices import default_device
 from ..models import ADAPTERS
 from ..models.noising import calibration_times, image_tokens
 from ..slab import Slab, open_slab
+from ..sources import Source
+from ..sources.encoder_source import EncoderSource
+from ..sources.pipeline_encoders import training_objective
 from ..train.data import BucketBatches
-from ..train.encoder_source import EncoderSource
-from ..train.family_encoders import training_objective
 from ..train.feed import CacheFeed
-from ..train.loop import prepare_data, run_encoders
 from ..train.objective import denoising_loss
+from ..train.prepare import prepare_data, run_encoders
 from .convergence import ConvergenceSettings, cannot_run, reference_slab, training_config
 from .gates import FAIL, PASS, GateResult, skipped
 
@@ -60,8 +60,9 @@ def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdi
     models, params = {}, {}
     try:
         for label, path in (("bf16", ref_path), ("slab", slab.path)):
-            models[label] = runtime.load(open_slab(path, verify="off"), device, prefetch=cfg.start_prefetch,
-                                         verify="off", compute=settings.compute if label == "slab" else "bf16")
+            options = runtime.LoadOptions(prefetch=cfg.start_prefetch, verify="off",
+                                          compute=settings.compute if label == "slab" else "bf16")
+            models[label] = runtime.load(open_slab(path, verify="off"), device, options=options)
             runtime.add_lora(models[label], rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
             models[label].enable_gradient_checkpointing()
             models[label].train()

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from ..compiler.sources import Source
 from ..extras import require
 from ..models import ADAPTERS, ModelError
-from ..models.local_files import refuse_pickled
 from ..models.prompts import CALIBRATION_PROMPTS
 from ..plot import write_png
 from ..slab import Slab
-from ..train.encoder_source import EncoderSource
+from ..sources import Source
+from ..sources.encoder_source import EncoderSource
+from ..sources.local_files import refuse_pickled
 from .convergence import reference_slab
 from .gates import FAIL, PASS, GateResult, skipped
 

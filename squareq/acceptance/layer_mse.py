@@ -14,10 +14,10 @@ import torch
 
 from ..compiler import CompileOptions
 from ..compiler.inputs import calibration_batch
-from ..compiler.sources import Source
 from ..models import BUILTIN_MODELS
 from ..slab import Slab
 from ..slab.writer import block_linears
+from ..sources import Source
 from .gates import FAIL, PASS, GateResult
 
 NAME = "layer MSE"
@@ -50,7 +50,7 @@ def fresh_inputs(source: Source, slab: Slab, samples: int, device):
     if kind == "images" and _existing(recorded.get("cache")):
         opts.calib_cache = recorded["cache"]
     elif kind == "images":
-        from ..train.calibration import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_RESOLUTION, calibration_images
+        from ..train.calibration_images import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_RESOLUTION, calibration_images
 
         opts.calib_images = calibration_images(
             source, data=_existing(recorded.get("data")), encoders=_existing(recorded.get("encoders")),

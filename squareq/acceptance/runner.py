@@ -12,17 +12,17 @@ import torch
 
 from .. import __version__
 from ..compiler.device_choice import block_weights, choose_device, tokens_per_sample
-from ..compiler.sources import open_source
 from ..compiler.thresholds import Thresholds
 from ..devices import default_device, parse_device, run_on
 from ..extras import ACCEPT_MODULES, check_installed
 from ..models import ModelError
-from ..models.hub import hub_ref, like_recorded
 from ..runtime.compute import ComputeError, resolve_compute
 from ..slab import SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE
 from ..slab.signature import model_signature
-from ..train.encoder_source import EncoderError, encoder_source_for, recorded_encoders
+from ..sources import open_source
+from ..sources.encoder_source import EncoderError, encoder_source_for, recorded_encoders
+from ..sources.hub import hub_ref, like_recorded
 from ..train.tiny_dataset import write_tiny_dataset
 from .block_drift import block_drift_gate
 from .convergence import GATE_DEFAULTS, ConvergenceSettings, convergence_gate

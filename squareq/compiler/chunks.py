@@ -41,7 +41,7 @@ class CallAxes:
     tape_bytes: int = 0  # float32 bytes per sample of the distinct inputs its linear layers read
     # bytes of each tensor among its arguments and among its outputs (per sample for a batched one; floating ones
     # as float32) and float32 bytes per sample of each distinct input its linear layers read: the host plan counts
-    # the pinned copies one by one, as the pinned allocator rounds each up to a power of two (compiler/host_budget.py)
+    # the pinned copies one by one, as the pinned allocator rounds each up to a power of two (runtime/host/budget.py)
     input_bytes: tuple[int, ...] = ()
     output_bytes: tuple[int, ...] = ()
     tape_inputs: tuple[int, ...] = ()

@@ -40,6 +40,7 @@ from ..quant import QuantizedWeight
 from ..slab.writer import block_linears, stored_tensor
 from .chunks import BatchAxes, CallAxes, call_batch, join_outputs, run_chunked
 from .effect import batch_size, repeat_batch
+from .progress import CompileProgress
 
 MODES = ("auto", "on", "off")
 
@@ -97,7 +98,7 @@ METRICS = ("output_rel_mse", "heldout_rel_mse", "heldout_rtn_rel_mse", "heldout_
 
 def fit_correction(source, kwargs: dict, row_mask: torch.Tensor | None, heldout: tuple[int, ...],
                    weights_of: Callable[[int], Mapping[str, QuantizedWeight]], batched: set[str], axes: BatchAxes,
-                   device="cpu", progress: Callable[[str], None] = lambda s: None,
+                   device="cpu", progress: CompileProgress | None = None,
                    biases_of: Callable[[int], Mapping[str, torch.Tensor]] = lambda i: {}) -> Correction:
     """Fit every quantized layer's correction (module docstring) on the calibration batch ``kwargs`` (its samples
     ``heldout`` judge), starting from the plan's weights ``weights_of(block)`` and the biases ``biases_of(block)``
@@ -107,10 +108,11 @@ def fit_correction(source, kwargs: dict, row_mask: torch.Tensor | None, heldout:
     samples = batch_size(kwargs, batched)
     held = sorted(set(heldout))
     fit = [i for i in range(samples) if i not in set(held)]
+    progress = CompileProgress() if progress is None else progress
     lockstep = _Lockstep(source, weights_of, biases_of, samples, fit, held, row_mask, axes, device, progress)
     doubled = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, repeat_batch(kwargs, batched, 2))
     shell = source.shell(lockstep, device, upcast_linears=True)
-    with torch.no_grad():
+    with torch.no_grad(), progress.blocks(len(source.block_paths), "output correction"):
         shell(**doubled)
     fixes = lockstep.fixes
     scales = torch.cat([f.scale for f in fixes.values()]) if fixes else torch.ones(1)
@@ -146,6 +148,8 @@ class _Lockstep:
         if call_batch(leaves, call) != 2 * n:
             raise NotFitted(UNSPLIT)
         everyone = list(range(n))
+        where = f"output correction, block {index + 1}/{len(self.source.block_paths)} {path}"
+        self.progress.begin(where)
         source_block = self.source.load_block(path, self.device, torch.float32, upcast_linears=True)
         weights = {name: qw.to(self.device) for name, qw in self.weights_of(index).items()}
         quantized = self.source.load_block(path, self.device, torch.float32, upcast_linears=True)
@@ -162,8 +166,7 @@ class _Lockstep:
         self.passes += 1
         fit_q = [n + i for i in self.fit]
         for group in _groups(path, quantized, todo, self._take(leaves, spec, call, [fit_q[0]])):
-            self.progress(f"output correction, block {index + 1}/{len(self.source.block_paths)} {path}: "
-                          f"{', '.join(x[len(path) + 1:] for x in group)}")
+            self.progress.now(f"{where}: {', '.join(x[len(path) + 1:] for x in group)}")
             seen = _Watch(path, quantized, group, self._mask(self.fit))
             with seen:
                 self._run(quantized, leaves, spec, call, fit_q, seen)
@@ -188,6 +191,7 @@ class _Lockstep:
         self.passes += 1
         flags = call.outputs or tuple(x.dim() > 0 and x.shape[0] == n for x in tree_flatten(out_source)[0]
                                       if torch.is_tensor(x))
+        self.progress.done()
         return join_outputs([out_source, out_quantized], flags)
 
     def _mask(self, samples: list[int], weighted: list[int] | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..devices import DeviceError, parse_device
-from ..models.calibration import DEFAULT_CAPTION_TOKENS, HELDOUT_FRACTION
+from ..models.calibration_set import DEFAULT_CAPTION_TOKENS, HELDOUT_FRACTION
 from .inputs import DEFAULT_IMAGE_SAMPLES, DEFAULT_TEXT_SAMPLES, DEFAULT_TEXT_TOKENS, is_text_model
 
 CPU_LIMIT_PARAMETERS = 1_000_000_000

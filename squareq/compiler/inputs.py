@@ -3,7 +3,8 @@
 1. ``calib_synthetic``: the family's synthetic inputs (noise latents, Gaussian text), only when asked for by name:
    fine for speed runs, never for the compiler's choices.
 2. ``calib_images``: images and captions already encoded by the family's own VAE and text encoders (the CLI encodes
-   ``--calib-data DIR`` or the built-in photographs with ``squareq.train.calibration``), noised as the family trains.
+   ``--calib-data DIR`` or the built-in photographs with ``squareq.train.calibration_images``), noised as the family
+   trains.
 3. ``calib_cache``: a training cache's latents and captions (``squareq cache`` / ``squareq train``), noised the same
    way.
 4. A text model (one with a vocabulary): ``calib_text`` (one sample per line) or the built-in English sentences,
@@ -19,7 +20,7 @@ from pathlib import Path
 from ..models import ModelError
 from ..models.base import CalibrationBatch
 from ..models.builtin_data import builtin_sentences, read_text_samples, text_source_name
-from ..models.calibration import image_batch, load_tokenizer, read_training_cache, text_batch, tokenizer_folder
+from ..models.calibration_set import image_batch, load_tokenizer, read_training_cache, text_batch, tokenizer_folder
 
 # Defaults chosen by measurement (docs/compiler.md, "How much data"): samples per batch and tokens per text sample.
 DEFAULT_IMAGE_SAMPLES = 32
@@ -59,8 +60,8 @@ def calibration_batch(source, skeleton, opts, phase: float = 0.5) -> Calibration
         raise ModelError(f"--calib-text is for text models, and {source.description} is a {type(skeleton).__name__}; "
                          "calibrate it on images with --calib-data DIR.")
     raise ModelError(f"{source.description} needs real calibration images, encoded by its family's VAE and text "
-                     "encoders: pass a CalibrationSet (squareq.train.calibration.calibration_images) or a training "
-                     "cache (--calib-cache DIR); `squareq compile` does this itself.")
+                     "encoders: pass a CalibrationSet (squareq.train.calibration_images.calibration_images) or a "
+                     "training cache (--calib-cache DIR); `squareq compile` does this itself.")
 
 
 def _text(source, skeleton, opts) -> CalibrationBatch:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..quant import FORMATS, QuantSpec, tensor_layout
-from .calibration import LayerStats
 from .layer_search import Candidate, search_rungs
+from .layer_statistics import LayerStats
 from .thresholds import Thresholds
 
 # The int ladder. NF4 and FP8 are offered through --formats: on the real text model of docs/benchmarks.md ("Formats

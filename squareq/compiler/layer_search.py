@@ -17,7 +17,7 @@ import torch
 
 from .. import kernels, quant
 from ..quant import QuantizedWeight, QuantSpec
-from .calibration import LayerStats
+from .layer_statistics import LayerStats
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75)
 # GPTQ's damping, as a fraction of the mean diagonal of the input second moments. 0.1 rather than the usual 0.01:

@@ -1,6 +1,6 @@
 """A scratch file for tensors that wait for a later step of the compile when host memory cannot hold them.
 
-The host plan (compiler/host_budget.py) sends here what would pass ``--host-budget``: the effects pass's block inputs,
+The host plan (compiler/host_plan.py) sends here what would pass ``--host-budget``: the effects pass's block inputs,
 waiting for the backward pass, and the calibration pass's recorded layer inputs. A tensor is written with plain file
 writes (from its own memory on the CPU, through one small reusable pinned buffer from a GPU) and read back with
 ``readinto`` into a fresh tensor when it is consumed, so only the part being consumed is in memory. A memory map

@@ -35,6 +35,11 @@ class StateError(ValueError):
 SPILL_GLOB = "spill.*.scratch"
 
 
+def state_folder(out: Path) -> Path:
+    """The state folder of the compile that writes the slab ``out``: ``<out>.state`` beside it."""
+    return out.parent / f"{out.name}.state"
+
+
 def spill_path(folder: Path, part: str) -> Path:
     """The scratch file of one pass's spilled tensors in the state folder ``folder`` (matches :data:`SPILL_GLOB`)."""
     return Path(folder) / f"spill.{part}.scratch"

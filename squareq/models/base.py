@@ -33,7 +33,7 @@ class CalibrationBatch:
 def generic_token_inputs(model: nn.Module, samples: int, seed: int, tokens: int = 32, device="cpu",
                          dtype: torch.dtype = torch.float32) -> CalibrationBatch:
     """Random token ids for a transformers model with a vocabulary (text encoders in generic mode): the synthetic
-    inputs of ``--calib-synthetic``; real text goes through the model's tokenizer (models/calibration.py)."""
+    inputs of ``--calib-synthetic``; real text goes through the model's tokenizer (models/calibration_set.py)."""
     vocab = getattr(model.config, "vocab_size", None)
     if not vocab:
         raise ModelError(f"{type(model).__name__} has no vocab_size, so SquareQ cannot make synthetic inputs for "
@@ -77,7 +77,7 @@ class FamilyAdapter:
     class_name: str
     block_lists: tuple[str, ...]
     # Synthetic inputs of the right shapes (noise latents, Gaussian text; random token ids for text models): for speed
-    # runs and streaming tests, never for the compiler's choices (models/calibration.py makes the real ones).
+    # runs and streaming tests, never for the compiler's choices (models/calibration_set.py makes the real ones).
     calibration_inputs: Callable[..., CalibrationBatch] = field(default=generic_token_inputs, compare=False)
     # (tokens per sample, hidden width) of the block stream for a config, an image side and a text length;
     # the runtime's memory plan needs it. None: the generic rule (text tokens, config hidden size).

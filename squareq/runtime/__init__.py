@@ -1,7 +1,9 @@
 """The runtime: a slab attached to the family's own model class, blocks streamed through a ring of device
-slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`; docs/runtime.md explains it.
+slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`, its options a :class:`LoadOptions`;
+docs/runtime.md explains both.
 :func:`stream_module` streams an in-memory module's blocks the same way, for inference (large text encoders)."""
 from .blocks import disable_cudnn_attention, retry_without_cudnn
+from .load_options import LoadOptions
 from .loader import Runtime, autocast_dtype, load, runtime_of
 from .lora import DEFAULT_TARGETS, add_lora, lora_parameters, lora_state_dict
 from .memory_plan import MemoryPlan, PlanError, plan
@@ -13,6 +15,7 @@ from .telemetry import StepStats
 
 __all__ = [
     "DEFAULT_TARGETS",
+    "LoadOptions",
     "LoraVariant",
     "PeftMissing",
     "MemoryPlan",

@@ -27,15 +27,15 @@ from .block_graphs import BlockGraphs
 from .blocks import BlockRunner
 from .compute import DTYPES, resolve_compute, resolve_dtype
 from .flux_attention import install_fused_attention
-from .host import DiskStaging, PinnedArena
-from .host_choice import choose_host
+from .host.budget import choose_host
+from .host.staging import DiskStaging, PinnedArena
+from .load_options import LoadOptions, options_from_keywords
 from .qlinear import DequantScratch, QuantLinear
 from .streamer import Streamer
 from .telemetry import StepStats, Telemetry
 
 log = logging.getLogger("squareq.runtime")
 
-HOSTS = ("pinned", "shared", "disk", "auto")
 RUNTIME_ATTR = "_squareq_runtime"
 
 
@@ -269,56 +269,35 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
     model._set_gradient_checkpointing = set_gradient_checkpointing
 
 
-def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", prefetch: int = 2, host: str = "pinned",
-         stream: bool = True, verify: str | bool = "eager", trace: str | os.PathLike | None = None,
-         compute: str = "bf16", cuda_graphs: bool = False, fused_attention: bool = True,
-         compile_blocks: bool = False, attention: str = "auto", dtype: str = "bf16") -> nn.Module:
-    """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab``.
+def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", *, options: LoadOptions | None = None,
+         **old_keywords) -> nn.Module:
+    """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab`` on ``device``,
+    its blocks streamed or resident as ``options`` (:class:`LoadOptions`; default: ``LoadOptions()``) say.
 
-    prefetch: K, the number of device slots in the block ring (K-1 blocks are copied ahead of the one
-        computing; 1 means no overlap). host: "pinned" keeps every blob in page-locked RAM; "shared" does
-        too, with one copy for all processes of the host (data-parallel ranks; a file in /dev/shm); "disk"
-        reads them from the slab file through three page-locked staging buffers, several threads per blob; "auto"
-        is "pinned" when the blobs fit in the host memory available with room to spare, else "disk"
-        (runtime/host_choice.py; the choice and why are ``runtime_of(model).host`` and ``.host_reason``, and
-        logged). stream=False puts every block on
-        the device instead (no ring). verify: the slab's sha256 checks ("eager" hashes every block before
-        returning, so a corrupted slab fails here and not mid-training). trace: a Chrome trace path
-        (default: the ``SQUAREQ_TRACE`` environment variable). compute: the base layers' forward arithmetic,
-        "bf16", "fp8" (E4M3 x E4M3 with per-token and per-channel scales; input gradients stay bf16 unless
-        ``runtime.compute.FP8_BACKWARD``) or "auto"
-        (fp8 where the GPU has FP8 tensor cores; runtime/compute.py; the choice is ``runtime_of(model).compute``).
-        cuda_graphs: capture each streamed block's forward, and a training step's recompute + backward of it, as CUDA
-        graphs once per block and slot, and replay them (runtime/block_graphs.py); CUDA and streamed blocks only.
-        fused_attention: give FLUX attention modules the processor that fuses each query's and key's norm and rotary
-        embedding (runtime/flux_attention.py); it runs in eval mode without autograd outside a training pass, and
-        the stock one otherwise. compile_blocks: run each block's forward under ``torch.compile``, one compiled
-        graph per block class and grad mode, the quantized layers traced in as custom operators
-        (runtime/block_compile.py). attention: which attention kernel the blocks prefer, "auto" (cuDNN's where
-        measured faster), "cudnn" or "default" (torch's order); runtime/attention_choice.py; the choice is
-        ``runtime_of(model).prefer_cudnn``. dtype: the activations' and dequantized weights' type, "bf16", "fp16"
-        (GPUs without bf16: the slab's bf16 weights are converted exactly for the matmul, resident tensors once at
-        load; FP8 compute and the fused small-M kernels are not used) or "auto" (fp16 on GPUs older than Ampere);
-        run the model under autocast of the same type. The choice is ``runtime_of(model).dtype``.
+    The keywords of earlier releases (``prefetch=2, host="pinned", ...``: LoadOptions' fields) still work for one
+    release, with a ``DeprecationWarning``; ``runtime_of(model)`` holds what ``auto`` fields chose.
     """
-    device = _checked_device(device, host, prefetch, stream, cuda_graphs)
-    s, model = _skeleton(slab, verify)
+    if old_keywords:
+        options = options_from_keywords(options, old_keywords)
+    opts = options if options is not None else LoadOptions()
+    device = _checked_device(device, opts.stream, opts.cuda_graphs)
+    s, model = _skeleton(slab, opts.verify)
     m = s.manifest
-    dtype, dtype_reason = resolve_dtype(dtype, device)
-    compute, compute_reason = resolve_compute(compute, device, dtype)
+    dtype, dtype_reason = resolve_dtype(opts.dtype, device)
+    compute, compute_reason = resolve_compute(opts.compute, device, dtype)
     scratch = _scratch(m, compute, device, DTYPES[dtype])
     _install_quant_linears(model, m, scratch)
-    if fused_attention:
+    if opts.fused_attention:
         install_fused_attention(model)
     _place_residents(model, s, device, DTYPES[dtype])
     binder = _Binder(model, s)
-    telemetry = Telemetry(device, trace if trace is not None else settings.trace_path())
-    host, reason = _resolve_host(host, m)
+    telemetry = Telemetry(device, opts.trace if opts.trace is not None else settings.trace_path())
+    host, reason = _resolve_host(opts.host, m)
     rt = Runtime(model, m, device, None, telemetry, scratch, [])
     rt.binder = binder
-    rt.graphs = BlockGraphs(device) if cuda_graphs else None
-    if stream:
-        rt.streamer = _streamer(s, rt, host, prefetch, [b.nbytes for b in m.blocks])
+    rt.graphs = BlockGraphs(device) if opts.cuda_graphs else None
+    if opts.stream:
+        rt.streamer = _streamer(s, rt, host, opts.prefetch, [b.nbytes for b in m.blocks])
     else:
         _bind_all(s, rt)  # every block resident: no streamer
     model.requires_grad_(False)
@@ -326,17 +305,19 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     rt.compute, rt.compute_reason = compute, compute_reason
     rt.dtype, rt.dtype_reason = dtype, dtype_reason
     log.info("compute: %s (%s); activations in %s (%s).", compute, compute_reason, dtype, dtype_reason)
-    rt.host, rt.host_reason = (host, reason) if stream else ("device", "stream=False keeps every block on the device")
+    if not opts.stream:
+        host, reason = "device", "stream=False keeps every block on the device"
+    rt.host, rt.host_reason = host, reason
     object.__setattr__(model, RUNTIME_ATTR, rt)
     if rt.streamer is not None:
         _run_blocks_through(model, rt.streamer, rt)
-    if compile_blocks:
+    if opts.compile_blocks:
         blocks = [model.get_submodule(b.name) for b in m.blocks]
         kinds = compile_block_forwards(blocks, [b.forward if rt.streamer is not None else None for b in blocks])
         log.info("torch.compile: the forward of %d block classes is compiled on first use (the first steps take "
                  "longer while it compiles).", kinds)
-    rt.compiled = compile_blocks
-    rt.prefer_cudnn, rt.attention_reason = resolve_attention(attention, device, head_dim(model))
+    rt.compiled = opts.compile_blocks
+    rt.prefer_cudnn, rt.attention_reason = resolve_attention(opts.attention, device, head_dim(model))
     log.info("attention: %s (%s).", "cuDNN's kernels first" if rt.prefer_cudnn else "torch's order",
              rt.attention_reason)
     if rt.streamer is None:  # streamed blocks get it from their BlockRunner
@@ -347,16 +328,11 @@ def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", pr
     return model
 
 
-def _checked_device(device: str | torch.device, host: str, prefetch: int, stream: bool,
-                    cuda_graphs: bool) -> torch.device:
-    """``load``'s device (a bare "cuda" pinned to the current GPU), after refusing arguments that cannot work."""
+def _checked_device(device: str | torch.device, stream: bool, cuda_graphs: bool) -> torch.device:
+    """``load``'s device (a bare "cuda" pinned to the current GPU), after refusing options that cannot work on it."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if host not in HOSTS:
-        raise ValueError(f"host={host!r}: choose one of {', '.join(HOSTS)}.")
-    if not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(f"prefetch={prefetch!r}: the number of block slots must be an integer of at least 1.")
     if cuda_graphs and (device.type != "cuda" or not stream):
         raise ValueError(f"cuda_graphs=True needs streamed blocks on a CUDA device (here: {device}, stream={stream}); "
                          "load on a GPU with stream=True, or leave CUDA graphs off.")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .blocks import BlockRunner
-from .host import PinnedArena
+from .host.staging import PinnedArena
 from .streamer import Streamer
 from .telemetry import Telemetry
 

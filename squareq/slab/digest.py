@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 import torch
 
+from .safetensors_file import safetensors_bytes
+
 ENTRY_HASH = "sha256"  # the metadata key of a hashed safetensors file
 
 
@@ -16,12 +18,10 @@ class DigestError(ValueError):
     """A hashed file is not as it was written; the message says how (``"does not match its hash"``)."""
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, read in chunks (never the whole file in memory)."""
     with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -35,11 +35,10 @@ def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def hashed_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """``tensors`` as safetensors bytes, their hash in the metadata."""
-    from safetensors.torch import save
-
+    """``tensors`` as safetensors bytes (SquareQ's one writer, slab/safetensors_file.py), their hash in the
+    metadata."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    return save(tensors, metadata={ENTRY_HASH: tensors_sha256(tensors)})
+    return safetensors_bytes(tensors, {ENTRY_HASH: tensors_sha256(tensors)})
 
 
 def read_hashed(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -57,3 +56,13 @@ def read_hashed(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if tensors_sha256(tensors) != recorded:
         raise DigestError("does not match its hash (its bytes changed after it was written)")
     return tensors
+
+
+def content_key(*parts) -> str:
+    """sha256 over ``parts`` (bytes as they are; anything else as canonical JSON)."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part if isinstance(part, (bytes, bytearray)) else json.dumps(part, sort_keys=True).encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()

@@ -121,9 +121,9 @@ class ModelRecord:
     source: str
     block_lists: list[str]
     # where the VAE and text encoders came from when not the source's own pipeline: {"where": pipeline folder or Hub
-    # ID, "clip_l"/"clip_g"/"t5"/"vae": single files}; empty otherwise (squareq.train.encoder_source)
+    # ID, "clip_l"/"clip_g"/"t5"/"vae": single files}; empty otherwise (squareq.sources.encoder_source)
     encoders: dict[str, str] = field(default_factory=dict)
-    # each local folder or file named above (source, encoders) -> its identity when compiled (models/local_files.py),
+    # each local folder or file named above (source, encoders) -> its identity when compiled (sources/local_files.py),
     # so a command that picks one by default can tell it changed; empty for built-ins, Hub IDs and older slabs
     source_identity: dict[str, str] = field(default_factory=dict)
 

@@ -2,7 +2,8 @@
 
 docs/train.md says what each module holds and the choices made where the issue was silent."""
 from .cache import CacheError, EmbeddingCache
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint_state import CheckpointError
 from .config import ConfigError, TrainConfig, load_config
 from .data import (
                    BucketBatches,
@@ -16,7 +17,8 @@ from .data import (
                    make_buckets,
                    scan_dataset,
 )
-from .lora_files import load_lora, save_diffusers_lora, save_kohya_lora
+from .lora_files import save_diffusers_lora, save_kohya_lora
+from .lora_reader import load_lora
 
 __all__ = [
     "BucketBatches", "CacheError", "CheckpointError", "ConfigError", "DataError", "Dataset", "EmbeddingCache", "Item",

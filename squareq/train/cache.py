@@ -9,7 +9,6 @@ the compiler's ``--calib-cache`` can read the same folder.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -29,52 +28,9 @@ class CacheError(ValueError):
     """A cache entry cannot be used; the message names the file."""
 
 
-def content_key(*parts) -> str:
-    """sha256 over ``parts`` (bytes as they are; anything else as canonical JSON)."""
-    h = hashlib.sha256()
-    for part in parts:
-        data = part if isinstance(part, (bytes, bytearray)) else json.dumps(part, sort_keys=True).encode()
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
-
-
 def file_digest(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes (an image's identity in the cache)."""
     return file_sha256(path)
-
-
-def module_identity(module: torch.nn.Module, name: str) -> str:
-    """A short, stable identity for an encoder: its class, config and every parameter's name, shape and a
-    checksum of its values (float64 sum and sum of squares), so different weights give different keys."""
-    config = getattr(module, "config", None)
-    config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
-    config = {k: v for k, v in config.items() if not str(k).startswith("_") and k != "transformers_version"}
-    sums = []
-    with torch.no_grad():
-        for pname, p in module.state_dict().items():
-            total, squares = _sums(p.detach())
-            sums.append([pname, list(p.shape), round(total, 6), round(squares, 6)])
-    return content_key(name, type(module).__name__, json.loads(json.dumps(config, default=str)), sums)[:16]
-
-
-IDENTITY_CHUNK = 1 << 24  # elements summed at a time: float64 copies of one chunk, never of a whole embedding table
-
-
-def _sums(t: torch.Tensor) -> tuple[float, float]:
-    """float64 sum and sum of squares of ``t``, a chunk at a time: a 131072 x 5120 embedding on the GPU would
-    otherwise take two 5.4 GB float64 copies beside the encoder it identifies (measured: 16.7 GB allocated while
-    caching for FLUX.2 on a 24 GB card, against 12 GB planned)."""
-    flat = t.reshape(-1)
-    if flat.numel() <= IDENTITY_CHUNK:  # one chunk: the sums as they were always taken
-        values = flat.double()
-        return float(values.sum()), float(values.square().sum())
-    total = squares = 0.0
-    for start in range(0, flat.numel(), IDENTITY_CHUNK):
-        values = flat[start:start + IDENTITY_CHUNK].double()
-        total += float(values.sum())
-        squares += float(values.square().sum())
-    return total, squares
 
 
 class EmbeddingCache:
@@ -124,7 +80,7 @@ class EmbeddingCache:
     def record_pairs(self, pairs: list[tuple[str, str]]) -> None:
         """Write which text entry captions which latent entry (``pairs.json``), so that the compiler's
         ``--calib-cache`` calibrates each image with its own caption. The last fill's pairs win."""
-        from ..models.calibration import PAIRS_FILE
+        from ..models.calibration_set import PAIRS_FILE
 
         atomic_write_bytes(self.root / PAIRS_FILE, json.dumps([list(p) for p in pairs]).encode())
 

@@ -19,41 +19,49 @@ A checkpoint is a directory ``OUT/checkpoints/step-00001234/`` holding
     (parameters named, not numbered), the scheduler's JSON-able state, Python ``random`` and numpy
     global RNG states, ``data_state``, ``config`` and ``extra``.
 
-In JSON, ``{"__tensor__": KEY}`` stands for the tensor KEY of the matching safetensors file and
-``{"__tuple__": [...]}`` for a tuple (AdamW's ``betas`` must come back as a tuple).
-
-Nothing is pickled and nothing is unpickled: safetensors and JSON are data only, so loading a
-checkpoint from a stranger cannot run code. The price is that state which is not tensors, numbers,
-strings, lists, tuples and dicts cannot be saved; the one case that occurs in practice,
-``LambdaLR``'s ``lr_lambdas`` (functions), is handled by keeping only the scheduler fields that
-encode and restoring them onto the freshly built scheduler, whose functions come from the code.
+How the optimizer, scheduler and RNG states become those tensors and that JSON, and back, is
+train/checkpoint_state.py. Nothing is pickled and nothing is unpickled: safetensors and JSON are data only, so
+loading a checkpoint from a stranger cannot run code.
 
 A checkpoint is built in a temporary hidden sibling folder, every file fsynced, then renamed into
 place (``squareq.slab.atomic.atomic_directory``), so a crash leaves either the complete checkpoint
-or nothing under the ``step-*`` name.
+or nothing under the ``step-*`` name. This module also finds the newest checkpoint, prunes old ones and removes
+what a killed write left behind.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import uuid
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..slab.atomic import atomic_directory, remove_debris
+from ..slab.digest import file_sha256
 from ..slab.errors import brief
 from ..slab.safetensors_file import safetensors_bytes
+from .checkpoint_state import (
+    CheckpointError,
+    DamagedState,
+    NotEncodable,
+    capture_rng,
+    check_param_names,
+    decode_value,
+    encode_optimizer,
+    encode_plain,
+    encode_scheduler,
+    encode_value,
+    optimizer_params,
+    restore_optimizer,
+    restore_rng,
+    restore_scheduler,
+)
 
 FORMAT = "squareq-train-checkpoint"
 FORMAT_VERSION = 2  # 2: checksums.json
@@ -68,17 +76,6 @@ HASHED_FILES = (LORA_FILE, OPTIMIZER_FILE, TENSORS_FILE, STATE_FILE)
 REQUIRED_FILES = (*HASHED_FILES, CHECKSUMS_FILE)
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_TENSOR_TAG = "__tensor__"
-_TUPLE_TAG = "__tuple__"
-_HASH_CHUNK = 1 << 22
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be read or used; the message is one sentence naming the folder and what to do."""
-
-
-class _Damaged(Exception):
-    """Raised by the decoders; :func:`load_checkpoint` turns it into a sentence naming the checkpoint to use."""
 
 
 @dataclass
@@ -96,58 +93,6 @@ class Checkpoint:
 def checkpoint_dir(out_dir: str | os.PathLike, step: int) -> Path:
     """The folder a checkpoint of ``step`` lives in: ``out_dir/checkpoints/step-{step:08d}``."""
     return Path(out_dir) / CHECKPOINTS_DIR / f"step-{step:08d}"
-
-
-# --------------------------------------------------------------------------- JSON <-> tensors
-
-
-class _NotEncodable(TypeError):
-    pass
-
-
-def _encode(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """JSON-able form of ``obj``; tensors go to ``tensors`` under ``key`` (extended per nesting level)."""
-    if isinstance(obj, torch.Tensor):
-        if key in tensors:  # only possible with contrived names; refuse rather than overwrite
-            raise _NotEncodable(f"{key}: two tensors would share this name")
-        # clone: safetensors refuses tensors that share storage, and the caller keeps training.
-        tensors[key] = obj.detach().to("cpu", copy=True).contiguous()
-        return {_TENSOR_TAG: key}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, tuple):
-        return {_TUPLE_TAG: [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise _NotEncodable(f"{key}: dictionary keys must be strings")
-        return {k: _encode(v, f"{key}.{k}", tensors) for k, v in obj.items()}
-    raise _NotEncodable(f"{key}: {type(obj).__name__} cannot be stored without pickle")
-
-
-def _encode_plain(obj: Any, key: str) -> Any:
-    """Like :func:`_encode` for values that must be pure JSON (no tensors)."""
-    tensors: dict[str, torch.Tensor] = {}
-    encoded = _encode(obj, key, tensors)
-    if tensors:
-        raise _NotEncodable(f"{next(iter(tensors))}: tensors are not allowed here (put them in extra)")
-    return encoded
-
-
-def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
-    if isinstance(obj, list):
-        return [_decode(v, tensors, where) for v in obj]
-    if isinstance(obj, dict):
-        if set(obj) == {_TENSOR_TAG}:
-            name = obj[_TENSOR_TAG]
-            if name not in tensors:
-                raise _Damaged(f"tensor {name!r} is missing")
-            return tensors[name]
-        if set(obj) == {_TUPLE_TAG}:
-            return tuple(_decode(v, tensors, where) for v in obj[_TUPLE_TAG])
-        return {k: _decode(v, tensors, where) for k, v in obj.items()}
-    return obj
 
 
 # --------------------------------------------------------------------------- writers (patchable in tests)
@@ -181,165 +126,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# --------------------------------------------------------------------------- optimizer
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _check_names(optimizer: torch.optim.Optimizer, param_names: list[str]) -> None:
-    n = len(_optimizer_params(optimizer))
-    if len(param_names) != n:
-        raise ValueError(f"param_names has {len(param_names)} names but the optimizer holds {n} parameters.")
-    if len(set(param_names)) != n:
-        raise ValueError("param_names must be unique.")
-
-
-def _encode_optimizer(optimizer, param_names, tensors) -> dict:
-    sd = optimizer.state_dict()
-    # state_dict numbers parameters 0..n-1 in param_groups order, which is param_names' order.
-    state = {}
-    for index, per_param in sd["state"].items():
-        name = param_names[index]
-        state[name] = _encode(per_param, f"state.{name}", tensors)
-    groups = []
-    for g, group in enumerate(sd["param_groups"]):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({
-            "params": [param_names[i] for i in group["params"]],
-            "hyper": _encode(hyper, f"param_groups.{g}", tensors),
-        })
-    params = _optimizer_params(optimizer)
-    return {
-        "class": type(optimizer).__name__,
-        "param_shapes": {name: list(p.shape) for name, p in zip(param_names, params)},
-        "state": state,
-        "param_groups": groups,
-    }
-
-
-def _restore_optimizer(optimizer, param_names, saved: dict, tensors, where: str) -> None:
-    def refuse(detail: str):
-        raise CheckpointError(
-            f"checkpoint {where} was made for a different LoRA (rank/targets): {detail}; "
-            "train into a new output folder or pass --resume with a checkpoint of this configuration."
-        )
-
-    if saved["class"] != type(optimizer).__name__:
-        raise CheckpointError(
-            f"checkpoint {where} was made with the {saved['class']} optimizer, not {type(optimizer).__name__}; "
-            "use the same optimizer or start a new run."
-        )
-    params = _optimizer_params(optimizer)
-    index = {name: i for i, name in enumerate(param_names)}
-    shapes = saved["param_shapes"]
-    missing = [n for n in param_names if n not in shapes]
-    extra = [n for n in shapes if n not in index]
-    if missing or extra:
-        parts = [f"{len(missing)} parameter(s) are new here, e.g. {missing[0]}" if missing else "",
-                 f"{len(extra)} parameter(s) are gone, e.g. {extra[0]}" if extra else ""]
-        refuse(" and ".join(p for p in parts if p))
-    for name, p in zip(param_names, params):
-        if list(p.shape) != shapes[name]:
-            refuse(f"{name} has shape {shapes[name]} there and {list(p.shape)} here")
-
-    groups_now = []
-    start = 0
-    for group in optimizer.param_groups:
-        groups_now.append(param_names[start:start + len(group["params"])])
-        start += len(group["params"])
-    saved_groups = saved["param_groups"]
-    if [set(g["params"]) for g in saved_groups] != [set(g) for g in groups_now]:
-        refuse("its parameter groups hold different parameters")
-
-    # Rebuild a state_dict numbered the way *this* optimizer numbers its parameters, so that
-    # Optimizer.load_state_dict's positional id mapping lands each state on the right parameter.
-    sd = {"state": {}, "param_groups": []}
-    for name, per_param in saved["state"].items():
-        sd["state"][index[name]] = _decode(per_param, tensors, where)
-    for g, names in zip(saved_groups, groups_now):
-        group = dict(_decode(g["hyper"], tensors, where))
-        group["params"] = [index[n] for n in names]
-        sd["param_groups"].append(group)
-    optimizer.load_state_dict(sd)
-
-
-# --------------------------------------------------------------------------- scheduler and RNG
-
-
-def _encode_scheduler(scheduler, tensors) -> dict | None:
-    if scheduler is None:
-        return None
-    kept, dropped = {}, []
-    for key, value in scheduler.state_dict().items():
-        part: dict[str, torch.Tensor] = {}
-        try:
-            kept[key] = _encode(value, f"scheduler.{key}", part)
-        except _NotEncodable:
-            # e.g. LambdaLR's lr_lambdas holding a callable object's __dict__: comes from code on resume.
-            dropped.append(key)
-            continue
-        tensors.update(part)
-    return {"class": type(scheduler).__name__, "state": kept, "dropped": dropped}
-
-
-def _restore_scheduler(scheduler, saved: dict | None, tensors, where: str) -> None:
-    if scheduler is None:
-        return
-    if saved is None:
-        warnings.warn(f"checkpoint {where} has no learning-rate scheduler state; the scheduler starts afresh.",
-                      stacklevel=2)
-        return
-    if saved["class"] != type(scheduler).__name__:
-        raise CheckpointError(
-            f"checkpoint {where} was made with the {saved['class']} scheduler, not {type(scheduler).__name__}; "
-            "use the same scheduler or start a new run."
-        )
-    # Start from the fresh scheduler's own state so fields that could not be saved keep their code values.
-    state = scheduler.state_dict()
-    state.update(_decode(saved["state"], tensors, where))
-    scheduler.load_state_dict(state)
-
-
-def _capture_rng(tensors) -> dict:
-    tensors["rng.torch"] = torch.get_rng_state()
-    cuda = []
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"rng.cuda.{i}"] = s.cpu()
-            cuda.append(f"rng.cuda.{i}")
-    version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "torch": "rng.torch",
-        "cuda": cuda,
-        "python": [version, list(internal), gauss_next],
-        # numpy's MT19937 key is 624 uint32 words: a JSON list of ints is exact.
-        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
-    }
-
-
-def _restore_rng(saved: dict, tensors, where: str) -> None:
-    try:
-        torch.set_rng_state(tensors[saved["torch"]])
-        version, internal, gauss_next = saved["python"]
-        random.setstate((version, tuple(internal), gauss_next))
-        n = saved["numpy"]
-        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"]))
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise _Damaged(f"its random-number state is unreadable: {exc}") from exc
-    cuda = [tensors[k] for k in saved["cuda"] if k in tensors]
-    if cuda:
-        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            warnings.warn(f"checkpoint {where} holds {len(cuda)} CUDA RNG states that do not match this machine's "
-                          "devices; CUDA random numbers will differ from an uninterrupted run.", stacklevel=2)
-
-
 # --------------------------------------------------------------------------- save / load
 
 
@@ -358,14 +144,14 @@ def save_checkpoint(
     """Write the checkpoint of ``step`` atomically and return its folder.
 
     ``lora_metadata`` goes into ``lora.safetensors``' header (the adapter config that keeps the LoRA's alpha:
-    ``lora_files.adapter_metadata``).
+    train/lora_files.py ``adapter_metadata``).
 
     ``param_names`` names the optimizer's parameters in ``param_groups`` order. ``data_state``,
     ``config`` and ``extra`` must be JSON-able; ``extra`` may also hold tensors (e.g. a dedicated
     ``torch.Generator``'s ``get_state()``), which come back as tensors. An existing checkpoint of the
     same step (a run resumed from an older one) is replaced.
     """
-    _check_names(optimizer, param_names)
+    check_param_names(optimizer, param_names)
     final = checkpoint_dir(out_dir, step)
 
     # Encode everything before touching the disk, so a value that cannot be saved fails cleanly.
@@ -377,14 +163,14 @@ def save_checkpoint(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "step": int(step),
-            "optimizer": _encode_optimizer(optimizer, param_names, opt_tensors),
-            "scheduler": _encode_scheduler(scheduler, other_tensors),
-            "rng": _capture_rng(other_tensors),
-            "data_state": _encode_plain(data_state, "data_state"),
-            "config": _encode_plain(config, "config"),
-            "extra": _encode(extra or {}, "extra", other_tensors),
+            "optimizer": encode_optimizer(optimizer, param_names, opt_tensors),
+            "scheduler": encode_scheduler(scheduler, other_tensors),
+            "rng": capture_rng(other_tensors),
+            "data_state": encode_plain(data_state, "data_state"),
+            "config": encode_plain(config, "config"),
+            "extra": encode_value(extra or {}, "extra", other_tensors),
         }
-    except _NotEncodable as exc:
+    except NotEncodable as exc:
         raise ValueError(
             f"cannot save checkpoint {final}: {exc}; keep data_state, config and extra JSON-able."
         ) from exc
@@ -394,18 +180,10 @@ def save_checkpoint(
         _write_tensors(tmp / OPTIMIZER_FILE, opt_tensors)
         _write_tensors(tmp / TENSORS_FILE, other_tensors)
         _write_json(tmp / STATE_FILE, state)
-        _write_json(tmp / CHECKSUMS_FILE, {"format": FORMAT, "sha256": {f: _sha256(tmp / f) for f in HASHED_FILES}})
+        _write_json(tmp / CHECKSUMS_FILE, {"format": FORMAT, "sha256": {f: file_sha256(tmp / f) for f in HASHED_FILES}})
         _fsync_dir(tmp)
     _fsync_dir(final.parent)
     return final
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _resume_hint(path: Path) -> str:
@@ -428,7 +206,7 @@ def _verify_checksums(path: Path, hint: str) -> None:
                               f"{hint}.") from None
     for name, digest in wanted.items():
         try:
-            actual = _sha256(path / name)
+            actual = file_sha256(path / name)
         except OSError as exc:
             raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({exc.strerror}); {hint}.") from None
         if actual != digest:
@@ -448,7 +226,7 @@ def _read_tensors(path: Path, where: Path, hint: str) -> dict[str, torch.Tensor]
 
 def _check_lora(lora: dict[str, torch.Tensor], optimizer, param_names: list[str], path: Path, hint: str) -> None:
     """The checkpoint's LoRA has exactly the trained parameters, with their shapes, and only finite values."""
-    for name, p in zip(param_names, _optimizer_params(optimizer)):
+    for name, p in zip(param_names, optimizer_params(optimizer)):
         t = lora.get(name)
         if t is None:
             raise CheckpointError(f"checkpoint {path}: {LORA_FILE} has no tensor {name}, so it was made for a "
@@ -499,7 +277,7 @@ def load_checkpoint(
     names the previous checkpoint to resume from instead.
     """
     path = Path(path)
-    _check_names(optimizer, param_names)
+    check_param_names(optimizer, param_names)
     check_resume_folder(path)
     hint = _resume_hint(path)
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
@@ -525,19 +303,20 @@ def load_checkpoint(
     opt_tensors = _read_tensors(path / OPTIMIZER_FILE, path, hint)
     other_tensors = _read_tensors(path / TENSORS_FILE, path, hint)
     try:
-        _restore_optimizer(optimizer, param_names, state["optimizer"], opt_tensors, str(path))
+        restore_optimizer(optimizer, param_names, state["optimizer"], opt_tensors, str(path))
         _check_lora(lora, optimizer, param_names, path, hint)
-        _restore_scheduler(scheduler, state["scheduler"], other_tensors, str(path))
-        extra = _decode(state["extra"], other_tensors, str(path))
-        result = Checkpoint(step=int(state["step"]), lora=lora, data_state=_decode(state["data_state"], {}, str(path)),
-                            config=_decode(state["config"], {}, str(path)), extra=extra, path=path)
+        restore_scheduler(scheduler, state["scheduler"], other_tensors, str(path))
+        extra = decode_value(state["extra"], other_tensors, str(path))
+        result = Checkpoint(step=int(state["step"]), lora=lora,
+                            data_state=decode_value(state["data_state"], {}, str(path)),
+                            config=decode_value(state["config"], {}, str(path)), extra=extra, path=path)
         if not isinstance(result.data_state, dict) or not isinstance(result.config, dict) or result.step < 0:
-            raise _Damaged("its step, data state or config has the wrong type")
+            raise DamagedState("its step, data state or config has the wrong type")
         # Last, so nothing above consumes random numbers after the restore.
-        _restore_rng(state["rng"], other_tensors, str(path))
+        restore_rng(state["rng"], other_tensors, str(path))
     except KeyError as exc:
         raise CheckpointError(f"checkpoint {path} is corrupted ({exc} is missing from it); {hint}.") from exc
-    except (_Damaged, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
+    except (DamagedState, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OverflowError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"checkpoint {path} is corrupted ({brief(exc)}); {hint}.") from exc
@@ -565,8 +344,8 @@ def checkpoint_config(path: str | os.PathLike) -> dict:
     """The training configuration a checkpoint recorded ({} when it cannot be read: loading it says why)."""
     try:
         state = json.loads((Path(path) / STATE_FILE).read_text(encoding="utf-8"))
-        config = _decode(state["config"], {}, str(path))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError, _Damaged):
+        config = decode_value(state["config"], {}, str(path))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError, DamagedState):
         return {}
     return config if isinstance(config, dict) else {}
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .config_values import SCHEDULES
+
 log = logging.getLogger("squareq.train")
 
 
@@ -45,8 +47,6 @@ def _optimizer(value: Any) -> Any:
 
 
 def _schedule(value: Any) -> Any:
-    from .config import SCHEDULES
-
     if value in SCHEDULES:
         return value
     raise KohyaKeyError(f"lr_scheduler = {value!r}: SquareQ's schedules are {', '.join(SCHEDULES)} (all after "

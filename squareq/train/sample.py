@@ -23,8 +23,8 @@ from ..runtime.block_compile import CompileModeError, resolve_compile
 from ..runtime.compute import ComputeError, resolve_dtype
 from ..runtime.residency import StreamTuner
 from ..slab import open_slab
-from .encoder_placement import EncoderRun
-from .encoder_source import (
+from ..sources.encoder_placement import EncoderRun
+from ..sources.encoder_source import (
     EncoderError,
     EncoderSource,
     encoder_source_for,
@@ -32,9 +32,11 @@ from .encoder_source import (
     recorded_encoders,
     whole_pipeline_folder,
 )
-from .encoders import encoder_dtype, open_decoder, open_encoders
-from .family_encoders import open_family_pipeline
-from .lora_files import attach_lora, attach_peft_adapter, is_peft_adapter, load_lora
+from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
+from ..sources.pipeline_encoders import open_family_pipeline
+from .lora_attach import attach_lora, attach_peft_adapter
+from .lora_files import is_peft_adapter
+from .lora_reader import load_lora
 from .prompt_options import MAX_FRAMES, MAX_GUIDANCE, MAX_SIDE, MAX_STEPS, PromptError, SamplePrompt, parse_prompt
 from .wuerstchen_sample import (
     HUB_IDS,
@@ -226,9 +228,9 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     try:
         dtype, why = resolve_dtype(dtype, device)
         log.info("dtype: %s (%s).", dtype, why)
-        transformer = runtime.load(s, device, prefetch=start, host=host, verify="off", compute=compute,
-                                   cuda_graphs=cuda_graphs, compile_blocks=compile_blocks, attention=attention,
-                                   dtype=dtype)
+        transformer = runtime.load(s, device, options=runtime.LoadOptions(
+            prefetch=start, host=host, verify="off", compute=compute, cuda_graphs=cuda_graphs,
+            compile_blocks=compile_blocks, attention=attention, dtype=dtype))
     except ComputeError as exc:
         raise SampleError(f"--compute {compute} --dtype {dtype}: {exc}") from None
     _check_vram_budget(vram_budget, device, prefetch, resident_blocks)
@@ -341,7 +343,7 @@ def negative_needs_true_cfg(family: str) -> bool:
 
 
 def _encoder_dtype(transformer, device: torch.device) -> torch.dtype:
-    """The text encoders' and VAE's type beside ``transformer`` (train/encoders.py :func:`encoder_dtype`)."""
+    """The text encoders' and VAE's type beside ``transformer`` (sources/encoders.py :func:`encoder_dtype`)."""
     return encoder_dtype(device, runtime.runtime_of(transformer).dtype)
 
 

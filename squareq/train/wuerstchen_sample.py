@@ -18,7 +18,7 @@ import torch
 
 from ..models.base import diffusers_class
 from ..slab.errors import brief
-from .encoder_source import EncoderError
+from ..sources.encoder_source import EncoderError
 
 STAGES = {"wuerstchen-prior": "prior", "wuerstchen-decoder": "decoder"}  # family -> the stage its slab holds
 HUB_IDS = {"prior": "warp-ai/wuerstchen-prior", "decoder": "warp-ai/wuerstchen"}  # each stage's pipeline on the Hub

@@ -25,7 +25,8 @@ def torch_kernels(monkeypatch):
 
 @pytest.fixture(scope="module")
 def good_slab(tmp_path_factory, tiny_flux_images):
-    from squareq.compiler import CompileOptions, compile_slab, open_source
+    from squareq.compiler import CompileOptions, compile_slab
+    from squareq.sources import open_source
 
     out = tmp_path_factory.mktemp("accept") / "good.slab"
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, calib_images=tiny_flux_images))
@@ -275,7 +276,8 @@ def test_a_local_clip_model_adds_clip_scores(good_slab, tmp_path):
 def test_a_generic_model_is_gated_on_layer_mse_and_size_and_says_why_not_on_training(tmp_path):
     from transformers import T5Config, T5EncoderModel
 
-    from squareq.compiler import CompileOptions, compile_slab, open_source
+    from squareq.compiler import CompileOptions, compile_slab
+    from squareq.sources import open_source
 
     torch.manual_seed(0)
     folder = save_text_model(T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
@@ -293,9 +295,10 @@ def test_a_generic_model_is_gated_on_layer_mse_and_size_and_says_why_not_on_trai
 
 
 def test_another_family_is_gated_on_convergence_with_its_own_objective(tmp_path):
-    from squareq.compiler import CompileOptions, compile_slab, open_source
+    from squareq.compiler import CompileOptions, compile_slab
+    from squareq.sources import open_source
 
-    from squareq.train.calibration import calibration_images
+    from squareq.train.calibration_images import calibration_images
 
     slab = tmp_path / "sd3.slab"
     source = open_source("tiny-sd3")
@@ -341,8 +344,8 @@ def test_a_calibration_field_of_the_wrong_type_is_one_sentence_before_any_gate(t
 
 def test_fresh_inputs_are_real_images_at_other_noise_levels_than_the_compiles(good_slab):
     from squareq.acceptance.layer_mse import _fresh_timesteps, fresh_inputs
-    from squareq.compiler.sources import open_source
     from squareq.slab import open_slab
+    from squareq.sources import open_source
 
     used = [round(0.05 + 0.9 * i / 8, 4) for i in range(9)]  # the grid of a synthetic 9-sample compile
     grid = _fresh_timesteps(2, used)
@@ -361,8 +364,8 @@ def test_the_bf16_reference_is_rewritten_when_the_source_weights_change(tmp_path
     from safetensors.torch import load_file, save_file
 
     from squareq.acceptance.convergence import reference_slab
-    from squareq.compiler.sources import open_source
     from squareq.models import write_tiny_flux_pipeline
+    from squareq.sources import open_source
 
     folder = write_tiny_flux_pipeline(tmp_path / "pipe")
     lines = []

@@ -5,8 +5,8 @@ import torch
 
 import squareq.acceptance.gradients as gradients
 from squareq.acceptance.convergence import ConvergenceSettings
-from squareq.compiler import open_source
 from squareq.slab import open_slab
+from squareq.sources import open_source
 from squareq.train.tiny_dataset import write_tiny_dataset
 
 

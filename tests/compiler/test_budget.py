@@ -140,10 +140,10 @@ def test_a_budget_below_the_smallest_slab_the_shapes_give_is_refused_before_anyt
 
 
 def test_the_smallest_slab_bound_is_below_a_real_slab_with_every_layer_at_the_smallest_rung(tmp_path, tiny_flux):
-    from squareq.compiler import open_source
     from squareq.compiler.budget import least_slab_bytes
     from squareq.compiler.ladder import DEFAULT_FORMATS, rung_specs
     from squareq.compiler.plain import PlainOptions, write_rtn_slab
+    from squareq.sources import open_source
 
     smallest = rung_specs(DEFAULT_FORMATS)[0]
     model, adapter = tiny_flux

@@ -7,11 +7,12 @@ import pytest
 import torch
 from PIL import Image
 
-from squareq.compiler import CompileOptions, compile_slab, open_source
+from squareq.compiler import CompileOptions, compile_slab
 from squareq.models import TINY_FLUX_CONFIG, ModelError
 from squareq.slab import open_slab
+from squareq.sources import open_source
 from squareq.train.config import load_config
-from squareq.train.loop import prepare_data
+from squareq.train.prepare import prepare_data
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_compile_calibrates_on_a_training_cache(cache, tmp_path):
 
 def test_each_image_is_calibrated_with_its_own_caption(cache):
     from squareq.models import FLUX
-    from squareq.models.calibration import read_training_cache
+    from squareq.models.calibration_set import read_training_cache
 
     source = open_source("tiny-flux")
     images = read_training_cache(cache, FLUX.recipe, source.skeleton().config, "flux")

@@ -8,12 +8,15 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 from squareq.cli import main
-from squareq.compiler import BudgetError, CompileOptions, compile_slab, driver, open_source
+from squareq.compiler import BudgetError, CompileOptions, compile_slab, slab_output
+from squareq.compiler.calibration_pass import CalibrationPass
+from squareq.compiler.state import state_folder
 from squareq.models import load_builtin
 from squareq.models.flux_bfl import diffusers_to_bfl
 from squareq.models.tiny import MLP_OUTLIER_LAYER, ROW_OUTLIER_LAYER
 from squareq.slab import open_slab
 from squareq.slab.writer import block_linears
+from squareq.sources import open_source
 
 from ..text_models import save_text_model
 
@@ -39,13 +42,43 @@ def fast(tiny_flux_images):
 
 
 @pytest.fixture(scope="module")
-def size_slab(tmp_path_factory):
+def size_compile(tmp_path_factory):
+    """`squareq compile` to a 2 MB slab: the slab and what the command printed (stderr is no terminal here)."""
     out = tmp_path_factory.mktemp("compile") / "tiny.slab"
     result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples",
                                        "8", "--calib-resolution", "64", "--rounding", "nearest"])
     assert result.exit_code == 0, result.output
     assert "wrote" in result.output and "measured" in result.output
-    return out
+    return out, result.output
+
+
+@pytest.fixture(scope="module")
+def size_slab(size_compile):
+    return size_compile[0]
+
+
+def test_off_a_terminal_the_compile_prints_a_line_per_block_and_no_bar(size_compile):
+    output = size_compile[1]
+    blocks = open_source("tiny-flux").block_paths
+    begun = [line for line in output.splitlines() if line.endswith(")") and ": calibrating and searching (ETA " in line]
+    assert [line.split(" ")[3].rstrip(":") for line in begun] == blocks  # "[compile] block 1/N path: ...", in order
+    assert begun[0].startswith(f"[compile] block 1/{len(blocks)} ") and begun[0].endswith("(ETA ?)")
+    assert sum(": done in " in line for line in output.splitlines()) == len(blocks)
+    layer = f"{blocks[0]}: {blocks[0]}."  # a layer's own line would bury a log
+    assert layer not in output and "\r" not in output and "\033[K" not in output and "block/s" not in output
+
+
+def test_on_a_terminal_each_pass_over_the_blocks_is_a_tqdm_bar_with_the_messages_above_it(tmp_path, fast, capsys):
+    lines = []
+    source = open_source("tiny-flux")
+    n = len(source.block_paths)
+    compile_slab(source, tmp_path / "t.slab", CompileOptions(budget=2_000_000, **fast), lines.append, bar=True)
+    bar = capsys.readouterr().err
+    assert "compile: 100%" in bar and f"{n}/{n} [" in bar and ("block/s" in bar or "s/block" in bar)
+    assert f"block {n}/{n} {source.block_paths[-1]}: calibrating and searching" in bar  # the block and its phase
+    assert f"block 1/{n} {source.block_paths[0]}: {source.block_paths[0]}." in bar  # and the layer being searched
+    assert not any("calibrating and searching" in line for line in lines)  # on the bar, not a line of its own
+    assert sum(": done in " in line for line in lines) == n and any(line.startswith("plan: ") for line in lines)
 
 
 def test_every_layer_records_its_measured_effect_and_every_move_says_why(size_slab):
@@ -85,11 +118,11 @@ def test_impossible_budget_states_the_minimum(tmp_path, fast):
     with pytest.raises(BudgetError, match=r"at least [\d,]+ bytes") as info:
         # above the shapes' bound (377,856 bytes), below what the manifest and the plan add
         compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=380_000, **fast))
-    assert not out.exists() and driver.state_folder(out).exists() and "--resume" in str(info.value)
+    assert not out.exists() and state_folder(out).exists() and "--resume" in str(info.value)
     minimum = int(str(info.value).split("at least ")[1].split(" bytes")[0].replace(",", ""))
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=minimum, resume=True, **fast))
     assert sum(p.stat().st_size for p in out.iterdir()) <= minimum
-    assert not driver.state_folder(out).exists()
+    assert not state_folder(out).exists()
 
 
 def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, fast):
@@ -113,14 +146,14 @@ def _whole_and_killed(tmp_path, monkeypatch, fast):
     opts = CompileOptions(budget=2_000_000, **fast)
     whole = tmp_path / "whole.slab"
     compile_slab(open_source("tiny-flux"), whole, opts)
-    original = driver._Run._measure
+    original = CalibrationPass._measure
 
     def dies_at_third_block(self, index, *args):
         if index == 2:
             raise KeyboardInterrupt
         return original(self, index, *args)
 
-    monkeypatch.setattr(driver._Run, "_measure", dies_at_third_block)
+    monkeypatch.setattr(CalibrationPass, "_measure", dies_at_third_block)
     out = tmp_path / "resumed.slab"
     with pytest.raises(KeyboardInterrupt):
         compile_slab(open_source("tiny-flux"), out, opts)
@@ -129,11 +162,11 @@ def _whole_and_killed(tmp_path, monkeypatch, fast):
 
 def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
     whole, out, opts, original = _whole_and_killed(tmp_path, monkeypatch, fast)
-    assert not out.exists() and sorted(p.name for p in driver.state_folder(out).glob("block.*.json")) == [
+    assert not out.exists() and sorted(p.name for p in state_folder(out).glob("block.*.json")) == [
         "block.0.json", "block.1.json"]
     with pytest.raises(Exception, match="--resume"):
         compile_slab(open_source("tiny-flux"), out, opts)
-    monkeypatch.setattr(driver._Run, "_measure", original)
+    monkeypatch.setattr(CalibrationPass, "_measure", original)
     resumed = CompileOptions(budget=2_000_000, resume=True, **fast)
     compile_slab(open_source("tiny-flux"), out, resumed)
     assert (out / "slab.safetensors").read_bytes() == (whole / "slab.safetensors").read_bytes()
@@ -154,7 +187,7 @@ def test_resume_measures_a_damaged_state_block_again(tmp_path, monkeypatch, fast
     (its own hashes would then match the damage); the undamaged state is reused (the positive control)."""
     whole, out, _, original = _whole_and_killed(tmp_path, monkeypatch, fast)
     calls = []
-    state = driver.state_folder(out)
+    state = state_folder(out)
     if damage == "tensor bytes":
         _flip_a_tensor_byte(state / "block.1.safetensors")
     elif damage == "record":
@@ -166,7 +199,7 @@ def test_resume_measures_a_damaged_state_block_again(tmp_path, monkeypatch, fast
         calls.append(index)
         return original(self, index, *args)
 
-    monkeypatch.setattr(driver._Run, "_measure", counts)
+    monkeypatch.setattr(CalibrationPass, "_measure", counts)
     lines = []
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast), lines.append)
     again = [line for line in lines if "measuring that block again" in line]
@@ -246,8 +279,8 @@ def test_a_linear_the_calibration_never_calls_stays_bf16_with_a_reason(tmp_path,
 
 
 def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_metrics(tmp_path, fast, monkeypatch):
-    from squareq.compiler.sources import Source
     from squareq.slab.writer import weight_metrics
+    from squareq.sources import Source
 
     source = open_source("tiny-flux")
     linear_weights = {f"{name}.weight" for path in source.block_paths
@@ -258,7 +291,7 @@ def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_
         read.extend(names)
         return original(self, names, strip)
 
-    measure_plan = driver.plan_output_errors
+    measure_plan = slab_output.plan_output_errors
 
     def record_from_now(*args, **kwargs):  # the final pass starts after the plan's output error is measured
         out = measure_plan(*args, **kwargs)
@@ -266,7 +299,7 @@ def test_writing_the_slab_reads_no_linear_weight_and_records_the_searchs_weight_
         return out
 
     monkeypatch.setattr(Source, "_read", spy)
-    monkeypatch.setattr(driver, "plan_output_errors", record_from_now)
+    monkeypatch.setattr(slab_output, "plan_output_errors", record_from_now)
     m = compile_slab(source, tmp_path / "s.slab", CompileOptions(budget=2_000_000, **fast))
     assert read and not set(read) & linear_weights  # norms and biases only
     model, _ = load_builtin("tiny-flux")
@@ -307,7 +340,7 @@ def test_debris_of_a_killed_compile_is_removed_by_the_next_one(tmp_path, fast):
     debris[3].write_bytes(b"partial")
     other = tmp_path / ".other.slab.blobs-abc123"  # another output's: not ours to remove
     other.mkdir()
-    state = driver.state_folder(out)
+    state = state_folder(out)
     state.mkdir()
     (state / ".block.0.json.0badf00d.tmp").write_bytes(b"{half")
     lines = []
@@ -338,7 +371,7 @@ def test_a_full_disk_mid_compile_is_one_sentence_and_resume_then_finishes(tmp_pa
     out = tmp_path / "full.slab"
     with pytest.raises(OutputError, match=r"the disk holding .* is full .*rerun with --resume"):
         compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, **fast))
-    assert not out.exists() and list(driver.state_folder(out).glob(".*.tmp"))
+    assert not out.exists() and list(state_folder(out).glob(".*.tmp"))
     monkeypatch.setattr(state_module, "atomic_write_parts", real)
     compile_slab(open_source("tiny-flux"), out, CompileOptions(budget=2_000_000, resume=True, **fast))
     open_slab(out, verify=True).close()

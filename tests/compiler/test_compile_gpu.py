@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
-from squareq.compiler import CompileOptions, compile_slab, open_source
+from squareq.compiler import CompileOptions, compile_slab
 from squareq.slab import open_slab
+from squareq.sources import open_source
 
 
 @pytest.mark.gpu
@@ -29,19 +30,19 @@ def test_compile_on_cuda_matches_the_cpu_decisions(tmp_path, tiny_flux_images):
 def test_a_tight_vram_budget_builds_the_same_slab(tmp_path, tiny_flux_images, monkeypatch):
     """Recorded inputs and the effect pass's block inputs in pinned host memory (the tightest budget the plan
     accepts) against everything on the GPU: the same tensor bytes and rungs, blocks run two samples at a time."""
-    from squareq.compiler import chunks, driver
+    from squareq.compiler import chunks, compile_setup
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)  # one sample per chunk: the chunked paths run
     plans = []
-    real_plan = driver.plan_vram
+    real_plan = compile_setup.plan_vram
 
     def record(needs, budget, device, *a):
         plan = real_plan(needs, budget, device, *a)
         plans.append(plan)
         return plan
 
-    monkeypatch.setattr(driver, "plan_vram", record)
+    monkeypatch.setattr(compile_setup, "plan_vram", record)
     opts = dict(budget=2_000_000, device="cuda", calib_samples=8, calib_images=tiny_flux_images)
     compile_slab(open_source("tiny-flux"), tmp_path / "free.slab", CompileOptions(**opts))
     tight = plans[0].needs.peak(True, True)
@@ -95,7 +96,7 @@ def test_a_tight_host_budget_spills_and_builds_the_same_slab_on_cuda(tmp_path, t
     """On CUDA, at the tightest VRAM budget (recorded and effect inputs off the GPU) and the tightest host budget
     (both spilled to the state folder through the pinned staging buffer): the same slab bytes and rungs as with
     everything on the GPU, and as with them in pinned host memory."""
-    from squareq.compiler import chunks, driver, host_budget, spill
+    from squareq.compiler import chunks, compile_setup, host_budget, spill
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)  # one sample per chunk: the joins and the row reads run
@@ -104,9 +105,11 @@ def test_a_tight_host_budget_spills_and_builds_the_same_slab_on_cuda(tmp_path, t
     monkeypatch.setattr(spill, "SEGMENT", 4096)
     monkeypatch.setattr(host_budget, "SEGMENT", 4096)
     vram_plans, host_plans = [], []
-    real_vram, real_host = driver.plan_vram, driver.plan_host
-    monkeypatch.setattr(driver, "plan_vram", lambda *a, **kw: vram_plans.append(real_vram(*a, **kw)) or vram_plans[-1])
-    monkeypatch.setattr(driver, "plan_host", lambda *a, **kw: host_plans.append(real_host(*a, **kw)) or host_plans[-1])
+    real_vram, real_host = compile_setup.plan_vram, compile_setup.plan_host
+    monkeypatch.setattr(compile_setup, "plan_vram",
+                        lambda *a, **kw: vram_plans.append(real_vram(*a, **kw)) or vram_plans[-1])
+    monkeypatch.setattr(compile_setup, "plan_host",
+                        lambda *a, **kw: host_plans.append(real_host(*a, **kw)) or host_plans[-1])
     opts = dict(budget=2_000_000, device="cuda", calib_samples=8, calib_images=tiny_flux_images)
     compile_slab(open_source("tiny-flux"), tmp_path / "gpu.slab", CompileOptions(**opts, host_budget=10**13))
     tight_vram = vram_plans[0].needs.peak(True, True)

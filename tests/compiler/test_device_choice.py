@@ -5,11 +5,12 @@ import torch
 from click.testing import CliRunner
 
 from squareq.cli import main
-from squareq.compiler import CompileOptions, open_source
-from squareq.compiler import sources as sources_module
+from squareq.compiler import CompileOptions
 from squareq.compiler.device_choice import CPU_LIMIT_PARAMETERS, choose_device, compile_flops, matmul_rate
 from squareq.devices import DeviceError, run_on
 from squareq.models.skeleton import build_meta
+from squareq.sources import Source, open_source
+from squareq.sources.tensors import Tensors
 
 # FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json)
 FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -17,7 +18,7 @@ FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=
                  axes_dims_rope=(16, 56, 56))
 
 
-class _HeadersOnly(sources_module._Tensors):
+class _HeadersOnly(Tensors):
     """A checkpoint's names and shapes without data: a source as big as FLUX.1-dev that reads nothing."""
 
     def __init__(self, skeleton):
@@ -33,7 +34,7 @@ def flux1_dev_on_meta():
     from diffusers import FluxTransformer2DModel
 
     skeleton = build_meta(lambda: FluxTransformer2DModel(**FLUX1_DEV))
-    source = sources_module.Source("black-forest-labs/FLUX.1-dev@meta", skeleton, _HeadersOnly(skeleton))
+    source = Source("black-forest-labs/FLUX.1-dev@meta", skeleton, _HeadersOnly(skeleton))
     assert all(p.is_meta for p in source.skeleton().parameters())
     return source
 
@@ -86,13 +87,13 @@ def test_small_models_compile_on_the_cpu_and_auto_takes_the_gpu(no_gpu, monkeypa
 
 
 def test_the_cli_refuses_a_12b_source_on_a_cpu_in_one_sentence(flux1_dev_on_meta, no_gpu, monkeypatch, tmp_path):
-    import squareq.compiler
+    import squareq.sources
 
     def open_meta(model, blocks=None, revision=None, check=None, model_class=None):
         check(flux1_dev_on_meta)  # the refusal comes before any weight is read (a Hub ID's: before it downloads)
         raise AssertionError("the device check should have refused")
 
-    monkeypatch.setattr(squareq.compiler, "open_source", open_meta)
+    monkeypatch.setattr(squareq.sources, "open_source", open_meta)
     result = CliRunner().invoke(main, ["compile", "black-forest-labs/FLUX.1-dev", "--budget", "12GB",
                                        "-o", str(tmp_path / "flux.slab")])
     assert result.exit_code == 1, result.output

@@ -7,11 +7,12 @@ import shutil
 import pytest
 from torch import nn
 
-from squareq.compiler import CompileOptions, compile_slab, disk, driver, open_source
+from squareq.compiler import CompileOptions, compile_setup, compile_slab, disk
 from squareq.compiler.budget import BudgetError
 from squareq.compiler.disk import MARGIN_LEAST, DiskNeeds
 from squareq.compiler.ladder import rung_specs
 from squareq.compiler.state import CompileState
+from squareq.sources import open_source
 
 OPTS = dict(budget=2_000_000, rounding="nearest", calib_samples=8, max_rows=128, effect_probes=2, formats="W4,bf16")
 
@@ -19,8 +20,8 @@ OPTS = dict(budget=2_000_000, rounding="nearest", calib_samples=8, max_rows=128,
 def _free(monkeypatch, free_of):
     """``shutil.disk_usage`` as the disk plan sees it: ``free_of(needs)`` bytes free, from the needs it estimated."""
     seen = []
-    real = driver.estimate_disk
-    monkeypatch.setattr(driver, "estimate_disk", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    real = compile_setup.estimate_disk
+    monkeypatch.setattr(compile_setup, "estimate_disk", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
     monkeypatch.setattr(disk.shutil, "disk_usage",
                         lambda p: shutil._ntuple_diskusage(10**15, 0, free_of(seen[-1])))
     return seen

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from squareq import quant
-from squareq.compiler.calibration import StatsCollector
 from squareq.compiler.layer_search import search_layer
+from squareq.compiler.layer_statistics import StatsCollector
 from squareq.quant import QuantSpec
 
 K, N, TOKENS, SAMPLES = 128, 64, 64, 8

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from squareq.compiler.calibration import StatsCollector
 from squareq.compiler.ladder import DEFAULT_FORMATS, diagnostics, ladder, measure_rungs, rung_specs
 from squareq.compiler.layer_search import Candidate, search_layer
+from squareq.compiler.layer_statistics import StatsCollector
 from squareq.compiler.thresholds import Thresholds, ThresholdsError
 from squareq.quant import QuantSpec, quantize
 

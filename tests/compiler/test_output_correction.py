@@ -10,15 +10,16 @@ from torch import nn
 
 from squareq import quant, runtime
 from squareq.cli import main
-from squareq.compiler import CompileOptions, compile_slab, driver, open_source
+from squareq.compiler import CompileOptions, compile_slab, slab_output
 from squareq.compiler import correction as oc
 from squareq.compiler.budget import BudgetError
 from squareq.slab import open_slab
 from squareq.slab.summary import summarize
 from squareq.slab.writer import block_linears
+from squareq.sources import open_source
 
+from ..sources.test_base_prefix import _bert, _llama
 from ..text_models import save_text_model
-from .test_base_prefix import _bert, _llama
 
 
 @pytest.fixture(autouse=True)
@@ -218,7 +219,7 @@ def test_the_runtime_runs_the_corrected_slab_with_its_biases(bert_slabs):
     reference.load_state_dict(state, strict=False)
     ids = torch.randint(4, 60, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        got = runtime.load(tmp / "on.slab", "cpu", stream=False)(input_ids=ids)[0].float()
+        got = runtime.load(tmp / "on.slab", "cpu", options=runtime.LoadOptions(stream=False))(input_ids=ids)[0].float()
         want = reference(input_ids=ids)[0]
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
 
@@ -227,13 +228,13 @@ def test_the_slab_keeps_no_correction_that_does_not_lower_the_output_error(bert_
     """Negative control of the slab-level gate: the same fit, measured (by a stand-in) to raise the held-out output
     error, is not written; the slab is the uncorrected one."""
     folder, blocks, tmp, _, off = bert_slabs
-    measure = driver.plan_output_errors
+    measure = slab_output.plan_output_errors
 
     def worse(*args, **kwargs):
         without, corrected = measure(*args, **kwargs)
         return [without, without * 1.5]
 
-    monkeypatch.setattr(driver, "plan_output_errors", worse)
+    monkeypatch.setattr(slab_output, "plan_output_errors", worse)
     m = _compile(folder, blocks, tmp / "refused.slab")
     rec = m.calibration["output_correction"]
     assert rec["fitted"] and rec["corrected"] > 0 and not rec["kept"]

@@ -3,10 +3,11 @@ and the text model's decisions match the CPU's."""
 import pytest
 import torch
 
-from squareq.compiler import CompileOptions, compile_slab, open_source
+from squareq.compiler import CompileOptions, compile_slab
+from squareq.sources import open_source
 
+from ..sources.test_base_prefix import _bert
 from ..text_models import save_text_model
-from .test_base_prefix import _bert
 
 
 @pytest.mark.gpu

@@ -8,11 +8,12 @@ from click.testing import CliRunner
 from PIL import Image
 
 from squareq.cli import main
-from squareq.compiler import CompileOptions, compile_slab, open_source
+from squareq.compiler import CompileOptions, compile_slab
 from squareq.models import write_tiny_flux_pipeline
 from squareq.models.builtin_data import PHOTOGRAPHS, builtin_photos
-from squareq.models.calibration import image_batch
-from squareq.train.calibration import calibration_images
+from squareq.models.calibration_set import image_batch
+from squareq.sources import open_source
+from squareq.train.calibration_images import calibration_images
 from squareq.train.data import load_image
 
 from ..models.tiny_folders import write_pipeline

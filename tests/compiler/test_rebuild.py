@@ -6,8 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from squareq.cli import main
-from squareq.compiler import CompileOptions, Thresholds, compile_slab, layer_search, open_source
+from squareq.compiler import CompileOptions, Thresholds, compile_slab, layer_search
 from squareq.slab import SlabError
+from squareq.sources import open_source
 
 ARGS = ["--budget", "2MB", "--calib-samples", "8", "--calib-resolution", "64", "--rounding", "nearest"]
 

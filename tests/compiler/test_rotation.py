@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from squareq import quant, runtime
-from squareq.compiler import CompileOptions, compile_slab, layer_search, open_source
-from squareq.compiler.calibration import StatsCollector
+from squareq.compiler import CompileOptions, compile_slab, layer_search
 from squareq.compiler.layer_search import search_layer
+from squareq.compiler.layer_statistics import StatsCollector
 from squareq.quant import QuantSpec
 from squareq.slab import open_slab
+from squareq.sources import open_source
 
 from ..runtime.harness import assert_same, inputs, step, with_lora
 
@@ -100,12 +101,12 @@ def test_a_compiled_slab_with_rotated_layers_runs_like_its_dequantized_weights(t
         for rec in slab.manifest.layers:
             model.get_submodule(rec.name).weight.copy_(slab.dequantized_weight(rec.name))
         want = model(**inputs("cpu"), return_dict=False)[0]
-    streamed = runtime.load(out, "cpu", prefetch=2, fused_attention=False)
+    streamed = runtime.load(out, "cpu", options=runtime.LoadOptions(prefetch=2, fused_attention=False))
     with torch.no_grad():
         assert torch.equal(streamed(**inputs("cpu"), return_dict=False)[0], want)
     # LoRA sees the layer's own input (the rotation lives inside the dequantized weight): it trains streamed as
     # resident, bit for bit
-    resident = runtime.load(out, "cpu", stream=False, fused_attention=False)
+    resident = runtime.load(out, "cpu", options=runtime.LoadOptions(stream=False, fused_attention=False))
     results = []
     for m in (streamed, resident):
         with_lora(m)

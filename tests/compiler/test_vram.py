@@ -9,15 +9,15 @@ from click.testing import CliRunner
 from torch.utils._pytree import tree_flatten
 
 from squareq.cli import main
-from squareq.compiler import open_source
 from squareq.compiler import chunks as chunks_mod
-from squareq.compiler.calibration import StatsCollector
+from squareq.compiler.budget import BudgetError
 from squareq.compiler.chunks import batched_kwargs, probe_batch_axes, run_chunked
 from squareq.compiler.ladder import DEFAULT_FORMATS, rung_specs
-from squareq.compiler.budget import BudgetError
+from squareq.compiler.layer_statistics import StatsCollector
 from squareq.compiler.vram import Needs, choose_placement, estimate_needs, plan_vram
 from squareq.models import BUILTIN_MODELS
 from squareq.sizes import parse_size
+from squareq.sources import open_source
 
 
 def _probe(name: str, samples: int = 4, chunk_bytes: int = chunks_mod.CHUNK_BYTES):

@@ -148,7 +148,7 @@ def test_quant_linear_dispatches_by_rows(monkeypatch, tmp_path, max_m, rows, fus
     model, adapter = load_builtin("tiny-flux")
     write_rtn_slab(model, adapter.blocks(model), {}, tmp_path / "s.slab",
                PlainOptions(default_spec=QuantSpec(bits=4, group_size=16), family="flux", source="tiny-flux"))
-    loaded = runtime.load(tmp_path / "s.slab", "cpu", stream=False)
+    loaded = runtime.load(tmp_path / "s.slab", "cpu", options=runtime.LoadOptions(stream=False))
     layer = loaded.transformer_blocks[0].norm1.linear  # a modulation layer: M = batch size in a model
     x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
     y = layer(x)

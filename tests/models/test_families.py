@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from squareq import runtime
-from squareq.compiler import CompileOptions, compile_slab, open_source
+from squareq.compiler import CompileOptions, compile_slab
 from squareq.models import ADAPTERS, BUILTIN_MODELS, families_table, load_builtin
+from squareq.sources import open_source
 
 from ..runtime.harness import with_lora
 from ..text_models import save_text_model
@@ -34,7 +35,7 @@ def slabs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_calibrates_on_the_built_in_photographs_through_its_own_encoders(name, tmp_path):
-    from squareq.train.calibration import calibration_images
+    from squareq.train.calibration_images import calibration_images
 
     source = open_source(name)
     images = calibration_images(source, resolution=64, max_sequence_length=16)
@@ -70,8 +71,8 @@ def _output(result):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_streamed_equals_resident_in_outputs_and_lora_gradients(slabs, name):
     kwargs = _inputs(name)
-    out_r, grads_r = _step(runtime.load(slabs[name], "cpu", stream=False), kwargs)
-    out_s, grads_s = _step(runtime.load(slabs[name], "cpu", prefetch=2), kwargs)
+    out_r, grads_r = _step(runtime.load(slabs[name], "cpu", options=runtime.LoadOptions(stream=False)), kwargs)
+    out_s, grads_s = _step(runtime.load(slabs[name], "cpu", options=runtime.LoadOptions(prefetch=2)), kwargs)
     assert torch.equal(out_s, out_r) and grads_r.keys() == grads_s.keys() and len(grads_r) > 0
     # A UNet checkpoints inside its down/up blocks (per resnet and attention); streamed, those inner checkpoints
     # run inside the runtime's own, so the backward sums the same terms in another order: equal to bf16 rounding.
@@ -86,14 +87,16 @@ def test_streamed_equals_resident_in_outputs_and_lora_gradients(slabs, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_lora_saved_for_the_family_loads_back(slabs, name, tmp_path):
-    from squareq.train.lora_files import attach_lora, load_lora, save_diffusers_lora
+    from squareq.train.lora_attach import attach_lora
+    from squareq.train.lora_files import save_diffusers_lora
+    from squareq.train.lora_reader import load_lora
 
     kwargs = _inputs(name)
-    trained = runtime.load(slabs[name], "cpu", prefetch=2)
+    trained = runtime.load(slabs[name], "cpu", options=runtime.LoadOptions(prefetch=2))
     _step(trained, kwargs, seed=3)
     path = save_diffusers_lora(runtime.lora_state_dict(trained), tmp_path, 4, 4.0, list(runtime.DEFAULT_TARGETS),
                                dtype=torch.float32)
-    fresh = runtime.load(slabs[name], "cpu", prefetch=2)
+    fresh = runtime.load(slabs[name], "cpu", options=runtime.LoadOptions(prefetch=2))
     attach_lora(fresh, *load_lora(path))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         a = _output(trained(**kwargs))
@@ -154,7 +157,8 @@ def test_text_encoders_compile_and_stream_in_generic_mode(build, tmp_path):
     assert m.calibration["kind"] == "text"
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     results = []
-    for loaded in (runtime.load(slab, "cpu", stream=False), runtime.load(slab, "cpu", prefetch=2)):
+    for loaded in (runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False)),
+                   runtime.load(slab, "cpu", options=runtime.LoadOptions(prefetch=2))):
         with_lora(loaded, targets=["q", "k", "v", "o", "q_proj", "k_proj", "v_proj", "o_proj", "out_proj"])
         loaded.gradient_checkpointing_enable()
         loaded.train()

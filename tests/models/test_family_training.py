@@ -13,8 +13,10 @@ from squareq.quant import QuantSpec
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.cache import EmbeddingCache
 from squareq.train.config import load_config
-from squareq.train.loop import TrainError, train
-from squareq.train.lora_files import attach_lora, load_lora
+from squareq.train.errors import TrainError
+from squareq.train.loop import train
+from squareq.train.lora_attach import attach_lora
+from squareq.train.lora_reader import load_lora
 from squareq.train.objective import noised
 from squareq.train.tiny_dataset import write_tiny_dataset
 
@@ -50,7 +52,7 @@ def _config(slab, data, out, **kw):
 def _eval_loss(slab, cache_dir, family, lora_file=None) -> float:
     """The family objective's loss over every cached latent/caption pair at fixed noise and times, resident model."""
     recipe = ADAPTERS[family].recipe
-    model = runtime.load(slab, "cpu", stream=False)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
     if lora_file is not None:
         attach_lora(model, *load_lora(lora_file))
     cache = EmbeddingCache(cache_dir)
@@ -217,7 +219,7 @@ def test_diffusers_pipeline_load_lora_weights_reproduces_the_trained_model(name,
     model, adapter = load_builtin(name)
     kwargs = adapter.calibration_inputs(model, 1, 3).kwargs
 
-    ours = runtime.load(slab, "cpu", stream=False)
+    ours = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
     attach_lora(ours, *load_lora(result.lora_file))
     pipe = build_pipeline(name)
     denoiser = getattr(pipe, adapter.component).to(torch.bfloat16)
@@ -235,7 +237,7 @@ def test_diffusers_pipeline_load_lora_weights_reproduces_the_trained_model(name,
 
 
 def test_encoders_of_another_family_are_refused_in_one_sentence(data, tmp_path):
-    from squareq.train.encoders import EncoderError
+    from squareq.sources.encoders import EncoderError
 
     slab = _slab("tiny-sd3", tmp_path)
     with pytest.raises(EncoderError, match="tiny-wan is the built-in wan model, so its encoders do not fit a sd3 model"):
@@ -243,7 +245,7 @@ def test_encoders_of_another_family_are_refused_in_one_sentence(data, tmp_path):
 
 
 def test_wuerstchen_from_a_pipeline_folder_is_refused_for_its_missing_image_encoder(data, tmp_path):
-    from squareq.train.encoders import EncoderError
+    from squareq.sources.encoders import EncoderError
 
     folder = tmp_path / "wuerstchen-prior"
     folder.mkdir()
@@ -254,7 +256,7 @@ def test_wuerstchen_from_a_pipeline_folder_is_refused_for_its_missing_image_enco
 
 
 def test_only_the_unet_families_read_the_scheduler_s_prediction_type(tmp_path):
-    from squareq.train.family_encoders import training_objective
+    from squareq.sources.pipeline_encoders import training_objective
 
     (tmp_path / "scheduler").mkdir()
     (tmp_path / "model_index.json").write_text("{}")

@@ -1,10 +1,10 @@
-"""The cache's latent normalization per VAE class (squareq/train/family_encoders.py) is what each family's own
+"""The cache's latent normalization per VAE class (squareq/sources/pipeline_encoders.py) is what each family's own
 diffusers pipeline does to an encoded image, so a pipeline folder's latents train on the scale its sampler expects."""
 import pytest
 import torch
 
 from squareq.models.flux_latents import pack_latents
-from squareq.train.family_encoders import PipelineEncoders, normalize_latent
+from squareq.sources.pipeline_encoders import PipelineEncoders, normalize_latent
 
 
 def _image(seed=0, side=32):

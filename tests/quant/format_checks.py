@@ -45,7 +45,7 @@ def check_slab_streams_like_resident(spec: QuantSpec, tmp_path, layers=("transfo
     assert all(recorded[name].with_clip(spec.clip_ratio) == spec for name in layers), [recorded[n] for n in layers]
     outputs = []
     for stream in (False, True):
-        loaded = runtime.load(path, "cpu", stream=stream, prefetch=2)
+        loaded = runtime.load(path, "cpu", options=runtime.LoadOptions(stream=stream, prefetch=2))
         with torch.no_grad():
             outputs.append(loaded(**tiny_flux_inputs(dtype=torch.bfloat16), return_dict=False)[0])
         runtime.runtime_of(loaded).close()

@@ -26,7 +26,7 @@ def main() -> int:
         out = Path(tmp) / "tiny.slab"
         write_rtn_slab(model, adapter.blocks(model), plan, out, PlainOptions(default_spec=QuantSpec(bits=4), family="flux"))
         for host in ("pinned", "disk"):
-            streamed = runtime.load(out, "cuda", prefetch=2, host=host)
+            streamed = runtime.load(out, "cuda", options=runtime.LoadOptions(prefetch=2, host=host))
             with_lora(streamed)
             for _ in range(3):
                 step(streamed, inputs("cuda"), checkpointing=True, autocast=True)

@@ -69,7 +69,7 @@ def test_head_dim_from_diffusers_and_transformers_configs():
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_blocks_run_with_cudnn_first_while_preferred(tiny_slab, cudnn_on, first_backends, stream):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2, stream=stream, attention="cudnn")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, stream=stream, attention="cudnn"))
     rt = runtime.runtime_of(model)
     assert rt.prefer_cudnn is False  # on a CPU even "cudnn" stays torch's order
     with_lora(model)
@@ -91,7 +91,7 @@ def test_blocks_run_with_cudnn_first_while_preferred(tiny_slab, cudnn_on, first_
 
 
 def test_a_user_who_turned_cudnn_attention_off_keeps_it_off(tiny_slab, cudnn_on, first_backends):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     runtime.runtime_of(model).prefer_cudnn = True
     torch.backends.cuda.enable_cudnn_sdp(False)
     with_lora(model)
@@ -134,4 +134,4 @@ def test_a_sampling_run_keeps_torchs_order_unless_cudnn_is_asked_for(asked, used
     monkeypatch.setattr(sample.runtime, "load", load)
     with pytest.raises(Stop):
         sample.sample_images(tiny_slab, ["a cat"], resolution=64, steps=2, max_sequence_length=32, attention=asked)
-    assert seen["attention"] == used
+    assert seen["options"].attention == used

@@ -36,8 +36,8 @@ def _train(model, steps: int):
 
 
 def test_compiled_streamed_steps_equal_eager_and_stop_compiling(tiny_slab):
-    eager, _ = _train(runtime.load(tiny_slab, "cpu", prefetch=2), 3)
-    model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=True)
+    eager, _ = _train(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2)), 3)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, compile_blocks=True))
     assert runtime.runtime_of(model).compiled
     compiled, compiling = _train(model, 3)
     for a, b in zip(eager, compiled, strict=True):
@@ -53,7 +53,7 @@ def _graphs_compiled(slab, counter, change=None) -> int:
     model in ``slab`` with LoRA, after ``change(model)``."""
     block_compile.BACKEND = counter  # one backend throughout: Dynamo's cached graphs are the backend's
     before = counter.frame_count
-    model = runtime.load(slab, "cpu", prefetch=2, compile_blocks=True)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(prefetch=2, compile_blocks=True))
     with_lora(model)
     if change is not None:
         change(model)
@@ -94,7 +94,7 @@ def test_training_steps_compile_each_block_class_once_per_grad_mode(tiny_slab, b
     ``Tensor.contiguous`` would keep (their batch dimension's stride is another)."""
     counter = CompileCounterWithBackend("aot_eager")
     block_compile.BACKEND = counter
-    model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=True)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, compile_blocks=True))
     with_lora(model)
     for i in range(2):
         step(model, inputs("cpu", batch=batch, seed=i), checkpointing=True)
@@ -116,7 +116,7 @@ def test_lora_on_some_layers_of_a_class_compiles_a_graph_for_that_code_path(tiny
     assert _graphs_compiled(tiny_slab, counter, one_lora_layer) == 0
     outs = []
     for compiled in (False, True):
-        model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=compiled)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, compile_blocks=compiled))
         with_lora(model)
         one_lora_layer(model)
         with torch.no_grad():
@@ -125,8 +125,8 @@ def test_lora_on_some_layers_of_a_class_compiles_a_graph_for_that_code_path(tiny
 
 
 def test_a_resident_model_compiles_too(tiny_slab):
-    eager = runtime.load(tiny_slab, "cpu", stream=False)
-    model = runtime.load(tiny_slab, "cpu", stream=False, compile_blocks=True)
+    eager = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, compile_blocks=True))
     with torch.no_grad():
         want = eager(**inputs("cpu"), return_dict=False)[0]
         got = model(**inputs("cpu"), return_dict=False)[0]
@@ -165,7 +165,7 @@ def test_peft_dora_layers_run_eagerly_and_train_like_eager(tiny_slab):
     pytest.importorskip("peft")
 
     def dora_step(compiled: bool, steps: int = 1):
-        model = runtime.load(tiny_slab, "cpu", prefetch=2, compile_blocks=compiled)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, compile_blocks=compiled))
         params = runtime.add_lora(model, rank=4, variant=runtime.LoraVariant(dora=True))
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():

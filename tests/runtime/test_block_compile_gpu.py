@@ -42,15 +42,16 @@ def test_compiled_blocks_train_like_eager(tiny_slab, graphs, compute):
         pytest.skip("FP8 compute needs FP8 tensor cores")
     torch._dynamo.reset()
     load = dict(prefetch=2, compute=compute, cuda_graphs=graphs)
-    eager, _ = train_steps(runtime.load(tiny_slab, "cuda", **load), "cuda", STEPS, autocast=True)
+    eager, _ = train_steps(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(**load)), "cuda", STEPS,
+                           autocast=True)
     # In FP8 a last-bit difference before a per-token quantization can move a value by a whole E4M3 step, so there the
     # bound is FP8's own distance from bf16 in the same steps, where that is wider
     bounds = [(TOL, 1 - TOL)] * STEPS
     if compute == "fp8":
-        bf16, _ = train_steps(runtime.load(tiny_slab, "cuda", **{**load, "compute": "bf16"}), "cuda", STEPS,
-                              autocast=True)
+        as_bf16 = runtime.LoadOptions(**{**load, "compute": "bf16"})
+        bf16, _ = train_steps(runtime.load(tiny_slab, "cuda", options=as_bf16), "cuda", STEPS, autocast=True)
         bounds = [(max(TOL, rel), min(1 - TOL, cos)) for rel, cos in map(_distance, eager, bf16)]
-    model = runtime.load(tiny_slab, "cuda", compile_blocks=True, **load)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(compile_blocks=True, **load))
     try:
         compiled_before = block_compile.compile_seconds()
         got, stats = train_steps(model, "cuda", STEPS, autocast=True)
@@ -73,7 +74,8 @@ def test_a_further_step_compiles_nothing(tiny_slab):
     """Once a run's shapes and grad modes are seen (training steps, then no-grad forwards), a further training step
     and a further forward compile nothing."""
     torch._dynamo.reset()
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, compile_blocks=True, cuda_graphs=True)
+    model = runtime.load(tiny_slab, "cuda",
+                         options=runtime.LoadOptions(prefetch=2, compile_blocks=True, cuda_graphs=True))
     train_steps(model, "cuda", STEPS, autocast=True)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         model(**inputs("cuda"), return_dict=False)  # the no-grad forward of sampling, compiled here if not before

@@ -31,7 +31,7 @@ def rerun(body, pool, stream):
 
 
 def graphed(slab, k=2, capture=rerun):
-    model = runtime.load(slab, "cpu", prefetch=k)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(prefetch=k))
     rt = runtime.runtime_of(model)
     rt.graphs = BlockGraphs(rt.device, capture=capture)
     return model
@@ -42,7 +42,7 @@ def eager_steps(tiny_slab):
     """Training steps of the streamed model without graphs, with an optimizer step between them."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SQUAREQ_KERNELS", "torch")
-        return _train(runtime.load(tiny_slab, "cpu", prefetch=2))[0]
+        return _train(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2)))[0]
 
 
 def _train(model, autocast=False):
@@ -62,7 +62,7 @@ def test_graphed_training_equals_eager_step_by_step(tiny_slab, eager_steps, k):
 
 
 def test_graphed_step_under_autocast_equals_eager(tiny_slab):
-    eager, _ = _train(runtime.load(tiny_slab, "cpu", prefetch=2), autocast=True)
+    eager, _ = _train(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2)), autocast=True)
     got, counts = _train(graphed(tiny_slab), autocast=True)
     for g, e in zip(got, eager, strict=True):
         assert_same(g, e)
@@ -95,7 +95,7 @@ def _same(a, b) -> bool:
 
 
 def test_no_grad_forward_replays_and_equals_eager(tiny_slab):
-    eager = runtime.load(tiny_slab, "cpu", prefetch=2)
+    eager = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     model = graphed(tiny_slab)
     batch = inputs("cpu")
     with torch.no_grad():
@@ -196,7 +196,7 @@ def test_static_buffers_made_under_inference_mode_take_later_writes(tiny_slab):
             model(**batch, return_dict=False)
     with torch.no_grad():  # the same shapes outside inference mode: the same static buffers, written again
         out = model(**batch, return_dict=False)[0]
-    eager = runtime.load(tiny_slab, "cpu", prefetch=2)
+    eager = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     with torch.no_grad():
         assert torch.equal(out, eager(**batch, return_dict=False)[0])
     assert runtime.runtime_of(model).graphs.stats.replays > 0
@@ -250,7 +250,7 @@ def test_removing_a_slot_drops_its_graphs(tiny_slab):
 
 def test_cuda_graphs_are_refused_without_a_cuda_device(tiny_slab):
     with pytest.raises(ValueError, match="cuda_graphs=True needs streamed blocks on a CUDA device"):
-        runtime.load(tiny_slab, "cpu", cuda_graphs=True)
+        runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(cuda_graphs=True))
     model = runtime.load(tiny_slab, "cpu")
     assert runtime.runtime_of(model).graphs is None  # off by default
 
@@ -306,7 +306,7 @@ def test_a_block_warms_up_once_whichever_slots_it_visits(tiny_slab):
     """Blocks visit every slot of the ring in turn across steps: a block call runs eagerly WARMUP times in all, and
     in every other slot it is captured at its first call; the replays compute what the eager model does. Negative
     control: with ``at_once`` off, every (block, slot) runs eagerly WARMUP times."""
-    expected = _forwards(runtime.load(tiny_slab, "cpu", prefetch=3), 1)[0]
+    expected = _forwards(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=3)), 1)[0]
     counts = {}
     for at_once in (True, False):
         model = graphed(tiny_slab, k=3)
@@ -327,7 +327,7 @@ def test_a_block_warms_up_once_whichever_slots_it_visits(tiny_slab):
 def test_a_failed_capture_at_once_goes_back_to_warming_up_and_says_so(tiny_slab, caplog):
     """A capture at once that fails is not one of the MAX_FAILURES: that key runs eagerly and warms up, as every
     key does from then on, and the run goes on graphed with the eager model's outputs."""
-    expected = _forwards(runtime.load(tiny_slab, "cpu", prefetch=3), 1)[0]
+    expected = _forwards(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=3)), 1)[0]
     state = {"captures": 0, "fail_at": None}
 
     def capture(body, pool, stream):

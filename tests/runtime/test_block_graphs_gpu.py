@@ -34,8 +34,8 @@ def test_cuda_graphs_equal_eager_step_by_step(tiny_slab, k, host, compute):
     load = dict(prefetch=k, host=host, compute=compute)
     if compute == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 compute needs FP8 tensor cores")
-    eager, _ = _train(runtime.load(tiny_slab, "cuda", **load))
-    model = runtime.load(tiny_slab, "cuda", cuda_graphs=True, **load)
+    eager, _ = _train(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(**load)))
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(cuda_graphs=True, **load))
     try:
         got, stats = _train(model)
         for g, e in zip(got, eager, strict=True):
@@ -49,8 +49,8 @@ def test_cuda_graphs_equal_eager_step_by_step(tiny_slab, k, host, compute):
 
 
 def test_no_grad_sampling_under_cuda_graphs_equals_eager(tiny_slab):
-    eager = runtime.load(tiny_slab, "cuda", prefetch=2)
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, cuda_graphs=True)
+    eager = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2))
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, cuda_graphs=True))
     batch = inputs("cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         expected = eager(**batch, return_dict=False)[0]
@@ -78,8 +78,9 @@ def test_a_block_kept_mid_run_is_captured_at_once_and_trains_like_eager(tiny_sla
         pytest.skip("FP8 compute needs FP8 tensor cores")
     steps, keep = STEPS + 2, _keep_block_at(WARMUP + 2)
     load = dict(prefetch=2, compute=compute)
-    eager, _ = train_steps(runtime.load(tiny_slab, "cuda", **load), "cuda", steps, autocast=True, before_step=keep)
-    model = runtime.load(tiny_slab, "cuda", cuda_graphs=True, **load)
+    eager, _ = train_steps(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(**load)), "cuda", steps,
+                           autocast=True, before_step=keep)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(cuda_graphs=True, **load))
     try:
         got, stats = train_steps(model, "cuda", steps, autocast=True, before_step=keep)
         for g, e in zip(got, eager, strict=True):
@@ -102,8 +103,8 @@ def test_sampling_blocks_in_new_slots_and_kept_are_captured_at_once_and_equal_ea
     if compiled:
         torch._dynamo.reset()  # the other tests' compiles count toward Dynamo's recompile limit
     load = dict(prefetch=3, compute=compute, compile_blocks=compiled)
-    eager = runtime.load(tiny_slab, "cuda", **load)
-    model = runtime.load(tiny_slab, "cuda", cuda_graphs=True, **load)
+    eager = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(**load))
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(cuda_graphs=True, **load))
     batch, keep = inputs("cuda"), _keep_block_at(2 * (WARMUP + 1))
     try:
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -125,7 +126,7 @@ def test_sampling_blocks_in_new_slots_and_kept_are_captured_at_once_and_equal_ea
 
 
 def test_reserved_memory_is_flat_once_every_graph_is_captured(tiny_slab):
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, cuda_graphs=True)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, cuda_graphs=True))
     params = with_lora(model)
     opt = torch.optim.AdamW(params, lr=1e-4)
     model.enable_gradient_checkpointing()
@@ -148,7 +149,7 @@ def test_other_attention_backends_capture_again(tiny_slab):
     not replay then, since they hold the attention kernel picked at their capture."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, cuda_graphs=True)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, cuda_graphs=True))
     batch = inputs("cuda")
     rt = runtime.runtime_of(model)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -170,8 +171,8 @@ def test_a_capture_that_fails_leaves_the_step_correct_and_the_stream_as_it_was(t
     def sync(module, args, output):
         (output[0] if isinstance(output, tuple) else output).float().sum().item()
 
-    eager, _ = _train(runtime.load(tiny_slab, "cuda", prefetch=2))
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, cuda_graphs=True)
+    eager, _ = _train(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2)))
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, cuda_graphs=True))
     model.transformer_blocks[0].norm1.register_forward_hook(sync)
     try:
         got, counts = _train(model)

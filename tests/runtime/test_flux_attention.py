@@ -127,7 +127,8 @@ def test_a_streamed_training_forward_is_marked_as_one(tiny_slab):
     from squareq import runtime
     from squareq.runtime.blocks import in_training_pass
 
-    model = runtime.load(tiny_slab, "cpu", prefetch=2)  # left in eval mode, as load returns it
+    # left in eval mode, as load returns it
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     runtime.add_lora(model, rank=2)
     model.enable_gradient_checkpointing()
     seen = []

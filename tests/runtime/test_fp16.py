@@ -17,7 +17,7 @@ def torch_kernels(monkeypatch):
 
 
 def _run(slab, dtype, stream, k=2):
-    model = runtime.load(slab, "cpu", stream=stream, prefetch=k, dtype=dtype)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=stream, prefetch=k, dtype=dtype))
     with_lora(model)
     activations = torch.float16 if dtype == "fp16" else torch.bfloat16
     return step(model, inputs("cpu", dtype=activations), checkpointing=stream, autocast=activations)
@@ -41,7 +41,7 @@ def test_fp16_base_products_are_fp16_and_bf16_ones_are_not(tiny_slab, monkeypatc
     monkeypatch.setattr(F, "linear", recording)
     for dtype, want in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         seen.clear()
-        model = runtime.load(tiny_slab, "cpu", stream=True, dtype=dtype)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=True, dtype=dtype))
         assert runtime.runtime_of(model).dtype == dtype
         with torch.no_grad(), torch.autocast("cpu", dtype=want):
             model(**inputs("cpu", dtype=want), return_dict=False)
@@ -54,7 +54,7 @@ def test_fp16_step_is_far_closer_to_fp32_than_bf16_is(tiny_slab, monkeypatch):
     gradients sit far closer to fp32's than bf16's do, its 10-bit mantissa against bf16's 7. The bf16 step is the
     negative control that must not pass the fp16 bound."""
     monkeypatch.setitem(compute_mode.DTYPES, "fp32", torch.float32)
-    model = runtime.load(tiny_slab, "cpu", stream=True, dtype="fp32")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=True, dtype="fp32"))
     with_lora(model)
     ref_out, ref_grads = step(model, inputs("cpu", dtype=torch.float32), checkpointing=True)
 
@@ -86,4 +86,4 @@ def test_dtype_auto_is_fp16_only_before_ampere(monkeypatch):
 
 def test_fp8_compute_in_an_fp16_run_is_refused(tiny_slab):
     with pytest.raises(ComputeError, match="fp8 compute runs in bf16 runs only"):
-        runtime.load(tiny_slab, "cpu", compute="fp8", dtype="fp16")
+        runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(compute="fp8", dtype="fp16"))

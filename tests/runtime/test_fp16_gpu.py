@@ -29,15 +29,15 @@ def _train(model):
 
 
 def test_fp16_streamed_equals_resident_and_graphs_equal_eager(tiny_slab):
-    resident = runtime.load(tiny_slab, "cuda", stream=False, dtype="fp16")
+    resident = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(stream=False, dtype="fp16"))
     with_lora(resident)
-    streamed = runtime.load(tiny_slab, "cuda", prefetch=2, dtype="fp16")
+    streamed = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, dtype="fp16"))
     with_lora(streamed)
     batch = inputs("cuda", dtype=FP16)
     assert_same(step(streamed, batch, checkpointing=True, autocast=FP16),
                 step(resident, batch, checkpointing=False, autocast=FP16))
-    eager, _ = _train(runtime.load(tiny_slab, "cuda", prefetch=2, dtype="fp16"))
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, dtype="fp16", cuda_graphs=True)
+    eager, _ = _train(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, dtype="fp16")))
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, dtype="fp16", cuda_graphs=True))
     try:
         got, stats = _train(model)
         for g, e in zip(got, eager, strict=True):
@@ -49,12 +49,14 @@ def test_fp16_streamed_equals_resident_and_graphs_equal_eager(tiny_slab):
 
 def test_fp16_compiled_blocks_train_like_eager_and_near_fp32(tiny_slab, monkeypatch):
     torch._dynamo.reset()
-    eager, _ = _train(runtime.load(tiny_slab, "cuda", prefetch=2, dtype="fp16"))
-    compiled, _ = _train(runtime.load(tiny_slab, "cuda", prefetch=2, dtype="fp16", compile_blocks=True))
+    eager, _ = _train(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, dtype="fp16")))
+    compiled, _ = _train(runtime.load(tiny_slab, "cuda",
+                                      options=runtime.LoadOptions(prefetch=2, dtype="fp16", compile_blocks=True)))
     monkeypatch.setitem(compute_mode.DTYPES, "fp32", torch.float32)
-    reference, _ = train_steps(runtime.load(tiny_slab, "cuda", prefetch=2, dtype="fp32"), "cuda", STEPS,
-                               dtype=torch.float32)
-    bf16, _ = train_steps(runtime.load(tiny_slab, "cuda", prefetch=2), "cuda", STEPS, autocast=True)
+    reference, _ = train_steps(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, dtype="fp32")),
+                               "cuda", STEPS, dtype=torch.float32)
+    bf16, _ = train_steps(runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2)), "cuda", STEPS,
+                          autocast=True)
 
     def rel(a, b):
         return ((a[0].float() - b[0].float()).norm() / b[0].float().norm()).item()

@@ -17,7 +17,7 @@ def torch_kernels(monkeypatch):
 
 
 def _run(slab, compute, stream, k=2):
-    model = runtime.load(slab, "cpu", stream=stream, prefetch=k, compute=compute)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=stream, prefetch=k, compute=compute))
     with_lora(model)
     return step(model, inputs("cpu"), checkpointing=stream)
 
@@ -43,11 +43,11 @@ def test_fp8_forward_goes_through_scaled_mm_and_bf16_does_not(tiny_slab, monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", counting)
-    model = runtime.load(tiny_slab, "cpu", stream=False, compute="bf16")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, compute="bf16"))
     with torch.no_grad():
         model(**inputs("cpu"), return_dict=False)
     assert calls == []  # negative control: bf16 compute never quantizes an input
-    model = runtime.load(tiny_slab, "cpu", stream=False, compute="fp8")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, compute="fp8"))
     assert runtime.runtime_of(model).compute == "fp8"
     with torch.no_grad():
         model(**inputs("cpu"), return_dict=False)
@@ -70,7 +70,7 @@ def test_calls_of_few_rows_stay_bf16(tiny_slab, monkeypatch):
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch, "_scaled_mm", counting)
-            model = runtime.load(tiny_slab, "cpu", stream=False, compute="fp8")
+            model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, compute="fp8"))
             with torch.no_grad():
                 model(**inputs("cpu"), return_dict=False)
         return rows
@@ -93,7 +93,7 @@ def test_fp8_stays_close_to_bf16_and_is_not_bf16(tiny_slab, fp8_resident):
 
 
 def test_auto_is_bf16_on_the_cpu(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", stream=False, compute="auto")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, compute="auto"))
     rt = runtime.runtime_of(model)
     assert rt.compute == "bf16" and "no FP8 tensor cores" in rt.compute_reason
     assert not rt.scratch.fp8
@@ -130,7 +130,7 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch):
 
 def test_an_unknown_mode_is_refused(tiny_slab):
     with pytest.raises(ComputeError, match="compute='fp16': choose one of bf16, fp8, auto"):
-        runtime.load(tiny_slab, "cpu", stream=False, compute="fp16")
+        runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, compute="fp16"))
 
 
 def test_the_memory_plan_counts_the_fp8_scratch(tiny_slab):
@@ -193,7 +193,7 @@ def test_the_fp8_gradient_converters_are_prepared_once_per_block_and_slot(tiny_s
         return prepared[-1]
 
     monkeypatch.setattr(runtime.QuantLinear, "prepared", counting)
-    model = runtime.load(tiny_slab, "cpu", stream=True, prefetch=2, compute="fp8")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=True, prefetch=2, compute="fp8"))
     with_lora(model)
     step(model, inputs("cpu"), checkpointing=True)
     first = len(prepared)

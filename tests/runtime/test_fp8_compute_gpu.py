@@ -20,7 +20,7 @@ def deterministic():
 
 
 def _run(slab, compute, stream, k=2):
-    model = runtime.load(slab, "cuda", stream=stream, prefetch=k, compute=compute)
+    model = runtime.load(slab, "cuda", options=runtime.LoadOptions(stream=stream, prefetch=k, compute=compute))
     with_lora(model)
     try:
         return [step(model, inputs("cuda"), checkpointing=stream, autocast=True) for _ in range(2)]
@@ -41,5 +41,6 @@ def test_fp8_on_cuda_streamed_equals_resident_and_stays_close_to_bf16(tiny_slab)
     rel = ((out8 - out).pow(2).mean() / out.pow(2).mean()).item()
     assert 0 < rel < 1e-2
     fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
-    auto = runtime.runtime_of(runtime.load(tiny_slab, "cuda", stream=False, compute="auto")).compute
+    auto = runtime.runtime_of(runtime.load(tiny_slab, "cuda",
+                                           options=runtime.LoadOptions(stream=False, compute="auto"))).compute
     assert auto == ("fp8" if fp8_cores else "bf16")  # auto: FP8 where there are FP8 tensor cores

@@ -1,8 +1,13 @@
-"""runtime.load builds the family's own class; generic-mode slabs come back as their transformers class; plans."""
+"""runtime.load builds the family's own class; generic-mode slabs come back as their transformers class; plans;
+LoadOptions, and the old keywords' deprecation."""
+import dataclasses
+import warnings
+
 import pytest
 import torch
 
 from squareq import runtime
+from squareq.runtime import load_options
 from squareq.quant import QuantSpec
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
@@ -28,7 +33,7 @@ def test_load_fuses_flux_attention_unless_told_not_to(tiny_slab):
     from squareq.runtime.flux_attention import FusedFluxAttnProcessor
 
     fused = runtime.load(tiny_slab, "cpu")
-    stock = runtime.load(tiny_slab, "cpu", fused_attention=False)
+    stock = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(fused_attention=False))
     assert all(type(b.attn.processor) is FusedFluxAttnProcessor for b in fused.transformer_blocks)
     assert all(type(b.attn.processor) is FluxAttnProcessor for b in stock.single_transformer_blocks)
     inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() and "ids" not in k else v
@@ -65,8 +70,8 @@ def test_generic_mode_slab_loads_as_its_transformers_class(tmp_path):
     write_rtn_slab(source, ["encoder.block.0", "encoder.block.1"], {}, out,
                PlainOptions(default_spec=QuantSpec(bits=8), family="generic"))
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
-    resident = runtime.load(out, "cpu", stream=False)
-    streamed = runtime.load(out, "cpu", prefetch=1)
+    resident = runtime.load(out, "cpu", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(out, "cpu", options=runtime.LoadOptions(prefetch=1))
     assert type(streamed) is T5EncoderModel
     with torch.no_grad():
         expected = resident(input_ids=ids).last_hidden_state
@@ -79,7 +84,7 @@ def test_generic_mode_slab_loads_as_its_transformers_class(tmp_path):
 
 def test_plan_counts_what_load_allocates(tiny_slab):
     plan = runtime.plan(tiny_slab, resolution=128, batch=2, text_tokens=16, prefetch=3, lora_rank=4)
-    model = runtime.load(tiny_slab, "cpu", prefetch=3)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=3))
     rt = runtime.runtime_of(model)
     params = runtime.add_lora(model, rank=4)
     assert plan.tokens == (128 // 16) ** 2 + 16 and plan.hidden == 64
@@ -111,14 +116,14 @@ def test_load_records_where_the_blocks_wait_and_streams_like_resident(tiny_slab)
 
     from .harness import inputs
 
-    streamed = runtime.load(tiny_slab, "cpu", host="pinned", fused_attention=False)
+    streamed = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="pinned", fused_attention=False))
     rt = runtime.runtime_of(streamed)
     assert (rt.host, rt.host_reason, rt.device_blobs) == ("pinned", "asked for", []) and rt.streamer is not None
     assert all(isinstance(streamed.get_submodule(b.name).forward, BlockRunner) for b in rt.manifest.blocks)
-    resident = runtime.load(tiny_slab, "cpu", stream=False, fused_attention=False)
+    resident = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False, fused_attention=False))
     rr = runtime.runtime_of(resident)
     assert rr.streamer is None and rr.host == "device" and len(rr.device_blobs) == len(rr.manifest.blocks)
-    auto = runtime.runtime_of(runtime.load(tiny_slab, "cpu", host="auto"))
+    auto = runtime.runtime_of(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="auto")))
     assert auto.host in ("pinned", "disk") and auto.host_reason and auto.host_reason != "asked for"
     batch = inputs("cpu")
     with torch.no_grad():
@@ -127,9 +132,76 @@ def test_load_records_where_the_blocks_wait_and_streams_like_resident(tiny_slab)
 
 def test_load_rejects_bad_arguments(tiny_slab):
     with pytest.raises(ValueError, match="host="):
-        runtime.load(tiny_slab, "cpu", host="ram")
+        runtime.LoadOptions(host="ram")
     with pytest.raises(ValueError, match="prefetch="):
-        runtime.load(tiny_slab, "cpu", prefetch=0)
+        runtime.LoadOptions(prefetch=0)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs streamed blocks on a CUDA device"):
+        runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(cuda_graphs=True))
+
+
+def _old_keyword_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+            and "LoadOptions" in str(w.message)]
+
+
+def test_load_options_and_the_old_keywords_build_the_same_model(tiny_slab, monkeypatch):
+    """Issue 59: LoadOptions replaced load's keywords, which still work for one release. Both build the same model:
+    the ring, the host, the attention processor and the output."""
+    from .harness import inputs
+
+    monkeypatch.setattr(load_options, "_keywords_warned", False)
+    options = runtime.LoadOptions(prefetch=3, host="pinned", fused_attention=False, verify="lazy")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new = runtime.load(tiny_slab, "cpu", options=options)
+        assert not _old_keyword_warnings(caught)  # the new way warns of nothing
+        old = runtime.load(tiny_slab, "cpu", prefetch=3, host="pinned", fused_attention=False, verify="lazy")
+    assert len(_old_keyword_warnings(caught)) == 1
+    rn, ro = runtime.runtime_of(new), runtime.runtime_of(old)
+    assert len(rn.streamer.slots) == len(ro.streamer.slots) == 3 and rn.host == ro.host == "pinned"
+    assert type(new.transformer_blocks[0].attn.processor) is type(old.transformer_blocks[0].attn.processor)
+    batch = inputs("cpu")
+    with torch.no_grad():
+        assert torch.equal(new(**batch, return_dict=False)[0], old(**batch, return_dict=False)[0])
+    default = runtime.runtime_of(runtime.load(tiny_slab, "cpu"))  # no options: LoadOptions()'s defaults
+    assert len(default.streamer.slots) == runtime.LoadOptions().prefetch == 2
+
+
+def test_the_old_keywords_warn_once_per_process_and_still_work(tiny_slab, monkeypatch):
+    """pyproject ignores DeprecationWarning, so the warnings are recorded here with "always": what keeps the second
+    call quiet is load's own once-flag (reset first, since an earlier test may have used the keywords)."""
+    monkeypatch.setattr(load_options, "_keywords_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resident = runtime.load(tiny_slab, "cpu", stream=False)
+        streamed = runtime.load(tiny_slab, "cpu", prefetch=1)
+    said = _old_keyword_warnings(caught)
+    assert len(said) == 1 and "options=LoadOptions(...)" in said[0] and "stream" in said[0], said
+    assert [w.filename for w in caught if "LoadOptions" in str(w.message)] == [__file__]  # points at the caller
+    assert not runtime.runtime_of(resident).streamed and len(runtime.runtime_of(streamed).streamer.slots) == 1
+    # negative control: with the flag reset, the next call with the old keywords warns again
+    monkeypatch.setattr(load_options, "_keywords_warned", False)
+    with pytest.warns(DeprecationWarning, match="LoadOptions"):
+        runtime.load(tiny_slab, "cpu", stream=False)
+
+
+def test_old_keywords_beside_options_and_unknown_keywords_are_refused(tiny_slab):
+    with pytest.raises(TypeError, match=r"options=LoadOptions\(...\) or the old keywords \(prefetch\), not both"):
+        runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(), prefetch=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefech'"):
+        runtime.load(tiny_slab, "cpu", prefech=3)
+    with pytest.raises(TypeError, match="positional"):
+        runtime.load(tiny_slab, "cpu", runtime.LoadOptions())  # options are passed by name
+
+
+def test_load_options_are_frozen_with_load_s_old_defaults():
+    options = runtime.LoadOptions(prefetch=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.prefetch = 4
+    assert dataclasses.replace(options, host="disk") == runtime.LoadOptions(prefetch=3, host="disk")
+    assert {f.name: f.default for f in dataclasses.fields(runtime.LoadOptions)} == {
+        "prefetch": 2, "host": "pinned", "stream": True, "verify": "eager", "trace": None, "compute": "bf16",
+        "cuda_graphs": False, "fused_attention": True, "compile_blocks": False, "attention": "auto", "dtype": "bf16"}
 
 
 def test_generic_mode_transformers_model_trains_streamed_like_resident(tmp_path):
@@ -143,7 +215,7 @@ def test_generic_mode_transformers_model_trains_streamed_like_resident(tmp_path)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     grads = []
     for stream in (False, True):
-        model = runtime.load(out, "cpu", stream=stream, prefetch=1)
+        model = runtime.load(out, "cpu", options=runtime.LoadOptions(stream=stream, prefetch=1))
         params = runtime.add_lora(model, rank=2, targets=["q", "v"])
         with torch.no_grad():
             for p in params:

@@ -45,7 +45,7 @@ def test_streamed_encoder_equals_the_whole_one(build, layers, prefetch):
 
 
 def test_block_tensors_move_into_the_blobs_instead_of_doubling(monkeypatch):
-    from squareq.runtime import host
+    from squareq.runtime.host import staging as host
 
     model = _t5()
     originals = {n: p.data_ptr() for n, p in model.encoder.block.named_parameters()}

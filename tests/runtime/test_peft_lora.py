@@ -19,7 +19,7 @@ def torch_kernels(monkeypatch, request):
 def step(slab, stream: bool, variant: LoraVariant | None, peft: bool = False, b_std: float = 0.05,
          device: str = "cpu"):
     """One training forward and backward (bf16 autocast, checkpointed): output and every LoRA gradient by name."""
-    model = runtime.load(slab, device, stream=stream, prefetch=2)
+    model = runtime.load(slab, device, options=runtime.LoadOptions(stream=stream, prefetch=2))
     runtime.add_lora(model, rank=4, alpha=2.0, targets=TARGETS, seed=1, variant=variant, peft=peft)
     with torch.no_grad():
         for i, (name, p) in enumerate(sorted(runtime.lora_parameters(model).items())):
@@ -60,10 +60,10 @@ def test_peft_plain_lora_equals_the_fast_path_bit_for_bit(tiny_slab):
 def test_dora_starts_from_the_real_weight_and_leaves_the_output_unchanged(tiny_slab):
     """Each magnitude is its layer's row norms, read from a streamed block brought into a slot (the QuantLinear's
     stand-in weight would give other numbers), so the untrained DoRA model computes what the base model does."""
-    base = runtime.load(tiny_slab, "cpu", stream=False)
+    base = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
     with torch.no_grad():
         expected = base(**tiny_flux_inputs(dtype=torch.bfloat16), return_dict=False)[0]
-    model = runtime.load(tiny_slab, "cpu", stream=True, prefetch=1)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=True, prefetch=1))
     runtime.add_lora(model, rank=4, targets=TARGETS, variant=LoraVariant(dora=True))
     layer = base.get_submodule("transformer_blocks.1.attn.to_q")
     magnitude = runtime.lora_parameters(model)["transformer_blocks.1.attn.to_q.lora_magnitude_vector"]
@@ -76,7 +76,7 @@ def test_dora_starts_from_the_real_weight_and_leaves_the_output_unchanged(tiny_s
 
 
 def test_rslora_scale_and_dropout_are_peft_s(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", stream=False)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
     runtime.add_lora(model, rank=4, alpha=8.0, targets=["to_q"], variant=LoraVariant(rslora=True, dropout=0.25))
     wrapper = model.get_submodule("transformer_blocks.0.attn.to_q")
     assert wrapper.scaling["default"] == 8.0 / 2.0  # alpha / sqrt(rank), not alpha / rank

@@ -90,8 +90,8 @@ def test_with_cuda_graphs_a_forward_only_ring_divides_the_streamed_blocks():
 def test_a_tuned_streamed_model_computes_the_same_and_copies_only_what_streams(tiny_slab):
     """Two resident blocks and a larger ring, applied after the probe step: the same outputs and LoRA gradients
     bit for bit, forward-only and training, and the resident blocks are not copied any more."""
-    resident = runtime.load(tiny_slab, "cpu", stream=False)
-    streamed = runtime.load(tiny_slab, "cpu", prefetch=2)
+    resident = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     for m in (resident, streamed):
         with_lora(m)
     rt = runtime.runtime_of(streamed)
@@ -120,8 +120,8 @@ def test_slots_lent_and_taken_back_leave_no_stale_views(tiny_slab):
     """The trainer lends its ring extra slots for sample images and takes them back at every sampling interval:
     a removed slot's cached views go with it (they would keep its memory and could be bound again), and the
     model computes as before after each round."""
-    resident = runtime.load(tiny_slab, "cpu", stream=False)
-    streamed = runtime.load(tiny_slab, "cpu", prefetch=2)
+    resident = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     for m in (resident, streamed):
         with_lora(m)
     rt = runtime.runtime_of(streamed)
@@ -150,7 +150,7 @@ def test_a_probe_step_that_compiled_is_not_measured(tiny_slab, monkeypatch):
     batch = inputs("cpu")
 
     def planned_after(steps_compiling: tuple[bool, ...]) -> list[bool]:
-        model = runtime.load(tiny_slab, "cpu", prefetch=2)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
         tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40)
         planned = []
         with torch.no_grad():
@@ -185,7 +185,7 @@ def test_a_sampling_tuner_probes_the_first_step_that_replays_its_graphs(tiny_sla
     batch = inputs("cpu")
 
     def probed_at(graphs_class, wait: bool) -> int:
-        model = runtime.load(tiny_slab, "cpu", prefetch=2)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
         rt = runtime.runtime_of(model)
         rt.graphs = graphs_class(rt.device, capture=rerun)
         tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40, forward_only=wait)
@@ -227,7 +227,7 @@ def test_a_probe_armed_past_the_end_of_an_image_times_one_step_of_the_next(tiny_
 
     def run(probe_step: int) -> list[int]:
         counted.clear()
-        model = runtime.load(tiny_slab, "cpu", prefetch=2)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
         tuner = StreamTuner(model, prefetch=4, budget_bytes=1 << 40, probe_step=probe_step)
         with torch.no_grad():
             for _ in range(2):  # two images of two steps; the callback runs after each step
@@ -237,7 +237,7 @@ def test_a_probe_armed_past_the_end_of_an_image_times_one_step_of_the_next(tiny_
         assert tuner.plan is not None
         return list(counted)
 
-    n = len(runtime.runtime_of(runtime.load(tiny_slab, "cpu", prefetch=2)).manifest.blocks)
+    n = len(runtime.runtime_of(runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))).manifest.blocks)
     assert run(probe_step=2) == [n]
     assert run(probe_step=1) == [n]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from squareq import runtime
-from squareq.runtime import host_memory
+from squareq.runtime.host import pinned as host_memory
 from squareq.runtime.loader import runtime_of
 
 from .harness import inputs
@@ -32,8 +32,8 @@ def _forward(model):
 
 
 def test_two_loads_map_one_copy_and_the_last_user_removes_it(tiny_slab, shm):
-    a = runtime.load(tiny_slab, "cpu", host="shared")
-    b = runtime.load(tiny_slab, "cpu", host="shared")
+    a = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
+    b = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
     arena_a, arena_b = _arena(a), _arena(b)
     assert (arena_a.memory.created, arena_b.memory.created) == (True, False)
     path = arena_a.memory.path
@@ -44,7 +44,7 @@ def test_two_loads_map_one_copy_and_the_last_user_removes_it(tiny_slab, shm):
     assert int(arena_b.buffer[7]) == (before + 1) % 256
     arena_a.buffer[7] = before
 
-    pinned = runtime.load(tiny_slab, "cpu", host="pinned")
+    pinned = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="pinned"))
     assert torch.equal(_forward(b), _forward(pinned))
     assert _arena(pinned).memory.path is None
 
@@ -56,18 +56,18 @@ def test_two_loads_map_one_copy_and_the_last_user_removes_it(tiny_slab, shm):
 
 
 def test_a_copy_left_by_a_killed_job_is_reused_and_a_half_written_one_is_not(tiny_slab, shm):
-    first = runtime.load(tiny_slab, "cpu", host="shared")
+    first = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
     path = _arena(first).memory.path
     left = path.read_bytes()
     runtime_of(first).close()
     part = path.with_name(path.name.replace(".blobs", "") + ".999999.part")
     part.write_bytes(left[: len(left) // 2])  # a creator killed mid-fill: never trusted
-    refilled = runtime.load(tiny_slab, "cpu", host="shared")
+    refilled = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
     assert _arena(refilled).memory.created is True and not part.exists()
     runtime_of(refilled).close()
 
     path.write_bytes(left)  # as a SIGKILLed job leaves a finished copy (its locks die with it)
-    again = runtime.load(tiny_slab, "cpu", host="shared")
+    again = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
     assert _arena(again).memory.created is False
     assert torch.equal(_forward(again), _forward(runtime.load(tiny_slab, "cpu")))
     runtime_of(again).close()
@@ -80,13 +80,13 @@ def test_too_little_room_for_the_shared_copy_names_the_remedies(tiny_slab, monke
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(host_memory.shutil, "disk_usage", lambda p: usage(100, 90, 10))
     with pytest.raises(host_memory.HostMemoryError, match="--shm-size.*SQUAREQ_SHM_DIR.*--host disk"):
-        runtime.load(tiny_slab, "cpu", host="shared")
+        runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
 
 
 def _load_in_child(slab: str, shm: str, results, release) -> None:
     os.environ.update(SQUAREQ_SHM_DIR=shm, SQUAREQ_KERNELS="torch")
     torch.set_num_threads(1)
-    model = runtime.load(slab, "cpu", host="shared")
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(host="shared"))
     arena = _arena(model)
     results.put((arena.memory.created, os.stat(arena.memory.path).st_ino, float(_forward(model).float().sum())))
     release.get()  # hold the mapping until the parent has heard from both children
@@ -122,7 +122,7 @@ def test_copies_of_other_slabs_that_no_job_holds_are_removed(tiny_slab, shm):
     holder = os.open(live.with_name(live.name + ".users.lock"), os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_SH)  # a running job still maps this one
     try:
-        model = runtime.load(tiny_slab, "cpu", host="shared")
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(host="shared"))
         assert not dead.with_name(dead.name + ".blobs").exists()
         assert live.with_name(live.name + ".blobs").exists()
         runtime_of(model).close()

@@ -25,7 +25,7 @@ def reference(tiny_slab):
     the torch reference dequantizer."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SQUAREQ_KERNELS", "torch")
-        model = runtime.load(tiny_slab, "cpu", stream=False)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
         with_lora(model)
         return step(model, inputs("cpu"), checkpointing=False)
 
@@ -33,14 +33,14 @@ def reference(tiny_slab):
 @pytest.mark.triton
 def test_streamed_step_through_the_triton_kernel_equals_resident(tiny_slab, reference):
     assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
-    model = runtime.load(tiny_slab, "cpu", prefetch=2)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     with_lora(model)
     assert_same(step(model, inputs("cpu"), checkpointing=True), reference)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_streamed_training_step_equals_resident(tiny_slab, reference, k):
-    model = runtime.load(tiny_slab, "cpu", prefetch=k)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=k))
     with_lora(model)
     assert_same(step(model, inputs("cpu"), checkpointing=True), reference)
     # a second step runs on the recorded order and prefetches; it must still be identical
@@ -48,14 +48,14 @@ def test_streamed_training_step_equals_resident(tiny_slab, reference, k):
 
 
 def test_resident_model_with_torch_checkpointing_equals_without(tiny_slab, reference):
-    model = runtime.load(tiny_slab, "cpu", stream=False)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
     with_lora(model)
     assert_same(step(model, inputs("cpu"), checkpointing=True), reference)
 
 
 def test_streamed_step_under_autocast_equals_resident(tiny_slab):
-    resident = runtime.load(tiny_slab, "cpu", stream=False)
-    streamed = runtime.load(tiny_slab, "cpu", prefetch=2)
+    resident = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     for m in (resident, streamed):
         with_lora(m)
     batch = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs("cpu").items()}
@@ -65,8 +65,8 @@ def test_streamed_step_under_autocast_equals_resident(tiny_slab):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_no_grad_forward_streams_and_equals_resident(tiny_slab, k):
-    resident = runtime.load(tiny_slab, "cpu", stream=False)
-    streamed = runtime.load(tiny_slab, "cpu", prefetch=k)
+    resident = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=k))
     batch = inputs("cpu")
     with torch.no_grad():
         expected = resident(**batch, return_dict=False)[0]
@@ -79,7 +79,7 @@ def test_no_grad_forward_streams_and_equals_resident(tiny_slab, k):
 
 
 def test_disk_host_equals_pinned(tiny_slab, reference):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2, host="disk")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, host="disk"))
     with_lora(model)
     try:
         assert_same(step(model, inputs("cpu"), checkpointing=True), reference)
@@ -95,8 +95,8 @@ def _permute_blocks(model, order):
 
 
 def test_execution_order_differing_from_definition_order_is_learned(tiny_slab):
-    resident = runtime.load(tiny_slab, "cpu", stream=False)
-    streamed = runtime.load(tiny_slab, "cpu", prefetch=2)
+    resident = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     for m in (resident, streamed):
         _permute_blocks(m, [1, 0])  # the forward now runs slab block 1 before block 0
         with_lora(m)
@@ -113,7 +113,7 @@ def test_execution_order_differing_from_definition_order_is_learned(tiny_slab):
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_prefetch_hits_after_the_first_pass(tiny_slab, k):
-    model = runtime.load(tiny_slab, "cpu", prefetch=k)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=k))
     with_lora(model)
     rt = runtime.runtime_of(model)
     step(model, inputs("cpu"), checkpointing=True)
@@ -128,7 +128,7 @@ def test_prefetch_hits_after_the_first_pass(tiny_slab, k):
 
 
 def test_streamed_training_without_checkpointing_is_refused(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     with_lora(model)
     with pytest.raises(RuntimeError, match="enable_gradient_checkpointing"):
         step(model, inputs("cpu"), checkpointing=False)
@@ -154,7 +154,7 @@ def test_corrupted_block_stops_before_the_first_step(tiny_slab, tmp_path):
 
 
 def test_memory_is_flat_over_twenty_steps(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     params = with_lora(model)
     opt = torch.optim.AdamW(params, lr=1e-3)
     rt = runtime.runtime_of(model)
@@ -187,7 +187,7 @@ def _rss_bytes() -> int:
 
 def test_trace_records_copies_and_blocks(tiny_slab, tmp_path):
     path = tmp_path / "trace.json"
-    model = runtime.load(tiny_slab, "cpu", prefetch=2, trace=path)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, trace=path))
     with_lora(model)
     step(model, inputs("cpu"), checkpointing=True)
     runtime.runtime_of(model).step_stats()
@@ -208,7 +208,7 @@ def test_a_failed_disk_read_is_reported_and_the_ring_recovers(tiny_slab, tmp_pat
     slab = tmp_path / "copy.slab"
     shutil.copytree(tiny_slab, slab)
     data = slab / "slab.safetensors"
-    model = runtime.load(slab, "cpu", prefetch=1, host="disk")
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(prefetch=1, host="disk"))
     expected = _no_grad_output(model)
     original = data.read_bytes()
     os.truncate(data, len(original) // 3)
@@ -221,7 +221,7 @@ def test_a_failed_disk_read_is_reported_and_the_ring_recovers(tiny_slab, tmp_pat
 
 
 def test_an_interrupt_while_binding_does_not_wedge_the_ring(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", prefetch=1)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=1))
     expected = _no_grad_output(model)
     streamer = runtime.runtime_of(model).streamer
     bind = streamer.bind
@@ -237,7 +237,7 @@ def test_an_interrupt_while_binding_does_not_wedge_the_ring(tiny_slab):
 
 
 def test_a_first_forward_under_inference_mode_does_not_break_training(tiny_slab, reference):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2))
     with_lora(model)
     with torch.inference_mode():
         model(**inputs("cpu"), return_dict=False)
@@ -245,7 +245,7 @@ def test_a_first_forward_under_inference_mode_does_not_break_training(tiny_slab,
 
 
 def test_a_closed_runtime_refuses_to_stream(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", prefetch=2, host="disk")
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=2, host="disk"))
     rt = runtime.runtime_of(model)
     rt.close()
     rt.close()  # a second close is harmless
@@ -254,7 +254,7 @@ def test_a_closed_runtime_refuses_to_stream(tiny_slab):
 
 
 def test_a_layer_whose_block_left_its_slot_refuses_to_run(tiny_slab):
-    model = runtime.load(tiny_slab, "cpu", prefetch=1)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(prefetch=1))
     _no_grad_output(model)  # with one slot, block 0 was evicted by the blocks after it
     layer = model.get_submodule("transformer_blocks.0.attn.to_q")
     with pytest.raises(RuntimeError, match="no weight bound"):

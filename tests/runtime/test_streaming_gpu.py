@@ -29,7 +29,7 @@ def cuda_reference(tiny_slab):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        model = runtime.load(tiny_slab, "cuda", stream=False)
+        model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(stream=False))
         with_lora(model)
         return step(model, inputs("cuda"), checkpointing=False, autocast=True)
 
@@ -37,7 +37,7 @@ def cuda_reference(tiny_slab):
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("host", ["pinned", "shared", "disk"])
 def test_streamed_equals_resident_on_cuda(tiny_slab, cuda_reference, k, host):
-    model = runtime.load(tiny_slab, "cuda", prefetch=k, host=host)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=k, host=host))
     with_lora(model)
     try:
         for _ in range(3):
@@ -52,8 +52,8 @@ def test_streamed_equals_resident_on_cuda(tiny_slab, cuda_reference, k, host):
 
 
 def test_no_grad_on_cuda_equals_resident(tiny_slab):
-    resident = runtime.load(tiny_slab, "cuda", stream=False)
-    streamed = runtime.load(tiny_slab, "cuda", prefetch=2)
+    resident = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(stream=False))
+    streamed = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2))
     batch = inputs("cuda")
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         expected = resident(**batch, return_dict=False)[0]
@@ -62,7 +62,8 @@ def test_no_grad_on_cuda_equals_resident(tiny_slab):
 
 
 def test_permuted_execution_order_on_cuda(tiny_slab):
-    models = [runtime.load(tiny_slab, "cuda", stream=False), runtime.load(tiny_slab, "cuda", prefetch=2)]
+    models = [runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(stream=False)),
+              runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2))]
     for m in models:
         blocks = m.single_transformer_blocks
         blocks[0], blocks[1] = blocks[1], blocks[0]
@@ -74,7 +75,7 @@ def test_permuted_execution_order_on_cuda(tiny_slab):
 
 
 def test_reserved_memory_is_flat_over_twenty_steps(tiny_slab):
-    model = runtime.load(tiny_slab, "cuda", prefetch=2)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2))
     params = with_lora(model)
     opt = torch.optim.AdamW(params, lr=1e-4)
     model.enable_gradient_checkpointing()
@@ -95,7 +96,7 @@ def test_reserved_memory_is_flat_over_twenty_steps(tiny_slab):
 
 
 def test_step_stats_measure_copy_wait_on_cuda(tiny_slab):
-    model = runtime.load(tiny_slab, "cuda", prefetch=1)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=1))
     with_lora(model)
     rt = runtime.runtime_of(model)
     step(model, inputs("cuda"), checkpointing=True, autocast=True)
@@ -109,7 +110,7 @@ def test_a_tuned_ring_with_resident_blocks_equals_resident_on_cuda(tiny_slab, cu
     a training step still equals the resident model's, and the kept blocks are no longer copied."""
     from squareq.runtime.residency import StreamTuner
 
-    model = runtime.load(tiny_slab, "cuda", prefetch=2, host=host)
+    model = runtime.load(tiny_slab, "cuda", options=runtime.LoadOptions(prefetch=2, host=host))
     with_lora(model)
     rt = runtime.runtime_of(model)
     tuner = StreamTuner(model, prefetch=4, resident=2, budget_bytes=1 << 34)

@@ -33,7 +33,8 @@ def _swap_names(m: dict) -> None:
 
 def _refused_everywhere(slab, match: str) -> None:
     """Opening (as inspect does), --verify and runtime.load (as train and sample do) all refuse in one sentence."""
-    for use in (lambda: open_slab(slab, verify="off"), lambda: runtime.load(slab, "cpu", stream=False)):
+    for use in (lambda: open_slab(slab, verify="off"),
+                lambda: runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))):
         with pytest.raises(SlabError, match=match) as info:
             use()
         assert str(slab) in str(info.value) and "\n" not in str(info.value)
@@ -76,14 +77,14 @@ def test_an_untouched_slab_verifies_and_loads(slab):
     edit_manifest(slab, lambda m: None)  # rewritten without a change: the digest does not depend on the JSON's form
     result = CliRunner().invoke(main, ["inspect", str(slab), "--verify"])
     assert result.exit_code == 0 and "matches its sha256" in result.output and "note:" not in result.output
-    model = runtime.load(slab, "cpu", stream=False)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
     with open_slab(slab, verify="eager") as s:
         assert torch.equal(dict(model.named_parameters())[FIRST].detach().cpu(), s.resident_tensors()[FIRST])
 
 
 def test_a_slab_written_before_the_digest_opens_and_verify_says_so_in_one_line(slab):
     edit_manifest(slab, lambda m: m.pop("resident_layout_sha256"))
-    runtime.load(slab, "cpu", stream=False)
+    runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
     result = CliRunner().invoke(main, ["inspect", str(slab), "--verify"])
     notes = [line for line in result.output.splitlines() if line.startswith("note:")]
     assert result.exit_code == 0 and len(notes) == 1 and "recompile it" in notes[0] and str(slab) in notes[0]

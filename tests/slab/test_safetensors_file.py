@@ -1,9 +1,12 @@
 """Deterministic safetensors files: readable by the safetensors library, and equal bytes for equal contents."""
+import hashlib
+
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from squareq.slab.digest import DigestError, file_sha256, hashed_safetensors, read_hashed
 from squareq.slab.safetensors_file import safetensors_bytes
 
 
@@ -41,3 +44,30 @@ def test_equal_contents_give_equal_bytes_whatever_the_order():
 def test_an_unstorable_dtype_is_refused():
     with pytest.raises(ValueError, match="complex"):
         safetensors_bytes({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_a_hashed_cache_entry_comes_from_the_same_writer_and_reads_back(tmp_path):
+    """slab/digest.py writes cache entries through safetensors_bytes: equal tensors give equal bytes, and
+    read_hashed gives them back with their hash checked."""
+    tensors = _tensors()
+    first = hashed_safetensors(tensors)
+    assert first == hashed_safetensors(dict(reversed(list(tensors.items()))))
+    path = tmp_path / "entry.safetensors"
+    path.write_bytes(first)
+    back = read_hashed(path)
+    assert sorted(back) == sorted(tensors)
+    assert all(torch.equal(back[name], t) for name, t in tensors.items())
+    damaged = bytearray(first)
+    damaged[-1] ^= 1  # the last tensor's last byte
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(DigestError, match="does not match its hash"):
+        read_hashed(path)
+
+
+def test_file_sha256_is_the_sha256_of_the_bytes(tmp_path):
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * 5000  # more than one read of file_digest's buffer
+    path.write_bytes(data)
+    assert file_sha256(path) == hashlib.sha256(data).hexdigest()
+    path.write_bytes(data[:-1] + b"\0")
+    assert file_sha256(path) != hashlib.sha256(data).hexdigest()

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from squareq.train.cache import CacheError, EmbeddingCache, content_key, module_identity
+from squareq.slab.digest import content_key
+from squareq.sources.encoder_identity import module_identity
+from squareq.train.cache import CacheError, EmbeddingCache
 
 
 def _encode_all(cache, captions, calls):
@@ -68,7 +70,7 @@ def test_no_partial_files_are_left_after_a_failed_compute(tmp_path):
 
 def test_module_identity_sums_a_large_tensor_a_chunk_at_a_time(monkeypatch):
     """Chunked (no float64 copy of a whole embedding table) and still sensitive to a change in the last chunk."""
-    from squareq.train import cache
+    from squareq.sources import encoder_identity as cache
 
     emb = torch.nn.Embedding(50, 8)
     whole = module_identity(emb, "enc")

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import squareq.train.checkpoint as ckpt
+from squareq.slab.digest import file_sha256
 from squareq.train.checkpoint import (
-    CheckpointError,
     check_resume_folder,
     checkpoint_dir,
     latest_checkpoint,
@@ -19,6 +19,7 @@ from squareq.train.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from squareq.train.checkpoint_state import CheckpointError
 
 
 def _model(seed=0):
@@ -56,7 +57,7 @@ def _train(model, opt, sched, steps):
 
 def _reseal(path):
     """Rewrite checksums.json over the files as they are now: a damage the checksums cannot see."""
-    sums = {f: ckpt._sha256(path / f) for f in ckpt.HASHED_FILES}
+    sums = {f: file_sha256(path / f) for f in ckpt.HASHED_FILES}
     (path / ckpt.CHECKSUMS_FILE).write_text(json.dumps({"format": ckpt.FORMAT, "sha256": sums}))
 
 

@@ -11,8 +11,10 @@ from squareq.models import load_builtin
 from squareq.quant import QuantSpec
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.config import ConfigError, TrainConfig, load_config
-from squareq.train.lora_files import LoraFileError, load_lora
-from squareq.train.loop import TrainError, train
+from squareq.train.lora_factors import LoraFileError
+from squareq.train.lora_reader import load_lora
+from squareq.train.errors import TrainError
+from squareq.train.loop import train
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +52,7 @@ def _eval_loss(ws, lora_file, seed=0) -> float:
     from squareq.train.cache import EmbeddingCache
     from squareq.train.objective import flow_loss, flow_match, image_ids, pack_latents, text_ids
 
-    model = runtime.load(ws / "tiny.slab", "cpu", stream=False)
+    model = runtime.load(ws / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     if lora_file is not None:
         lora, info = load_lora(lora_file)
         runtime.add_lora(model, rank=info["rank"], alpha=info["alpha"], targets=sorted({n.rsplit(".", 2)[0] for n in lora}))
@@ -111,8 +113,8 @@ def test_a_killed_run_resumes_to_the_same_lora(workspace, tmp_path, capsys):
 def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeypatch):
     """On a GPU whose cuDNN attention backward returns NaN without raising, the trainer turns cuDNN off and redoes the
     step with the same batch, noise and timesteps: the run ends as if nothing happened (simulated on the CPU)."""
-    import squareq.train.loop as loop
     import squareq.train.objective as objective
+    import squareq.train.step as step
 
     straight = train(_config(workspace, tmp_path / "straight", steps=6, save_every=0), echo=lambda s: None)
     real = objective.flow_loss  # the trainer's loss goes through objective.denoising_loss
@@ -125,7 +127,7 @@ def test_a_step_poisoned_by_cudnn_is_redone_exactly(workspace, tmp_path, monkeyp
 
     retries = []
     monkeypatch.setattr(objective, "flow_loss", poisoned_once)
-    monkeypatch.setattr(loop.runtime, "retry_without_cudnn", lambda device: not retries and not retries.append(device))
+    monkeypatch.setattr(step.runtime, "retry_without_cudnn", lambda device: not retries and not retries.append(device))
     redone = train(_config(workspace, tmp_path / "redone", steps=6, save_every=0), echo=lambda s: None)
     assert len(retries) == 1 and calls["n"] == 7 and redone.skipped_steps == 0
     a, _ = load_lora(straight.lora_file)
@@ -223,7 +225,7 @@ def test_cuda_graphs_without_a_gpu_are_refused_before_caching(workspace, tmp_pat
 
 
 def test_cuda_graphs_auto_is_on_with_a_gpu_unless_dropout_or_a_vram_budget_would_make_it_wrong():
-    from squareq.train.loop import _use_cuda_graphs
+    from squareq.train.run_plan import _use_cuda_graphs
 
     gpu, cpu, said = torch.device("cuda", 0), torch.device("cpu"), []
 
@@ -268,12 +270,12 @@ def test_the_train_command_runs_and_refuses_bad_input(workspace, tmp_path):
 
 
 def test_samples_during_training_do_not_change_the_lora(workspace, tmp_path, monkeypatch):
-    from squareq.train import loop
+    from squareq.train import prepare, run_samples
 
     plain = train(_config(workspace, tmp_path / "plain", steps=4), echo=lambda s: None)
-    opened, decoders, original, original_decoder = [], [], loop.open_encoders, loop.open_decoder
-    monkeypatch.setattr(loop, "open_encoders", lambda *a, **k: opened.append(a) or original(*a, **k))
-    monkeypatch.setattr(loop, "open_decoder", lambda *a, **k: decoders.append(a) or original_decoder(*a, **k))
+    opened, decoders, original, original_decoder = [], [], prepare.open_encoders, run_samples.open_decoder
+    monkeypatch.setattr(prepare, "open_encoders", lambda *a, **k: opened.append(a) or original(*a, **k))
+    monkeypatch.setattr(run_samples, "open_decoder", lambda *a, **k: decoders.append(a) or original_decoder(*a, **k))
     sampled = train(_config(workspace, tmp_path / "sampled", steps=4, sample_every=2, cache_dir=str(tmp_path / "c"),
                             sample_prompts=["a red square", "a blue square"], sample_steps=2), echo=lambda s: None)
     # the text encoders ran once, to fill the cache (the sample prompts' embeddings too); the VAE was loaded once for
@@ -321,7 +323,7 @@ def test_sample_and_export_commands(workspace, tmp_path, caplog):
     from squareq.cli import main
     from squareq.train.lora_files import save_diffusers_lora
 
-    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    model = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     params = runtime.add_lora(model, rank=4, seed=3)
     with torch.no_grad():
         for p in params:
@@ -642,9 +644,11 @@ def test_a_lora_whose_shapes_do_not_fit_the_slab_is_one_sentence_naming_file_key
     from safetensors.torch import load_file, save_file
 
     from squareq.cli import main
-    from squareq.train.lora_files import WEIGHT_NAME, LoraFileError, attach_lora, save_diffusers_lora, save_kohya_lora
+    from squareq.train.lora_attach import attach_lora
+    from squareq.train.lora_factors import LoraFileError
+    from squareq.train.lora_files import WEIGHT_NAME, save_diffusers_lora, save_kohya_lora
 
-    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    model = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     runtime.add_lora(model, rank=4, seed=3)
     lora = runtime.lora_state_dict(model)
     good = save_diffusers_lora(lora, tmp_path / "good", 4, 4.0, ["to_q", "to_k", "to_v", "to_out.0"])
@@ -671,7 +675,7 @@ def test_a_lora_whose_shapes_do_not_fit_the_slab_is_one_sentence_naming_file_key
     down = "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight"
     tensors = load_file(str(kohya))
     save_file({**tensors, down: torch.zeros(4, tensors[down].shape[1] + 1)}, str(kohya))
-    fresh = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    fresh = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     with pytest.raises(LoraFileError, match=rf"k\.safetensors: {down} \(its part for layer "
                                             r"transformer_blocks\.0\.attn\.to_out\.0\) is \[4, \d+\] but"):
         attach_lora(fresh, *load_lora(kohya))
@@ -685,7 +689,7 @@ def test_an_overflowing_lora_draws_no_black_image(workspace, tmp_path):
     from squareq.cli import main
     from squareq.train.lora_files import save_diffusers_lora
 
-    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    model = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     params = runtime.add_lora(model, rank=2, seed=3)
     with torch.no_grad():
         for p in params:
@@ -829,7 +833,8 @@ def test_a_killed_runs_temporaries_are_removed_with_a_line_and_nothing_else_is(w
 
 
 def test_the_kohya_layout_is_refused_for_other_families_before_training(workspace, tmp_path):
-    from squareq.train.loop import TrainError, save_formats
+    from squareq.train.errors import TrainError
+    from squareq.train.run_plan import save_formats
 
     cfg = _config(workspace, tmp_path / "wan", save_format=["diffusers", "kohya"])
     assert save_formats(cfg, "flux") == ["diffusers", "kohya"]
@@ -840,7 +845,7 @@ def test_the_kohya_layout_is_refused_for_other_families_before_training(workspac
 
 def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence(workspace, tmp_path):
     from squareq.train.data import DataError
-    from squareq.train.loop import prepare_data
+    from squareq.train.prepare import prepare_data
 
     data = tmp_path / "data"
     data.mkdir()
@@ -854,7 +859,7 @@ def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence
 
 
 def test_several_resolutions_give_every_image_an_entry_at_each(workspace, tmp_path):
-    from squareq.train.loop import prepare_data
+    from squareq.train.prepare import prepare_data
 
     one = prepare_data(_config(workspace, tmp_path / "a"), None, torch.device("cpu"), encode=False)
     two = prepare_data(_config(workspace, tmp_path / "b", resolution=[64, 128]), None, torch.device("cpu"),
@@ -900,7 +905,7 @@ def test_prodigy_and_adafactor_train_and_resume_to_the_same_lora(workspace, tmp_
 def test_prodigy_without_prodigyopt_is_one_sentence(workspace, tmp_path, monkeypatch):
     import sys
 
-    from squareq.train.loop import TrainError
+    from squareq.train.errors import TrainError
 
     monkeypatch.setitem(sys.modules, "prodigyopt", None)  # as if not installed
     with pytest.raises(TrainError, match=r"optimizer = prodigy needs prodigyopt; install it \(pip install prodigyopt\)"):
@@ -917,7 +922,7 @@ def test_ema_is_the_final_lora_and_resumes_exactly(workspace, tmp_path):
     kw = dict(steps=4, save_every=1, keep_last=10, ema_decay=0.5)
     result = train(_config(workspace, tmp_path / "ema", **kw), echo=lambda s: None)
     final, _ = load_lora(result.lora_file)
-    model = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    model = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     cfg = _config(workspace, tmp_path / "ema", **kw).with_family_defaults("flux")
     runtime.add_lora(model, rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
     average = {n: p.detach().float().clone() for n, p in runtime.lora_state_dict(model).items()}
@@ -943,7 +948,7 @@ def test_flux_shift_and_a_loss_weighting_train(workspace, tmp_path):
 
 
 def test_flow_options_are_refused_for_a_ddpm_model_before_encoding(tmp_path):
-    from squareq.train.loop import TrainError
+    from squareq.train.errors import TrainError
 
     model, adapter = load_builtin("tiny-sd15")
     write_rtn_slab(model, adapter.blocks(model), {}, tmp_path / "sd.slab",
@@ -966,7 +971,7 @@ def test_flow_options_are_refused_for_a_ddpm_model_before_encoding(tmp_path):
     ("polynomial", 2, {"schedule_power": 2.0}, [0.0, 0.5] + [(1 - 1e-7) * (1 - k / 4) ** 2 + 1e-7 for k in range(4)]),
 ])
 def test_learning_rate_schedules_are_diffusers(tmp_path, schedule, warmup, extra, expected):
-    from squareq.train.loop import lr_scheduler
+    from squareq.train.optimizers import lr_scheduler
 
     cfg = load_config(None, {"slab": "s", "data": "d", "output": str(tmp_path), "schedule": schedule,
                              "warmup": warmup, "lr": 1.0, **extra})
@@ -985,7 +990,7 @@ def test_the_loss_curve_covers_every_step_of_a_resumed_run(workspace, tmp_path):
     the steps; with no step yet there is nothing to draw."""
     from PIL import Image
 
-    from squareq.train.loop import plot_losses
+    from squareq.train.sinks import plot_losses
 
     assert plot_losses(tmp_path) is None
     unbroken_and_resumed(workspace, tmp_path, 6, steps=8, save_every=4)
@@ -1049,7 +1054,7 @@ def test_validation_loss_is_measured_on_held_out_images_at_step_0_checkpoints_an
     """validation_split holds images out of every batch; their loss is measured at fixed times and noise at step 0,
     with each checkpoint and at the end, and a killed and resumed run writes the same measurements."""
     from squareq.train.data import hold_out, scan_dataset
-    from squareq.train.loop import prepare_data
+    from squareq.train.prepare import prepare_data
 
     train_set, held = hold_out(scan_dataset(workspace / "data"), 0.25, seed=42)
     assert len(held) == 1 and held.items[0].path not in {it.path for it in train_set.items}
@@ -1082,12 +1087,12 @@ def test_validation_loss_depends_on_the_lora_alone(workspace, tmp_path):
     from squareq.models import ADAPTERS
     from squareq.train.cache import EmbeddingCache
     from squareq.train.feed import CacheFeed
-    from squareq.train.loop import prepare_data
+    from squareq.train.prepare import prepare_data
     from squareq.train.validation import validation_loss
 
     cfg = _config(workspace, tmp_path / "out", validation_data=str(workspace / "data"),
                   cache_dir=str(tmp_path / "cache"))
-    slab = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    slab = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     data = prepare_data(cfg, runtime.runtime_of(slab).manifest.model, torch.device("cpu"), echo=lambda s: None)
     assert len(data.validation) == 4 and len(data.keys[0]) == 8
     feed = CacheFeed(EmbeddingCache(tmp_path / "cache"), *data.keys[:2],
@@ -1123,7 +1128,8 @@ def test_a_validation_split_that_leaves_nothing_to_train_is_refused(workspace, t
 def test_dora_with_dropout_trains_and_resumes_bit_for_bit_and_writes_the_diffusers_file(workspace, tmp_path):
     from safetensors import safe_open
 
-    from squareq.train.loop import TrainError, save_formats
+    from squareq.train.errors import TrainError
+    from squareq.train.run_plan import save_formats
 
     kw = dict(use_dora=True, lora_dropout=0.1, steps=8, save_every=4, cache_dir=str(tmp_path / "cache"))
     a, b = unbroken_and_resumed(workspace, tmp_path, 6, **kw)
@@ -1142,7 +1148,7 @@ def test_dora_with_dropout_trains_and_resumes_bit_for_bit_and_writes_the_diffuse
 
 def test_an_rslora_run_writes_a_kohya_file_at_its_own_scale(workspace, tmp_path):
     """kohya and ComfyUI scale by alpha/rank, so the kohya file of an rsLoRA run carries alpha·sqrt(rank)."""
-    from squareq.train.lora_files import load_lora as read
+    from squareq.train.lora_reader import load_lora as read
 
     result = train(_config(workspace, tmp_path / "rs", use_rslora=True, rank=4, alpha=2.0, steps=3, save_every=0,
                            cache_dir=str(tmp_path / "cache")), echo=lambda s: None)
@@ -1157,7 +1163,7 @@ def test_variant_runs_check_peft_first_and_a_resume_keeps_the_checkpoints_varian
     import sys
 
     from squareq.runtime import PeftMissing
-    from squareq.train.loop import TrainError
+    from squareq.train.errors import TrainError
 
     kw = dict(use_rslora=True, steps=4, save_every=2, cache_dir=str(tmp_path / "cache"))
     train(_config(workspace, tmp_path / "rs", **kw), echo=lambda s: None)
@@ -1196,7 +1202,8 @@ def test_validation_out_of_memory_skips_the_measurement_and_keeps_training(works
 
 def test_lora_dropout_with_several_processes_and_two_validation_sources_are_refused(workspace, tmp_path):
     from squareq.train.config import ConfigError
-    from squareq.train.loop import TrainError, _check_variant
+    from squareq.train.errors import TrainError
+    from squareq.train.run_plan import _check_variant
 
     cfg = _config(workspace, tmp_path / "d", lora_dropout=0.1)
     _check_variant(cfg, tmp_path / "d", world=1)  # one process: fine
@@ -1246,7 +1253,7 @@ def test_resident_blocks_keep_blocks_on_the_device_and_train_the_same(workspace,
 
 def test_the_sample_decoder_of_a_pipeline_folder_holds_the_vae_and_no_text_encoders(tmp_path):
     from squareq.models import write_tiny_flux_pipeline
-    from squareq.train.encoders import EncoderError, open_decoder
+    from squareq.sources.encoders import EncoderError, open_decoder
 
     folder = write_tiny_flux_pipeline(tmp_path / "pipe")
     pipe = open_decoder(str(folder / "transformer"), "flux", torch.float32)
@@ -1284,16 +1291,16 @@ def test_flip_aug_caches_flipped_latents_and_trains_on_them_half_the_time(worksp
     from diffusers.configuration_utils import FrozenDict
 
     from squareq.train.data import entry_buckets, load_image
-    from squareq.train.encoders import open_encoders
+    from squareq.sources.encoders import open_encoders
     from squareq.train.feed import CacheFeed
-    from squareq.train.loop import prepare_data, run_encoders
+    from squareq.train.prepare import prepare_data, run_encoders
 
     from squareq.train.tiny_dataset import write_tiny_dataset
 
     # shapes off the centre (the workspace's solid colours look the same flipped)
     cfg = _config(workspace, tmp_path / "out", cache_dir=str(tmp_path / "cache"), flip_aug=True,
                   data=str(write_tiny_dataset(tmp_path / "data")))
-    slab = runtime.load(workspace / "tiny.slab", "cpu", stream=False)
+    slab = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
     model = runtime.runtime_of(slab).manifest.model
     data = prepare_data(cfg, model, torch.device("cpu"), echo=lambda s: None)
     image_keys, text_keys, flipped_keys = data.keys
@@ -1378,7 +1385,7 @@ def test_wandb_logging_follows_the_run_and_its_resume(workspace, tmp_path, monke
     train(_config(workspace, killed, steps=1, save_every=0, log="wandb"), echo=lambda s: None)
     assert fake.inits[2]["id"] != first["id"]
     # a run that fails is finished as failed in W&B
-    monkeypatch.setattr("squareq.train.loop._Run.micro_batches", lambda self: 1 / 0)
+    monkeypatch.setattr("squareq.train.step.Stepper.micro_batches", lambda self: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train(_config(workspace, tmp_path / "failing", steps=1, save_every=0, log="wandb"), echo=lambda s: None)
     assert fake.finished[-1] == 1
@@ -1491,7 +1498,7 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     from squareq.models import tiny_flux_inputs
     from squareq.runtime import LoraVariant
     from squareq.runtime import compute as compute_mode
-    from squareq.train.lora_files import attach_peft_adapter
+    from squareq.train.lora_attach import attach_peft_adapter
     from squareq.train.sample import sample_images
 
     kw = dict(lora_type=kind, steps=6, save_every=3, lr=1e-2, title="run")
@@ -1516,7 +1523,7 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     config = json.loads((straight.lora_file / "adapter_config.json").read_text())
     assert config["peft_type"] == kind.upper() and config["r"] == 4
     monkeypatch.setitem(compute_mode.DTYPES, "fp32", torch.float32)
-    ours_model = runtime.load(workspace / "tiny.slab", "cpu", stream=False, dtype="fp32")
+    ours_model = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False, dtype="fp32"))
     plain = load_builtin("tiny-flux")[0].float()
     with torch.no_grad():  # the plain model holds the slab's effective weights
         for name, layer in ours_model.named_modules():
@@ -1535,7 +1542,7 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     effect = (ours - base).abs().mean()
     assert (ours - theirs).abs().mean() < 0.1 * effect, ((ours - theirs).abs().mean(), effect)
     # SquareQ takes the folder back too: attached to a fresh runtime model, and by squareq sample --lora
-    fresh = runtime.load(workspace / "tiny.slab", "cpu", stream=False, dtype="fp32")
+    fresh = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False, dtype="fp32"))
     attach_peft_adapter(fresh, straight.lora_file)
     with torch.no_grad():
         assert torch.equal(fresh(**batch, return_dict=False)[0], ours)

@@ -11,17 +11,10 @@ from safetensors.torch import save_file
 from squareq import runtime
 from squareq.models import TINY_FLUX_CONFIG, tiny_flux_inputs
 from squareq.slab import open_slab
-from squareq.train.lora_files import (
-    ADAPTER_METADATA_KEY,
-    PREFIX,
-    WEIGHT_NAME,
-    LoraFileError,
-    from_kohya,
-    load_lora,
-    save_diffusers_lora,
-    save_kohya_lora,
-    to_kohya,
-)
+from squareq.train.lora_factors import LoraFileError
+from squareq.train.lora_files import ADAPTER_METADATA_KEY, PREFIX, WEIGHT_NAME, save_diffusers_lora, save_kohya_lora
+from squareq.train.lora_layouts import from_kohya, to_kohya
+from squareq.train.lora_reader import load_lora
 
 RANK, ALPHA = 4, 8  # scale 2: a loader that ignored alpha (scale 1) would not match
 HIDDEN = TINY_FLUX_CONFIG["num_attention_heads"] * TINY_FLUX_CONFIG["attention_head_dim"]
@@ -48,7 +41,7 @@ def squareq_lora(tiny_slab, targets, rank=RANK, alpha=ALPHA, seed=1, b_std=0.1):
     """A trained-looking LoRA (B clearly nonzero) on the resident SquareQ model; its factors and output."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SQUAREQ_KERNELS", "torch")
-        model = runtime.load(tiny_slab, "cpu", stream=False)
+        model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
         runtime.add_lora(model, rank=rank, alpha=alpha, targets=targets, seed=seed)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -440,7 +433,7 @@ def variant_lora(tiny_slab, variant):
     """A trained-looking LoRA of ``variant`` (B and, for DoRA, the magnitudes moved) on the resident model."""
     from squareq.runtime import LoraVariant  # noqa: F401 (the type of variant)
 
-    model = runtime.load(tiny_slab, "cpu", stream=False)
+    model = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=False))
     runtime.add_lora(model, rank=RANK, alpha=ALPHA, targets=DOUBLE_ONLY, seed=1, variant=variant)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -459,7 +452,7 @@ def test_diffusers_applies_our_dora_and_rslora_files_as_trained(tiny_slab, tmp_p
     """diffusers' own loader builds the PEFT config from our header (use_dora, use_rslora) and reproduces the SquareQ
     model's output; so does SquareQ reading its own file back (sample --lora)."""
     from squareq.runtime import LoraVariant
-    from squareq.train.lora_files import attach_lora
+    from squareq.train.lora_attach import attach_lora
 
     variant = LoraVariant(dora=kind == "dora", rslora=kind == "rslora")
     _, lora, expected = variant_lora(tiny_slab, variant)
@@ -481,7 +474,7 @@ def test_diffusers_applies_our_dora_and_rslora_files_as_trained(tiny_slab, tmp_p
 
     back, info = load_lora(tmp_path)
     assert info["use_dora"] == variant.dora
-    ours = runtime.load(tiny_slab, "cpu", stream=True)
+    ours = runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(stream=True))
     attach_lora(ours, back, info)
     ours.eval()
     # an rsLoRA file applies through the fast path at the same scale; outside autocast that path computes the

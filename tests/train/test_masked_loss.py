@@ -27,7 +27,7 @@ def _lora_gradients(model, latents, noise, t, text) -> torch.Tensor:
 def test_the_loras_gradient_ignores_what_the_mask_zeroes(slab):
     """Half the latent grid masked out: moving the training target there (the model's input unchanged) leaves the
     LoRA's gradient as it was. Negative control: without the mask the same move changes it."""
-    model = runtime.load(slab, "cpu", stream=False)
+    model = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
     runtime.add_lora(model, rank=4, seed=0)
     with torch.no_grad():
         for name, p in runtime.lora_parameters(model).items():
@@ -99,11 +99,12 @@ def _config(tmp_path, slab, **kw):
 
 
 def test_alpha_masks_are_cached_with_the_latents_and_flipped_with_them(tmp_path, slab):
-    from squareq.train.loop import prepare_data, train
+    from squareq.train.loop import train
+    from squareq.train.prepare import prepare_data
 
     _dataset(tmp_path / "data")
     cfg = _config(tmp_path, slab, masked_loss=True, alpha_mask=True, flip_aug=True)
-    model = runtime.runtime_of(runtime.load(slab, "cpu", stream=False)).manifest.model
+    model = runtime.runtime_of(runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))).manifest.model
     data = prepare_data(cfg, model, torch.device("cpu"), echo=lambda s: None)
     image_keys, _, flipped_keys = data.keys
     for key in image_keys:
@@ -120,7 +121,7 @@ def test_alpha_masks_are_cached_with_the_latents_and_flipped_with_them(tmp_path,
 
 
 def test_a_mask_folder_masks_the_images_it_has_masks_for(tmp_path, slab, caplog):
-    from squareq.train.loop import prepare_data
+    from squareq.train.prepare import prepare_data
 
     _dataset(tmp_path / "data")
     masks = tmp_path / "masks"
@@ -130,7 +131,7 @@ def test_a_mask_folder_masks_the_images_it_has_masks_for(tmp_path, slab, caplog)
     half.save(masks / "img0.jpg")  # another extension than its image
     Image.new("L", (64, 64), 128).save(masks / "img1.png")
     cfg = _config(tmp_path, slab, masked_loss=True, mask_dir=str(masks))
-    model = runtime.runtime_of(runtime.load(slab, "cpu", stream=False)).manifest.model
+    model = runtime.runtime_of(runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))).manifest.model
     with caplog.at_level("WARNING", logger="squareq.train"):
         data = prepare_data(cfg, model, torch.device("cpu"), echo=lambda s: None)
     assert "no mask for 1 of 3 training images" in caplog.text and "img2.png" in caplog.text

@@ -62,7 +62,7 @@ def test_a_training_run_says_a_skipped_kohya_option_once(caplog, fresh_warnings)
     control: a prompt not seen before is said."""
     from types import SimpleNamespace
 
-    from squareq.train.loop import _sample_prompts, _settled_prompts
+    from squareq.train.run_samples import _settled_prompts, sample_prompts as _sample_prompts
 
     _settled_prompts.cache_clear()  # another test may have settled the same prompt
     cfg = SimpleNamespace(sample_prompts=["a dog --ss euler_a"], largest_resolution=512, sample_steps=20,

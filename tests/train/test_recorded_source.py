@@ -12,13 +12,14 @@ from safetensors.torch import load_file
 
 from squareq.acceptance.image_drift import DriftError, check_clip_folder
 from squareq.cli import main
-from squareq.compiler import CompileOptions, compile_slab, open_source
+from squareq.compiler import CompileOptions, compile_slab
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.models import ModelError, load_builtin, write_tiny_flux_pipeline
-from squareq.models.local_files import refuse_pickled, source_identity
 from squareq.quant import QuantSpec
 from squareq.slab import open_slab
-from squareq.train.encoder_source import EncoderError, encoder_source_for, recorded_encoders
+from squareq.sources import open_source
+from squareq.sources.local_files import refuse_pickled, source_identity
+from squareq.sources.encoder_source import EncoderError, encoder_source_for, recorded_encoders
 from squareq.train.tiny_dataset import write_tiny_dataset
 
 from .test_lora_files import one_sentence_naming
@@ -110,7 +111,7 @@ def compiled(tmp_path, tiny_flux_images):
 
 def default_pick(slab, new_process: bool = True):
     """What a command picks by default; each pick a new command's (a process checks an unchanged source once)."""
-    from squareq.train import encoder_source
+    from squareq.sources import encoder_source
 
     if new_process:
         encoder_source._MATCHED.clear()
@@ -120,7 +121,7 @@ def default_pick(slab, new_process: bool = True):
 
 
 def test_an_unchanged_source_is_hashed_once_per_process(compiled, monkeypatch):
-    from squareq.train import encoder_source
+    from squareq.sources import encoder_source
 
     pipeline, slab = compiled
     calls = []
@@ -166,7 +167,7 @@ def test_the_identity_reads_a_megabyte_of_a_large_weights_file_yet_sees_it_retra
 
     from safetensors.torch import save_file
 
-    from squareq.models import local_files
+    from squareq.sources import local_files
 
     model = tmp_path / "model"
     model.mkdir()

@@ -72,10 +72,11 @@ def test_regularisation_captions_keep_the_class_and_never_get_the_trigger(worksp
     """The trigger word marks the training images' subject; a regularisation image is the class without it, and a
     dropped caption of one stays its caption."""
     from squareq import runtime
-    from squareq.train.loop import prepare_data
+    from squareq.train.prepare import prepare_data
 
     cfg = _config(workspace, tmp_path / "t", reg_data=str(workspace / "reg"), trigger="sks", caption_dropout=0.99)
-    model = runtime.runtime_of(runtime.load(workspace / "tiny.slab", "cpu", stream=False)).manifest.model
+    loaded = runtime.load(workspace / "tiny.slab", "cpu", options=runtime.LoadOptions(stream=False))
+    model = runtime.runtime_of(loaded).manifest.model
     data = prepare_data(cfg, model, torch.device("cpu"), echo=lambda s: None, encode=False)
     by_reg = {item.reg: data.captions[i] for i, item in enumerate(data.dataset.training_items)}
     assert by_reg[False] == ["sks, a photo of sks dog"] and by_reg[True] == ["a photo of a dog"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from squareq.train import encoders
+from squareq.sources import encoders
 
 from .test_loop import unbroken_and_resumed, workspace  # noqa: F401  (the module-scoped tiny slab + data fixture)
 
@@ -21,7 +21,7 @@ def math_attention():
 
 
 def test_streamed_t5_gives_the_cache_entries_of_the_whole_t5(tmp_path):
-    from squareq.train.encoder_placement import EncoderRun
+    from squareq.sources.encoder_placement import EncoderRun
 
     from ..models.tiny_folders import write_pipeline
 

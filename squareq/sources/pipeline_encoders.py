@@ -1,0 +1,157 @@
+"""Caching through a diffusers pipeline folder of a family other than FLUX.1: the pipeline's own ``encode_prompt``
+for captions and its VAE, normalized as the pipeline normalizes latents, for images.
+
+The pipeline is loaded without its denoiser (the slab is the denoiser). Which pipeline classes a family's folder
+holds, how its captions become cache entries and, for the UNets, what its scheduler says the model predicts are the
+family's own (its adapter's ``recipe.pipeline``, squareq/models/<family>.py). Latent normalization is the VAE
+class's (several families share a VAE), following diffusers 0.42's pipelines (docs/families.md lists them).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..models import ADAPTERS
+from ..models.base import PIPELINE_ENCODER_PARTS
+from ..slab.errors import brief
+from .encoder_identity import module_identity
+from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
+from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
+from .hub import read_index
+from .single_files import load_single_files
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
+VIDEO_VAES = ("AutoencoderKLWan", "AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo", "AutoencoderKLLTXVideo")
+def _channel(values, like: torch.Tensor) -> torch.Tensor:
+    """Per-channel statistics shaped to broadcast over a [B, C, ...] latent."""
+    v = torch.as_tensor(values, dtype=torch.float32, device=like.device)
+    return v.view(1, -1, *([1] * (like.ndim - 2)))
+
+
+def normalize_latent(vae, z: torch.Tensor) -> torch.Tensor:
+    """A VAE's raw latent [B, C, ...] normalized as the family's pipeline feeds it to the denoiser (fp32)."""
+    z, cfg, name = z.float(), vae.config, type(vae).__name__
+    if name == "AutoencoderKLFlux2":
+        # FLUX.2 normalizes 2x2-patchified channels (c, dy, dx) with its batch-norm statistics
+        b, c, h, w = z.shape
+        p = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+        mean = _channel(vae.bn.running_mean, p)
+        std = torch.sqrt(_channel(vae.bn.running_var, p) + cfg.batch_norm_eps)
+        p = (p - mean) / std
+        return p.view(b, c, 2, 2, h // 2, w // 2).permute(0, 1, 4, 2, 5, 3).reshape(b, c, h, w)
+    if name in ("AutoencoderKLWan", "AutoencoderKLQwenImage"):
+        return (z - _channel(cfg.latents_mean, z)) / _channel(cfg.latents_std, z)
+    if name == "AutoencoderKLLTXVideo":
+        return (z - _channel(vae.latents_mean, z)) * cfg.scaling_factor / _channel(vae.latents_std, z)
+    if name == "AutoencoderKLHunyuanVideo":
+        return z * cfg.scaling_factor
+    if getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
+        return (z - _channel(cfg.latents_mean, z)) * cfg.scaling_factor / _channel(cfg.latents_std, z)
+    return (z - (getattr(cfg, "shift_factor", None) or 0.0)) * cfg.scaling_factor
+
+
+class PipelineEncoders:
+    """A family pipeline's VAE and text encoders, for the cache."""
+
+    def __init__(self, pipe, family: str, device: torch.device, dtype: torch.dtype,
+                 placement: Placement | None = None) -> None:
+        self.pipeline, self.family = pipe, family
+        self.recipe = ADAPTERS[family].recipe
+        self.device, self.dtype = device, dtype
+        vae = type(pipe.vae).__name__
+        if vae not in IMAGE_VAES + VIDEO_VAES:
+            raise EncoderError(f"the pipeline's VAE is a {vae}, whose latent normalization SquareQ does not know; it "
+                               f"knows {', '.join(IMAGE_VAES + VIDEO_VAES)}.")
+        self.video_vae = vae in VIDEO_VAES
+        where = dtype_tag(dtype)
+        self.vae_identity = module_identity(pipe.vae, "vae") + where
+        self.text_identity = family + "".join(module_identity(getattr(pipe, n), n) for n in TEXT_ENCODERS
+                                              if getattr(pipe, n, None) is not None) + where
+        self.placement = placement
+
+    @torch.no_grad()
+    def encode_image(self, image: torch.Tensor) -> torch.Tensor:
+        """[3, H, W] in [-1, 1] -> the normalized latent: [C, h, w], or [C, 1, h, w] for the video families (the
+        distribution's mode, so an entry is the same every time it is computed)."""
+        x = image[None].to(self.device, self.dtype)
+        if self.video_vae:
+            x = x[:, :, None]  # [B, 3, 1, H, W]: one frame
+        z = normalize_latent(self.pipeline.vae, self.pipeline.vae.encode(x).latent_dist.mode())[0].cpu()
+        if self.video_vae and not self.recipe.frames:
+            z = z[:, 0]  # Qwen-Image: a video VAE, an image model
+        return z
+
+    @torch.no_grad()
+    def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
+        """One cache entry per caption through the pipeline's ``encode_prompt``."""
+        return self.recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)
+
+
+def training_objective(source: EncoderSource | str | Path, family: str) -> str:
+    """The objective a ``family`` model from ``source`` trains with: the family's, except that a UNet pipeline's
+    scheduler decides between epsilon and v-prediction (SD 2.x 768-v predicts v)."""
+    import json
+
+    recipe = ADAPTERS[family].recipe
+    decide = recipe.pipeline.objective if recipe.pipeline is not None else None
+    if decide is None:  # flow matching, Würstchen: the family decides alone
+        return recipe.objective
+    try:
+        folder = pipeline_folder(source)
+    except EncoderError:
+        return recipe.objective
+    config = folder / "scheduler" / "scheduler_config.json" if folder is not None else None
+    if config is None or not config.is_file():
+        return recipe.objective
+    try:
+        return decide(json.loads(config.read_text()))
+    except ValueError as exc:
+        raise EncoderError(f"{config} {exc}") from None
+
+
+@contextlib.contextmanager
+def open_family_pipeline(source: EncoderSource | str | Path, family: str, device: torch.device,
+                         dtype: torch.dtype, run: EncoderRun = DEFAULT_RUN) -> Iterator[PipelineEncoders]:
+    """The VAE and text encoders of the ``family`` pipeline of ``source`` (a folder or Hub ID, and single files), on
+    ``device``: whole, or the text encoders that do not fit ``run``'s budget streamed (sources/encoder_placement.py)."""
+    from diffusers import DiffusionPipeline
+
+    folder = pipeline_folder(source)
+    if folder is None:
+        raise EncoderError(f"{source} is a built-in model of another family than {family}; pass the {family} "
+                           "pipeline folder with --model.")
+    recipe = ADAPTERS[family].recipe
+    if recipe.pipeline is None:
+        raise EncoderError(f"{folder}: training {family} from a pipeline folder needs {recipe.no_pipeline}, which the "
+                           "folder does not hold; train the built-in tiny model, or fill the cache yourself.")
+    classes = recipe.pipeline.classes
+    index = read_index(folder)
+    found = index.get("_class_name", "pipeline without a _class_name")
+    if found not in classes:
+        raise EncoderError(f"{folder} holds a {found}, not a {' or '.join(classes)}; pass the {family} pipeline "
+                           "folder with --model.")
+    # only the VAE and the text encoders: the denoiser is the slab, and a second expert (Wan 2.2's transformer_2),
+    # a safety checker or an image encoder would only take memory
+    unused = {name: None for name in index if not name.startswith(("_",) + PIPELINE_ENCODER_PARTS)}
+    given = load_single_files(EncoderSource.of(source), folder, index, dtype)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given, torch_dtype=dtype,
+                                                 local_files_only=True, use_safetensors=True)  # never a pickle
+    except (OSError, ValueError) as exc:
+        raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
+                           f"{found} folder with --model.") from None
+    try:
+        with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run) as placement:
+            yield PipelineEncoders(pipe, family, device, dtype, placement)
+    finally:
+        for name in ("vae", *TEXT_ENCODERS):
+            setattr(pipe, name, None)
+        del pipe
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,174 @@
+"""A run's data and cache: the dataset scanned (with its regularisation and validation images), captions in every
+order they are trained in, each image's bucket and loss mask, and every latent and text embedding a run needs
+computed once into the cache by the encoders of the run's model (``squareq cache`` runs this alone)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..runtime.compute import resolve_dtype
+from ..slab.digest import content_key
+from ..sources.encoder_placement import EncoderRun
+from ..sources.encoder_source import EncoderSource, encoder_source_for, recorded_encoders
+from ..sources.encoders import Encoders, encoder_dtype, open_encoders
+from .cache import EmbeddingCache, file_digest
+from .config import TrainConfig
+from .data import (
+    TRIGGER_TOKEN,
+    DataError,
+    caption_for,
+    caption_orders,
+    entry_buckets,
+    hold_out,
+    load_image,
+    make_buckets,
+    scan_dataset,
+    with_regularisation,
+)
+from .masks import ALPHA, latent_mask, load_mask, mask_sources
+from .run_samples import sample_prompts
+
+
+@dataclass
+class PreparedData:
+    """The scanned dataset, its buckets and captions, and the cache keys of every latent and text embedding."""
+
+    dataset: object
+    buckets: list
+    cache: EmbeddingCache
+    captions: list[list[str]]  # per entry: its caption with the trigger word, or its shuffled orders
+    dropped: str  # what a dropped caption becomes
+    keys: tuple[list[str], dict[str, str]] | None  # latent keys: the training entries', then the validation ones
+    computed: int = 0
+    validation: list[str] = field(default_factory=list)  # the caption of each validation entry
+
+
+def run_encoders(cfg: TrainConfig, record) -> EncoderSource:
+    """The VAE and text encoders of a run on a slab with model ``record``: ``cfg.model`` (at ``cfg.revision``) or the
+    slab's recorded ones, with ``cfg``'s single files in place of their components."""
+    return encoder_source_for(recorded_encoders(record), record.family, record.config, cfg.model, cfg.revision,
+                              cfg.encoder_files)
+
+
+def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
+    """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
+    source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
+    SquareQ cannot train has no encoders, which ``open_encoders`` says."""
+    dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
+    held = None
+    if cfg.validation_data:
+        try:
+            held = scan_dataset(cfg.validation_data, caption_ext=cfg.caption_ext).without_repeats()
+        except DataError as exc:
+            raise DataError(f"validation_data (--validation-data): {exc}") from None
+    elif cfg.validation_split:
+        dataset, held = hold_out(dataset, cfg.validation_split, cfg.seed)
+    if cfg.reg_data:
+        try:
+            reg = scan_dataset(cfg.reg_data, caption_ext=cfg.caption_ext)
+        except DataError as exc:
+            raise DataError(f"reg_data (--reg-data): {exc}") from None
+        dataset = with_regularisation(dataset, reg)
+        echo(f"regularisation: {sum(it.repeats for it in dataset.items if it.reg) * len(cfg.resolution)} entries an "
+             f"epoch from {reg.root}, loss weight {cfg.prior_loss_weight:g}")
+    if held is not None:
+        echo(f"validation: {len(held)} held-out images from {held.root}")
+    placeholders = [item for item in dataset.items + (held.items if held else []) if TRIGGER_TOKEN in item.caption]
+    if placeholders and not (cfg.trigger or "").strip():
+        raise DataError(f"{len(placeholders)} captions use {TRIGGER_TOKEN} (e.g. the one of {placeholders[0].path}) "
+                        "but no trigger word is set; pass --trigger WORD.")
+    buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
+    item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
+    items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
+    # a regularisation image's caption is the class's own: the trigger word is the training images' alone
+    orders = {(c, reg): caption_orders(c, None if reg else cfg.trigger, cfg.keep_tokens,
+                                       cfg.caption_orders if cfg.shuffle_caption else 0, cfg.seed)
+              for c, reg in {(item.caption, item.reg) for item in items}}
+    captions = [orders[(item.caption, item.reg)] for item in items]
+    if cfg.shuffle_caption:
+        echo(f"shuffle_caption: {sum(map(len, orders.values()))} orders of {len(orders)} captions go into the cache")
+    dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
+    # validation entries come after the training entries in the cache keys: every image once per resolution
+    held_items = held.training_items * len(cfg.resolution) if held else []
+    held_buckets = entry_buckets(held, buckets, cfg.no_upscale) if held else []
+    held_captions = [caption_for(item.caption, cfg.trigger) for item in held_items]
+    # images held out of --data keep their masks, so the validation loss measures what training does
+    held_masks = _masks(cfg, held, held_items) if cfg.validation_split else [None] * len(held_items)
+    cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo)
+    keys = None
+    if encode:
+        from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
+
+        run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget")
+        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config), run,
+                           encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
+            if encoders.placement is not None:
+                echo(encoders.placement.describe())
+                cache.record_encoders(encoders.text_identity, encoders.placement.record())
+            # the sample prompts too: sample images then need the VAE only, never the text encoders again
+            texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
+                           | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
+            keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
+                               flipped=len(items) if cfg.flip_aug else 0,
+                               masks=_masks(cfg, dataset, items) + held_masks)
+        image_keys, text_keys, _ = keys
+        cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
+    return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
+
+
+def _masks(cfg: TrainConfig, dataset, items) -> list:
+    """Each training entry's loss-mask source (train/masks.py), or Nones without ``masked_loss``."""
+    if not cfg.masked_loss:
+        return [None] * len(items)
+    unique = list({item.path: item for item in items if not item.reg}.values())  # regularisation images: unmasked
+    found = dict(zip((item.path for item in unique), mask_sources(unique, dataset.root, cfg.alpha_mask,
+                                                                  cfg.mask_dir)))
+    return [None if item.reg else found.get(item.path) for item in items]
+
+
+def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
+                cache: EmbeddingCache, echo, flipped: int = 0,
+                masks: list | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+    """Cache every image's latents and every caption's embeddings, and for the first ``flipped`` items (the training
+    ones, with ``flip_aug``) the latents of the image flipped left to right; with ``masks`` (each item's mask source,
+    train/masks.py, or None) each latent entry also holds its loss mask. Return the latent keys per item, the text
+    key per caption and the flipped latents' keys."""
+    vae_id, text_id = encoders.vae_identity, encoders.text_identity
+    digests = [file_digest(item.path) for item in items]
+    masks = masks or [None] * len(items)
+    marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_digest(m)) for m in masks]
+    image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
+                  for digest, bucket, mark in zip(digests, item_buckets, marks, strict=True)]
+    flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped", *marks[i])
+                    for i in range(flipped)]
+
+    def encoder_of(flip: bool):
+        def encode_images(indices):
+            out = []
+            for i in indices:
+                pixels = load_image(items[i].path, item_buckets[i])
+                e = encoders.encode_image(pixels.flip(-1) if flip else pixels)
+                e = e if isinstance(e, dict) else {"latents": e}
+                if masks[i] is not None:
+                    mask = load_mask(items[i].path, masks[i], item_buckets[i])
+                    e["loss_mask"] = latent_mask(mask.flip(-1) if flip else mask, e["latents"])
+                out.append(e)
+            return out
+
+        return encode_images
+
+    text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
+    unique = list(text_keys)
+
+    def encode_texts(indices):
+        return encoders.encode_prompts([unique[i] for i in indices], cfg.max_sequence_length)
+
+    start = time.perf_counter()
+    made = (cache.fill("latents", image_keys, encoder_of(False)) + cache.fill("latents", flipped_keys, encoder_of(True))
+            + cache.fill("text", [text_keys[c] for c in unique], encode_texts))
+    echo(f"cache {cache.root}: {made} new entries of {len(image_keys) + len(flipped_keys) + len(unique)} in "
+         f"{time.perf_counter() - start:.1f} s")
+    return image_keys, text_keys, flipped_keys

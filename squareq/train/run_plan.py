@@ -1,0 +1,200 @@
+"""A run's plan: everything settled and checked against the slab before anything loads. The configuration takes the
+family's defaults (and a resumed run's targets); the dtype, the base layers' arithmetic, CUDA graphs and
+torch.compile are resolved for the device; the memory plan is checked against ``vram_budget``; the family, the
+objective, the LoRA kind beside a checkpoint, the LoRA layouts and the sample settings are refused in one sentence
+where they cannot work. :class:`RunPlan` holds the result."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import runtime
+from ..models import ADAPTERS
+from ..runtime.block_compile import resolve_compile
+from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
+from ..slab import open_slab
+from ..sources.encoder_source import EncoderSource
+from ..sources.pipeline_encoders import training_objective
+from .checkpoint import checkpoint_config, latest_checkpoint
+from .config import TrainConfig
+from .errors import TrainError
+from .prepare import run_encoders
+from .run_samples import check_sampling
+
+log = logging.getLogger("squareq.train")
+
+
+@dataclass
+class RunPlan:
+    """What :func:`plan_run` settled: the configuration and what it resolved to on this device for this slab."""
+
+    cfg: TrainConfig  # with the family's defaults and a resumed run's targets
+    slab: object  # the opened slab
+    family: str
+    recipe: object  # the family's training recipe (squareq/models)
+    objective: str  # flow, epsilon or v_prediction
+    dtype: str
+    dtype_why: str
+    compute: str  # the base layers' arithmetic
+    compute_why: str
+    cuda_graphs: bool
+    compile_blocks: bool  # torch.compile of the blocks
+    compile_why: str
+    formats: list[str]  # the LoRA layouts to write
+    started: float  # when the run started, for the LoRA files' metadata
+    encoder_source: EncoderSource
+    sample_stages: tuple[Path, Path] | None  # a Würstchen stage's two pipeline folders for sample images
+
+    def say_choices(self, echo) -> None:
+        """Say what ``auto`` and fp16 chose, and why."""
+        cfg = self.cfg
+        if self.dtype == "fp16":
+            echo(f"dtype {cfg.dtype}: fp16: {self.dtype_why}; the LoRA trains in fp32 with a scaled loss, the "
+                 "encoders and the sample VAE run in fp32")
+        if cfg.compute == "auto":
+            echo(f"compute auto: {'no FP8' if self.dtype == 'fp16' else self.compute}: {self.compute_why}")
+        if cfg.compile == "auto":
+            echo(f"compile auto: {'on' if self.compile_blocks else 'off'}: {self.compile_why}")
+
+
+def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo) -> RunPlan:
+    """Open the slab, settle the configuration against it and check the memory plan (``world`` processes train)."""
+    slab = open_slab(cfg.slab, verify="eager")
+    cfg = _resumed_targets(cfg, out).with_family_defaults(slab.manifest.model.family)
+    _check_variant(cfg, out, world)
+    try:
+        dtype, dtype_why = resolve_dtype(cfg.dtype, device)
+    except ComputeError as exc:
+        raise TrainError(f"--dtype {cfg.dtype}: {exc}") from None
+    compute, compute_why = _compute(cfg, device, dtype)
+    cuda_graphs = _use_cuda_graphs(cfg, device, echo)
+    compile_blocks, compile_why = resolve_compile(cfg.compile, device, family=slab.manifest.model.family)
+    _check_memory_plan(cfg, slab, device, compute, dtype, echo)
+    family = slab.manifest.model.family
+    _check_trainable(cfg.slab, family)
+    formats = save_formats(cfg, family)
+    started = time.time()
+    recipe = ADAPTERS[family].recipe
+    encoder_source = run_encoders(cfg, slab.manifest.model)
+    sample_stages = check_sampling(cfg, family, encoder_source)
+    objective = training_objective(encoder_source, family)
+    if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
+        raise TrainError(f"loss_weighting = {cfg.loss_weighting} and timestep_sampling = {cfg.timestep_sampling} "
+                         f"are for flow-matching models; this {family} model trains with the {objective} "
+                         "objective, so leave them at none and shift.")
+    return RunPlan(cfg=cfg, slab=slab, family=family, recipe=recipe, objective=objective, dtype=dtype,
+                   dtype_why=dtype_why, compute=compute, compute_why=compute_why, cuda_graphs=cuda_graphs,
+                   compile_blocks=compile_blocks, compile_why=compile_why, formats=formats, started=started,
+                   encoder_source=encoder_source, sample_stages=sample_stages)
+
+
+def _compute(cfg: TrainConfig, device: torch.device, dtype: str) -> tuple[str, str]:
+    """The base layers' arithmetic for ``cfg.compute`` on this device and the run's dtype, and why; ``auto`` says what
+    it chose (an fp16 run: no FP8)."""
+    try:
+        return resolve_compute(cfg.compute, device, dtype)
+    except ComputeError as exc:
+        raise TrainError(f"--compute {cfg.compute}: {exc}") from None
+
+
+def _use_cuda_graphs(cfg: TrainConfig, device: torch.device, echo) -> bool:
+    """``cuda_graphs`` settled for this run. ``auto`` is on with a CUDA GPU, except with an active LoRA dropout (its
+    blocks are never captured, so graphs would only cost memory) and under a ``vram_budget``: the memory plan does not
+    count the graphs' pool and static buffers (+0.3-0.5 GB on FLUX.1-12B), so it could not keep its promise. ``on``
+    without a CUDA GPU is refused (:class:`TrainError`)."""
+    if cfg.cuda_graphs == "on" and device.type != "cuda":
+        raise TrainError(f"--cuda-graphs on needs a CUDA GPU and this run trains on {device}; use auto or off.")
+    if cfg.cuda_graphs == "off" or device.type != "cuda":
+        return False
+    if cfg.cuda_graphs == "on":
+        if cfg.vram_budget_bytes is not None:
+            log.warning("cuda_graphs = on with vram_budget: the memory plan does not count the CUDA graphs' memory "
+                        "(measured +0.3-0.5 GB on FLUX.1-12B); leave that much below the budget.")
+        return True
+    if cfg.lora_dropout:
+        return False
+    if cfg.vram_budget_bytes is not None:
+        echo("cuda graphs auto: off, because vram_budget is set and the memory plan does not count their memory; "
+             "--cuda-graphs on turns them on (about 0.3-0.5 GB more)")
+        return False
+    return True
+
+
+def _check_memory_plan(cfg: TrainConfig, slab, device: torch.device, compute: str, dtype: str, echo) -> None:
+    """With ``vram_budget`` on a GPU: say the expected device memory and refuse a plan over the budget."""
+    if cfg.vram_budget_bytes is None or device.type != "cuda":
+        return
+    plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
+                        text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
+                        lora_targets=cfg.targets, compute=compute, dtype=dtype)
+    echo("expected device memory:\n" + str(plan))
+    if cfg.use_dora:
+        log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: "
+                    "1.7 GB more at 512², 2.1 GB at 1024²); leave that much below the budget.")
+    plan.check(cfg.vram_budget_bytes)
+
+
+def _check_trainable(slab, family: str) -> None:
+    if family not in ADAPTERS or ADAPTERS[family].recipe is None:
+        raise TrainError(f"{slab} holds a {family} model, which squareq train cannot train yet; the families it "
+                         f"trains are: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+
+
+def save_formats(cfg: TrainConfig, family: str) -> list[str]:
+    """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file and, for FLUX.1, the kohya
+    file whose ``.alpha`` tensors carry the strength to ComfyUI. Refused before training where a layout cannot
+    hold this family's LoRA."""
+    if cfg.lora_type != "lora":  # config.py refused any other format for them
+        return ["peft"]
+    formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" and not cfg.use_dora else ["diffusers"])
+    if "kohya" in formats and family != "flux":
+        raise TrainError(f"save_format = {','.join(formats)}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's, and "
+                         f"this slab holds a {family} model; use --save-format diffusers.")
+    if "kohya" in formats and cfg.use_dora:
+        raise TrainError(f"save_format = {','.join(formats)} with use_dora: the kohya/ComfyUI layout has no DoRA that "
+                         "kohya and ComfyUI read alike; use --save-format diffusers.")
+    return formats
+
+
+def resume_path(cfg: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint ``resume`` names (``latest``: the newest in ``out``, None before the first), or None."""
+    if not cfg.resume:
+        return None
+    return latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
+
+
+def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
+    """Before anything loads: peft is there for a variant; a resumed run keeps its checkpoint's DoRA and rsLoRA (a
+    LoRA cannot change kind halfway); dropout runs in one process (its masks come from each process's CUDA random
+    state, which checkpoints keep for one process only, so a resume would not be exact)."""
+    if not cfg.lora_variant.plain:
+        runtime.require_peft()
+    if cfg.lora_dropout and world > 1:
+        raise TrainError(f"lora_dropout = {cfg.lora_dropout} with {world} processes: a resumed run would draw other "
+                         "dropout masks than an unbroken one; train with lora_dropout = 0, or in one process.")
+    path = resume_path(cfg, out)
+    saved = checkpoint_config(path) if path is not None else {}
+    for key, flag in (("use_dora", "--use-dora"), ("use_rslora", "--use-rslora")):
+        if key in saved and bool(saved[key]) != getattr(cfg, key):
+            raise TrainError(f"{path} was trained with {key} = {str(bool(saved[key])).lower()}; resume with the same "
+                             f"setting ({flag} {'on' if saved[key] else 'off'}), or start a new run in a new -o "
+                             "folder.")
+    for key in ("lora_type", "lokr_factor"):
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise TrainError(f"{path} was trained with {key} = {saved[key]}; resume with the same setting "
+                             f"(--{key.replace('_', '-')} {saved[key]}), or start a new run in a new -o folder.")
+
+
+def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:
+    """A resumed run without --targets trains the layers its checkpoint has (a run started before the family's
+    default changed keeps its own), not the current default."""
+    if not cfg.resume or cfg.targets is not None:
+        return cfg
+    path = resume_path(cfg, out)
+    saved = checkpoint_config(path).get("targets") if path is not None else None
+    return dataclasses.replace(cfg, targets=list(saved)) if isinstance(saved, list) and saved else cfg
