@@ -6,10 +6,11 @@ folder; every number printed is measured in this run. A GPU is used when there i
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from .compiler import CompileOptions, compile_slab
 from .devices import default_device
 from .extras import ACCEPT_MODULES, check_installed
 from .models import load_builtin
+from .progress import Progress
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
 from .sources import open_source
@@ -54,10 +56,25 @@ def _prepare(folder: Path, overwrite: bool) -> None:
     folder.mkdir(parents=True, exist_ok=True)
 
 
+@contextlib.contextmanager
+def training_progress(steps: int, status: Callable[[str], None] | None,
+                      shown: bool | None = None) -> Iterator[Callable[[int], None] | None]:
+    """The demo's training on the shared bar (squareq/progress.py), drawn on a terminal or when ``shown``; else a
+    line at each quarter of the steps (``"      training: step 50/200"``) handed to ``status``. Yields what the
+    trainer calls after each step (None without ``status``: nothing is shown)."""
+    if status is None:
+        yield None
+        return
+    with Progress(steps, "train", "step", shown=shown, echo=status, every=max(1, steps // 4)) as bar:
+        yield lambda step: bar.advance(line=f"      training: step {step}/{steps}")
+
+
 def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 200,
-             echo: Callable[[str], None] = print, status: Callable[[str], None] | None = None) -> DemoResult:
-    """Run the demo into ``folder``; ``echo`` receives the progress and result lines, ``status`` a one-line
-    status during training (``"      training: step 40/200"``, meant to overwrite itself on a terminal)."""
+             echo: Callable[[str], None] = print, status: Callable[[str], None] | None = None,
+             progress: bool | None = None) -> DemoResult:
+    """Run the demo into ``folder``; ``echo`` receives the progress and result lines. With ``status``, the training
+    shows how far it is (:func:`training_progress`): a bar on a terminal (or with ``progress``), else lines for
+    ``status``."""
     check_installed(("skimage", *ACCEPT_MODULES), "squareq demo")  # it calibrates on the photographs and accepts
     folder = Path(folder)
     _prepare(folder, overwrite)
@@ -90,8 +107,8 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
                              "resolution": RESOLUTION, "max_sequence_length": TOKENS, "lr": 5e-3, "rank": 8,
                              "save_every": steps // 2, "seed": 0})
     start = time.perf_counter()
-    report = (lambda step: status(f"      training: step {step}/{steps}")) if status else None
-    result = train(cfg, echo=lambda line: None, progress=False, after_step=report)
+    with training_progress(steps, status, progress) as after_step:
+        result = train(cfg, echo=lambda line: None, progress=False, after_step=after_step)
     seconds = time.perf_counter() - start
     losses = result.losses
     k = max(1, len(losses) // 4)

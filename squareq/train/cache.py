@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..progress import Progress
 from ..slab.atomic import atomic_write_bytes
 from ..slab.digest import DigestError, file_sha256, hashed_safetensors, read_hashed
 
@@ -59,16 +60,16 @@ class EmbeddingCache:
         except DigestError as exc:
             raise CacheError(f"cache entry {path} {exc}; delete it and the next run recomputes it.") from None
 
-    def intact(self, kind: str, key: str) -> bool:
-        """Whether the entry is there and as it was written; a damaged one is deleted, with a line saying so, so
-        that the fill encodes it again."""
+    def intact(self, kind: str, key: str, echo: Callable[[str], None] | None = None) -> bool:
+        """Whether the entry is there and as it was written; a damaged one is deleted, with a line saying so (through
+        ``echo``, else the cache's), so that the fill encodes it again."""
         path = self.path(kind, key)
         if not path.is_file():
             return False
         try:
             read_hashed(path)
         except DigestError as exc:
-            self.echo(f"cache entry {path} {exc}; encoding it again.")
+            (echo or self.echo)(f"cache entry {path} {exc}; encoding it again.")
             path.unlink(missing_ok=True)
             return False
         return True
@@ -98,9 +99,10 @@ class EmbeddingCache:
         atomic_write_bytes(path, json.dumps(found, indent=1, sort_keys=True).encode())
 
     def fill(self, kind: str, keys: Iterable[str], compute: Callable[[list[int]], list[dict[str, torch.Tensor]]],
-             batch_size: int = 8) -> int:
+             batch_size: int = 8, progress: Progress | None = None) -> int:
         """Compute the entries of ``keys`` that are missing: ``compute(indices)`` returns one tensor dict per index
-        into ``keys``. Returns how many entries were computed.
+        into ``keys``. Returns how many entries were computed. ``progress`` counts the entries that were missing
+        when the fill began: each one stored moves it on, and a damaged one found on the way is added to its total.
 
         Batches are fixed runs of ``batch_size`` distinct keys in the given order, and a batch with any entry
         missing is computed whole: an entry is always computed next to the same neighbours, so a fill that
@@ -110,13 +112,21 @@ class EmbeddingCache:
         for i, key in enumerate(keys):
             first.setdefault(key, i)
         order = list(first.items())
+        say = self.echo if progress is None else progress.above(self.echo)
         made = 0
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
-            if all([self.intact(kind, key) for key, _ in chunk]):  # every entry checked: damaged ones are deleted
+            missing = {key for key, _ in chunk if not self.has(kind, key)}
+            # every entry checked: damaged ones are deleted
+            damaged = [key for key, _ in chunk if key not in missing and not self.intact(kind, key, say)]
+            if not missing and not damaged:
                 continue
+            if progress is not None:
+                progress.expect(len(damaged))
             for (key, _), tensors in zip(chunk, compute([i for _, i in chunk]), strict=True):
                 if not self.has(kind, key):
                     self.store(kind, key, tensors)
                     made += 1
+                    if progress is not None:
+                        progress.advance()
         return made

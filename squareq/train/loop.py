@@ -100,7 +100,7 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         remove_run_debris(cfg, out, echo)
     torch.manual_seed(cfg.seed)
     run = TrainingRun(cfg, out, device, ranks, echo, after_step, on_gradients)
-    run.setup()
+    run.setup(progress)
     try:
         run.load()
         run.resume()
@@ -124,13 +124,13 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------------------ before training
 
-    def setup(self) -> None:
+    def setup(self, progress: bool | None = None) -> None:
         """The plan (train/run_plan.py: the configuration settled against the slab, the memory plan checked), then
-        the cache filled by rank 0 (train/prepare.py)."""
+        the cache filled by rank 0 (train/prepare.py), with a bar as ``progress`` says (as the steps' bar)."""
         self.plan = plan = plan_run(self.cfg, self.out, self.device, self.ranks.world, self.echo)
         self.cfg = plan.cfg
         self.data = prepare_data(plan.cfg, plan.slab.manifest.model, self.device, self.echo,
-                                 encode=self.ranks.is_main)
+                                 encode=self.ranks.is_main, progress=progress)
         self.echo(f"training a {plan.family} LoRA with the {plan.objective} objective")
 
     def load(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..progress import Progress, wanted
 from ..runtime.compute import resolve_dtype
 from ..slab.digest import content_key
 from ..sources.encoder_placement import EncoderRun
@@ -53,10 +54,12 @@ def run_encoders(cfg: TrainConfig, record) -> EncoderSource:
                               cfg.encoder_files)
 
 
-def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True) -> PreparedData:
+def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True,
+                 progress: bool | None = None) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
     source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
-    SquareQ cannot train has no encoders, which ``open_encoders`` says."""
+    SquareQ cannot train has no encoders, which ``open_encoders`` says. ``progress``: the fill's bar on stderr
+    (default: when stderr is a terminal)."""
     dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
     held = None
     if cfg.validation_data:
@@ -113,7 +116,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
                            | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
                                flipped=len(items) if cfg.flip_aug else 0,
-                               masks=_masks(cfg, dataset, items) + held_masks)
+                               masks=_masks(cfg, dataset, items) + held_masks, progress=progress)
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
@@ -130,12 +133,13 @@ def _masks(cfg: TrainConfig, dataset, items) -> list:
 
 
 def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
-                cache: EmbeddingCache, echo, flipped: int = 0,
-                masks: list | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+                cache: EmbeddingCache, echo, flipped: int = 0, masks: list | None = None,
+                progress: bool | None = None) -> tuple[list[str], dict[str, str], list[str]]:
     """Cache every image's latents and every caption's embeddings, and for the first ``flipped`` items (the training
     ones, with ``flip_aug``) the latents of the image flipped left to right; with ``masks`` (each item's mask source,
-    train/masks.py, or None) each latent entry also holds its loss mask. Return the latent keys per item, the text
-    key per caption and the flipped latents' keys."""
+    train/masks.py, or None) each latent entry also holds its loss mask. The entries to compute are a bar on a
+    terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per caption and the
+    flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
     digests = [file_digest(item.path) for item in items]
     masks = masks or [None] * len(items)
@@ -166,9 +170,13 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
     def encode_texts(indices):
         return encoders.encode_prompts([unique[i] for i in indices], cfg.max_sequence_length)
 
+    fills = [("latents", image_keys, encoder_of(False)), ("latents", flipped_keys, encoder_of(True)),
+             ("text", [text_keys[c] for c in unique], encode_texts)]
+    todo = len({(kind, key) for kind, keys, _ in fills for key in keys if not cache.has(kind, key)})
     start = time.perf_counter()
-    made = (cache.fill("latents", image_keys, encoder_of(False)) + cache.fill("latents", flipped_keys, encoder_of(True))
-            + cache.fill("text", [text_keys[c] for c in unique], encode_texts))
+    # the line below says what the finished bar would, so the bar is not left on the screen
+    with Progress(todo, "cache", "entry", shown=todo > 0 and wanted(progress), leave=False) as bar:
+        made = sum(cache.fill(kind, keys, compute, progress=bar) for kind, keys, compute in fills)
     echo(f"cache {cache.root}: {made} new entries of {len(image_keys) + len(flipped_keys) + len(unique)} in "
          f"{time.perf_counter() - start:.1f} s")
     return image_keys, text_keys, flipped_keys

@@ -1,6 +1,7 @@
 """Where a run's figures go: ``metrics.jsonl`` (one line per step), TensorBoard or Weights & Biases when asked, the
-progress bar on a terminal (or about ten progress lines without one), and ``loss.png`` drawn from the JSONL file.
-:class:`RunLogs` holds the open sinks of one run; a resumed run first drops the lines of the steps it redoes."""
+progress bar on a terminal (or about ten progress lines without one: squareq/progress.py), and ``loss.png`` drawn
+from the JSONL file. :class:`RunLogs` holds the open sinks of one run; a resumed run first drops the lines of the
+steps it redoes."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +9,11 @@ import json
 import math
 import os
 import secrets
-import sys
 from pathlib import Path
 
 from ..extras import require
 from ..plot import plot_curves, smooth
+from ..progress import Progress, wanted
 from ..slab.atomic import atomic_write_bytes
 from .config import TrainConfig
 from .errors import TrainError
@@ -29,9 +30,8 @@ class RunLogs:
 
     def __init__(self, cfg: TrainConfig, out: Path, main: bool, total: int, step: int, progress: bool | None,
                  echo) -> None:
-        self.total, self.echo, self.losses = total, echo, []
-        self.every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
-        self.board = self.bar = None
+        self.total, self.losses = total, []
+        self.board = None
         self.metrics = open(out / METRICS_FILE, "a") if main else open(os.devnull, "w")
         board = {"tensorboard": _tensorboard, "wandb": _wandb}.get(cfg.log)
         try:
@@ -39,11 +39,10 @@ class RunLogs:
         except BaseException:
             self.metrics.close()
             raise
-        if main and (sys.stderr.isatty() if progress is None else progress):
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=step, unit="step", dynamic_ncols=True, desc="train")
-            self.echo = _above_bar(self.bar, echo)
+        self.every = max(1, min(10, total // 10))  # progress lines: about ten per run, at least every ten steps
+        self.bar = Progress(total, "train", "step", shown=main and wanted(progress), echo=echo, every=self.every,
+                            initial=step)
+        self.echo = self.bar.above(echo)
 
     def write(self, record: dict) -> None:
         """A finished step's ``record`` (its figures: train/step.py) in metrics.jsonl and on the board, and the
@@ -63,16 +62,11 @@ class RunLogs:
         vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
         status = (f"loss {loss:.4f} (avg {sum(recent) / len(recent):.4f}), lr {record['lr']:.2e}, "
                   f"grad norm {norm:.3f}{vram}")
-        if self.bar is not None:
-            self.bar.set_postfix_str(status, refresh=False)
-            self.bar.update(1)
-        elif step % self.every == 0 or step == self.total:
-            self.echo(f"step {step}/{self.total}: {status}, {1 / record['seconds']:.2f} it/s")
+        self.bar.advance(status=status, line=f"step {step}/{self.total}: {status}, {1 / record['seconds']:.2f} it/s")
 
     def close(self, failed: bool) -> None:
         """Close the bar, metrics.jsonl and the board (a W&B run that ``failed`` shows as failed)."""
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
         self.metrics.close()
         if self.board is not None:
             self.board.close(failed=failed)
@@ -161,10 +155,3 @@ def _wandb(cfg: TrainConfig, out: Path) -> _WandbBoard:
             from None
     return _WandbBoard(run)
 
-
-def _above_bar(bar, echo):
-    """``echo`` that prints above the progress bar instead of through it."""
-    def write(text: str) -> None:
-        with bar.external_write_mode():
-            echo(text)
-    return write

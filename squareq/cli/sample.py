@@ -1,0 +1,157 @@
+"""`squareq sample` and `squareq export-lora`: images drawn from the streamed slab (optionally with a LoRA), and a
+LoRA rewritten in the other file layout."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..runtime.attention_choice import MODES as ATTENTION_MODES
+from ..runtime.block_compile import MODES as COMPILE_MODES
+from ..runtime.compute import MODES as COMPUTE_MODES
+from ..sizes import parse_size
+from ..slab.atomic import os_error_sentence
+from ..train.config_help import HELP
+from ..train.prompt_options import PromptError
+from ..train.sample import SampleError
+from .options import REVISION, encoder_file_options, given_files
+
+
+class AutoOrInt(click.ParamType):
+    """``auto`` or a whole number of at least ``minimum``."""
+
+    name = "auto|N"
+
+    def __init__(self, minimum: int) -> None:
+        self.minimum = minimum
+
+    def convert(self, value, param, ctx):
+        """``auto`` as is, a number as an int; anything else fails with one sentence naming the flag."""
+        if value == "auto":
+            return value
+        try:
+            number = int(value) if not isinstance(value, bool) else None
+        except ValueError:
+            number = None
+        if number is None or number < self.minimum:
+            self.fail(f"{value!r}: give auto or a whole number of at least {self.minimum}.", param, ctx)
+        return number
+
+
+@click.command()
+@click.argument("slab", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True,
+              help="A prompt (repeat for several images), with kohya's per-prompt options if wanted: "
+              "\"a fox --w 768 --h 1024 --s 28 --g 3.5 --d 7 --n blurry --l 4\" (width, height, steps, guidance, "
+              "seed, negative prompt, true CFG scale; docs/train.md).")
+@click.option("--prompt-file", type=click.Path(path_type=Path), help="A text file of prompts, one a line, options "
+              "included (kohya's prompt file; empty and # lines skipped); drawn after the --prompt ones.")
+@click.option("--lora", type=click.Path(path_type=Path), help="A LoRA file or folder (diffusers or kohya layout).")
+@click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("samples"), show_default=True,
+              help="Folder for the PNG files.")
+@click.option("--model", help=HELP["model"])
+@REVISION
+@encoder_file_options
+@click.option("--prior", help="Würstchen: the prior's pipeline folder or Hub ID (warp-ai/wuerstchen-prior), run whole "
+              "beside a decoder slab; an image needs both stages.")
+@click.option("--decoder", help="Würstchen: the decoder's pipeline folder or Hub ID (warp-ai/wuerstchen), run whole "
+              "beside a prior slab.")
+@click.option("--resolution", type=int, default=1024, show_default=True)
+@click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
+@click.option("--guidance", type=float, default=3.5, show_default=True, help="Guidance scale, 0 to 100.")
+@click.option("--seed", type=int, default=42, show_default=True)
+@click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
+@click.option("--prefetch", type=AutoOrInt(minimum=1), default="auto", show_default=True,
+              help="Block slots on the GPU: a number, or auto (start at 3; after the second step, or with "
+                   "--cuda-graphs the first that replays them, add slots while a step simulated from the measured "
+                   "copies and compute gets faster, as free VRAM allows, at most 8).")
+@click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
+              help="Blocks kept on the GPU after the measured step, those whose copy outweighs their compute "
+                   "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
+@click.option("--vram-budget", help="GPU memory the denoising steps may reserve, e.g. 3GB: bounds the slots "
+              "--prefetch auto adds and the blocks --resident-blocks keeps (default: what the device has free, less a "
+              "margin). What is on the GPU when they are planned (the denoiser, Würstchen's other stage) counts; "
+              "FLUX.1's text encoders, which run before, and the VAE's decode after, do not.")
+@click.option("--host", type=click.Choice(["auto", "pinned", "disk"]), default="auto", show_default=True,
+              help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
+                   "spare, else disk), pinned (RAM) or disk (read from the slab file).")
+@click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True, help=HELP["compute"])
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16"]), default="auto", show_default=True,
+              help="The activations' 16-bit type: auto (fp16 on GPUs without bf16: T4, V100, RTX 20xx; bf16 "
+                   "elsewhere), bf16 or fp16.")
+@click.option("--frames", type=int, default=1, show_default=True,
+              help="Frames of a video family's clip (Wan, HunyuanVideo, LTX-Video), saved as an animated WebP; a "
+                   "prompt's --f sets its own.")
+@click.option("--cuda-graphs", is_flag=True, help="Replay each block's forward from a CUDA graph once the first "
+              "denoising steps have captured it (CUDA only; docs/tuning.md says when it pays).")
+@click.option("--compile", "compile_mode", type=click.Choice(COMPILE_MODES), default="auto", show_default=True,
+              help="Run each block's forward under torch.compile: on, off, or auto (off: a sampling run measured "
+                   "slower with its compile counted; docs/tuning.md).")
+@click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
+              help=HELP["attention"])
+def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, prior, decoder, resolution,
+           steps,
+           guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, compute, dtype, frames,
+           cuda_graphs, compile_mode, attention):
+    """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
+    families through their diffusers pipeline folder (--model)."""
+    from ..plot import write_sample
+    from ..train.prompt_options import read_prompt_file
+
+    try:
+        prompts = list(prompts) + (read_prompt_file(prompt_file) if prompt_file else [])
+    except PromptError as exc:
+        raise SampleError(f"--prompt-file: {exc}") from None
+    if not prompts:
+        raise SampleError("squareq sample needs something to draw: give --prompt TEXT (repeat for several) or "
+                          "--prompt-file FILE.")
+    from ..slab.atomic import ensure_output_dir
+    from ..train.sample import check_sample_options, sample_images
+
+    check_sample_options(resolution, steps, guidance, max_sequence_length)
+    limit = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+    ensure_output_dir(out, "-o/--out")  # before any drawing, whose images would otherwise be lost
+
+    def save(i: int, image) -> None:
+        stem = out / f"sample-{i:03d}"
+        try:
+            path = write_sample(image, stem)  # a video's frames: an animated WebP
+        except OSError as exc:
+            raise SampleError(os_error_sentence(exc, f"saving {stem}", "draw the remaining prompts again")) from None
+        click.echo(f"wrote {path}")
+
+    sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
+                  seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
+                  resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
+                  revision=revision, files=given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
+                  attention=attention, dtype=dtype, frames=frames, vram_budget=limit,
+                  stages={"prior": prior, "decoder": decoder})
+
+
+@click.command("export-lora")
+@click.argument("lora", type=click.Path(path_type=Path))
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True,
+              help="kohya: a .safetensors file; diffusers: a folder for pytorch_lora_weights.safetensors.")
+@click.option("--format", "fmt", type=click.Choice(["kohya", "diffusers"]), default="kohya", show_default=True)
+def export_lora(lora: Path, out: Path, fmt: str) -> None:
+    """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT)."""
+    from ..runtime import LoraVariant
+    from ..train.lora_files import WEIGHT_NAME, save_diffusers_lora, save_kohya_lora
+    from ..train.lora_reader import load_lora
+
+    source = lora / WEIGHT_NAME if lora.is_dir() else lora
+    target = out if fmt == "kohya" else out / WEIGHT_NAME
+    if source.exists() and target.exists() and source.resolve() == target.resolve():
+        raise click.UsageError(f"-o {out} would overwrite the LoRA being exported ({source}); write the {fmt} layout "
+                               "to another path.")
+    from ..slab.atomic import remove_debris
+
+    for debris in remove_debris(target):  # an export killed mid-write (its cleanup never ran) left its temporary
+        click.echo(f"removed {debris}, left by an export that was killed while writing it")
+    factors, info = load_lora(lora)
+    save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
+    provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
+    prefix = {"prefix": info["component"], "variant": LoraVariant(dora=info["use_dora"])} if fmt == "diffusers" else {}
+    path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance,
+                header=info["header"], **prefix)
+    click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
