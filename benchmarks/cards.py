@@ -4,7 +4,8 @@ card's memory.
 
     python benchmarks/cards.py --workdir DIR [--out DIR] [--configs flux1-dev-8gb,qwen-image] [--steps 5] [--tiny]
 
-For each config in ``examples/`` (its card below, :data:`CARDS`), in a process of its own:
+For each config in ``examples/`` (its card below, :data:`CARDS`, which must name every example and no other: the run
+stops otherwise), in a process of its own:
 
 * the CUDA caching allocator is capped (``torch.cuda.set_per_process_memory_fraction``) at the card's memory less
   the CUDA context this process holds on the device, which a card of that size holds too;
@@ -21,8 +22,9 @@ the real ones do), so token counts are like the real ones' but ids are not. Each
 memory of caching, of the steps and of sampling against the card, the median step, the bytes copied into the ring per
 step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not measured). One JSON
 line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as wide as them, no
-caps, 2 steps and a 2-step sample at 64 px, every config in this one process (a smoke test anywhere, seconds on a
-CPU; memory peaks are null there, not measured).
+caps, 2 steps and a 2-step sample at 64 px, every config in this one process with its own ``vram_budget`` (the
+encoders are placed within it; the trainer checks its memory plan on a GPU only), a smoke test anywhere, seconds on
+a CPU, where the GPU figures (memory peaks, bytes copied) are null and listed as not measured.
 
 The encoders are handed to the trainer in memory: squareq has no public hook for that, so :func:`in_memory_encoders`
 puts a stand-in for ``squareq.sources.encoders.open_encoders`` (and ``open_decoder``) wherever a loaded squareq module
@@ -49,11 +51,12 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from common import NOT_MEASURED, RECORDS, Column, emit, git_commit, log, not_measured, table, write_records  # noqa: E402
 from train_e2e import write_data  # noqa: E402  (noise images with captions)
 
 GIB = 1 << 30
-# example config -> (family, the card it names in GiB)
+EXAMPLES = ROOT / "examples"
+# example config -> (family, the card it names in GiB): a row for every examples/*.toml, which main checks
 CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-dev-24gb": ("flux", 24),
          "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16)}
 PCIE4_BYTES_PER_S = 25e9  # a PCIe 4.0 x16 link's practical host-to-device rate
@@ -232,7 +235,7 @@ def encoders_of(pipe, family: str, device, run, dtype, measure: dict):
             else:
                 yield PipelineEncoders(pipe, family, device, dtype, placement)
     finally:
-        measure["cache_peak_reserved_GB"] = measure["cache_peak_allocated_GB"] = None  # not measured on a CPU
+        measure["cache_peak_reserved_GB"] = measure["cache_peak_allocated_GB"] = None  # a CPU: train_config lists them
         if device.type == "cuda":
             torch.cuda.synchronize()
             measure["cache_peak_reserved_GB"] = torch.cuda.max_memory_reserved() / 1e9
@@ -332,13 +335,17 @@ def run_config(args, name: str) -> None:
     rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
                prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
     train_config(cfg, pipe, family, rec)
-    rec.update(sample_s=None, sample_steps=None, sample_size=None, sample_placement=None, sample_peak_reserved_GB=None)
     if family == "flux":  # the caching released the first encoders: sampling gets its own, built before it is timed
         sample_pipe = build_encoders(family, model_config, args.tiny)
         sample_config(args, slab, cfg, lambda: sample_pipe, rec)
-    peaks = [rec.get(k) or 0 for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB", "sample_peak_reserved_GB")]
-    rec["peak_reserved_GB"] = max(peaks) if cuda else None
-    rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB if cuda else None
+    else:  # this benchmark samples FLUX.1 only
+        not_measured(rec, "sample_s", "sample_steps", "sample_size", "sample_placement", "sample_peak_reserved_GB")
+    if cuda:
+        rec["peak_reserved_GB"] = max(rec[k] for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB",
+                                                       "sample_peak_reserved_GB") if rec[k] is not None)
+        rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB
+    else:
+        not_measured(rec, "peak_reserved_GB", "fits_card")
     rec["host_rss_peak_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     emit(rec)
 
@@ -352,7 +359,7 @@ def config_of(args, name: str, slab: Path):
     overrides = {"slab": str(slab), "output": str(work / f"out-{stamp}"), "cache_dir": str(work / f"cache-{stamp}"),
                  "steps": args.steps, "save_every": 0, "sample_every": 0, "seed": 0}
     if args.tiny:
-        overrides.update(resolution=64, max_sequence_length=16, vram_budget=None)
+        overrides.update(resolution=64, max_sequence_length=16)
     cfg = load_config(ROOT / "examples" / f"{name}.toml", overrides)
     res = max(cfg.resolution)
     cfg.data = str(work / f"data-{res}")
@@ -379,10 +386,13 @@ def train_config(cfg, pipe, family: str, rec: dict) -> None:
     rec["step_s"] = statistics.median(r["seconds"] for r in timed)
     rec["step_times"] = [round(r["seconds"], 3) for r in rows]
     rec["losses_finite"] = all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in rows)
-    rec["copied_GB_per_step"] = statistics.median(r.get("copied_GB", 0) for r in timed)
-    rec["pcie4_copy_s_arithmetic"] = rec["copied_GB_per_step"] * 1e9 / PCIE4_BYTES_PER_S
-    cuda = torch.cuda.is_available()
-    rec["train_peak_reserved_GB"] = max(r.get("peak_reserved_GB", 0) for r in rows) if cuda else None
+    if torch.cuda.is_available():
+        rec["copied_GB_per_step"] = statistics.median(r["copied_GB"] for r in timed)
+        rec["pcie4_copy_s_arithmetic"] = rec["copied_GB_per_step"] * 1e9 / PCIE4_BYTES_PER_S
+        rec["train_peak_reserved_GB"] = max(r["peak_reserved_GB"] for r in rows)
+    else:  # the trainer counts copies and GPU memory on a GPU only (its metrics.jsonl has none on a CPU)
+        not_measured(rec, "copied_GB_per_step", "pcie4_copy_s_arithmetic", "train_peak_reserved_GB",
+                     "cache_peak_reserved_GB", "cache_peak_allocated_GB")
 
 
 def sample_config(args, slab: Path, cfg, open_pipe, rec: dict) -> None:
@@ -402,10 +412,12 @@ def sample_config(args, slab: Path, cfg, open_pipe, rec: dict) -> None:
     rec["sample_s"] = time.perf_counter() - start
     rec["sample_steps"] = args.sample_steps
     rec["sample_size"] = list(images[0].size)
-    rec["sample_placement"] = sample_measure.get("placement", {}).get("streamed")
-    if cuda:
+    rec["sample_placement"] = sample_measure["placement"]["streamed"]
+    if cuda:  # the denoising's peak, or the prompt encoding's before it where that was higher
         rec["sample_peak_reserved_GB"] = max(torch.cuda.max_memory_reserved() / 1e9,
-                                             sample_measure.get("cache_peak_reserved_GB") or 0)
+                                             sample_measure["cache_peak_reserved_GB"])
+    else:
+        not_measured(rec, "sample_peak_reserved_GB")
 
 
 def tiny_flux2_slab(path: Path) -> None:
@@ -432,31 +444,30 @@ def ensure_slab(args, family: str) -> None:
     if args.tiny and family == "flux2":
         tiny_flux2_slab(slab_path(work, family, True))
         return
-    cmd = ["--family", family, "--only", "slab", "--workdir", str(work), "--out", str(work / f"slab-{family}")] + (
-        ["--tiny"] if args.tiny else [])
-    log(f"slab for {family}: train_step.py {' '.join(cmd)}")
-    if args.tiny:  # in this process: train_step.py's slab phase, its JSON line on stderr
+    if args.tiny:
         import train_step
 
-        with contextlib.redirect_stdout(sys.stderr):
-            train_step.phase_slab(train_step.Setup(train_step.parse_args(cmd)))
+        log(f"slab for {family}: train_step.py's slab phase in this process")
+        train_step.slab_here(work, family, tiny=True)
         return
+    cmd = ["--family", family, "--only", "slab", "--workdir", str(work), "--out", str(work / f"slab-{family}")]
+    log(f"slab for {family}: train_step.py {' '.join(cmd)}")
     subprocess.run([sys.executable, str(HERE / "train_step.py"), *cmd], check=True, stdout=sys.stderr)
 
 
 def card_table(records: list[dict]) -> str:
     def gb(key):
-        return lambda r: "-" if r.get(key) is None else f"{r[key]:.2f}"
+        return lambda r: NOT_MEASURED if r[key] is None else f"{r[key]:.2f}"
 
     def encoders(r):
-        return f"{r['encoder_params_B']:.2f} B ({', '.join(r['placement'].get('streamed', [])) or 'none'})"
+        return f"{r['encoder_params_B']:.2f} B ({', '.join(r['placement']['streamed']) or 'none'})"
 
     def cache(r):
         return f"{r['cache_s']:.1f} / {gb('cache_peak_reserved_GB')(r)} " \
                f"(planned {r['placement']['expected_peak_bytes'] / 1e9:.2f})"
 
     def sample(r):
-        return "-" if r["sample_s"] is None else f"{r['sample_s']:.1f} / {gb('sample_peak_reserved_GB')(r)}"
+        return f"{r['sample_s']:.1f} / {gb('sample_peak_reserved_GB')(r)}"
 
     columns = [Column("config", "config"), Column("card", "card_GiB", lambda r: f"{r['card_GiB']} GiB"),
                Column("encoders (streamed)", "encoder_params_B", encoders, also=("placement",)),
@@ -486,6 +497,11 @@ def main() -> None:
     if args.run:
         run_config(args, args.run)
         return
+    examples = {p.stem for p in EXAMPLES.glob("*.toml")}
+    if examples != set(CARDS):
+        sys.exit(f"cards.py: CARDS must name every example config and nothing else; examples without a card: "
+                 f"{sorted(examples - set(CARDS)) or 'none'}, cards without an example: "
+                 f"{sorted(set(CARDS) - examples) or 'none'}.")
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CARDS]
     if unknown:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS: list[dict] = []
 COLUMNS_LINE = "# columns: "  # the stderr line a table declares its rows and fields on (tests/test_benchmarks.py)
+NOT_MEASURED = "n/a"  # a table cell whose value this run did not measure (None in its JSON line, never 0)
 # The compile options of the tiny paths (--tiny) that compile: the compiler's search in its cheapest form (few
 # calibration samples and rows, plain rounding, no rotation or learned rounding, two effect probes). The same code
 # runs as in a real run; only the work per layer shrinks.
@@ -25,6 +26,26 @@ def emit(rec: dict) -> dict:
     RECORDS.append(rec)
     print(json.dumps(rec, sort_keys=True), flush=True)
     return rec
+
+
+def not_measured(rec: dict, *fields: str) -> dict:
+    """``rec`` with ``fields`` None and named in its ``not_measured`` list: figures this run could not measure (GPU
+    memory on a CPU, a ratio to a peer the run left out). :func:`missing_fields` accepts a None only so listed."""
+    if fields:
+        rec.update(dict.fromkeys(fields))
+        rec["not_measured"] = sorted({*rec.get("not_measured", ()), *fields})
+    return rec
+
+
+def set_figure(rec: dict, field: str, value) -> None:
+    """``rec[field] = value`` for a figure set again as a run goes on (a ratio to a peer measured later): None is
+    listed as not measured (:func:`not_measured`), a value is taken off that list."""
+    if value is None:
+        not_measured(rec, field)
+        return
+    rec[field] = value
+    if field in rec.get("not_measured", ()):
+        rec["not_measured"] = [f for f in rec["not_measured"] if f != field]
 
 
 def write_records(out, name: str, records: list[dict] | None = None) -> None:
@@ -66,7 +87,8 @@ def device_name() -> str:
 class Column:
     """One column of a benchmark's markdown table: its header, the record field its cell shows, and how: a format
     spec of that field's value (``".3f"``) or a function of the whole record, for a cell derived from the field and
-    the fields named in ``also``. ``field=None``: a cell made only of fields some rows have and others not (notes)."""
+    the fields named in ``also``: every field a cell reads is named in ``field`` or ``also``, so :func:`missing_fields`
+    checks it. ``field=None``: a cell made only of fields some rows have and others not (notes, errors)."""
 
     header: str
     field: str | None
@@ -74,12 +96,15 @@ class Column:
     also: tuple[str, ...] = ()
 
     def cell(self, rec: dict) -> str:
-        """Empty where ``rec`` lacks a field the cell reads (a row that failed or was skipped) or holds None."""
+        """Empty where ``rec`` lacks a field the cell reads (a row that failed or was skipped); :data:`NOT_MEASURED`
+        where its field is None (not measured in this run), or what the cell makes of the record is."""
         if any(f not in rec for f in (self.field, *self.also) if f):
             return ""
+        if self.field is not None and rec[self.field] is None:
+            return NOT_MEASURED
         value = self.show(rec) if callable(self.show) else rec[self.field]
         if value is None:
-            return ""
+            return NOT_MEASURED
         return str(value) if callable(self.show) else format(value, self.show)
 
 
@@ -108,8 +133,9 @@ def declared_tables(stderr: str) -> list[dict]:
 
 def missing_fields(records: list[dict], declared: dict) -> list[str]:
     """What is wrong with ``records`` (JSON lines) for the table ``declared``: no record is one of its rows, a row
-    holds an error, or a row lacks a field the table shows. A row that says why it was skipped (``skipped``) needs no
-    measurement."""
+    holds an error, a row lacks a field the table shows, or holds None in one without naming it in its
+    ``not_measured`` list (:func:`not_measured`), or names one there that holds a value. A row that says why it was
+    skipped (``skipped``) needs no measurement."""
     rows = [r for r in records if matches(r, declared["where"])]
     if not rows:
         return [f"no record is a row of the table of {declared['fields']} (where {declared['where']})"]
@@ -117,8 +143,17 @@ def missing_fields(records: list[dict], declared: dict) -> list[str]:
     for r in rows:
         if "error" in r:
             problems.append(f"a row has an error: {str(r['error'])[:300]}")
-        elif not r.get("skipped"):
-            lacking = [f for f in declared["fields"] if f not in r]
-            if lacking:
-                problems.append(f"a row ({ {k: r[k] for k in list(declared['where'])} }) lacks {lacking}")
+            continue
+        if r.get("skipped"):
+            continue
+        which = f"a row ({ {k: r[k] for k in list(declared['where'])} })"
+        listed = set(r.get("not_measured", ()))
+        for what, fields in (
+                ("lacks", [f for f in declared["fields"] if f not in r]),
+                ("holds None, not listed as not measured, in",
+                 [f for f in declared["fields"] if f in r and r[f] is None and f not in listed]),
+                ("lists as not measured but holds a value in",
+                 [f for f in declared["fields"] if f in listed and r.get(f) is not None])):
+            if fields:
+                problems.append(f"{which} {what} {fields}")
     return problems

@@ -41,7 +41,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from common import TINY_SEARCH, Column, device_name, git_commit, log, table, write_records  # noqa: E402
+from common import NOT_MEASURED, TINY_SEARCH, Column, device_name, git_commit, log, not_measured, table, write_records  # noqa: E402
 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -244,7 +244,7 @@ def write_source_once(args, records: list) -> Path:
 
 
 def gb(key: str, digits: int):
-    return lambda r: "-" if r[key] is None else f"{r[key]:.{digits}f}"
+    return lambda r: NOT_MEASURED if r[key] is None else f"{r[key]:.{digits}f}"
 
 
 COLUMNS = [
@@ -265,8 +265,9 @@ COLUMNS = [
 
 def where(vram: dict, part: str) -> str:
     """Where a part waited (gpu, pinned or spilled), with the bytes written to its spill file."""
-    spilled = vram.get(f"{part}_spilled_bytes") or 0
-    return f"{vram[part]} ({spilled / 1e9:.2f} GB written)" if vram[part] == "spilled" else vram[part]
+    if vram[part] != "spilled":
+        return vram[part]
+    return f"spilled ({vram[f'{part}_spilled_bytes'] / 1e9:.2f} GB written)"  # compiler/host_plan.py's record
 
 
 def reset_peak_rss() -> bool:
@@ -307,7 +308,7 @@ def calibration(args, source, budgets, records):
         images = random_calibration_set(args.samples or 16, (config["in_channels"] // 4, side, side),
                                         (tokens, config["joint_attention_dim"]))
     else:
-        from squareq.train.calibration_images import calibration_images
+        from squareq.compiler.calibration_images import calibration_images
 
         tight = min((parse_size(b) for b in budgets if b), default=None)
         if cuda:
@@ -316,10 +317,12 @@ def calibration(args, source, budgets, records):
             images = calibration_images(source, device=args.device, limit=args.samples or 32, echo=log,
                                         resolution=resolution, max_sequence_length=tokens)
     seconds = time.perf_counter() - start
-    emit({"kind": "encode", "seconds": seconds, "images": images.description["images"],
-          "vram_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
-          "host_rss_peak_gb": peak_rss() / 1e9,
-          "host_rss_peak_of": "the encoding" if own_peak else "the process so far"}, records)
+    rec = {"kind": "encode", "seconds": seconds, "images": images.description["images"],
+           "host_rss_peak_gb": peak_rss() / 1e9,
+           "host_rss_peak_of": "the encoding" if own_peak else "the process so far"}
+    if cuda:
+        rec["vram_peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    emit(rec if cuda else not_measured(rec, "vram_peak_reserved_gb"), records)
     return images, seconds
 
 
@@ -389,15 +392,16 @@ def compile_once(args, source, images, encode_s, budget, records) -> dict:
                "recorded_inputs", "effect_inputs", "host_budget_bytes", "host_expected_peak_bytes",
                "recorded_inputs_spilled_bytes", "effect_inputs_spilled_bytes")},
            "plan_lines": plan_lines,
-           "vram_peak_allocated_gb": manifest.calibration["vram"]["peak_allocated_bytes"] / 1e9 if cuda else None,
-           "vram_peak_reserved_gb": manifest.calibration["vram"]["peak_reserved_bytes"] / 1e9 if cuda else None,
            "vram": manifest.calibration["vram"], "effect": manifest.calibration["effect"],
            "chunk_samples": manifest.calibration.get("chunk_samples"),
            "calibrate_s": manifest.calibration["calibrate_seconds"],
            "calibration": {k: manifest.calibration.get(k) for k in ("kind", "source", "samples", "heldout_samples",
                                                                     "resolution", "text_tokens", "latent_shape")},
            "resumed_blocks": reused, "target_s": 900}
-    emit(rec, records)
+    if cuda:
+        rec.update(vram_peak_allocated_gb=manifest.calibration["vram"]["peak_allocated_bytes"] / 1e9,
+                   vram_peak_reserved_gb=manifest.calibration["vram"]["peak_reserved_bytes"] / 1e9)
+    emit(rec if cuda else not_measured(rec, "vram_peak_allocated_gb", "vram_peak_reserved_gb"), records)
     return rec
 
 

@@ -41,7 +41,7 @@ for path in (ROOT, os.path.join(ROOT, "benchmarks")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from common import RECORDS, Column, emit, log, table, write_records  # noqa: E402
+from common import RECORDS, Column, emit, log, not_measured, table, write_records  # noqa: E402
 
 SHAPES = [(3072, 3072), (12288, 3072), (3072, 15360)]  # (out N, in K) of FLUX linear layers
 COPY_BYTES = 1 << 30  # the copy reference moves a 1 GiB buffer (2 GiB read + written)
@@ -341,7 +341,7 @@ def markdown(copy_gbps, dev_name):
     def same(r, kinds):  # the records of r's shape and format among kinds
         return [s for s in RECORDS if s["kind"] in kinds and s["shape"] == r["shape"] and s["format"] == r["format"]]
 
-    def best(r):
+    def best(r):  # the fastest tile of a dequant row (its own or a sweep's); None for the other rows
         return max(same(r, ("dequant", "sweep")), key=lambda s: s["gbps"]) if r["kind"] == "dequant" else None
 
     def exact(r):
@@ -356,11 +356,12 @@ def markdown(copy_gbps, dev_name):
         Column("MB written", "bytes_written", lambda r: f"{r['bytes_written'] / 1e6:.2f}"),
         Column("us/call", "ms", lambda r: f"{r['ms'] * 1e3:.1f}"), Column("GB/s", "gbps", ".0f"),
         Column("% of copy", "frac_copy", lambda r: f"{100 * r['frac_copy']:.0f}%"),
-        Column("default tile", None, lambda r: _fmt_tile(r["tile"]) if r["kind"] == "dequant" else ""),
-        Column("best sweep tile", None, lambda r: best(r) and _fmt_tile(best(r)["tile"])),
-        Column("best GB/s (% copy)", None,
-               lambda r: best(r) and f"{best(r)['gbps']:.0f} ({100 * best(r)['frac_copy']:.0f}%)"),
-        Column("bit-exact", None, exact)]
+        Column("default tile", None, lambda r: _fmt_tile(r["tile"]) if r["kind"] == "dequant" else "", also=("kind",)),
+        Column("best sweep tile", None, also=("kind",),
+               show=lambda r: "" if best(r) is None else _fmt_tile(best(r)["tile"])),
+        Column("best GB/s (% copy)", None, also=("kind",), show=lambda r: "" if best(r) is None else
+               f"{best(r)['gbps']:.0f} ({100 * best(r)['frac_copy']:.0f}%)"),
+        Column("bit-exact", None, exact, also=("kind",))]
     timing = "CUDA graph of back-to-back launches over copies that exceed L2" if dev_name != "cpu" else \
         "eager calls timed by the host's clock"
     return (f"Dequant throughput on {dev_name}; copy reference {copy_gbps:.0f} GB/s (read + written, "
@@ -397,11 +398,12 @@ def main(argv=None) -> int:
         TIMING.update(min_calls=1, replays=2)
     with open(os.path.join(ROOT, "squareq", "kernels", "triton_dequant.py"), "rb") as f:
         kernel_sha = hashlib.sha256(f.read()).hexdigest()[:12]
-    emit({"kind": "env", "device": dev_name, "kernel_sha256_12": kernel_sha, "l2_bytes": l2,
-          "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
-          "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
-          "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-          "min_working_set_bytes": min_ws})
+    env = {"kind": "env", "device": dev_name, "kernel_sha256_12": kernel_sha, "torch": torch.__version__,
+           "triton": triton.__version__, "python": sys.version.split()[0], "min_working_set_bytes": min_ws,
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    if cuda:
+        env.update(l2_bytes=l2, sms=torch.cuda.get_device_properties(0).multi_processor_count)
+    emit(env if cuda else not_measured(env, "l2_bytes", "sms"))  # the GPU's cache and multiprocessors
     if l2 and min_ws < 4 * l2:
         log(f"note: working set {min_ws / 1e6:.0f} MB is under 4x the {l2 / 1e6:.0f} MB L2.")
 

@@ -43,7 +43,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, not_measured, table, write_records  # noqa: E402
 
 from squareq.compiler import CompileOptions, Thresholds, compile_slab  # noqa: E402
 from squareq.compiler.effect import plan_output_error  # noqa: E402
@@ -69,7 +69,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def setup(model: str, device: str, tiny: bool = False):
     """(source, CompileOptions fields, evaluator or None)."""
     if model == "tiny":
-        from squareq.train.calibration_images import calibration_images
+        from squareq.compiler.calibration_images import calibration_images
 
         samples = TINY_SEARCH["calib_samples"] if tiny else 32
         source = open_source("tiny-flux")
@@ -142,7 +142,9 @@ def rebuilds(model: str, source, base: dict, evaluator, work: Path, device: str)
                "measurements": m.calibration["measurements"],
                "predicted_output_rel_mse": m.calibration["predicted_output_rel_mse"],
                "measured_output_rel_mse": m.calibration["measured_output_rel_mse"]}
-        if evaluator is not None:
+        if evaluator is None:  # a model without other corpora (tiny-flux)
+            not_measured(rec, "eval")
+        else:
             with open_slab(work / f"{name}.slab", verify="off") as slab:
                 state = {k: v.clone() for k, v in slab.dequantized_state_dict().items()}
             rec["eval"] = {k: v["rel_mse"] for k, v in evaluator.measure(state).items()}
@@ -176,7 +178,7 @@ BUILD_COLUMNS = [
            also=("layers_down",)),
     Column("measurements", "measurements", lambda r: r["measurements"].split(" /")[0]),
     Column("predicted", "predicted_output_rel_mse", ".3g"), Column("measured", "measured_output_rel_mse", ".3g"),
-    Column("other corpora", None, lambda r: ", ".join(f"{k} {v:.4g}" for k, v in r.get("eval", {}).items()) or "-"),
+    Column("other corpora", "eval", lambda r: ", ".join(f"{k} {v:.4g}" for k, v in r["eval"].items())),
     Column("compile s", "compile_s")]
 
 

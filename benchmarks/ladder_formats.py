@@ -51,10 +51,9 @@ TINY_UNIFORM = ("NF4", "W4")  # --tiny: the first question's pair
 def table_of(records: list[dict]) -> str:
     names = list(next(r for r in records if r["kind"] == "variant")["eval"])
     columns = [Column("variant", "variant"),
-               Column("rungs offered", None, lambda r: ",".join(r.get("offered", [])) or "-"),
+               Column("rungs offered", "offered", lambda r: ",".join(r["offered"])),
                Column("bits / layer weight", "bits_per_layer_weight", ".3f"),
-               Column("formats chosen", "formats", rt.formats_cell),
-               Column("compile s", None, lambda r: f"{r['compile_s']:.1f}" if r.get("compile_s") else "-")]
+               Column("formats chosen", "formats", rt.formats_cell), Column("compile s", "compile_s", ".1f")]
     columns += [Column(f"{n} rel-MSE", "eval", lambda r, n=n: f"{r['eval'][n]['rel_mse']:.4g}") for n in names]
     return table(records, columns, where={"kind": "variant"})
 

@@ -82,11 +82,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from common import NOT_MEASURED, RECORDS, TINY_SEARCH, Column, emit, git_commit, log, not_measured, table, write_records  # noqa: E402
 
 from squareq import quant  # noqa: E402
-from squareq.compiler import BudgetError, CompileOptions, Thresholds, compile_slab, driver  # noqa: E402
+from squareq.compiler import BudgetError, CompileOptions, Thresholds, compile_slab  # noqa: E402
+from squareq.compiler.calibration_images import calibration_images  # noqa: E402
 from squareq.compiler.plain import PlainOptions, write_rtn_slab  # noqa: E402
+from squareq.compiler.state import state_folder  # noqa: E402
 from squareq.models import FLUX, load_builtin  # noqa: E402
 from squareq.models import tiny as tiny_mod  # noqa: E402
 from squareq.models.calibration_set import CalibrationSet, image_batch  # noqa: E402
@@ -96,7 +98,6 @@ from squareq.quant import QuantSpec  # noqa: E402
 from squareq.slab.manifest import MANIFEST_FILE, align_up  # noqa: E402
 from squareq.slab.reader import open_slab  # noqa: E402
 from squareq.sources import open_source  # noqa: E402
-from squareq.train.calibration_images import calibration_images  # noqa: E402
 
 # A bigger FLUX than tiny-flux: hidden 256 = 4 heads x 64, 4 double + 8 single blocks.
 MEDIUM_FLUX_CONFIG = dict(
@@ -371,7 +372,7 @@ class Bench:
                 kinds[kind] = {"layers": len(ns), "mean_layer_rel_mse": sum(held[n] for n in ns) / len(ns),
                                "calib_mean_layer_rel_mse": sum(cal[n] for n in ns) / len(ns)}
         del rebuilt
-        return {
+        rec = {
             "by_kind": kinds,
             "worst_heldout_over_calib_layer": gworst,
             "worst_heldout_over_calib": gap[gworst] if gworst else None,
@@ -380,18 +381,19 @@ class Bench:
             "median_layer_rel_mse": float(torch.tensor(list(held.values())).median()),
             "model_output_rel_mse": sum(out) / len(out),
             "model_output_rel_mse_per_batch": out,
-            "model_output_rel_mse_sem": (statistics.stdev(out) / math.sqrt(len(out))) if len(out) > 1 else None,
+            "model_output_rel_mse_sem": statistics.stdev(out) / math.sqrt(len(out)) if len(out) > 1 else None,
             "calib_mean_layer_rel_mse": sum(cal.values()) / len(cal),
             "calib_worst_layer_rel_mse": cal[cworst], "calib_worst_layer": cworst,
             "calib_model_output_rel_mse": sum(cal_out) / len(cal_out),
             "heldout_over_calib_layer_rel_mse": (sum(held.values()) / max(sum(cal.values()), 1e-300)),
         }
+        return rec if len(out) > 1 else not_measured(rec, "model_output_rel_mse_sem")  # one batch: no spread
 
     def measure_slab(self, variant: str, path: Path, extra: dict | None = None) -> dict:
         with open_slab(path, verify="eager") as slab:
             state = {k: v.clone() for k, v in slab.dequantized_state_dict().items()}
         rec = {**self.base(variant), "status": "ok", **slab_layout(path), **self.measure_state(state), **(extra or {})}
-        return emit(rec)
+        return emit(rec if "compile_s" in rec else not_measured(rec, "compile_s"))  # written by rounding
 
     # -- variants
 
@@ -453,9 +455,9 @@ class Bench:
             pass
         else:
             raise RuntimeError("a plan met every τ of 1e-30 within the smallest budget")
-        if not driver.state_folder(out).is_dir():
+        if not state_folder(out).is_dir():
             raise RuntimeError("the probe compile was refused before it measured anything")
-        return driver.state_folder(out), time.perf_counter() - t
+        return state_folder(out), time.perf_counter() - t
 
     def compile_quality(self, label: str, budgets: list[tuple[str, int]], probes: dict) -> dict | None:
         """``--objective quality`` at the first budget (default thresholds, then relaxed) the compiler accepts.
@@ -470,14 +472,14 @@ class Bench:
             for rule, budget in budgets:
                 variant = self.tag(f"squareq-quality@{label}" + ("" if tag == "default" else "-relaxed"))
                 out = self.work / f"{variant}-{rule}".replace(" ", "_")
-                shutil.copytree(state, driver.state_folder(out))
+                shutil.copytree(state, state_folder(out))
                 t = time.perf_counter()
                 extra = {"objective": "quality", "thresholds": thresholds.to_dict(), "thresholds_tag": tag,
                          "budget_bytes": budget, "budget_rule": rule}
                 try:
                     compile_slab(self.source, out, self.opts(budget, "quality", thresholds, resume=True))
                 except BudgetError as exc:
-                    shutil.rmtree(driver.state_folder(out), ignore_errors=True)
+                    shutil.rmtree(state_folder(out), ignore_errors=True)
                     need = re.search(r"at least ([\d,]+) bytes", str(exc))
                     emit({**self.base(variant), **extra, "status": "budget_error",
                           "error": str(exc).split(" Nothing")[0],
@@ -542,7 +544,8 @@ def run_model(name: str, args) -> None:
                      "spec": "bitsandbytes nf4 blocksize 64", "bitsandbytes": why,
                      "size_rule": "nf4 packed codes + absmax (+ nested stats), each 256-aligned as in a slab blob, "
                                   "+ rtn-w4-g64 slab's non-linear bytes (norms, biases, residents, header, manifest)"}
-            nf4 = emit({**b.base("nf4"), "status": "ok", **extra, **b.measure_state(r["state"])})
+            nf4 = emit(not_measured({**b.base("nf4"), "status": "ok", **extra, **b.measure_state(r["state"])},
+                                    "compile_s"))  # bitsandbytes quantizes, nothing compiles
         else:
             log(f"{name}: nf4 rows skipped ({why})")
 
@@ -577,7 +580,7 @@ def emit_comparison(name: str, what: str, sq: dict | None, ref: dict, b: Bench, 
         rec["skipped"] = "squareq could not be compiled at this size (see the budgets refused)"
     else:
         ratio = sq["model_output_rel_mse"] / ref["model_output_rel_mse"]
-        rec.update({"squareq_variant": sq["variant"], "budget_rule": sq.get("budget_rule"),
+        rec.update({"squareq_variant": sq["variant"], "budget_rule": sq["budget_rule"],
                     "squareq_slab_bytes": sq["slab_bytes"], "reference_slab_bytes": ref["slab_bytes"],
                     "squareq_model_output_rel_mse": sq["model_output_rel_mse"],
                     "reference_model_output_rel_mse": ref["model_output_rel_mse"],
@@ -604,7 +607,7 @@ def bnb_usable(device: str) -> tuple[bool, str]:
 
 def fmt(x, digits=3) -> str:
     if x is None:
-        return "—"
+        return NOT_MEASURED
     if isinstance(x, float):
         if math.isinf(x) or math.isnan(x):
             return str(x)
@@ -630,7 +633,7 @@ VARIANT_COLUMNS = [
     Column("calib: mean layer / model out", "calib_mean_layer_rel_mse",
            lambda r: f"{fmt(r['calib_mean_layer_rel_mse'])} / {fmt(r['calib_model_output_rel_mse'])}",
            also=("calib_model_output_rel_mse",)),
-    Column("compile s", None, lambda r: fmt(r.get("compile_s")))]
+    Column("compile s", "compile_s", lambda r: fmt(r["compile_s"]))]
 COMPARISON_COLUMNS = [
     Column("model", "model"), Column("comparison", "comparison"),
     Column("squareq variant", "squareq_variant", lambda r: f"{r['squareq_variant']} [{r['budget_rule']}]",

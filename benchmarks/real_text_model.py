@@ -74,7 +74,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from common import RECORDS, TINY_SEARCH, Column, emit, git_commit, log, not_measured, table, write_records  # noqa: E402
 
 from squareq.compiler import CompileOptions, Thresholds, compile_slab  # noqa: E402
 from squareq.compiler.inputs import DEFAULT_TEXT_SAMPLES  # noqa: E402
@@ -224,7 +224,9 @@ def dequantized_model(folder: Path, state: dict):
     return model
 
 
-def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict:
+def slab_record(path: Path, evaluator: Evaluator, variant: str, compile_s: float | None = None, **extra) -> dict:
+    """A variant's record: its slab's bits, formats and plan, and ``evaluator``'s errors. ``compile_s`` None: the
+    slab was written by plain rounding, not compiled (no compile time to measure)."""
     with open_slab(path, verify="off") as slab:
         totals = summarize(slab)["totals"]
         state = {k: v.clone() for k, v in slab.dequantized_state_dict().items()}
@@ -234,13 +236,14 @@ def slab_record(path: Path, evaluator: Evaluator, variant: str, **extra) -> dict
                  and rec.metrics["heldout_rel_mse"] > rec.metrics["heldout_rtn_rel_mse"]]
         plan = {rec.name: rec.spec.short_label for rec in layers}
         calibration = slab.manifest.calibration or {}
-    return emit({"kind": "variant", "variant": variant, "bits_per_layer_weight": round(totals["bits_per_weight"], 4),
-                 "slab_bytes": totals["file_bytes"], "formats": formats, "layers_above_rtn_heldout": worse,
-                 "eval": evaluator.measure(state), "plan": plan,
-                 "calibration": {k: calibration.get(k) for k in ("kind", "source", "samples", "tokens",
-                                                                 "heldout_samples", "calibrate_seconds",
-                                                                 "compile_seconds", "output_correction")},
-                 **extra})
+    rec = {"kind": "variant", "variant": variant, "bits_per_layer_weight": round(totals["bits_per_weight"], 4),
+           "slab_bytes": totals["file_bytes"], "formats": formats, "layers_above_rtn_heldout": worse,
+           "eval": evaluator.measure(state), "plan": plan, "compile_s": compile_s,
+           "calibration": {k: calibration.get(k) for k in ("kind", "source", "samples", "tokens", "heldout_samples",
+                                                           "calibrate_seconds", "compile_seconds",
+                                                           "output_correction")},
+           **extra}
+    return emit(rec if compile_s is not None else not_measured(rec, "compile_s"))
 
 
 def rtn_slab(folder: Path, out: Path, plan: dict[str, str] | None, rung: str = "W4", lists=BLOCKS) -> Path:
@@ -307,14 +310,14 @@ def table_of(records: list[dict]) -> str:
     names = list(rtn["eval"])
     columns = [Column("variant", "variant"), Column("bits / layer weight", "bits_per_layer_weight", ".3f"),
                Column("formats", "formats", formats_cell),
-               Column("compile s", None, lambda r: f"{r['compile_s']:.1f}" if r.get("compile_s") else "-")]
+               Column("compile s", "compile_s", ".1f")]
     columns += [Column(f"{n} rel-MSE", "eval", lambda r, n=n: f"{r['eval'][n]['rel_mse']:.4g}") for n in names]
     columns += [Column(f"× RTN W4 ({n})", "eval",
                        lambda r, n=n: f"{r['eval'][n]['rel_mse'] / rtn['eval'][n]['rel_mse']:.3f}") for n in names]
     columns += [Column("cosine (pyjokes)", "eval", lambda r: f"{r['eval']['pyjokes']['cosine']:.5f}"),
                 Column("layers > RTN", "layers_above_rtn_heldout", lambda r: len(r["layers_above_rtn_heldout"])),
                 Column("output correction", "calibration",
-                       lambda r: _correction_cell((r.get("calibration") or {}).get("output_correction")))]
+                       lambda r: _correction_cell(r["calibration"].get("output_correction")))]
     return table(records, columns, where={"kind": "variant"})
 
 

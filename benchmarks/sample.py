@@ -11,8 +11,9 @@ in its own process so memory statistics start clean:
 * ``resident``: the bf16 model on the GPU, the speed to match;
 * ``compiled``: the same with each transformer block under ``torch.compile`` (default mode), what a careful user
   samples with (issue 41); one forward compiles it before the timed run (``compile_s``), so its run is warm;
-* ``squareq K``: ``squareq.runtime.load(slab, prefetch=K, compute=C)``, blocks streamed forward-only through K
-  slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with FP8 tensor cores);
+* ``squareq K``: ``squareq.runtime.load(slab, options=LoadOptions(prefetch=K, compute=C))``, blocks streamed
+  forward-only through K slots, for each ``--compute`` C (``auto``, squareq sample's default, is FP8 on GPUs with
+  FP8 tensor cores);
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq sample --cuda-graphs``):
   each block's forward is captured as a CUDA graph per slot during the first steps and replayed after;
 * ``squareq ... compiled`` (``--block-compile on``): the same with ``compile_blocks=True`` (``squareq sample
@@ -23,8 +24,8 @@ in its own process so memory statistics start clean:
   diffusers' stock processor; the resident model runs the stock one always (every ratio divides by it) and also
   the fused one when ``--attention`` names it, so the share of the step the processor saves is measured apart;
 * ``... kernels=auto`` / ``kernels=default`` (``--sdpa-kernels``): the SquareQ setups' attention kernels,
-  ``runtime.load(attention=...)``: cuDNN first where measured faster (``squareq sample --attention cudnn``) or torch's
-  order;
+  ``LoadOptions(attention=...)``: cuDNN first where measured faster (``squareq sample --attention cudnn``) or
+  torch's order;
   cuDNN attention is switched off for every other setup, as before (its backward fails on the device image for
   narrow heads), so the peers run torch's order;
 * ``squareq auto`` / ``squareq auto+resident[+budgetG]``: what ``squareq sample --prefetch auto [--resident-blocks
@@ -66,7 +67,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 import train_step as ts  # noqa: E402  (the model, inputs and slab of the training benchmark)
-from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, log, not_measured, set_figure, table, write_records  # noqa: E402
 
 SETUPS = ("slab", "resident", "compiled", "squareq", "group_offload", "model_offload", "sequential_offload")
 OFFLOAD = ("group_offload", "model_offload", "sequential_offload")  # peers that move weights between host and GPU
@@ -94,10 +95,11 @@ def run_steps(setup, model, batch, steps: int, tuner=None, graphs=None) -> dict:
             setup.sync()
             times.append(time.perf_counter() - start)
     peaks = ts.memory_peaks(setup)
-    return {"step_s": sum(times) / len(times), "first_step_s": times[0],
-            "steady_step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
-            "steps": len(times), "peak_reserved_GB": ts.gb(setup, peaks["peak_reserved"]),
-            "peak_alloc_GB": ts.gb(setup, peaks["peak_allocated"])}
+    run = {"step_s": sum(times) / len(times), "first_step_s": times[0],
+           "steady_step_s": sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0],
+           "steps": len(times), "peak_reserved_GB": ts.gb(setup, peaks["peak_reserved"]),
+           "peak_alloc_GB": ts.gb(setup, peaks["peak_allocated"])}
+    return run if setup.cuda else not_measured(run, "peak_reserved_GB", "peak_alloc_GB")
 
 
 # kind of kernel -> name fragments (lower case); the first kind that matches a kernel's name takes it
@@ -145,7 +147,7 @@ def phase(args) -> None:
     name = args.phase[0]
     kernels = _phase_value(args.phase, "kernels", "default")
     # cuDNN attention stays off (its backward fails on the device image for narrow heads) except for the SquareQ
-    # setups that choose it: runtime.load(attention="auto") at FLUX.1's head width
+    # setups that choose it: LoadOptions(attention="auto") at FLUX.1's head width
     torch.backends.cuda.enable_cudnn_sdp(name == "squareq" and kernels == "auto")
     setup = ts.Setup(args)
     attention = _phase_value(args.phase, "attention", "stock")
@@ -252,7 +254,7 @@ def main() -> None:
                     help="FLUX attention processors of the SquareQ setups; with fused, the resident model runs both "
                          "(other peers: stock)")
     ap.add_argument("--sdpa-kernels", nargs="+", choices=("auto", "default"), default=["default"],
-                    help="the SquareQ setups' attention kernels (runtime.load(attention=)): auto (cuDNN first where "
+                    help="the SquareQ setups' attention kernels (LoadOptions.attention): auto (cuDNN first where "
                          "measured faster, squareq sample's default) or default (torch's order, flash first)")
     ap.add_argument("--only", default=",".join(SETUPS))
     ap.add_argument("--tiny", action="store_true",
@@ -332,16 +334,18 @@ def run_apart(p: list[str], args) -> list[dict]:
 
 
 def add_ratios(records: list[dict]) -> None:
-    """Each run's step over the stock resident model's and the compiled one's, whole run and steady."""
+    """Each run's step over the stock resident model's and the compiled one's, whole run and steady; not measured
+    where the run left that peer out."""
     base = next((r for r in records if r.get("what") == "resident" and "step_s" in r and r["attention"] == "stock"),
                 None)  # the stock diffusers model on the GPU: every ratio divides by it
     compiled = next((r for r in records if r.get("what") == "compiled" and "step_s" in r), None)
     for r in records[1:]:
         for key, ref in (("ratio_to_resident", base), ("ratio_to_compiled", compiled)):
             for run in (r, r.get("second_run")):
-                if ref and run and "step_s" in run:
-                    run[key] = run["step_s"] / ref["step_s"]
-                    run[key.replace("ratio", "steady_ratio")] = run["steady_step_s"] / ref["steady_step_s"]
+                if run and "step_s" in run:
+                    set_figure(run, key, run["step_s"] / ref["step_s"] if ref else None)
+                    set_figure(run, key.replace("ratio", "steady_ratio"),
+                               run["steady_step_s"] / ref["steady_step_s"] if ref else None)
         if compiled and "step_s" in r and r.get("what") == "squareq":  # first runs both with their compile
             r["ratio_to_compiled_with_compile"] = r["step_s"] / compiled["run_with_compile_s"]
 
@@ -377,10 +381,10 @@ def setup_note(r: dict) -> str:
 STEP_COLUMNS = [
     Column("setup", "what", setup_label), Column("run s / step", "step_s", ".3f"),
     Column("steady s / step", "steady_step_s", ".3f"),
-    Column("× bf16 resident (run)", "step_s", ts.ratio("ratio_to_resident")),
-    Column("× bf16 resident (steady)", "steady_step_s", ts.ratio("steady_ratio_to_resident")),
-    Column("× compiled (run)", "step_s", ts.ratio("ratio_to_compiled")),
-    Column("× compiled (steady)", "steady_step_s", ts.ratio("steady_ratio_to_compiled")),
+    Column("× bf16 resident (run)", "ratio_to_resident", ".2f"),
+    Column("× bf16 resident (steady)", "steady_ratio_to_resident", ".2f"),
+    Column("× compiled (run)", "ratio_to_compiled", ".2f"),
+    Column("× compiled (steady)", "steady_ratio_to_compiled", ".2f"),
     Column("first step s", "first_step_s", ".3f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
     Column("note", None, setup_note)]
 

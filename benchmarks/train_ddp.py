@@ -44,7 +44,7 @@ for path in (str(ROOT), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from common import RECORDS, Column, emit, git_commit, log, table, write_records  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, log, not_measured, table, write_records  # noqa: E402
 from train_step import slab_path  # noqa: E402
 
 KILLED = 17  # the exit status of a rank stopped on purpose by the resume check
@@ -55,16 +55,13 @@ def phase_setup(args) -> None:
     from train_e2e import write_data, write_pipeline
 
     work = Path(args.workdir)
-    cmd = ["--workdir", str(work), "--phase", "slab"] + (["--tiny"] if args.tiny else [])
-    if args.tiny:  # in this process: train_step.py's slab phase, its JSON line on stderr
-        import contextlib
-
+    if args.tiny:
         import train_step
 
-        with contextlib.redirect_stdout(sys.stderr):
-            train_step.run_phase(train_step.parse_args(cmd))
+        train_step.slab_here(work, "flux", tiny=True)
     else:
-        subprocess.run([sys.executable, str(HERE / "train_step.py"), *cmd], check=True)
+        subprocess.run([sys.executable, str(HERE / "train_step.py"), "--workdir", str(work), "--phase", "slab"],
+                       check=True)
     write_pipeline(work / "pipeline", args.tiny)
     write_data(work / "data", args.images, max(args.res, args.resume_res))
 
@@ -106,7 +103,7 @@ class HostMemory:
     """Peak host memory of a process tree, sampled in a thread: the sum of PSS and /proc/meminfo's Shmem."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.pss_peak, self.shmem_peak, self.stop = pid, 0, 0, threading.Event()
+        self.pid, self.pss_peak, self.shmem_peak, self.samples, self.stop = pid, 0, 0, 0, threading.Event()
         self.shmem_before = _shmem()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -128,10 +125,14 @@ class HostMemory:
                     pass
             self.pss_peak = max(self.pss_peak, total)
             self.shmem_peak = max(self.shmem_peak, _shmem() - self.shmem_before)
+            self.samples += 1
 
     def finish(self) -> dict:
+        """The peaks in GB; None where the tree ended before its first sample (not measured)."""
         self.stop.set()
         self.thread.join()
+        if not self.samples:
+            return {"host_pss_peak_GB": None, "shmem_peak_GB": None}
         return {"host_pss_peak_GB": self.pss_peak / 1e9, "shmem_peak_GB": self.shmem_peak / 1e9}
 
 
@@ -179,16 +180,16 @@ def phase_scale(args) -> None:
         measured = rows[args.skip:]
         if code == 0 and measured:
             step_s = statistics.median(r["seconds"] for r in measured)
-            rec.update(step_s=step_s, images_per_s=ranks / step_s, steps=[round(r["seconds"], 4) for r in rows],
-                       rank_peak_reserved_GB=None, rank_copy_wait_share=None)  # null: what the ranks did not measure
-            if "peak_reserved_GB" in rows[0]:
+            rec.update(step_s=step_s, images_per_s=ranks / step_s, steps=[round(r["seconds"], 4) for r in rows])
+            if "peak_reserved_GB" in rows[0]:  # the trainer's GPU figures (each rank's, with several)
                 rec["rank_peak_reserved_GB"] = [max(r.get("rank_peak_reserved_GB", [r["peak_reserved_GB"]])[i]
                                                     for r in measured) for i in range(ranks)]
-            if "copy_wait_s" in rows[0]:
                 rec["rank_copy_wait_share"] = [statistics.median(
                     r.get("rank_copy_wait_s", [r["copy_wait_s"]])[i] / r["seconds"] for r in measured)
                     for i in range(ranks)]
-        emit(rec)
+            else:  # a CPU: the ranks measure no GPU memory or copies
+                not_measured(rec, "rank_peak_reserved_GB", "rank_copy_wait_share")
+        emit(not_measured(rec, *(k for k, v in host.items() if v is None)))
 
 
 def phase_resume(args) -> None:
@@ -232,17 +233,15 @@ def tables() -> str:
     scale = [r for r in RECORDS if r.get("what") == "scale"]
     one = next((r for r in scale if r["ranks"] == 1 and "images_per_s" in r), None)
 
-    def per_rank(key, fmt):
-        return lambda r: None if r.get(key) is None else ", ".join(format(v, fmt) for v in r[key])
+    def per_rank(key, fmt, scale=1):
+        return lambda r: ", ".join(format(scale * v, fmt) for v in r[key])
 
     columns = [Column("ranks", "ranks"), Column("res", "res", lambda r: f"{r['res']}²"),
                Column("step s", "step_s", ".3f"), Column("images/s", "images_per_s", ".2f"),
                Column("× 1 GPU", "images_per_s", lambda r: f"{r['images_per_s'] / one['images_per_s']:.2f}"
-                      if one and "images_per_s" in r else None),
+                      if one else None),
                Column("peak reserved GB per rank", "rank_peak_reserved_GB", per_rank("rank_peak_reserved_GB", ".2f")),
-               Column("copy-wait % per rank", "rank_copy_wait_share",
-                      lambda r: None if r.get("rank_copy_wait_share") is None else
-                      ", ".join(f"{100 * v:.1f}" for v in r["rank_copy_wait_share"])),
+               Column("copy-wait % per rank", "rank_copy_wait_share", per_rank("rank_copy_wait_share", ".1f", 100)),
                Column("host PSS peak GB", "host_pss_peak_GB", ".2f"), Column("Shmem peak GB", "shmem_peak_GB", ".2f"),
                Column("note", None, lambda r: "" if "step_s" in r else f"failed (exit {r['exit']})")]
     parts = [table(RECORDS, columns, where={"what": "scale"})]

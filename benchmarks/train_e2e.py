@@ -40,7 +40,7 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from common import RECORDS, Column, emit, git_commit, table, write_records  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, not_measured, table, write_records  # noqa: E402
 
 
 def write_pipeline(folder: Path, tiny: bool) -> None:
@@ -135,12 +135,13 @@ def run_train(args) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = [r for r in records[args.skip:] if not (profile_dir and r["step"] > args.steps - 4)]
     step_s = statistics.median(r["seconds"] for r in measured)
-    peak = max((r.get("peak_reserved_GB", 0) for r in measured), default=0) if torch.cuda.is_available() else None
-    return {"what": "squareq_train", "res": args.res, "steps": len(records), "wall_s": wall, "step_s": step_s,
-            "steps_per_s": 1 / step_s, "peak_reserved_GB": peak,
-            "copy_wait_share": statistics.median(r.get("copy_wait_s", 0) / r["seconds"] for r in measured),
-            "host_busy_s": statistics.median(host_busy[args.skip:len(measured) + args.skip]),
-            "step_times": [round(r["seconds"], 4) for r in records]}
+    rec = {"what": "squareq_train", "res": args.res, "steps": len(records), "wall_s": wall, "step_s": step_s,
+           "steps_per_s": 1 / step_s, "host_busy_s": statistics.median(host_busy[args.skip:len(measured) + args.skip]),
+           "step_times": [round(r["seconds"], 4) for r in records]}
+    if not torch.cuda.is_available():  # the trainer's metrics.jsonl has GPU memory and copy waits on a GPU only
+        return not_measured(rec, "peak_reserved_GB", "copy_wait_share")
+    return {**rec, "peak_reserved_GB": max(r["peak_reserved_GB"] for r in measured),
+            "copy_wait_share": statistics.median(r["copy_wait_s"] / r["seconds"] for r in measured)}
 
 
 def phase(args, name: str) -> list[dict]:
@@ -190,16 +191,16 @@ def median_row(records: list[dict], what: str, label: str) -> dict | None:
     if not runs:
         return None
     step_s = statistics.median(r["step_s"] for r in runs)
-    return emit({"what": "median", "setup": label, "res": runs[0]["res"], "runs": len(runs), "step_s": step_s,
-                 "steps_per_s": 1 / step_s, "runs_s": [r["step_s"] for r in runs],
-                 "peak_reserved_GB": runs[0].get("peak_reserved_GB"),
-                 "copy_wait_share": runs[0].get("copy_wait_share")})
+    first = {k: runs[0][k] for k in ("peak_reserved_GB", "copy_wait_share")}  # the first run's
+    row = {"what": "median", "setup": label, "res": runs[0]["res"], "runs": len(runs), "step_s": step_s,
+           "steps_per_s": 1 / step_s, "runs_s": [r["step_s"] for r in runs], **first}
+    return emit(not_measured(row, *(k for k in first if k in runs[0].get("not_measured", ()))))
 
 
-COLUMNS = [Column("setup", "setup", lambda r: f"{r['setup']} (median of {r['runs']} runs)"),
+COLUMNS = [Column("setup", "setup", lambda r: f"{r['setup']} (median of {r['runs']} runs)", also=("runs",)),
            Column("res", "res", lambda r: f"{r['res']}²"), Column("step s", "step_s", ".3f"),
            Column("steps/s", "steps_per_s", ".2f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
-           Column("copy-wait %", "copy_wait_share", lambda r: f"{100 * (r['copy_wait_share'] or 0):.1f}")]
+           Column("copy-wait %", "copy_wait_share", lambda r: f"{100 * r['copy_wait_share']:.1f}")]
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
 
 * ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
   this script already exists in ``--workdir``;
-* ``squareq RES K HOST LORA COMPUTE``: ``squareq.runtime.load(slab, prefetch=K, host=HOST, compute=COMPUTE)`` +
-  ``add_lora``; COMPUTE ``auto`` (``--compute``'s default, as squareq train's) is FP8 on GPUs with FP8 tensor cores;
-  reports
-  copy wait, bytes copied and demand loads of the median step and the ``runtime.plan`` prediction. K ``auto`` is
+* ``squareq RES K HOST LORA COMPUTE``: ``squareq.runtime.load(slab, options=LoadOptions(prefetch=K, host=HOST,
+  compute=COMPUTE))`` + ``add_lora``; COMPUTE ``auto`` (``--compute``'s default, as squareq train's) is FP8 on GPUs
+  with FP8 tensor cores; reports copy wait, bytes copied and demand loads of the median step and the
+  ``runtime.plan`` prediction. K ``auto`` is
   ``squareq train``'s default: two slots, then a StreamTuner sizes the ring from the second (warm-up) step, as the
   trainer does, and the record says how many slots it chose;
 * ``squareq ... graphs`` (``--graphs on``): the same with ``cuda_graphs=True`` (``squareq train --cuda-graphs``); the
@@ -44,9 +44,9 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
 * ``bnb RES``: bitsandbytes NF4 linears (QLoRA) with PEFT LoRA, when bitsandbytes imports;
 * ``group_offload RES``: diffusers block-level group offloading with streams and PEFT LoRA.
 
-Each phase prints one JSON line per measurement; the driver echoes them, adds ``ratio_to_resident``,
-writes ``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last; with the compiled resident
-model in the run, every record also has ``ratio_to_compiled``. Set
+Each phase prints one JSON line per measurement; the driver echoes them, adds ``ratio_to_resident`` and
+``ratio_to_compiled`` (null, and listed as not measured, where the run has no such resident peer), writes
+``--out DIR/train_step.jsonl`` after every phase and prints a markdown table last. Set
 ``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
 the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config at 128² and runs every phase in this one
 process (seconds on the CPU when no GPU is present, where memory figures are null: not measured; bitsandbytes and
@@ -75,7 +75,7 @@ for _path in (str(ROOT), str(ROOT / "benchmarks")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from common import RECORDS, Column, emit, git_commit, table, write_records  # noqa: E402
+from common import RECORDS, Column, emit, git_commit, not_measured, set_figure, table, write_records  # noqa: E402
 
 FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -94,6 +94,9 @@ SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_
 T0 = time.perf_counter()
 _CUDNN_FIRST = None  # the resident phase's attention priority context (--resident-attention cudnn)
 MAX_CAPTURE_STEPS = 8  # extra warm-up steps allowed while CUDA graphs are still being captured
+# what train() measures of GPU memory: None on a CPU, and listed in the record as not measured
+GPU_MEMORY_FIGURES = ("peak_alloc_GB", "peak_reserved_GB", "peak_reserved_all_steps_GB")
+PEER_UNMEASURED = ("copy_wait_share",)  # the wait on SquareQ's ring of block copies: the peers have no such ring
 
 
 def log(msg: str) -> None:
@@ -295,7 +298,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         gpu_busy = profile_step(one_step, setup, Path(profile) / f"profile_{label}.txt")
     median_step = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
     warm = all_times[:warmup]
-    return {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times], "warmup_steps": warmup,
+    result = {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times], "warmup_steps": warmup,
             "warmup_steps_s": [round(t, 3) for t in warm],
             "beyond_steady_s": sum(warm) - warmup * statistics.median(times),
             "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
@@ -307,6 +310,7 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
             "loss_first": losses[0], "loss": losses[-1], "median_figures": figures[median_step],
             **({"losses": [round(x, 6) for x in losses], "losses_finite": all(math.isfinite(x) for x in losses),
                 "loss_scale_overflows": overflows, "loss_scale": scale.value} if fp16 else {})}
+    return result if setup.cuda else not_measured(result, *GPU_MEMORY_FIGURES)
 
 
 def gb(setup: Setup, nbytes: int, digits: int | None = None) -> float | None:
@@ -409,11 +413,10 @@ def phase_slab(setup: Setup) -> None:
             default_spec=QuantSpec(bits=4, group_size=128), clip_search=False, family=setup.family,
             source=SLAB_SOURCE, overwrite=True))
         rec.update(reused=False, write_s=time.perf_counter() - start)
-    totals = manifest.totals or {}
+    totals = manifest.totals  # the writer's (squareq/slab/writer.py)
     rec.update(slab_bytes=sum(p.stat().st_size for p in setup.slab.iterdir()),
-               bits_per_weight=totals.get("bits_per_layer_weight"),
-               streamed_GB=totals.get("streamed_bytes", 0) / 1e9,
-               largest_block_MB=totals.get("largest_block_bytes", 0) / 1e6, formats=totals.get("formats"))
+               bits_per_weight=totals["bits_per_layer_weight"], streamed_GB=totals["streamed_bytes"] / 1e9,
+               largest_block_MB=totals["largest_block_bytes"] / 1e6, formats=totals["formats"])
     emit(rec)
     if not setup.tiny and (rec["bits_per_weight"] or 99) > MAX_BITS:
         raise RuntimeError(f"the written slab stores {rec['bits_per_weight']} bits per weight, over {MAX_BITS}.")
@@ -542,7 +545,7 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         rec.update({k: stats[k] for k in ("graph_captures", "graph_replays", "graph_eager", "graph_failures",
                                           "graph_ungraphed", "graph_at_once")})
     rec.update(copy_wait_s=stats["copy_wait_s"], copy_wait_share=stats["copy_wait_s"] / rec["step_s"],
-               read_wait_s=stats.get("read_wait_s", 0.0),
+               read_wait_s=stats["read_wait_s"],
                bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],
                demand_loads=stats["demand_loads"])
     runtime.close()
@@ -702,7 +705,7 @@ def phase_resident(setup: Setup, res: int, compiled: bool = False, cudnn_first: 
     result.pop("median_figures")
     if compiled:  # the first steps compile each block kind's forward and backward graphs
         result["compile_s"] = result["beyond_steady_s"]
-    emit({**rec, **result})
+    emit(not_measured({**rec, **result}, *PEER_UNMEASURED))
 
 
 def phase_bnb(setup: Setup, res: int) -> None:
@@ -738,7 +741,7 @@ def phase_bnb(setup: Setup, res: int) -> None:
     model.enable_gradient_checkpointing()
     result = train(setup, model, params, res, lambda: memory_peaks(setup))
     result.pop("median_figures")
-    emit({**rec, **result})
+    emit(not_measured({**rec, **result}, *PEER_UNMEASURED))
 
 
 def phase_group_offload(setup: Setup, res: int) -> None:
@@ -756,7 +759,7 @@ def phase_group_offload(setup: Setup, res: int) -> None:
     rec["setup_s"] = time.perf_counter() - start
     result = train(setup, model, params, res, lambda: memory_peaks(setup))
     result.pop("median_figures")
-    emit({**rec, **result})
+    emit(not_measured({**rec, **result}, *PEER_UNMEASURED))
 
 
 def _sdpa_priority() -> list[str]:
@@ -820,6 +823,17 @@ def run_here(phase: list[str], args) -> list[dict]:
         r["phase_wall_s"] = round(time.perf_counter() - start, 1)
     log(f"phase {' '.join(phase)}: {'FAILED' if any('error' in r for r in records) else 'ok'}")
     return records
+
+
+def slab_here(workdir, family: str, tiny: bool) -> None:
+    """The slab phase in this process, for another script's ``--tiny`` path (seconds, not a process start): the slab
+    of ``family`` in ``workdir`` written, or reused when there; its JSON line goes to stderr, whose stdout carries
+    the caller's own records."""
+    import contextlib
+
+    args = parse_args(["--workdir", str(workdir), "--family", family, "--phase", "slab"] + (["--tiny"] if tiny else []))
+    with contextlib.redirect_stdout(sys.stderr):
+        phase_body(args)
 
 
 def run_phase(args) -> None:
@@ -912,13 +926,13 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
 
 def add_ratios(records: list[dict]) -> None:
     """Each step time over the eager resident model's (``ratio_to_resident``) and the compiled one's
-    (``ratio_to_compiled``) at its resolution, where the run measured them."""
+    (``ratio_to_compiled``) at its resolution; not measured where the run has not measured that peer (yet)."""
     for key, compiled in (("ratio_to_resident", False), ("ratio_to_compiled", True)):
         base = {r["res"]: r["step_s"] for r in records
                 if r.get("what") == "resident" and bool(r.get("compiled")) == compiled and "step_s" in r}
         for r in records:
-            if "step_s" in r and r.get("res") in base:
-                r[key] = r["step_s"] / base[r["res"]]
+            if "step_s" in r:
+                set_figure(r, key, r["step_s"] / base[r["res"]] if r.get("res") in base else None)
 
 
 LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4",
@@ -995,18 +1009,12 @@ def gradient_notes(r: dict) -> str:
     return "; ".join(notes + ([f"error: {r['error'][:160]}"] if "error" in r else []))
 
 
-def ratio(key: str):
-    """A table cell: the ratio ``key`` of a step time to a peer's (add_ratios), where the run measured the peer."""
-    return lambda r: None if r.get(key) is None else f"{r[key]:.2f}"
-
-
 STEP_COLUMNS = [
     Column("setup", "what", setup_label), Column("res", "res", lambda r: f"{r['res']}²"),
-    Column("step s", "step_s", ".3f"), Column("× bf16 resident", "step_s", ratio("ratio_to_resident")),
-    Column("× compiled resident", "step_s", ratio("ratio_to_compiled")),
+    Column("step s", "step_s", ".3f"), Column("× bf16 resident", "ratio_to_resident", ".2f"),
+    Column("× compiled resident", "ratio_to_compiled", ".2f"),
     Column("peak alloc GB", "peak_alloc_GB", ".2f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
-    Column("copy-wait %", None, lambda r: None if r.get("copy_wait_share") is None else
-           f"{100 * r['copy_wait_share']:.1f}"),
+    Column("copy-wait %", "copy_wait_share", lambda r: f"{100 * r['copy_wait_share']:.1f}"),
     Column("notes", None, step_notes)]
 SLAB_COLUMNS = [
     Column("slab", "path"), Column("GB", "slab_bytes", lambda r: f"{r['slab_bytes'] / 1e9:.2f}"),
@@ -1055,7 +1063,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(squareq train --compile); the first steps compile, reported as compile_s. pieces: the "
                          "quantized layers kept eager between compiled pieces (block_compile.WHOLE_BLOCKS off)")
     ap.add_argument("--attention", nargs="+", choices=("auto", "default"), default=["auto"],
-                    help="SquareQ's attention kernel choice (runtime.load(attention=)): auto (cuDNN first where "
+                    help="SquareQ's attention kernel choice (LoadOptions.attention): auto (cuDNN first where "
                          "measured faster), default (torch's order); several: one phase each")
     ap.add_argument("--resident-attention", nargs="+", choices=("default", "cudnn"), default=["default"],
                     help="the compiled resident model's attention: torch's order (default), or cuDNN first; several: "

@@ -17,6 +17,7 @@ from pathlib import Path
 from .acceptance import AcceptOptions, AcceptReport, accept
 from .acceptance.convergence import ConvergenceSettings
 from .compiler import CompileOptions, compile_slab
+from .compiler.calibration_images import calibration_images
 from .devices import default_device
 from .extras import ACCEPT_MODULES, check_installed
 from .models import load_builtin
@@ -24,7 +25,6 @@ from .progress import Progress
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
 from .sources import open_source
-from .train.calibration_images import calibration_images
 from .train.config import load_config
 from .train.loop import train
 from .train.sample import sample_images

@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -8,10 +9,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# `make test` runs two xdist workers that take whole files in collection order. These files take half a minute to two
-# minutes each; started last, they would leave the other worker idle that long, so they are collected first.
-SLOW_FILES = ("compiler/test_real_model.py", "models/test_families.py", "acceptance/test_accept.py", "test_cli.py",
-              "compiler/test_rebuild.py", "test_fuzz.py", "test_first_run.py")
+# `make test` runs two xdist workers that take whole files in collection order. These files take a quarter of a minute
+# to a minute and a half each (longest first, as measured on one CPU core); started last, they would leave the other
+# worker idle that long, so they are collected first.
+SLOW_FILES = ("test_benchmarks.py", "compiler/test_real_model.py", "acceptance/test_accept.py", "train/test_loop.py",
+              "test_fuzz.py", "models/test_families.py", "compiler/test_compile.py", "test_extras.py",
+              "runtime/test_block_compile.py", "models/test_family_training.py", "test_cli.py",
+              "compiler/test_real_calibration.py", "compiler/test_rebuild.py", "kernels/test_fused.py")
+
+
+def pytest_configure(config):
+    # xdist (3.6 on) queues whole files by their number of tests unless told not to, which would start the one-test
+    # real-model file last; collection order it is
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _slow_rank(item) -> int:
@@ -27,6 +38,40 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_frozen_for = [None]  # the test file whose first test froze the heap
+
+
+def pytest_runtest_setup(item):
+    """Before each test, what is alive is frozen out of the garbage collector's sight (gc.freeze). squareq calls
+    gc.collect() where it lets a model's memory go (encoders after caching, effects passes), and a full collection
+    walks every object the process holds: in a test process with the libraries and a hundred files' fixtures, over a
+    million objects and half a second a call, which made up about 40% of the acceptance and training tests' time. A
+    test's own objects stay in sight; at each new file, the earlier files' objects are unfrozen and collected first,
+    so nothing unreachable outlives the file it came from."""
+    module = getattr(item, "module", None)
+    if module is not _frozen_for[0]:
+        _frozen_for[0] = module
+        gc.unfreeze()
+        gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # the interpreter's own last collection sees everything again
+
+
+@pytest.fixture(scope="module")
+def torch_kernels():
+    """The torch reference dequantizer instead of the Triton kernels: bit-identical to them (tests/kernels checks each
+    kernel against it bit for bit), and on a CPU, where the kernels run in the Triton interpreter, a training step
+    or a compile takes a fraction of the time. A file whose subject is not the kernels takes it for all its tests
+    and module fixtures with ``pytestmark = pytest.mark.usefixtures("torch_kernels")``; a test of such a file that
+    runs the kernels on purpose marks itself ``triton`` and deletes SQUAREQ_KERNELS with its monkeypatch."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SQUAREQ_KERNELS", "torch")
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +105,6 @@ def tiny_flux_images():
     """The built-in calibration photographs encoded by tiny-flux's own toy VAE and text encoders at 64 px (what
     `squareq compile tiny-flux` calibrates on, smaller)."""
     from squareq.sources import open_source
-    from squareq.train.calibration_images import calibration_images
+    from squareq.compiler.calibration_images import calibration_images
 
     return calibration_images(open_source("tiny-flux"), resolution=64, max_sequence_length=32)

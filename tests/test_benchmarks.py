@@ -1,8 +1,10 @@
 """Every benchmark script runs its tiny path (``--tiny``: tiny models and shapes, a few iterations, on the CPU) and
-prints JSON lines that hold every field its markdown table shows, so a benchmark cannot rot between GPU runs.
+keeps JSON lines that hold every field its markdown table shows, each measured or listed as not measured, so a
+benchmark cannot rot between GPU runs.
 
 Each run is ``python benchmarks/SCRIPT --tiny ...`` in a process of its own, forked from this one after it imported the
-heavy libraries once (:data:`PRELOAD`): fifteen fresh interpreters would spend about a minute of a CPU on imports."""
+heavy libraries once (:data:`PRELOAD`): fifteen fresh interpreters would spend about a minute of a CPU on imports. It
+forks only where a fork is safe (:func:`fork_refusal`), and either way a run has :data:`TIMEOUT_S` seconds."""
 from __future__ import annotations
 
 import importlib
@@ -10,9 +12,12 @@ import importlib.util
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -35,8 +40,9 @@ def _load_common():
 
 common = _load_common()
 
-# script -> the arguments of its tiny run after --tiny ({work}: a fresh folder). Where a script's --tiny runs several
-# setups, the arguments pick those that need no compiler of their own (torch.compile on a CPU takes minutes).
+# script -> the arguments of its tiny run after --tiny ({work}: a fresh folder; every run also gets --out {work}/out).
+# Where a script's --tiny runs several setups, the arguments pick those that need no compiler of their own
+# (torch.compile on a CPU takes minutes).
 TINY_ARGS = {
     "attention_backends.py": [],
     "cards.py": ["--workdir", "{work}"],
@@ -64,6 +70,14 @@ KERNEL_BENCHMARKS = {"dequant.py", "fp8_linear.py", "matmul.py"}
 PRELOAD = ("diffusers", "transformers", "peft", "squareq.compiler", "squareq.runtime", "squareq.train.loop")
 
 
+# What a forked child may still set in its environment, since it is read where used (SQUAREQ_KERNELS,
+# TOKENIZERS_PARALLELISM; TMPDIR once tempfile forgets its folder) or applied by hand (OMP_NUM_THREADS:
+# torch.set_num_threads). Any other variable tiny_env sets must already hold that value here: TRITON_INTERPRET, for
+# one, is read at import by triton.jit and squareq/kernels/triton_fused.py, which a child forked from here never redoes.
+SET_IN_CHILD = frozenset({"SQUAREQ_KERNELS", "TOKENIZERS_PARALLELISM", "TMPDIR", "OMP_NUM_THREADS"})
+TIMEOUT_S = 300  # per tiny run (seconds each, on a loaded CPU tens): past it the run is killed and the test fails
+
+
 def tiny_env(script: str, work: Path) -> dict[str, str]:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                TMPDIR=str(work))  # what a script puts in a temporary folder goes with the test's
@@ -74,23 +88,65 @@ def tiny_env(script: str, work: Path) -> dict[str, str]:
 
 def run_tiny(script: str, work: Path) -> tuple[int, str, str]:
     """``python benchmarks/SCRIPT --tiny ARGS`` with :func:`tiny_env`: its exit status, stdout and stderr. Forked from
-    this process where it can be (no CUDA here, which a fork could not use); else a new interpreter."""
-    argv = [str(BENCHMARKS / script), "--tiny", *(a.replace("{work}", str(work)) for a in TINY_ARGS[script])]
-    if not hasattr(os, "fork") or torch.cuda.is_available():
-        done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=tiny_env(script, work), capture_output=True,
-                              text=True, timeout=600)
+    this process where :func:`fork_refusal` finds nothing against it; else a new interpreter. A run that takes over
+    :data:`TIMEOUT_S` seconds is killed and fails the test."""
+    argv = [str(BENCHMARKS / script), "--tiny", *(a.replace("{work}", str(work)) for a in TINY_ARGS[script]),
+            "--out", str(work / "out")]
+    env = tiny_env(script, work)
+    if fork_refusal(env) is not None:
+        try:
+            done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{script} --tiny ran past {TIMEOUT_S} s (a new interpreter) and was killed.")
         return done.returncode, done.stdout, done.stderr
     out, err = work / "stdout.txt", work / "stderr.txt"
     pid = os.fork()
     if pid == 0:
-        _run_forked(argv, tiny_env(script, work), out, err)  # never returns
-    _, status = os.waitpid(pid, 0)
+        _run_forked(argv, env, out, err)  # never returns
+    status = _wait(pid, time.monotonic() + TIMEOUT_S)
+    if status is None:
+        pytest.fail(f"{script} --tiny ran past {TIMEOUT_S} s (forked) and was killed; its stderr ends: "
+                    f"{err.read_text()[-2000:]}")
     return os.waitstatus_to_exitcode(status), out.read_text(), err.read_text()
+
+
+def fork_refusal(env: dict[str, str]) -> str | None:
+    """Why a run with ``env`` must start a new interpreter rather than fork from this process, or None. A fork copies
+    only the calling thread, so a lock another thread holds stays held in the child for ever; CUDA cannot be used
+    in a forked child; and a variable read at import keeps this process's value there (:data:`SET_IN_CHILD`)."""
+    if not hasattr(os, "fork"):
+        return "no os.fork here"
+    if torch.cuda.is_available():
+        return "CUDA: a forked child cannot use it"
+    if threading.active_count() != 1:
+        return f"{threading.active_count()} threads run here"
+    stale = sorted(k for k in (set(env) | set(os.environ)) - SET_IN_CHILD if env.get(k) != os.environ.get(k))
+    return f"{', '.join(stale)} differ here, and a forked child keeps what was read at import" if stale else None
+
+
+def _wait(pid: int, deadline: float) -> int | None:
+    """The forked child ``pid``'s wait status, or None when it ran past ``deadline``: its own alarm ended it, or, a
+    little later, this poll kills it (a child stuck before it set its alarm)."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return None if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM else status
+        if time.monotonic() > deadline + 5:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.02)
 
 
 def _run_forked(argv: list[str], env: dict[str, str], out: Path, err: Path) -> None:
     """In the forked child: run ``argv`` as ``python`` would (``__main__``, the script's folder first on sys.path, its
-    own environment and working directory, output to ``out`` and ``err``), then exit with its status."""
+    own environment and working directory, output to ``out`` and ``err``), then exit with its status. First one
+    OpenMP thread: a pool the parent started is gone in the child, and a parallel op waiting on it would hang; then an
+    alarm that ends the child at :data:`TIMEOUT_S` (the default action of SIGALRM: terminate)."""
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(TIMEOUT_S)
     code = 1
     try:
         os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
@@ -130,10 +186,14 @@ def test_every_script_has_a_tiny_run():
 
 @pytest.mark.parametrize("script", sorted(TINY_ARGS))
 def test_tiny_path(script, tmp_path, preloaded):
+    """The run exits 0, prints its JSON lines, and the lines it keeps (``--out``: what benchmarks/results/ holds,
+    with the figures its driver adds last, such as ratios to a peer) have every field its tables show."""
     code, stdout, stderr = run_tiny(script, tmp_path)
     assert code == 0, stderr[-3000:]
-    records = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    assert records, stdout[-2000:]
+    assert any(line.startswith("{") for line in stdout.splitlines()), stdout[-2000:]
+    records = [json.loads(line) for path in sorted((tmp_path / "out").glob("*.jsonl"))
+               for line in path.read_text().splitlines()]
+    assert records, f"no JSON lines in --out {tmp_path / 'out'}"
     tables = common.declared_tables(stderr)
     assert tables, "the script printed no table through common.table"
     problems = [p for t in tables for p in common.missing_fields(records, t)]
@@ -153,13 +213,35 @@ def test_the_check_sees_a_missing_field():
     assert common.missing_fields([{"what": "env"}], declared)
 
 
+def test_the_check_takes_none_only_as_listed_not_measured():
+    """A None in a field the table shows passes only where the record lists it as not measured (a GPU figure on a
+    CPU), and a field listed so must hold None: no row can stand in a placeholder for a figure or hide one."""
+    declared = {"where": {"what": "run"}, "fields": ["step_s", "peak_GB"]}
+    unlisted = {"what": "run", "step_s": 0.1, "peak_GB": None}
+    problems = common.missing_fields([unlisted], declared)
+    assert len(problems) == 1 and "peak_GB" in problems[0] and "not listed" in problems[0]
+    listed = common.not_measured({"what": "run", "step_s": 0.1}, "peak_GB")
+    assert listed == {"what": "run", "step_s": 0.1, "peak_GB": None, "not_measured": ["peak_GB"]}
+    assert common.missing_fields([listed], declared) == []
+    assert common.missing_fields([{**listed, "peak_GB": 0.0}], declared)  # listed, yet a number
+    assert common.missing_fields([{"what": "run", "step_s": 0.1, "not_measured": ["peak_GB"]}], declared)  # absent
+    common.set_figure(listed, "peak_GB", 2.0)  # measured after all: off the list
+    assert listed["not_measured"] == [] and common.missing_fields([listed], declared) == []
+    common.set_figure(listed, "step_s", None)
+    assert listed["not_measured"] == ["step_s"] and common.missing_fields([listed], declared) == []
+
+
 def test_a_table_declares_what_it_prints(capsys):
-    """common.table names on stderr the rows it printed and every field its cells read, ``also`` included."""
+    """common.table names on stderr the rows it printed and every field its cells read, ``also`` included; a figure
+    not measured shows as such, never as a number."""
     columns = [common.Column("setup", "what"), common.Column("step s", "step_s", ".3f"),
                common.Column("ratio", "step_s", lambda r: r["step_s"] / r["base_s"], also=("base_s",)),
+               common.Column("peak GB", "peak_GB", lambda r: f"{r['peak_GB']:.2f}"),
                common.Column("notes", None, lambda r: r.get("note", ""))]
-    text = common.table([{"what": "run", "step_s": 0.5, "base_s": 0.25}, {"what": "env"}], columns,
-                        where={"what": "run"})
-    assert text.splitlines()[2] == "| run | 0.500 | 2.0 |  |" and len(text.splitlines()) == 3
+    rows = [{"what": "run", "step_s": 0.5, "base_s": 0.25, "peak_GB": 1.0},
+            common.not_measured({"what": "run", "step_s": 0.5, "base_s": 0.25}, "peak_GB"), {"what": "env"}]
+    text = common.table(rows, columns, where={"what": "run"})
+    assert text.splitlines()[2:] == ["| run | 0.500 | 2.0 | 1.00 |  |",
+                                     f"| run | 0.500 | 2.0 | {common.NOT_MEASURED} |  |"]
     assert common.declared_tables(capsys.readouterr().err) == [
-        {"where": {"what": "run"}, "fields": ["what", "step_s", "base_s"]}]
+        {"where": {"what": "run"}, "fields": ["what", "step_s", "base_s", "peak_GB"]}]

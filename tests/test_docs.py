@@ -15,6 +15,8 @@ from squareq.slab import manifest as slab_manifest
 from squareq.slab.manifest import BlockRecord, LayerRecord, Manifest, ModelRecord, ResidentRecord, TensorRecord
 from squareq.slab.writer import _totals
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 SLAB_FORMAT = DOCS / "slab-format.md"
 COMPILER = DOCS / "compiler.md"

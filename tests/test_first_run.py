@@ -20,6 +20,8 @@ from squareq.train.tiny_dataset import write_tiny_dataset
 from .train.test_lora_files import KOHYA_KEY
 from .user_files import COMMIT, STAND_IN_REPO, stand_in_pipeline, write_comfyui_files, write_hub_cache
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 # The stand-in is tiny: each command runs with these flags added after the README's own (the later flag wins).
 FAST = {

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from squareq.cli import USER_ERRORS
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=1000,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -22,12 +22,11 @@ from ..models import ADAPTERS
 from ..models.noising import calibration_times, image_tokens
 from ..slab import Slab, open_slab
 from ..sources import Source
-from ..sources.encoder_source import EncoderSource
-from ..sources.pipeline_encoders import training_objective
+from ..sources.encoder_source import EncoderSource, slab_encoders
 from ..train.data import BucketBatches
 from ..train.feed import CacheFeed
-from ..train.objective import denoising_loss
-from ..train.prepare import prepare_data, run_encoders
+from ..train.objective import denoising_loss, training_objective
+from ..train.prepare import prepare_data
 from .convergence import ConvergenceSettings, cannot_run, reference_slab, training_config
 from .gates import FAIL, PASS, GateResult, skipped
 
@@ -53,8 +52,9 @@ def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdi
     cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache",
                           steps).with_family_defaults(family)
     recipe = ADAPTERS[family].recipe
-    objective = training_objective(run_encoders(cfg, slab.manifest.model), family)
-    data = prepare_data(cfg, slab.manifest.model, device, echo)
+    encoder_source = slab_encoders(slab.manifest.model, cfg.model, cfg.revision, cfg.encoder_files)
+    objective = training_objective(encoder_source, family)
+    data = prepare_data(cfg, slab.manifest.model, device, echo, encoder_source=encoder_source)
     image_keys, text_keys, _ = data.keys  # the gate compares unflipped images
     feed = CacheFeed(data.cache, image_keys, text_keys, data.captions, data.dropped, device)
     models, params = {}, {}

@@ -50,7 +50,7 @@ def fresh_inputs(source: Source, slab: Slab, samples: int, device):
     if kind == "images" and _existing(recorded.get("cache")):
         opts.calib_cache = recorded["cache"]
     elif kind == "images":
-        from ..train.calibration_images import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_RESOLUTION, calibration_images
+        from ..compiler.calibration_images import DEFAULT_MAX_SEQUENCE_LENGTH, DEFAULT_RESOLUTION, calibration_images
 
         opts.calib_images = calibration_images(
             source, data=_existing(recorded.get("data")), encoders=_existing(recorded.get("encoders")),

@@ -21,7 +21,7 @@ from ..slab import SlabError, open_slab
 from ..slab.manifest import MANIFEST_FILE
 from ..slab.signature import model_signature
 from ..sources import open_source
-from ..sources.encoder_source import EncoderError, encoder_source_for, recorded_encoders
+from ..sources.encoder_source import EncoderError, slab_encoders
 from ..sources.hub import hub_ref, like_recorded
 from ..train.tiny_dataset import write_tiny_dataset
 from .block_drift import block_drift_gate
@@ -132,9 +132,8 @@ def _open_source(opts: AcceptOptions, slab):
         raise AcceptError(f"{opts.slab} was not compiled from --model {opts.model} (the model class, config or tensor "
                           "shapes differ); pass the model the slab was compiled from.")
     # the encoders the slab was compiled with (what squareq train uses), else the source's own; single files in place
-    own = recorded_encoders(recorded) if recorded.encoders else (source.encoder_source or opts.model)
     try:
-        encoders = encoder_source_for(own, source.family, recorded.config, files=opts.files)
+        encoders = slab_encoders(recorded, files=opts.files, unrecorded=source.encoder_source or opts.model)
     except EncoderError as exc:
         raise AcceptError(str(exc)) from None
     return source, encoders, chosen[0]

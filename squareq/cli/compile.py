@@ -154,7 +154,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     check_previous(opts.previous, source)  # --from: another model or a damaged build number, before the encoders run
     trains = source.family_adapter is not None and source.family_adapter.recipe is not None
     if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
-        from ..train.calibration_images import calibration_images
+        from ..compiler.calibration_images import calibration_images
 
         where = None
         if encoders or files:

@@ -49,7 +49,7 @@ class CalibrationPass:
     def run(self, shell) -> None:
         """One calibration pass of the model's own forward over the batch (on the device for this pass only)."""
         self.cursor = self.axes.cursor()
-        kwargs = moved(self.batch.kwargs, self.opts.device)
+        kwargs = on_device(self.batch.kwargs, self.opts.device)
         try:
             with torch.no_grad(), self.progress.blocks(self._to_measure(), "compile"):
                 shell(**kwargs)
@@ -163,7 +163,7 @@ def _unmeasured(name: str, w: torch.Tensor) -> LayerDecision:
     return LayerDecision(name, c, [c], ["not called during calibration, so it has no measurements: kept at bf16"])
 
 
-def moved(tree, device):
+def on_device(tree, device):
     """``tree`` with its tensors on ``device``."""
     return tree_map(lambda t: t.to(device, non_blocking=True) if torch.is_tensor(t) else t, tree)
 

@@ -14,7 +14,7 @@ from torch import nn
 from ..slab.writer import stored_tensor
 from ..sources import Source
 from .budget import BudgetError, check_least_budget
-from .calibration_pass import CalibrationPass, moved
+from .calibration_pass import CalibrationPass, on_device
 from .chunks import BatchAxes, batched_kwargs, probe_batch_axes
 from .disk import check_disk, estimate_disk
 from .host_plan import HostPlan, estimate_host, plan_host
@@ -39,7 +39,7 @@ class CompileSetup:
     vram: VramPlan
     host: HostPlan
     key: str
-    run: CalibrationPass
+    calibration: CalibrationPass
     shell: nn.Module
     residents: dict
     cap: int | None
@@ -55,7 +55,7 @@ class CompileSetup:
         b = self.batch
         if b.heldout_kwargs is not None:
             return b.heldout_kwargs, b.heldout_row_mask
-        return moved(b.kwargs, self.vram.device), b.row_mask
+        return on_device(b.kwargs, self.vram.device), b.row_mask
 
 
 def set_up(source: Source, out: Path, opts: CompileOptions, progress: CompileProgress) -> CompileSetup:
@@ -72,7 +72,7 @@ def set_up(source: Source, out: Path, opts: CompileOptions, progress: CompilePro
     needs = estimate_needs(source, skeleton, batch, axes, gptq=opts.rounding == "gptq", max_rows=opts.max_rows,
                            probes=opts.effect_probes, specs=specs)
     # between the passes that read it, the calibration batch waits in host memory (FLUX.2's text states are 1 GB)
-    batch.kwargs = moved(batch.kwargs, "cpu")
+    batch.kwargs = on_device(batch.kwargs, "cpu")
     vram = plan_vram(needs, opts.vram_budget, opts.device)
     host_needs = estimate_host(needs, vram, skeleton, source.block_paths, batch, axes, specs, opts.effect_probes,
                                opts.rounding == "gptq")
@@ -84,10 +84,10 @@ def set_up(source: Source, out: Path, opts: CompileOptions, progress: CompilePro
     disk = estimate_disk(skeleton, source.block_paths, specs, spilled, opts.budget, state_folder(out),
                          rebuild=previous is not None and previous.key == key)
     progress(check_disk(disk, state_folder(out), out))
-    run = CalibrationPass(source, opts, progress, batch, axes, vram, host)
-    shell = source.shell(run.block, opts.device, upcast_linears=True)  # checks the checkpoint
+    calibration = CalibrationPass(source, opts, progress, batch, axes, vram, host)
+    shell = source.shell(calibration.block, opts.device, upcast_linears=True)  # checks the checkpoint
     residents = source.resident_state("cpu", torch.float32)
-    return CompileSetup(skeleton, previous, batch, batched, axes, vram, host, key, run, shell, residents,
+    return CompileSetup(skeleton, previous, batch, batched, axes, vram, host, key, calibration, shell, residents,
                         _block_cap(opts, residents))
 
 

@@ -65,7 +65,7 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: CompileP
         try:
             return _build(source, out, opts, progress, setup)
         except torch.OutOfMemoryError:
-            raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out), setup.run.peaks)) from None
+            raise BudgetError(_out_of_memory(setup.vram, opts, state_folder(out), setup.calibration.peaks)) from None
 
 
 def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path, peaks: PeakLog) -> str:
@@ -80,12 +80,13 @@ def _out_of_memory(vram: VramPlan, opts: CompileOptions, state: Path, peaks: Pea
 
 def _build(source: Source, out: Path, opts: CompileOptions, progress: CompileProgress, setup: CompileSetup):
     """Measure (or reuse the measurements), plan, measure the plan's error and write the slab."""
-    previous, run = setup.previous, setup.run
-    run.peaks.lap("setup")  # the encoders' and the plan's probes'
+    previous, calibration = setup.previous, setup.calibration
+    calibration.peaks.lap("setup")  # the encoders' and the plan's probes'
     # a rebuild's state holds only the layers it searched again, so it must never pass for a full compile's
-    state = run.state = CompileState(state_folder(out), {"measurement_key": setup.key,
-                                                         "rebuild_of": str(previous.path) if setup.reused else None},
-                                     opts.resume, echo=progress)
+    state = calibration.state = CompileState(state_folder(out),
+                                             {"measurement_key": setup.key,
+                                              "rebuild_of": str(previous.path) if setup.reused else None},
+                                             opts.resume, echo=progress)
     # before the long part: the identity of the files as the compile reads them, not as they are hours later
     named = [source.description, *(opts.encoders or {}).values()]
     identity = {where: found for where in named if (found := source_identity(where)) is not None}
@@ -104,8 +105,8 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: CompilePro
         moved = {n: b for n, b in plan.rungs.items() if b != previous.rungs.get(n)}
         if moved:
             progress(f"{len(moved)} layers moved to a rung the previous slab does not hold: searching them")
-            run.wanted = moved
-            run.run(setup.shell)
+            calibration.wanted = moved
+            calibration.run(setup.shell)
     planned = lambda i: planned_weights(state, previous if setup.reused else None, i, names[i], plan)  # noqa: E731
     # a layer kept from a previous slab that stores it corrected keeps that slab's bias with its stored scales
     kept = lambda i: kept_biases(previous, setup.reused, names[i], plan)  # noqa: E731
@@ -113,20 +114,20 @@ def _build(source: Source, out: Path, opts: CompileOptions, progress: CompilePro
     weights_of = planned if correction is None else lambda i: correction.weights(planned(i))  # noqa: E731
     biases_of = kept if correction is None else lambda i: {**kept(i), **correction.biases(  # noqa: E731
         correction.fixes)}
-    run.peaks.lap("plan error")
+    calibration.peaks.lap("plan error")
     progress(f"plan: predicted model-output rel-MSE {plan.error:.3g}, measured {measured:.3g} (τ_OUT "
              f"{opts.thresholds.out:g})")
-    peak = run.peaks.peak_reserved
+    peak = calibration.peaks.peak_reserved
     if peak is not None:
         progress(f"peak GPU memory reserved: {format_size(peak)} (budget {format_size(setup.vram.budget)}, "
                  f"expected {format_size(setup.vram.expected_peak or 0)}); allocated at most, by phase: "
-                 f"{run.peaks.describe()}")
+                 f"{calibration.peaks.describe()}")
     write_opts.calibration.update(budget_bytes=opts.budget, predicted_output_rel_mse=plan.error,
                                   measured_output_rel_mse=measured, calibrate_seconds=round(calibrate_s, 3),
                                   output_correction=record,
-                                  vram=vram_record(setup.vram, run.peaks, setup.host))
+                                  vram=vram_record(setup.vram, calibration.peaks, setup.host))
     manifest = write_slab(source, out, opts, setup, plan, layers, notes, measured_rungs, build,
-                          PlanWeights(weights_of, biases_of), correction, write_opts, started)
+                          PlanWeights(weights_of, biases_of), correction, write_opts, started, progress)
     if previous is not None:
         previous.slab.close()
     state.remove()

@@ -49,6 +49,7 @@ from .chunks import (
     split_leaves,
 )
 from .prefetch import read_ahead
+from .progress import CompileProgress
 from .spill import Spilled
 
 DEFAULT_PROBES = 4
@@ -164,12 +165,14 @@ class _BlockRunner:
     """Loads, runs and replays one block call for :class:`_StreamedBlock`."""
 
     def __init__(self, load: Callable[[], nn.Module], leaves, spec, axes: CallAxes | None, ranges, keep: Keep,
-                 on_replay: Callable[[nn.Module], _Products], device) -> None:
+                 on_replay: Callable[[nn.Module], _Products], device,
+                 step: Callable[[str], contextlib.AbstractContextManager]) -> None:
         # the call's structure only: a runner waits for its backward pass through the whole forward, and tensors it
         # kept would hold every block's hidden states on the device at once (its inputs wait in ``saved``)
         self.leaves, self.spec = _shape_only(leaves), spec
         self.load, self.axes, self.ranges = load, axes, ranges
         self.keep, self.on_replay, self.device = keep, on_replay, device
+        self.step = step  # step("forward"): the progress of this block's forward (its backward, "backward")
         self.saved: list = []
         self.out_leaves = self.out_spec = None
 
@@ -179,7 +182,8 @@ class _BlockRunner:
     def forward(self, tensors) -> list[torch.Tensor]:
         self.saved = [self.keep(t.detach()) for t in tensors]
         args, kwargs = self._args(list(tensors))
-        out = run_chunked(self.load(), args, kwargs, self.axes, self.ranges)
+        with self.step("forward"):
+            out = run_chunked(self.load(), args, kwargs, self.axes, self.ranges)
         leaves, self.out_spec = tree_flatten(out)
         self.out_leaves = _shape_only(leaves)
         return self._tensors(leaves)
@@ -200,8 +204,8 @@ class _BlockRunner:
             return _saved_rows(saved, in_flags, *window) if chunked else [_whole(x) for x in saved]
 
         # spilled rows are read a chunk ahead, the first while the block loads
-        with read_ahead(rows, self.ranges if chunked else [self.ranges[0]],
-                        ahead=any(isinstance(x, Spilled) for x in saved)) as chunks:
+        with self.step("backward"), read_ahead(rows, self.ranges if chunked else [self.ranges[0]],
+                                               ahead=any(isinstance(x, Spilled) for x in saved)) as chunks:
             block = self.load()
             products = self.on_replay(block)
             got = _Gradients(saved, in_flags, self.device)
@@ -275,7 +279,7 @@ class _Gradients:
 def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
                     candidates_of: Callable[[int], Mapping[str, Mapping[int, QuantizedWeight]]], device="cpu",
                     probes: int = DEFAULT_PROBES, seed: int = 0,
-                    progress: Callable[[str], None] = lambda s: None, axes: BatchAxes | None = None,
+                    progress: CompileProgress | None = None, axes: BatchAxes | None = None,
                     batched: set[str] | None = None, keep: Keep | None = None,
                     lap: Callable[[str], object] = lambda phase: None,
                     end_pass: Callable[[], object] | None = None) -> tuple[dict[str, dict[int, float]], dict]:
@@ -285,18 +289,23 @@ def measure_effects(source, kwargs: dict, row_mask: torch.Tensor | None,
     batched tensors and chunk size, ``keep`` where the blocks' inputs wait for the backward pass (``end_pass()`` is
     called once a pass's backward has consumed them: a spill file's space back); ``lap(phase)`` is called at the
     end of each forward and backward pass (the compile's memory log). The probes run a few at a time
-    (:meth:`BatchAxes.probes_per_pass`: a number that depends on the model only, so every budget computes the same)."""
+    (:meth:`BatchAxes.probes_per_pass`: a number that depends on the model only, so every budget computes the same).
+    ``progress`` shows the passes as one bar, "effects", a unit per block forward and per block backward."""
     started = time.perf_counter()
     axes = axes or BatchAxes()
     batched = batched if batched is not None else {k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim()}
     held = batch_size(kwargs, batched)
     per_pass = axes.probes_per_pass(held, probes)
+    progress = CompileProgress() if progress is None else progress
     passes = _ProbePasses(source, kwargs, row_mask, candidates_of, device, axes, batched, keep or (lambda t: t),
                           probes * held, torch.Generator().manual_seed(seed), progress, lap,
                           end_pass or (lambda: None))
     progress(f"measuring each layer's effect on the model output: {probes} probes on {held} held-out samples"
              + (f", {per_pass} probes per pass" if per_pass < probes else ""))
-    powers = [passes.run(first * held, min(per_pass, probes - first)) for first in range(0, probes, per_pass)]
+    firsts = range(0, probes, per_pass)
+    with progress.blocks(2 * len(source.block_paths) * len(firsts), "effects"):
+        powers = [passes.run(first * held, min(per_pass, probes - first), k, len(firsts))
+                  for k, first in enumerate(firsts, 1)]
     power = max(powers[0], 1e-30)  # every copy of the held-out batch has the same output
     effects = {name: {rung: float(t.square().sum()) / probes / power for rung, t in rungs.items()}
                for name, rungs in passes.sums.items()}
@@ -315,6 +324,14 @@ class _ProbePasses:
         self.generator, self.progress, self.lap, self.end_pass = generator, progress, lap, end_pass
         self.sums: dict[str, dict[str, torch.Tensor]] = {}
 
+    @contextlib.contextmanager
+    def _step(self, index: int, path: str, phase: str, number: int, passes: int):
+        """A block's forward or backward, one unit of the progress: begun (off a terminal, a line with its ETA)."""
+        of = f" (probe pass {number}/{passes})" if passes > 1 else ""
+        self.progress.begin(f"block {index + 1}/{len(self.source.block_paths)} {path}: effects {phase}{of}")
+        yield
+        self.progress.done()
+
     def _on_replay(self, index: int, path: str, offset: int):
         def on_replay(block):
             # on the device once per block: moved in each chunk's products, FLUX.1's were 0.9 TB of copies a compile
@@ -328,9 +345,9 @@ class _ProbePasses:
 
         return on_replay
 
-    def run(self, offset: int, count: int) -> float:
-        """One pass over ``count`` copies whose samples are rows ``offset..`` of the sums; returns one copy's output
-        power."""
+    def run(self, offset: int, count: int, number: int = 1, passes: int = 1) -> float:
+        """One pass (``number`` of ``passes``) over ``count`` copies whose samples are rows ``offset..`` of the sums;
+        returns one copy's output power."""
         copies = repeat_batch(self.kwargs, self.batched, count)
         samples = batch_size(copies, self.batched)
         anchor = torch.zeros((), device=self.device, requires_grad=True)
@@ -342,7 +359,8 @@ class _ProbePasses:
             b = call_batch(leaves, call) or samples
             runner = _BlockRunner(lambda: self.source.load_block(path, device, torch.float32, upcast_linears=True),
                                   leaves, spec, call, axes.ranges(b, axes.replay_samples), self.keep,
-                                  self._on_replay(index, path, offset), device)
+                                  self._on_replay(index, path, offset), device,
+                                  lambda phase: self._step(index, path, phase, number, passes))
             outs = _StreamedBlock.apply(runner, anchor, *[x for x in leaves if torch.is_tensor(x)])
             return runner.rebuild(outs)
 

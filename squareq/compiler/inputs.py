@@ -3,7 +3,7 @@
 1. ``calib_synthetic``: the family's synthetic inputs (noise latents, Gaussian text), only when asked for by name:
    fine for speed runs, never for the compiler's choices.
 2. ``calib_images``: images and captions already encoded by the family's own VAE and text encoders (the CLI encodes
-   ``--calib-data DIR`` or the built-in photographs with ``squareq.train.calibration_images``), noised as the family
+   ``--calib-data DIR`` or the built-in photographs with ``squareq.compiler.calibration_images``), noised as the family
    trains.
 3. ``calib_cache``: a training cache's latents and captions (``squareq cache`` / ``squareq train``), noised the same
    way.
@@ -60,7 +60,7 @@ def calibration_batch(source, skeleton, opts, phase: float = 0.5) -> Calibration
         raise ModelError(f"--calib-text is for text models, and {source.description} is a {type(skeleton).__name__}; "
                          "calibrate it on images with --calib-data DIR.")
     raise ModelError(f"{source.description} needs real calibration images, encoded by its family's VAE and text "
-                     "encoders: pass a CalibrationSet (squareq.train.calibration_images.calibration_images) or a "
+                     "encoders: pass a CalibrationSet (squareq.compiler.calibration_images.calibration_images) or a "
                      "training cache (--calib-cache DIR); `squareq compile` does this itself.")
 
 

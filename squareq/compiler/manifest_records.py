@@ -77,7 +77,7 @@ def layer_annotations(path: str, layers, plan: Plan, notes, previous: Previous |
     return metrics, reasons, annotations
 
 
-def metadata_bytes(skeleton, names: dict[int, str], layers, fixed, plan: Plan, specs, notes, previous, build,
+def metadata_bytes(skeleton, names: dict[int, str], layers, plan: Plan, specs, notes, previous, build,
                    residents: dict, write_opts: WriteOptions, thresholds: Thresholds, correcting: bool = False) -> int:
     """Bytes of everything but the blobs (header, resident tensors, manifest) for ``plan``, planned from the
     skeleton: an upper bound, since unknown numbers are given their longest JSON form (with ``correcting``, those

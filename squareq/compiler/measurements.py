@@ -12,11 +12,11 @@ from .host_plan import SAVED
 from .options import CompileOptions
 from .plan import LayerOptions
 from .previous import Previous
-from .progress import Progress
+from .progress import CompileProgress
 from .state import CompileState
 
 
-def gather_measurements(source: Source, opts: CompileOptions, progress: Progress, setup: CompileSetup,
+def gather_measurements(source: Source, opts: CompileOptions, progress: CompileProgress, setup: CompileSetup,
                         state: CompileState):
     """Each layer as the planner sees it, fixed bytes, notes, measured rungs and the effects record: measured now
     (the calibration pass, then the effects pass), or reused from the previous slab."""
@@ -24,7 +24,7 @@ def gather_measurements(source: Source, opts: CompileOptions, progress: Progress
         progress(f"reusing the measurements of {opts.previous}: same source, calibration data and search options")
         (layers, fixed, notes, measured_rungs), effect_info = _from_previous(setup.previous), setup.previous.effect_info
     else:
-        setup.run.run(setup.shell)
+        setup.calibration.run(setup.shell)
         found = state.load_effects()
         if found is None:
             quantized = lambda i: state.load_weights(i, lambda n, r: r != "bf16")  # noqa: E731 - bf16's effect is 0
@@ -32,7 +32,8 @@ def gather_measurements(source: Source, opts: CompileOptions, progress: Progress
                 keep = spill.put if spill is not None else setup.vram.store(setup.vram.host_saved)
                 found = measure_effects(source, *setup.held, quantized, opts.device, opts.effect_probes, opts.seed,
                                         progress, axes=setup.axes, batched=setup.batched, keep=keep,
-                                        lap=setup.run.peaks.lap, end_pass=spill.reset if spill is not None else None)
+                                        lap=setup.calibration.peaks.lap,
+                                        end_pass=spill.reset if spill is not None else None)
             empty_host_cache()  # the pass's pinned copies, kept for reuse by the allocator
             state.save_effects(*found)
         effects, effect_info = found

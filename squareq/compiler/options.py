@@ -26,7 +26,7 @@ class CompileOptions:
     output_correction: str = "auto"  # refit each layer's scale and bias after the plan (compiler/correction.py)
     group_size: int = 64
     calib_samples: int | None = None  # None: the measured default for the kind of data (compiler/inputs.py)
-    calib_images: CalibrationSet | None = None  # encoded images + captions (squareq.train.calibration_images)
+    calib_images: CalibrationSet | None = None  # encoded images + captions (squareq.compiler.calibration_images)
     encoders: dict[str, str] | None = None  # recorded: the encoders calib_images came from, when not the source's
     calib_cache: str | None = None  # a training cache folder to calibrate on (squareq cache / squareq train)
     calib_text: str | None = None  # a text file, one sample per line (text models)

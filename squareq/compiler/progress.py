@@ -17,7 +17,7 @@ class CompileProgress:
     and what a block does now is not printed: a line per layer would bury a log."""
 
     def __init__(self, echo: Progress = lambda line: None, bar: bool = False) -> None:
-        self.echo, self.shown = echo, bar
+        self.echo, self.draw_bar = echo, bar
         self.bar: Bar | None = None
 
     def __call__(self, line: str) -> None:
@@ -27,7 +27,7 @@ class CompileProgress:
     def blocks(self, total: int, desc: str) -> Iterator[CompileProgress]:
         """One pass over ``total`` blocks. Without ``bar`` nothing is drawn: the pass keeps the count that the lines'
         ETA reads."""
-        self.bar = Bar(total, desc, "block", shown=self.shown)
+        self.bar = Bar(total, desc, "block", shown=self.draw_bar)
         try:
             yield self
         finally:

@@ -32,7 +32,7 @@ def fit_plan(setup: CompileSetup, opts: CompileOptions, state: CompileState, nam
              measured_rungs, build: int, write_opts: WriteOptions) -> Plan:
     """The planner's rungs within τ_OUT, the budget and the block cap, checked against the slab's exact size."""
     correcting = wanted(opts.output_correction, setup.batch.description, setup.batch.heldout) is None
-    meta = lambda plan: metadata_bytes(setup.skeleton, names, layers, fixed, plan, measured_rungs, notes,  # noqa: E731
+    meta = lambda plan: metadata_bytes(setup.skeleton, names, layers, plan, measured_rungs, notes,  # noqa: E731
                                        setup.previous, build, setup.residents, write_opts, opts.thresholds,
                                        correcting)
     overhead = meta(Plan({x.name: x.start for x in layers})) + SLACK_PER_LAYER * build * len(layers)
@@ -50,12 +50,14 @@ def fit_plan(setup: CompileSetup, opts: CompileOptions, state: CompileState, nam
 
 def write_slab(source: Source, out: Path, opts: CompileOptions, setup: CompileSetup, plan: Plan, layers, notes,
                measured_rungs, build: int, weights: PlanWeights, correction: Correction | None,
-               write_opts: WriteOptions, started: float):
+               write_opts: WriteOptions, started: float, progress: CompileProgress):
     """Encode each block's blob from the plan's weights and biases (with the output correction's measurements) and
-    assemble the slab (atomically)."""
+    assemble the slab (atomically); ``progress`` shows it as a pass over the blocks ("write")."""
     fixes = correction.fixes if correction is not None else {}
-    with SlabBuilder(out, setup.skeleton, write_opts) as slab:
+    n = len(source.block_paths)
+    with SlabBuilder(out, setup.skeleton, write_opts) as slab, progress.blocks(n, "write"):
         for i, path in enumerate(source.block_paths):
+            progress.begin(f"block {i + 1}/{n} {path}: writing")
             qws, biases = weights.weights_of(i), weights.biases_of(i)
             metrics, reasons, annotations = layer_annotations(path, layers, plan, notes, setup.previous, build,
                                                               measured_rungs, opts.thresholds)
@@ -71,6 +73,7 @@ def write_slab(source: Source, out: Path, opts: CompileOptions, setup: CompileSe
                 if name in biases:
                     mod.bias.data.copy_(biases[name])
             slab.add_block(BlockContent(i, path, real, qws, metrics, reasons, annotations, measure=not measured_here))
+            progress.done()
         write_opts.calibration.update(compile_seconds=round(time.perf_counter() - started, 3))
         return slab.finish(setup.residents, max_bytes=opts.budget)
 

@@ -1,7 +1,7 @@
 """Real calibration inputs: encoded images noised the way the family trains, and real text through a model's tokenizer.
 
 A :class:`CalibrationSet` is images and their captions already encoded by the family's own VAE and text encoders
-(``squareq.train.calibration_images`` encodes them; a training cache holds them too). :func:`image_batch` turns it
+(``squareq.compiler.calibration_images`` encodes them; a training cache holds them too). :func:`image_batch` turns it
 into the denoiser's forward arguments exactly as a training step does: a time from the family's training
 distribution (stratified, so a few samples still span the schedule), seeded noise, ``x_t`` by the family's noising
 (``models/noising.py``) and the recipe's forward. :func:`text_batch` does the same for a text model: real sentences

@@ -1,4 +1,4 @@
-"""Which scaled-dot-product-attention kernel the blocks prefer (``runtime.load(attention=...)``).
+"""Which scaled-dot-product-attention kernel the blocks prefer (``LoadOptions(attention=...)``).
 
 torch picks its attention kernel by a fixed priority: flash first, cuDNN last. At FLUX.1's attention shapes (24 heads
 of 128, 4,608 tokens at 1024²) cuDNN's kernels take about half of flash's time, forward and backward, with the same
@@ -52,10 +52,15 @@ def head_dim(model: nn.Module) -> int | None:
     return int(width) if isinstance(width, int) else None
 
 
-def resolve_attention(mode: str, device: torch.device | str, width: int | None) -> tuple[bool, str]:
-    """``(prefer_cudnn, why)`` with ``auto`` settled for ``device`` and heads of ``width``."""
+def check_attention(mode: str) -> None:
+    """Refuses (:class:`AttentionModeError`) an ``attention`` mode that does not exist, on any device."""
     if mode not in MODES:
         raise AttentionModeError(f"attention={mode!r}: choose one of {', '.join(MODES)}.")
+
+
+def resolve_attention(mode: str, device: torch.device | str, width: int | None) -> tuple[bool, str]:
+    """``(prefer_cudnn, why)`` with ``auto`` settled for ``device`` and heads of ``width``."""
+    check_attention(mode)
     device = torch.device(device)
     if mode == "default":
         return False, "torch's own order (flash first), as asked"

@@ -1,4 +1,4 @@
-"""``torch.compile`` for the streamed blocks (``runtime.load(compile_blocks=True)``, ``squareq train --compile``).
+"""``torch.compile`` for the streamed blocks (``LoadOptions(compile_blocks=True)``, ``squareq train --compile``).
 
 What a compiled resident FLUX.1 gains over the eager one is the work between the matmuls: layer norms, modulation,
 the query/key norms and rotary embedding, GELU, gates and residual adds, which inductor fuses into a few kernels

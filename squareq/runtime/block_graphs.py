@@ -1,4 +1,4 @@
-"""CUDA graphs per streamed block (``runtime.load(cuda_graphs=True)``): a block's forward, and a training step's
+"""CUDA graphs per streamed block (``LoadOptions(cuda_graphs=True)``): a block's forward, and a training step's
 recompute + backward of it, are each captured once and replayed from then on, so a step's host time no longer grows
 with the kernel launches of its blocks (about 1,400 per FLUX.1 training step at 512², where the GPU sat idle waiting
 for Python: docs/benchmarks.md, "LoRA training step").

@@ -34,6 +34,18 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def check_compute(mode: str) -> None:
+    """Refuses (:class:`ComputeError`) a compute mode that does not exist, on any device."""
+    if mode not in MODES:
+        raise ComputeError(f"compute={mode!r}: choose one of {', '.join(MODES)}.")
+
+
+def check_dtype(mode: str) -> None:
+    """Refuses (:class:`ComputeError`) a dtype that does not exist, on any device."""
+    if mode not in (*DTYPES, "auto"):
+        raise ComputeError(f"dtype={mode!r}: choose one of bf16, fp16, auto.")
+
+
 def resolve_compute(mode: str, device: torch.device | str, dtype: str = "bf16") -> tuple[str, str]:
     """``(mode, why)`` with ``auto`` settled for ``device`` and the run's settled ``dtype``; refuses
     (:class:`ComputeError`) ``fp8`` on a GPU without FP8 tensor cores, and in an fp16 run (the FP8 products return
@@ -41,8 +53,7 @@ def resolve_compute(mode: str, device: torch.device | str, dtype: str = "bf16") 
 
     On the CPU ``fp8`` is allowed (torch emulates the FP8 matmul; tests use it) but ``auto`` stays ``bf16``."""
     device = torch.device(device)
-    if mode not in MODES:
-        raise ComputeError(f"compute={mode!r}: choose one of {', '.join(MODES)}.")
+    check_compute(mode)
     if dtype == "fp16":
         if mode == "fp8":
             raise ComputeError("fp8 compute runs in bf16 runs only (GPUs with FP8 tensor cores have bf16 too); "
@@ -71,8 +82,7 @@ def resolve_dtype(mode: str, device: torch.device | str) -> tuple[str, str]:
     """``(dtype, why)`` with ``auto`` settled for ``device``: ``bf16``, or ``fp16`` on a GPU without bf16 tensor cores
     (compute capability below 8.0: T4, V100, RTX 20xx), where bf16 runs slowly or not at all. The CPU stays bf16."""
     device = torch.device(device)
-    if mode not in (*DTYPES, "auto"):
-        raise ComputeError(f"dtype={mode!r}: choose one of bf16, fp16, auto.")
+    check_dtype(mode)
     if mode != "auto":
         return mode, "asked for"
     if device.type != "cuda":

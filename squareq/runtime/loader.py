@@ -29,7 +29,7 @@ from .compute import DTYPES, resolve_compute, resolve_dtype
 from .flux_attention import install_fused_attention
 from .host.budget import choose_host
 from .host.staging import DiskStaging, PinnedArena
-from .load_options import LoadOptions, options_from_keywords
+from .load_options import LoadOptions, options_from_old_arguments
 from .qlinear import DequantScratch, QuantLinear
 from .streamer import Streamer
 from .telemetry import StepStats, Telemetry
@@ -269,16 +269,17 @@ def _route_checkpointing(model: nn.Module, rt: Runtime) -> None:
     model._set_gradient_checkpointing = set_gradient_checkpointing
 
 
-def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", *, options: LoadOptions | None = None,
-         **old_keywords) -> nn.Module:
+def load(slab: str | os.PathLike | Slab, device: str | torch.device = "cuda", *old_positional,
+         options: LoadOptions | None = None, **old_keywords) -> nn.Module:
     """The family's own model class (e.g. diffusers ``FluxTransformer2DModel``) running from ``slab`` on ``device``,
     its blocks streamed or resident as ``options`` (:class:`LoadOptions`; default: ``LoadOptions()``) say.
 
-    The keywords of earlier releases (``prefetch=2, host="pinned", ...``: LoadOptions' fields) still work for one
-    release, with a ``DeprecationWarning``; ``runtime_of(model)`` holds what ``auto`` fields chose.
+    The arguments of earlier releases (``prefetch=2, host="pinned", ...``: LoadOptions' fields, by name or by position
+    after ``device`` in their old order) still work for one release, with a ``FutureWarning``; ``runtime_of(model)``
+    holds what ``auto`` fields chose.
     """
-    if old_keywords:
-        options = options_from_keywords(options, old_keywords)
+    if old_positional or old_keywords:
+        options = options_from_old_arguments(options, old_positional, old_keywords)
     opts = options if options is not None else LoadOptions()
     device = _checked_device(device, opts.stream, opts.cuda_graphs)
     s, model = _skeleton(slab, opts.verify)

@@ -3,7 +3,7 @@
 Its autograd Function dequantizes the weight into a shared bf16 scratch buffer and calls the vendor
 matmul, in the forward and again in the backward. For few rows of input (modulation layers run with M = batch size)
 it calls a fused kernel that reads the packed codes directly instead (kernels/crossover.py). Under FP8 compute
-(``runtime.load(compute="fp8")``) the forward, and so the checkpointed recompute, dequantizes into a shared E4M3
+(``LoadOptions(compute="fp8")``) the forward, and so the checkpointed recompute, dequantizes into a shared E4M3
 scratch with one scale per output channel and runs ``torch._scaled_mm`` on the input quantized per token
 (kernels/fp8.py), for calls of at least ``FP8_MIN_ROWS`` rows (fewer, as the modulation's, stay bf16); the input
 gradient stays in bf16 unless ``compute.FP8_BACKWARD`` (then it is an FP8 product too).

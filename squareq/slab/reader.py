@@ -321,6 +321,14 @@ def _say_if_linked_outside(folder: Path, file: Path) -> None:
                     "checked against their sha256).", file, target)
 
 
+def verify_mode(verify: str | bool) -> str:
+    """``verify`` as one of :data:`VERIFY_MODES` (True is "eager", False "off"), or ValueError in a sentence."""
+    mode = {True: "eager", False: "off"}.get(verify, verify)
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r} must be one of {VERIFY_MODES} or a bool.")
+    return mode
+
+
 def open_slab(path: str | Path, verify: str | bool = "lazy", expected_signature: str | None = None) -> Slab:
     """Open the slab directory ``path``.
 
@@ -328,9 +336,7 @@ def open_slab(path: str | Path, verify: str | bool = "lazy", expected_signature:
     "off" (or False) never hashes. ``expected_signature`` is the signature of the model skeleton the
     caller will attach the slab to; a mismatch is refused.
     """
-    mode = {True: "eager", False: "off"}.get(verify, verify)
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"verify={verify!r} must be one of {VERIFY_MODES} or a bool.")
+    mode = verify_mode(verify)
     path = Path(path)
     mpath, dpath = path / MANIFEST_FILE, path / DATA_FILE
     if not path.is_dir():

@@ -1,5 +1,5 @@
 """Where a model's VAE and text encoders come from, and the error when they cannot be found. Shared by the FLUX
-encoders (encoders.py) and the other families' (family_encoders.py): the latter imports it, not encoders.py, so the
+encoders (encoders.py) and the other families' (pipeline_encoders.py): the latter imports it, not encoders.py, so the
 two modules do not import each other.
 
 An :class:`EncoderSource` is a built-in tiny model, a diffusers pipeline folder, or a pipeline's Hugging Face Hub ID
@@ -22,7 +22,7 @@ from ..models.base import PIPELINE_ENCODER_PARTS
 from ..sources import hub
 from .local_files import refuse_pickled, source_identity
 
-log = logging.getLogger("squareq.train")
+log = logging.getLogger("squareq.sources")
 _UNVERIFIED: set[str] = set()  # paths already named as unverified: a run picks its encoders more than once
 _MATCHED: set[tuple[str, str]] = set()  # (path, recorded identity) found unchanged in this process
 
@@ -128,6 +128,16 @@ def encoder_source_for(recorded: EncoderSource | str, family: str, config=None,
                                "come from with --model (compile: --encoders), a folder or Hub ID.")
         where = adapter.reference_pipeline(config or {})
     return EncoderSource(where, tuple((k, merged[k]) for k in SINGLE_FILE_FLAGS if k in merged))
+
+
+def slab_encoders(record, model: EncoderSource | str | None = None, revision: str | None = None,
+                  files: Mapping[str, str | Path | None] | None = None,
+                  unrecorded: EncoderSource | str | None = None) -> EncoderSource:
+    """The VAE and text encoders a command on a slab with model ``record`` uses: ``model`` (at ``revision``) when
+    given, else the slab's recorded ones (``unrecorded`` in their place, where given, when the slab recorded none);
+    the single ``files`` replace their components."""
+    own = unrecorded if unrecorded is not None and not getattr(record, "encoders", None) else recorded_encoders(record)
+    return encoder_source_for(own, record.family, record.config, model, revision, files)
 
 
 def check_unchanged(recorded: EncoderSource, replaced: list[str] = ()) -> None:

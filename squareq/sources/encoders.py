@@ -44,7 +44,7 @@ from .single_files import load_single_files
 
 @dataclass
 class Encoders:
-    pipeline: object  # a diffusers FluxPipeline without its transformer (FLUX.1; other families: family_encoders.py)
+    pipeline: object  # a diffusers FluxPipeline without its transformer (FLUX.1; other families: pipeline_encoders.py)
     device: torch.device
     dtype: torch.dtype
     vae_identity: str  # cache-key parts: which weights computed an entry

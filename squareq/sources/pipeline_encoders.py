@@ -2,9 +2,9 @@
 for captions and its VAE, normalized as the pipeline normalizes latents, for images.
 
 The pipeline is loaded without its denoiser (the slab is the denoiser). Which pipeline classes a family's folder
-holds, how its captions become cache entries and, for the UNets, what its scheduler says the model predicts are the
-family's own (its adapter's ``recipe.pipeline``, squareq/models/<family>.py). Latent normalization is the VAE
-class's (several families share a VAE), following diffusers 0.42's pipelines (docs/families.md lists them).
+holds and how its captions become cache entries are the family's own (its adapter's ``recipe.pipeline``,
+squareq/models/<family>.py). Latent normalization is the VAE class's (several families share a VAE), following
+diffusers 0.42's pipelines (docs/families.md lists them).
 """
 from __future__ import annotations
 
@@ -90,28 +90,6 @@ class PipelineEncoders:
     def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
         """One cache entry per caption through the pipeline's ``encode_prompt``."""
         return self.recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)
-
-
-def training_objective(source: EncoderSource | str | Path, family: str) -> str:
-    """The objective a ``family`` model from ``source`` trains with: the family's, except that a UNet pipeline's
-    scheduler decides between epsilon and v-prediction (SD 2.x 768-v predicts v)."""
-    import json
-
-    recipe = ADAPTERS[family].recipe
-    decide = recipe.pipeline.objective if recipe.pipeline is not None else None
-    if decide is None:  # flow matching, Würstchen: the family decides alone
-        return recipe.objective
-    try:
-        folder = pipeline_folder(source)
-    except EncoderError:
-        return recipe.objective
-    config = folder / "scheduler" / "scheduler_config.json" if folder is not None else None
-    if config is None or not config.is_file():
-        return recipe.objective
-    try:
-        return decide(json.loads(config.read_text()))
-    except ValueError as exc:
-        raise EncoderError(f"{config} {exc}") from None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import torch
 
 from ..progress import Progress
 from ..slab.atomic import atomic_write_bytes
-from ..slab.digest import DigestError, file_sha256, hashed_safetensors, read_hashed
+from ..slab.digest import DigestError, hashed_safetensors, read_hashed
 
 KINDS = ("latents", "text")
 ENCODERS_FILE = "encoders.json"
@@ -27,11 +27,6 @@ ENCODERS_FILE = "encoders.json"
 
 class CacheError(ValueError):
     """A cache entry cannot be used; the message names the file."""
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (an image's identity in the cache)."""
-    return file_sha256(path)
 
 
 class EmbeddingCache:

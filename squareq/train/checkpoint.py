@@ -25,8 +25,8 @@ loading a checkpoint from a stranger cannot run code.
 
 A checkpoint is built in a temporary hidden sibling folder, every file fsynced, then renamed into
 place (``squareq.slab.atomic.atomic_directory``), so a crash leaves either the complete checkpoint
-or nothing under the ``step-*`` name. This module also finds the newest checkpoint, prunes old ones and removes
-what a killed write left behind.
+or nothing under the ``step-*`` name. This module also finds the newest checkpoint and the one ``resume`` names,
+prunes old ones and removes what a killed write left behind.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -62,6 +63,9 @@ from .checkpoint_state import (
     restore_rng,
     restore_scheduler,
 )
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 FORMAT = "squareq-train-checkpoint"
 FORMAT_VERSION = 2  # 2: checksums.json
@@ -354,6 +358,13 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step under ``out_dir``, or None."""
     found = _step_dirs(out_dir)
     return found[-1][1] if found else None
+
+
+def resume_path(cfg: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint ``resume`` names (``latest``: the newest in ``out``, None before the first), or None."""
+    if not cfg.resume:
+        return None
+    return latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
 
 
 def prune_checkpoints(out_dir: str | os.PathLike, keep_last: int) -> list[Path]:

@@ -6,12 +6,14 @@
    (only entries that are missing), and the encoders are released before training starts.
 3. Each step draws a batch of one bucket, noise and timesteps from the run's own generator, computes
    the family's loss (rectified flow, or DDPM epsilon / v-prediction for the UNets; the family's recipe in
-   squareq/models turns latents and captions into the denoiser's arguments) and updates the LoRA with AdamW.
+   squareq/models turns latents and captions into the denoiser's arguments) and updates the LoRA with the
+   configured optimizer (AdamW, AdamW 8-bit, Prodigy or Adafactor).
    A step whose loss or gradients are not finite is skipped and counted; ``nan_patience`` skips in a row
    stop the run with the last good checkpoint left untouched.
 4. Every ``save_every`` steps a checkpoint (LoRA, optimizer, schedule, RNG states, data position) is
    written atomically; ``resume="latest"`` continues from the newest one exactly (bitwise on a CPU).
-   The finished LoRA is written in the diffusers/PEFT layout.
+   The finished LoRA is written in the layouts ``save_format`` names (default: diffusers, and for FLUX.1 the
+   kohya file beside it); a LoKr or LoHa as a PEFT folder.
 
 This module strings the stages together (:class:`TrainingRun`); each stage is a module of its own: the plan
 (run_plan.py), the data and cache (prepare.py), the model and what trains on it (run_state.py, optimizers.py), the
@@ -130,7 +132,7 @@ class TrainingRun:
         self.plan = plan = plan_run(self.cfg, self.out, self.device, self.ranks.world, self.echo)
         self.cfg = plan.cfg
         self.data = prepare_data(plan.cfg, plan.slab.manifest.model, self.device, self.echo,
-                                 encode=self.ranks.is_main, progress=progress)
+                                 encode=self.ranks.is_main, progress=progress, encoder_source=plan.encoder_source)
         self.echo(f"training a {plan.family} LoRA with the {plan.objective} objective")
 
     def load(self) -> None:

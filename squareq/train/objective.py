@@ -1,4 +1,5 @@
-"""Training objectives: rectified flow (every transformer family) and DDPM epsilon / v-prediction (the UNets).
+"""Training objectives: rectified flow (every transformer family) and DDPM epsilon / v-prediction (the UNets), and
+which one a model trains with (:func:`training_objective`).
 
 The families' recipes (squareq/models/recipe.py) map the time drawn here onto each model's own inputs. For
 FLUX.1, the rectified-flow step reads::
@@ -22,8 +23,12 @@ Conventions, checked against the installed diffusers:
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
+from ..models import ADAPTERS
 from ..models.flux_latents import image_ids, pack_latents, text_ids, unpack_latents  # noqa: F401 (re-exported)
 from ..models.noising import (  # noqa: F401 (re-exported: the trainer's schedules are the models' own)
     COSINE_S,
@@ -43,6 +48,7 @@ from ..models.noising import (  # noqa: F401 (re-exported: the trainer's schedul
     sample_timesteps,
 )
 from ..runtime import autocast_dtype
+from ..sources.encoder_source import EncoderError, EncoderSource, pipeline_folder
 from .masks import LOSS_MASK
 
 
@@ -104,3 +110,23 @@ def denoising_loss(model, recipe, objective: str, latents: torch.Tensor, noise: 
         sample_weights = sample_weights.to(latents.device, torch.float32)
         weights = sample_weights if weights is None else weights.float() * sample_weights
     return flow_loss(pred, target, weights, mask)
+
+
+def training_objective(source: EncoderSource | str | Path, family: str) -> str:
+    """The objective a ``family`` model from ``source`` trains with: the family's, except that a UNet pipeline's
+    scheduler decides between epsilon and v-prediction (SD 2.x 768-v predicts v)."""
+    recipe = ADAPTERS[family].recipe
+    decide = recipe.pipeline.objective if recipe.pipeline is not None else None
+    if decide is None:  # flow matching, Würstchen: the family decides alone
+        return recipe.objective
+    try:
+        folder = pipeline_folder(source)
+    except EncoderError:
+        return recipe.objective
+    config = folder / "scheduler" / "scheduler_config.json" if folder is not None else None
+    if config is None or not config.is_file():
+        return recipe.objective
+    try:
+        return decide(json.loads(config.read_text()))
+    except ValueError as exc:
+        raise EncoderError(f"{config} {exc}") from None

@@ -11,11 +11,11 @@ import torch
 
 from ..progress import Progress, wanted
 from ..runtime.compute import resolve_dtype
-from ..slab.digest import content_key
+from ..slab.digest import content_key, file_sha256
 from ..sources.encoder_placement import EncoderRun
-from ..sources.encoder_source import EncoderSource, encoder_source_for, recorded_encoders
+from ..sources.encoder_source import EncoderSource, slab_encoders
 from ..sources.encoders import Encoders, encoder_dtype, open_encoders
-from .cache import EmbeddingCache, file_digest
+from .cache import EmbeddingCache
 from .config import TrainConfig
 from .data import (
     TRIGGER_TOKEN,
@@ -47,19 +47,13 @@ class PreparedData:
     validation: list[str] = field(default_factory=list)  # the caption of each validation entry
 
 
-def run_encoders(cfg: TrainConfig, record) -> EncoderSource:
-    """The VAE and text encoders of a run on a slab with model ``record``: ``cfg.model`` (at ``cfg.revision``) or the
-    slab's recorded ones, with ``cfg``'s single files in place of their components."""
-    return encoder_source_for(recorded_encoders(record), record.family, record.config, cfg.model, cfg.revision,
-                              cfg.encoder_files)
-
-
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True,
-                 progress: bool | None = None) -> PreparedData:
-    """Scan ``cfg.data`` and, with ``encode``, fill the cache through the encoders of ``cfg.model`` or the slab's
-    source, for the slab's model record ``model`` (family and config; what ``squareq cache`` runs on its own). A family
-    SquareQ cannot train has no encoders, which ``open_encoders`` says. ``progress``: the fill's bar on stderr
-    (default: when stderr is a terminal)."""
+                 progress: bool | None = None, encoder_source: EncoderSource | None = None) -> PreparedData:
+    """Scan ``cfg.data`` and, with ``encode``, fill the cache through ``encoder_source`` (a run's plan resolved it;
+    default: the encoders of ``cfg.model`` or the slab's source, with ``cfg``'s single files), for the slab's model
+    record ``model`` (family and config; what ``squareq cache`` runs on its own). A family SquareQ cannot train has no
+    encoders, which ``open_encoders`` says. ``progress``: the fill's bar on stderr (default: when stderr is a
+    terminal)."""
     dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
     held = None
     if cfg.validation_data:
@@ -105,8 +99,10 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
+        if encoder_source is None:  # squareq cache, and the callers without a run's plan
+            encoder_source = slab_encoders(model, cfg.model, cfg.revision, cfg.encoder_files)
         run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget")
-        with open_encoders(run_encoders(cfg, model), device, model.family, FrozenDict(model.config), run,
+        with open_encoders(encoder_source, device, model.family, FrozenDict(model.config), run,
                            encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
             if encoders.placement is not None:
                 echo(encoders.placement.describe())
@@ -141,9 +137,9 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
     terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per caption and the
     flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
-    digests = [file_digest(item.path) for item in items]
+    digests = [file_sha256(item.path) for item in items]
     masks = masks or [None] * len(items)
-    marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_digest(m)) for m in masks]
+    marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_sha256(m)) for m in masks]
     image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
                   for digest, bucket, mark in zip(digests, item_buckets, marks, strict=True)]
     flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped", *marks[i])

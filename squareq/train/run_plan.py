@@ -18,12 +18,11 @@ from ..models import ADAPTERS
 from ..runtime.block_compile import resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..slab import open_slab
-from ..sources.encoder_source import EncoderSource
-from ..sources.pipeline_encoders import training_objective
-from .checkpoint import checkpoint_config, latest_checkpoint
+from ..sources.encoder_source import EncoderSource, slab_encoders
+from .checkpoint import checkpoint_config, resume_path
 from .config import TrainConfig
 from .errors import TrainError
-from .prepare import run_encoders
+from .objective import training_objective
 from .run_samples import check_sampling
 
 log = logging.getLogger("squareq.train")
@@ -80,7 +79,7 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
     formats = save_formats(cfg, family)
     started = time.time()
     recipe = ADAPTERS[family].recipe
-    encoder_source = run_encoders(cfg, slab.manifest.model)
+    encoder_source = slab_encoders(slab.manifest.model, cfg.model, cfg.revision, cfg.encoder_files)
     sample_stages = check_sampling(cfg, family, encoder_source)
     objective = training_objective(encoder_source, family)
     if objective != "flow" and (cfg.loss_weighting != "none" or cfg.timestep_sampling == "flux_shift"):
@@ -149,7 +148,7 @@ def save_formats(cfg: TrainConfig, family: str) -> list[str]:
     """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file and, for FLUX.1, the kohya
     file whose ``.alpha`` tensors carry the strength to ComfyUI. Refused before training where a layout cannot
     hold this family's LoRA."""
-    if cfg.lora_type != "lora":  # config.py refused any other format for them
+    if cfg.lora_type != "lora":  # config_values.py refused any other format for them
         return ["peft"]
     formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" and not cfg.use_dora else ["diffusers"])
     if "kohya" in formats and family != "flux":
@@ -159,13 +158,6 @@ def save_formats(cfg: TrainConfig, family: str) -> list[str]:
         raise TrainError(f"save_format = {','.join(formats)} with use_dora: the kohya/ComfyUI layout has no DoRA that "
                          "kohya and ComfyUI read alike; use --save-format diffusers.")
     return formats
-
-
-def resume_path(cfg: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint ``resume`` names (``latest``: the newest in ``out``, None before the first), or None."""
-    if not cfg.resume:
-        return None
-    return latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
 
 
 def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:

@@ -27,9 +27,8 @@ from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import (
     EncoderError,
     EncoderSource,
-    encoder_source_for,
     pipeline_folder,
-    recorded_encoders,
+    slab_encoders,
     whole_pipeline_folder,
 )
 from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
@@ -213,7 +212,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         raise SampleError(f"--prompt: {exc}") from None
     check_prompts(family, settled)
     record = s.manifest.model
-    encoders = encoder_source_for(recorded_encoders(record), family, record.config, model, revision, files)
+    encoders = slab_encoders(record, model, revision, files)
     draw = _drawer(slab, family, encoders, stages or {})
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":

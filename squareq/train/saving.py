@@ -22,6 +22,7 @@ from .checkpoint import (
     load_checkpoint,
     prune_checkpoints,
     remove_checkpoint_debris,
+    resume_path,
     save_checkpoint,
 )
 from .config import MAX_TITLE_BYTES, TrainConfig
@@ -38,7 +39,6 @@ from .lora_files import (
 )
 from .lora_metadata import dataset_summary, lora_header
 from .optimizers import apply_new_hyperparameters
-from .run_plan import resume_path
 from .run_state import RunState
 from .sinks import METRICS_FILE, WANDB_RUN_ID, plot_losses, truncate_metrics
 from .validation import VALIDATION_FILE

@@ -209,8 +209,9 @@ class Stepper:
         self.updating = True  # an error from here on may leave the LoRA or the optimizer half-updated
         state.optimizer.step()
         # a step can turn finite gradients into non-finite or exploded weights (a learning rate far too large): stop
-        # before anything of it is saved, so every checkpoint on disk stays a good one
-        largest = max(float(p.detach().abs().max()) for p in params)
+        # before anything of it is saved, so every checkpoint on disk stays a good one. One device-to-host copy for
+        # all parameters, not one each; torch's max keeps a NaN wherever it is (Python's max() drops a later one)
+        largest = torch.stack([p.detach().abs().amax().float() for p in params]).max().item()
         if not largest <= DIVERGED_WEIGHT:
             last = latest_checkpoint(self.out)
             where = f"the last good checkpoint is {last}" if last else "no checkpoint was written"

@@ -17,10 +17,8 @@ from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
 from ..text_models import save_text_model
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+# the torch reference dequantizer (conftest.py), for the module fixtures too
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +131,7 @@ def damaged_report(request, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp(request.param)
     opts = dict(DAMAGED[request.param])
     slab = _write(tmp_path, f"{request.param}.slab", opts.pop("spec"), **opts)
-    with pytest.MonkeyPatch.context() as patch:  # set up before the function-scoped torch_kernels fixture
-        patch.setenv("SQUAREQ_KERNELS", "torch")
-        result, report, junit = _accept(slab, tmp_path)
+    result, report, junit = _accept(slab, tmp_path)
     return request.param, result, json.loads(report.read_text()), junit
 
 
@@ -298,7 +294,7 @@ def test_another_family_is_gated_on_convergence_with_its_own_objective(tmp_path)
     from squareq.compiler import CompileOptions, compile_slab
     from squareq.sources import open_source
 
-    from squareq.train.calibration_images import calibration_images
+    from squareq.compiler.calibration_images import calibration_images
 
     slab = tmp_path / "sd3.slab"
     source = open_source("tiny-sd3")

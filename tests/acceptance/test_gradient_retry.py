@@ -9,10 +9,7 @@ from squareq.slab import open_slab
 from squareq.sources import open_source
 from squareq.train.tiny_dataset import write_tiny_dataset
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def _gate(tiny_slab, tmp_path, monkeypatch, retry: bool):

@@ -14,6 +14,8 @@ from squareq.sources import open_source
 from squareq.train.config import load_config
 from squareq.train.prepare import prepare_data
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):

@@ -1,5 +1,6 @@
 """End to end: `squareq compile` on the tiny model, its BFL twin and a small transformers encoder."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from squareq.slab.writer import block_linears
 from squareq.sources import open_source
 
 from ..text_models import save_text_model
+
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 FAST = dict(rounding="nearest", calib_samples=4, max_rows=128, effect_probes=4)
 
@@ -66,6 +69,11 @@ def test_off_a_terminal_the_compile_prints_a_line_per_block_and_no_bar(size_comp
     assert sum(": done in " in line for line in output.splitlines()) == len(blocks)
     layer = f"{blocks[0]}: {blocks[0]}."  # a layer's own line would bury a log
     assert layer not in output and "\r" not in output and "\033[K" not in output and "block/s" not in output
+    # the effects pass too: a line per block forward, then per block backward (last block first), each with its ETA
+    effects = [line.split(" ")[3:5] for line in output.splitlines() if ": effects " in line and "(ETA " in line]
+    assert effects == [[f"{path}:", "effects"] for path in blocks + blocks[::-1]], effects
+    written = [line.split(" ")[3] for line in output.splitlines() if line.endswith(")") and ": writing (ETA " in line]
+    assert written == [f"{path}:" for path in blocks]  # and the slab's write, a line per block
 
 
 def test_on_a_terminal_each_pass_over_the_blocks_is_a_tqdm_bar_with_the_messages_above_it(tmp_path, fast, capsys):
@@ -78,6 +86,11 @@ def test_on_a_terminal_each_pass_over_the_blocks_is_a_tqdm_bar_with_the_messages
     assert f"block {n}/{n} {source.block_paths[-1]}: calibrating and searching" in bar  # the block and its phase
     assert f"block 1/{n} {source.block_paths[0]}: {source.block_paths[0]}." in bar  # and the layer being searched
     assert not any("calibrating and searching" in line for line in lines)  # on the bar, not a line of its own
+    # the effects pass has its bar too: a unit per block forward and per block backward, each named on the bar
+    assert "effects: 100%" in bar and f"{2 * n}/{2 * n} [" in bar
+    assert f"block 1/{n} {source.block_paths[0]}: effects backward" in bar
+    assert "write: 100%" in bar and f"block {n}/{n} {source.block_paths[-1]}: writing" in bar
+    assert not any(": effects " in line or ": writing" in line for line in lines)
     assert sum(": done in " in line for line in lines) == n and any(line.startswith("plan: ") for line in lines)
 
 
@@ -125,9 +138,8 @@ def test_impossible_budget_states_the_minimum(tmp_path, fast):
     assert not state_folder(out).exists()
 
 
-def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, fast):
-    size = tmp_path / "size.slab"
-    compile_slab(open_source("tiny-flux"), size, CompileOptions(budget=2_000_000, **fast))
+def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, fast, whole_and_killed):
+    size = whole_and_killed[0]  # compiled with the size objective, the same options and 2 MB
     base = {layer["name"]: layer for layer in manifest(size)["layers"]}
     budget = int(1.25 * sum(p.stat().st_size for p in size.iterdir()))
     out = tmp_path / "quality.slab"
@@ -141,10 +153,14 @@ def test_quality_objective_spends_the_budget_without_raising_errors(tmp_path, fa
     assert m["calibration"]["measured_output_rel_mse"] < manifest(size)["calibration"]["measured_output_rel_mse"]
 
 
-def _whole_and_killed(tmp_path, monkeypatch, fast):
-    """(an uninterrupted slab, the output of a compile killed at its third block, the options, the real _measure)."""
-    opts = CompileOptions(budget=2_000_000, **fast)
-    whole = tmp_path / "whole.slab"
+@pytest.fixture(scope="module")
+def whole_and_killed(tmp_path_factory, tiny_flux_images):
+    """Compiled once for the file's resume tests and the quality objective (read-only; each test copies the state):
+    tiny-flux at 2 MB with the fast options, uninterrupted, and the state folder of the same compile killed at its
+    third block."""
+    opts = CompileOptions(budget=2_000_000, **FAST, calib_images=tiny_flux_images)
+    folder = tmp_path_factory.mktemp("whole_and_killed")
+    whole = folder / "whole.slab"
     compile_slab(open_source("tiny-flux"), whole, opts)
     original = CalibrationPass._measure
 
@@ -153,17 +169,29 @@ def _whole_and_killed(tmp_path, monkeypatch, fast):
             raise KeyboardInterrupt
         return original(self, index, *args)
 
-    monkeypatch.setattr(CalibrationPass, "_measure", dies_at_third_block)
+    killed = folder / "killed.slab"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CalibrationPass, "_measure", dies_at_third_block)
+        with pytest.raises(KeyboardInterrupt):
+            compile_slab(open_source("tiny-flux"), killed, opts)
+    assert not killed.exists()
+    return whole, state_folder(killed)
+
+
+def _whole_and_killed(tmp_path, whole_and_killed, fast):
+    """(the uninterrupted slab, an output whose compile was killed at its third block, the options, the real
+    _measure): the killed compile's state copied beside ``tmp_path / "resumed.slab"``."""
+    whole, killed_state = whole_and_killed
     out = tmp_path / "resumed.slab"
-    with pytest.raises(KeyboardInterrupt):
-        compile_slab(open_source("tiny-flux"), out, opts)
-    return whole, out, opts, original
+    shutil.copytree(killed_state, state_folder(out))
+    return whole, out, CompileOptions(budget=2_000_000, **fast), CalibrationPass._measure
 
 
-def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast):
-    whole, out, opts, original = _whole_and_killed(tmp_path, monkeypatch, fast)
+def test_resume_after_a_kill_is_byte_identical(tmp_path, monkeypatch, fast, whole_and_killed):
+    whole, out, opts, original = _whole_and_killed(tmp_path, whole_and_killed, fast)
     assert not out.exists() and sorted(p.name for p in state_folder(out).glob("block.*.json")) == [
         "block.0.json", "block.1.json"]
+    monkeypatch.setattr(CalibrationPass, "_measure", lambda self, index, *args: pytest.fail("measured"))
     with pytest.raises(Exception, match="--resume"):
         compile_slab(open_source("tiny-flux"), out, opts)
     monkeypatch.setattr(CalibrationPass, "_measure", original)
@@ -182,10 +210,10 @@ def _flip_a_tensor_byte(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["tensor bytes", "record", "none"])
-def test_resume_measures_a_damaged_state_block_again(tmp_path, monkeypatch, fast, damage):
+def test_resume_measures_a_damaged_state_block_again(tmp_path, monkeypatch, fast, damage, whole_and_killed):
     """Issue 40, item 1: state bytes changed after they were written are measured again, never built into the slab
     (its own hashes would then match the damage); the undamaged state is reused (the positive control)."""
-    whole, out, _, original = _whole_and_killed(tmp_path, monkeypatch, fast)
+    whole, out, _, original = _whole_and_killed(tmp_path, whole_and_killed, fast)
     calls = []
     state = state_folder(out)
     if damage == "tensor bytes":

@@ -96,14 +96,14 @@ def test_a_tight_host_budget_spills_and_builds_the_same_slab_on_cuda(tmp_path, t
     """On CUDA, at the tightest VRAM budget (recorded and effect inputs off the GPU) and the tightest host budget
     (both spilled to the state folder through the pinned staging buffer): the same slab bytes and rungs as with
     everything on the GPU, and as with them in pinned host memory."""
-    from squareq.compiler import chunks, compile_setup, host_budget, spill
+    from squareq.compiler import chunks, compile_setup, host_plan, spill
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 1)  # one sample per chunk: the joins and the row reads run
     # a 4 KB staging buffer and checksum segment: tiny-flux's waiting tensors (KBs) then cost more than it, so the
     # plan spills them, and each goes through the staging buffer in many pieces
     monkeypatch.setattr(spill, "SEGMENT", 4096)
-    monkeypatch.setattr(host_budget, "SEGMENT", 4096)
+    monkeypatch.setattr(host_plan, "SEGMENT", 4096)
     vram_plans, host_plans = [], []
     real_vram, real_host = compile_setup.plan_vram, compile_setup.plan_host
     monkeypatch.setattr(compile_setup, "plan_vram",

@@ -12,6 +12,8 @@ from squareq.models.skeleton import build_meta
 from squareq.sources import Source, open_source
 from squareq.sources.tensors import Tensors
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 # FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json)
 FLUX1_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                  num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,

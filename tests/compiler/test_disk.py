@@ -14,6 +14,8 @@ from squareq.compiler.ladder import rung_specs
 from squareq.compiler.state import CompileState
 from squareq.sources import open_source
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 OPTS = dict(budget=2_000_000, rounding="nearest", calib_samples=8, max_rows=128, effect_probes=2, formats="W4,bf16")
 
 

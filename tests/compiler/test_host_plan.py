@@ -24,6 +24,8 @@ from squareq.sources import open_source
 
 from .test_vram import _minimum_from, error_lines, tiny_compile_args
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 # two rungs, one quantized: the effects pass dequantizes each candidate per replayed chunk (Triton's interpreter on CI)
 OPTS = dict(budget=2_000_000, rounding="nearest", calib_samples=8, max_rows=128, effect_probes=2, formats="W4,bf16")
 

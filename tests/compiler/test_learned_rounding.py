@@ -12,6 +12,8 @@ from squareq.slab import open_slab
 
 from .test_rotation import layer_stats
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 W = torch.randn(32, 128, generator=torch.Generator().manual_seed(5))
 
 

@@ -21,10 +21,8 @@ from squareq.sources import open_source
 from ..sources.test_base_prefix import _bert, _llama
 from ..text_models import save_text_model
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+# the torch reference dequantizer (conftest.py), for the module fixtures too
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 
 @pytest.mark.parametrize("spec", [

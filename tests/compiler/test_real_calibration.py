@@ -13,10 +13,12 @@ from squareq.models import write_tiny_flux_pipeline
 from squareq.models.builtin_data import PHOTOGRAPHS, builtin_photos
 from squareq.models.calibration_set import image_batch
 from squareq.sources import open_source
-from squareq.train.calibration_images import calibration_images
+from squareq.compiler.calibration_images import calibration_images
 from squareq.train.data import load_image
 
 from ..models.tiny_folders import write_pipeline
+
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 FOLDERS = {"flux": lambda root: write_tiny_flux_pipeline(root / "flux", seed=0),
            "flux2": lambda root: write_pipeline("tiny-flux2", root / "flux2"),

@@ -10,6 +10,8 @@ from squareq.compiler import CompileOptions, Thresholds, compile_slab, layer_sea
 from squareq.slab import SlabError
 from squareq.sources import open_source
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 ARGS = ["--budget", "2MB", "--calib-samples", "8", "--calib-resolution", "64", "--rounding", "nearest"]
 
 

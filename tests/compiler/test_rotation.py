@@ -16,6 +16,8 @@ from squareq.sources import open_source
 
 from ..runtime.harness import assert_same, inputs, step, with_lora
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 K, N, TOKENS, SAMPLES, HELD = 128, 32, 64, 8, (1, 4)
 
 
@@ -79,11 +81,15 @@ def _stats_of_width(w):
     return col.stats["b.0"]
 
 
-def test_a_compiled_slab_with_rotated_layers_runs_like_its_dequantized_weights(tmp_path, tiny_flux, tiny_flux_images):
+@pytest.mark.triton
+def test_a_compiled_slab_with_rotated_layers_runs_like_its_dequantized_weights(tmp_path, tiny_flux, tiny_flux_images,
+                                                                               monkeypatch):
     """tiny-flux compiled end to end: the search keeps rotation for some layers, the manifest and inspect say so, and
     the runtime's output (streamed, through the Triton interpreter's kernels when set, LoRA attached) is the source
     model's with every quantized weight replaced by its dequantization."""
     from squareq.slab.summary import format_summary, summarize
+
+    monkeypatch.delenv("SQUAREQ_KERNELS", raising=False)  # the kernels themselves, rotation's butterfly included
 
     out = tmp_path / "rot.slab"
     compile_slab(open_source("tiny-flux"), out, CompileOptions(

@@ -19,6 +19,8 @@ from squareq.models import BUILTIN_MODELS
 from squareq.sizes import parse_size
 from squareq.sources import open_source
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 def _probe(name: str, samples: int = 4, chunk_bytes: int = chunks_mod.CHUNK_BYTES):
     source = open_source(name)

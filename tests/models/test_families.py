@@ -15,10 +15,8 @@ from ..text_models import save_text_model
 
 FAMILIES = sorted(BUILTIN_MODELS)
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+# the torch reference dequantizer (conftest.py), for the module fixtures too
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +33,7 @@ def slabs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_calibrates_on_the_built_in_photographs_through_its_own_encoders(name, tmp_path):
-    from squareq.train.calibration_images import calibration_images
+    from squareq.compiler.calibration_images import calibration_images
 
     source = open_source(name)
     images = calibration_images(source, resolution=64, max_sequence_length=16)

@@ -22,10 +22,8 @@ from squareq.train.tiny_dataset import write_tiny_dataset
 
 FAMILIES = sorted(n for n in BUILTIN_MODELS if n != "tiny-flux")  # tiny-flux: tests/train/test_loop.py
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+# the torch reference dequantizer (conftest.py), for the module fixtures too
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +254,7 @@ def test_wuerstchen_from_a_pipeline_folder_is_refused_for_its_missing_image_enco
 
 
 def test_only_the_unet_families_read_the_scheduler_s_prediction_type(tmp_path):
-    from squareq.sources.pipeline_encoders import training_objective
+    from squareq.train.objective import training_objective
 
     (tmp_path / "scheduler").mkdir()
     (tmp_path / "model_index.json").write_text("{}")

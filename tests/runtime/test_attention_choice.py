@@ -10,6 +10,8 @@ from squareq.runtime.attention_choice import AttentionModeError, head_dim, resol
 
 from .harness import inputs, step, with_lora
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 CUDNN = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
 
 

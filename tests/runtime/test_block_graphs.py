@@ -19,9 +19,7 @@ from .harness import assert_same, inputs, train_steps, with_lora
 STEPS = WARMUP + 3  # eager runs, the captures, then a step of replays only
 
 
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def rerun(body, pool, stream):

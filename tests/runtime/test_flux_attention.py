@@ -9,6 +9,8 @@ from squareq.models.tiny import build_tiny_flux, tiny_flux_inputs
 from squareq.runtime import flux_attention
 from squareq.runtime.flux_attention import FusedFluxAttnProcessor, install_fused_attention
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 def _bf16_model():
     return build_tiny_flux(seed=3, dtype=torch.bfloat16)

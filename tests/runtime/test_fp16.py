@@ -1,4 +1,4 @@
-"""fp16 runs (runtime.load(dtype="fp16"), for GPUs without bf16): streamed equals resident bit for bit, the base layers
+"""fp16 runs (LoadOptions(dtype="fp16"), for GPUs without bf16): streamed equals resident bit for bit, the base layers
 really compute in fp16, a step stays close to the bf16 one, and the type is settled and refused where it cannot run."""
 import pytest
 import torch
@@ -10,10 +10,7 @@ from squareq.runtime.compute import ComputeError, resolve_dtype
 
 from .harness import assert_same, inputs, step, with_lora
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def _run(slab, dtype, stream, k=2):

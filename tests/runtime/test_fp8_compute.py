@@ -1,4 +1,4 @@
-"""FP8 compute (runtime.load(compute=...)): streamed equals resident within the mode, the forward really runs
+"""FP8 compute (LoadOptions(compute=...)): streamed equals resident within the mode, the forward really runs
 through torch._scaled_mm, it stays close to bf16, and the mode is settled and refused where it cannot run."""
 import pytest
 import torch
@@ -9,11 +9,7 @@ from squareq.runtime.compute import ComputeError, resolve_compute
 
 from .harness import assert_same, inputs, step, with_lora
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    """The torch reference for the operands (tests/kernels checks the Triton kernels equal it)."""
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def _run(slab, compute, stream, k=2):

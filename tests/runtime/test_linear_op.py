@@ -13,9 +13,7 @@ N, K = 48, 128
 SPECS = [QuantSpec(bits=4), QuantSpec(bits=6, smooth=True), QuantSpec(bits=8), QuantSpec(bits=16)]
 
 
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def _layer(spec: QuantSpec, seed: int = 0) -> QuantLinear:

@@ -8,6 +8,8 @@ import torch
 
 from squareq import runtime
 from squareq.runtime import load_options
+from squareq.runtime.attention_choice import AttentionModeError
+from squareq.runtime.compute import ComputeError
 from squareq.quant import QuantSpec
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
 
@@ -139,8 +141,25 @@ def test_load_rejects_bad_arguments(tiny_slab):
         runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(cuda_graphs=True))
 
 
-def _old_keyword_warnings(caught) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+@pytest.mark.parametrize("field, bad, error, sentence", [
+    ("compute", "fp4", ComputeError, r"compute='fp4': choose one of bf16, fp8, auto\."),
+    ("attention", "flash", AttentionModeError, r"attention='flash': choose one of auto, cudnn, default\."),
+    ("dtype", "fp32", ComputeError, r"dtype='fp32': choose one of bf16, fp16, auto\."),
+    ("verify", "sometimes", ValueError, r"verify='sometimes' must be one of \('eager', 'lazy', 'off'\) or a bool\."),
+])
+def test_load_options_refuse_a_value_that_does_not_exist_when_made(tiny_slab, field, bad, error, sentence):
+    """Issue 59: each field with a fixed set of values is refused when the LoadOptions is made, with the error and
+    sentence load gave for it before (the check moved, it is not a second one)."""
+    with pytest.raises(error, match=sentence):
+        runtime.LoadOptions(**{field: bad})
+    with pytest.raises(error, match=sentence):  # the old keyword reaches the same refusal
+        runtime.load(tiny_slab, "cpu", **{field: bad})
+    good = {"compute": "auto", "attention": "default", "dtype": "auto", "verify": False}[field]
+    assert getattr(runtime.LoadOptions(**{field: good}), field) == good  # negative control: a real value is kept
+
+
+def _old_argument_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)
             and "LoadOptions" in str(w.message)]
 
 
@@ -149,14 +168,14 @@ def test_load_options_and_the_old_keywords_build_the_same_model(tiny_slab, monke
     the ring, the host, the attention processor and the output."""
     from .harness import inputs
 
-    monkeypatch.setattr(load_options, "_keywords_warned", False)
+    monkeypatch.setattr(load_options, "_old_arguments_warned", False)
     options = runtime.LoadOptions(prefetch=3, host="pinned", fused_attention=False, verify="lazy")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         new = runtime.load(tiny_slab, "cpu", options=options)
-        assert not _old_keyword_warnings(caught)  # the new way warns of nothing
+        assert not _old_argument_warnings(caught)  # the new way warns of nothing
         old = runtime.load(tiny_slab, "cpu", prefetch=3, host="pinned", fused_attention=False, verify="lazy")
-    assert len(_old_keyword_warnings(caught)) == 1
+    assert len(_old_argument_warnings(caught)) == 1
     rn, ro = runtime.runtime_of(new), runtime.runtime_of(old)
     assert len(rn.streamer.slots) == len(ro.streamer.slots) == 3 and rn.host == ro.host == "pinned"
     assert type(new.transformer_blocks[0].attn.processor) is type(old.transformer_blocks[0].attn.processor)
@@ -168,26 +187,53 @@ def test_load_options_and_the_old_keywords_build_the_same_model(tiny_slab, monke
 
 
 def test_the_old_keywords_warn_once_per_process_and_still_work(tiny_slab, monkeypatch):
-    """pyproject ignores DeprecationWarning, so the warnings are recorded here with "always": what keeps the second
-    call quiet is load's own once-flag (reset first, since an earlier test may have used the keywords)."""
-    monkeypatch.setattr(load_options, "_keywords_warned", False)
+    """A FutureWarning, which Python shows users by default (a DeprecationWarning is hidden unless raised from
+    __main__). pyproject ignores FutureWarning in the suite, so the warnings are recorded here with "always": what
+    keeps the second call quiet is load's own once-flag (reset first, since an earlier test may have used them)."""
+    monkeypatch.setattr(load_options, "_old_arguments_warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resident = runtime.load(tiny_slab, "cpu", stream=False)
         streamed = runtime.load(tiny_slab, "cpu", prefetch=1)
-    said = _old_keyword_warnings(caught)
+    said = _old_argument_warnings(caught)
     assert len(said) == 1 and "options=LoadOptions(...)" in said[0] and "stream" in said[0], said
     assert [w.filename for w in caught if "LoadOptions" in str(w.message)] == [__file__]  # points at the caller
+    assert not any(issubclass(w.category, DeprecationWarning) for w in caught)  # not the hidden kind any more
     assert not runtime.runtime_of(resident).streamed and len(runtime.runtime_of(streamed).streamer.slots) == 1
     # negative control: with the flag reset, the next call with the old keywords warns again
-    monkeypatch.setattr(load_options, "_keywords_warned", False)
-    with pytest.warns(DeprecationWarning, match="LoadOptions"):
+    monkeypatch.setattr(load_options, "_old_arguments_warned", False)
+    with pytest.warns(FutureWarning, match="LoadOptions"):
         runtime.load(tiny_slab, "cpu", stream=False)
+
+
+def test_old_positional_options_are_mapped_in_load_s_old_order(tiny_slab, monkeypatch):
+    """At 43312c4 load's options could be passed by position after the device (load(slab, dev, 3)); for one release
+    they map to the old order, with the same warning."""
+    monkeypatch.setattr(load_options, "_old_arguments_warned", False)
+    with pytest.warns(FutureWarning, match=r"positional options \(prefetch, host, stream\).*LoadOptions") as caught:
+        streamed = runtime.runtime_of(runtime.load(tiny_slab, "cpu", 3, "pinned", True))
+    assert [w.filename for w in caught if "LoadOptions" in str(w.message)] == [__file__]
+    assert streamed.streamed and len(streamed.streamer.slots) == 3 and streamed.host == "pinned"
+    # all eleven, attention and dtype last (each a non-default whose reason shows it arrived)
+    every = runtime.runtime_of(runtime.load(tiny_slab, "cpu", 1, "pinned", False, "lazy", None, "bf16", False, True,
+                                            False, "default", "auto"))
+    assert not every.streamed and every.dtype_reason == "cpu computes bf16" and "as asked" in every.attention_reason
+    # positional and keywords mix as they did
+    mixed = runtime.load(tiny_slab, "cpu", 2, "pinned", fused_attention=False)
+    assert len(runtime.runtime_of(mixed).streamer.slots) == 2
+    assert type(mixed.transformer_blocks[0].attn.processor).__name__ != "FusedFluxAttnProcessor"
+    # negative controls: a twelfth, an option given twice, and a LoadOptions by position are refused
+    with pytest.raises(TypeError, match="from 1 to 13 positional arguments but 14 were given"):
+        runtime.load(tiny_slab, "cpu", 1, "pinned", True, "lazy", None, "bf16", False, True, False, "auto", "bf16", 0)
+    with pytest.raises(TypeError, match="multiple values for argument 'prefetch'"):
+        runtime.load(tiny_slab, "cpu", 3, prefetch=3)
 
 
 def test_old_keywords_beside_options_and_unknown_keywords_are_refused(tiny_slab):
     with pytest.raises(TypeError, match=r"options=LoadOptions\(...\) or the old keywords \(prefetch\), not both"):
         runtime.load(tiny_slab, "cpu", options=runtime.LoadOptions(), prefetch=3)
+    with pytest.raises(TypeError, match=r"options=LoadOptions\(...\) or the old keywords \(prefetch\), not both"):
+        runtime.load(tiny_slab, "cpu", 3, options=runtime.LoadOptions())
     with pytest.raises(TypeError, match="unexpected keyword argument 'prefech'"):
         runtime.load(tiny_slab, "cpu", prefech=3)
     with pytest.raises(TypeError, match="positional"):

@@ -7,6 +7,8 @@ from squareq.runtime.residency import MAX_SLOTS, BlockTimes, StreamTuner, forwar
 
 from .harness import assert_same, inputs, step, with_lora
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 MB = 1 << 20
 
 

@@ -19,9 +19,7 @@ from ..text_models import save_text_model
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def _bert():

@@ -19,6 +19,8 @@ from squareq.sources.encoders import open_encoders
 
 from ..models.tiny_folders import write_pipeline
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 CAPTIONS = ["a red square on a grey floor", "two blue circles", "", "sks, studio portrait"]
 TOKENS, PIXELS = 16, 64 * 64
 STREAM_HANDLE = "_squareq_module_stream"

@@ -16,10 +16,8 @@ from squareq.train.lora_reader import load_lora
 from squareq.train.errors import TrainError
 from squareq.train.loop import train
 
-
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")  # the Triton kernel is tested on its own; this keeps CI fast
+# the torch reference dequantizer (conftest.py), for the module fixtures too
+pytestmark = pytest.mark.usefixtures("torch_kernels")
 
 
 @pytest.fixture(scope="module")
@@ -1293,7 +1291,8 @@ def test_flip_aug_caches_flipped_latents_and_trains_on_them_half_the_time(worksp
     from squareq.train.data import entry_buckets, load_image
     from squareq.sources.encoders import open_encoders
     from squareq.train.feed import CacheFeed
-    from squareq.train.prepare import prepare_data, run_encoders
+    from squareq.sources.encoder_source import slab_encoders
+    from squareq.train.prepare import prepare_data
 
     from squareq.train.tiny_dataset import write_tiny_dataset
 
@@ -1308,8 +1307,8 @@ def test_flip_aug_caches_flipped_latents_and_trains_on_them_half_the_time(worksp
     # each flipped entry is the flipped image through the VAE (a symmetric image's equals the original's)
     buckets = entry_buckets(data.dataset, data.buckets, cfg.no_upscale)
     differs = 0
-    with open_encoders(run_encoders(cfg, model), torch.device("cpu"), model.family, FrozenDict(model.config)) \
-            as encoders:
+    source = slab_encoders(model, cfg.model, cfg.revision, cfg.encoder_files)
+    with open_encoders(source, torch.device("cpu"), model.family, FrozenDict(model.config)) as encoders:
         for i, item in enumerate(data.dataset.training_items):
             original = data.cache.load("latents", image_keys[i])["latents"]
             flipped = data.cache.load("latents", flipped_keys[i])["latents"]

@@ -28,9 +28,7 @@ DOUBLE_ONLY = tuple(f"transformer_blocks.{i}.{n}" for i in range(TINY_FLUX_CONFI
                     for n in ALL_LINEARS if n not in ("norm.linear", "proj_mlp", "proj_out"))
 
 
-@pytest.fixture(autouse=True)
-def torch_kernels(monkeypatch):
-    monkeypatch.setenv("SQUAREQ_KERNELS", "torch")
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
 
 
 def inputs():

@@ -11,6 +11,8 @@ from squareq.train.config import ConfigError, load_config
 from squareq.train.masks import ALPHA, latent_mask, load_mask
 from squareq.train.objective import denoising_loss
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 @pytest.fixture
 def slab(tiny_slab):

@@ -9,6 +9,8 @@ from squareq.train.config import ConfigError, load_config
 from squareq.train.prompt_options import PromptError, SamplePrompt, parse_prompt, read_prompt_file
 from squareq.train.sample import SampleError, sample_images
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 def test_a_prompts_options_are_read_as_kohya_writes_them():
     p = parse_prompt("a red fox, in the snow --w 768 --h 1024 --s 28 --g 4.5 --d 7 --n blurry, dark --l 3")

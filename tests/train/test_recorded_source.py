@@ -24,6 +24,8 @@ from squareq.train.tiny_dataset import write_tiny_dataset
 
 from .test_lora_files import one_sentence_naming
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 FAST = dict(rounding="nearest", calib_samples=4, max_rows=128, effect_probes=4)
 
 

@@ -10,6 +10,8 @@ from squareq.train.config import ConfigError, load_config
 from squareq.train.data import scan_dataset, with_regularisation
 from squareq.train.loop import train
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 def _folder(root, images):
     root.mkdir(parents=True)

@@ -47,7 +47,7 @@ def host_memory() -> tuple[int, int] | None:
 
 
 def available_memory() -> int | None:
-    """Bytes the machine can still give (devices.host_memory), or None where the system does not say."""
+    """Bytes the machine can still give (:func:`host_memory`'s first figure), or None where the system does not say."""
     memory = host_memory()
     return memory[0] if memory is not None else None
 

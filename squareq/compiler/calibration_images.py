@@ -1,8 +1,9 @@
 """Calibration images for `squareq compile`: the user's captioned images, or the built-in photographs, encoded by the
 model family's own VAE and text encoders exactly as the trainer's cache encodes them.
 
-The compiler cannot run a VAE or a text encoder itself (they live here, with the trainer), so the CLI calls
-:func:`calibration_images` and hands the result to ``compile_slab`` (``CompileOptions.calib_images``). The images are
+``compile_slab`` takes the images already encoded (``CompileOptions.calib_images``): the CLI calls
+:func:`calibration_images` and hands its result over, so the compile itself never holds a VAE or text encoder
+(squareq/sources opens them; the images are read as train/data.py reads a dataset). The images are
 the trainer's layouts (``--calib-data DIR``: images with same-name ``.txt`` captions, or a ``metadata.jsonl``),
 center-cropped to one square ``resolution``; each caption goes through the text encoders at ``max_sequence_length``.
 """
@@ -18,7 +19,7 @@ from ..models.calibration_set import DEFAULT_CAPTION_TOKENS, CalibrationSet
 from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import EncoderSource
 from ..sources.encoders import EncoderError, open_encoders
-from .data import load_image, scan_dataset
+from ..train.data import load_image, scan_dataset
 
 # The calibration resolution: FLUX LoRAs are trained at 512-1024 px, and block statistics at 512 px (1024 image
 # tokens for FLUX.1) keep a 12B compile within its time budget (docs/compiler.md).
