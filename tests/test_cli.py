@@ -97,7 +97,7 @@ def test_third_party_warnings_are_quiet_unless_verbose(verbose, caplog, monkeypa
     import logging
     import warnings
 
-    from squareq.cli.group import THIRD_PARTIES, quiet_third_parties
+    from squareq.third_party import THIRD_PARTIES, quiet_third_parties
 
     for var in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):
         monkeypatch.delenv(var, raising=False)
