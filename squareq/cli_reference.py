@@ -7,12 +7,15 @@ from __future__ import annotations
 import click
 
 from .cli import main
+from .cli.train_help import FULL_HELP
 
 
 def render() -> str:
-    """Markdown with the ``--help`` text of the group and of every command."""
+    """Markdown with the ``--help`` text of the group and of every command (`squareq train`'s with each option's
+    help in full, where its --help shows one line each)."""
     # A fixed width keeps the output identical on every terminal and in CI.
     ctx = click.Context(main, info_name="squareq", terminal_width=88, max_content_width=88, **main.context_settings)
+    ctx.meta[FULL_HELP] = True
     parts = [
         "# CLI reference",
         "",

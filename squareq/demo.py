@@ -21,7 +21,7 @@ from .compiler.calibration_images import calibration_images
 from .devices import default_device
 from .extras import ACCEPT_MODULES, check_installed
 from .models import load_builtin
-from .progress import Progress
+from .progress import Progress, wanted
 from .slab import SlabError, open_slab
 from .slab.summary import summarize
 from .sources import open_source
@@ -60,21 +60,21 @@ def _prepare(folder: Path, overwrite: bool) -> None:
 def training_progress(steps: int, status: Callable[[str], None] | None,
                       shown: bool | None = None) -> Iterator[Callable[[int], None] | None]:
     """The demo's training on the shared bar (squareq/progress.py), drawn on a terminal or when ``shown``; else a
-    line at each quarter of the steps (``"      training: step 50/200"``) handed to ``status``. Yields what the
-    trainer calls after each step (None without ``status``: nothing is shown)."""
+    line at each quarter of the steps with the time left (``"      training: step 50/200, ETA 00:12"``) handed to
+    ``status``. Yields what the trainer calls after each step (None without ``status``: nothing is shown)."""
     if status is None:
         yield None
         return
     with Progress(steps, "train", "step", shown=shown, echo=status, every=max(1, steps // 4)) as bar:
-        yield lambda step: bar.advance(line=f"      training: step {step}/{steps}")
+        yield lambda step: bar.advance(line=lambda: f"      training: step {step}/{steps}, ETA {bar.eta()}")
 
 
 def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 200,
              echo: Callable[[str], None] = print, status: Callable[[str], None] | None = None,
              progress: bool | None = None) -> DemoResult:
-    """Run the demo into ``folder``; ``echo`` receives the progress and result lines. With ``status``, the training
-    shows how far it is (:func:`training_progress`): a bar on a terminal (or with ``progress``), else lines for
-    ``status``."""
+    """Run the demo into ``folder``; ``echo`` receives the progress and result lines. With ``status``, each phase
+    (compile, training, sample, each gate) shows how far it is on its own labelled bar on a terminal (or with
+    ``progress``); else the training alone, in lines for ``status`` (:func:`training_progress`)."""
     check_installed(("skimage", *ACCEPT_MODULES), "squareq demo")  # it calibrates on the photographs and accepts
     folder = Path(folder)
     _prepare(folder, overwrite)
@@ -89,7 +89,9 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
     source = open_source("tiny-flux")
     # the built-in photographs through tiny-flux's own toy VAE and text encoders, at the demo's small size
     images = calibration_images(source, resolution=DEMO_RESOLUTION, device=device)
-    manifest = compile_slab(source, slab_path, CompileOptions(budget=budget, device=device, calib_images=images))
+    shown = status is not None and wanted(progress)  # the bars of each phase; a log gets the five lines alone
+    manifest = compile_slab(source, slab_path, CompileOptions(budget=budget, device=device, calib_images=images),
+                            bar=shown)
     rungs: dict[str, int] = {}
     for layer in manifest.layers:
         label = layer.spec.short_label
@@ -118,7 +120,7 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
 
     start = time.perf_counter()
     image = sample_images(slab_path, [PROMPT], lora=lora_dir, resolution=RESOLUTION, steps=8,
-                          max_sequence_length=TOKENS, seed=0)[0]
+                          max_sequence_length=TOKENS, seed=0, progress=shown)[0]
     sample = folder / "sample.png"
     image.save(sample)
     echo(f"[4/5] sampled '{PROMPT}' with the LoRA in {time.perf_counter() - start:.1f} s "
@@ -128,7 +130,7 @@ def run_demo(folder: Path, budget: int, overwrite: bool = False, steps: int = 20
     # for the convergence gate to decide (docs/accept.md)
     training = ConvergenceSettings(steps=40, data=str(data), resolution=RESOLUTION, max_sequence_length=TOKENS, lr=5e-3)
     report = accept(AcceptOptions(slab=slab_path, model="tiny-flux", workdir=folder / "accept", training=training),
-                    echo=lambda line: None)
+                    echo=lambda line: None, progress=shown)
     report_path = folder / "accept.json"
     report.write_json(report_path)
     report.write_junit(folder / "accept.xml")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 
 # module -> (the PyPI package that provides it, the extra that installs it)
@@ -28,8 +29,19 @@ class MissingExtra(ImportError):
 def missing_sentence(module: str, what: str) -> str:
     """The sentence for ``what`` needing ``module`` (a key of :data:`PROVIDERS`, or a submodule of one)."""
     package, extra = PROVIDERS[module.split(".")[0]]
-    return (f"{what} needs {package}, which is not installed; install SquareQ's {extra} extra with: "
-            f"pip install 'squareq[{extra}]'")
+    return f"{what} needs {package}, which is not installed; install SquareQ's {extra} extra with: {pip_command(extra)}"
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def pip_command(extra: str, package_dir: Path = PACKAGE_DIR) -> str:
+    """The pip command that installs ``extra``: from the checkout (``pip install -e '.[extra]'``) when SquareQ runs
+    from a clone, whose package folder sits beside pyproject.toml and .git, else from PyPI."""
+    root = package_dir.parent
+    if (root / "pyproject.toml").is_file() and (root / ".git").exists():
+        return f"pip install -e '.[{extra}]'"
+    return f"pip install 'squareq[{extra}]'"
 
 
 def check_installed(modules: tuple[str, ...], what: str) -> None:

@@ -6,9 +6,10 @@ the command prints its own plain progress lines, each ``every``-th step and the 
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -29,7 +30,7 @@ class Progress:
 
     def __init__(self, total: int, desc: str, unit: str, shown: bool | None = None, echo: Echo = lambda line: None,
                  every: int = 0, initial: int = 0, leave: bool = True) -> None:
-        self.total, self.every, self.lines = total, every, echo
+        self.total, self.every, self.lines, self.desc, self.unit = total, every, echo, desc, unit
         self.n = self.initial = initial
         self.started = time.time()
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr,
@@ -41,31 +42,45 @@ class Progress:
 
     def above(self, echo: Echo) -> Echo:
         """``echo`` that prints above the live bar instead of through it (``echo`` itself when none is drawn)."""
-        bar = self.bar
-        if bar is None:
+        if self.bar is None:
             return echo
 
         def write(text: str) -> None:
-            with bar.external_write_mode():
+            with self.writing():
                 echo(text)
 
         return write
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A stretch in which others print (a "wrote FILE" line): the bar is cleared before and drawn again after."""
+        if self.bar is None:
+            yield
+        else:
+            with self.bar.external_write_mode():
+                yield
 
     def status(self, text: str) -> None:
         """What the task does now, as the bar's text; nothing without a bar (a line per change would bury a log)."""
         if self.bar is not None:
             self.bar.set_postfix_str(text)
 
-    def advance(self, n: int = 1, status: str | None = None, line: str | None = None) -> None:
+    def advance(self, n: int = 1, status: str | None = None, line: str | Callable[[], str] | None = None) -> None:
         """``n`` units further: the bar, with ``status`` as its text; without one, ``line`` goes to ``echo`` when it is
-        due (at each ``every``-th unit, and at the last)."""
-        self.n += n
+        due (at each ``every``-th unit, and at the last). A callable ``line`` is made then, after the count (so that
+        its :meth:`eta` counts this unit)."""
+        before, self.n = self.n, self.n + n
         if self.bar is not None:
             if status is not None:
                 self.bar.set_postfix_str(status, refresh=False)  # update draws it
             self.bar.update(n)
-        elif line is not None and self.every and (self.n % self.every == 0 or self.n == self.total):
-            self.lines(line)
+        elif line is not None and self.every and (self.n // self.every > before // self.every or
+                                                  before < self.total <= self.n):
+            self.lines(line() if callable(line) else line)
+
+    def plain(self) -> str:
+        """The plain line of where the task is, e.g. ``"layer MSE: 2/4 blocks, ETA 00:12"``."""
+        return f"{self.desc}: {self.n}/{self.total} {self.unit}s, ETA {self.eta()}"
 
     def expect(self, more: int) -> None:
         """``more`` units than the total said (work found on the way)."""

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 # to a minute and a half each (longest first, as measured on one CPU core); started last, they would leave the other
 # worker idle that long, so they are collected first.
 SLOW_FILES = ("test_benchmarks.py", "compiler/test_real_model.py", "acceptance/test_accept.py", "train/test_loop.py",
-              "test_fuzz.py", "models/test_families.py", "compiler/test_compile.py", "test_extras.py",
-              "runtime/test_block_compile.py", "models/test_family_training.py", "test_cli.py",
+              "test_snippets.py", "test_fuzz.py", "models/test_families.py", "compiler/test_compile.py",
+              "test_extras.py", "runtime/test_block_compile.py", "models/test_family_training.py", "test_cli.py",
               "compiler/test_real_calibration.py", "compiler/test_rebuild.py", "kernels/test_fused.py")
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from squareq.extras import MissingExtra, require
+from squareq.extras import MissingExtra, pip_command, require
 from squareq.train.tiny_dataset import write_tiny_dataset
 
 EXTRA_MODULES = ("scipy", "torchmetrics", "skimage")
@@ -33,8 +33,22 @@ def test_require_names_the_extra_and_a_present_module_is_returned(monkeypatch):
     for name in ("scipy", "scipy.stats"):  # another test may have imported scipy.stats in this process
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(MissingExtra, match=r"squareq accept needs scipy, which is not installed; install SquareQ's "
-                                           r"accept extra with: pip install 'squareq\[accept\]'\."):
+                                           r"accept extra with: pip install .*\[accept\]'\."):
         require("scipy.stats", "squareq accept")
+
+
+def test_the_pip_command_is_the_checkouts_from_a_clone_and_pypis_otherwise(tmp_path):
+    """From a clone (pyproject.toml and .git beside the package folder) the extra is installed editable from the
+    checkout; installed from PyPI (site-packages has neither), by name. A folder with pyproject.toml but no .git (an
+    unpacked sdist) is no clone: the negative control."""
+    package = tmp_path / "squareq"
+    package.mkdir()
+    assert pip_command("accept", package) == "pip install 'squareq[accept]'"
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'squareq'\n")
+    assert pip_command("accept", package) == "pip install 'squareq[accept]'"
+    (tmp_path / ".git").mkdir()
+    assert pip_command("accept", package) == "pip install -e '.[accept]'"
+    assert pip_command("photos", package) == "pip install -e '.[photos]'"
 
 
 def test_without_extras_compile_train_and_sample_work_and_accept_says_which_extra(tmp_path):
@@ -57,17 +71,17 @@ def test_without_extras_compile_train_and_sample_work_and_accept_says_which_extr
     done = squareq("accept", str(slab), "--model", "tiny-flux")
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "error: squareq accept needs scipy, which is not installed; install SquareQ's accept extra with: "
-        "pip install 'squareq[accept]'.")
+        f"error: squareq accept needs scipy, which is not installed; install SquareQ's accept extra with: "
+        f"{pip_command('accept')}.")
     done = squareq("compile", "tiny-flux", "-o", str(tmp_path / "photos.slab"), "--budget", "8MB")
-    assert done.returncode == 1 and "pip install 'squareq[photos]'" in done.stderr and "--calib-data" in done.stderr
+    assert done.returncode == 1 and pip_command("photos") in done.stderr and "--calib-data" in done.stderr
     assert not (tmp_path / "photos.slab").exists()
     done = squareq("demo", "-o", str(tmp_path / "demo"))
-    assert done.returncode == 1 and "pip install 'squareq[photos]'" in done.stderr
+    assert done.returncode == 1 and pip_command("photos") in done.stderr
     assert not (tmp_path / "demo").exists()
 
 
 def test_negative_control_with_the_extras_accept_gets_past_the_check(tmp_path):
     """With the extras installed the same accept call is not refused for them (it fails later, on the missing slab)."""
     done = squareq("accept", str(tmp_path / "missing.slab"), "--model", "tiny-flux", extras=True)
-    assert done.returncode == 1 and "squareq[accept]" not in done.stderr and "missing.slab" in done.stderr
+    assert done.returncode == 1 and "[accept]" not in done.stderr and "missing.slab" in done.stderr

@@ -1,10 +1,13 @@
 """A new user's first run, with the tiny FLUX.1 pipeline standing in for FLUX.1-dev: the README's quickstart commands
-as written, from the Hub ID (the local Hugging Face cache, HF_HUB_OFFLINE=1) and from ComfyUI's four single files,
-and what they leave: the same slab either way, a LoRA that diffusers and the kohya/ComfyUI layout accept."""
+as written, from the Hub ID (the local Hugging Face cache, HF_HUB_OFFLINE=1) and from ComfyUI's four single files
+(offline, with only what the README's `hf download --include` line fetches in the cache), and what they leave: the
+same slab either way, a LoRA that diffusers and the kohya/ComfyUI layout accept."""
+import fnmatch
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +47,22 @@ def quickstart() -> tuple[list[str], str]:
     return [line for line in lines if line], python[0]
 
 
+def configs_only_cache(cache: Path, dest: Path, lines: list[str]) -> Path:
+    """A copy of the Hub cache ``cache`` holding only the files the quickstart's `hf download REPO --include ...` line
+    fetches: what the ComfyUI route reads from the Hub, offline."""
+    downloads = [shlex.split(line) for line in lines if line.startswith("hf download ")]
+    assert len(downloads) == 1 and downloads[0][2] == STAND_IN_REPO and "--include" in downloads[0], downloads
+    patterns = downloads[0][downloads[0].index("--include") + 1:]
+    shutil.copytree(cache, dest, symlinks=True)
+    snapshot = next(dest.glob("models--*/snapshots/*"))
+    dropped = [f for f in snapshot.rglob("*") if not f.is_dir()
+               and not any(fnmatch.fnmatch(f.relative_to(snapshot).as_posix(), p) for p in patterns)]
+    assert any(f.suffix == ".safetensors" for f in dropped), "the patterns must leave the weights out"
+    for f in dropped:
+        f.unlink()
+    return dest
+
+
 def run(args: list[str], cwd: Path, monkeypatch) -> str:
     monkeypatch.chdir(cwd)
     result = CliRunner().invoke(main, args)
@@ -75,11 +94,12 @@ def first_run(tmp_path_factory):
     assert len(compiles) == 2 and "/" in compiles[0][2] and "--clip-l" in compiles[1], compiles
     assert [c[1] for c in rest] == ["train", "sample"], rest
     runs = {"hub": root / "hub", "comfyui": root / "comfyui"}
+    caches = {"hub": cache, "comfyui": configs_only_cache(cache, root / "hf-cache-configs", lines)}
     outputs = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("HF_HUB_CACHE", str(cache))
         for (name, cwd), compile_args in zip(runs.items(), compiles):
+            mp.setenv("HF_HUB_CACHE", str(caches[name]))
             cwd.mkdir()
             write_tiny_dataset(cwd / "my_images")
             for args in (compile_args, *rest):

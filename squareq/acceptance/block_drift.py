@@ -15,10 +15,11 @@ import time
 import torch
 
 from ..compiler.effect import main_output
+from ..progress import Echo
 from ..slab import Slab
 from ..slab.writer import block_linears
 from ..sources import Source
-from .gates import FAIL, PASS, GateResult
+from .gates import FAIL, PASS, GateResult, advance, gate_bar
 from .layer_mse import fresh_inputs
 
 NAME = "block drift"
@@ -35,8 +36,9 @@ def sampled_blocks(count: int, wanted: int) -> list[int]:
 
 @torch.no_grad()
 def block_drift_gate(source: Source, slab: Slab, tau: float, samples: int = 2, blocks: int = 8,
-                     device="cpu") -> GateResult:
-    """Model-output rel-MSE with only one block quantized, for up to ``blocks`` blocks."""
+                     device="cpu", progress: bool | None = False, echo: Echo = lambda line: None) -> GateResult:
+    """Model-output rel-MSE with only one block quantized, for up to ``blocks`` blocks; the model's passes (the
+    reference's, one per block) counted on a bar (``progress``) or in lines for ``echo`` (:func:`gate_bar`)."""
     started = time.perf_counter()
     kwargs, description = fresh_inputs(source, slab, samples, device)
     layers = {layer.name for layer in slab.manifest.layers}
@@ -51,12 +53,17 @@ def block_drift_gate(source: Source, slab: Slab, tau: float, samples: int = 2, b
         return block(*args, **kw)
 
     shell = source.shell(run_block, device)
-    reference = main_output(shell(**kwargs)).float()
-    norm = float(reference.square().sum().clamp_min(1e-30))
-    drift = {}
-    for b in sampled_blocks(len(source.block_paths), blocks):
-        quantized_block = b
-        drift[source.block_paths[b]] = float((main_output(shell(**kwargs)).float() - reference).square().sum()) / norm
+    chosen = sampled_blocks(len(source.block_paths), blocks)
+    with gate_bar(NAME, 1 + len(chosen), "forward", progress, echo) as bar:
+        reference = main_output(shell(**kwargs)).float()
+        advance(bar)
+        norm = float(reference.square().sum().clamp_min(1e-30))
+        drift = {}
+        for b in chosen:
+            quantized_block = b
+            output = main_output(shell(**kwargs)).float()
+            drift[source.block_paths[b]] = float((output - reference).square().sum()) / norm
+            advance(bar)
     worst = max(drift, key=drift.get)
     over = [p for p, v in drift.items() if v > tau]
     note = f"worst {worst}" + (f"; {len(over)} of {len(drift)} blocks over τ_DRIFT" if over else "")

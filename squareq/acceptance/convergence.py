@@ -37,7 +37,7 @@ from ..sources.encoders import EncoderError, check_encoder_source
 from ..train.config import TrainConfig, load_config
 from ..train.loop import train
 from ..train.sinks import METRICS_FILE
-from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, skipped
+from .gates import FAIL, INCONCLUSIVE, PASS, GateResult, advance, gate_bar, skipped
 
 NAME = "convergence"
 
@@ -92,8 +92,9 @@ def cannot_run(source: Source, model: EncoderSource | str) -> str | None:
     return None
 
 
-def reference_slab(source: Source, folder: Path, echo) -> Path:
-    """The source as a slab with every layer in bf16 (the convergence reference); reused when current."""
+def reference_slab(source: Source, folder: Path, echo, progress: bool | None = False) -> Path:
+    """The source as a slab with every layer in bf16 (the convergence reference); reused when current. Its blocks
+    are counted on a bar (``progress``) or in lines for ``echo`` (:func:`gate_bar`)."""
     path = folder / "reference-bf16.slab"
     skeleton = source.skeleton()
     fingerprint = source.fingerprint()
@@ -107,24 +108,26 @@ def reference_slab(source: Source, folder: Path, echo) -> Path:
     echo(f"writing the bf16 reference slab {path} (block by block from {source.description})")
     options = WriteOptions(family=source.family, source=source.description, overwrite=True,
                            calibration={"kind": "bf16-reference", "source_fingerprint": fingerprint})
-    with SlabBuilder(path, skeleton, options) as slab:
+    with SlabBuilder(path, skeleton, options) as slab, \
+            gate_bar("bf16 reference", len(source.block_paths), "block", progress, echo) as bar:
         for i, block_path in enumerate(source.block_paths):
             block = source.load_block(block_path, "cpu", torch.float32)
             weights = {name: quant.quantize(m.weight.detach().float(), quant.QuantSpec(bits=16))
                        for name, m in block_linears(block_path, block)}
             slab.add_block(BlockContent(i, block_path, block, weights))
+            advance(bar)
         slab.finish(source.resident_state("cpu", torch.float32))
     return path
 
 
 def _run(slab_path: Path, model: EncoderSource | str, out: Path, cache: Path, steps: int, s: ConvergenceSettings, echo,
-         frozen: bool = False, compute: str = "bf16"):
+         frozen: bool = False, compute: str = "bf16", after_step=None):
     if out.exists():
         shutil.rmtree(out)  # this gate's own folder: every run starts from step 0
     cfg = dataclasses.replace(training_config(s, slab_path, model, out, cache, steps), compute=compute)
     # frozen: every LoRA gradient zeroed before AdamW sees it, so B stays 0 and the LoRA adds nothing
     zero = (lambda step, grads: [g.zero_() for g in grads if g is not None]) if frozen else None
-    train(cfg, echo=echo, progress=False, on_gradients=zero)
+    train(cfg, echo=echo, progress=False, on_gradients=zero, after_step=after_step)
     return cfg, [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
@@ -164,22 +167,29 @@ def decide(frozen: list[float], ref: list[float], got: list[float], tau: float, 
 
 
 def convergence_gate(source: Source, slab: Slab, model: EncoderSource | str, workdir: Path,
-                     settings: ConvergenceSettings, echo=print) -> tuple[GateResult, list[dict]]:
-    """Train the frozen and bf16 references and the slab; returns the gate result and the slab run's metric records."""
+                     settings: ConvergenceSettings, echo=print,
+                     progress: bool | None = False) -> tuple[GateResult, list[dict]]:
+    """Train the frozen and bf16 references and the slab; returns the gate result and the slab run's metric records.
+    The three runs' steps are one bar (``progress``; the runs' own lines print above it) or lines for ``echo``
+    (:func:`gate_bar`)."""
     started = time.perf_counter()
     why_not = cannot_run(source, model)
     if why_not:
         return skipped(NAME, why_not), []
     workdir.mkdir(parents=True, exist_ok=True)
     s = settings
-    ref_path = reference_slab(source, workdir, echo)
+    ref_path = reference_slab(source, workdir, echo, progress)
     runs, config = {}, None
-    for label, path, what in (("frozen", ref_path, "bf16 reference with its LoRA held at zero"),
-                              ("bf16", ref_path, "bf16 reference"), ("quantized", slab.path, "slab")):
-        echo(f"convergence: training the {what} for {s.steps} steps")
-        config, runs[label] = _run(Path(path), model, workdir / f"{label}-run", workdir / "cache", s.steps, s,
-                                   lambda line, label=label: echo(f"  [{label}] {line}"), frozen=label == "frozen",
-                                   compute=s.compute if label == "quantized" else "bf16")
+    with gate_bar(NAME, 3 * s.steps, "step", progress, echo) as bar:
+        said = bar.above(echo)
+        for label, path, what in (("frozen", ref_path, "bf16 reference with its LoRA held at zero"),
+                                  ("bf16", ref_path, "bf16 reference"), ("quantized", slab.path, "slab")):
+            said(f"convergence: training the {what} for {s.steps} steps")
+            bar.status(label)
+            config, runs[label] = _run(Path(path), model, workdir / f"{label}-run", workdir / "cache", s.steps, s,
+                                       lambda line, label=label: said(f"  [{label}] {line}"), frozen=label == "frozen",
+                                       compute=s.compute if label == "quantized" else "bf16",
+                                       after_step=lambda step: advance(bar))
     frozen, ref, got = ([r["loss"] for r in runs[k]] for k in ("frozen", "bf16", "quantized"))
     verdict = decide(frozen, ref, got, s.tau)
     window = max(1, min(10, s.steps // 3))

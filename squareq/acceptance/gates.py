@@ -1,8 +1,11 @@
-"""What a gate reports: its status, what it measured, the limit it compared against, and why."""
+"""What a gate reports: its status, what it measured, the limit it compared against, and why; and how a gate shows
+how far it is (:func:`gate_bar`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..progress import Echo, Progress
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # measured, but the measurement cannot decide (a convergence run that did not learn): never a PASS
@@ -27,6 +30,19 @@ class GateResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def gate_bar(name: str, total: int, unit: str, progress: bool | None = False,
+             echo: Echo = lambda line: None) -> Progress:
+    """A gate's bar over its ``total`` ``unit``s, titled with the gate's ``name``, with its ETA: drawn when
+    ``progress`` (None: on a terminal) and gone when the gate is done (its result line says the rest); else a plain
+    line for ``echo`` at each quarter (:meth:`Progress.plain`, e.g. ``"layer MSE: 2/4 blocks, ETA 00:01"``)."""
+    return Progress(total, name, unit, shown=progress, echo=echo, every=max(1, total // 4), leave=False)
+
+
+def advance(bar: Progress) -> None:
+    """One unit of a :func:`gate_bar` further, with its plain line when due."""
+    bar.advance(line=bar.plain)
 
 
 def skipped(name: str, why: str) -> GateResult:

@@ -28,7 +28,7 @@ from ..train.feed import CacheFeed
 from ..train.objective import denoising_loss, training_objective
 from ..train.prepare import prepare_data
 from .convergence import ConvergenceSettings, cannot_run, reference_slab, training_config
-from .gates import FAIL, PASS, GateResult, skipped
+from .gates import FAIL, PASS, GateResult, advance, gate_bar, skipped
 
 NAME = "gradient agreement"
 
@@ -40,33 +40,28 @@ def _flat(params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
 
 def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdir, settings: ConvergenceSettings,
                   tau_cos: float, tau_norm: float, steps: int = 4, timesteps: int = 4, device=None,
-                  echo=print) -> GateResult:
-    """Compare the slab's LoRA gradients with the bf16 reference's over ``steps`` × ``timesteps`` shared batches."""
+                  echo=print, progress: bool | None = False) -> GateResult:
+    """Compare the slab's LoRA gradients with the bf16 reference's over ``steps`` × ``timesteps`` shared batches,
+    each pair of gradients counted on a bar (``progress``) or in lines for ``echo`` (:func:`gate_bar`)."""
     started = time.perf_counter()
     why_not = cannot_run(source, model)
     if why_not:
         return skipped(NAME, why_not)
     device = default_device(device)
-    ref_path = reference_slab(source, workdir, echo)
+    ref_path = reference_slab(source, workdir, echo, progress)
     family = slab.manifest.model.family
     cfg = training_config(settings, ref_path, model, workdir / "gradients", workdir / "cache",
                           steps).with_family_defaults(family)
     recipe = ADAPTERS[family].recipe
     encoder_source = slab_encoders(slab.manifest.model, cfg.model, cfg.revision, cfg.encoder_files)
     objective = training_objective(encoder_source, family)
-    data = prepare_data(cfg, slab.manifest.model, device, echo, encoder_source=encoder_source)
+    data = prepare_data(cfg, slab.manifest.model, device, echo, progress=progress, encoder_source=encoder_source)
     image_keys, text_keys, _ = data.keys  # the gate compares unflipped images
     feed = CacheFeed(data.cache, image_keys, text_keys, data.captions, data.dropped, device)
     models, params = {}, {}
+    bar = gate_bar(NAME, steps * timesteps, "gradient", progress, echo)
     try:
-        for label, path in (("bf16", ref_path), ("slab", slab.path)):
-            options = runtime.LoadOptions(prefetch=cfg.start_prefetch, verify="off",
-                                          compute=settings.compute if label == "slab" else "bf16")
-            models[label] = runtime.load(open_slab(path, verify="off"), device, options=options)
-            runtime.add_lora(models[label], rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
-            models[label].enable_gradient_checkpointing()
-            models[label].train()
-            params[label] = runtime.lora_parameters(models[label])
+        _load_models(models, params, (("bf16", ref_path), ("slab", slab.path)), cfg, settings.compute, device)
         optimizer = torch.optim.AdamW(list(params["bf16"].values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
         epochs = BucketBatches(data.dataset, data.buckets, cfg.batch_size, cfg.seed)
         batches = iter(epochs)
@@ -97,8 +92,10 @@ def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdi
                              "norm_ratio": float(g.norm() / r.norm().clamp_min(1e-30)),
                              "bf16_norm": float(r.norm())})
                 reference_sum = r if reference_sum is None else reference_sum + r
+                advance(bar)
             _follow_reference(params, reference_sum / len(times), optimizer)
     finally:
+        bar.close()
         feed.close()
         for m in models.values():
             runtime.runtime_of(m).close()
@@ -112,6 +109,19 @@ def gradient_gate(source: Source, slab: Slab, model: EncoderSource | str, workdi
                       f"cosine ≥ {tau_cos:g}, norm ratio 1 ± {tau_norm:g}", note, time.perf_counter() - started,
                       {"cosine": cosine, "norm_ratio": ratio, "tau_cos": tau_cos, "tau_norm": tau_norm,
                        "steps": steps, "timesteps": timesteps, "per_step": rows, "reference_slab": str(ref_path)})
+
+
+def _load_models(models: dict, params: dict, slabs, cfg, compute: str, device) -> None:
+    """Each of ``slabs`` (label, path) streamed with a fresh LoRA, into ``models`` and its LoRA into ``params`` (as
+    loaded, so that a failure later closes what was opened)."""
+    for label, path in slabs:
+        options = runtime.LoadOptions(prefetch=cfg.start_prefetch, verify="off",
+                                      compute=compute if label == "slab" else "bf16")
+        models[label] = runtime.load(open_slab(path, verify="off"), device, options=options)
+        runtime.add_lora(models[label], rank=cfg.rank, alpha=cfg.lora_alpha, targets=cfg.targets, seed=cfg.seed)
+        models[label].enable_gradient_checkpointing()
+        models[label].train()
+        params[label] = runtime.lora_parameters(models[label])
 
 
 def _lora_grads(models: dict, params: dict, batch: tuple) -> dict:

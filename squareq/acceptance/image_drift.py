@@ -133,9 +133,10 @@ def write_grid(path: Path, reference, images, gain: float = 4.0) -> Path:
 def image_drift_gate(source: Source, slab: Slab, model: EncoderSource | str, workdir: Path, tau_psnr: float,
                      tau_ssim: float, prompts: int = 4, resolution: int = 512, steps: int = 20,
                      max_sequence_length: int = 512, seed: int = 0, clip_model: str | Path | None = None, echo=print,
-                     compute: str = "auto") -> GateResult:
+                     compute: str = "auto", progress: bool | None = False) -> GateResult:
     """Draw ``prompts`` of the built-in prompts from the bf16 reference (in bf16 compute) and from the slab (in
-    ``compute``); compare them."""
+    ``compute``); compare them. Each drawing is a bar titled ``image drift (bf16)`` or ``(slab)`` when ``progress``
+    (None: on a terminal), else a line for ``echo`` per image."""
     from ..train.sample import sample_images
 
     started = time.perf_counter()
@@ -145,13 +146,14 @@ def image_drift_gate(source: Source, slab: Slab, model: EncoderSource | str, wor
         return skipped(NAME, f"squareq sample cannot draw images of the {family} family yet")
     clip = check_clip_folder(clip_model) if clip_model else None
     chosen = list(CALIBRATION_PROMPTS[:prompts])
-    ref_path = reference_slab(source, workdir, echo)
+    ref_path = reference_slab(source, workdir, echo, progress)
     drawn = {}
-    for label, path in (("bf16", ref_path), ("slab", slab.path)):
-        echo(f"image drift: drawing {len(chosen)} images from the {label} {'reference' if label == 'bf16' else 'slab'}")
+    for label, path, what in (("bf16", ref_path, "the bf16 reference"), ("slab", slab.path, "the slab")):
+        echo(f"image drift: drawing {len(chosen)} image{'s' if len(chosen) != 1 else ''} from {what}")
         drawn[label] = sample_images(path, chosen, model=model, resolution=resolution, steps=steps,
                                      max_sequence_length=max_sequence_length, seed=seed,
-                                     compute=compute if label == "slab" else "bf16")
+                                     compute=compute if label == "slab" else "bf16", progress=progress, echo=echo,
+                                     label=f"{NAME} ({label})")
     ref_t, got_t = to_tensor(drawn["bf16"]), to_tensor(drawn["slab"])
     psnr, ssim = image_metrics(ref_t, got_t)
     grid = write_grid(workdir / "image-drift.png", drawn["bf16"], drawn["slab"])

@@ -15,10 +15,11 @@ import torch
 from ..compiler import CompileOptions
 from ..compiler.inputs import calibration_batch
 from ..models import BUILTIN_MODELS
+from ..progress import Echo, Progress
 from ..slab import Slab
 from ..slab.writer import block_linears
 from ..sources import Source
-from .gates import FAIL, PASS, GateResult
+from .gates import FAIL, PASS, GateResult, advance, gate_bar
 
 NAME = "layer MSE"
 OFFSETS = (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875)  # where in each grid cell the fresh timesteps may sit
@@ -71,8 +72,8 @@ def fresh_inputs(source: Source, slab: Slab, samples: int, device):
 class _Measure:
     """Runs each source block for real while accumulating its layers' output errors against the slab."""
 
-    def __init__(self, source: Source, slab: Slab, device) -> None:
-        self.source, self.slab, self.device = source, slab, device
+    def __init__(self, source: Source, slab: Slab, device, bar: Progress) -> None:
+        self.source, self.slab, self.device, self.bar = source, slab, device, bar
         self.layers = {layer.name for layer in slab.manifest.layers}
         self.err: dict[str, float] = {}
         self.ref: dict[str, float] = {}
@@ -89,6 +90,7 @@ class _Measure:
         finally:
             for h in hooks:
                 h.remove()
+            advance(self.bar)
 
     def _hook(self, name: str, w: torch.Tensor, w_hat: torch.Tensor):
         def hook(module, args) -> None:
@@ -101,12 +103,14 @@ class _Measure:
 
 @torch.no_grad()
 def layer_mse_gate(source: Source, slab: Slab, tau: float, samples: int = 2, device="cpu",
-                   worst: int = 5) -> GateResult:
-    """PASS when every layer's measured rel-MSE is at most ``tau``; lists the ``worst`` layers either way."""
+                   worst: int = 5, progress: bool | None = False, echo: Echo = lambda line: None) -> GateResult:
+    """PASS when every layer's measured rel-MSE is at most ``tau``; lists the ``worst`` layers either way. The blocks
+    are counted on a bar (``progress``) or in lines for ``echo`` (:func:`gate_bar`)."""
     started = time.perf_counter()
     kwargs, description = fresh_inputs(source, slab, samples, device)
-    measure = _Measure(source, slab, device)
-    source.shell(measure, device)(**kwargs)
+    with gate_bar(NAME, len(source.block_paths), "block", progress, echo) as bar:
+        measure = _Measure(source, slab, device, bar)
+        source.shell(measure, device)(**kwargs)
     claimed = {layer.name: layer.metrics.get("output_rel_mse") for layer in slab.manifest.layers}
     rel = {n: measure.err[n] / max(measure.ref[n], 1e-30) for n in measure.err}
     unmeasured = sorted(measure.layers - set(rel))

@@ -66,15 +66,17 @@ class AcceptOptions:
     drift_blocks: int = 8
 
 
-def accept(opts: AcceptOptions, echo=print) -> AcceptReport:
-    """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes."""
+def accept(opts: AcceptOptions, echo=print, progress: bool | None = None) -> AcceptReport:
+    """Run every gate on ``opts.slab`` against ``opts.model``; the report says whether the slab passes. Each gate shows
+    how far it is on a bar titled with its name, with its ETA, when ``progress`` (None: when stderr is a terminal),
+    else in plain lines for ``echo`` (acceptance/gates.py :func:`gate_bar`)."""
     check_installed(ACCEPT_MODULES, "squareq accept")  # before the slab is hashed and anything is measured
     parse_device(opts.device)  # a wrong --device is refused before the slab is hashed
     with open_slab(opts.slab, verify="eager") as slab:  # a corrupted slab fails here, before any measurement
         check_recorded(slab)
         source, encoders, device = _open_source(opts, slab)
         with run_on(device):
-            return _accept(opts, slab, source, encoders, echo)
+            return _accept(opts, slab, source, encoders, echo, progress)
 
 
 def _count(value) -> bool:
@@ -150,7 +152,7 @@ def _least_flops(opts: AcceptOptions, source, skeleton) -> float:
     return 2.0 * block_weights(source, skeleton) * tokens * 3 * 3 * settings.steps
 
 
-def _accept(opts: AcceptOptions, slab, source, encoders, echo) -> AcceptReport:
+def _accept(opts: AcceptOptions, slab, source, encoders, echo, progress: bool | None) -> AcceptReport:
     if opts.clip_model:
         try:
             check_clip_folder(opts.clip_model)
@@ -174,16 +176,17 @@ def _accept(opts: AcceptOptions, slab, source, encoders, echo) -> AcceptReport:
     tokens = settings.max_sequence_length or GATE_DEFAULTS["max_sequence_length"]
     steps = [
         ("layer MSE", f"every layer of {opts.slab} on fresh inputs through {source.description}",
-         lambda: layer_mse_gate(source, slab, thresholds.mse, opts.samples, device)),
+         lambda: layer_mse_gate(source, slab, thresholds.mse, opts.samples, device, progress=progress, echo=echo)),
         ("block drift", f"the model's output with one block quantized, up to {opts.drift_blocks} blocks",
-         lambda: block_drift_gate(source, slab, thresholds.drift, opts.samples, opts.drift_blocks, device)),
+         lambda: block_drift_gate(source, slab, thresholds.drift, opts.samples, opts.drift_blocks, device, progress,
+                                  echo)),
         ("image drift", f"{opts.images} images from the bf16 source and from the slab, same prompts and seeds",
          lambda: image_drift_gate(source, slab, encoders, workdir, thresholds.psnr, thresholds.ssim, opts.images,
                                   resolution, opts.sample_steps, tokens, settings.seed, opts.clip_model, echo,
-                                  settings.compute)),
+                                  settings.compute, progress)),
         ("gradient agreement", f"LoRA gradients on {opts.gradient_steps} batches × {opts.gradient_times} times",
          lambda: gradient_gate(source, slab, encoders, workdir, settings, thresholds.grad_cos, thresholds.grad_norm,
-                               opts.gradient_steps, opts.gradient_times, device, echo)),
+                               opts.gradient_steps, opts.gradient_times, device, echo, progress)),
     ]
     total = len(steps) + 2
     gates = []
@@ -193,7 +196,7 @@ def _accept(opts: AcceptOptions, slab, source, encoders, echo) -> AcceptReport:
         echo(f"      {_summary(gates[-1])}")
     echo(f"[{total - 1}/{total}] convergence: LoRA on a frozen and a trained bf16 source vs the slab, "
          f"{settings.steps} steps on {data}")
-    conv, records = convergence_gate(source, slab, encoders, workdir, settings, echo)
+    conv, records = convergence_gate(source, slab, encoders, workdir, settings, echo, progress)
     gates.append(conv)
     echo(f"      {_summary(conv)}")
     echo(f"[{total}/{total}] peak VRAM and size")

@@ -7,22 +7,21 @@ from pathlib import Path
 
 import click
 
-from ..runtime.compute import MODES as COMPUTE_MODES
 from ..sizes import parse_size
-from .options import REVISION, device_option, encoder_file_options, given_files
+from .options import REVISION, device_option, encoder_file_options, given_files, removed_if_failed, shared_option
 
 
 @click.command()
 @click.argument("slab", type=click.Path(path_type=Path))
-@click.option("--model", required=True, help="The source the slab was compiled from: a Hugging Face Hub ID, a "
-              "diffusers folder, a BFL FLUX.1 file or tiny-flux (the bf16 reference for every gate).")
+@shared_option("model", required=True, help="The source the slab was compiled from: a Hugging Face Hub ID, a "
+               "diffusers folder, a BFL FLUX.1 file or tiny-flux (the bf16 reference for every gate).")
 @REVISION
 @encoder_file_options
 @click.option("--thresholds", "thresholds_file", type=click.Path(path_type=Path),
               help="The compiler's TOML file; [thresholds] mse, drift, psnr, ssim, grad_cos, grad_norm and conv "
               "apply here (docs/accept.md).")
 @click.option("--budget", help="Largest slab size, e.g. 12GB (default: the budget the compile recorded).")
-@click.option("--vram-budget", help="Largest peak reserved GPU memory of the training steps, e.g. 12GB.")
+@shared_option("vram_budget", "Largest peak reserved GPU memory of the training steps, e.g. 12GB.")
 @click.option("--steps", type=click.IntRange(min=4), default=40, show_default=True,
               help="Training steps of each convergence run (frozen bf16, bf16, slab).")
 @click.option("--data", type=click.Path(path_type=Path), help="Images with captions for the convergence runs "
@@ -49,10 +48,9 @@ from .options import REVISION, device_option, encoder_file_options, given_files
 @click.option("--report", type=click.Path(path_type=Path), help="Write the JSON report here.")
 @click.option("--junit", type=click.Path(path_type=Path), help="Write a JUnit XML report here (for CI systems).")
 @click.option("--require-gpu", is_flag=True, help="A gate that needs a GPU fails instead of being skipped.")
-@click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True,
-              help="The slab's base-layer arithmetic in the gradient, image-drift and convergence gates, as squareq "
-              "train and sample run it (auto: FP8 on GPUs with FP8 tensor cores, see docs/tuning.md); the bf16 "
-              "references run in bf16.")
+@shared_option("compute", "The slab's base-layer arithmetic in the gradient, image-drift and convergence gates, as "
+               "squareq train and sample run it (auto: FP8 on GPUs with FP8 tensor cores, see docs/tuning.md); the "
+               "bf16 references run in bf16.")
 @device_option("every gate runs", "on a CPU, auto refuses a model over 1B parameters and says how long it "
                 "would take")
 def accept(slab, model, revision, clip_l, clip_g, t5, vae, thresholds_file, budget, vram_budget, steps, data,
@@ -84,7 +82,8 @@ def accept(slab, model, revision, clip_l, clip_g, t5, vae, thresholds_file, budg
                                      resolution=resolution or (64 if builtin else None),
                                      max_sequence_length=max_sequence_length or (32 if builtin else None),
                                      base=str(train_config) if train_config else None, compute=compute))
-    result = run_accept(opts, echo=lambda line: click.echo(line, err=True))
+    with removed_if_failed(workdir or Path(f"{slab}.accept")):  # a failed run leaves no empty workdir it created
+        result = run_accept(opts, echo=lambda line: click.echo(line, err=True))
     click.echo(result.table())
     if report:
         result.write_json(report)

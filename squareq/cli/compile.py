@@ -11,7 +11,7 @@ from ..compiler.ladder import DEFAULT_FORMATS, ladder
 from ..devices import describe
 from ..sizes import parse_size
 from ..sources.encoder_source import cli_flag
-from .options import REVISION, device_option, encoder_file_options, given_files
+from .options import REVISION, device_option, encoder_file_options, given_files, removed_if_failed
 
 
 def _compile_line(line: str) -> None:
@@ -117,6 +117,8 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     from ..compiler.device_choice import choose_device, compile_flops
     from ..compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
     from ..compiler.previous import check_previous
+    from ..compiler.slab_output import check_output
+    from ..compiler.state import state_folder
     from ..compiler.vram import memory_cap
     from ..sources import open_source
     from ..sources.encoder_source import encoder_source_for, pinned
@@ -124,6 +126,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     _check_compile_flags(max_block_bytes, vram_cap, old_min_bits or old_max_bits,
                          {"--calib-data": calib_data, "--calib-cache": calib_cache, "--calib-text": calib_text,
                           "--calib-synthetic": calib_synthetic})
+    check_output(out, force)  # before the source is opened or anything measured
     opts = CompileOptions(
         budget=parse_size(budget, "--budget"), objective=objective,
         thresholds=Thresholds.from_toml(thresholds_file) if thresholds_file else Thresholds(),
@@ -148,35 +151,42 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         opts.device = choose_device(device, candidate,
                                     lambda skeleton: compile_flops(candidate, skeleton, opts, calib_resolution))
 
-    source = open_source(model, list(blocks) or None, revision, check=on_device, model_class=model_class)
-    _compile_line(f"compiling {source.description} on {describe(opts.device)}")
-    check_budget(source, opts)  # before the encoders run
-    check_previous(opts.previous, source)  # --from: another model or a damaged build number, before the encoders run
-    trains = source.family_adapter is not None and source.family_adapter.recipe is not None
-    if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
-        from ..compiler.calibration_images import calibration_images
+    with removed_if_failed(out, state_folder(out)):  # a failed compile leaves no empty folder it created
+        source = open_source(model, list(blocks) or None, revision, check=on_device, model_class=model_class)
+        _compile_line(f"compiling {source.description} on {describe(opts.device)}")
+        check_budget(source, opts)  # before the encoders run
+        check_previous(opts.previous, source)  # --from: another model or a damaged build number, before the encoders
+        trains = source.family_adapter is not None and source.family_adapter.recipe is not None
+        if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
+            from ..compiler.calibration_images import calibration_images
 
-        where = None
-        if encoders or files:
-            where = encoder_source_for(source.encoder_source or source.description, source.family,
-                                       source.skeleton().config, model=encoders, files=files)
-            opts.encoders = pinned(where).record()  # train and sample find the same encoders
-        with memory_cap(opts.vram_budget, opts.device):  # the encoders run on the GPU too
-            opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
-                                                   resolution=calib_resolution, device=opts.device,
-                                                   limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
-                                                   echo=_compile_line, vram_budget=opts.vram_budget)
-    elif calib_data:
-        raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so pass "
-                               "--calib-text FILE instead.")
-    elif given:
-        raise click.UsageError(f"{given} encode calibration images, and {model} is calibrated on text; leave them out.")
-    manifest = compile_slab(source, out, opts, progress=_compile_line, bar=sys.stderr.isatty())
+            where = None
+            if encoders or files:
+                where = encoder_source_for(source.encoder_source or source.description, source.family,
+                                           source.skeleton().config, model=encoders, files=files)
+                opts.encoders = pinned(where).record()  # train and sample find the same encoders
+            with memory_cap(opts.vram_budget, opts.device):  # the encoders run on the GPU too
+                opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
+                                                       resolution=calib_resolution, device=opts.device,
+                                                       limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
+                                                       echo=_compile_line, vram_budget=opts.vram_budget)
+        elif calib_data:
+            raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so "
+                                   "pass --calib-text FILE instead.")
+        elif given:
+            raise click.UsageError(f"{given} encode calibration images, and {model} is calibrated on text; leave them "
+                                   "out.")
+        manifest = compile_slab(source, out, opts, progress=_compile_line, bar=sys.stderr.isatty())
+    _say_written(out, manifest, opts.budget)
+
+
+def _say_written(out: Path, manifest, budget: int) -> None:
+    """The last line: the slab's size against the budget, its layers by format, and where to read the reasons."""
     counts = {}
     for layer in manifest.layers:
         counts[layer.spec.short_label] = counts.get(layer.spec.short_label, 0) + 1
     size = sum(p.stat().st_size for p in out.iterdir())
-    click.echo(f"wrote {out}: {size:,} bytes (budget {opts.budget:,}); layers: "
+    click.echo(f"wrote {out}: {size:,} bytes (budget {budget:,}); layers: "
                + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
                + f"; see the reasons with: squareq inspect {out}")
 

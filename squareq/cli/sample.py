@@ -6,36 +6,11 @@ from pathlib import Path
 
 import click
 
-from ..runtime.attention_choice import MODES as ATTENTION_MODES
-from ..runtime.block_compile import MODES as COMPILE_MODES
-from ..runtime.compute import MODES as COMPUTE_MODES
 from ..sizes import parse_size
 from ..slab.atomic import os_error_sentence
-from ..train.config_help import HELP
 from ..train.prompt_options import PromptError
 from ..train.sample import SampleError
-from .options import REVISION, encoder_file_options, given_files
-
-
-class AutoOrInt(click.ParamType):
-    """``auto`` or a whole number of at least ``minimum``."""
-
-    name = "auto|N"
-
-    def __init__(self, minimum: int) -> None:
-        self.minimum = minimum
-
-    def convert(self, value, param, ctx):
-        """``auto`` as is, a number as an int; anything else fails with one sentence naming the flag."""
-        if value == "auto":
-            return value
-        try:
-            number = int(value) if not isinstance(value, bool) else None
-        except ValueError:
-            number = None
-        if number is None or number < self.minimum:
-            self.fail(f"{value!r}: give auto or a whole number of at least {self.minimum}.", param, ctx)
-        return number
+from .options import REVISION, encoder_file_options, given_files, removed_if_failed, shared_option
 
 
 @click.command()
@@ -49,7 +24,7 @@ class AutoOrInt(click.ParamType):
 @click.option("--lora", type=click.Path(path_type=Path), help="A LoRA file or folder (diffusers or kohya layout).")
 @click.option("-o", "--out", type=click.Path(path_type=Path), default=Path("samples"), show_default=True,
               help="Folder for the PNG files.")
-@click.option("--model", help=HELP["model"])
+@shared_option("model")
 @REVISION
 @encoder_file_options
 @click.option("--prior", help="Würstchen: the prior's pipeline folder or Hub ID (warp-ai/wuerstchen-prior), run whole "
@@ -59,43 +34,37 @@ class AutoOrInt(click.ParamType):
 @click.option("--resolution", type=int, default=1024, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=3.5, show_default=True, help="Guidance scale, 0 to 100.")
-@click.option("--seed", type=int, default=42, show_default=True)
-@click.option("--max-sequence-length", type=int, default=512, show_default=True, help="T5 tokens per prompt.")
-@click.option("--prefetch", type=AutoOrInt(minimum=1), default="auto", show_default=True,
-              help="Block slots on the GPU: a number, or auto (start at 3; after the second step, or with "
-                   "--cuda-graphs the first that replays them, add slots while a step simulated from the measured "
-                   "copies and compute gets faster, as free VRAM allows, at most 8).")
-@click.option("--resident-blocks", type=AutoOrInt(minimum=0), default="0", show_default=True,
-              help="Blocks kept on the GPU after the measured step, those whose copy outweighs their compute "
-                   "first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
-@click.option("--vram-budget", help="GPU memory the denoising steps may reserve, e.g. 3GB: bounds the slots "
-              "--prefetch auto adds and the blocks --resident-blocks keeps (default: what the device has free, less a "
-              "margin). What is on the GPU when they are planned (the denoiser, Würstchen's other stage) counts; "
-              "FLUX.1's text encoders, which run before, and the VAE's decode after, do not.")
-@click.option("--host", type=click.Choice(["auto", "pinned", "disk"]), default="auto", show_default=True,
-              help="Where block blobs wait: auto (pinned when they fit in the host memory available with room to "
-                   "spare, else disk), pinned (RAM) or disk (read from the slab file).")
-@click.option("--compute", type=click.Choice(COMPUTE_MODES), default="auto", show_default=True, help=HELP["compute"])
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16"]), default="auto", show_default=True,
-              help="The activations' 16-bit type: auto (fp16 on GPUs without bf16: T4, V100, RTX 20xx; bf16 "
-                   "elsewhere), bf16 or fp16.")
+@shared_option("seed", "Seed of the images' noise.")
+@shared_option("max_sequence_length", "Text-encoder tokens per prompt.")
+@shared_option("prefetch", "Block slots on the GPU: a number, or auto (start at 3; after the second step, or with "
+               "--cuda-graphs the first that replays them, add slots while a step simulated from the measured copies "
+               "and compute gets faster, as free VRAM allows, at most 8).")
+@shared_option("resident_blocks", "Blocks kept on the GPU after the measured step, those whose copy outweighs their "
+               "compute first: a number, or auto (as many as free VRAM allows while copies are not hidden).")
+@shared_option("vram_budget", "GPU memory the denoising steps may reserve, e.g. 3GB: bounds the slots --prefetch "
+               "auto adds and the blocks --resident-blocks keeps (default: what the device has free, less a margin). "
+               "What is on the GPU when they are planned (the denoiser, Würstchen's other stage) counts; FLUX.1's "
+               "text encoders, which run before, and the VAE's decode after, do not.")
+@shared_option("host", "Where block blobs wait: auto (pinned when they fit in the host memory available with room "
+               "to spare, else disk), pinned (RAM), shared (one RAM copy per host, in /dev/shm) or disk (read from the "
+               "slab file).")
+@shared_option("compute")
+@shared_option("dtype", "The activations' 16-bit type: auto (fp16 on GPUs without bf16: T4, V100, RTX 20xx; bf16 "
+               "elsewhere), bf16 or fp16.")
 @click.option("--frames", type=int, default=1, show_default=True,
               help="Frames of a video family's clip (Wan, HunyuanVideo, LTX-Video), saved as an animated WebP; a "
                    "prompt's --f sets its own.")
-@click.option("--cuda-graphs", is_flag=True, help="Replay each block's forward from a CUDA graph once the first "
-              "denoising steps have captured it (CUDA only; docs/tuning.md says when it pays).")
-@click.option("--compile", "compile_mode", type=click.Choice(COMPILE_MODES), default="auto", show_default=True,
-              help="Run each block's forward under torch.compile: on, off, or auto (off: a sampling run measured "
-                   "slower with its compile counted; docs/tuning.md).")
-@click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
-              help=HELP["attention"])
+@shared_option("cuda_graphs", "Replay each block's forward from a CUDA graph once the first denoising steps have "
+               "captured it (CUDA only; docs/tuning.md says when it pays): on, or auto and off, which leave it off "
+               "when sampling; a bare --cuda-graphs is on.")
+@shared_option("compile", "Run each block's forward under torch.compile: on, off, or auto (off: a sampling run "
+               "measured slower with its compile counted; docs/tuning.md).")
+@shared_option("attention")
 def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, prior, decoder, resolution,
-           steps,
-           guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, compute, dtype, frames,
-           cuda_graphs, compile_mode, attention):
+           steps, guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, compute, dtype,
+           frames, cuda_graphs, compile, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
-    from ..plot import write_sample
     from ..train.prompt_options import read_prompt_file
 
     try:
@@ -106,11 +75,23 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
         raise SampleError("squareq sample needs something to draw: give --prompt TEXT (repeat for several) or "
                           "--prompt-file FILE.")
     from ..slab.atomic import ensure_output_dir
-    from ..train.sample import check_sample_options, sample_images
+    from ..train.sample import check_sample_options
 
     check_sample_options(resolution, steps, guidance, max_sequence_length)
     limit = parse_size(vram_budget, "--vram-budget") if vram_budget else None
-    ensure_output_dir(out, "-o/--out")  # before any drawing, whose images would otherwise be lost
+    with removed_if_failed(out):
+        ensure_output_dir(out, "-o/--out")  # before any drawing, whose images would otherwise be lost
+        _draw(slab, prompts, out, given_files(clip_l, clip_g, t5, vae), lora=lora, model=model, resolution=resolution,
+              steps=steps, guidance=guidance, seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch,
+              host=host, resident_blocks=resident_blocks, compute=compute, cuda_graphs=cuda_graphs == "on",
+              revision=revision, compile=compile, attention=attention, dtype=dtype, frames=frames, vram_budget=limit,
+              stages={"prior": prior, "decoder": decoder})
+
+
+def _draw(slab, prompts: list[str], out: Path, files: dict[str, str], **settings) -> None:
+    """Draw ``prompts`` with ``settings`` (sample_images' keywords), each image saved in ``out`` as it comes."""
+    from ..plot import write_sample
+    from ..train.sample import sample_images
 
     def save(i: int, image) -> None:
         stem = out / f"sample-{i:03d}"
@@ -120,12 +101,8 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
             raise SampleError(os_error_sentence(exc, f"saving {stem}", "draw the remaining prompts again")) from None
         click.echo(f"wrote {path}")
 
-    sample_images(slab, list(prompts), lora=lora, model=model, resolution=resolution, steps=steps, guidance=guidance,
-                  seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch, host=host,
-                  resident_blocks=resident_blocks, on_image=save, compute=compute, cuda_graphs=cuda_graphs,
-                  revision=revision, files=given_files(clip_l, clip_g, t5, vae), compile=compile_mode,
-                  attention=attention, dtype=dtype, frames=frames, vram_budget=limit,
-                  stages={"prior": prior, "decoder": decoder})
+    sample_images(slab, list(prompts), on_image=save, files=files, echo=lambda line: click.echo(line, err=True),
+                  **settings)
 
 
 @click.command("export-lora")

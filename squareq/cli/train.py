@@ -1,44 +1,71 @@
-"""`squareq train` and `squareq cache`: a flag for every training key (their help: train/config_help.py), the
-configuration resolved from defaults, --config and flags, then a training run or the cache filled alone."""
+"""`squareq train` and `squareq cache`: a flag for every training key (their help: train/config_help.py; the flags
+other commands share: cli/options.py), the configuration resolved from defaults, --config and the flags given, then a
+training run or the cache filled alone."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ..devices import run_on
 from ..slab import open_slab
 from ..train.config import TrainConfig, load_config
 from ..train.config_help import HELP
-from ..train.config_values import CUDA_GRAPHS
-from .options import REVISION, device_option, encoder_file_options, given_files
+from .options import (
+    REVISION,
+    SHARED_KEYS,
+    device_option,
+    encoder_file_options,
+    given_files,
+    removed_if_failed,
+    shared_option,
+)
+from .train_help import GroupedCommand
+
+
+def _flag_option(f: dataclasses.Field):
+    """The flag of the TrainConfig key ``f`` that no other command shares, its default the key's."""
+    flag = "--" + f.name.replace("_", "-")
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    kind = str(f.type)
+    if f.name == "sample_prompts":
+        return click.option(flag, f.name, multiple=True, help=HELP[f.name])
+    if kind == "bool":  # --no-upscale
+        return click.option(flag, f.name, is_flag=True, default=default, help=HELP[f.name])
+    # a list (comma-separated) or a word or a count (prefetch: auto or 3) is read as text and settled by the config
+    typ = str if "list" in kind or "str" in kind else float if "float" in kind else int if "int" in kind else str
+    if isinstance(default, list):
+        default = ",".join(map(str, default))
+    return click.option(flag, f.name, type=typ, default=default, help=HELP[f.name])
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _key_option(key: str):
+    """The flag of the TrainConfig key ``key``: the shared definition (cli/options.py) where other commands have it."""
+    return shared_option(key) if key in SHARED_KEYS else _flag_option(_FIELDS[key])
 
 
 def _config_options(command):
     """A flag for every TrainConfig key (its help: train.config_help.HELP), so the file and the flags never drift."""
-    for f in reversed(dataclasses.fields(TrainConfig)):
-        if f.name in ("slab", "data", "output"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "sample_prompts":
-            command = click.option(flag, f.name, multiple=True, help=HELP[f.name])(command)
-        elif f.name == "cuda_graphs":  # a bare --cuda-graphs, as before it took a value, means on
-            command = click.option(flag, f.name, type=click.Choice(CUDA_GRAPHS), is_flag=False, flag_value="on",
-                                   default=None, help=HELP[f.name])(command)
-        elif str(f.type) == "bool":  # --no-upscale; None when not given, so a config file's value stands
-            command = click.option(flag, f.name, is_flag=True, flag_value=True, default=None,
-                                   help=HELP[f.name])(command)
-        else:
-            kind = str(f.type)
-            # a word or a count (prefetch: auto or 3) is read as text and settled by the config
-            typ = str if "list" in kind or "str" in kind else float if "float" in kind else \
-                int if "int" in kind else str
-            command = click.option(flag, f.name, type=typ, default=None, help=HELP[f.name])(command)
+    for key in reversed(_FIELDS):
+        if key not in ("slab", "data", "output"):
+            command = _key_option(key)(command)
     return command
 
 
-@click.command()
+def given(values: dict) -> dict:
+    """``values`` of the flags given on the command line; None for the others, so that a --config file's values
+    stand over the defaults the flags show."""
+    ctx = click.get_current_context()
+    typed = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return {k: v if ctx.get_parameter_source(k) in typed else None for k, v in values.items()}
+
+
+@click.command(cls=GroupedCommand)
 @click.argument("slab", type=click.Path(path_type=Path), required=False)
 @click.option("--data", type=click.Path(path_type=Path), help="Folder of images with .txt captions or metadata.jsonl.")
 @click.option("-o", "--out", "output", type=click.Path(path_type=Path), help="Folder for the LoRA, checkpoints and "
@@ -50,7 +77,8 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
     """Train a LoRA on SLAB, streaming its blocks through the GPU (flags override --config)."""
     from ..train.loop import train as run_training
 
-    flags = {k: (list(v) or None) if k == "sample_prompts" else v for k, v in flags.items()}
+    flags = given(flags)
+    flags = {k: (list(v) or None) if k == "sample_prompts" and v is not None else v for k, v in flags.items()}
     flags.update(slab=str(slab) if slab else None, data=str(data) if data else None,
                  output=str(output) if output else None)
     cfg = load_config(config_file, flags)
@@ -60,22 +88,23 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
     for key, flag in (("slab", "SLAB"), ("data", "--data"), ("output", "-o/--out")):
         if not getattr(cfg, key):
             raise click.UsageError(f"{flag} is required (or set {key} in --config).")
-    result = run_training(cfg, echo=click.echo)
+    with removed_if_failed(Path(cfg.output)):  # a run that fails before writing leaves no empty folder behind
+        result = run_training(cfg, echo=click.echo)
     click.echo(f"done: {result.steps} steps, LoRA at {result.lora_file}")
 
 
 @click.command("cache")
 @click.argument("slab", type=click.Path(path_type=Path))
 @click.option("--data", type=click.Path(path_type=Path), required=True, help="Folder of images with captions.")
-@click.option("--cache-dir", type=click.Path(path_type=Path), required=True, help="Where the cache goes.")
+@shared_option("cache_dir", "Where the cache goes.", required=True)
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
-@click.option("--model", help=HELP["model"])
+@shared_option("model")
 @REVISION
 @encoder_file_options
-@click.option("--resolution", help=HELP["resolution"])
-@click.option("--trigger", help=HELP["trigger"])
-@click.option("--caption-ext", help=HELP["caption_ext"])
-@click.option("--max-sequence-length", type=int, help=HELP["max_sequence_length"])
+@_key_option("resolution")
+@shared_option("trigger")
+@shared_option("caption_ext")
+@shared_option("max_sequence_length")
 @device_option("the VAE and text encoders run")
 def cache_cmd(slab, data, cache_dir, config_file, model, revision, clip_l, clip_g, t5, vae, resolution, trigger,
               caption_ext, max_sequence_length, device) -> None:
@@ -83,13 +112,13 @@ def cache_cmd(slab, data, cache_dir, config_file, model, revision, clip_l, clip_
 
     from ..train.prepare import prepare_data
 
-    cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), "model": model,
-                                    "revision": revision, "resolution": resolution, "trigger": trigger,
-                                    "caption_ext": caption_ext, "max_sequence_length": max_sequence_length,
+    values = given({"model": model, "revision": revision, "resolution": resolution, "trigger": trigger,
+                    "caption_ext": caption_ext, "max_sequence_length": max_sequence_length})
+    cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), **values,
                                     **given_files(clip_l, clip_g, t5, vae)})
     with open_slab(slab, verify="off") as s:
         record = s.manifest.model
-    with run_on(device) as where:
+    with run_on(device) as where, removed_if_failed(cache_dir):
         prepared = prepare_data(cfg, record, where, echo=click.echo)
     n = prepared.computed
     click.echo(f"{len(prepared.dataset)} images cached in {cache_dir} ({n} {'entry' if n == 1 else 'entries'} "

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..sizes import format_size
-from ..slab import SlabError, WriteOptions
+from ..slab import WriteOptions
 from ..slab.atomic import OutputError, os_error_sentence, remove_debris
 from ..sources import Source
 from ..sources.local_files import source_identity
@@ -33,7 +33,7 @@ from .manifest_records import calibration_record, vram_record
 from .measurements import gather_measurements
 from .options import CompileOptions
 from .progress import CompileProgress, Progress
-from .slab_output import correct_plan, fit_plan, kept_biases, planned_weights, write_slab
+from .slab_output import check_output, correct_plan, fit_plan, kept_biases, planned_weights, write_slab
 from .state import CompileState, state_folder
 from .vram import PeakLog, VramPlan, vram_cap
 
@@ -54,8 +54,7 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
 
 
 def _compile(source: Source, out: Path, opts: CompileOptions, progress: CompileProgress):
-    if out.exists() and not opts.overwrite:
-        raise SlabError(f"{out} already exists; choose another output path or pass --force.")
+    check_output(out, opts.overwrite)
     if opts.objective not in OBJECTIVES:
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
     for debris in remove_debris(out):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..slab import BlockContent, SlabBuilder, WriteOptions
+from ..slab import BlockContent, SlabBuilder, SlabError, WriteOptions
 from ..slab.writer import block_linears
 from ..sources import Source
 from .budget import BudgetError
@@ -26,6 +26,13 @@ from .state import CompileState
 # A manifest's layer record grows with the plan's reasons and history; the budget reserves this much per layer and
 # build before the plan is known, and the exact size is checked against the budget before anything is written.
 SLACK_PER_LAYER = 512
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse a slab path that is taken (without ``overwrite``, --force) before any work, rather than after the
+    calibration and measurements; the driver checks again before it writes."""
+    if out.exists() and not overwrite:
+        raise SlabError(f"{out} already exists; choose another output path or pass --force.")
 
 
 def fit_plan(setup: CompileSetup, opts: CompileOptions, state: CompileState, names, layers, fixed, notes,

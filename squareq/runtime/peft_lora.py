@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..extras import pip_command
 from .qlinear import QuantLinear, lora_a_init
 
 ADAPTER = "default"
@@ -44,7 +45,7 @@ def require_peft() -> None:
         import peft  # noqa: F401
     except ImportError:
         raise PeftMissing("DoRA, rsLoRA and LoRA dropout go through PEFT's layers, and the peft package is not "
-                          "installed: pip install 'squareq[peft]' (or pip install peft), or train a plain "
+                          f"installed: {pip_command('peft')} (or pip install peft), or train a plain "
                           "LoRA.") from None
 _PEFT_SUFFIX = re.compile(r"\.(lora_A|lora_B)\.default\.weight$")
 _LYCORIS = re.compile(r"\.((?:lokr|hada)_[wt][12](?:_[ab])?)\.default$")

@@ -13,6 +13,7 @@ and the model's page, an uncached one offline names the cache.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from .. import settings
 from ..models.base import ModelError, read_json_object
+from ..third_party import download_bars
 
 # owner/name as the Hub spells repository IDs, with an optional @revision (a branch, tag or commit)
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@(?P<revision>[^\s@]+))?")
@@ -139,8 +141,9 @@ def _fetch(ref: HubRef, allow: tuple[str, ...], ignore: tuple[str, ...], local_o
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(ref.repo, revision=ref.revision, allow_patterns=list(allow),
-                                 ignore_patterns=list(ignore), local_files_only=local_only, cache_dir=cache_dir)
+        with contextlib.nullcontext() if local_only else download_bars():
+            return snapshot_download(ref.repo, revision=ref.revision, allow_patterns=list(allow),
+                                     ignore_patterns=list(ignore), local_files_only=local_only, cache_dir=cache_dir)
     except hf.GatedRepoError:
         raise ModelError(f"{ref.repo} is gated: accept its license at {ref.page} and log in with `hf auth login` "
                          "(`huggingface-cli login` before huggingface_hub 1.0) or set HF_TOKEN, then run the command "

@@ -104,7 +104,7 @@ HELP = {
     "sample_decoder": "Würstchen: the decoder's pipeline folder or Hub ID (warp-ai/wuerstchen) for sample images: its "
                       "text encoder, scheduler and VQGAN beside a decoder slab being trained, or the whole decoder "
                       "beside a prior slab.",
-    "log": "Metrics: jsonl (always written), tensorboard, or wandb (Weights & Biases; pip install 'squareq[wandb]'; "
+    "log": "Metrics: jsonl (always written), tensorboard, or wandb (Weights & Biases; the wandb extra; "
            "WANDB_MODE=offline logs without an account, a resumed run continues the same W&B run).",
     "wandb_project": "The Weights & Biases project of --log wandb (kohya's log_tracker_name).",
     "resume": "Continue from a checkpoint: latest, or a checkpoint folder.",

@@ -24,6 +24,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("auto", "pinned", "shared", "disk")
+DTYPE_CHOICES = (*DTYPES, "auto")
 CUDA_GRAPHS = ("auto", "on", "off")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 SAVE_FORMATS = ("diffusers", "kohya", "peft")
@@ -43,7 +44,7 @@ Bad = Callable[[str, str], Exception]
 def check_numbers(cfg, bad: Bad) -> None:
     """Choices, counts and numeric ranges."""
     for key, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("host", HOSTS),
-                         ("compute", COMPUTE_MODES), ("dtype", (*DTYPES, "auto")), ("cuda_graphs", CUDA_GRAPHS),
+                         ("compute", COMPUTE_MODES), ("dtype", DTYPE_CHOICES), ("cuda_graphs", CUDA_GRAPHS),
                          ("compile", COMPILE_MODES), ("attention", ATTENTION_MODES),
                          ("loss_weighting", LOSS_WEIGHTINGS), ("timestep_sampling", TIMESTEP_SAMPLING),
                          ("log", LOGGERS)):

@@ -11,13 +11,16 @@
    A step whose loss or gradients are not finite is skipped and counted; ``nan_patience`` skips in a row
    stop the run with the last good checkpoint left untouched.
 4. Every ``save_every`` steps a checkpoint (LoRA, optimizer, schedule, RNG states, data position) is
-   written atomically; ``resume="latest"`` continues from the newest one exactly (bitwise on a CPU).
+   written atomically; ``resume="latest"`` continues from the newest one exactly (bitwise on a CPU). Ctrl-C during
+   the steps (train/interrupt.py) finishes the step, writes its checkpoint and the LoRA so far, and raises
+   :class:`TrainInterrupted`, whose message names ``--resume latest``.
    The finished LoRA is written in the layouts ``save_format`` names (default: diffusers, and for FLUX.1 the
    kohya file beside it); a LoKr or LoHa as a PEFT folder.
 
 This module strings the stages together (:class:`TrainingRun`); each stage is a module of its own: the plan
 (run_plan.py), the data and cache (prepare.py), the model and what trains on it (run_state.py, optimizers.py), the
-step (step.py), samples (run_samples.py), checkpoints and LoRA files (saving.py) and the logs (sinks.py).
+step (step.py), samples (run_samples.py), checkpoints and LoRA files (saving.py), the logs (sinks.py) and what the run
+says before its first step (run_summary.py).
 """
 from __future__ import annotations
 
@@ -35,13 +38,15 @@ from ..slab.atomic import ensure_output_dir, os_error_sentence
 from .checkpoint import check_resume_folder, latest_checkpoint
 from .config import TrainConfig
 from .distributed import Ranks
-from .errors import TrainError
+from .errors import TrainError, TrainInterrupted
 from .feed import CacheFeed
+from .interrupt import CtrlC
 from .lora_metadata import source_date_epoch
 from .prepare import prepare_data
 from .run_plan import plan_run
 from .run_samples import TrainingSamples, forward_only
 from .run_state import RunState, load_model
+from .run_summary import device_line, steps_line
 from .saving import RunCheckpoints, lora_paths, remove_run_debris, write_lora
 from .sinks import RunLogs
 from .step import Stepper, stream_tuner
@@ -110,7 +115,10 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
         run.train()
     finally:
         run.close()
-    return run.finish()
+    result = run.finish()
+    if run.interrupted:
+        raise TrainInterrupted(run.interrupted_message(result))
+    return result
 
 
 class TrainingRun:
@@ -123,16 +131,20 @@ class TrainingRun:
         self.cfg, self.out, self.device, self.ranks, self.echo = cfg, out, device, ranks, echo
         self.after_step, self.on_gradients = after_step, on_gradients
         self.model = self.state = self.feed = self.logs = self.samples = None
+        self.interrupted = False  # Ctrl-C stopped the steps early (train/interrupt.py)
 
     # ------------------------------------------------------------------------------------------ before training
 
     def setup(self, progress: bool | None = None) -> None:
         """The plan (train/run_plan.py: the configuration settled against the slab, the memory plan checked), then
         the cache filled by rank 0 (train/prepare.py), with a bar as ``progress`` says (as the steps' bar)."""
+        self.progress = progress  # the samples' bar follows the steps' bar
         self.plan = plan = plan_run(self.cfg, self.out, self.device, self.ranks.world, self.echo)
         self.cfg = plan.cfg
+        # the device first, so that a run on the CPU says so in its first lines, before the cache is filled
         self.data = prepare_data(plan.cfg, plan.slab.manifest.model, self.device, self.echo,
-                                 encode=self.ranks.is_main, progress=progress, encoder_source=plan.encoder_source)
+                                 encode=self.ranks.is_main, progress=progress, encoder_source=plan.encoder_source,
+                                 describe=[device_line(self.device, plan.dtype, plan.compute, self.ranks.world)])
         self.echo(f"training a {plan.family} LoRA with the {plan.objective} objective")
 
     def load(self) -> None:
@@ -164,29 +176,47 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------ training
 
     def train(self) -> None:
-        """Every optimizer step up to the total, then the last checkpoint; an out-of-memory error saves what it can."""
+        """Every optimizer step up to the total, then the last checkpoint; an out-of-memory error saves what it can,
+        and Ctrl-C (train/interrupt.py) stops after the step it came in, with its checkpoint."""
         cfg, state, plan = self.cfg, self.state, self.plan
         self.validate_every = cfg.validate_every or cfg.save_every or state.total
         self.stepper = Stepper(plan, state, self.data, self.feed, self.tuner, self.ranks, self.device, self.out,
                                self.logs, self.on_gradients)
         if cfg.sample_every and self.ranks.is_main:
             self.samples = TrainingSamples(cfg, plan.family, plan.encoder_source, plan.sample_stages, self.device,
-                                           plan.dtype, self.out, self.data.cache, self.data.keys[1])
-        step_start = None
+                                           plan.dtype, self.out, self.data.cache, self.data.keys[1],
+                                           progress=self.progress, echo=self.echo)
+        self.step_start = None
         try:
             if self.samples is not None and state.step == 0:
                 self.samples.draw(state.model, state.step)  # the base model's pictures, to compare
             if state.step == 0 or (state.step % self.validate_every == 0 and self.ranks.is_main
                                    and state.step not in {r["step"] for r in validation_history(self.out)}):
                 self.validate()  # the base model's loss, to compare; or one a killed run did not get to write
-            while state.step < state.total:
-                # where this step starts: what an out-of-memory save must record, so that a resume redoes it
-                step_start = (state.batches.state_dict(), state.generator.get_state())
-                if self.stepper.optimizer_step(step_start):
-                    self.after_update()
         except torch.OutOfMemoryError:
-            self.checkpoints.out_of_memory(self.logs.metrics, self.device, step_start, self.stepper.updating)
-        self.checkpoints.save(self.logs.metrics)
+            self.checkpoints.out_of_memory(self.logs.metrics, self.device, None, False)
+        self.echo(steps_line(state.total, state.step, cfg.batch_size, cfg.grad_accum, self.ranks.world,
+                             len(state.batches)))
+        with CtrlC() as ctrl_c:  # only around the steps and their checkpoint
+            try:
+                self.steps(ctrl_c)
+            except torch.OutOfMemoryError:
+                self.checkpoints.out_of_memory(self.logs.metrics, self.device, self.step_start, self.stepper.updating)
+            if not (self.interrupted and self.checkpoints.last == state.step):  # save_every may have just written it
+                self.checkpoints.save(self.logs.metrics)  # a second Ctrl-C stops this save; the last one stays whole
+
+    def steps(self, ctrl_c: CtrlC) -> None:
+        """The optimizer steps up to the total, or up to the one Ctrl-C came in (on any rank)."""
+        state = self.state
+        while state.step < state.total:
+            # where this step starts: what an out-of-memory save must record, so that a resume redoes it
+            self.step_start = (state.batches.state_dict(), state.generator.get_state())
+            if self.stepper.optimizer_step(self.step_start):
+                self.after_update()
+            if state.step < state.total and ctrl_c.stop(self.ranks.world, self.device):
+                self.interrupted = True
+                self.echo(f"Ctrl-C: stopping after step {state.step}; writing its checkpoint and the LoRA so far")
+                return
 
     def after_update(self) -> None:
         """What is due after this step: a checkpoint, samples, a validation pass, the caller's hook."""
@@ -249,3 +279,10 @@ class TrainingRun:
                   "skipped)")
         return TrainResult(state.step, state.skipped, self.logs.losses, written[0],
                            files["kohya"] if "kohya" in formats else None)
+
+    def interrupted_message(self, result: TrainResult) -> str:
+        """What a run stopped by Ctrl-C wrote, and how to go on."""
+        written = " and ".join(map(str, [result.lora_file] + ([result.kohya_file] if result.kohya_file else [])))
+        return (f"Ctrl-C: stopped after step {result.steps} of {self.state.total}; the checkpoint "
+                f"{self.checkpoints.last_path} and the LoRA so far ({written}) are written; run the same command with "
+                f"--resume latest to continue from step {result.steps}.")

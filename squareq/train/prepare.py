@@ -31,6 +31,7 @@ from .data import (
 )
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .run_samples import sample_prompts
+from .run_summary import data_lines
 
 
 @dataclass
@@ -48,12 +49,14 @@ class PreparedData:
 
 
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True,
-                 progress: bool | None = None, encoder_source: EncoderSource | None = None) -> PreparedData:
+                 progress: bool | None = None, encoder_source: EncoderSource | None = None,
+                 describe: list[str] | None = None) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through ``encoder_source`` (a run's plan resolved it;
     default: the encoders of ``cfg.model`` or the slab's source, with ``cfg``'s single files), for the slab's model
     record ``model`` (family and config; what ``squareq cache`` runs on its own). A family SquareQ cannot train has no
     encoders, which ``open_encoders`` says. ``progress``: the fill's bar on stderr (default: when stderr is a
-    terminal)."""
+    terminal). ``describe``: a run's summary opens with these lines (its device), then says the dataset (images,
+    repeats, buckets, upscaled images); once the folder is read (a data error comes alone), before the cache fills."""
     dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
     held = None
     if cfg.validation_data:
@@ -79,6 +82,9 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
                         "but no trigger word is set; pass --trigger WORD.")
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
+    if describe is not None:
+        for line in describe + data_lines(dataset, buckets, cfg.resolution, cfg.no_upscale):
+            echo(line)
     items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
     # a regularisation image's caption is the class's own: the trigger word is the training images' alone
     orders = {(c, reg): caption_orders(c, None if reg else cfg.trigger, cfg.keep_tokens,

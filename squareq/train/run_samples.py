@@ -14,6 +14,7 @@ import torch
 from .. import runtime
 from ..models import ADAPTERS
 from ..plot import first_frame, write_png, write_sample
+from ..progress import Echo
 from ..sources.encoder_source import EncoderSource
 from ..sources.encoders import encoder_dtype, open_decoder
 from .cache import EmbeddingCache
@@ -23,6 +24,7 @@ from .prompt_options import PromptError, SamplePrompt, parse_prompt
 from .sample import (
     FORWARD_SLOTS,
     SampleError,
+    SampleProgress,
     check_family,
     check_prompts,
     draw_image,
@@ -86,15 +88,21 @@ class TrainingSamples:
     """The sample images of one run into ``out/samples``: FLUX.1's from the prompts' cached embeddings (``cache``,
     ``text_keys``) through the VAE, which stays on the host between rounds (loaded at the first); the other families'
     through their own diffusers pipeline folder, its text encoders and VAE opened for each round of samples
-    (train/sample.py ``draw_through_pipeline``); a Würstchen stage's through both stages' ``stages`` folders."""
+    (train/sample.py ``draw_through_pipeline``); a Würstchen stage's through both stages' ``stages`` folders.
+    Each round is a bar titled ``samples at step N`` over its denoising steps that goes when done (on a terminal, or
+    as ``progress`` says), else a line for ``echo`` per image (train/sample.py :class:`SampleProgress`)."""
 
     def __init__(self, cfg: TrainConfig, family: str, encoders: EncoderSource, stages: tuple[Path, Path] | None,
                  device: torch.device, dtype: str, out: Path, cache: EmbeddingCache,
-                 text_keys: dict[str, str]) -> None:
+                 text_keys: dict[str, str], progress: bool | None = None, echo: Echo | None = None) -> None:
         self.cfg, self.family, self.encoders, self.stages = cfg, family, encoders, stages
         self.device, self.dtype, self.folder = device, dtype, out / "samples"
         self.cache, self.text_keys = cache, text_keys
+        self.progress, self.echo = progress, echo
         self.decoder = None
+
+    def _bar(self, step: int) -> SampleProgress:
+        return SampleProgress(f"samples at step {step}", self.progress, self.echo, leave=False)
 
     def draw(self, model, step: int) -> None:
         """This step's images of every prompt and their grid, from ``model`` (the one being trained)."""
@@ -105,24 +113,24 @@ class TrainingSamples:
             self.decoder = open_decoder(self.encoders, self.family, encoder_dtype(self.device, self.dtype))
         embeds = {t: self.cache.load("text", self.text_keys[t]) for p in sample_prompts(self.cfg, self.family)
                   for t in p.texts}
-        _save_samples(self.cfg, model, self.decoder, embeds, self.folder, step, self.device)
+        _save_samples(self.cfg, model, self.decoder, embeds, self.folder, step, self.device, self._bar(step))
 
     def _through_pipeline(self, model, step: int) -> None:
         folder, cfg = self.folder, self.cfg
         folder.mkdir(parents=True, exist_ok=True)
         draw = draw_through_pipeline
         if self.family in STAGES:  # Würstchen: both stages' pipelines, the model being trained as its own
-            draw = lambda *args: draw_wuerstchen(self.stages, *args)  # noqa: E731
+            draw = lambda *args, **kwargs: draw_wuerstchen(self.stages, *args, **kwargs)  # noqa: E731
         with forward_only(model, self.device):
             images = draw(
                 self.encoders, self.family, model, sample_prompts(cfg, self.family),
                 cfg.max_sequence_length, self.device, None,
-                lambda i, image: write_sample(image, folder / f"step-{step:08d}-{i}"))
+                lambda i, image: write_sample(image, folder / f"step-{step:08d}-{i}"), progress=self._bar(step))
         write_png(_side_by_side([first_frame(im) for im in images]), folder / f"step-{step:08d}-grid.png")
 
 
 def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder: Path, step: int,
-                  device: torch.device) -> None:
+                  device: torch.device, progress: SampleProgress) -> None:
     """PNG samples of ``cfg.sample_prompts`` (their texts' cached ``embeds``) from the model being trained (streamed
     forward under no_grad) through ``pipe``, a pipeline without text encoders whose VAE waits on the host. The
     training RNG is set aside while sampling, so samples do not change the run."""
@@ -130,12 +138,13 @@ def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder
     pipe.transformer = model
     pipe.vae.to(device)
     try:
-        with forward_only(model, device):
+        prompts = sample_prompts(cfg, "flux")
+        with forward_only(model, device), progress.drawing(prompts):
             images = []
-            for i, prompt in enumerate(sample_prompts(cfg, "flux")):
-                images.append(draw_image(pipe, prompt, cfg.max_sequence_length, device, embeds=embeds[prompt.text],
-                                         negative=embeds.get(prompt.negative)))
-                write_png(images[-1], folder / f"step-{step:08d}-{i}.png")
+            for i, prompt in enumerate(prompts):
+                images.append(draw_image(pipe, prompt, cfg.max_sequence_length, device, progress.after_step(),
+                                         embeds=embeds[prompt.text], negative=embeds.get(prompt.negative)))
+                progress.image_done(i, images[-1], lambda i, im: write_png(im, folder / f"step-{step:08d}-{i}.png"))
             write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
     finally:
         pipe.transformer = None

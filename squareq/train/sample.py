@@ -7,10 +7,12 @@ whole (its ``encode_prompt``, CFG and decoding as diffusers does them).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +20,7 @@ import torch
 from .. import runtime
 from ..devices import default_device
 from ..models import ADAPTERS, BUILTIN_MODELS
+from ..progress import Echo, Progress
 from ..runtime import autocast_dtype
 from ..runtime.block_compile import CompileModeError, resolve_compile
 from ..runtime.compute import ComputeError, resolve_dtype
@@ -33,6 +36,7 @@ from ..sources.encoder_source import (
 )
 from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
 from ..sources.pipeline_encoders import open_family_pipeline
+from ..third_party import pipeline_bars
 from .lora_attach import attach_lora, attach_peft_adapter
 from .lora_files import is_peft_adapter
 from .lora_reader import load_lora
@@ -56,6 +60,52 @@ FORWARD_SLOTS = 3
 
 class SampleError(ValueError):
     """The slab's family cannot be sampled yet; the message says which can."""
+
+
+class SampleProgress:
+    """The images a run draws, as one bar over their denoising steps titled ``desc``, with its ETA, drawn on a
+    terminal or when ``shown`` (squareq/progress.py; ``leave``: the finished bar stays); elsewhere a line for ``echo``
+    as each image is done. The bar starts with the first drawing, after the models loaded, so its ETA is the
+    drawing's."""
+
+    def __init__(self, desc: str = "sample", shown: bool | None = None, echo: Echo | None = None,
+                 leave: bool = True) -> None:
+        self.desc, self.shown, self.echo, self.leave = desc, shown, echo, leave
+        self.bar: Progress | None = None
+        self.ends: list[int] = []  # the steps done once each image is done
+
+    @contextlib.contextmanager
+    def drawing(self, settled: list[SamplePrompt]) -> Iterator[SampleProgress]:
+        self.ends = list(itertools.accumulate(p.steps for p in settled))
+        with Progress(self.ends[-1] if self.ends else 0, self.desc, "step", shown=self.shown, leave=self.leave) as bar:
+            self.bar = bar
+            try:
+                yield self
+            finally:
+                self.bar = None
+
+    def after_step(self, then=None):
+        """A ``callback_on_step_end`` that runs ``then`` (the tuner's) and counts the step."""
+        def step_end(pipe, step: int, timestep, kwargs: dict) -> dict:
+            out = then(pipe, step, timestep, kwargs) if then is not None else kwargs
+            if self.bar is not None:
+                self.bar.advance()
+            return out
+
+        return step_end
+
+    def image_done(self, i: int, image, on_image: Callable[[int, object], None] | None = None) -> None:
+        """Image ``i`` is drawn: the bar at its last step (a pipeline that ran fewer callbacks), its line in a log,
+        and ``on_image`` (which may print: above the bar)."""
+        bar = self.bar
+        if bar is not None:
+            if bar.n < self.ends[i]:
+                bar.advance(self.ends[i] - bar.n)
+            if not bar.shown and self.echo is not None:
+                self.echo(f"{self.desc}: image {i + 1}/{len(self.ends)} drawn, ETA {bar.eta()}")
+        if on_image is not None:
+            with bar.writing() if bar is not None else contextlib.nullcontext():
+                on_image(i, image)
 
 
 class _FiniteLatents:
@@ -93,7 +143,8 @@ def _end_graph_step(transformer) -> None:
         graphs.end_step()
 
 
-def check_sample_options(resolution: int, steps: int, guidance: float, max_sequence_length: int) -> None:
+def check_sample_options(resolution: int, steps: int, guidance: float, max_sequence_length: int,
+                         frames: int = 1) -> None:
     """Refuse (:class:`SampleError`, naming the flag) values a FLUX pipeline would crash on or silently replace; the
     bounds are those a prompt's own options have (train/prompt_options.py)."""
     def whole(value) -> bool:
@@ -109,6 +160,8 @@ def check_sample_options(resolution: int, steps: int, guidance: float, max_seque
                           "usual).")
     if not whole(max_sequence_length) or max_sequence_length < 1:
         raise SampleError(f"--max-sequence-length {max_sequence_length} must be a whole number of at least 1.")
+    if not whole(frames) or not 1 <= frames <= MAX_FRAMES:
+        raise SampleError(f"--frames {frames} must be a whole number from 1 to {MAX_FRAMES}, e.g. 81 for Wan.")
 
 
 def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None,
@@ -129,6 +182,7 @@ def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: tor
             text.update(negative_prompt_embeds=negative["prompt_embeds"][None].to(device, dtype),
                         negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(device, dtype),
                         true_cfg_scale=prompt.cfg_scale)
+    pipeline_bars(pipe)  # SquareQ's own bar counts the steps (SampleProgress)
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(pipe.transformer)):
         return pipe(**text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
                     guidance_scale=prompt.guidance, max_sequence_length=max_sequence_length,
@@ -149,6 +203,7 @@ def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, dev
                 "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
                 "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
     kwargs.update({k: v for k, v in optional.items() if k in params and v is not None})
+    pipeline_bars(pipe)  # SquareQ's own bar counts the steps (SampleProgress)
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(_denoiser(pipe))):
         out = pipe(**kwargs)
     frames = getattr(out, "frames", None)
@@ -175,7 +230,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   cuda_graphs: bool = False, revision: str | None = None,
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
                   dtype: str = "auto", frames: int = 1, vram_budget: int | None = None,
-                  stages: dict[str, str | None] | None = None):
+                  stages: dict[str, str | None] | None = None, progress: bool | None = None,
+                  echo: Echo | None = None, label: str = "sample"):
     """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
     (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts
     the ring at :data:`FORWARD_SLOTS` slots and grows it
@@ -191,13 +247,12 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     (bytes): bounds the ring slots and kept blocks the tuner adds, so that the reserved GPU memory stays within it
     (runtime/residency.py ``peak_limit``; default: what the device has free, less a margin). ``stages``:
     Würstchen's other stage's pipeline folder or Hub ID, ``{"prior": ...}`` beside a decoder slab or
-    ``{"decoder": ...}`` beside a prior slab.
+    ``{"decoder": ...}`` beside a prior slab. ``progress``, ``echo``, ``label``: the drawing's bar titled ``label``
+    (:class:`SampleProgress`; on a terminal when ``progress`` is None), else its lines for ``echo``.
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
-    check_sample_options(resolution, steps, guidance, max_sequence_length)
-    if not isinstance(frames, int) or isinstance(frames, bool) or not 1 <= frames <= MAX_FRAMES:
-        raise SampleError(f"--frames {frames} must be a whole number from 1 to {MAX_FRAMES}, e.g. 81 for Wan.")
+    check_sample_options(resolution, steps, guidance, max_sequence_length, frames)
     try:  # before the slab is hashed; the family's rule on --n once it is open
         [parse_prompt(p, true_cfg_only=False) for p in prompts]
     except PromptError as exc:
@@ -211,8 +266,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     except PromptError as exc:
         raise SampleError(f"--prompt: {exc}") from None
     check_prompts(family, settled)
-    record = s.manifest.model
-    encoders = slab_encoders(record, model, revision, files)
+    encoders = slab_encoders(s.manifest.model, model, revision, files)
     draw = _drawer(slab, family, encoders, stages or {})
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
@@ -242,7 +296,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     elif lora is not None:
         attach_lora(transformer, *load_lora(lora))
     try:
-        return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image)
+        return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image,
+                    progress=SampleProgress(label, progress, echo))
     finally:
         runtime.runtime_of(transformer).close()
 
@@ -255,18 +310,22 @@ def _check_vram_budget(vram_budget: int | None, device: torch.device, prefetch, 
                           "; leave it out.")
 
 
-def _each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one) -> list:
-    """``draw_one(prompt, on_step_end)`` for each prompt, with the tuner's callback; ``on_image`` as each is drawn."""
+def _each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one,
+                 progress: SampleProgress | None = None) -> list:
+    """``draw_one(prompt, on_step_end)`` for each prompt, with the tuner's callback; ``on_image`` as each is drawn;
+    ``progress`` counts the steps (none shown without it)."""
+    progress = progress if progress is not None else SampleProgress(shown=False)
     images = []
-    for prompt in settled:
-        images.append(draw_one(prompt, tuner.pipeline_callback if tuner is not None else None))
-        if on_image is not None:
-            on_image(len(images) - 1, images[-1])
+    with progress.drawing(settled):
+        for prompt in settled:
+            images.append(draw_one(prompt, progress.after_step(tuner.pipeline_callback if tuner is not None else None)))
+            progress.image_done(len(images) - 1, images[-1], on_image)
     return images
 
 
 def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
-               max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+               max_sequence_length: int, device: torch.device, tuner, on_image,
+               progress: SampleProgress | None = None) -> list:
     """FLUX.1's images: the prompts first, within what the device has free beside the streamed transformer (its T5
     streams on a small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and
     the VAE's decode (several GB at 1024²) have the GPU to themselves."""
@@ -280,7 +339,7 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
     try:
         return _each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_image(
             pipe, prompt, max_sequence_length, device, callback, embeds=entries[prompt.text],
-            negative=entries.get(prompt.negative)))
+            negative=entries.get(prompt.negative)), progress)
     finally:
         pipe.transformer = None
 
@@ -371,7 +430,8 @@ def check_family(slab, family: str, encoders: EncoderSource) -> bool:
 
 
 def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
-                          max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+                          max_sequence_length: int, device: torch.device, tuner, on_image,
+                          progress: SampleProgress | None = None) -> list:
     """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler; the streamed
     ``transformer`` as its denoiser)."""
     dtype = _encoder_dtype(transformer, device)
@@ -382,7 +442,7 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
         setattr(pipe, component, transformer)
         try:
             return _each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_with_pipeline(
-                pipe, prompt, max_sequence_length, device, callback))
+                pipe, prompt, max_sequence_length, device, callback), progress)
         finally:
             setattr(pipe, component, None)
 
@@ -393,7 +453,7 @@ def _drawer(slab, family: str, encoders: EncoderSource, stages: dict[str, str | 
     slab that is not one of Würstchen's stages."""
     if family in STAGES:
         folders = wuerstchen_folders(slab, family, encoders, stages)
-        return lambda *args: draw_wuerstchen(folders, *args)
+        return lambda *args, **kwargs: draw_wuerstchen(folders, *args, **kwargs)
     given = [f"--{k}" for k, v in stages.items() if v]
     if given:
         raise SampleError(f"{given[0]} is for a Würstchen slab (the stage it does not hold); this slab holds a "
@@ -443,7 +503,8 @@ def wuerstchen_training_folders(slab, family: str, sample_prior: str | None,
 
 
 def draw_wuerstchen(folders: tuple[Path, Path], encoders, family: str, transformer, settled: list[SamplePrompt],
-                    max_sequence_length: int, device: torch.device, tuner, on_image) -> list:
+                    max_sequence_length: int, device: torch.device, tuner, on_image,
+                    progress: SampleProgress | None = None) -> list:
     """The images of ``settled`` from Würstchen's two pipelines, the streamed ``transformer`` as the slab's stage
     (train/wuerstchen_sample.py). The tuner and the NaN check follow the slab's stage's steps."""
     dtype = _encoder_dtype(transformer, device)
@@ -454,6 +515,6 @@ def draw_wuerstchen(folders: tuple[Path, Path], encoders, family: str, transform
                 return draw_stages(prior_pipe, decoder_pipe, family, prompt, device, autocast_dtype(transformer),
                                    lambda stage: _FiniteLatents(prompt.text, callback if stage == own else None))
 
-            return _each_prompt(settled, tuner, on_image, draw_one)
+            return _each_prompt(settled, tuner, on_image, draw_one, progress)
     except EncoderError as exc:
         raise SampleError(str(exc)) from None

@@ -51,6 +51,7 @@ class RunCheckpoints:
 
     def __init__(self, cfg: TrainConfig, out: Path, state: RunState, ranks: Ranks) -> None:
         self.cfg, self.out, self.state, self.ranks = cfg, out, state, ranks
+        self.last = self.last_path = None  # the step and folder of this run's newest checkpoint
 
     def resume(self, echo) -> None:
         """With ``resume``: the checkpoint's LoRA, optimizer, schedule, batch position, RNG and moving average."""
@@ -109,6 +110,7 @@ class RunCheckpoints:
             metrics.flush()
             plot_losses(self.out)
         self.ranks.barrier()
+        self.last, self.last_path = state.step, path
         return path
 
     def out_of_memory(self, metrics, device: torch.device, step_start, updating: bool) -> None:

@@ -1,7 +1,7 @@
 """Where a run's figures go: ``metrics.jsonl`` (one line per step), TensorBoard or Weights & Biases when asked, the
-progress bar on a terminal (or about ten progress lines without one: squareq/progress.py), and ``loss.png`` drawn
-from the JSONL file. :class:`RunLogs` holds the open sinks of one run; a resumed run first drops the lines of the
-steps it redoes."""
+progress bar on a terminal (or about ten progress lines without one, each with an ETA: squareq/progress.py,
+train/run_summary.py), and ``loss.png`` drawn from the JSONL file. :class:`RunLogs` holds the open sinks of one run; a
+resumed run first drops the lines of the steps it redoes."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +17,7 @@ from ..progress import Progress, wanted
 from ..slab.atomic import atomic_write_bytes
 from .config import TrainConfig
 from .errors import TrainError
+from .run_summary import StepClock
 from .validation import validation_history
 
 METRICS_FILE = "metrics.jsonl"
@@ -43,6 +44,7 @@ class RunLogs:
         self.bar = Progress(total, "train", "step", shown=main and wanted(progress), echo=echo, every=self.every,
                             initial=step)
         self.echo = self.bar.above(echo)
+        self.clock = StepClock(total, step)
 
     def write(self, record: dict) -> None:
         """A finished step's ``record`` (its figures: train/step.py) in metrics.jsonl and on the board, and the
@@ -62,7 +64,12 @@ class RunLogs:
         vram = f", {record['peak_reserved_GB']:.2f} GB reserved" if "peak_reserved_GB" in record else ""
         status = (f"loss {loss:.4f} (avg {sum(recent) / len(recent):.4f}), lr {record['lr']:.2e}, "
                   f"grad norm {norm:.3f}{vram}")
-        self.bar.advance(status=status, line=f"step {step}/{self.total}: {status}, {1 / record['seconds']:.2f} it/s")
+        self.clock.add(step, record["seconds"])
+        self.bar.advance(status=status, line=f"step {step}/{self.total}: {status}, {1 / record['seconds']:.2f} it/s, "
+                                             f"ETA {self.clock.eta()}")
+        said = self.clock.run_line()
+        if said is not None:
+            self.echo(said)
 
     def close(self, failed: bool) -> None:
         """Close the bar, metrics.jsonl and the board (a W&B run that ``failed`` shows as failed)."""

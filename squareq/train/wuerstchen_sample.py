@@ -19,6 +19,7 @@ import torch
 from ..models.base import diffusers_class
 from ..slab.errors import brief
 from ..sources.encoder_source import EncoderError
+from ..third_party import pipeline_bars
 
 STAGES = {"wuerstchen-prior": "prior", "wuerstchen-decoder": "decoder"}  # family -> the stage its slab holds
 HUB_IDS = {"prior": "warp-ai/wuerstchen-prior", "decoder": "warp-ai/wuerstchen"}  # each stage's pipeline on the Hub
@@ -99,6 +100,7 @@ def draw_stages(prior_pipe, decoder_pipe, family: str, prompt, device: torch.dev
     steps = {own: {"num_inference_steps": prompt.steps, "guidance_scale": prompt.guidance}}
     negative = {"negative_prompt": prompt.negative} if prompt.negative else {}
     generator = torch.Generator(device).manual_seed(prompt.seed)
+    pipeline_bars(prior_pipe), pipeline_bars(decoder_pipe)  # SquareQ's own bar counts the slab's stage's steps
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast):
         embeddings = prior_pipe(prompt=prompt.text, height=prompt.height, width=prompt.width, generator=generator,
                                 output_type="pt", callback_on_step_end=step_end("prior"), **negative,

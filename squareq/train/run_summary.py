@@ -1,0 +1,109 @@
+"""What a run says before its first step, so that a person knows what will happen before it happens: the device and
+the arithmetic (on a CPU, plainly, in the first lines), the dataset (images, repeats, buckets, and how many images
+are enlarged to reach the training resolution, which ``no_upscale`` avoids), the steps, and, once the first steps
+after the warm-up one are measured, the time the whole run will take (:class:`StepClock`, which also gives the plain
+progress lines their ETA)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .data import bucket_for
+
+MEASURED = 2  # steps after the warm-up one that the run's ETA line waits for
+
+
+def device_line(device: torch.device, dtype: str, compute: str, world: int = 1) -> str:
+    """Where the steps run and in what arithmetic; on a CPU, that it is one and what that costs."""
+    ranks = f" on each of {world} processes" if world > 1 else ""
+    if device.type == "cpu":
+        return (f"device: the CPU{ranks}: no CUDA GPU was found, so a step is far slower than on a GPU; {dtype} "
+                f"weights, {compute} matmuls")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"device: {device} ({name}){ranks}; {dtype} weights, {compute} matmuls"
+
+
+def upscaled_images(items, bucket_sets, no_upscale: bool) -> int:
+    """How many of ``items`` are smaller than their bucket in some resolution (``bucket_sets``: one bucket list per
+    resolution), so that train/data.py's cover crop enlarges them."""
+    def enlarged(item, buckets) -> bool:
+        w, h = bucket_for(item.width, item.height, buckets, no_upscale)
+        return item.width < w or item.height < h
+
+    return sum(any(enlarged(item, buckets) for buckets in bucket_sets) for item in items)
+
+
+def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -> list[str]:
+    """The dataset as the run will see it: images and repeats, each bucket with its entries an epoch, and the images
+    enlarged to their bucket."""
+    images = [item for item in dataset.items if not item.reg]
+    entries = [item for item in dataset.training_items if not item.reg]
+    repeats = Counter(item.repeats for item in images)
+    said = ", ".join(f"{n} image{'s' * (n != 1)} {'once' if r == 1 else f'{r} times'}"
+                     for r, n in sorted(repeats.items()))
+    res = ", ".join(f"{r} px" for r in resolutions)
+    lines = [f"data: {len(images)} images from {dataset.root} (repeats: {said}), {len(entries) * len(resolutions)} "
+             f"entries an epoch at {res}"]
+    counts = Counter(bucket_for(item.width, item.height, buckets, no_upscale)
+                     for buckets in bucket_sets for item in entries)
+    lines.append("buckets: " + ", ".join(f"{w}x{h}: {n} entr{'ies' if n != 1 else 'y'}"
+                                        for (w, h), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))))
+    up = upscaled_images(images, bucket_sets, no_upscale)
+    if up:
+        lines.append(f"upscaled: {up} of {len(images)} images are smaller than their bucket and are enlarged to it; "
+                     "no_upscale = true (--no-upscale) trains each at its own size instead")
+    else:
+        lines.append(f"upscaled: none of the {len(images)} images" + (" (no_upscale)" if no_upscale else ""))
+    return lines
+
+
+def steps_line(total: int, step: int, batch: int, grad_accum: int, world: int, epoch_batches: int) -> str:
+    """The optimizer steps to come, and what each takes."""
+    per = f"{batch} image{'s' * (batch != 1)} a batch" + (f" on each of {world} processes" if world > 1 else "") \
+        + (f", {grad_accum} batches a step" if grad_accum > 1 else "")
+    epochs = total * grad_accum / max(1, epoch_batches)
+    start = f", from step {step}" if step else ""
+    return f"steps: {total} ({per}; about {epochs:.3g} epochs){start}"
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as a person says it: 42 s, 3 min 5 s, 2 h 3 min."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+
+
+class StepClock:
+    """The seconds of this process's steps, for the ETA: the first step (a warm-up: compilation, allocator, caches)
+    is not counted."""
+
+    def __init__(self, total: int, step: int) -> None:
+        self.total, self.step, self.times, self.said = total, step, [], False
+
+    def add(self, step: int, seconds: float) -> None:
+        self.step = step
+        self.times.append(seconds)
+
+    def per_step(self) -> float | None:
+        """The mean seconds a step after the warm-up one (None before one is measured)."""
+        measured = self.times[1:]
+        return sum(measured) / len(measured) if measured else None
+
+    def eta(self) -> str:
+        """The time left, for a progress line (``?`` before a measured step)."""
+        per = self.per_step()
+        return "?" if per is None else duration(per * (self.total - self.step))
+
+    def run_line(self) -> str | None:
+        """Once, after :data:`MEASURED` measured steps: how long the steps left will take."""
+        per = self.per_step()
+        if self.said or len(self.times) < MEASURED + 1 or self.step >= self.total:
+            return None
+        self.said = True
+        left = self.total - self.step
+        return (f"eta: about {duration(per * left)} for the {left} steps left ({duration(per * self.total)} for all "
+                f"{self.total}; {per:.2f} s a step, measured on {len(self.times) - 1} steps after the first)")

@@ -1,0 +1,14 @@
+"""What the tiny training runs of tests/train share: tiny-flux compiled plainly to W8, the slab they train on."""
+from pathlib import Path
+
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
+from squareq.models import load_builtin
+from squareq.quant import QuantSpec
+
+
+def w8_tiny_slab(path: Path) -> Path:
+    """tiny-flux with every layer RTN W8 at ``path``."""
+    model, adapter = load_builtin("tiny-flux")
+    write_rtn_slab(model, adapter.blocks(model), {}, path,
+                   PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+    return path
