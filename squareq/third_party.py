@@ -115,9 +115,11 @@ class _OnImport(importlib.abc.MetaPathFinder):
 
             def exec_module(module, run=run) -> None:
                 run(module)
-                if self in sys.meta_path:  # once: the module is imported now
-                    sys.meta_path.remove(self)
-                self.then(module)
+                # a loader may serve other modules too (a zipimporter): only this one is told
+                if module.__name__ == self.name:
+                    if self in sys.meta_path:  # once: the module is imported now
+                        sys.meta_path.remove(self)
+                    self.then(module)
 
             spec.loader.exec_module = exec_module  # this spec's own loader object
             return spec

@@ -56,7 +56,7 @@ from .options import REVISION, encoder_file_options, given_files, removed_if_fai
                    "prompt's --f sets its own.")
 @shared_option("cuda_graphs", "Replay each block's forward from a CUDA graph once the first denoising steps have "
                "captured it (CUDA only; docs/tuning.md says when it pays): on, or auto and off, which leave it off "
-               "when sampling; a bare --cuda-graphs is on.")
+               "when sampling; a bare --cuda-graphs is on (after SLAB; right before it, write --cuda-graphs on).")
 @shared_option("compile", "Run each block's forward under torch.compile: on, off, or auto (off: a sampling run "
                "measured slower with its compile counted; docs/tuning.md).")
 @shared_option("attention")

@@ -27,14 +27,17 @@ class CtrlC:
         self.installed = False
 
     def __enter__(self) -> CtrlC:
-        if threading.current_thread() is threading.main_thread():
+        # a run started with SIGINT ignored (a background job) keeps ignoring it
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self.previous = signal.signal(signal.SIGINT, self._handle)
             self.installed = True
         return self
 
     def __exit__(self, *exc) -> None:
         if self.installed:
-            signal.signal(signal.SIGINT, self.previous)
+            # None: the handler was not set from Python (an embedding); Python's own is the one to put back
+            signal.signal(signal.SIGINT, signal.default_int_handler if self.previous is None else self.previous)
             self.installed = False
 
     def _handle(self, signum, frame) -> None:

@@ -212,20 +212,22 @@ class TrainingRun:
             # where this step starts: what an out-of-memory save must record, so that a resume redoes it
             self.step_start = (state.batches.state_dict(), state.generator.get_state())
             if self.stepper.optimizer_step(self.step_start):
-                self.after_update()
+                self.after_update(ctrl_c.pressed)
             if state.step < state.total and ctrl_c.stop(self.ranks.world, self.device):
                 self.interrupted = True
                 self.echo(f"Ctrl-C: stopping after step {state.step}; writing its checkpoint and the LoRA so far")
                 return
 
-    def after_update(self) -> None:
-        """What is due after this step: a checkpoint, samples, a validation pass, the caller's hook."""
+    def after_update(self, stopping: bool = False) -> None:
+        """What is due after this step: a checkpoint, samples, a validation pass, the caller's hook. ``stopping``
+        (Ctrl-C was pressed): no samples or validation, which can take minutes; a resumed run makes up a missed
+        validation (rank 0 alone draws and validates, so its own flag is enough)."""
         cfg, step = self.cfg, self.state.step
         if cfg.save_every and step % cfg.save_every == 0 and step < self.state.total:
             self.checkpoints.save(self.logs.metrics)
-        if self.samples is not None and step % cfg.sample_every == 0:
+        if self.samples is not None and step % cfg.sample_every == 0 and not stopping:
             self.samples.draw(self.state.model, step)
-        if step % self.validate_every == 0 or step == self.state.total:
+        if (step % self.validate_every == 0 or step == self.state.total) and not stopping:
             self.validate()
         if self.after_step is not None:
             self.after_step(step)

@@ -50,7 +50,10 @@ def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -
     lines.append("buckets: " + ", ".join(f"{w}x{h}: {n} entr{'ies' if n != 1 else 'y'}"
                                         for (w, h), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))))
     up = upscaled_images(images, bucket_sets, no_upscale)
-    if up:
+    if up and no_upscale:  # a wide image over its bucket's area keeps the bucket, and its short side is enlarged
+        lines.append(f"upscaled: {up} of {len(images)} images are enlarged despite no_upscale: one side is shorter "
+                     "than their bucket's")
+    elif up:
         lines.append(f"upscaled: {up} of {len(images)} images are smaller than their bucket and are enlarged to it; "
                      "no_upscale = true (--no-upscale) trains each at its own size instead")
     else:

@@ -70,21 +70,26 @@ def kept(out, step):
 
 
 def test_ctrl_c_saves_the_run_and_the_resumed_run_ends_like_an_unbroken_one(ws, straight, capfd):
+    """Ctrl-C after step 3, mid-epoch (4 images, 2 a batch): the checkpoint keeps the data position too."""
     out = ws / "interrupted"
     lines = []
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(TrainInterrupted) as caught:
-        train(_config(ws, out), echo=lines.append, after_step=ctrl_c_at(2))
+        train(_config(ws, out), echo=lines.append, after_step=ctrl_c_at(3))
     assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
     message = str(caught.value)
-    assert "--resume latest" in message and "step 2 of 6" in message and str(out / "checkpoints") in message, message
+    assert "--resume latest" in message and "step 3 of 6" in message and str(out / "checkpoints") in message, message
     assert caught.value.exit_code == 130
     assert "press Ctrl-C again" in capfd.readouterr().err  # said at once, from the handler
-    assert any(line.startswith("Ctrl-C: stopping after step 2") for line in lines), lines
-    assert any(line.startswith("LoRA written to") and "after 2 steps" in line for line in lines), lines
-    kept(out, 2)
-    resumed = train(_config(ws, out, resume="latest"), echo=lambda s: None)
+    assert any(line.startswith("Ctrl-C: stopping after step 3") for line in lines), lines
+    assert any(line.startswith("LoRA written to") and "after 3 steps" in line for line in lines), lines
+    kept(out, 3)
     a, _ = load_lora(straight[0].lora_file)
+    so_far, _ = load_lora(out / "pytorch_lora_weights.safetensors")
+    assert any(not torch.equal(a[name], so_far[name]) for name in a)  # 3 steps, not the unbroken run's 6
+    said = []
+    resumed = train(_config(ws, out, resume="latest"), echo=said.append)
+    assert any(line.startswith("resumed from") and line.endswith("at step 3") for line in said), said  # no restart
     b, _ = load_lora(resumed.lora_file)
     assert resumed.steps == STEPS and a.keys() == b.keys()
     for name in a:
