@@ -9,26 +9,33 @@ stops otherwise), in a process of its own:
 
 * the CUDA caching allocator is capped (``torch.cuda.set_per_process_memory_fraction``) at the card's memory less
   the CUDA context this process holds on the device, which a card of that size holds too;
-* the family's text encoders and VAE are built in host memory at their released shapes with seeded random weights
-  (FLUX.1: CLIP-L and T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B),
-  and the trainer's own caching (``squareq.train.loop``) runs through them: the encoders are placed within the
-  config's ``vram_budget`` by ``squareq.sources.encoder_placement``, so those that do not fit stream block by block;
+* the family's text encoders and VAE, at their released shapes with seeded random weights (FLUX.1: CLIP-L and
+  T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B), were written once into
+  the workdir as a user holds them (:data:`LAYOUTS`): the cached Hub snapshot of the family's repository
+  (``hub-full/``, ``HF_HUB_CACHE`` with ``HF_HUB_OFFLINE=1``, the config's ``model`` its Hub ID), and for FLUX.1 also
+  ComfyUI's single files (``clip_l``, ``t5``, ``vae``: ``clip_l.safetensors``, ``t5xxl_fp16.safetensors``,
+  ``ae.safetensors``), each a run of its own; the trainer's own caching (``squareq.train.loop``) loads them through
+  squareq's loaders and places them within the config's ``vram_budget`` (``squareq.sources.encoder_placement``), so
+  those that do not fit stream block by block;
 * ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring and host)
   on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same random weights and W4/W6/W8 mix);
 * where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution.
 
-The tokenizers are the offline tiny ones (char-level; FLUX.2's and Qwen-Image's pad or template to the same lengths as
-the real ones do), so token counts are like the real ones' but ids are not. Each process reports the peak reserved
-memory of caching, of the steps and of sampling against the card, the median step, the bytes copied into the ring per
-step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not measured). One JSON
-line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as wide as them, no
-caps, 2 steps and a 2-step sample at 64 px, every config in this one process with its own ``vram_budget`` (the
-encoders are placed within it; the trainer checks its memory plan on a GPU only), a smoke test anywhere, seconds on
-a CPU, where the GPU figures (memory peaks, bytes copied) are null and listed as not measured.
+The tokenizers are the offline tiny ones (char-level; FLUX.2's and Qwen-Image's pad or template to the same lengths
+as the real ones do), so token counts are like the real ones' but ids are not. Each process reports the peak reserved
+memory of caching, of the steps and of sampling against the card; per host phase (:data:`PHASES`: loading the
+encoders, caching, the steps, sampling) the peaks of anonymous memory (RssAnon, pinned pages included) and of RSS,
+read from ``/proc/self/status`` every 100 ms by a thread (``common.HostPeaks``); the median step, the bytes copied
+into the ring per step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not
+measured). One JSON line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as
+wide as them, no caps, 2 steps and a 2-step sample at 64 px, the same files written at the tiny shapes
+(``hub-tiny/``; ComfyUI's for the first FLUX.1 config only), every config in this one process with its own
+``vram_budget`` (the encoders are placed within it; the trainer checks its memory plan on a GPU only), a smoke test
+anywhere, seconds on a CPU, where the GPU figures (memory peaks, bytes copied) are null and listed as not measured.
 
-The encoders are handed to the trainer in memory: squareq has no public hook for that, so :func:`in_memory_encoders`
-puts a stand-in for ``squareq.sources.encoders.open_encoders`` (and ``open_decoder``) wherever a loaded squareq module
-holds it, reading the caller's arguments by the real function's own signature.
+The phases and the caching's figures are read around ``squareq.sources.encoders.open_encoders``:
+:func:`watched_encoders` wraps the real function wherever a loaded squareq module holds it (squareq has no public
+hook for that); the encoders still load through it from the files.
 """
 from __future__ import annotations
 
@@ -38,11 +45,11 @@ import datetime
 import inspect
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +58,10 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from common import NOT_MEASURED, RECORDS, Column, emit, git_commit, log, not_measured, table, write_records  # noqa: E402
+import common  # noqa: E402
+from common import NOT_MEASURED, RECORDS, Column, HostPeaks, emit, git_commit, log, not_measured  # noqa: E402
 from train_e2e import write_data  # noqa: E402  (noise images with captions)
+from user_layout import REPOS, has_snapshot, hub_cache, write_comfyui_encoders, write_hub_snapshot  # noqa: E402
 
 GIB = 1 << 30
 EXAMPLES = ROOT / "examples"
@@ -200,95 +209,100 @@ def build_encoders(family: str, config: dict, tiny: bool):
     for name in ("text_encoder", "text_encoder_2"):
         module = getattr(pipe, name, None)
         if module is not None:
-            fill_random(module, seed=hash(name) % 1000)
+            fill_random(module, seed=zlib.crc32(name.encode()) % 1000)  # hash() differs between processes
             module.eval()
     return pipe
 
 
 @contextlib.contextmanager
-def encoders_of(pipe, family: str, device, run, dtype, measure: dict):
-    """The trainer's encoder objects around the in-memory ``pipe`` on ``device`` in ``dtype``, placed as
-    ``open_encoders`` places them for ``run``; the caching's wall time and peak reserved memory go into ``measure``."""
+def watched_encoders(measure: dict, peaks: HostPeaks, phases: tuple[str, str, str] | None = None):
+    """Within: every loaded squareq module's ``open_encoders`` is the real one, watched: given ``phases`` (load,
+    use, after), the host phase is the first while it loads and places the encoders from their files, the second
+    while its caller uses them and the third once it released them; the placement, the caching's wall time and its
+    peak reserved memory go into ``measure``."""
     import torch
 
-    from squareq.sources.encoder_identity import module_identity
-    from squareq.sources.encoder_placement import placed
-    from squareq.sources.encoder_source import dtype_tag
-    from squareq.sources.encoders import Encoders, encoder_dtype
-    from squareq.sources.pipeline_encoders import TEXT_ENCODERS, PipelineEncoders
-
-    device = torch.device(device)
-    dtype = dtype or encoder_dtype(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    try:
-        with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run) as placement:
-            measure["placement"] = placement.record()
-            measure["placement_line"] = placement.describe()
-            log(placement.describe())
-            if family == "flux":
-                where = dtype_tag(dtype)
-                yield Encoders(pipe, device, dtype, module_identity(pipe.vae, "vae") + where,
-                               module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5")
-                               + where, placement)
-            else:
-                yield PipelineEncoders(pipe, family, device, dtype, placement)
-    finally:
-        measure["cache_peak_reserved_GB"] = measure["cache_peak_allocated_GB"] = None  # a CPU: train_config lists them
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            measure["cache_peak_reserved_GB"] = torch.cuda.max_memory_reserved() / 1e9
-            measure["cache_peak_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
-        measure["cache_s"] = time.perf_counter() - start
-        for name in ("vae", *TEXT_ENCODERS):
-            if getattr(pipe, name, None) is not None:
-                setattr(pipe, name, None)
-        import gc
-
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-
-
-@contextlib.contextmanager
-def in_memory_encoders(open_pipe, family: str, measure: dict):
-    """Within: every loaded squareq module's ``open_encoders`` opens the pipeline ``open_pipe()`` returns (the
-    caching's figures into ``measure``), and its ``open_decoder`` gives that pipeline's VAE and scheduler. The
-    caller's arguments are bound to the real functions' signatures, so a call reads the same wherever it moved."""
     from squareq.sources import encoders
 
-    real_open, real_decoder = encoders.open_encoders, encoders.open_decoder
-    opened = {}
+    real_open = encoders.open_encoders
 
-    def open_in_memory(*args, **kwargs):
-        call = inspect.signature(real_open).bind(*args, **kwargs)
-        call.apply_defaults()
-        pipe = open_pipe()
-        opened.update(kind=type(pipe), scheduler=pipe.scheduler, vae=pipe.vae)  # the decoder keeps the VAE
-        return encoders_of(pipe, family, call.arguments["device"], call.arguments["run"], call.arguments["dtype"],
-                           measure)
+    @contextlib.contextmanager
+    def watched(*args, **kwargs):
+        device = torch.device(inspect.signature(real_open).bind(*args, **kwargs).arguments["device"])
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        if phases:
+            peaks.phase(phases[0])
+        try:
+            with real_open(*args, **kwargs) as opened:
+                if phases:
+                    peaks.phase(phases[1])
+                if opened.placement is not None:
+                    measure["placement"] = opened.placement.record()
+                    log(opened.placement.describe())
+                yield opened
+        finally:
+            measure["cache_peak_reserved_GB"] = measure["cache_peak_allocated_GB"] = None  # a CPU: listed later
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                measure["cache_peak_reserved_GB"] = torch.cuda.max_memory_reserved() / 1e9
+                measure["cache_peak_allocated_GB"] = torch.cuda.max_memory_allocated() / 1e9
+                torch.cuda.reset_peak_memory_stats()
+            measure["cache_s"] = time.perf_counter() - start
+            if phases:
+                peaks.phase(phases[2])
 
-    def decoder_in_memory(*args, **kwargs):
-        dtype = inspect.signature(real_decoder).bind(*args, **kwargs).arguments["dtype"]
-        if not opened:
-            pipe = open_pipe()
-            opened.update(kind=type(pipe), scheduler=pipe.scheduler, vae=pipe.vae)
-        return opened["kind"](scheduler=opened["scheduler"], vae=opened["vae"].to(dtype), text_encoder=None,
-                              tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=None)
-
-    stand_ins = {real_open: open_in_memory, real_decoder: decoder_in_memory}
-    patched = [(module, name, value) for module in list(sys.modules.values())
+    patched = [(module, name) for module in list(sys.modules.values())
                if getattr(module, "__name__", "").startswith("squareq.")
-               for name, value in list(vars(module).items()) if any(value is real for real in stand_ins)]
-    for module, name, value in patched:
-        setattr(module, name, stand_ins[value])
+               for name, value in list(vars(module).items()) if value is real_open]
+    for module, name in patched:
+        setattr(module, name, watched)
     try:
         yield
     finally:
-        for module, name, value in patched:
-            setattr(module, name, value)
+        for module, name in patched:
+            setattr(module, name, real_open)
+
+
+def write_user_files(args, family: str) -> None:
+    """The family's VAE and text encoders (seeded random weights, released shapes; ``--tiny``: the tiny ones) as the
+    cached Hub snapshot of its repository in the workdir, once: what a user's ``hf download`` leaves; for FLUX.1 also
+    as ComfyUI's single files. Their count of parameters beside it (``params-<family>.json``)."""
+    from squareq.slab import open_slab
+
+    cache = hub_dir(args)
+    if has_snapshot(cache, REPOS[family]):
+        return
+    start = time.perf_counter()
+    model_config = open_slab(slab_path(Path(args.workdir), family, args.tiny), verify="off").manifest.model.config
+    pipe = build_encoders(family, model_config, args.tiny)
+    params = sum(p.numel() for n in ("text_encoder", "text_encoder_2")
+                 if getattr(pipe, n, None) is not None for p in getattr(pipe, n).parameters())
+    if "comfyui" in LAYOUTS[family]:
+        write_comfyui_encoders(pipe, cache / f"comfyui-{family}")
+    snapshot = write_hub_snapshot(cache, pipe, REPOS[family])  # last: its refs/main says the files are whole
+    (cache / f"params-{family}.json").write_text(json.dumps({"encoder_params": params}))
+    log(f"{family}: encoders and VAE written to {snapshot} in {time.perf_counter() - start:.1f} s")
+
+
+def remove_user_files(args, family: str) -> None:
+    import shutil
+
+    cache = hub_dir(args)
+    shutil.rmtree(cache / f"comfyui-{family}", ignore_errors=True)
+    shutil.rmtree(cache / f"models--{REPOS[family].replace('/', '--')}", ignore_errors=True)
+    log(f"{family}: its encoder files removed from {cache} (--keep-files keeps them)")
+
+
+def comfyui_files(cache: Path, family: str) -> dict[str, Path]:
+    folder = cache / f"comfyui-{family}"
+    return {"clip_l": folder / "clip_l.safetensors", "t5": folder / "t5xxl_fp16.safetensors",
+            "vae": folder / "ae.safetensors"}
+
+
+def hub_dir(args) -> Path:
+    return Path(args.workdir) / f"hub-{'tiny' if args.tiny else 'full'}"
 
 
 def cap_to_card(card_gib: int) -> dict:
@@ -309,57 +323,63 @@ def slab_path(workdir: Path, family: str, tiny: bool) -> Path:
     return workdir / f"{'tiny' if tiny else 'full'}-{family}.slab"
 
 
-def run_config(args, name: str) -> None:
+PHASES = ("load", "caching", "steps", "sampling")  # the host-memory phases each record gives peaks for
+# the layouts of a family's files a user holds, each run: the Hub cache (--model a Hub ID); ComfyUI's single files
+# (--clip-l, --t5, --vae; the configs and tokenizers from the Hub cache, as squareq reads them)
+LAYOUTS = {"flux": ("hub", "comfyui"), "flux2": ("hub",), "qwen-image": ("hub",)}
+
+
+def run_config(args, name: str, layout: str) -> None:
     """One example config in this process (module docstring)."""
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(False)  # the cuDNN attention backward fails on the device image
-    from squareq.slab import open_slab
-
     family, card = CARDS[name]
     work = Path(args.workdir)
     rec = {"what": "card", "config": name, "family": family, "card_GiB": card, "commit": git_commit(),
-           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": REPOS[family],
+           "layout": layout}
     cuda = torch.cuda.is_available()
     slab = slab_path(work, family, args.tiny)
-    model_config = open_slab(slab, verify="off").manifest.model.config
-    start = time.perf_counter()
-    pipe = build_encoders(family, model_config, args.tiny)
-    rec["encoders_build_s"] = time.perf_counter() - start
-    rec["encoder_params_B"] = sum(p.numel() for n in ("text_encoder", "text_encoder_2")
-                                  if getattr(pipe, n, None) is not None for p in getattr(pipe, n).parameters()) / 1e9
+    rec["encoder_params_B"] = json.loads((hub_dir(args) / f"params-{family}.json").read_text())["encoder_params"] / 1e9
     if cuda and not args.tiny:
         torch.cuda.empty_cache()
         rec.update(cap_to_card(card))
-    cfg = config_of(args, name, slab)
+    cfg = config_of(args, name, slab, layout)
+    rec["files"] = {k: v for k, v in cfg.encoder_files.items() if v}
     rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
                prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
-    train_config(cfg, pipe, family, rec)
-    if family == "flux":  # the caching released the first encoders: sampling gets its own, built before it is timed
-        sample_pipe = build_encoders(family, model_config, args.tiny)
-        sample_config(args, slab, cfg, lambda: sample_pipe, rec)
-    else:  # this benchmark samples FLUX.1 only
-        not_measured(rec, "sample_s", "sample_steps", "sample_size", "sample_placement", "sample_peak_reserved_GB")
+    with hub_cache(hub_dir(args)), HostPeaks(PHASES) as peaks:
+        train_config(cfg, family, rec, peaks)
+        if family == "flux":
+            sample_config(args, slab, cfg, rec, peaks)
+        else:  # this benchmark samples FLUX.1 only
+            not_measured(rec, "sample_s", "sample_steps", "sample_size", "sample_placement", "sample_peak_reserved_GB")
+    peaks.fields(rec)
     if cuda:
         rec["peak_reserved_GB"] = max(rec[k] for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB",
                                                        "sample_peak_reserved_GB") if rec[k] is not None)
         rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB
     else:
         not_measured(rec, "peak_reserved_GB", "fits_card")
-    rec["host_rss_peak_GB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     emit(rec)
 
 
-def config_of(args, name: str, slab: Path):
-    """The example config ``name`` on ``slab`` for ``--steps`` steps, with noise images at its largest resolution."""
+def config_of(args, name: str, slab: Path, layout: str):
+    """The example config ``name`` on ``slab`` for ``--steps`` steps, with noise images at its largest resolution,
+    its encoders those of the family's Hub ID, in ``layout`` (:data:`LAYOUTS`)."""
     from squareq.train.config import load_config
 
     work = Path(args.workdir)
     stamp = f"{name}-{time.time_ns()}"
-    overrides = {"slab": str(slab), "output": str(work / f"out-{stamp}"), "cache_dir": str(work / f"cache-{stamp}"),
+    overrides = {"slab": str(slab), "model": REPOS[CARDS[name][0]], "output": str(work / f"out-{stamp}"),
+                 "cache_dir": str(work / f"cache-{stamp}"),
                  "steps": args.steps, "save_every": 0, "sample_every": 0, "seed": 0}
     if args.tiny:
         overrides.update(resolution=64, max_sequence_length=16)
+    if layout == "comfyui":
+        family = CARDS[name][0]
+        overrides.update({flag: str(path) for flag, path in comfyui_files(hub_dir(args), family).items()})
     cfg = load_config(ROOT / "examples" / f"{name}.toml", overrides)
     res = max(cfg.resolution)
     cfg.data = str(work / f"data-{res}")
@@ -367,17 +387,18 @@ def config_of(args, name: str, slab: Path):
     return cfg
 
 
-def train_config(cfg, pipe, family: str, rec: dict) -> None:
-    """``squareq.train``'s trainer on ``cfg``, caching through the in-memory ``pipe``: wall time, caching and the
-    steps' figures (from its metrics.jsonl) into ``rec``."""
+def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
+    """``squareq.train``'s trainer on ``cfg``, its encoders loaded from the Hub cache: wall time, caching and the
+    steps' figures (from its metrics.jsonl) into ``rec``; host phases ``load``, ``caching``, then ``steps``."""
     import torch
 
     from squareq.train.loop import train
 
     measure: dict = {}
     start = time.perf_counter()
-    with in_memory_encoders(lambda: pipe, family, measure):
+    with watched_encoders(measure, peaks, ("load", "caching", "steps")):  # the trainer frees them before a step
         train(cfg, echo=lambda s: log(s))
+    peaks.phase(None)
     rec["train_wall_s"] = time.perf_counter() - start
     rec.update(measure)
     rows = [json.loads(line) for line in (Path(cfg.output) / "metrics.jsonl").read_text().splitlines()]
@@ -395,8 +416,9 @@ def train_config(cfg, pipe, family: str, rec: dict) -> None:
                      "cache_peak_reserved_GB", "cache_peak_allocated_GB")
 
 
-def sample_config(args, slab: Path, cfg, open_pipe, rec: dict) -> None:
-    """``squareq sample``'s path: one image at the config's largest resolution; its figures into ``rec``."""
+def sample_config(args, slab: Path, cfg, rec: dict, peaks: HostPeaks) -> None:
+    """``squareq sample``'s path, its encoders and VAE loaded from the Hub cache: one image at the config's largest
+    resolution; its figures into ``rec``, host phase ``sampling``."""
     import torch
 
     from squareq.train import sample
@@ -406,9 +428,12 @@ def sample_config(args, slab: Path, cfg, open_pipe, rec: dict) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    with in_memory_encoders(open_pipe, "flux", sample_measure):
-        images = sample.sample_images(slab, [SAMPLE_PROMPT], resolution=max(cfg.resolution), steps=args.sample_steps,
+    peaks.phase("sampling")
+    with watched_encoders(sample_measure, peaks):
+        images = sample.sample_images(slab, [SAMPLE_PROMPT], model=cfg.model, files=cfg.encoder_files,
+                                      resolution=max(cfg.resolution), steps=args.sample_steps,
                                       max_sequence_length=cfg.max_sequence_length)
+    peaks.phase(None)
     rec["sample_s"] = time.perf_counter() - start
     rec["sample_steps"] = args.sample_steps
     rec["sample_size"] = list(images[0].size)
@@ -469,7 +494,8 @@ def card_table(records: list[dict]) -> str:
     def sample(r):
         return f"{r['sample_s']:.1f} / {gb('sample_peak_reserved_GB')(r)}"
 
-    columns = [Column("config", "config"), Column("card", "card_GiB", lambda r: f"{r['card_GiB']} GiB"),
+    columns = [Column("config", "config"), Column("files", "layout"),
+               Column("card", "card_GiB", lambda r: f"{r['card_GiB']} GiB"),
                Column("encoders (streamed)", "encoder_params_B", encoders, also=("placement",)),
                Column("cache s / peak GB", "cache_s", cache, also=("cache_peak_reserved_GB", "placement")),
                Column("step s", "step_s", ".3f"),
@@ -478,7 +504,16 @@ def card_table(records: list[dict]) -> str:
                Column("at PCIe 4.0 x16 (arithmetic) s", "pcie4_copy_s_arithmetic", ".2f"),
                Column("sample s / peak GB", "sample_s", sample, also=("sample_peak_reserved_GB",)),
                Column("fits", "fits_card"), Column("error", None, lambda r: r.get("error", "")[:120])]
-    return table(records, columns, where={"what": "card"})
+    columns[-2:-2] = [Column(f"{phase} host peak GB (RssAnon / RSS)", f"{phase}_rss_anon_peak_GB", host_cell(phase),
+                             also=(f"{phase}_rss_peak_GB",)) for phase in PHASES]
+    return common.table(records, columns, where={"what": "card"})
+
+
+def host_cell(phase: str):
+    def cell(r):
+        rss = r[f"{phase}_rss_peak_GB"]
+        return f"{r[f'{phase}_rss_anon_peak_GB']:.2f} / {NOT_MEASURED if rss is None else f'{rss:.2f}'}"
+    return cell
 
 
 def main() -> None:
@@ -490,12 +525,15 @@ def main() -> None:
     parser.add_argument("--sample-steps", type=int, help=f"denoising steps (default 20; --tiny: {TINY_STEPS})")
     parser.add_argument("--tiny", action="store_true", help="tiny slabs and encoders, every config in this process")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one config, in this process
+    parser.add_argument("--layout", default="hub", help=argparse.SUPPRESS)  # --run's files (LAYOUTS)
     parser.add_argument("--timeout", type=float, default=540)
+    parser.add_argument("--keep-files", action="store_true",
+                        help="keep each family's encoder files in the workdir after its configs ran (default: removed)")
     args = parser.parse_args()
     args.steps = args.steps or (TINY_STEPS if args.tiny else 5)
     args.sample_steps = args.sample_steps or (TINY_STEPS if args.tiny else 20)
     if args.run:
-        run_config(args, args.run)
+        run_config(args, args.run, args.layout)
         return
     examples = {p.stem for p in EXAMPLES.glob("*.toml")}
     if examples != set(CARDS):
@@ -508,31 +546,46 @@ def main() -> None:
         parser.error(f"--configs: {', '.join(unknown)} are not example configs; choose from {', '.join(CARDS)}.")
     for family in dict.fromkeys(CARDS[n][0] for n in names):
         ensure_slab(args, family)
-    for name in names:
-        log(f"config {name}")
-        if args.tiny:
-            in_this_process(args, name)
-        else:
-            in_its_own_process(args, name)
-        write_records(args.out, "cards.jsonl")
+        write_user_files(args, family)
+        for name, layout in runs([n for n in names if CARDS[n][0] == family], args.tiny):
+            log(f"config {name}, files as {layout}")
+            if args.tiny:
+                in_this_process(args, name, layout)
+            else:
+                in_its_own_process(args, name, layout)
+            common.write_records(args.out, "cards.jsonl")
+        if not (args.tiny or args.keep_files):  # the next family's files need the disk (FLUX.2's encoder: 48 GB)
+            remove_user_files(args, family)
     print(card_table(RECORDS))
 
 
-def in_this_process(args, name: str) -> None:
+def runs(names: list[str], tiny: bool) -> list[tuple[str, str]]:
+    """(config, layout) to run: each config in each of its family's layouts (``tiny``: the layouts after the first
+    for the family's first config only, which runs the same loaders in seconds less)."""
+    done: set[str] = set()
+    out = []
+    for name in names:
+        family = CARDS[name][0]
+        out += [(name, layout) for i, layout in enumerate(LAYOUTS[family]) if not (tiny and i and family in done)]
+        done.add(family)
+    return out
+
+
+def in_this_process(args, name: str, layout: str) -> None:
     """``--tiny``: the config in this process, a failure an error record."""
     try:
-        run_config(args, name)
+        run_config(args, name, layout)
     except Exception as exc:  # noqa: BLE001 - the next config still runs
         import traceback
 
         traceback.print_exc()
-        emit({"what": "card", "config": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        emit({"what": "card", "config": name, "layout": layout, "error": f"{type(exc).__name__}: {exc}"[:500]})
 
 
-def in_its_own_process(args, name: str) -> None:
+def in_its_own_process(args, name: str, layout: str) -> None:
     """The config in a process of its own (its allocator capped to the card), its JSON lines echoed."""
-    cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--steps", str(args.steps),
-           "--sample-steps", str(args.sample_steps)]
+    cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--layout", layout,
+           "--steps", str(args.steps), "--sample-steps", str(args.sample_steps)]
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -542,7 +595,7 @@ def in_its_own_process(args, name: str) -> None:
             RECORDS.append(rec)
             print(json.dumps(rec, sort_keys=True), flush=True)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        emit({"what": "card", "config": name, "error": str(exc)})
+        emit({"what": "card", "config": name, "layout": layout, "error": str(exc)})
 
 
 if __name__ == "__main__":

@@ -157,3 +157,59 @@ def missing_fields(records: list[dict], declared: dict) -> list[str]:
             if fields:
                 problems.append(f"{which} {what} {fields}")
     return problems
+
+
+class HostPeaks:
+    """The peaks of a process's anonymous memory (RssAnon, pinned pages included) and of its RSS, per phase, read
+    from ``/proc/<pid>/status`` every ``every`` seconds by a thread: :meth:`phase` names the phase the next reads
+    count for; :meth:`fields` gives ``<phase>_rss_anon_peak_GB`` / ``<phase>_rss_peak_GB``, None where not measured
+    (no /proc: not Linux; a phase too short for a read still gets the read :meth:`phase` takes on entering it)."""
+
+    def __init__(self, phases: tuple[str, ...], pid: int | str = "self", every: float = 0.1) -> None:
+        import threading
+
+        self.phases, self.path, self.every = phases, f"/proc/{pid}/status", every
+        self.peaks: dict[str, list[int]] = {}
+        self.current: str | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.available = os.path.exists(self.path)
+
+    def _read(self) -> None:
+        if self.current is None or not self.available:
+            return
+        try:
+            with open(self.path) as f:
+                kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "RssAnon")}
+        except (OSError, ValueError):
+            return
+        peak = self.peaks.setdefault(self.current, [0, 0])
+        peak[0], peak[1] = max(peak[0], kb.get("RssAnon", 0)), max(peak[1], kb.get("VmRSS", 0))
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self._read()
+
+    def phase(self, name: str | None) -> None:
+        self._read()  # the phase that ends gets its last read, the one that starts its first
+        self.current = name
+        self._read()
+
+    def __enter__(self) -> HostPeaks:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.phase(None)
+        self.stop.set()
+        self.thread.join()
+
+    def fields(self, rec: dict) -> dict:
+        """The peaks into ``rec`` (GB); phases never entered, or no /proc, listed as not measured."""
+        for name in self.phases:
+            keys = (f"{name}_rss_anon_peak_GB", f"{name}_rss_peak_GB")
+            if name in self.peaks:
+                rec[keys[0]], rec[keys[1]] = (kb * 1024 / 1e9 for kb in self.peaks[name])
+            else:
+                not_measured(rec, *keys)
+        return rec

@@ -6,9 +6,10 @@ The layouts written here are the inverse of what the loaders read, so they are w
 - ``clip_l.safetensors``: transformers' CLIPTextModel names with the ``text_model.`` prefix and the
   ``text_projection.weight`` that CLIP-L's files carry;
 - ``t5xxl_fp16.safetensors`` / ``t5xxl_fp8_e4m3fn.safetensors``: transformers' T5EncoderModel names, in fp16 or fp8;
-- ``ae.safetensors``: the original (ldm) autoencoder names BFL's ``ae.safetensors`` uses, below.
+- ``ae.safetensors``: the original (ldm) autoencoder names BFL's ``ae.safetensors`` uses (benchmarks/user_layout.py's
+  ``ldm_vae_state``, which cards.py writes its files with).
 """
-import re
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -19,6 +20,19 @@ from squareq.models.tiny_pipeline import build_tiny_flux_pipeline
 
 STAND_IN_REPO = "black-forest-labs/FLUX.1-dev"  # the tiny pipeline stands in for it in a test's cache
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _user_layout():
+    """benchmarks/user_layout.py, which writes ComfyUI's VAE file for cards.py the same way (benchmarks are scripts,
+    not a package: loaded by path)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "user_layout.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_user_layout", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ldm_vae_state = _user_layout().ldm_vae_state
 
 
 def stand_in_pipeline():
@@ -39,33 +53,6 @@ def write_hub_cache(cache: Path, pipe, repo: str = STAND_IN_REPO, commit: str = 
     (storage / "refs").mkdir(parents=True, exist_ok=True)
     (storage / "refs" / "main").write_text(commit)
     return snapshot
-
-
-def _ldm_vae_name(name: str, up_blocks: int) -> str:
-    """A diffusers AutoencoderKL tensor name as the original autoencoder (BFL's ae.safetensors) names it."""
-    name = re.sub(r"mid_block\.resnets\.(\d)", lambda m: f"mid.block_{int(m[1]) + 1}", name)
-    name = name.replace("mid_block.attentions.0.", "mid.attn_1.").replace("attn_1.group_norm", "attn_1.norm")
-    for ours, theirs in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "proj_out")):
-        name = name.replace(f"attn_1.{ours}.", f"attn_1.{theirs}.")
-    name = re.sub(r"down_blocks\.(\d+)\.resnets\.", r"down.\1.block.", name)
-    name = re.sub(r"down_blocks\.(\d+)\.downsamplers\.0\.", r"down.\1.downsample.", name)
-    # the decoder's levels are numbered from the lowest resolution in diffusers, from the highest in the original
-    name = re.sub(r"up_blocks\.(\d+)\.resnets\.", lambda m: f"up.{up_blocks - 1 - int(m[1])}.block.", name)
-    name = re.sub(r"up_blocks\.(\d+)\.upsamplers\.0\.", lambda m: f"up.{up_blocks - 1 - int(m[1])}.upsample.", name)
-    return name.replace("conv_shortcut", "nin_shortcut").replace("conv_norm_out", "norm_out")
-
-
-def ldm_vae_state(vae) -> dict[str, torch.Tensor]:
-    """A VAE's tensors under the original autoencoder's names (its attention projections as 1x1 convolutions)."""
-    state = vae.state_dict()
-    up_blocks = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("decoder.up_blocks."))
-    out = {}
-    for name, t in state.items():
-        ldm = _ldm_vae_name(name, up_blocks)
-        if ".attn_1." in ldm and name.endswith("weight") and t.ndim == 2:
-            t = t[:, :, None, None]
-        out[ldm] = t.contiguous()
-    return out
 
 
 def write_comfyui_files(pipe, folder: Path, t5_dtype: torch.dtype = torch.float16) -> dict[str, Path]:
