@@ -30,6 +30,7 @@ from .sample import (
     draw_image,
     draw_through_pipeline,
     draw_wuerstchen,
+    each_prompt,
     negative_needs_true_cfg,
     wuerstchen_training_folders,
 )
@@ -138,13 +139,13 @@ def _save_samples(cfg: TrainConfig, model, pipe, embeds: dict[str, dict], folder
     pipe.transformer = model
     pipe.vae.to(device)
     try:
-        prompts = sample_prompts(cfg, "flux")
-        with forward_only(model, device), progress.drawing(prompts):
-            images = []
-            for i, prompt in enumerate(prompts):
-                images.append(draw_image(pipe, prompt, cfg.max_sequence_length, device, progress.after_step(),
-                                         embeds=embeds[prompt.text], negative=embeds.get(prompt.negative)))
-                progress.image_done(i, images[-1], lambda i, im: write_png(im, folder / f"step-{step:08d}-{i}.png"))
+        with forward_only(model, device):
+            def draw_one(prompt, on_step_end):
+                return draw_image(pipe, prompt, cfg.max_sequence_length, device, on_step_end,
+                                  embeds=embeds[prompt.text], negative=embeds.get(prompt.negative))
+
+            images = each_prompt(sample_prompts(cfg, "flux"), None,
+                                 lambda i, im: write_png(im, folder / f"step-{step:08d}-{i}.png"), draw_one, progress)
             write_png(_side_by_side(images), folder / f"step-{step:08d}-grid.png")
     finally:
         pipe.transformer = None

@@ -85,16 +85,17 @@ class StepClock:
     is not counted."""
 
     def __init__(self, total: int, step: int) -> None:
-        self.total, self.step, self.times, self.said = total, step, [], False
+        self.total, self.step, self.said = total, step, False
+        self.steps, self.measured, self.seconds = 0, 0, 0.0  # steps seen; those after the warm-up, their seconds
 
     def add(self, step: int, seconds: float) -> None:
-        self.step = step
-        self.times.append(seconds)
+        self.step, self.steps = step, self.steps + 1
+        if self.steps > 1:  # a running sum: this is called every step of a run that may take 100,000
+            self.measured, self.seconds = self.measured + 1, self.seconds + seconds
 
     def per_step(self) -> float | None:
         """The mean seconds a step after the warm-up one (None before one is measured)."""
-        measured = self.times[1:]
-        return sum(measured) / len(measured) if measured else None
+        return self.seconds / self.measured if self.measured else None
 
     def eta(self) -> str:
         """The time left, for a progress line (``?`` before a measured step)."""
@@ -104,9 +105,9 @@ class StepClock:
     def run_line(self) -> str | None:
         """Once, after :data:`MEASURED` measured steps: how long the steps left will take."""
         per = self.per_step()
-        if self.said or len(self.times) < MEASURED + 1 or self.step >= self.total:
+        if self.said or self.measured < MEASURED or self.step >= self.total:
             return None
         self.said = True
         left = self.total - self.step
         return (f"eta: about {duration(per * left)} for the {left} steps left ({duration(per * self.total)} for all "
-                f"{self.total}; {per:.2f} s a step, measured on {len(self.times) - 1} steps after the first)")
+                f"{self.total}; {per:.2f} s a step, measured on {self.measured} steps after the first)")

@@ -310,7 +310,7 @@ def _check_vram_budget(vram_budget: int | None, device: torch.device, prefetch, 
                           "; leave it out.")
 
 
-def _each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one,
+def each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one,
                  progress: SampleProgress | None = None) -> list:
     """``draw_one(prompt, on_step_end)`` for each prompt, with the tuner's callback; ``on_image`` as each is drawn;
     ``progress`` counts the steps (none shown without it)."""
@@ -337,7 +337,7 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
     pipe.vae.to(device)
     pipe.transformer = transformer
     try:
-        return _each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_image(
+        return each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_image(
             pipe, prompt, max_sequence_length, device, callback, embeds=entries[prompt.text],
             negative=entries.get(prompt.negative)), progress)
     finally:
@@ -441,7 +441,7 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
         pipe = opened.pipeline
         setattr(pipe, component, transformer)
         try:
-            return _each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_with_pipeline(
+            return each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_with_pipeline(
                 pipe, prompt, max_sequence_length, device, callback), progress)
         finally:
             setattr(pipe, component, None)
@@ -515,6 +515,6 @@ def draw_wuerstchen(folders: tuple[Path, Path], encoders, family: str, transform
                 return draw_stages(prior_pipe, decoder_pipe, family, prompt, device, autocast_dtype(transformer),
                                    lambda stage: _FiniteLatents(prompt.text, callback if stage == own else None))
 
-            return _each_prompt(settled, tuner, on_image, draw_one, progress)
+            return each_prompt(settled, tuner, on_image, draw_one, progress)
     except EncoderError as exc:
         raise SampleError(str(exc)) from None
