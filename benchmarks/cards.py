@@ -17,15 +17,20 @@ stops otherwise), in a process of its own:
   ``ae.safetensors``), each a run of its own; the trainer's own caching (``squareq.train.loop``) loads them through
   squareq's loaders and places them within the config's ``vram_budget`` (``squareq.sources.encoder_placement``), so
   those that do not fit stream block by block;
-* ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring and host)
-  on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same random weights and W4/W6/W8 mix);
+* ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring, host and
+  ``host_budget``, the PC it is for) on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same
+  random weights and W4/W6/W8 mix); the run's host plan (``squareq.train.host_plan``: its expected peak, where the
+  slab waits, which encoders read from their files through a ring) is recorded;
+* in the Hub layout, the same steps again with ``host_budget = "auto"`` (what this machine has: no budget to keep
+  within) on the filled cache: the step with the PC's budget against the step without one;
 * where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution.
 
 The tokenizers are the offline tiny ones (char-level; FLUX.2's and Qwen-Image's pad or template to the same lengths
 as the real ones do), so token counts are like the real ones' but ids are not. Each process reports the peak reserved
 memory of caching, of the steps and of sampling against the card; per host phase (:data:`PHASES`: loading the
 encoders, caching, the steps, sampling) the peaks of anonymous memory (RssAnon, pinned pages included) and of RSS,
-read from ``/proc/self/status`` every 100 ms by a thread (``common.HostPeaks``); the median step, the bytes copied
+read from ``/proc/self/status`` every 100 ms by a thread (``common.HostPeaks``), each against the config's
+``host_budget`` (``within_host_budget``); the median step, the bytes copied
 into the ring per step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not
 measured). One JSON line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as
 wide as them, no caps, 2 steps and a 2-step sample at 64 px, the same files written at the tiny shapes
@@ -302,7 +307,10 @@ def comfyui_files(cache: Path, family: str) -> dict[str, Path]:
 
 
 def hub_dir(args) -> Path:
-    return Path(args.workdir) / f"hub-{'tiny' if args.tiny else 'full'}"
+    """Where the encoder files go: ``--files-dir`` (FLUX.2's 48 GB encoder beside its 18 GB slab fills a 64 GB disk),
+    else the workdir. Mapped from a RAM file system, their pages count as the process's RssShmem, so a run's host
+    figures then include the encoder's file: a disk is the measurement, a RAM file system only a way to fit."""
+    return Path(args.files_dir or args.workdir) / f"hub-{'tiny' if args.tiny else 'full'}"
 
 
 def cap_to_card(card_gib: int) -> dict:
@@ -349,13 +357,24 @@ def run_config(args, name: str, layout: str) -> None:
     rec["files"] = {k: v for k, v in cfg.encoder_files.items() if v}
     rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
                prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
+    rec["host_budget_GB"] = cfg.host_budget_bytes / 1e9 if cfg.host_budget_bytes else None
     with hub_cache(hub_dir(args)), HostPeaks(PHASES) as peaks:
         train_config(cfg, family, rec, peaks)
+        if layout == "hub":
+            baseline_steps(cfg, rec)
+        else:
+            not_measured(rec, "step_s_no_budget", "step_vs_no_budget")
         if family == "flux":
             sample_config(args, slab, cfg, rec, peaks)
         else:  # this benchmark samples FLUX.1 only
             not_measured(rec, "sample_s", "sample_steps", "sample_size", "sample_placement", "sample_peak_reserved_GB")
     peaks.fields(rec)
+    anon = [rec[f"{phase}_own_peak_GB"] for phase in PHASES if rec[f"{phase}_own_peak_GB"] is not None]
+    rec["host_peak_GB"] = max(anon) if anon else None
+    if rec["host_budget_GB"] is None or rec["host_peak_GB"] is None:
+        not_measured(rec, "within_host_budget")
+    else:
+        rec["within_host_budget"] = rec["host_peak_GB"] <= rec["host_budget_GB"]
     if cuda:
         rec["peak_reserved_GB"] = max(rec[k] for k in ("cache_peak_reserved_GB", "train_peak_reserved_GB",
                                                        "sample_peak_reserved_GB") if rec[k] is not None)
@@ -396,8 +415,8 @@ def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
 
     measure: dict = {}
     start = time.perf_counter()
-    with watched_encoders(measure, peaks, ("load", "caching", "steps")):  # the trainer frees them before a step
-        train(cfg, echo=lambda s: log(s))
+    with watched_encoders(measure, peaks, ("load", "caching", "steps")), watched_host_plan(rec):
+        train(cfg, echo=lambda s: log(s))  # the trainer frees the encoders before a step
     peaks.phase(None)
     rec["train_wall_s"] = time.perf_counter() - start
     rec.update(measure)
@@ -416,6 +435,42 @@ def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
                      "cache_peak_reserved_GB", "cache_peak_allocated_GB")
 
 
+def baseline_steps(cfg, rec: dict) -> None:
+    """The same steps with ``host_budget = "auto"`` (this machine's memory) on the filled cache: ``step_s_no_budget``
+    and the budgeted step's ratio to it."""
+    import dataclasses
+
+    from squareq.train.loop import train
+
+    out = Path(cfg.output + "-no-budget")
+    train(dataclasses.replace(cfg, output=str(out), host_budget="auto"), echo=lambda s: log(f"[no budget] {s}"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rec["step_s_no_budget"] = statistics.median(r["seconds"] for r in (rows[1:] or rows))
+    rec["step_vs_no_budget"] = rec["step_s"] / rec["step_s_no_budget"]
+
+
+@contextlib.contextmanager
+def watched_host_plan(rec: dict):
+    """Within: the trainer's host plan (``squareq.train.loop.train_host_plan``) recorded as it is made: expected
+    peak, where the slab waits, the encoders read through rings."""
+    from squareq.train import loop
+
+    real = loop.train_host_plan
+
+    def watched(*args, **kwargs):
+        plan = real(*args, **kwargs)
+        rec["host_plan_peak_GB"] = plan.peak / 1e9
+        rec["host_plan_slab"] = plan.slab_host
+        rec["host_plan_ring"] = list(plan.encoders.ring) if plan.encoders is not None else []
+        return plan
+
+    loop.train_host_plan = watched
+    try:
+        yield
+    finally:
+        loop.train_host_plan = real
+
+
 def sample_config(args, slab: Path, cfg, rec: dict, peaks: HostPeaks) -> None:
     """``squareq sample``'s path, its encoders and VAE loaded from the Hub cache: one image at the config's largest
     resolution; its figures into ``rec``, host phase ``sampling``."""
@@ -432,7 +487,8 @@ def sample_config(args, slab: Path, cfg, rec: dict, peaks: HostPeaks) -> None:
     with watched_encoders(sample_measure, peaks):
         images = sample.sample_images(slab, [SAMPLE_PROMPT], model=cfg.model, files=cfg.encoder_files,
                                       resolution=max(cfg.resolution), steps=args.sample_steps,
-                                      max_sequence_length=cfg.max_sequence_length)
+                                      max_sequence_length=cfg.max_sequence_length, host=cfg.host,
+                                      host_budget=cfg.host_budget)
     peaks.phase(None)
     rec["sample_s"] = time.perf_counter() - start
     rec["sample_steps"] = args.sample_steps
@@ -499,20 +555,39 @@ def card_table(records: list[dict]) -> str:
                Column("encoders (streamed)", "encoder_params_B", encoders, also=("placement",)),
                Column("cache s / peak GB", "cache_s", cache, also=("cache_peak_reserved_GB", "placement")),
                Column("step s", "step_s", ".3f"),
+               Column("step without a host budget s (ratio)", "step_s_no_budget", step_ratio,
+                      also=("step_vs_no_budget",)),
                Column("train peak GB", "train_peak_reserved_GB", gb("train_peak_reserved_GB")),
                Column("copied GB / step", "copied_GB_per_step", ".1f"),
                Column("at PCIe 4.0 x16 (arithmetic) s", "pcie4_copy_s_arithmetic", ".2f"),
                Column("sample s / peak GB", "sample_s", sample, also=("sample_peak_reserved_GB",)),
-               Column("fits", "fits_card"), Column("error", None, lambda r: r.get("error", "")[:120])]
-    columns[-2:-2] = [Column(f"{phase} host peak GB (RssAnon / RSS)", f"{phase}_rss_anon_peak_GB", host_cell(phase),
-                             also=(f"{phase}_rss_peak_GB",)) for phase in PHASES]
+               Column("fits", "fits_card"),
+               Column("host budget GB", "host_budget_GB", ".0f"),
+               Column("host plan: peak GB, slab, rings", "host_plan_peak_GB", plan_cell,
+                      also=("host_plan_slab", "host_plan_ring")),
+               Column("host peak GB (RssAnon+RssShmem)", "host_peak_GB", ".2f"),
+               Column("within host budget", "within_host_budget"),
+               Column("error", None, lambda r: r.get("error", "")[:120])]
+    columns[-6:-6] = [Column(f"{phase} host peak GB (RssAnon+RssShmem / RSS)", f"{phase}_own_peak_GB",
+                             host_cell(phase), also=(f"{phase}_rss_peak_GB", f"{phase}_rss_anon_peak_GB"))
+                      for phase in PHASES]
     return common.table(records, columns, where={"what": "card"})
+
+
+def step_ratio(r) -> str:
+    if r["step_s_no_budget"] is None:
+        return NOT_MEASURED
+    return f"{r['step_s_no_budget']:.3f} ({r['step_vs_no_budget']:.2f}x)"
+
+
+def plan_cell(r) -> str:
+    return f"{r['host_plan_peak_GB']:.2f}, {r['host_plan_slab']}, {', '.join(r['host_plan_ring']) or 'none'}"
 
 
 def host_cell(phase: str):
     def cell(r):
         rss = r[f"{phase}_rss_peak_GB"]
-        return f"{r[f'{phase}_rss_anon_peak_GB']:.2f} / {NOT_MEASURED if rss is None else f'{rss:.2f}'}"
+        return f"{r[f'{phase}_own_peak_GB']:.2f} / {NOT_MEASURED if rss is None else f'{rss:.2f}'}"
     return cell
 
 
@@ -527,6 +602,11 @@ def main() -> None:
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one config, in this process
     parser.add_argument("--layout", default="hub", help=argparse.SUPPRESS)  # --run's files (LAYOUTS)
     parser.add_argument("--timeout", type=float, default=540)
+    parser.add_argument("--layouts", default="hub,comfyui",
+                        help="the layouts of FLUX.1's files to run (hub, comfyui): the device's time per session")
+    parser.add_argument("--files-dir", help="where the encoder files are written (default: the workdir); on a RAM file "
+                        "system the mapped files' pages count as the process's RssShmem, so the host figures "
+                        "include them")
     parser.add_argument("--keep-files", action="store_true",
                         help="keep each family's encoder files in the workdir after its configs ran (default: removed)")
     args = parser.parse_args()
@@ -547,7 +627,7 @@ def main() -> None:
     for family in dict.fromkeys(CARDS[n][0] for n in names):
         ensure_slab(args, family)
         write_user_files(args, family)
-        for name, layout in runs([n for n in names if CARDS[n][0] == family], args.tiny):
+        for name, layout in runs([n for n in names if CARDS[n][0] == family], args.tiny, args.layouts.split(",")):
             log(f"config {name}, files as {layout}")
             if args.tiny:
                 in_this_process(args, name, layout)
@@ -559,14 +639,16 @@ def main() -> None:
     print(card_table(RECORDS))
 
 
-def runs(names: list[str], tiny: bool) -> list[tuple[str, str]]:
-    """(config, layout) to run: each config in each of its family's layouts (``tiny``: the layouts after the first
-    for the family's first config only, which runs the same loaders in seconds less)."""
+def runs(names: list[str], tiny: bool, layouts: list[str] | None = None) -> list[tuple[str, str]]:
+    """(config, layout) to run: each config in each of its family's layouts (``layouts``: those of them only;
+    ``tiny``: the layouts after the first for the family's first config only, which runs the same loaders in
+    seconds less)."""
     done: set[str] = set()
     out = []
     for name in names:
         family = CARDS[name][0]
-        out += [(name, layout) for i, layout in enumerate(LAYOUTS[family]) if not (tiny and i and family in done)]
+        out += [(name, layout) for i, layout in enumerate(LAYOUTS[family])
+                if not (tiny and i and family in done) and (layouts is None or layout in layouts)]
         done.add(family)
     return out
 
@@ -585,6 +667,7 @@ def in_this_process(args, name: str, layout: str) -> None:
 def in_its_own_process(args, name: str, layout: str) -> None:
     """The config in a process of its own (its allocator capped to the card), its JSON lines echoed."""
     cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--layout", layout,
+           *(["--files-dir", args.files_dir] if args.files_dir else []),
            "--steps", str(args.steps), "--sample-steps", str(args.sample_steps)]
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)

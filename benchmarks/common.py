@@ -160,9 +160,11 @@ def missing_fields(records: list[dict], declared: dict) -> list[str]:
 
 
 class HostPeaks:
-    """The peaks of a process's anonymous memory (RssAnon, pinned pages included) and of its RSS, per phase, read
+    """The peaks of a process's anonymous memory (RssAnon), of its own memory (RssAnon + RssShmem: SquareQ's
+    page-locked blobs are shared anonymous pages, which the kernel counts as shmem) and of its RSS, per phase, read
     from ``/proc/<pid>/status`` every ``every`` seconds by a thread: :meth:`phase` names the phase the next reads
-    count for; :meth:`fields` gives ``<phase>_rss_anon_peak_GB`` / ``<phase>_rss_peak_GB``, None where not measured
+    count for; :meth:`fields` gives ``<phase>_rss_anon_peak_GB``, ``<phase>_rss_peak_GB`` and
+    ``<phase>_own_peak_GB``, None where not measured
     (no /proc: not Linux; a phase too short for a read still gets the read :meth:`phase` takes on entering it)."""
 
     def __init__(self, phases: tuple[str, ...], pid: int | str = "self", every: float = 0.1) -> None:
@@ -180,11 +182,14 @@ class HostPeaks:
             return
         try:
             with open(self.path) as f:
-                kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "RssAnon")}
+                kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+                      if k in ("VmRSS", "RssAnon", "RssShmem")}
         except (OSError, ValueError):
             return
-        peak = self.peaks.setdefault(self.current, [0, 0])
-        peak[0], peak[1] = max(peak[0], kb.get("RssAnon", 0)), max(peak[1], kb.get("VmRSS", 0))
+        peak = self.peaks.setdefault(self.current, [0, 0, 0])
+        own = kb.get("RssAnon", 0) + kb.get("RssShmem", 0)  # page-locked blobs are shared anonymous pages
+        peak[0], peak[1], peak[2] = max(peak[0], kb.get("RssAnon", 0)), max(peak[1], kb.get("VmRSS", 0)), \
+            max(peak[2], own)
 
     def _run(self) -> None:
         while not self.stop.wait(self.every):
@@ -207,9 +212,10 @@ class HostPeaks:
     def fields(self, rec: dict) -> dict:
         """The peaks into ``rec`` (GB); phases never entered, or no /proc, listed as not measured."""
         for name in self.phases:
-            keys = (f"{name}_rss_anon_peak_GB", f"{name}_rss_peak_GB")
+            keys = (f"{name}_rss_anon_peak_GB", f"{name}_rss_peak_GB", f"{name}_own_peak_GB")
             if name in self.peaks:
-                rec[keys[0]], rec[keys[1]] = (kb * 1024 / 1e9 for kb in self.peaks[name])
+                for key, kb in zip(keys, self.peaks[name], strict=True):
+                    rec[key] = kb * 1024 / 1e9
             else:
                 not_measured(rec, *keys)
         return rec

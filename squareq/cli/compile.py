@@ -11,7 +11,7 @@ from ..compiler.ladder import DEFAULT_FORMATS, ladder
 from ..devices import describe
 from ..sizes import parse_size
 from ..sources.encoder_source import cli_flag
-from .options import REVISION, device_option, encoder_file_options, given_files, removed_if_failed
+from .options import REVISION, device_option, encoder_file_options, given_files, removed_if_failed, shared_option
 
 
 def _compile_line(line: str) -> None:
@@ -95,9 +95,9 @@ def _given_calibration(calib_cache, calib_text) -> str:
                 "take")
 @click.option("--vram-budget", help="GPU memory this compile may use, e.g. 8GB (default: what the device has free); "
               "what does not fit waits in pinned host memory, and the slab is the same.")
-@click.option("--host-budget", help="Host memory (RAM) this compile may use, e.g. 32GB (default: what the machine has "
-              "available, less 10% or 2 GB); what does not fit is spilled to a scratch file in the state folder "
-              "(<out>.state), and the slab is the same.")
+@shared_option("host_budget", "Host memory (RAM) this compile may use, e.g. 32GB, or auto: what the machine has "
+               "available, less 10% or 2 GB; what does not fit is spilled to a scratch file in the state folder "
+               "(<out>.state), and the slab is the same.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted compile from its state folder.")
 @click.option("--force", is_flag=True, help="Replace an existing slab at --out.")
 def compile_cmd(model, revision, out, budget, objective, thresholds_file, formats, old_min_bits, old_max_bits, blocks,
@@ -139,7 +139,8 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         vram_cap=parse_size(vram_cap, "--vram-cap") if vram_cap else None, ring_slots=ring_slots,
         previous=str(previous) if previous else None, effect_probes=effect_probes,
         vram_budget=parse_size(vram_budget, "--vram-budget") if vram_budget else None,
-        host_budget=parse_size(host_budget, "--host-budget") if host_budget else None, resume=resume, overwrite=force,
+        host_budget=parse_size(host_budget, "--host-budget") if host_budget not in (None, "auto") else None,
+        resume=resume, overwrite=force,
     )
     files = given_files(clip_l, clip_g, t5, vae)
     given = ", ".join([*(cli_flag(k) for k in files), *(["--encoders"] if encoders else [])])
@@ -169,7 +170,8 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
                 opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
                                                        resolution=calib_resolution, device=opts.device,
                                                        limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
-                                                       echo=_compile_line, vram_budget=opts.vram_budget)
+                                                       echo=_compile_line, vram_budget=opts.vram_budget,
+                                                       host_budget=opts.host_budget)
         elif calib_data:
             raise click.UsageError(f"--calib-data is for the diffusion families; {model} is calibrated on text, so "
                                    "pass --calib-text FILE instead.")

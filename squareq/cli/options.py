@@ -55,6 +55,7 @@ _SHARED = {
     "prefetch": (AutoOrInt(minimum=1), _default("prefetch"), {}),
     "resident_blocks": (AutoOrInt(minimum=0), _default("resident_blocks"), {}),
     "vram_budget": (click.STRING, None, {}),
+    "host_budget": (click.STRING, _default("host_budget"), {}),
     "model": (click.STRING, None, {}),
     "revision": (click.STRING, None, {}),
     "seed": (click.INT, _default("seed"), {}),

@@ -45,9 +45,13 @@ from .options import REVISION, encoder_file_options, given_files, removed_if_fai
                "auto adds and the blocks --resident-blocks keeps (default: what the device has free, less a margin). "
                "What is on the GPU when they are planned (the denoiser, Würstchen's other stage) counts; FLUX.1's "
                "text encoders, which run before, and the VAE's decode after, do not.")
-@shared_option("host", "Where block blobs wait: auto (pinned when they fit in the host memory available with room "
-               "to spare, else disk), pinned (RAM), shared (one RAM copy per host, in /dev/shm) or disk (read from the "
-               "slab file).")
+@shared_option("host", "Where block blobs wait: auto (pinned when they fit within --host-budget beside the text "
+               "encoders, else disk), pinned (RAM), shared (one RAM copy per host, in /dev/shm) or disk (read from "
+               "the slab file).")
+@shared_option("host_budget", "Host memory (RAM) this command may hold, e.g. 16GB, or auto: what the machine has "
+               "available, less 10% or 2 GB. The slab and the text encoders are held at once: pinned where they fit, "
+               "else read from their files through a few page-locked blocks; a run that cannot fit is refused before "
+               "any work, naming the budget that would.")
 @shared_option("compute")
 @shared_option("dtype", "The activations' 16-bit type: auto (fp16 on GPUs without bf16: T4, V100, RTX 20xx; bf16 "
                "elsewhere), bf16 or fp16.")
@@ -61,8 +65,8 @@ from .options import REVISION, encoder_file_options, given_files, removed_if_fai
                "measured slower with its compile counted; docs/tuning.md).")
 @shared_option("attention")
 def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, prior, decoder, resolution,
-           steps, guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, compute, dtype,
-           frames, cuda_graphs, compile, attention):
+           steps, guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, host_budget,
+           compute, dtype, frames, cuda_graphs, compile, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
     from ..train.prompt_options import read_prompt_file
@@ -85,6 +89,7 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
               steps=steps, guidance=guidance, seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch,
               host=host, resident_blocks=resident_blocks, compute=compute, cuda_graphs=cuda_graphs == "on",
               revision=revision, compile=compile, attention=attention, dtype=dtype, frames=frames, vram_budget=limit,
+              host_budget=host_budget,
               stages={"prior": prior, "decoder": decoder})
 
 

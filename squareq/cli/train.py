@@ -105,15 +105,21 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
 @shared_option("trigger")
 @shared_option("caption_ext")
 @shared_option("max_sequence_length")
+@shared_option("vram_budget", "GPU memory the encoders may use, e.g. 8GB: those that do not fit stream block by block "
+               "(default: what the device has free).")
+@shared_option("host_budget", "Host memory (RAM) the encoders may hold, e.g. 16GB, or auto: what the machine has "
+               "available, less 10% or 2 GB. A streamed encoder is pinned whole where it fits, else read from its "
+               "file through a few page-locked blocks.")
 @device_option("the VAE and text encoders run")
 def cache_cmd(slab, data, cache_dir, config_file, model, revision, clip_l, clip_g, t5, vae, resolution, trigger,
-              caption_ext, max_sequence_length, device) -> None:
+              caption_ext, max_sequence_length, vram_budget, host_budget, device) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
 
     from ..train.prepare import prepare_data
 
     values = given({"model": model, "revision": revision, "resolution": resolution, "trigger": trigger,
-                    "caption_ext": caption_ext, "max_sequence_length": max_sequence_length})
+                    "caption_ext": caption_ext, "max_sequence_length": max_sequence_length,
+                    "vram_budget": vram_budget, "host_budget": host_budget})
     cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), **values,
                                     **given_files(clip_l, clip_g, t5, vae)})
     with open_slab(slab, verify="off") as s:

@@ -13,7 +13,7 @@ SECTIONS = {
              "caption_orders", "no_upscale", "flip_aug", "masked_loss", "alpha_mask", "mask_dir", "reg_data",
              "prior_loss_weight", "max_sequence_length", "cache_dir"),
     "Model & memory": ("model", "revision", "clip_l", "clip_g", "t5", "vae", "prefetch", "resident_blocks", "host",
-                       "vram_budget", "dtype", "compute", "cuda_graphs", "compile", "attention"),
+                       "vram_budget", "host_budget", "dtype", "compute", "cuda_graphs", "compile", "attention"),
     "LoRA": ("rank", "alpha", "targets", "use_dora", "use_rslora", "lora_dropout", "lora_type", "lokr_factor"),
     "Optimizer": ("lr", "optimizer", "weight_decay", "max_grad_norm", "ema_decay", "batch_size", "grad_accum",
                   "timestep_sampling", "loss_weighting", "shift", "guidance", "seed"),

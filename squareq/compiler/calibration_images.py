@@ -16,6 +16,7 @@ import torch
 
 from ..models.builtin_data import builtin_photos, skimage_version, spread
 from ..models.calibration_set import DEFAULT_CAPTION_TOKENS, CalibrationSet
+from ..runtime.host.budget import encoder_room
 from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import EncoderSource
 from ..sources.encoders import EncoderError, open_encoders
@@ -31,12 +32,15 @@ TEXT_BATCH = 8
 def calibration_images(source, data: str | Path | None = None, encoders: EncoderSource | str | None = None,
                        resolution: int = DEFAULT_RESOLUTION, max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH,
                        device: str | torch.device = "cpu", limit: int | None = None, seed: int = 0,
-                       echo: Callable[[str], None] = lambda s: None, vram_budget: int | None = None) -> CalibrationSet:
+                       echo: Callable[[str], None] = lambda s: None, vram_budget: int | None = None,
+                       host_budget: int | None = None) -> CalibrationSet:
     """The images of ``data`` (the built-in photographs when None) with their captions, encoded for ``source`` (a
     compiler ``Source`` of a family SquareQ trains) by the VAE and text encoders of ``encoders`` (a pipeline folder or
     built-in model name or Hub ID, with any single files; default: the source's own). A folder with more than
     ``limit`` images gives a seeded spread of ``limit`` of them (the compile uses no more). The encoders run within
-    ``vram_budget`` (--vram-budget; default what the device has free), the large text encoders streamed if need be."""
+    ``vram_budget`` (--vram-budget; default what the device has free), the large text encoders streamed if need be,
+    and within ``host_budget`` (--host-budget; default what the machine has available): a streamed encoder pinned whole
+    where it fits, else read from its file through a ring (sources/encoder_placement.py)."""
     family = source.family_adapter
     if family is None or family.recipe is None:
         raise EncoderError(f"{source.description} is not a model family SquareQ trains, so it has no VAE and text "
@@ -62,7 +66,8 @@ def calibration_images(source, data: str | Path | None = None, encoders: Encoder
     config = source.skeleton().config
     # a CPU has no VRAM to budget: the compile's own plan refuses a --vram-budget it cannot work within
     run = EncoderRun(vram_budget if device.type == "cuda" else None, max_sequence_length, resolution * resolution,
-                     "--vram-budget")
+                     "--vram-budget", host_budget=encoder_room(host_budget, device),
+                     host_flag="--host-budget")
     with open_encoders(where, device, family.family, config, run) as enc:
         if enc.placement is not None:
             echo(enc.placement.describe())

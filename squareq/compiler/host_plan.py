@@ -14,8 +14,9 @@ What the compile's process holds in host memory, as the plan counts it (:class:`
   counted as torch's pinned allocator makes it, rounded up to a power of two. What is spilled costs its reads in
   flight instead: the item being consumed and the next one, read ahead (compiler/prefetch.py).
 
-Not counted: the encoders (they run before the compile and are dropped), and the slab writer's and the plan-error
-pass's buffers (a block at a time, below the calibration pass's).
+Not counted: the encoders (they run before the compile, within the same budget on their own:
+sources/encoder_placement.py, and are dropped), and the slab writer's and the plan-error pass's buffers (a block at a
+time, below the calibration pass's).
 
 The tape and the effect inputs never wait at once (the last block's tape is gone before the effects pass starts), so
 each is spilled to a scratch file in the state folder (compiler/spill.py) only when its own pass would pass the

@@ -9,16 +9,21 @@ import torch
 from ..slab.digest import content_key
 
 
-def module_identity(module: torch.nn.Module, name: str) -> str:
+def module_identity(module: torch.nn.Module, name: str, dtype: torch.dtype | None = None) -> str:
     """A short, stable identity for an encoder: its class, config and every parameter's name, shape and a
-    checksum of its values (float64 sum and sum of squares), so different weights give different keys."""
+    checksum of its values (float64 sum and sum of squares), so different weights give different keys. ``dtype``:
+    the dtype it runs in, in which the values and the config's dtype are taken, as if it had been loaded in it: an
+    encoder loaded in its file's own dtype and cast block by block (sources/encoder_files.py) keeps the key it had
+    when it was cast on load."""
     config = getattr(module, "config", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     config = {k: v for k, v in config.items() if not str(k).startswith("_") and k != "transformers_version"}
+    if dtype is not None:
+        config.update({k: str(dtype).removeprefix("torch.") for k in ("torch_dtype", "dtype") if k in config})
     sums = []
     with torch.no_grad():
         for pname, p in module.state_dict().items():
-            total, squares = _sums(p.detach())
+            total, squares = _sums(p.detach(), dtype if dtype is not None and p.is_floating_point() else None)
             sums.append([pname, list(p.shape), round(total, 6), round(squares, 6)])
     return content_key(name, type(module).__name__, json.loads(json.dumps(config, default=str)), sums)[:16]
 
@@ -26,17 +31,18 @@ def module_identity(module: torch.nn.Module, name: str) -> str:
 IDENTITY_CHUNK = 1 << 24  # elements summed at a time: float64 copies of one chunk, never of a whole embedding table
 
 
-def _sums(t: torch.Tensor) -> tuple[float, float]:
+def _sums(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[float, float]:
     """float64 sum and sum of squares of ``t``, a chunk at a time: a 131072 x 5120 embedding on the GPU would
     otherwise take two 5.4 GB float64 copies beside the encoder it identifies (measured: 16.7 GB allocated while
     caching for FLUX.2 on a 24 GB card, against 12 GB planned)."""
     flat = t.reshape(-1)
+    cast = (lambda x: x.to(dtype).double()) if dtype is not None else (lambda x: x.double())  # noqa: E731
     if flat.numel() <= IDENTITY_CHUNK:  # one chunk: the sums as they were always taken
-        values = flat.double()
+        values = cast(flat)
         return float(values.sum()), float(values.square().sum())
     total = squares = 0.0
     for start in range(0, flat.numel(), IDENTITY_CHUNK):
-        values = flat[start:start + IDENTITY_CHUNK].double()
+        values = cast(flat[start:start + IDENTITY_CHUNK])
         total += float(values.sum())
         squares += float(values.square().sum())
     return total, squares

@@ -6,18 +6,25 @@ counted from the loaded modules (their bytes in the dtype they run in) plus a wo
 text encoders' hidden states and logits for a batch of captions, and the VAE's feature maps for one image. A streamed
 encoder needs its tensors outside the block list (embeddings, heads, a vision tower) and ``prefetch`` blocks. When
 even streaming every text encoder does not fit, one sentence names the smallest budget that does.
+
+A streamed encoder's blocks wait in host memory in one of two ways, chosen within the run's host budget: packed
+once into page-locked memory (the whole encoder pinned, fastest), or, where that does not fit, packed on demand from
+the encoder's own tensors (its weights file's pages, runtime/module_stream.py's ``host="ring"``) into a few
+page-locked buffers. What the encoders hold on the host is counted too: those pinned blocks, the ring, and the copy a
+library makes of an encoder it cannot map from its file (sources/encoder_files.py).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..runtime import release_module, stream_module
-from ..runtime.module_stream import largest_block_list
+from ..runtime.module_stream import RING_STAGES, blob_bytes, largest_block_list
 from ..sizes import format_size, format_size_up
 from .encoder_source import EncoderError
 
@@ -39,6 +46,8 @@ class EncoderRun:
     tokens: int = 512
     pixels: int = 1024 * 1024
     flag: str = "vram_budget"
+    host_budget: int | None = None  # bytes the encoders may hold in host memory (None: no limit)
+    host_flag: str = "host_budget"  # the flag or key that set it, for messages
 
 
 DEFAULT_RUN = EncoderRun()
@@ -59,6 +68,25 @@ class Placement:
     streamed: tuple[str, ...] = ()
     device: str = "cpu"
     names: dict[str, str] = field(default_factory=dict)  # component -> class name, for the log
+    ring: tuple[str, ...] = ()  # streamed encoders packed on demand from their files' pages, not pinned whole
+    pinned_sizes: dict[str, int] = field(default_factory=dict)  # a streamed encoder's blocks, pinned whole
+    ring_sizes: dict[str, int] = field(default_factory=dict)  # its ring of page-locked buffers
+    copies: dict[str, int] = field(default_factory=dict)  # host copies the libraries make on load (encoder_files)
+
+    def host_part(self, name: str) -> int:
+        """What encoder ``name`` holds in host memory at most: its copy, beside its ring; or, pinned whole, the
+        larger of its copy and its pinned blocks (packing frees the copy block by block as the blocks move in)."""
+        copy = self.copies.get(name, 0)
+        if name not in self.streamed:
+            return copy
+        if name in self.ring:
+            return copy + self.ring_sizes[name]
+        return max(copy, self.pinned_sizes[name])
+
+    @property
+    def host_expected(self) -> int:
+        """What the encoders hold in host memory at most."""
+        return sum(self.host_part(n) for n in self.sizes)
 
     @property
     def expected(self) -> int:
@@ -74,16 +102,18 @@ class Placement:
         budget = f"the budget {format_size(self.budget)}"
         if not self.streamed:
             return f"encoders on {self.device}, whole: {parts}; with activations {format_size(whole)}, within {budget}."
-        streamed = ", ".join(f"{n} ({format_size(self.streamed_sizes[n])} on the device at a time)"
-                             for n in self.streamed)
+        streamed = ", ".join(f"{n} ({format_size(self.streamed_sizes[n])} on the device at a time, "
+                             + (f"from its file through {format_size(self.ring_sizes[n])} of page-locked buffers)"
+                                if n in self.ring else f"from {format_size(self.pinned_sizes[n])} of page-locked "
+                                "host memory)") for n in self.streamed)
         return (f"encoders on {self.device}: {parts}; whole they need {format_size(whole)} with activations, more than "
-                f"{budget}, so {streamed} stream block by block from host memory; expected peak "
-                f"{format_size(self.expected)}.")
+                f"{budget}, so {streamed} stream block by block; expected peak {format_size(self.expected)}.")
 
     def record(self) -> dict:
         """What the cache keeps beside the entries' identity (EmbeddingCache.record_encoders)."""
         return {"device": self.device, "budget_bytes": self.budget, "streamed": list(self.streamed),
-                "bytes": dict(self.sizes), "expected_peak_bytes": self.expected}
+                "bytes": dict(self.sizes), "expected_peak_bytes": self.expected, "ring": list(self.ring),
+                "host_bytes": self.host_expected}
 
 
 def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
@@ -97,6 +127,21 @@ def streamed_bytes(module: nn.Module, dtype: torch.dtype, prefetch: int = STREAM
     blocks = list(module.get_submodule(largest_block_list(module)))
     per_block = [module_bytes(b, dtype) for b in blocks]
     return module_bytes(module, dtype) - sum(per_block) + prefetch * max(per_block)
+
+
+def host_copies(parts: Mapping[str, nn.Module], mapped: Mapping[str, torch.dtype], run_dtype: torch.dtype,
+                device: torch.device) -> dict[str, int]:
+    """Bytes of host memory each loaded component holds as a copy of its own: none for a text encoder in
+    ``mapped`` (its file's pages; on a CPU, where the whole encoders run from host memory, only if its file is in
+    ``run_dtype`` already), its size in ``run_dtype`` for the rest (cast on load; diffusers reads the VAE into
+    memory)."""
+    views = {n for n, d in mapped.items() if device.type != "cpu" or d == run_dtype}
+    return {n: 0 if n in views else module_bytes(m, run_dtype) for n, m in parts.items()}
+
+
+def block_bytes(module: nn.Module, dtype: torch.dtype) -> list[int]:
+    """Each block's blob bytes in ``dtype`` (runtime/module_stream.py), of ``module``'s largest block list."""
+    return [blob_bytes(b, dtype) for b in module.get_submodule(largest_block_list(module))]
 
 
 def _streamable(module: nn.Module) -> bool:
@@ -160,20 +205,73 @@ def plan_placement(parts: dict[str, nn.Module], budget: int | None, device: torc
         f"{format_size_up(placement.expected)}, or cache on a larger card with `squareq cache`.")
 
 
+def plan_host(placement: Placement, parts: dict[str, nn.Module], dtype: torch.dtype, budget: int | None,
+              copies: dict[str, int]) -> Placement:
+    """Where ``placement``'s streamed encoders wait on the host within ``budget`` (None: no limit), the largest
+    first: pinned whole while that fits beside ``copies`` (what the libraries copy on load), else through a ring of
+    page-locked buffers from the encoder's own tensors. The result may still be over ``budget``
+    (:func:`check_host` refuses it)."""
+    blocks = {n: block_bytes(parts[n], dtype) for n in placement.streamed}
+    pinned = {n: sum(b) for n, b in blocks.items()}
+    rings = {n: RING_STAGES * max(b) for n, b in blocks.items()}
+    placement = dataclasses.replace(placement, pinned_sizes=pinned, ring_sizes=rings, copies=dict(copies), ring=())
+    for name in sorted(placement.streamed, key=lambda n: -pinned[n]):
+        if budget is None or placement.host_expected <= budget:
+            break
+        if rings[name] < pinned[name]:  # an encoder of RING_STAGES blocks or fewer stays pinned: a ring saves nothing
+            placement = dataclasses.replace(placement, ring=placement.ring + (name,))
+    return placement
+
+
+def every_streamed(placement: Placement) -> Placement:
+    """``placement`` with every text encoder that streaming makes smaller on the device streamed, the largest
+    first."""
+    streamed = sorted((n for n, b in placement.streamed_sizes.items() if b < placement.sizes[n]),
+                      key=lambda n: -placement.sizes[n])
+    return dataclasses.replace(placement, streamed=tuple(streamed))
+
+
+def least_host(placement: Placement) -> Placement:
+    """``placement`` with every streamed encoder read through its ring where that holds less: the least host memory
+    it can hold."""
+    return dataclasses.replace(placement, ring=tuple(n for n in placement.streamed
+                                                     if placement.ring_sizes[n] < placement.pinned_sizes[n]))
+
+
+def check_host(placement: Placement, budget: int | None, flag: str = "host_budget") -> None:
+    """Refuse, in one sentence naming the smallest budget that works, encoders over ``budget`` in host memory even
+    with every streamed one read through its ring."""
+    if budget is None or placement.host_expected <= budget:
+        return
+    parts = ", ".join(f"{n} {format_size(placement.host_part(n))}" for n in placement.sizes if placement.host_part(n))
+    short = format_size_up(placement.host_expected - budget)
+    how = (f"even with {' and '.join(placement.ring)} read from their files through page-locked rings"
+           if placement.ring else "as loaded")
+    raise PlacementError(
+        f"{flag} leaves {format_size(budget)} of host memory for the VAE and text encoders beside the rest of the "
+        f"run, and {how} they hold {format_size(placement.host_expected)} ({parts}); give {flag} {short} more, or "
+        "free that much memory.")
+
+
 @contextlib.contextmanager
-def placed(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderRun) -> Iterator[Placement]:
+def placed(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderRun,
+           mapped: Mapping[str, torch.dtype] | None = None) -> Iterator[Placement]:
     """Plan the placement of ``owner``'s components ``names`` (a pipeline's ``vae``, ``text_encoder``, ...; missing
-    ones skipped) for ``run`` and apply it: whole ones moved to ``device`` in ``dtype``, streamed ones streamed. On
-    exit the streamed ones' host blobs and device slots are released now, not at a later garbage collection
-    (training needs the memory), also after an error half-way through."""
+    ones skipped) for ``run`` and apply it: whole ones moved to ``device`` in ``dtype``, streamed ones streamed
+    (pinned whole, or through a ring where ``run.host_budget`` says so). ``mapped``: the components loaded as views
+    of their files (no host copy of their own). On exit the streamed ones' host blobs and device slots are released
+    now, not at a later garbage collection (training needs the memory), also after an error half-way through."""
     parts = {n: getattr(owner, n) for n in names if getattr(owner, n, None) is not None}
     placement = plan_placement(parts, run_budget(run.budget, device), device, dtype, run.tokens, run.pixels,
                                run.flag)
+    placement = plan_host(placement, parts, dtype, run.host_budget, host_copies(parts, mapped or {}, dtype, device))
+    check_host(placement, run.host_budget, run.host_flag)
     streamed = []
     try:
         for name, module in parts.items():
             if name in placement.streamed:
-                streamed.append(stream_module(module.to(dtype=dtype), device, prefetch=STREAM_PREFETCH))
+                host = "ring" if name in placement.ring else "pinned"
+                streamed.append(stream_module(module, device, prefetch=STREAM_PREFETCH, host=host, dtype=dtype))
             else:
                 module.to(device=device, dtype=dtype).eval()
         yield placement

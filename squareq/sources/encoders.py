@@ -27,7 +27,9 @@ from ..models.tiny_pipeline import (
     build_tiny_text_encoders,
     build_tiny_vae,
 )
+from ..runtime.host.budget import anonymous_memory
 from ..slab.errors import brief
+from .encoder_files import as_loaded, mapped_dtypes
 from .encoder_identity import module_identity
 from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
 from .encoder_source import (  # noqa: F401 (EncoderError re-exported)
@@ -70,18 +72,23 @@ class Encoders:
 
 
 TEXT_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+ENCODER_PARTS = ("vae", "text_encoder", "text_encoder_2")  # FLUX.1's, with weights
 
 
-def _load_folder(source: EncoderSource, dtype: torch.dtype, text: bool = True):
+def _load_folder(source: EncoderSource, dtype: torch.dtype, text: bool = True, dtypes: dict | None = None):
     """The FLUX pipeline of ``source`` without its transformer (and, ``text=False``, without its text encoders and
-    tokenizers), its single files in place of the components they replace."""
+    tokenizers), its single files in place of the components they replace; ``dtypes``: a component's own dtype, by
+    name (the text encoders that load as views of their files, sources/encoder_files.py)."""
     from diffusers import FluxPipeline
 
     folder = pipeline_folder(source)
+    dtypes = dtypes or {}
     left_out = dict.fromkeys(("transformer",) + (() if text else TEXT_PARTS))
-    given = load_single_files(source, folder, read_index(folder), dtype, only=None if text else ("vae",))
+    given = load_single_files(source, folder, read_index(folder), dtype, only=None if text else ("vae",),
+                              dtypes=dtypes)
     try:
-        return FluxPipeline.from_pretrained(str(folder), **{**left_out, **given}, torch_dtype=dtype,
+        return FluxPipeline.from_pretrained(str(folder), **{**left_out, **given}, torch_dtype={"default": dtype,
+                                                                                              **dtypes},
                                             local_files_only=True, use_safetensors=True)  # never a pickle
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE{' and text encoders' if text else ''} from {source} ({brief(exc)}); "
@@ -208,19 +215,25 @@ def open_encoders(source: EncoderSource | str, device: torch.device, family: str
         with open_family_pipeline(source, family, device, dtype, run) as encoders:
             yield encoders
         return
+    mapped = {}
     if source.where == "tiny-flux":
         pipe = build_tiny_flux_pipeline()
         pipe.transformer = None
     else:
-        pipe = _load_folder(source, dtype)
+        folder = pipeline_folder(source)
+        mapped = mapped_dtypes(source, folder, read_index(folder), TEXT_PARTS)
+        before = anonymous_memory()
+        pipe = _load_folder(source, dtype, dtypes=mapped)
+        mapped = as_loaded(mapped, anonymous_memory() - before, {n: getattr(pipe, n) for n in ENCODER_PARTS}, dtype)
     where = dtype_tag(dtype)
     vae_id = module_identity(pipe.vae, "vae") + where
-    text_id = module_identity(pipe.text_encoder, "clip") + module_identity(pipe.text_encoder_2, "t5") + where
+    text_id = module_identity(pipe.text_encoder, "clip", dtype) + module_identity(pipe.text_encoder_2, "t5", dtype) \
+        + where
     try:
-        with placed(pipe, ("vae", "text_encoder", "text_encoder_2"), device, dtype, run) as placement:
+        with placed(pipe, ENCODER_PARTS, device, dtype, run, mapped) as placement:
             yield Encoders(pipe, device, dtype, vae_id, text_id, placement)
     finally:
-        for name in ("vae", "text_encoder", "text_encoder_2"):
+        for name in ENCODER_PARTS:
             setattr(pipe, name, None)
         del pipe
         gc.collect()

@@ -17,7 +17,9 @@ import torch
 
 from ..models import ADAPTERS
 from ..models.base import PIPELINE_ENCODER_PARTS
+from ..runtime.host.budget import anonymous_memory
 from ..slab.errors import brief
+from .encoder_files import as_loaded, mapped_dtypes
 from .encoder_identity import module_identity
 from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
 from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
@@ -70,7 +72,7 @@ class PipelineEncoders:
         self.video_vae = vae in VIDEO_VAES
         where = dtype_tag(dtype)
         self.vae_identity = module_identity(pipe.vae, "vae") + where
-        self.text_identity = family + "".join(module_identity(getattr(pipe, n), n) for n in TEXT_ENCODERS
+        self.text_identity = family + "".join(module_identity(getattr(pipe, n), n, dtype) for n in TEXT_ENCODERS
                                               if getattr(pipe, n, None) is not None) + where
         self.placement = placement
 
@@ -116,15 +118,22 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     # only the VAE and the text encoders: the denoiser is the slab, and a second expert (Wan 2.2's transformer_2),
     # a safety checker or an image encoder would only take memory
     unused = {name: None for name in index if not name.startswith(("_",) + PIPELINE_ENCODER_PARTS)}
-    given = load_single_files(EncoderSource.of(source), folder, index, dtype)
+    source = EncoderSource.of(source)
+    # text encoders in their files' own dtype load as views of the files (sources/encoder_files.py)
+    mapped = mapped_dtypes(source, folder, index, TEXT_ENCODERS)
+    before = anonymous_memory()
+    given = load_single_files(source, folder, index, dtype, dtypes=mapped)
     try:
-        pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given, torch_dtype=dtype,
-                                                 local_files_only=True, use_safetensors=True)  # never a pickle
+        pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given,
+                                                 torch_dtype={"default": dtype, **mapped}, local_files_only=True,
+                                                 use_safetensors=True)  # never a pickle
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
                            f"{found} folder with --model.") from None
+    mapped = as_loaded(mapped, anonymous_memory() - before, {n: getattr(pipe, n, None) for n in ("vae", *TEXT_ENCODERS)
+                                                             if getattr(pipe, n, None) is not None}, dtype)
     try:
-        with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run) as placement:
+        with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run, mapped) as placement:
             yield PipelineEncoders(pipe, family, device, dtype, placement)
     finally:
         for name in ("vae", *TEXT_ENCODERS):

@@ -26,16 +26,19 @@ from .encoder_source import EncoderError, EncoderSource, cli_flag, file_componen
 
 
 def load_single_files(source: EncoderSource, folder: Path, index: Mapping, dtype: torch.dtype,
-                      only: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:
+                      only: tuple[str, ...] | None = None,
+                      dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.nn.Module]:
     """The components of the pipeline in ``folder`` (``index``: its model_index.json) that ``source.files`` replace,
-    loaded in ``dtype`` (``only``: these flags alone), by component name: ready to pass to ``from_pretrained``."""
+    loaded in ``dtype`` (``dtypes``: a component's own, by name; ``only``: these flags alone), by component name:
+    ready to pass to ``from_pretrained``."""
     files = {k: v for k, v in source.files if only is None or k in only}
     parts = file_components(index, list(files))
     loaded = {}
     for name, path in files.items():
         component = parts[name]
         library, class_name = index[component]
-        loaded[component] = load_component(Path(path), cli_flag(name), library, class_name, folder, component, dtype)
+        loaded[component] = load_component(Path(path), cli_flag(name), library, class_name, folder, component,
+                                           (dtypes or {}).get(component, dtype))
     return loaded
 
 

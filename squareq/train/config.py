@@ -117,6 +117,7 @@ class TrainConfig:
     compile: str = "auto"
     attention: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
+    host_budget: str = "auto"  # host RAM the run may hold, e.g. "24GB"; auto: the machine's available, less a margin
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
     title: str | None = None  # default: the output folder's name
@@ -149,11 +150,15 @@ class TrainConfig:
             raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")
         if self.title is not None and not self.title.strip():
             raise bad("title", "is empty; give the LoRA a name or leave title unset")
-        if self.vram_budget is not None:
+        for key, value in (("vram_budget", self.vram_budget), ("host_budget", self.host_budget)):
+            if value is None or key == "host_budget" and value == "auto":
+                continue
             try:
-                parse_size(self.vram_budget)
+                parse_size(value)
             except SizeError as exc:
-                raise ConfigError(f"{where}: vram_budget: {exc}") from None
+                why = f"{value!r} is not a size; write it like 24GB or 31.5GiB, or auto." \
+                    if key == "host_budget" else str(exc)
+                raise ConfigError(f"{where}: {key}: {why}") from None
 
     def with_family_defaults(self, family: str) -> TrainConfig:
         """This configuration with what depends on the model's family filled in: the LoRA targets."""
@@ -191,6 +196,11 @@ class TrainConfig:
     @property
     def vram_budget_bytes(self) -> int | None:
         return parse_size(self.vram_budget) if self.vram_budget is not None else None
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """``host_budget`` in bytes; None for ``auto`` (the machine's, train/host_plan.py)."""
+        return parse_size(self.host_budget) if self.host_budget not in (None, "auto") else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -123,9 +123,9 @@ HELP = {
                "per-channel scales on GPUs with FP8 tensor cores, Ada and Hopper; input gradients and the LoRA stay "
                "bf16/fp32); or auto: fp8 on GPUs with FP8 tensor cores, bf16 elsewhere. "
                "docs/tuning.md says when to choose which.",
-    "host": "Where block blobs wait: auto (pinned when they fit in the host memory available with room to spare, "
-            "else disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared "
-            "(one RAM copy per host, in /dev/shm), or disk.",
+    "host": "Where block blobs wait: auto (pinned when they fit within host_budget with the rest of the run, else "
+            "disk; the run says which), pinned (RAM; shared by the ranks of a host when several run), shared (one "
+            "RAM copy per host, in /dev/shm), or disk.",
     "cuda_graphs": "Capture each streamed block's forward and its recompute + backward as CUDA graphs once (the first "
                    "steps run eagerly while they are captured) and replay them, which takes the host's kernel launches "
                    "out of the step: auto (on with a CUDA GPU, unless lora_dropout is set), on, or off. "
@@ -140,6 +140,10 @@ HELP = {
                  "elsewhere), cudnn (first on any CUDA GPU), or default (torch's order, flash first). A cuDNN "
                  "failure turns it off for the run and redoes the step; docs/tuning.md.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
+    "host_budget": "Host memory (RAM) the run may hold, e.g. 24GB, or auto: what the machine has available, less 10% "
+                   "or 2 GB. The plan keeps within it what it can (the slab's blocks and a streamed text encoder "
+                   "pinned whole, else read from their files through a few page-locked blocks) and refuses, before "
+                   "any work, a run that cannot fit, naming the smallest budget that would.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
                    ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
                    "(default: both for FLUX.1, diffusers otherwise); peft (OUT/<title>_peft/, the only one for "

@@ -40,6 +40,7 @@ from .config import TrainConfig
 from .distributed import Ranks
 from .errors import TrainError, TrainInterrupted
 from .feed import CacheFeed
+from .host_plan import train_host_plan
 from .interrupt import CtrlC
 from .lora_metadata import source_date_epoch
 from .prepare import prepare_data
@@ -141,10 +142,14 @@ class TrainingRun:
         self.progress = progress  # the samples' bar follows the steps' bar
         self.plan = plan = plan_run(self.cfg, self.out, self.device, self.ranks.world, self.echo)
         self.cfg = plan.cfg
+        # host memory, before any work: refused here if the run cannot fit host_budget (train/host_plan.py)
+        self.host = train_host_plan(plan.cfg, "train", self.device, [b.nbytes for b in plan.slab.manifest.blocks],
+                                     plan.encoder_source, plan.family, encode=self.ranks.is_main)
         # the device first, so that a run on the CPU says so in its first lines, before the cache is filled
         self.data = prepare_data(plan.cfg, plan.slab.manifest.model, self.device, self.echo,
                                  encode=self.ranks.is_main, progress=progress, encoder_source=plan.encoder_source,
-                                 describe=[device_line(self.device, plan.dtype, plan.compute, self.ranks.world)])
+                                 describe=[device_line(self.device, plan.dtype, plan.compute, self.ranks.world),
+                                           self.host.line()], host=self.host)
         self.echo(f"training a {plan.family} LoRA with the {plan.objective} objective")
 
     def load(self) -> None:
@@ -154,7 +159,7 @@ class TrainingRun:
         # the other ranks wait here while rank 0 fills the cache, so encoders and slab are never in memory together
         image_keys, text_keys, flipped_keys = ranks.broadcast(data.keys if ranks.is_main else None)
         plan.say_choices(self.echo)
-        self.model = load_model(plan, self.device, ranks, self.echo)
+        self.model = load_model(plan, self.device, ranks, self.echo, self.host)
         self.tuner = stream_tuner(cfg, self.model, self.device)
         self.state = RunState.start(plan, self.model, ranks.world, data.dataset, data.buckets)
         self.checkpoints = RunCheckpoints(cfg, self.out, self.state, ranks)
@@ -185,7 +190,8 @@ class TrainingRun:
         if cfg.sample_every and self.ranks.is_main:
             self.samples = TrainingSamples(cfg, plan.family, plan.encoder_source, plan.sample_stages, self.device,
                                            plan.dtype, self.out, self.data.cache, self.data.keys[1],
-                                           progress=self.progress, echo=self.echo)
+                                           progress=self.progress, echo=self.echo,
+                                           encoder_host=self.host.encoders_beside_slab)
         self.step_start = None
         try:
             if self.samples is not None and state.step == 0:

@@ -29,6 +29,7 @@ from .data import (
     scan_dataset,
     with_regularisation,
 )
+from .host_plan import HostPlan, train_host_plan
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .run_samples import sample_prompts
 from .run_summary import data_lines
@@ -50,13 +51,20 @@ class PreparedData:
 
 def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, encode: bool = True,
                  progress: bool | None = None, encoder_source: EncoderSource | None = None,
-                 describe: list[str] | None = None) -> PreparedData:
+                 describe: list[str] | None = None, host: HostPlan | None = None) -> PreparedData:
     """Scan ``cfg.data`` and, with ``encode``, fill the cache through ``encoder_source`` (a run's plan resolved it;
     default: the encoders of ``cfg.model`` or the slab's source, with ``cfg``'s single files), for the slab's model
     record ``model`` (family and config; what ``squareq cache`` runs on its own). A family SquareQ cannot train has no
     encoders, which ``open_encoders`` says. ``progress``: the fill's bar on stderr (default: when stderr is a
     terminal). ``describe``: a run's summary opens with these lines (its device), then says the dataset (images,
-    repeats, buckets, upscaled images); once the folder is read (a data error comes alone), before the cache fills."""
+    repeats, buckets, upscaled images); once the folder is read (a data error comes alone), before the cache fills.
+    ``host``: the run's host plan (train/host_plan.py; default: the cache's own, made and said here, before any
+    work)."""
+    if encode and encoder_source is None:  # squareq cache, and the callers without a run's plan
+        encoder_source = slab_encoders(model, cfg.model, cfg.revision, cfg.encoder_files)
+    if host is None and encode:
+        host = train_host_plan(cfg, "cache", device, encoder_source=encoder_source, family=model.family)
+        echo(host.line())
     dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
     held = None
     if cfg.validation_data:
@@ -105,9 +113,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
-        if encoder_source is None:  # squareq cache, and the callers without a run's plan
-            encoder_source = slab_encoders(model, cfg.model, cfg.revision, cfg.encoder_files)
-        run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget")
+        run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget",
+                         host_budget=host.encoder_budget)
         with open_encoders(encoder_source, device, model.family, FrozenDict(model.config), run,
                            encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
             if encoders.placement is not None:

@@ -95,8 +95,10 @@ class TrainingSamples:
 
     def __init__(self, cfg: TrainConfig, family: str, encoders: EncoderSource, stages: tuple[Path, Path] | None,
                  device: torch.device, dtype: str, out: Path, cache: EmbeddingCache,
-                 text_keys: dict[str, str], progress: bool | None = None, echo: Echo | None = None) -> None:
+                 text_keys: dict[str, str], progress: bool | None = None, echo: Echo | None = None,
+                 encoder_host: int | None = None) -> None:
         self.cfg, self.family, self.encoders, self.stages = cfg, family, encoders, stages
+        self.encoder_host = encoder_host  # host memory a round's encoders may hold beside the slab (host_plan.py)
         self.device, self.dtype, self.folder = device, dtype, out / "samples"
         self.cache, self.text_keys = cache, text_keys
         self.progress, self.echo = progress, echo
@@ -119,8 +121,8 @@ class TrainingSamples:
     def _through_pipeline(self, model, step: int) -> None:
         folder, cfg = self.folder, self.cfg
         folder.mkdir(parents=True, exist_ok=True)
-        draw = draw_through_pipeline
-        if self.family in STAGES:  # Würstchen: both stages' pipelines, the model being trained as its own
+        draw = functools.partial(draw_through_pipeline, encoder_host=self.encoder_host, host_flag="host_budget")
+        if self.family in STAGES:  # Würstchen: both stages' pipelines (whole), the model being trained as its own
             draw = lambda *args, **kwargs: draw_wuerstchen(self.stages, *args, **kwargs)  # noqa: E731
         with forward_only(model, self.device):
             images = draw(

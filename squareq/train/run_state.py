@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
-from ..runtime.host.budget import choose_host
 from ..runtime.host.pinned import HostMemoryError
 from .data import BucketBatches
 from .distributed import Ranks
 from .ema import LoraEma
 from .errors import TrainError
+from .host_plan import HostPlan
 from .loss_scale import LossScale
 from .optimizers import lr_scheduler, make_optimizer
 from .run_plan import RunPlan
@@ -25,14 +25,13 @@ from .run_plan import RunPlan
 log = logging.getLogger("squareq.train")
 
 
-def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo):
+def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo, host: HostPlan):
     """The streamed model of ``plan``'s slab, with its settings (compute, graphs, compile, attention, dtype), from the
-    host copy ``host`` names (``auto``: the one that fits this machine, said with why)."""
+    host copy the run's ``host`` plan names (it settles ``host = auto`` within the budget, train/host_plan.py)."""
     cfg = plan.cfg
-    asked = cfg.host
-    if asked == "auto":
-        asked, why = choose_host(sum(b.nbytes for b in plan.slab.manifest.blocks))
-        echo(f"host auto: {asked}: {why}")
+    asked = host.slab_host
+    if cfg.host == "auto":
+        echo(f"host auto: {asked}: {host.slab_reason()}")
     # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
     host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
     options = runtime.LoadOptions(host=host, prefetch=cfg.start_prefetch, verify="off", compute=plan.compute,

@@ -25,6 +25,7 @@ from ..runtime import autocast_dtype
 from ..runtime.block_compile import CompileModeError, resolve_compile
 from ..runtime.compute import ComputeError, resolve_dtype
 from ..runtime.residency import StreamTuner
+from ..sizes import SizeError
 from ..slab import open_slab
 from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import (
@@ -37,6 +38,8 @@ from ..sources.encoder_source import (
 from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
 from ..sources.pipeline_encoders import open_family_pipeline
 from ..third_party import pipeline_bars
+from .errors import TrainError
+from .host_plan import plan_host_memory
 from .lora_attach import attach_lora, attach_peft_adapter
 from .lora_files import is_peft_adapter
 from .lora_reader import load_lora
@@ -231,7 +234,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
                   dtype: str = "auto", frames: int = 1, vram_budget: int | None = None,
                   stages: dict[str, str | None] | None = None, progress: bool | None = None,
-                  echo: Echo | None = None, label: str = "sample"):
+                  echo: Echo | None = None, label: str = "sample", host_budget: str | int | None = "auto"):
     """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
     (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts
     the ring at :data:`FORWARD_SLOTS` slots and grows it
@@ -268,6 +271,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     check_prompts(family, settled)
     encoders = slab_encoders(s.manifest.model, model, revision, files)
     draw = _drawer(slab, family, encoders, stages or {})
+    plan = _host_plan(s, device, host_budget, host, dtype, max_sequence_length, encoders, family)
+    host = plan.slab_host
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
     if cuda_graphs and device.type != "cuda":
         raise SampleError(f"--cuda-graphs needs a CUDA GPU and this run samples on {device}; leave it off.")
@@ -297,9 +302,23 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
         attach_lora(transformer, *load_lora(lora))
     try:
         return draw(encoders, family, transformer, settled, max_sequence_length, device, tuner, on_image,
-                    progress=SampleProgress(label, progress, echo))
+                    progress=SampleProgress(label, progress, echo), encoder_host=plan.encoder_budget)
     finally:
         runtime.runtime_of(transformer).close()
+
+
+def _host_plan(s, device: torch.device, host_budget, host: str, dtype: str, max_sequence_length: int,
+               encoders: EncoderSource, family: str):
+    """The slab and the encoders are held at once: both within ``host_budget`` (train/host_plan.py), refused before
+    any work. ``squareq -v sample`` shows the plan; the images and errors stay alone on stderr."""
+    try:
+        plan = plan_host_memory("sample", device, host_budget, host, dtype,
+                                EncoderRun(None, max_sequence_length, 0, "the free GPU memory"),
+                                [b.nbytes for b in s.manifest.blocks], encoders, family, flag="--host-budget")
+    except (TrainError, SizeError) as exc:
+        raise SampleError(str(exc)) from None
+    log.info("%s", plan.line())
+    return plan
 
 
 def _check_vram_budget(vram_budget: int | None, device: torch.device, prefetch, resident_blocks) -> None:
@@ -325,11 +344,12 @@ def each_prompt(settled: list[SamplePrompt], tuner, on_image, draw_one,
 
 def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
                max_sequence_length: int, device: torch.device, tuner, on_image,
-               progress: SampleProgress | None = None) -> list:
+               progress: SampleProgress | None = None, encoder_host: int | None = None) -> list:
     """FLUX.1's images: the prompts first, within what the device has free beside the streamed transformer (its T5
-    streams on a small card), one at a time as the pipeline would; then the text encoders go, and the denoiser and
-    the VAE's decode (several GB at 1024²) have the GPU to themselves."""
-    run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
+    streams on a small card) and ``encoder_host`` bytes of host memory, one at a time as the pipeline would; then the
+    text encoders go, and the denoiser and the VAE's decode (several GB at 1024²) have the GPU to themselves."""
+    run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory", host_budget=encoder_host,
+                     host_flag="--host-budget")
     with open_encoders(encoders, device, family, run=run, dtype=_encoder_dtype(transformer, device)) as opened:
         entries = {t: opened.encode_prompts([t], max_sequence_length)[0] for p in settled for t in p.texts}
         dtype = opened.dtype
@@ -431,12 +451,14 @@ def check_family(slab, family: str, encoders: EncoderSource) -> bool:
 
 def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, settled: list[SamplePrompt],
                           max_sequence_length: int, device: torch.device, tuner, on_image,
-                          progress: SampleProgress | None = None) -> list:
-    """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler; the streamed
-    ``transformer`` as its denoiser)."""
+                          progress: SampleProgress | None = None, encoder_host: int | None = None,
+                          host_flag: str = "--host-budget") -> list:
+    """The images of ``settled`` from the family's pipeline (its VAE, text encoders and scheduler, within
+    ``encoder_host`` bytes of host memory, which ``host_flag`` set; the streamed ``transformer`` as its denoiser)."""
     dtype = _encoder_dtype(transformer, device)
     component = ADAPTERS[family].component
-    run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory")
+    run = EncoderRun(None, max_sequence_length, 0, "the free GPU memory", host_budget=encoder_host,
+                     host_flag=host_flag)
     with open_family_pipeline(encoders, family, device, dtype, run=run) as opened:
         pipe = opened.pipeline
         setattr(pipe, component, transformer)
@@ -453,7 +475,8 @@ def _drawer(slab, family: str, encoders: EncoderSource, stages: dict[str, str | 
     slab that is not one of Würstchen's stages."""
     if family in STAGES:
         folders = wuerstchen_folders(slab, family, encoders, stages)
-        return lambda *args, **kwargs: draw_wuerstchen(folders, *args, **kwargs)
+        # Würstchen's stages load whole (CLIPs of 0.7-1.4 GB): no host budget of their own
+        return lambda *args, encoder_host=None, **kwargs: draw_wuerstchen(folders, *args, **kwargs)
     given = [f"--{k}" for k, v in stages.items() if v]
     if given:
         raise SampleError(f"{given[0]} is for a Würstchen slab (the stage it does not hold); this slab holds a "

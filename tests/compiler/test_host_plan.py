@@ -176,7 +176,7 @@ def test_the_host_plan_spills_each_part_only_when_its_pass_would_pass_the_budget
 
 
 def test_the_default_host_budget_is_what_is_available_less_10_percent_or_2_gb(monkeypatch):
-    monkeypatch.setattr(host_budget, "resident_memory", lambda: 1 << 30)
+    monkeypatch.setattr(host_budget, "anonymous_memory", lambda: 1 << 30)
     monkeypatch.setattr(host_budget, "available_memory", lambda: 64 << 30)
     assert default_host_budget()[0] == (1 << 30) + (64 << 30) - int(0.1 * (64 << 30))
     monkeypatch.setattr(host_budget, "available_memory", lambda: 8 << 30)

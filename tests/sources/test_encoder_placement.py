@@ -139,3 +139,124 @@ def test_streamed_encoders_are_released_on_exit_even_after_an_error():
             assert p.streamed == ("text_encoder_2",) and _streamed(owner.text_encoder_2)
             raise RuntimeError("the caption batch failed")
     assert not _streamed(owner.text_encoder_2)  # its pinned blobs and slots are gone, not waiting for a collection
+
+
+@pytest.fixture(scope="module")
+def deep_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deep")
+    # eight blocks: a ring of three page-locked buffers holds fewer than the whole encoder
+    return {name: write_pipeline(name, root / name, text_layers=8) for name in ("tiny-flux", "tiny-qwen-image")}
+
+
+def _file_ranges(path) -> list[tuple[int, int]]:
+    """Where ``path`` is memory-mapped in this process (/proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def _encode_watched(source, family, config, run, file):
+    """The placement, the entries, the bytes held page-locked while the streamed encoder ran, and whether its blocks'
+    tensors (those out of the device slots) are views of ``file`` between forwards."""
+    from squareq.runtime.host.pinned import held_bytes
+
+    seen, before = [], held_bytes()  # other tests' buffers may still wait for a collection
+    with open_encoders(source, torch.device("cpu"), family, config, run) as enc:
+        name = enc.placement.streamed[0]
+        module = getattr(enc.pipeline, name)
+        blocks = module.get_submodule(largest_block_list(module))
+        blocks[0].register_forward_pre_hook(lambda *_: seen.append(held_bytes() - before))
+        entries = enc.encode_prompts(CAPTIONS, TOKENS)
+        ranges = _file_ranges(file)
+        views = all(any(a <= p.data_ptr() < b for a, b in ranges) for p in blocks[:4].parameters())
+        return enc.placement, entries, max(seen), views
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-qwen-image"])
+def test_an_encoder_over_both_budgets_streams_from_its_file_with_few_blocks_pinned(name, deep_folders):
+    """Over the VRAM budget and the host budget: the encoder's blocks are read from its memory-mapped file into a ring
+    of page-locked buffers (at most RING_STAGES blocks pinned), and give the entries the whole encoder gives. The
+    negative control: a host budget that holds the encoder keeps its blocks pinned whole."""
+    family, config = ("flux", None) if name == "tiny-flux" else _family_and_config(name)
+    source = str(deep_folders[name])
+    whole, _, expected = _encode(source, family, config, None)
+    budget = whole.expected - 1
+    largest = max((n for n in whole.sizes if n != "vae"), key=whole.sizes.get)
+    file = deep_folders[name] / largest / "model.safetensors"
+
+    pinned, entries, held, _ = _encode_watched(source, family, config, EncoderRun(budget, TOKENS, PIXELS), file)
+    assert pinned.streamed == (largest,) and pinned.ring == ()  # no host budget: pinned whole
+    assert held >= pinned.pinned_sizes[largest] > pinned.ring_sizes[largest]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(expected, entries, strict=True) for k in a)
+
+    ring_needs = pinned.copies.get("vae", 0) + pinned.ring_sizes[largest]
+    run = EncoderRun(budget, TOKENS, PIXELS, host_budget=ring_needs)
+    ring, entries, held, views = _encode_watched(source, family, config, run, file)
+    assert ring.ring == (largest,) and ring.host_expected <= ring_needs
+    assert held <= ring.ring_sizes[largest] < pinned.pinned_sizes[largest]
+    assert views, "the streamed encoder's blocks are not the file's pages"
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(expected, entries, strict=True) for k in a)
+    assert "from its file through" in ring.describe()
+
+    # a host budget below even the ring: one sentence naming the smallest that works
+    with pytest.raises(PlacementError, match="give host_budget 1 B more"):
+        _encode_watched(source, family, config, EncoderRun(budget, TOKENS, PIXELS, host_budget=ring_needs - 1), file)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-qwen-image"])
+def test_the_plan_from_configs_and_headers_is_what_loading_does(name, deep_folders):
+    """A run's host plan is made before any weight loads (sources/encoder_files.py): the same streamed encoders, the
+    same ring, pinned and ring sizes and the same copies as the loaded encoders are placed with."""
+    from squareq.sources.encoder_files import planned_placement, read_encoder_files
+
+    family, config = ("flux", None) if name == "tiny-flux" else _family_and_config(name)
+    source = str(deep_folders[name])
+    whole, _, _ = _encode(source, family, config, None)
+    for host_budget in (None, 10**12, 1):
+        run = EncoderRun(whole.expected - 1, TOKENS, PIXELS, host_budget=host_budget)
+        planned = planned_placement(read_encoder_files(source), torch.device("cpu"), torch.float32, run)
+        if host_budget == 1:  # refused as it loads, and already over the budget in the plan
+            assert planned.host_expected > 1
+            with pytest.raises(PlacementError):
+                _encode_watched(source, family, config, run, deep_folders[name] / "x")
+            continue
+        loaded = _encode_watched(source, family, config, run, deep_folders[name] / "x")[0]
+        for field in ("streamed", "ring", "pinned_sizes", "ring_sizes", "copies", "sizes"):
+            assert getattr(planned, field) == getattr(loaded, field), field
+
+
+def test_an_encoder_of_few_blocks_stays_pinned_since_a_ring_would_hold_as_much():
+    from squareq.runtime.module_stream import RING_STAGES
+    from squareq.sources.encoder_placement import check_host, plan_host
+
+    parts = _deep_parts(layers=RING_STAGES)
+    cpu = torch.device("cpu")
+    whole = plan_placement(parts, None, cpu, torch.float32, TOKENS, PIXELS)
+    streamed = plan_placement(parts, whole.expected - 1, cpu, torch.float32, TOKENS, PIXELS)
+    assert "text_encoder_2" in streamed.streamed
+    least = plan_host(streamed, parts, torch.float32, 0, {})
+    assert least.ring == () and least.host_expected == sum(least.pinned_sizes.values())
+    with pytest.raises(PlacementError, match="^host_budget leaves 0 B of host memory .* as loaded they hold"):
+        check_host(least, 0)
+    # the negative control: eight blocks go through the ring at the same budget
+    deep = _deep_parts(layers=8)
+    whole = plan_placement(deep, None, cpu, torch.float32, TOKENS, PIXELS)
+    streamed = plan_placement(deep, whole.expected - 1, cpu, torch.float32, TOKENS, PIXELS)
+    assert plan_host(streamed, deep, torch.float32, 0, {}).ring == ("text_encoder_2",)
+
+
+def test_an_encoder_copied_as_it_loaded_counts_as_a_copy():
+    """A library that copies a file it was expected to map (transformers before 5 may) is noticed from the
+    process's growth, and the plan counts the copy; a load that grew by what it should keeps the views."""
+    from squareq.sources.encoder_files import as_loaded
+
+    parts = _deep_parts(layers=8)
+    mapped = {"text_encoder_2": torch.float32}
+    copies = module_bytes(parts["vae"], torch.float32) + module_bytes(parts["text_encoder"], torch.float32)
+    assert as_loaded(mapped, copies, parts, torch.float32) == mapped
+    grown = copies + module_bytes(parts["text_encoder_2"], torch.float32) + (256 << 20)
+    assert as_loaded(mapped, grown, parts, torch.float32) == {}

@@ -56,3 +56,31 @@ def test_the_commands_an_example_names_are_valid_command_lines(path):
             continue
         command.make_context(args[0], args[1:], parent=group)
         assert "--device" not in args
+
+
+def _host_table() -> dict[str, list[str]]:
+    """docs/train.md's table of example configs: config file -> its cells."""
+    text = (EXAMPLES.parent / "docs" / "train.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| `examples/")]
+    return {cells[0].strip().strip("`"): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_each_example_names_its_pc_and_docs_list_it_with_its_card(path):
+    """An example states the host memory of the PC it is for (host_budget, not the machine's auto), within that PC's
+    RAM as its comment says, and docs/train.md's table shows its card, vram_budget and host_budget as the file has
+    them."""
+    cfg = load_config(path)
+    assert cfg.host_budget != "auto" and cfg.host_budget_bytes
+    line = next(line for line in path.read_text().splitlines() if line.startswith("host_budget"))
+    ram = int(line.split("a PC with ")[1].split(" GB")[0])
+    assert cfg.host_budget_bytes <= ram * 10**9
+    card, vram, pc = _host_table()[f"examples/{path.name}"][:3]
+    assert vram == cfg.vram_budget and pc == f"{ram} GB of RAM ({cfg.host_budget})"
+    named = [w for w in path.stem.split("-") if w.endswith("gb")]
+    if named:
+        assert card == f"{named[0][:-2]} GB"
+
+
+def test_the_table_lists_every_example_and_no_other():
+    assert set(_host_table()) == {f"examples/{p.name}" for p in EXAMPLES.glob("*.toml")}

@@ -21,6 +21,17 @@ import torch
 
 from ...sizes import format_size
 
+# beside a process's own memory when a host plan is made, what a run grows (page-locked batches, Python's objects, the
+# libraries' buffers): on a CPU 1 GB; with CUDA 3 GB, as FLUX.1-dev's 8 GB config measured on an H200 (its steps held
+# 2.9 GB beside the slab over the process measured at its plan: the CUDA runtime's host side, the compiled blocks, the
+# feed; docs/benchmarks/cards.md)
+WORKING_ROOM = {"cpu": 1 << 30, "cuda": 3 << 30}
+
+
+def working_room(device: torch.device) -> int:
+    """:data:`WORKING_ROOM` for a run on ``device``."""
+    return WORKING_ROOM["cuda" if torch.device(device).type == "cuda" else "cpu"]
+
 RESERVE_FRACTION = 0.10
 RESERVE_MIN_BYTES = 4 << 30
 # the default budget leaves this share of the available memory, or at least MARGIN_LEAST, to the rest of the machine
@@ -71,13 +82,39 @@ def resident_memory() -> int:
         return 0
 
 
+def anonymous_memory() -> int:
+    """This process's own resident memory now: ``RssAnon`` + ``RssShmem`` (page-locked blobs are shared anonymous
+    pages, which the kernel counts as shmem), not the pages of files it maps; else its resident memory
+    (:func:`resident_memory`)."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in ("RssAnon", "RssShmem"):
+                    found[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return sum(found.values()) if "RssAnon" in found else resident_memory()
+
+
+def encoder_room(budget: int | None, device: torch.device) -> int | None:
+    """What encoders loaded now for a run on ``device`` may hold within a host ``budget`` (None: the machine's,
+    :func:`default_host_budget`): the budget less this process's own memory and its :func:`working_room`. None where
+    it is not known, or where the budget does not even hold the process: the caller's own plan refuses that budget
+    with the whole picture."""
+    budget = budget if budget is not None else default_host_budget()[0]
+    room = None if budget is None else budget - anonymous_memory() - working_room(device)
+    return room if room is not None and room > 0 else None
+
+
 def default_host_budget() -> tuple[int | None, str]:
     """(the default ``--host-budget``, how it was found): what the machine has available plus what this process
     already holds, less 10% of the available memory or 2 GB, whichever is larger."""
     available = available_memory()
     if available is None:
         return None, "the machine's available memory could not be read"
-    own = resident_memory()
+    own = anonymous_memory()  # the files it maps are page cache, which MemAvailable counts already
     margin = max(int(MARGIN_SHARE * available), MARGIN_LEAST)
     return max(own + available - margin, 0), (f"{format_size(available)} available and {format_size(own)} held by "
                                               f"this process, less a {format_size(margin)} margin")

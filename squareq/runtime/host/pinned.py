@@ -49,6 +49,16 @@ def _register(buffer: torch.Tensor) -> Callable[[], None]:
     return lambda: cudart.cudaHostUnregister(ptr)
 
 
+_held = [0]  # bytes of live HostMemory buffers in this process
+
+
+def held_bytes() -> int:
+    """Bytes of the :class:`HostMemory` buffers of this process not yet closed (page-locked on a GPU machine), as
+    asked for (torch's fallback allocator rounds up to a power of two); what the tests count. A closed buffer's pages
+    go with the last view of them."""
+    return _held[0]
+
+
 class HostMemory:
     """``nbytes`` of host memory as a uint8 tensor, page-locked when ``device`` is a GPU.
 
@@ -84,7 +94,8 @@ class HostMemory:
                     self._share.close()
                     raise
         # Unlock before the pages go (torch frees them once the last view is dropped), even without close().
-        self._finalizer = weakref.finalize(self, _release, self._undo, self._share, self.tensor)
+        _held[0] += nbytes
+        self._finalizer = weakref.finalize(self, _release, self._undo, self._share, self.tensor, nbytes)
 
     @property
     def path(self) -> Path | None:
@@ -92,11 +103,15 @@ class HostMemory:
         return self._share.path if self._share else None
 
     def close(self) -> None:
-        """Unlock the pages and, for the last user of a shared copy, remove it. Safe to call more than once."""
+        """Unlock the pages and, for the last user of a shared copy, remove it; the pages go with the last view of
+        them (a closed runtime holds none, so a finished training run gives them back at once, not at a later
+        garbage collection). Safe to call more than once."""
         self._finalizer()
+        self.tensor = None
 
 
-def _release(undo, share, tensor) -> None:
+def _release(undo, share, tensor, nbytes: int) -> None:
+    _held[0] -= nbytes
     if undo is not None:
         undo()
     if share is not None:

@@ -6,8 +6,10 @@
 * :class:`DiskStaging` (``host="disk"``): blobs stay in the slab file; a reader thread takes each one,
   reads it into a small ring of page-locked staging buffers with several threads at once (each its own part of
   the blob), and issues its copy. Host memory stays at a few blocks, for machines whose RAM cannot hold the slab.
+* :class:`StagingRing`, the ring under it: any blob made on demand into a staging buffer (a text encoder's block
+  read from its memory-mapped weights file, squareq.runtime.module_stream).
 
-Both issue copies through :meth:`start_copy`, which returns a :class:`CopyTicket` the streamer waits on.
+All issue copies through :meth:`start_copy`, which returns a :class:`CopyTicket` the streamer waits on.
 """
 from __future__ import annotations
 
@@ -113,40 +115,44 @@ class PinnedArena:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.memory.close()
+        self.buffer = None
 
 
+STAGES = 3  # staging buffers of a ring: one filling, one copying, one spare
 READERS = 4  # threads reading parts of one blob at once (one thread read 5-6 GB/s even from the page cache)
 PART_BYTES = 8 << 20  # the smallest part one reader takes
 
 
-class DiskStaging:
-    """Blobs read from the slab file by a reader thread through ``stages`` page-locked staging buffers, each blob by
-    ``readers`` threads in parallel."""
+class StagingRing:
+    """Blobs made on demand by a reader thread into ``stages`` page-locked staging buffers, each then copied into its
+    device slot: ``fill(index, stage)`` writes blob ``index`` into ``stage`` (a uint8 tensor of the blob's size).
+    Host memory stays at ``stages`` of the largest blob, whatever the number of blocks."""
 
-    kind = "disk"
+    kind = "ring"
 
-    def __init__(self, slab: Slab, device: torch.device, stages: int = 3, readers: int = READERS) -> None:
-        blocks = slab.manifest.blocks
-        self.path = slab.data_path
-        self.ranges = [slab.blob_file_range(b.index) for b in blocks]
-        largest = max(b.nbytes for b in blocks)
+    def __init__(self, sizes: list[int], fill: Callable[[int, torch.Tensor], None], device: torch.device,
+                 stages: int = STAGES, name: str = "squareq-stage-reader") -> None:
+        self.sizes = list(sizes)
+        self.fill = fill
+        largest = max(self.sizes)
         self.device = device
         self.memory = [HostMemory(largest, device, lambda t: None) for _ in range(stages)]
         self.staging = [m.tensor for m in self.memory]
         self.staged = [None] * stages  # event recorded after the last copy out of each staging buffer
         self.host_bytes = largest * stages
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self._pool = ThreadPoolExecutor(max(1, readers), thread_name_prefix="squareq-disk-part")
-        self.readers = max(1, readers)
+        self.closed = False
         self._jobs: queue.Queue = queue.Queue()
         self._next = 0
-        self._thread = threading.Thread(target=self._run, name="squareq-disk-reader", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def closed_error(self) -> RuntimeError:
+        return RuntimeError("the staging ring was closed; load the model again.")
+
     def start_copy(self, index: int, dst: torch.Tensor, stream, ready, free, trace: bool = False) -> CopyTicket:
-        ticket = CopyTicket(index, self.ranges[index][1])
-        if self._fd is None:
-            ticket.error = RuntimeError(f"the disk reader of {self.path} was closed; load the slab again.")
+        ticket = CopyTicket(index, self.sizes[index])
+        if self.closed:
+            ticket.error = self.closed_error()
             ticket.issued.set()
             return ticket
         self._jobs.put((ticket, dst, stream, ready, free, trace))
@@ -165,23 +171,68 @@ class DiskStaging:
             ticket.issued.set()
 
     def _copy(self, index: int, dst: torch.Tensor, stream, ready, free, marks: list | None) -> None:
-        offset, nbytes = self.ranges[index]
+        nbytes = self.sizes[index]
         k = self._next
         self._next = (k + 1) % len(self.staging)
         if self.staged[k] is not None:
             self.staged[k].synchronize()  # the previous copy out of this buffer has finished
         stage = self.staging[k][:nbytes]
+        self.fill(index, stage)
+        enqueue_copy(dst[:nbytes], stage, stream, ready, free, marks)
+        if stream is not None:
+            ev = torch.cuda.Event(blocking=True)  # the reader sleeps on it rather than spinning a core
+            ev.record(stream)
+            self.staged[k] = ev
+
+    def close(self) -> None:
+        """Stop the reader thread and unlock the staging buffers; safe to call more than once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self._closed()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for m in self.memory:
+            m.close()
+        self.staging = []
+
+    def _closed(self) -> None:
+        """What a subclass releases once the reader has stopped."""
+
+
+class DiskStaging(StagingRing):
+    """Blobs read from the slab file through the staging ring, each blob by ``readers`` threads in parallel."""
+
+    kind = "disk"
+
+    def __init__(self, slab: Slab, device: torch.device, stages: int = STAGES, readers: int = READERS) -> None:
+        self.path = slab.data_path
+        self.ranges = [slab.blob_file_range(b.index) for b in slab.manifest.blocks]
+        self.readers = max(1, readers)
+        self._fd, self._pool = None, None
+        # the ring first (its page-locked buffers may fail to allocate), then the file: nothing is left open
+        super().__init__([n for _, n in self.ranges], self._read_blob, device, stages, "squareq-disk-reader")
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            self.close()
+            raise
+        self._pool = ThreadPoolExecutor(self.readers, thread_name_prefix="squareq-disk-part")
+
+    def closed_error(self) -> RuntimeError:
+        return RuntimeError(f"the disk reader of {self.path} was closed; load the slab again.")
+
+    def _read_blob(self, index: int, stage: torch.Tensor) -> None:
+        offset, nbytes = self.ranges[index]
         view = memoryview(stage.numpy()).cast("B")
         part = max(PART_BYTES, -(-nbytes // self.readers))
         parts = [(start, min(start + part, nbytes)) for start in range(0, nbytes, part)]
         # preadv releases the GIL, so the parts are read at once; .result() re-raises a part's error here
         for future in [self._pool.submit(self._read, index, view, offset, a, b) for a, b in parts]:
             future.result()
-        enqueue_copy(dst[:nbytes], stage, stream, ready, free, marks)
-        if stream is not None:
-            ev = torch.cuda.Event(blocking=True)  # the reader sleeps on it rather than spinning a core
-            ev.record(stream)
-            self.staged[k] = ev
 
     def _read(self, index: int, view: memoryview, offset: int, start: int, end: int) -> None:
         """Bytes [start, end) of block ``index``'s blob (at ``offset`` in the file) into ``view``."""
@@ -191,17 +242,9 @@ class DiskStaging:
                 raise OSError(f"{self.path} ended while reading block {index}; the slab is truncated, copy it again.")
             start += n
 
-    def close(self) -> None:
-        """Stop the reader threads and close the file; safe to call more than once."""
-        if self._fd is None:
-            return
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-        self._pool.shutdown(wait=True)
-        os.close(self._fd)
+    def _closed(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
         self._fd = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for m in self.memory:
-            m.close()
