@@ -6,7 +6,9 @@
   ``squareq accept`` and ``squareq demo``;
 * ``photos``: scikit-image, whose wheel carries the photographs the compiler calibrates image models on when no
   ``--calib-data`` is given;
-* ``wandb``: Weights & Biases, for ``squareq train --log wandb``.
+* ``wandb``: Weights & Biases, for ``squareq train --log wandb``;
+* ``video``: PyAV, which decodes the video files (``.mp4``, ``.webm``, ``.mov``, ``.mkv``) of a clip dataset (GIFs,
+  animated WebPs and folders of frames need nothing more).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from types import ModuleType
 
 # module -> (the PyPI package that provides it, the extra that installs it)
 PROVIDERS = {"scipy": ("scipy", "accept"), "torchmetrics": ("torchmetrics", "accept"),
-             "skimage": ("scikit-image", "photos"), "wandb": ("wandb", "wandb")}
+             "skimage": ("scikit-image", "photos"), "wandb": ("wandb", "wandb"), "av": ("av", "video")}
 
 
 ACCEPT_MODULES = ("scipy.stats", "torchmetrics")  # what squareq accept's gates import

@@ -17,6 +17,7 @@ from ..slab.atomic import OutputError
 from ..sources.encoders import EncoderError
 from ..train.cache import CacheError
 from ..train.checkpoint_state import CheckpointError
+from ..train.clips import ClipError
 from ..train.config import ConfigError
 from ..train.data import DataError
 from ..train.errors import TrainError, TrainInterrupted
@@ -26,6 +27,7 @@ from ..train.sample import SampleError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
-               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError, MissingExtra, PromptError)
+               TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError, MissingExtra, PromptError,
+               ClipError)
 
 __all__ = ["USER_ERRORS", "TrainInterrupted"]

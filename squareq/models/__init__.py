@@ -55,7 +55,7 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     raise ModelError(f"no SquareQ family adapter for {type(model).__name__}; supported classes: {known}.")
 
 
-CAPABILITIES = ("compile", "stream", "train", "sample")
+CAPABILITIES = ("compile", "stream", "train", "train on clips", "sample")
 
 
 def families_table() -> str:
@@ -67,7 +67,9 @@ def families_table() -> str:
     rows = ["| family | diffusers class | streamed blocks | built-in | " + " | ".join(CAPABILITIES) + " |",
             "|---|---|---|---|" + "---|" * len(CAPABILITIES)]
     for a in ADAPTERS.values():
-        marks = ["yes" if c in a.supports else "not yet" for c in CAPABILITIES]
+        # clips are for the families whose latents carry frames: the others have nothing to do there
+        marks = ["yes" if c in a.supports else "-" if c == "train on clips" and a.recipe and not a.recipe.frames
+                 else "not yet" for c in CAPABILITIES]
         rows.append(f"| {a.family} | `{a.class_name}` | {', '.join(f'`{b}`' for b in a.block_lists)} | "
                     f"{', '.join(builtin.get(a.family, ['-']))} | " + " | ".join(marks) + " |")
     return "\n".join(rows) + "\n"

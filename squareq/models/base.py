@@ -102,8 +102,10 @@ class FamilyAdapter:
 
     @property
     def supports(self) -> tuple[str, ...]:
-        """What SquareQ does for the family today (`squareq families` prints it): compile, stream, train, sample."""
+        """What SquareQ does for the family today (`squareq families` prints it): compile, stream, train (on clips too
+        where its latents carry frames: train/clips.py), sample."""
         return ("compile", "stream") + (("train",) if self.recipe else ()) + (
+            ("train on clips",) if self.recipe and self.recipe.frames else ()) + (
             ("sample",) if self.samples or self.pipeline_samples else ())
 
     def blocks(self, model: nn.Module) -> list[str]:

@@ -128,6 +128,14 @@ class ToyEncoders:
         return z[:, None] if self.recipe.frames else z
 
     @torch.no_grad()
+    def encode_clip(self, frames: torch.Tensor) -> torch.Tensor:
+        """[3, F, H, W] in [-1, 1] -> the normalized latent [C, F, H/8, W/8] of a video family: the toy VAE is an
+        image VAE, so each frame is encoded on its own (no temporal compression)."""
+        z = self.vae.encode(frames.permute(1, 0, 2, 3).to(self.device, self.dtype)).latent_dist.mode()
+        z = (z.float() - self.vae.config.shift_factor) * self.vae.config.scaling_factor
+        return z.permute(1, 0, 2, 3).cpu()
+
+    @torch.no_grad()
     def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
         """One entry per text: the T5 sequence padded to ``max_sequence_length`` (with its mask where the family
         masks padding) and the pooled CLIP output where the family takes one (fp32)."""

@@ -89,6 +89,13 @@ class PipelineEncoders:
         return z
 
     @torch.no_grad()
+    def encode_clip(self, frames: torch.Tensor) -> torch.Tensor:
+        """[3, F, H, W] in [-1, 1] -> the normalized latent [C, f, h, w] through the family's video VAE (f = 1 + (F -
+        1) / its temporal stride)."""
+        z = self.pipeline.vae.encode(frames[None].to(self.device, self.dtype)).latent_dist.mode()
+        return normalize_latent(self.pipeline.vae, z)[0].cpu()
+
+    @torch.no_grad()
     def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
         """One cache entry per caption through the pipeline's ``encode_prompt``."""
         return self.recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)

@@ -20,6 +20,7 @@ from ..runtime.lora import DEFAULT_TARGETS
 from ..runtime.peft_lora import LoraVariant
 from ..sizes import SizeError, parse_size
 from ..sources.encoder_source import SINGLE_FILE_FLAGS
+from .clips import ClipError, FrameSettings
 from .config_file import ConfigError, coerce, graphs_word, read_table, shown, toml_text
 from .config_values import SAVE_FORMATS, check_data, check_limits, check_numbers, check_texts
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT
@@ -86,6 +87,13 @@ class TrainConfig:
     validation_data: str | None = None
     validation_split: float = 0.0
     validate_every: int = 0  # 0: with every checkpoint
+    # clips (train/clips.py): musubi-tuner's frame keys and meanings
+    target_frames: list[int] = field(default_factory=lambda: [1])
+    frame_extraction: str = "head"
+    frame_stride: int = 1
+    frame_sample: int = 1
+    max_frames: int = 129
+    source_fps: float | None = None
     seed: int = 42
     # objective
     timestep_sampling: str = "shift"
@@ -123,8 +131,10 @@ class TrainConfig:
     title: str | None = None  # default: the output folder's name
 
     def __post_init__(self) -> None:
-        if isinstance(self.resolution, int) and not isinstance(self.resolution, bool):
-            self.resolution = [self.resolution]
+        for key in ("resolution", "target_frames"):  # one number for a list of one
+            value = getattr(self, key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, key, [value])
         if isinstance(self.caption_ext, str) and self.caption_ext and not self.caption_ext.startswith("."):
             self.caption_ext = "." + self.caption_ext  # ai-toolkit writes caption_ext = "txt"
         self.cuda_graphs = graphs_word(self.cuda_graphs)
@@ -150,6 +160,10 @@ class TrainConfig:
             raise bad("save_format", f"must name one or both of {', '.join(SAVE_FORMATS)}")
         if self.title is not None and not self.title.strip():
             raise bad("title", "is empty; give the LoRA a name or leave title unset")
+        try:
+            self.frame_settings.check(where)
+        except ClipError as exc:
+            raise ConfigError(str(exc)) from None
         for key, value in (("vram_budget", self.vram_budget), ("host_budget", self.host_budget)):
             if value is None or key == "host_budget" and value == "auto":
                 continue
@@ -192,6 +206,13 @@ class TrainConfig:
     def encoder_files(self) -> dict[str, str | None]:
         """The encoders given as single files, by key (None: the pipeline's own)."""
         return {key: getattr(self, key) for key in SINGLE_FILE_FLAGS}
+
+    @property
+    def frame_settings(self) -> FrameSettings:
+        """The frame keys, as train/clips.py cuts clips by them."""
+        return FrameSettings(tuple(self.target_frames) if isinstance(self.target_frames, list) else (),
+                             self.frame_extraction, self.frame_stride, self.frame_sample, self.max_frames,
+                             self.source_fps)
 
     @property
     def vram_budget_bytes(self) -> int | None:

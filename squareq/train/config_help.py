@@ -139,6 +139,17 @@ HELP = {
                  "9.0 and up for heads of 128, FLUX.1's, where they measured twice as fast as flash; torch's order "
                  "elsewhere), cudnn (first on any CUDA GPU), or default (torch's order, flash first). A cuDNN "
                  "failure turns it off for the run and redoes the step; docs/tuning.md.",
+    "target_frames": "Clips: the frame counts of the windows cut from each clip, e.g. [1, 25, 45] (musubi-tuner's "
+                     "key), rounded down to what the family's VAE takes (1 + 4k for Wan and HunyuanVideo, 1 + 8k for "
+                     "LTX-Video); images are one-frame samples.",
+    "frame_extraction": "Clips: how windows are cut: head (the first N frames), chunk (consecutive windows of N), "
+                        "slide (a window every frame_stride frames), uniform (frame_sample windows spread evenly), "
+                        "full (the whole clip up to max_frames).",
+    "frame_stride": "Clips: frames between the starts of frame_extraction = slide's windows.",
+    "frame_sample": "Clips: how many windows frame_extraction = uniform spreads over each clip.",
+    "max_frames": "Clips: the most frames frame_extraction = full takes from a clip.",
+    "source_fps": "Clips: the clips' frame rate, e.g. 30.0; frames are dropped to the family's rate (16 for Wan, 24 "
+                  "for HunyuanVideo, 25 for LTX-Video). Unset: every frame is used.",
     "vram_budget": "Refuse to start if the expected peak GPU memory exceeds this, e.g. 12GB.",
     "host_budget": "Host memory (RAM) the run may hold, e.g. 24GB, or auto: what the machine has available, less 10% "
                    "or 2 GB. The plan keeps within it what it can (the slab's blocks and a streamed text encoder "

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from .clips import CLIP_EXTENSIONS, IMAGE_EXTENSIONS, is_clip
+
 log = logging.getLogger("squareq.train")
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 METADATA = "metadata.jsonl"
 _HOW = "pass a folder of images with same-name .txt captions, or a folder with a metadata.jsonl"
 
@@ -54,7 +55,8 @@ def refused_character(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class Item:
-    """One usable image: its path, caption, size (after EXIF rotation) and how often an epoch trains on it."""
+    """One usable image, or one window of a clip: its path, caption, size (after EXIF rotation; a clip's first
+    frame's) and how often an epoch trains on it."""
 
     path: Path
     caption: str
@@ -62,6 +64,7 @@ class Item:
     height: int
     repeats: int = 1
     reg: bool = False  # a regularisation (prior) image: its loss counts prior_loss_weight times
+    frames: tuple[int, ...] | None = None  # a clip's window: the frames it trains on (None: an image)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Dataset:
     items: list[Item] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     regularisation: Dataset | None = None  # the regularisation folder its ``reg`` items were taken from
+    clips: list[tuple[Path, str, int]] = field(default_factory=list)  # (clip, caption, repeats): train/clip_items.py
 
     def __len__(self) -> int:
         return len(self.items)
@@ -99,12 +103,14 @@ class Dataset:
 
 # ---------------------------------------------------------------------------------------------- scanning
 
-def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset:
+def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt", clips: bool = False) -> Dataset:
     """Read a data folder (``metadata.jsonl`` wins over caption files); :class:`DataError` if nothing is usable.
 
     Every image is fully decoded once, so truncated or corrupt files are reported here rather than
     halfway through training; images whose shorter side is below ``min_side`` are skipped. ``caption_ext``: the
-    caption files' extension (``.txt``, kohya's ``.caption``).
+    caption files' extension (``.txt``, kohya's ``.caption``). ``clips``: clips (train/clips.py) are gathered with
+    their captions in ``Dataset.clips`` for the trainer to cut into windows (train/clip_items.py); without it they are
+    skipped, each named.
     """
     root = Path(path).expanduser()
     if not root.exists():
@@ -114,6 +120,13 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset
     data = Dataset(root)
     candidates = _from_jsonl(root, data) if (root / METADATA).is_file() else _from_folder(root, data, caption_ext)
     for image, caption, repeats in candidates:
+        if image.is_dir() or is_clip(image):
+            if clips:
+                data.clips.append((image, caption, repeats))
+            else:
+                data.skipped.append(Skipped(image, f"{_rel(image, root)} is a clip, and only squareq train reads "
+                                                   "clips (for Wan, HunyuanVideo and LTX-Video): leave it out here."))
+            continue
         problem = _check_image(image, root, min_side)
         if isinstance(problem, str):
             data.skipped.append(Skipped(image, problem))
@@ -126,7 +139,7 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt") -> Dataset
     if data.skipped:
         log.warning("%d of %d images in %s skipped (reasons above); training on %d.",
                     len(data.skipped), len(data.skipped) + len(data.items), root, len(data.items))
-    if not data.items:
+    if not data.items and not data.clips:
         found = f"none of the {len(data.skipped)} files found is usable (see the warnings)" if data.skipped \
             else "it holds no images"
         raise DataError(f"No training images in {root}: {found}; {_HOW}.")
@@ -216,13 +229,19 @@ def repeat_folder(rel: Path) -> tuple[int, str] | None:
 
 def _from_folder(root: Path, data: Dataset, caption_ext: str = ".txt") -> list[tuple[Path, str, int]]:
     found = []
-    for image in sorted(root.rglob("*")):
+    paths = [p for p in sorted(root.rglob("*")) if not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    # a folder of frames is a clip where a caption file beside it names it (walk/ and walk.txt), as in musubi-tuner
+    frame_folders = [p for p in paths if p.is_dir() and (p.parent / (p.name + caption_ext)).is_file()]
+    for image in paths:
         rel = image.relative_to(root)
-        if image.suffix.lower() not in IMAGE_EXTENSIONS or any(p.startswith(".") for p in rel.parts):
+        if any(image.parent == d or d in image.parents for d in frame_folders):
+            continue  # a frame of a clip
+        if image in frame_folders:
+            txt = image.parent / (image.name + caption_ext)
+        elif image.is_file() and image.suffix.lower() in IMAGE_EXTENSIONS + CLIP_EXTENSIONS:
+            txt = image.with_suffix(caption_ext)
+        else:
             continue
-        if not image.is_file():
-            continue
-        txt = image.with_suffix(caption_ext)
         rel_txt = txt.relative_to(root).as_posix()
         _confined(image, root, rel.as_posix())
         if txt.exists():
@@ -485,14 +504,17 @@ class BucketBatches:
         # are the entries of :func:`entry_buckets`: a repeated image is several entries, as in a kohya epoch.
         bucket_sets = buckets if buckets and isinstance(buckets[0], list) else [buckets]
         self.item_buckets = entry_buckets(dataset, bucket_sets, no_upscale)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, b in enumerate(self.item_buckets):
+        # a clip's window is a bucket over time too: one batch holds one (width, height) and one frame count
+        frames = [len(it.frames or (0,)) for _ in bucket_sets for it in dataset.training_items]
+        keys = list(zip(self.item_buckets, frames, strict=True)) if max(frames, default=1) > 1 else self.item_buckets
+        groups: dict[tuple, list[int]] = {}
+        for i, b in enumerate(keys):
             groups.setdefault(b, []).append(i)
         self._groups = [groups[b] for b in sorted(groups)]
         self.epoch, self.position = 0, 0
         self._last_epoch: tuple[int, list[list[int]]] | None = None
         # Resuming with other data, buckets or settings would silently train on a different order.
-        key = repr((seed, batch_size, drop_last, self.item_buckets)).encode()
+        key = repr((seed, batch_size, drop_last, keys)).encode()
         self._fingerprint = hashlib.sha256(key).hexdigest()[:16]
         if len(self) == 0:
             raise ValueError(f"No bucket holds batch_size={batch_size} images, so drop_last leaves no batch: "

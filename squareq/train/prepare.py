@@ -16,6 +16,7 @@ from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import EncoderSource, slab_encoders
 from ..sources.encoders import Encoders, encoder_dtype, open_encoders
 from .cache import EmbeddingCache
+from .clip_items import clip_digest, cut_clips, load_clip
 from .config import TrainConfig
 from .data import (
     TRIGGER_TOKEN,
@@ -65,7 +66,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if host is None and encode:
         host = train_host_plan(cfg, "cache", device, encoder_source=encoder_source, family=model.family)
         echo(host.line())
-    dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext)
+    dataset = _training_data(cfg, getattr(model, "family", None), echo)
     held = None
     if cfg.validation_data:
         try:
@@ -131,6 +132,16 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
 
 
+def _training_data(cfg: TrainConfig, family: str | None, echo):
+    """``cfg.data`` scanned, its clips cut into windows for ``family`` (train/clip_items.py)."""
+    dataset = cut_clips(scan_dataset(cfg.data, caption_ext=cfg.caption_ext, clips=True), cfg.frame_settings, family,
+                        echo=echo)
+    if cfg.masked_loss and any(it.frames is not None for it in dataset.items):
+        raise DataError(f"masked_loss (--masked-loss) weighs an image's pixels, and {cfg.data} holds clips: train "
+                        "the clips without it, or move them out of the folder.")
+    return dataset
+
+
 def _masks(cfg: TrainConfig, dataset, items) -> list:
     """Each training entry's loss-mask source (train/masks.py), or Nones without ``masked_loss``."""
     if not cfg.masked_loss:
@@ -150,9 +161,19 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
     terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per caption and the
     flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
-    digests = [file_sha256(item.path) for item in items]
+    hashed: dict = {}  # a clip's windows (and a repeated image's entries) are hashed once
+
+    def digest(item) -> str:
+        if item.path not in hashed:
+            hashed[item.path] = clip_digest(item.path) if item.frames is not None else file_sha256(item.path)
+        return hashed[item.path]
+
+    digests = [digest(item) for item in items]
     masks = masks or [None] * len(items)
     marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_sha256(m)) for m in masks]
+    # a clip's window: which of its frames (a changed frame key re-encodes only the windows it changes)
+    marks = [mark if item.frames is None else (*mark, "frames", list(item.frames))
+             for mark, item in zip(marks, items, strict=True)]
     image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
                   for digest, bucket, mark in zip(digests, item_buckets, marks, strict=True)]
     flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped", *marks[i])
@@ -162,8 +183,12 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
         def encode_images(indices):
             out = []
             for i in indices:
-                pixels = load_image(items[i].path, item_buckets[i])
-                e = encoders.encode_image(pixels.flip(-1) if flip else pixels)
+                if items[i].frames is not None:
+                    pixels = load_clip(items[i].path, items[i].frames, item_buckets[i])
+                    e = encoders.encode_clip(pixels.flip(-1) if flip else pixels)
+                else:
+                    pixels = load_image(items[i].path, item_buckets[i])
+                    e = encoders.encode_image(pixels.flip(-1) if flip else pixels)
                 e = e if isinstance(e, dict) else {"latents": e}
                 if masks[i] is not None:
                     mask = load_mask(items[i].path, masks[i], item_buckets[i])

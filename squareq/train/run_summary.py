@@ -43,12 +43,19 @@ def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -
     said = ", ".join(f"{n} image{'s' * (n != 1)} {'once' if r == 1 else f'{r} times'}"
                      for r, n in sorted(repeats.items()))
     res = ", ".join(f"{r} px" for r in resolutions)
-    lines = [f"data: {len(images)} images from {dataset.root} (repeats: {said}), {len(entries) * len(resolutions)} "
-             f"entries an epoch at {res}"]
-    counts = Counter(bucket_for(item.width, item.height, buckets, no_upscale)
+    windows = [item for item in images if item.frames is not None]  # a clip's entries (train/clip_items.py)
+    what = f"{len(images)} images" if not windows else \
+        f"{len(images) - len(windows)} images and {len(windows)} windows of {len({w.path for w in windows})} clips"
+    lines = [f"data: {what} from {dataset.root} (repeats: {said}), {len(entries) * len(resolutions)} entries an epoch "
+             f"at {res}"]
+    counts = Counter((*bucket_for(item.width, item.height, buckets, no_upscale), len(item.frames or (0,)))
                      for buckets in bucket_sets for item in entries)
-    lines.append("buckets: " + ", ".join(f"{w}x{h}: {n} entr{'ies' if n != 1 else 'y'}"
-                                        for (w, h), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+    def bucket(w: int, h: int, frames: int) -> str:
+        return f"{w}x{h}" + (f" x {frames} frames" if frames > 1 else "")
+
+    lines.append("buckets: " + ", ".join(f"{bucket(*key)}: {n} entr{'ies' if n != 1 else 'y'}"
+                                        for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))))
     up = upscaled_images(images, bucket_sets, no_upscale)
     if up and no_upscale:  # a wide image over its bucket's area keeps the bucket, and its short side is enlarged
         lines.append(f"upscaled: {up} of {len(images)} images are enlarged despite no_upscale: one side is shorter "

@@ -38,6 +38,7 @@ from ..sources.encoder_source import (
 from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
 from ..sources.pipeline_encoders import open_family_pipeline
 from ..third_party import pipeline_bars
+from .clips import TEMPORAL_STRIDE
 from .errors import TrainError
 from .host_plan import plan_host_memory
 from .lora_attach import attach_lora, attach_peft_adapter
@@ -364,8 +365,6 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
         pipe.transformer = None
 
 
-# a clip's frames are 1 + stride·k, the VAE's temporal compression (diffusers' pipelines round other counts)
-TEMPORAL_STRIDE = {"wan": 4, "hunyuan-video": 4, "ltx-video": 8}
 
 
 def check_prompts(family: str, settled: list[SamplePrompt]) -> None:

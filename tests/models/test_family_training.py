@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from squareq import runtime
+from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.models import ADAPTERS, BUILTIN_MODELS, load_builtin
 from squareq.quant import QuantSpec
-from squareq.compiler.plain import PlainOptions, write_rtn_slab
 from squareq.train.cache import EmbeddingCache
 from squareq.train.config import load_config
 from squareq.train.errors import TrainError
@@ -19,6 +19,8 @@ from squareq.train.lora_attach import attach_lora
 from squareq.train.lora_reader import load_lora
 from squareq.train.objective import noised
 from squareq.train.tiny_dataset import write_tiny_dataset
+
+from ..train.tiny_run import w8_tiny_slab
 
 FAMILIES = sorted(n for n in BUILTIN_MODELS if n != "tiny-flux")  # tiny-flux: tests/train/test_loop.py
 
@@ -32,11 +34,7 @@ def data(tmp_path_factory):
 
 
 def _slab(name, folder):
-    model, adapter = load_builtin(name)
-    path = folder / f"{name}.slab"
-    write_rtn_slab(model, adapter.blocks(model), {}, path,
-               PlainOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source=name))
-    return path
+    return w8_tiny_slab(folder / f"{name}.slab", name)
 
 
 def _config(slab, data, out, **kw):
@@ -285,8 +283,8 @@ def test_a_negative_prompt_acts_through_cfg_without_true_cfg(tmp_path):
     # what a pipeline would drop is refused: SD 1.5 has no true CFG scale, FLUX.2's pipeline no negative prompt
     with pytest.raises(SampleError, match="--l in the prompt 'a cat': the sd-unet pipeline has no true CFG scale"):
         draw("a cat --n a dog --l 4")
-    from squareq.train.sample import check_prompts
     from squareq.train.prompt_options import parse_prompt
+    from squareq.train.sample import check_prompts
 
     with pytest.raises(SampleError, match="--n in the prompt 'a cat': the flux2 pipeline takes no negative prompt"):
         check_prompts("flux2", [parse_prompt("a cat --n a dog", true_cfg_only=False).settled(64, 2, 3.5, 0)])
@@ -328,6 +326,7 @@ def test_wuerstchen_draws_with_either_stage_streamed_and_the_other_from_its_fold
     image (another seed's slab draws another; the same slab the same), and --g sets the slab's stage. Negative
     controls: the other stage missing, the slab's own stage given again, --prior beside a FLUX slab, a side that is
     not a multiple of 128, no --model for the built-in tiny model."""
+    import diffusers
     from click.testing import CliRunner
     from PIL import Image
 
@@ -336,8 +335,6 @@ def test_wuerstchen_draws_with_either_stage_streamed_and_the_other_from_its_fold
     from squareq.train.sample import SampleError, sample_images
 
     from .tiny_folders import write_wuerstchen_folders
-
-    import diffusers
 
     prior_dir, decoder_dir = write_wuerstchen_folders(tmp_path / "pipes")
     embeddings = []  # what the prior handed the decoder, per drawing

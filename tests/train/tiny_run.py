@@ -1,4 +1,4 @@
-"""What the tiny training runs of tests/train share: tiny-flux compiled plainly to W8, the slab they train on."""
+"""What the tiny training runs share: a built-in tiny model compiled plainly to W8, the slab they train on."""
 from pathlib import Path
 
 from squareq.compiler.plain import PlainOptions, write_rtn_slab
@@ -6,9 +6,9 @@ from squareq.models import load_builtin
 from squareq.quant import QuantSpec
 
 
-def w8_tiny_slab(path: Path) -> Path:
-    """tiny-flux with every layer RTN W8 at ``path``."""
-    model, adapter = load_builtin("tiny-flux")
+def w8_tiny_slab(path: Path, name: str = "tiny-flux") -> Path:
+    """The built-in ``name`` (tiny-flux, tiny-wan, ...) with every layer RTN W8 at ``path``."""
+    model, adapter = load_builtin(name)
     write_rtn_slab(model, adapter.blocks(model), {}, path,
-                   PlainOptions(default_spec=QuantSpec(bits=8), family="flux", source="tiny-flux"))
+                   PlainOptions(default_spec=QuantSpec(bits=8), family=adapter.family, source=name))
     return path
