@@ -114,9 +114,8 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if encode:
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
-        run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2, "vram_budget",
-                         host_budget=host.encoder_budget)
-        with open_encoders(encoder_source, device, model.family, FrozenDict(model.config), run,
+        with open_encoders(encoder_source, device, model.family, FrozenDict(model.config),
+                           _encoder_run(cfg, items, host),
                            encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
             if encoders.placement is not None:
                 echo(encoders.placement.describe())
@@ -130,6 +129,14 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
+
+
+def _encoder_run(cfg: TrainConfig, items, host: HostPlan) -> EncoderRun:
+    """What the cache's encoders are placed for: the largest entry, whose VAE feature maps grow with a clip window's
+    frames as with its pixels (the video VAEs encode a window at once), and the host plan's room."""
+    frames = max((len(it.frames) for it in items if it.frames is not None), default=1)
+    return EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2 * frames,
+                      "vram_budget", host_budget=host.encoder_budget)
 
 
 def _training_data(cfg: TrainConfig, family: str | None, echo):
@@ -163,12 +170,12 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
     hashed: dict = {}  # a clip's windows (and a repeated image's entries) are hashed once
 
-    def digest(item) -> str:
+    def content_of(item) -> str:
         if item.path not in hashed:
             hashed[item.path] = clip_digest(item.path) if item.frames is not None else file_sha256(item.path)
         return hashed[item.path]
 
-    digests = [digest(item) for item in items]
+    digests = [content_of(item) for item in items]
     masks = masks or [None] * len(items)
     marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_sha256(m)) for m in masks]
     # a clip's window: which of its frames (a changed frame key re-encodes only the windows it changes)

@@ -223,3 +223,32 @@ def write_wuerstchen_folders(folder: Path, seed: int = 11) -> tuple[Path, Path]:
         pipe.save_pretrained(folder / stage, safe_serialization=True)
         (folder / stage / "model_index.json").write_text(json.dumps(WUERSTCHEN_HUB_INDEX[stage], indent=2))
     return folder / "prior", folder / "decoder"
+
+
+def lora_in_pipeline(name: str, slab: Path, lora_folder: Path, lora_file: Path) -> tuple[float, float]:
+    """How far the diffusers pipeline of ``name``'s denoiser (the slab's weights, dequantized) is from the slab
+    streamed with the LoRA ``lora_file``, on the family's calibration inputs, before and after the pipeline's own
+    ``load_lora_weights(lora_folder)``: the relative mean squared errors (the LoRA changes the output: the first is
+    large; diffusers reads it as trained: the second is small)."""
+    from squareq import runtime
+    from squareq.slab import open_slab
+    from squareq.train.lora_attach import attach_lora
+    from squareq.train.lora_reader import load_lora
+
+    model, adapter = load_builtin(name)
+    kwargs = adapter.calibration_inputs(model, 1, 3).kwargs
+    ours = runtime.load(slab, "cpu", options=runtime.LoadOptions(stream=False))
+    attach_lora(ours, *load_lora(lora_file))
+    pipe = build_pipeline(name)
+    denoiser = getattr(pipe, adapter.component).to(torch.bfloat16)
+    denoiser.load_state_dict(open_slab(slab).dequantized_state_dict())
+
+    def run(m):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(**kwargs, return_dict=False)[0].float()
+
+    expected, plain = run(ours), run(denoiser)
+    runtime.runtime_of(ours).close()
+    pipe.load_lora_weights(str(lora_folder))
+    rel = lambda x: float((x - expected).pow(2).mean() / expected.pow(2).mean())  # noqa: E731
+    return rel(plain), rel(run(denoiser))

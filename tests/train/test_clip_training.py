@@ -197,3 +197,79 @@ def test_every_video_family_trains_on_a_clip(name, tmp_path):
     cache = EmbeddingCache(tmp_path / "out" / "cache")
     (entry,) = (cache.load("latents", p.stem) for p in (tmp_path / "out" / "cache" / "latents").iterdir())
     assert entry["latents"].shape[1] == 9
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    """tiny-wan's slab and its diffusers pipeline folder (a real AutoencoderKLWan: 4x in time), with one clip."""
+    from ..models.tiny_folders import write_pipeline
+
+    root = tmp_path_factory.mktemp("wan-folder")
+    data = root / "data"
+    data.mkdir()
+    frames = _frames(9, 11)
+    frames[0].save(data / "walk.gif", save_all=True, append_images=frames[1:], duration=62)
+    (data / "walk.txt").write_text("a red square walks")
+    return _slab("tiny-wan", root), write_pipeline("tiny-wan", root / "pipeline"), data
+
+
+def test_a_lora_trained_on_clips_loads_into_wanpipeline_and_changes_its_output(wan_folder, tmp_path):
+    """Through the pipeline's own VAE a 9-frame window is 3 latent frames (1 + 8/4); the LoRA trained on it is read by
+    diffusers' WanPipeline.load_lora_weights as trained, and changes the pipeline's output."""
+    from ..models.tiny_folders import lora_in_pipeline
+
+    slab, folder, data = wan_folder
+    result = train(_config(slab, data, tmp_path / "out", model=str(folder), batch_size=1, steps=4, lr=2e-2,
+                           target_frames=[9]), echo=lambda s: None)
+    cache = EmbeddingCache(tmp_path / "out" / "cache")
+    (entry,) = (cache.load("latents", p.stem) for p in (tmp_path / "out" / "cache" / "latents").iterdir())
+    assert entry["latents"].shape[1] == 3
+    without, loaded = lora_in_pipeline("tiny-wan", slab, tmp_path / "out", result.lora_file)
+    assert without > 1e-6 and loaded < 1e-4
+
+
+def test_samples_during_training_are_clips(wan_folder, tmp_path):
+    """A sample prompt's --f draws a clip through the family's pipeline, written as an animated WebP of that many
+    frames; the grid shows each clip's first frame."""
+    slab, folder, data = wan_folder
+    train(_config(slab, data, tmp_path / "out", model=str(folder), batch_size=1, steps=2, target_frames=[9],
+                  sample_every=2, sample_steps=2, sample_prompts=["a red square walks --f 5"]), echo=lambda s: None)
+    clip = tmp_path / "out" / "samples" / "step-00000002-0.webp"
+    with Image.open(clip) as img:
+        assert img.n_frames == 5 and img.size == (64, 64)
+    assert (tmp_path / "out" / "samples" / "step-00000002-grid.png").is_file()
+
+
+def test_the_encoders_are_placed_for_the_longest_window():
+    """A video VAE encodes a window at once, so its feature maps are counted for the window's frames; images alone
+    keep the image's pixels (the negative control)."""
+    from pathlib import Path
+
+    from squareq.train.data import Item
+    from squareq.train.prepare import _encoder_run
+
+    class Host:
+        encoder_budget = None
+
+    cfg = load_config(None, {"slab": "s", "data": "d", "output": "o", "resolution": 64})
+    image = Item(Path("a.png"), "a", 64, 64)
+    window = Item(Path("b.gif"), "b", 64, 64, frames=tuple(range(9)))
+    assert _encoder_run(cfg, [image], Host()).pixels == 64 * 64
+    assert _encoder_run(cfg, [image, window], Host()).pixels == 64 * 64 * 9
+
+
+def test_a_metadata_jsonl_may_name_clips(tmp_path):
+    from squareq.train.clip_items import cut_clips
+    from squareq.train.clips import FrameSettings
+    from squareq.train.data import scan_dataset
+
+    data = tmp_path / "data"
+    data.mkdir()
+    frames = _frames(9, 12)
+    frames[0].save(data / "walk.gif", save_all=True, append_images=frames[1:], duration=62)
+    Image.new("RGB", (64, 64)).save(data / "still.png")
+    (data / "metadata.jsonl").write_text('{"file_name": "walk.gif", "caption": "a walk"}\n'
+                                         '{"file_name": "still.png", "caption": "a still"}\n')
+    dataset = cut_clips(scan_dataset(data, clips=True), FrameSettings((5,)), "wan", echo=lambda s: None)
+    assert [(it.path.name, it.caption, it.frames) for it in dataset.items] == [
+        ("still.png", "a still", None), ("walk.gif", "a walk", (0, 1, 2, 3, 4))]
