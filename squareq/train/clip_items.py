@@ -38,22 +38,25 @@ def cut_clips(dataset: Dataset, settings: FrameSettings, family: str, min_side: 
         return dataset
     root = dataset.root
     if family not in TEMPORAL_STRIDE:
-        path = dataset.clips[0][0]
-        raise DataError(f"{root} holds {len(dataset.clips)} clips (e.g. {path.relative_to(root).as_posix()}); SquareQ "
+        n, path = len(dataset.clips), dataset.clips[0][0]
+        raise DataError(f"{root} holds {n} clip{'s' * (n != 1)} (e.g. {path.relative_to(root).as_posix()}); SquareQ "
                         f"trains on clips for {VIDEO_FAMILIES}, and this slab holds a {family} model: train it on "
                         "images, or move the clips out of the folder.")
     settings.check("the frame keys")
     rounded, said = settings.for_family(family)
     if said:
         echo(said)
+    if settings.source_fps is not None and settings.source_fps < FAMILY_FPS[family]:
+        echo(f"source_fps {settings.source_fps:g} is below {family}'s {FAMILY_FPS[family]:g} fps: every frame is kept "
+             "(frames are dropped to the family's rate, never repeated)")
     items, skipped = list(dataset.items), list(dataset.skipped)
     for path, caption, repeats in dataset.clips:
-        cut = _windows(path, root, rounded, family, min_side)
-        if isinstance(cut, str):
-            skipped.append(Skipped(path, cut))
-            log.warning("skipped: %s", cut)
+        try:
+            width, height, frames = _windows(path, root, rounded, family, min_side)
+        except _LeftOut as why:
+            skipped.append(Skipped(path, str(why)))
+            log.warning("skipped: %s", why)
             continue
-        width, height, frames = cut
         items += [Item(path, caption, width, height, repeats, frames=window) for window in frames]
     items.sort(key=lambda it: (it.path.relative_to(root).as_posix(), it.frames or ()))
     if not items:
@@ -62,27 +65,32 @@ def cut_clips(dataset: Dataset, settings: FrameSettings, family: str, min_side: 
     return dataclasses.replace(dataset, items=items, skipped=skipped, clips=[])
 
 
+class _LeftOut(Exception):
+    """A clip left out of training; the message is the one sentence that says why."""
+
+
 def _windows(path, root, settings: FrameSettings, family: str, min_side: int):
-    """(width, height, each window's frames) of the clip at ``path``, or the one sentence why it is left out."""
+    """(width, height, each window's frames) of the clip at ``path``; :class:`_LeftOut` when it has none."""
     rel = path.relative_to(root).as_posix()
     try:
         count = frame_count(path)
         first = read_frames(path, [0])[0] if count else None
     except ClipError as exc:
-        return str(exc)
+        raise _LeftOut(str(exc)) from None
     if first is None:
-        return f"{rel} has no frames: re-export it, or leave it out of the data folder."
+        raise _LeftOut(f"{rel} has no frames: re-export it, or leave it out of the data folder.")
     if min(first.size) < min_side:
-        return (f"{rel} is {first.size[0]}x{first.size[1]}, smaller than {min_side} px on a side: use a larger clip "
-                "or leave it out.")
+        raise _LeftOut(f"{rel} is {first.size[0]}x{first.size[1]}, smaller than {min_side} px on a side: use a larger "
+                       "clip or leave it out.")
     source = list(range(count))
     if settings.source_fps is not None:
         source = [source[i] for i in resampled(count, settings.source_fps, FAMILY_FPS[family])]
     cut = windows(len(source), settings, TEMPORAL_STRIDE[family])
     if not cut:
         at = f" at {FAMILY_FPS[family]:g} fps" if settings.source_fps is not None else ""
-        return (f"{rel} has {len(source)} frames{at}, fewer than any of target_frames {list(settings.target_frames)} "
-                f"({settings.frame_extraction}): it is left out; lower target_frames to train on it.")
+        raise _LeftOut(f"{rel} has {len(source)} frames{at}, fewer than any of target_frames "
+                       f"{list(settings.target_frames)} ({settings.frame_extraction}): it is left out; lower "
+                       "target_frames to train on it.")
     return first.size[0], first.size[1], [tuple(source[start:start + n]) for start, n in cut]
 
 

@@ -21,7 +21,9 @@ already taken output frame, as musubi-tuner does.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,9 +152,13 @@ def is_clip(path: Path) -> bool:
 
 
 def frame_files(folder: Path) -> list[Path]:
-    """A folder of frames' images, in name order."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-                  and not p.name.startswith("."))
+    """A folder of frames' images, in name order, numbers by value (``2.png`` before ``10.png``); hidden files left
+    out."""
+    def natural(p: Path) -> list:
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p.name)]
+
+    return sorted((p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+                   and not p.name.startswith(".")), key=natural)
 
 
 def read_frames(path: Path, indices: list[int] | None = None) -> list[Image.Image]:
@@ -164,7 +170,10 @@ def read_frames(path: Path, indices: list[int] | None = None) -> list[Image.Imag
         if path.is_dir():
             files = frame_files(path)
             chosen = files if indices is None else [files[i] for i in sorted(wanted)]
-            frames = [_rgb(Image.open(f)) for f in chosen]
+            frames = []
+            for f in chosen:
+                with Image.open(f) as img:
+                    frames.append(_rgb(img))
         elif path.suffix.lower() in VIDEO_EXTENSIONS:
             frames = _video_frames(path, wanted)
         else:
@@ -223,9 +232,10 @@ def _decoded(path: Path):
 def _video_frames(path: Path, wanted: set[int] | None) -> list[Image.Image]:
     last = max(wanted) if wanted else None
     frames = []
-    for i, frame in enumerate(_decoded(path)):
-        if wanted is None or i in wanted:
-            frames.append(frame.to_image().convert("RGB"))
-        if last is not None and i >= last:
-            break
+    with contextlib.closing(_decoded(path)) as decoded:  # closes the container at once when the last frame is read
+        for i, frame in enumerate(decoded):
+            if wanted is None or i in wanted:
+                frames.append(frame.to_image().convert("RGB"))
+            if last is not None and i >= last:
+                break
     return frames

@@ -118,14 +118,11 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt", clips: boo
     if not root.is_dir():
         raise DataError(f"The data path {root} is not a folder: {_HOW}.")
     data = Dataset(root)
-    candidates = _from_jsonl(root, data) if (root / METADATA).is_file() else _from_folder(root, data, caption_ext)
+    candidates = _from_jsonl(root, data) if (root / METADATA).is_file() else \
+        _from_folder(root, data, caption_ext, clips)
     for image, caption, repeats in candidates:
-        if image.is_dir() or is_clip(image):
-            if clips:
-                data.clips.append((image, caption, repeats))
-            else:
-                data.skipped.append(Skipped(image, f"{_rel(image, root)} is a clip, and only squareq train reads "
-                                                   "clips (for Wan, HunyuanVideo and LTX-Video): leave it out here."))
+        if clips and (image.is_dir() or is_clip(image)):
+            data.clips.append((image, caption, repeats))
             continue
         problem = _check_image(image, root, min_side)
         if isinstance(problem, str):
@@ -153,16 +150,17 @@ def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dat
     Held-out images count once, whatever their repeat count."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"validation_split must be between 0 and 1, got {fraction}.")
-    n = len(dataset.items)
+    paths = list(dict.fromkeys(item.path for item in dataset.items))  # a clip's windows are held out together
+    n = len(paths)
     held = max(1, round(fraction * n))
     if held >= n:
-        raise DataError(f"validation_split = {fraction} holds out {held} of the {n} images in {dataset.root}, leaving "
-                        "none to train on; add images or lower validation_split.")
+        raise DataError(f"validation_split = {fraction} holds out {held} of the {n} images and clips in "
+                        f"{dataset.root}, leaving none to train on; add images or clips, or lower validation_split.")
 
-    def rank(item: Item) -> str:
-        return hashlib.sha256(f"{seed}:{_rel(item.path, dataset.root)}".encode()).hexdigest()
+    def rank(path: Path) -> str:
+        return hashlib.sha256(f"{seed}:{_rel(path, dataset.root)}".encode()).hexdigest()
 
-    chosen = {item.path for item in sorted(dataset.items, key=rank)[:held]}
+    chosen = set(sorted(paths, key=rank)[:held])
     train = Dataset(dataset.root, [it for it in dataset.items if it.path not in chosen], dataset.skipped)
     valid = Dataset(dataset.root, [it for it in dataset.items if it.path in chosen])
     return train, valid.without_repeats()
@@ -227,18 +225,19 @@ def repeat_folder(rel: Path) -> tuple[int, str] | None:
     return (int(match[1]), match[2].strip()) if match else None
 
 
-def _from_folder(root: Path, data: Dataset, caption_ext: str = ".txt") -> list[tuple[Path, str, int]]:
+def _from_folder(root: Path, data: Dataset, caption_ext: str = ".txt",
+                 clips: bool = False) -> list[tuple[Path, str, int]]:
     found = []
     paths = [p for p in sorted(root.rglob("*")) if not any(part.startswith(".") for part in p.relative_to(root).parts)]
-    # a folder of frames is a clip where a caption file beside it names it (walk/ and walk.txt), as in musubi-tuner
-    frame_folders = [p for p in paths if p.is_dir() and (p.parent / (p.name + caption_ext)).is_file()]
+    frame_folders = _frame_folders(root, paths, caption_ext) if clips else set()
+    media = IMAGE_EXTENSIONS + (CLIP_EXTENSIONS if clips else ())
     for image in paths:
         rel = image.relative_to(root)
-        if any(image.parent == d or d in image.parents for d in frame_folders):
+        if any(folder in frame_folders for folder in image.parents):
             continue  # a frame of a clip
         if image in frame_folders:
             txt = image.parent / (image.name + caption_ext)
-        elif image.is_file() and image.suffix.lower() in IMAGE_EXTENSIONS + CLIP_EXTENSIONS:
+        elif image.is_file() and image.suffix.lower() in media:
             txt = image.with_suffix(caption_ext)
         else:
             continue
@@ -275,6 +274,17 @@ def _from_folder(root: Path, data: Dataset, caption_ext: str = ".txt") -> list[t
                                                "fine)."))
             continue
         found.append((image, caption, repeats))
+    return found
+
+
+def _frame_folders(root: Path, paths: list[Path], caption_ext: str) -> set[Path]:
+    """The folders of frames among ``paths``: those a caption file beside them names (walk/ and walk.txt), as
+    musubi-tuner reads a clip's folder; a kohya repeat folder named so is read as a clip too, and said."""
+    found = {p for p in paths if p.is_dir() and (p.parent / (p.name + caption_ext)).is_file()}
+    for folder in sorted(found):
+        if folder.parent == root and REPEAT_FOLDER.fullmatch(folder.name):
+            log.warning("%s/ is read as one clip of frames because %s names it; rename that caption file to train its "
+                        "images as a repeat folder.", folder.name, folder.name + caption_ext)
     return found
 
 
@@ -505,7 +515,7 @@ class BucketBatches:
         bucket_sets = buckets if buckets and isinstance(buckets[0], list) else [buckets]
         self.item_buckets = entry_buckets(dataset, bucket_sets, no_upscale)
         # a clip's window is a bucket over time too: one batch holds one (width, height) and one frame count
-        frames = [len(it.frames or (0,)) for _ in bucket_sets for it in dataset.training_items]
+        frames = [1 if it.frames is None else len(it.frames) for _ in bucket_sets for it in dataset.training_items]
         keys = list(zip(self.item_buckets, frames, strict=True)) if max(frames, default=1) > 1 else self.item_buckets
         groups: dict[tuple, list[int]] = {}
         for i, b in enumerate(keys):

@@ -17,6 +17,7 @@ from ..sources.encoder_source import EncoderSource, slab_encoders
 from ..sources.encoders import Encoders, encoder_dtype, open_encoders
 from .cache import EmbeddingCache
 from .clip_items import clip_digest, cut_clips, load_clip
+from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
 from .data import (
     TRIGGER_TOKEN,
@@ -140,9 +141,12 @@ def _encoder_run(cfg: TrainConfig, items, host: HostPlan) -> EncoderRun:
 
 
 def _training_data(cfg: TrainConfig, family: str | None, echo):
-    """``cfg.data`` scanned, its clips cut into windows for ``family`` (train/clip_items.py)."""
-    dataset = cut_clips(scan_dataset(cfg.data, caption_ext=cfg.caption_ext, clips=True), cfg.frame_settings, family,
-                        echo=echo)
+    """``cfg.data`` scanned; for a video family, its clips too, cut into windows (train/clip_items.py). An image
+    family's folder reads as it always has (an animated WebP as its first frame; video files and GIFs are no
+    images)."""
+    clips = family in TEMPORAL_STRIDE
+    dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext, clips=clips)
+    dataset = cut_clips(dataset, cfg.frame_settings, family, echo=echo) if clips else dataset
     if cfg.masked_loss and any(it.frames is not None for it in dataset.items):
         raise DataError(f"masked_loss (--masked-loss) weighs an image's pixels, and {cfg.data} holds clips: train "
                         "the clips without it, or move them out of the folder.")

@@ -40,7 +40,8 @@ def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -
     images = [item for item in dataset.items if not item.reg]
     entries = [item for item in dataset.training_items if not item.reg]
     repeats = Counter(item.repeats for item in images)
-    said = ", ".join(f"{n} image{'s' * (n != 1)} {'once' if r == 1 else f'{r} times'}"
+    unit = ("image", "images") if all(item.frames is None for item in images) else ("entry", "entries")
+    said = ", ".join(f"{n} {unit[n != 1]} {'once' if r == 1 else f'{r} times'}"
                      for r, n in sorted(repeats.items()))
     res = ", ".join(f"{r} px" for r in resolutions)
     windows = [item for item in images if item.frames is not None]  # a clip's entries (train/clip_items.py)

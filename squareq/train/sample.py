@@ -365,8 +365,6 @@ def _draw_flux(encoders: EncoderSource, family: str, transformer, settled: list[
         pipe.transformer = None
 
 
-
-
 def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
     """Refuse (:class:`SampleError`, naming the option) what ``family``'s sampler would drop or change: frames for
     an image family or a count its VAE cannot make, a negative prompt or true-CFG scale its pipeline does not take."""

@@ -146,13 +146,22 @@ def test_shuffled_frames_change_the_latents_and_the_loss(tmp_path):
     assert first.losses[0] != second.losses[0]
 
 
-def test_clips_beside_an_image_model_are_refused_naming_one(tmp_path):
-    slab = _slab("tiny-sd3", tmp_path)
+def test_an_image_family_reads_the_folder_as_it_always_has(tmp_path):
+    """Clips are for the video families: beside an image family's slab the folder reads as before (GIFs and video
+    files are no images, an animated WebP is its first frame, a frame folder's frames are uncaptioned images), and
+    the library's cut refuses clips for it in one sentence naming one."""
+    from squareq.train.clip_items import cut_clips
+    from squareq.train.clips import FrameSettings
+    from squareq.train.data import scan_dataset
+
+    slab = w8_tiny_slab(tmp_path / "sd3.slab", "tiny-sd3")
     data = _write(tmp_path / "data")
+    result = train(_config(slab, data, tmp_path / "out"), echo=lambda s: None)
+    latents = list((tmp_path / "out" / "cache" / "latents").iterdir())
+    assert result.steps == 3 and len(latents) == 3  # still-a, still-b and run.webp's first frame
     with pytest.raises(DataError, match=r"holds \d clips \(e\.g\. blink\.gif\); SquareQ trains on clips for Wan, "
                                         r"HunyuanVideo and LTX-Video, and this slab holds a sd3 model"):
-        train(_config(slab, data, tmp_path / "out"), echo=lambda s: None)
-    assert not (tmp_path / "out" / "cache").exists()
+        cut_clips(scan_dataset(data, clips=True), FrameSettings(), "sd3")
 
 
 def test_frame_counts_round_down_to_the_vae_and_the_run_says_so(wan, tmp_path):
@@ -273,3 +282,39 @@ def test_a_metadata_jsonl_may_name_clips(tmp_path):
     dataset = cut_clips(scan_dataset(data, clips=True), FrameSettings((5,)), "wan", echo=lambda s: None)
     assert [(it.path.name, it.caption, it.frames) for it in dataset.items] == [
         ("still.png", "a still", None), ("walk.gif", "a walk", (0, 1, 2, 3, 4))]
+
+
+def test_a_clip_in_a_repeat_folder_repeats_and_a_validation_split_holds_out_whole_clips(tmp_path):
+    from squareq.train.clip_items import cut_clips
+    from squareq.train.clips import FrameSettings
+    from squareq.train.data import hold_out, scan_dataset
+
+    data = tmp_path / "data"
+    (data / "3_walk").mkdir(parents=True)
+    frames = _frames(11, 13)
+    frames[0].save(data / "3_walk" / "walk.gif", save_all=True, append_images=frames[1:], duration=62)
+    (data / "3_walk" / "walk.txt").write_text("a walk")
+    (data / ".hidden").mkdir()
+    dataset = cut_clips(scan_dataset(data, clips=True), FrameSettings((5,), "chunk"), "wan", echo=lambda s: None)
+    assert [(it.frames, it.repeats) for it in dataset.items] == [((0, 1, 2, 3, 4), 3), ((5, 6, 7, 8, 9), 3)]
+    assert len(dataset.training_items) == 6
+    # one clip's windows cannot be split between training and validation: nothing would be left to train on
+    with pytest.raises(DataError, match="holds out 1 of the 1 images and clips .* leaving none to train on"):
+        hold_out(dataset, 0.1, seed=0)
+
+
+def test_a_frame_folder_reads_its_frames_by_number_and_leaves_hidden_files_out(tmp_path):
+    from squareq.train.clip_items import clip_digest
+    from squareq.train.clips import frame_files, read_frames
+
+    folder = tmp_path / "jump"
+    folder.mkdir()
+    for i, frame in enumerate(_frames(12, 14)):
+        frame.save(folder / f"{i}.png")  # 0.png ... 11.png: unpadded, 10 after 9
+    digest = clip_digest(folder)
+    Image.new("RGB", (64, 64)).save(folder / ".thumb.png")
+    assert [f.name for f in frame_files(folder)] == [f"{i}.png" for i in range(12)]
+    assert clip_digest(folder) == digest  # a hidden file is no frame
+    expected = [np.asarray(f) for f in _frames(12, 14)]
+    got = read_frames(folder, [9, 10, 11])
+    assert all(np.array_equal(np.asarray(g), expected[i]) for g, i in zip(got, [9, 10, 11], strict=True))
