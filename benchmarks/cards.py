@@ -420,8 +420,7 @@ def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
     peaks.phase(None)
     rec["train_wall_s"] = time.perf_counter() - start
     rec.update(measure)
-    rows = [json.loads(line) for line in (Path(cfg.output) / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[1:] or rows  # the first step compiles kernels and sizes the ring
+    rows, timed = step_rows(Path(cfg.output))
     rec["steps"] = len(rows)
     rec["step_s"] = statistics.median(r["seconds"] for r in timed)
     rec["step_times"] = [round(r["seconds"], 3) for r in rows]
@@ -435,6 +434,13 @@ def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
                      "cache_peak_reserved_GB", "cache_peak_allocated_GB")
 
 
+def step_rows(out: Path) -> tuple[list[dict], list[dict]]:
+    """The run's metrics.jsonl rows, and those a median step is taken over: all but the first, which compiles kernels
+    and sizes the ring."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows, rows[1:] or rows
+
+
 def baseline_steps(cfg, rec: dict) -> None:
     """The same steps with ``host_budget = "auto"`` (this machine's memory) on the filled cache: ``step_s_no_budget``
     and the budgeted step's ratio to it."""
@@ -444,8 +450,7 @@ def baseline_steps(cfg, rec: dict) -> None:
 
     out = Path(cfg.output + "-no-budget")
     train(dataclasses.replace(cfg, output=str(out), host_budget="auto"), echo=lambda s: log(f"[no budget] {s}"))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rec["step_s_no_budget"] = statistics.median(r["seconds"] for r in (rows[1:] or rows))
+    rec["step_s_no_budget"] = statistics.median(r["seconds"] for r in step_rows(out)[1])
     rec["step_vs_no_budget"] = rec["step_s"] / rec["step_s_no_budget"]
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..models import ModelError
+from ..runtime.host.budget import anonymous_memory
 from ..sizes import format_size
 from .encoder_placement import (
     EncoderRun,
@@ -80,12 +81,14 @@ def mapped_dtypes(source: EncoderSource, folder: Path, index: Mapping, component
     return out
 
 
-def as_loaded(mapped: Mapping[str, torch.dtype], grown: int, parts: Mapping[str, nn.Module],
+def as_loaded(mapped: Mapping[str, torch.dtype], before: int, owner, names,
               dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """``mapped`` as the library loaded it: empty where this process's own memory grew by ``grown`` bytes on load,
-    more than the copies expected of ``parts`` (the others, in ``dtype``) and half the mapped encoders: a library that
-    copies the files rather than mapping them (a transformers release before 5 may), whose encoders then count as
-    copies."""
+    """``mapped`` as the library loaded ``owner``'s components ``names`` (missing ones skipped): empty where this
+    process's own memory grew since ``before`` (:func:`~squareq.runtime.host.budget.anonymous_memory`) by more than
+    the copies expected of the others (in ``dtype``) and half the mapped encoders: a library that copies the files
+    rather than mapping them (a transformers release before 5 may), whose encoders then count as copies."""
+    grown = anonymous_memory() - before
+    parts = {n: getattr(owner, n) for n in names if getattr(owner, n, None) is not None}
     expected = sum(module_bytes(m, dtype) for n, m in parts.items() if n not in mapped)
     views = sum(module_bytes(parts[n], d) for n, d in mapped.items() if n in parts)
     if views and grown > expected + views // 2 + (256 << 20):

@@ -231,13 +231,6 @@ def every_streamed(placement: Placement) -> Placement:
     return dataclasses.replace(placement, streamed=tuple(streamed))
 
 
-def least_host(placement: Placement) -> Placement:
-    """``placement`` with every streamed encoder read through its ring where that holds less: the least host memory
-    it can hold."""
-    return dataclasses.replace(placement, ring=tuple(n for n in placement.streamed
-                                                     if placement.ring_sizes[n] < placement.pinned_sizes[n]))
-
-
 def check_host(placement: Placement, budget: int | None, flag: str = "host_budget") -> None:
     """Refuse, in one sentence naming the smallest budget that works, encoders over ``budget`` in host memory even
     with every streamed one read through its ring."""

@@ -232,7 +232,7 @@ def open_encoders(source: EncoderSource | str, device: torch.device, family: str
         mapped = mapped_dtypes(source, folder, read_index(folder), TEXT_PARTS)
         before = anonymous_memory()
         pipe = _load_folder(source, dtype, dtypes=mapped)
-        mapped = as_loaded(mapped, anonymous_memory() - before, {n: getattr(pipe, n) for n in ENCODER_PARTS}, dtype)
+        mapped = as_loaded(mapped, before, pipe, ENCODER_PARTS, dtype)
     where = dtype_tag(dtype)
     vae_id = module_identity(pipe.vae, "vae") + where
     text_id = module_identity(pipe.text_encoder, "clip", dtype) + module_identity(pipe.text_encoder_2, "t5", dtype) \

@@ -137,8 +137,7 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     except (OSError, ValueError) as exc:
         raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
                            f"{found} folder with --model.") from None
-    mapped = as_loaded(mapped, anonymous_memory() - before, {n: getattr(pipe, n, None) for n in ("vae", *TEXT_ENCODERS)
-                                                             if getattr(pipe, n, None) is not None}, dtype)
+    mapped = as_loaded(mapped, before, pipe, ("vae", *TEXT_ENCODERS), dtype)
     try:
         with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run, mapped) as placement:
             yield PipelineEncoders(pipe, family, device, dtype, placement)

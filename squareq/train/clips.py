@@ -42,7 +42,6 @@ EXTRACTIONS = ("head", "chunk", "slide", "uniform", "full")
 TEMPORAL_STRIDE = {"wan": 4, "hunyuan-video": 4, "ltx-video": 8}
 # the frame rate each family trains at: musubi-tuner's for Wan and HunyuanVideo, diffusers' LTXPipeline default
 FAMILY_FPS = {"wan": 16.0, "hunyuan-video": 24.0, "ltx-video": 25.0}
-FRAME_KEYS = ("target_frames", "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps")
 
 
 class ClipError(ValueError):
@@ -166,7 +165,7 @@ def read_frames(path: Path, indices: list[int] | None = None) -> list[Image.Imag
     file when it cannot be read, and the pip command for a video file without PyAV."""
     path = Path(path)
     wanted = None if indices is None else set(indices)
-    try:
+    with _reading(path):
         if path.is_dir():
             files = frame_files(path)
             chosen = files if indices is None else [files[i] for i in sorted(wanted)]
@@ -179,16 +178,11 @@ def read_frames(path: Path, indices: list[int] | None = None) -> list[Image.Imag
         else:
             with Image.open(path) as img:
                 frames = [_rgb(f) for i, f in enumerate(ImageSequence.Iterator(img)) if wanted is None or i in wanted]
-    except ClipError:
-        raise
-    except (OSError, ValueError, IndexError) as exc:
-        raise ClipError(f"{path} could not be read as a clip ({type(exc).__name__}: {exc}); re-export it, or leave "
-                        "it out of the data folder.") from None
-    if indices is not None and len(frames) != len(set(indices)):
+    if wanted is not None and len(frames) != len(wanted):
         raise ClipError(f"{path} has fewer frames than it had when the data folder was read; read the folder again "
                         "(run the command again).")
-    if indices is not None:  # in the order asked for, repeats included
-        order = {i: k for k, i in enumerate(sorted(set(indices)))}
+    if wanted is not None:  # in the order asked for, repeats included
+        order = {i: k for k, i in enumerate(sorted(wanted))}
         frames = [frames[order[i]] for i in indices]
     return frames
 
@@ -197,16 +191,23 @@ def frame_count(path: Path) -> int:
     """How many frames the clip at ``path`` has (a video file is decoded to count them: containers' own counts are
     often missing or wrong)."""
     path = Path(path)
-    try:
+    with _reading(path):
         if path.is_dir():
             return len(frame_files(path))
         if path.suffix.lower() in VIDEO_EXTENSIONS:
             return sum(1 for _ in _decoded(path))
         with Image.open(path) as img:
             return getattr(img, "n_frames", 1)
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """Within: an error of the file's reader becomes the one :class:`ClipError` sentence naming ``path``."""
+    try:
+        yield
     except ClipError:
         raise
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, IndexError) as exc:
         raise ClipError(f"{path} could not be read as a clip ({type(exc).__name__}: {exc}); re-export it, or leave "
                         "it out of the data folder.") from None
 

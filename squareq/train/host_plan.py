@@ -140,10 +140,9 @@ def plan_host_memory(kind: str, device: torch.device, budget: str | int | None, 
                        read_encoder_files(encoder_source) if encode and encoder_source is not None else None,
                        encoder_dtype(device, resolve_dtype(dtype, device)[0]))
     asked = host if blobs is not None else None
-    slab_host = asked
-    if asked == "auto":
-        slab_host = "pinned" if budget is None or planner.make("pinned").peak <= budget else "disk"
-    plan = planner.make(slab_host)
+    plan = planner.make("pinned" if asked == "auto" else asked)
+    if asked == "auto" and budget is not None and plan.peak > budget:  # pinned does not fit: from the slab file
+        plan = planner.make("disk")
     if budget is None or plan.peak <= budget:
         return plan
     least = planner.make("disk" if asked == "auto" else asked, least=True)

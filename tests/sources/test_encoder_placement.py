@@ -249,14 +249,20 @@ def test_an_encoder_of_few_blocks_stays_pinned_since_a_ring_would_hold_as_much()
     assert plan_host(streamed, deep, torch.float32, 0, {}).ring == ("text_encoder_2",)
 
 
-def test_an_encoder_copied_as_it_loaded_counts_as_a_copy():
+def test_an_encoder_copied_as_it_loaded_counts_as_a_copy(monkeypatch):
     """A library that copies a file it was expected to map (transformers before 5 may) is noticed from the
     process's growth, and the plan counts the copy; a load that grew by what it should keeps the views."""
+    from types import SimpleNamespace
+
+    from squareq.sources import encoder_files
     from squareq.sources.encoder_files import as_loaded
 
     parts = _deep_parts(layers=8)
+    owner, names = SimpleNamespace(**parts), ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+    now = 100 << 30
+    monkeypatch.setattr(encoder_files, "anonymous_memory", lambda: now)  # the process's memory after the load
     mapped = {"text_encoder_2": torch.float32}
     copies = module_bytes(parts["vae"], torch.float32) + module_bytes(parts["text_encoder"], torch.float32)
-    assert as_loaded(mapped, copies, parts, torch.float32) == mapped
+    assert as_loaded(mapped, now - copies, owner, names, torch.float32) == mapped
     grown = copies + module_bytes(parts["text_encoder_2"], torch.float32) + (256 << 20)
-    assert as_loaded(mapped, grown, parts, torch.float32) == {}
+    assert as_loaded(mapped, now - grown, owner, names, torch.float32) == {}

@@ -63,15 +63,26 @@ def available_memory() -> int | None:
     return memory[0] if memory is not None else None
 
 
-def resident_memory() -> int:
-    """This process's resident memory now (Linux), else its peak so far (0 where neither can be read)."""
+def _own_status(*keys: str) -> dict[str, int]:
+    """Bytes of the ``keys`` (``VmRSS``, ``RssAnon``, ...) of this process's ``/proc/self/status`` that it has (none
+    where it cannot be read: not Linux)."""
+    found = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    found[key] = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return found
+
+
+def resident_memory() -> int:
+    """This process's resident memory now (Linux), else its peak so far (0 where neither can be read)."""
+    rss = _own_status("VmRSS")
+    if rss:
+        return rss["VmRSS"]
     try:
         import resource
         import sys
@@ -86,15 +97,7 @@ def anonymous_memory() -> int:
     """This process's own resident memory now: ``RssAnon`` + ``RssShmem`` (page-locked blobs are shared anonymous
     pages, which the kernel counts as shmem), not the pages of files it maps; else its resident memory
     (:func:`resident_memory`)."""
-    found = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key = line.split(":", 1)[0]
-                if key in ("RssAnon", "RssShmem"):
-                    found[key] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    found = _own_status("RssAnon", "RssShmem")
     return sum(found.values()) if "RssAnon" in found else resident_memory()
 
 
