@@ -308,8 +308,8 @@ def comfyui_files(cache: Path, family: str) -> dict[str, Path]:
 
 def hub_dir(args) -> Path:
     """Where the encoder files go: ``--files-dir`` (FLUX.2's 48 GB encoder beside its 18 GB slab fills a 64 GB disk),
-    else the workdir. Mapped from a RAM file system, their pages count as the process's RssShmem, so a run's host
-    figures then include the encoder's file: a disk is the measurement, a RAM file system only a way to fit."""
+    else the workdir. Mapped from a RAM file system, their pages count as the process's RssShmem, where on a disk
+    they would be page cache: the host figures subtract them (``HostPeaks(ram_files=...)``)."""
     return Path(args.files_dir or args.workdir) / f"hub-{'tiny' if args.tiny else 'full'}"
 
 
@@ -358,7 +358,7 @@ def run_config(args, name: str, layout: str) -> None:
     rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
                prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
     rec["host_budget_GB"] = cfg.host_budget_bytes / 1e9 if cfg.host_budget_bytes else None
-    with hub_cache(hub_dir(args)), HostPeaks(PHASES) as peaks:
+    with hub_cache(hub_dir(args)), HostPeaks(PHASES, ram_files=args.files_dir) as peaks:
         train_config(cfg, family, rec, peaks)
         if layout == "hub":
             baseline_steps(cfg, rec)
@@ -609,9 +609,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=540)
     parser.add_argument("--layouts", default="hub,comfyui",
                         help="the layouts of FLUX.1's files to run (hub, comfyui): the device's time per session")
-    parser.add_argument("--files-dir", help="where the encoder files are written (default: the workdir); on a RAM file "
-                        "system the mapped files' pages count as the process's RssShmem, so the host figures "
-                        "include them")
+    parser.add_argument("--files-dir", help="where the encoder files are written (default: the workdir), e.g. a RAM "
+                        "file system where the disk is too small; the pages of its files the process maps are "
+                        "subtracted from its own memory, as page cache on a disk would not count")
     parser.add_argument("--keep-files", action="store_true",
                         help="keep each family's encoder files in the workdir after its configs ran (default: removed)")
     args = parser.parse_args()

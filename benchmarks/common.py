@@ -165,12 +165,17 @@ class HostPeaks:
     from ``/proc/<pid>/status`` every ``every`` seconds by a thread: :meth:`phase` names the phase the next reads
     count for; :meth:`fields` gives ``<phase>_rss_anon_peak_GB``, ``<phase>_rss_peak_GB`` and
     ``<phase>_own_peak_GB``, None where not measured
-    (no /proc: not Linux; a phase too short for a read still gets the read :meth:`phase` takes on entering it)."""
+    (no /proc: not Linux; a phase too short for a read still gets the read :meth:`phase` takes on entering it).
+    ``ram_files``: a folder on a RAM file system standing in for a disk; the pages of its files that the process maps
+    are shmem too, where on a disk they would be page cache, so they are subtracted from the own memory (read from
+    ``/proc/<pid>/smaps``)."""
 
-    def __init__(self, phases: tuple[str, ...], pid: int | str = "self", every: float = 0.1) -> None:
+    def __init__(self, phases: tuple[str, ...], pid: int | str = "self", every: float = 0.1,
+                 ram_files: str | None = None) -> None:
         import threading
 
         self.phases, self.path, self.every = phases, f"/proc/{pid}/status", every
+        self.smaps, self.ram_files = f"/proc/{pid}/smaps", ram_files and os.path.realpath(ram_files) + os.sep
         self.peaks: dict[str, list[int]] = {}
         self.current: str | None = None
         self.stop = threading.Event()
@@ -187,9 +192,27 @@ class HostPeaks:
         except (OSError, ValueError):
             return
         peak = self.peaks.setdefault(self.current, [0, 0, 0])
-        own = kb.get("RssAnon", 0) + kb.get("RssShmem", 0)  # page-locked blobs are shared anonymous pages
+        own = kb.get("RssAnon", 0) + kb.get("RssShmem", 0) - self._ram_file_kb()  # pinned: shared anonymous pages
         peak[0], peak[1], peak[2] = max(peak[0], kb.get("RssAnon", 0)), max(peak[1], kb.get("VmRSS", 0)), \
             max(peak[2], own)
+
+    def _ram_file_kb(self) -> int:
+        """Resident kB of the mappings of files under ``ram_files`` (0 without it)."""
+        if not self.ram_files:
+            return 0
+        total, counting = 0, False
+        try:
+            with open(self.smaps) as f:
+                for line in f:
+                    head = line.split(None, 1)[0]
+                    if "-" in head and not head.endswith(":"):  # a mapping's first line: range perms ... path
+                        fields = line.split(None, 5)
+                        counting = len(fields) == 6 and fields[5].startswith(self.ram_files)
+                    elif counting and head == "Rss:":
+                        total += int(line.split()[1])
+        except (OSError, ValueError):
+            return 0
+        return total
 
     def _run(self) -> None:
         while not self.stop.wait(self.every):

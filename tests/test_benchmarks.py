@@ -245,3 +245,31 @@ def test_a_table_declares_what_it_prints(capsys):
                                      f"| run | 0.500 | 2.0 | {common.NOT_MEASURED} |  |"]
     assert common.declared_tables(capsys.readouterr().err) == [
         {"where": {"what": "run"}, "fields": ["what", "step_s", "base_s", "peak_GB"]}]
+
+
+def test_files_on_a_ram_file_system_are_not_counted_as_own_memory(tmp_path):
+    """A folder standing in for a disk (``ram_files``): the pages of its mapped files come off the own memory,
+    and a file mapped from elsewhere does not (the negative control)."""
+    import mmap
+
+    common = _load_common()
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps: not Linux")
+    disk, other = tmp_path / "disk", tmp_path / "other"
+    disk.mkdir(), other.mkdir()
+    size = 8 << 20
+    maps = []
+    for folder in (disk, other):
+        path = folder / "blob"
+        path.write_bytes(b"\1" * size)
+        with open(path, "rb") as f:
+            maps.append(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ))
+        sum(maps[-1][i] for i in range(0, size, 4096))  # every page resident
+    try:
+        counted = common.HostPeaks(("x",), ram_files=str(disk))._ram_file_kb()
+        assert 0.9 * size / 1024 <= counted <= 1.1 * size / 1024
+        assert common.HostPeaks(("x",))._ram_file_kb() == 0
+        assert common.HostPeaks(("x",), ram_files=str(tmp_path / "none"))._ram_file_kb() == 0
+    finally:
+        for m in maps:
+            m.close()
