@@ -273,3 +273,19 @@ def test_files_on_a_ram_file_system_are_not_counted_as_own_memory(tmp_path):
     finally:
         for m in maps:
             m.close()
+
+
+def test_a_median_step_leaves_out_the_steps_that_compiled(tmp_path):
+    """cards.py's step median: the first step and those in which torch.compile compiled are left out, so the arm that
+    runs first does not pay the other's compile; with every step compiling, all but the first count."""
+    spec = importlib.util.spec_from_file_location("benchmarks_cards_under_test", BENCHMARKS / "cards.py")
+    cards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cards)
+    rows = [{"step": 1, "seconds": 40.0, "compile_s": 34.0}, {"step": 2, "seconds": 1.1, "compile_s": 0.0},
+            {"step": 3, "seconds": 38.0, "compile_s": 37.0}, {"step": 4, "seconds": 1.2, "compile_s": 0.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["step"] for r in cards.step_rows(tmp_path)[1]] == [2, 4]
+    for r in rows:
+        r["compile_s"] = 5.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["step"] for r in cards.step_rows(tmp_path)[1]] == [2, 3, 4]

@@ -99,9 +99,9 @@ class Stepper:
         if state.loss_scale is not None:
             state.loss_scale.stepped()
         self.tune(before=False)
-        self.logs.write(self.figures(step_loss, float(norm), started))
-        if self.plan.compile_blocks:
-            self.say_compile_time(compile_seconds() - compiled_before)
+        compiled = compile_seconds() - compiled_before if self.plan.compile_blocks else 0.0
+        self.logs.write(self.figures(step_loss, float(norm), started, compiled))
+        self.say_compile_time(compiled)
         return True
 
     def say_compile_time(self, seconds: float) -> None:
@@ -226,12 +226,13 @@ class Stepper:
         state.step += 1
         self.updating = False  # the step is whole: an error from here on (validation, samples) loses nothing
 
-    def figures(self, step_loss: float, norm: float, started: float) -> dict:
-        """The finished step's line of metrics.jsonl: loss, learning rate, gradient norm, seconds, skipped steps,
-        and on a GPU the reserved peak and the copies (each rank's too, with several)."""
+    def figures(self, step_loss: float, norm: float, started: float, compiled: float) -> dict:
+        """The finished step's line of metrics.jsonl: loss, learning rate, gradient norm, seconds (``compile_s`` of
+        them torch.compile's, which a new resolution costs once), skipped steps, and on a GPU the reserved peak and
+        the copies (each rank's too, with several)."""
         state = self.state
         record = {"step": state.step, "loss": step_loss, "lr": state.scheduler.get_last_lr()[0], "grad_norm": norm,
-                  "seconds": time.perf_counter() - started, "skipped_total": state.skipped}
+                  "seconds": time.perf_counter() - started, "compile_s": compiled, "skipped_total": state.skipped}
         if self.device.type == "cuda":
             stats = runtime.runtime_of(state.model).step_stats()
             record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s,
