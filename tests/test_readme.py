@@ -124,9 +124,12 @@ def quickstart_train(text: str) -> dict[str, str]:
 
 
 def example_problems(text: str, name: str, config: dict, header: str) -> list[str]:
-    """An example config uses the quickstart's data folder, output and trigger, and its header shows the compile
-    command for its card (its slab, its vram_budget) and how to train with it."""
+    """An example config uses the quickstart's data folder (a video one, which cuts clips with target_frames:
+    my_clips), output and trigger, and its header shows the compile command for its card (its slab, its vram_budget)
+    and how to train with it."""
     names = quickstart_train(text)
+    if "target_frames" in config:
+        names = {**names, "--data": "my_clips"}
     problems = [f"{name}: {key} = {config.get(key)!r}, the quickstart's {flag} is {names.get(flag)!r}"
                 for key, flag in (("data", "--data"), ("output", "-o"), ("trigger", "--trigger"))
                 if config.get(key) != names.get(flag)]

@@ -23,7 +23,7 @@ from ..models.noising import calibration_times, image_tokens
 from ..slab import Slab, open_slab
 from ..sources import Source
 from ..sources.encoder_source import EncoderSource, slab_encoders
-from ..train.data import BucketBatches
+from ..train.buckets import BucketBatches
 from ..train.feed import CacheFeed
 from ..train.objective import denoising_loss, training_objective
 from ..train.prepare import prepare_data

@@ -52,7 +52,7 @@ def _key_option(key: str):
 def _config_options(command):
     """A flag for every TrainConfig key (its help: train.config_help.HELP), so the file and the flags never drift."""
     for key in reversed(_FIELDS):
-        if key not in ("slab", "data", "output"):
+        if key not in ("slab", "data", "output", "datasets"):  # datasets: tables, in a file only
             command = _key_option(key)(command)
     return command
 
@@ -86,8 +86,10 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
         click.echo(cfg.to_toml(), nl=False)
         return
     for key, flag in (("slab", "SLAB"), ("data", "--data"), ("output", "-o/--out")):
-        if not getattr(cfg, key):
-            raise click.UsageError(f"{flag} is required (or set {key} in --config).")
+        if not getattr(cfg, key) and not (key == "data" and cfg.datasets):
+            raise click.UsageError(f"{flag} is required (or set {key} in --config"
+                                   + (", or [[datasets]] tables there or in --dataset-config)." if key == "data"
+                                      else ")."))
     with removed_if_failed(Path(cfg.output)):  # a run that fails before writing leaves no empty folder behind
         result = run_training(cfg, echo=click.echo)
     click.echo(f"done: {result.steps} steps, LoRA at {result.lora_file}")
@@ -95,8 +97,10 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
 
 @click.command("cache")
 @click.argument("slab", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), required=True, help="Folder of images with captions.")
+@click.option("--data", type=click.Path(path_type=Path), help="Folder of images with captions (or [[datasets]] "
+              "tables in --config or --dataset-config).")
 @shared_option("cache_dir", "Where the cache goes.", required=True)
+@_key_option("dataset_config")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
 @shared_option("model")
 @REVISION
@@ -111,17 +115,20 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
                "available, less 10% or 2 GB. A streamed encoder is pinned whole where it fits, else read from its "
                "file through a few page-locked blocks.")
 @device_option("the VAE and text encoders run")
-def cache_cmd(slab, data, cache_dir, config_file, model, revision, clip_l, clip_g, t5, vae, resolution, trigger,
-              caption_ext, max_sequence_length, vram_budget, host_budget, device) -> None:
+def cache_cmd(slab, data, cache_dir, dataset_config, config_file, model, revision, clip_l, clip_g, t5, vae,
+              resolution, trigger, caption_ext, max_sequence_length, vram_budget, host_budget, device) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
 
     from ..train.prepare import prepare_data
 
     values = given({"model": model, "revision": revision, "resolution": resolution, "trigger": trigger,
                     "caption_ext": caption_ext, "max_sequence_length": max_sequence_length,
-                    "vram_budget": vram_budget, "host_budget": host_budget})
-    cfg = load_config(config_file, {"slab": str(slab), "data": str(data), "cache_dir": str(cache_dir), **values,
-                                    **given_files(clip_l, clip_g, t5, vae)})
+                    "vram_budget": vram_budget, "host_budget": host_budget, "dataset_config": dataset_config})
+    cfg = load_config(config_file, {"slab": str(slab), "data": str(data) if data else None,
+                                    "cache_dir": str(cache_dir), **values, **given_files(clip_l, clip_g, t5, vae)})
+    if not cfg.data and not cfg.datasets:
+        raise click.UsageError("--data is required (or set data in --config, or [[datasets]] tables there or in "
+                               "--dataset-config).")
     with open_slab(slab, verify="off") as s:
         record = s.manifest.model
     with run_on(device) as where, removed_if_failed(cache_dir):

@@ -9,10 +9,10 @@ from click.utils import make_default_short_help
 
 # section: the parameter names (TrainConfig keys, and train's own) listed under it, in this order
 SECTIONS = {
-    "Data": ("data", "resolution", "trigger", "caption_ext", "caption_dropout", "shuffle_caption", "keep_tokens",
-             "caption_orders", "no_upscale", "flip_aug", "masked_loss", "alpha_mask", "mask_dir", "reg_data",
-             "prior_loss_weight", "max_sequence_length", "cache_dir", "target_frames", "frame_extraction",
-             "frame_stride", "frame_sample", "max_frames", "source_fps"),
+    "Data": ("data", "dataset_config", "num_repeats", "resolution", "trigger", "caption_ext", "caption_dropout",
+             "shuffle_caption", "keep_tokens", "caption_orders", "no_upscale", "flip_aug", "masked_loss", "alpha_mask",
+             "mask_dir", "reg_data", "prior_loss_weight", "max_sequence_length", "cache_dir", "target_frames",
+             "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps"),
     "Model & memory": ("model", "revision", "clip_l", "clip_g", "t5", "vae", "prefetch", "resident_blocks", "host",
                        "vram_budget", "host_budget", "dtype", "compute", "cuda_graphs", "compile", "attention"),
     "LoRA": ("rank", "alpha", "targets", "use_dora", "use_rslora", "lora_dropout", "lora_type", "lokr_factor"),

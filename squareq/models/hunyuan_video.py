@@ -42,10 +42,13 @@ def hunyuan_video_synthetic_inputs(model, samples: int, seed: int, device="cpu",
                                      "frames": frames, "timesteps": [round(float(v), 4) for v in t], "seed": seed})
 
 
-def hunyuan_video_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
-    """Video tokens of 33 frames (9 latent frames) at ``resolution``² over 2x2 patches, plus the text tokens."""
+def hunyuan_video_sequence_shape(config: dict, resolution: int, text_tokens: int,
+                                 frames: int | None = None) -> tuple[int, int]:
+    """Video tokens of ``frames`` pixel frames (default 33: 9 latent frames, the VAE's 4x in time) at ``resolution``²
+    over 2x2 patches, plus the text tokens."""
     side = resolution // 16
-    return 9 * side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    latent = 9 if frames is None else 1 + (frames - 1) // 4
+    return latent * side * side + text_tokens, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
 def hunyuan_video_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:

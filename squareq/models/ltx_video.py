@@ -39,10 +39,13 @@ def ltx_video_synthetic_inputs(model, samples: int, seed: int, device="cpu", dty
                                      "frames": frames, "timesteps": [round(float(v), 4) for v in t], "seed": seed})
 
 
-def ltx_video_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
-    """Video tokens of 121 frames (16 latent frames) at ``resolution``² with the 32x VAE; text is cross-attended."""
+def ltx_video_sequence_shape(config: dict, resolution: int, text_tokens: int,
+                             frames: int | None = None) -> tuple[int, int]:
+    """Video tokens of ``frames`` pixel frames (default 121: 16 latent frames, the VAE's 8x in time) at
+    ``resolution``² with the 32x VAE; text is cross-attended."""
     side = resolution // 32
-    return 16 * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+    latent = 16 if frames is None else 1 + (frames - 1) // 8
+    return latent * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
 # The pipeline's rope scale for its 8x temporal / 32x spatial VAE at its default 25 frames per second.

@@ -16,32 +16,35 @@ def build_tiny_wan(seed: int = 0):
 
 
 def wan_synthetic_inputs(model, samples: int, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
-                         frames: int | None = None, side: int | None = None,
-                         text_tokens: int | None = None) -> CalibrationBatch:
-    """Noise video latents [B, C, frames, side, side] and Gaussian text embeddings, at timesteps spread over
-    [0, 1000]."""
+                         frames: int | None = None, side: int | None = None, text_tokens: int | None = None,
+                         height: int | None = None, width: int | None = None) -> CalibrationBatch:
+    """Noise video latents [B, C, frames, height, width] (``side`` for both sides not given) and Gaussian text
+    embeddings, at timesteps spread over [0, 1000]."""
     cfg = model.config
     big = cfg.text_dim >= 1024
     frames, side = frames or (21 if big else 3), side or (60 if big else 8)  # 81 frames at 480p, 4x/8x VAE
+    height, width = height or side, width or side
     text_tokens = text_tokens or (512 if big else 8)
     g = torch.Generator().manual_seed(seed)
     t = torch.linspace(0.05, 0.95, samples)
-    kwargs = dict(hidden_states=torch.randn(samples, cfg.in_channels, frames, side, side, generator=g),
+    kwargs = dict(hidden_states=torch.randn(samples, cfg.in_channels, frames, height, width, generator=g),
                   encoder_hidden_states=torch.randn(samples, text_tokens, cfg.text_dim, generator=g),
                   timestep=1000 * t)
     kwargs = {k: v.to(device=device, dtype=dtype) for k, v in kwargs.items()}
     p = cfg.patch_size
-    tokens = (frames // p[0]) * (side // p[1]) * (side // p[2])
+    tokens = (frames // p[0]) * (height // p[1]) * (width // p[2])
     return CalibrationBatch(kwargs, {"kind": "synthetic", "why": "noise video latents and Gaussian text embeddings",
                                      "samples": samples, "image_tokens": tokens, "text_tokens": text_tokens,
                                      "frames": frames, "timesteps": [round(float(v), 4) for v in t], "seed": seed})
 
 
-def wan_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tuple[int, int]:
-    """Video tokens for 81 frames (21 latent frames) at ``resolution``² over 2x2 patches; text is cross-attended,
-    so the block stream carries only the video tokens."""
-    side = resolution // 16
-    return 21 * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
+def wan_sequence_shape(config: dict, resolution: int, text_tokens: int, frames: int | None = None) -> tuple[int, int]:
+    """Video tokens for ``frames`` pixel frames (default 81: 21 latent frames, the VAE's 4x in time) at
+    ``resolution``² over 2x2 patches of the 8x VAE's latents (Wan 2.2's 48-channel 16x VAE: 4x4 pixels fewer); text
+    is cross-attended, so the block stream carries only the video tokens."""
+    side = resolution // (32 if int(config.get("in_channels", 16)) == 48 else 16)
+    latent = 21 if frames is None else 1 + (frames - 1) // 4
+    return latent * side * side, int(config["num_attention_heads"]) * int(config["attention_head_dim"])
 
 
 def wan_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:

@@ -78,10 +78,12 @@ class MemoryPlan:
                 f"or give {flag} at least {format_size_up(self.peak_reserved)} (the smallest card it fits).")
 
 
-def _sequence_shape(slab: Slab, resolution: int, text_tokens: int) -> tuple[int, int]:
+def _sequence_shape(slab: Slab, resolution: int, text_tokens: int, frames: int | None = None) -> tuple[int, int]:
     model = slab.manifest.model
     adapter = ADAPTERS.get(model.family)
     if adapter is not None and adapter.sequence_shape is not None:
+        if frames is not None and adapter.recipe is not None and adapter.recipe.frames:  # a video family's clips
+            return adapter.sequence_shape(model.config, resolution, text_tokens, frames=frames)
         return adapter.sequence_shape(model.config, resolution, text_tokens)
     cfg = model.config
     hidden = cfg.get("hidden_size") or cfg.get("d_model") or cfg.get("inner_dim")
@@ -93,17 +95,18 @@ def _sequence_shape(slab: Slab, resolution: int, text_tokens: int) -> tuple[int,
 
 def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1, text_tokens: int = 512,
          prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS, compute: str = "bf16",
-         dtype: str = "bf16") -> MemoryPlan:
+         dtype: str = "bf16", frames: int | None = None) -> MemoryPlan:
     """Expected peak device memory of a streamed LoRA training step on ``slab`` (gradient checkpointing on).
 
     ``resolution`` is the image side in pixels (FLUX: (resolution/16)² image tokens); for a generic-mode
     model only ``text_tokens`` counts. ``compute`` is the settled mode ("bf16" or "fp8", not "auto"); ``dtype`` the
-    settled activation type ("bf16" or "fp16": one more buffer, of the largest layer's weight).
+    settled activation type ("bf16" or "fp16": one more buffer, of the largest layer's weight). ``frames``: a video
+    family's longest window in pixel frames (default: the family's own, e.g. Wan's 81).
     ``print(plan(...))`` shows the parts.
     """
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify="off")
     m = s.manifest
-    tokens, hidden = _sequence_shape(s, resolution, text_tokens)
+    tokens, hidden = _sequence_shape(s, resolution, text_tokens, frames)
     resident = sum(itemsize(r.dtype) * math.prod(r.shape) for r in m.resident)
     ring = prefetch * max(b.nbytes for b in m.blocks)
     scratch = 2 * max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=0)

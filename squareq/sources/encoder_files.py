@@ -140,7 +140,7 @@ def planned_placement(files: EncoderFiles, device: torch.device, dtype: torch.dt
     ``stream_all``: every text encoder that streaming makes smaller is planned streamed, the most host memory they
     can take, for encoders loaded beside a slab on the GPU, where the free memory is not known beforehand."""
     placement = plan_placement(files.skeletons, run_budget(run.budget, device), device, dtype, run.tokens,
-                               run.pixels, run.flag)
+                               run.pixels, run.flag, run.frames)
     if stream_all:
         placement = every_streamed(placement)
     return plan_host(placement, files.skeletons, dtype, run.host_budget,

@@ -27,12 +27,10 @@ from ..runtime import release_module, stream_module
 from ..runtime.module_stream import RING_STAGES, blob_bytes, largest_block_list
 from ..sizes import format_size, format_size_up
 from .encoder_source import EncoderError
+from .vae_memory import can_tile, vae_workspace
 
 TEXT_BATCH = 8  # captions per encoder call (EmbeddingCache.fill's batch)
 STREAM_PREFETCH = 2  # device slots of a streamed encoder
-# bytes of the VAE encoder's feature maps per image pixel at 2 bytes an element: a 128-channel map at full resolution,
-# about four alive at once (the FLUX.1 VAE's down path); the video VAEs' causal convolutions keep a cache beside it
-VAE_BYTES_PER_PIXEL = 2048
 # what any CUDA program reserves beside its tensors (cuBLAS workspace, the allocator's rounding)
 FIXED = 512 << 20
 
@@ -48,6 +46,7 @@ class EncoderRun:
     flag: str = "vram_budget"
     host_budget: int | None = None  # bytes the encoders may hold in host memory (None: no limit)
     host_flag: str = "host_budget"  # the flag or key that set it, for messages
+    frames: int = 1  # the frames of the longest clip window (a video family's VAE encodes them at once or in chunks)
 
 
 DEFAULT_RUN = EncoderRun()
@@ -72,6 +71,7 @@ class Placement:
     pinned_sizes: dict[str, int] = field(default_factory=dict)  # a streamed encoder's blocks, pinned whole
     ring_sizes: dict[str, int] = field(default_factory=dict)  # its ring of page-locked buffers
     copies: dict[str, int] = field(default_factory=dict)  # host copies the libraries make on load (encoder_files)
+    vae_tiled: bool = False  # the VAE splits frames into tiles (sources/vae_memory.py): whole ones do not fit
 
     def host_part(self, name: str) -> int:
         """What encoder ``name`` holds in host memory at most: its copy, beside its ring; or, pinned whole, the
@@ -100,20 +100,22 @@ class Placement:
         if self.budget is None:
             return f"encoders on {self.device}, whole: {parts}; with activations {format_size(whole)}."
         budget = f"the budget {format_size(self.budget)}"
+        tiles = "; the VAE encodes in tiles, since whole frames do not fit" if self.vae_tiled else ""
         if not self.streamed:
-            return f"encoders on {self.device}, whole: {parts}; with activations {format_size(whole)}, within {budget}."
+            return (f"encoders on {self.device}, whole: {parts}; with activations {format_size(whole)}, within {budget}"
+                    f"{tiles}.")
         streamed = ", ".join(f"{n} ({format_size(self.streamed_sizes[n])} on the device at a time, "
                              + (f"from its file through {format_size(self.ring_sizes[n])} of page-locked buffers)"
                                 if n in self.ring else f"from {format_size(self.pinned_sizes[n])} of page-locked "
                                 "host memory)") for n in self.streamed)
         return (f"encoders on {self.device}: {parts}; whole they need {format_size(whole)} with activations, more than "
-                f"{budget}, so {streamed} stream block by block; expected peak {format_size(self.expected)}.")
+                f"{budget}, so {streamed} stream block by block{tiles}; expected peak {format_size(self.expected)}.")
 
     def record(self) -> dict:
         """What the cache keeps beside the entries' identity (EmbeddingCache.record_encoders)."""
         return {"device": self.device, "budget_bytes": self.budget, "streamed": list(self.streamed),
                 "bytes": dict(self.sizes), "expected_peak_bytes": self.expected, "ring": list(self.ring),
-                "host_bytes": self.host_expected}
+                "host_bytes": self.host_expected, "vae_tiled": self.vae_tiled}
 
 
 def module_bytes(module: nn.Module, dtype: torch.dtype) -> int:
@@ -172,30 +174,27 @@ def text_workspace(module: nn.Module, tokens: int, dtype: torch.dtype, batch: in
     return rows * dtype.itemsize * (hidden * (layers + 4) + 2 * ffn + vocab)
 
 
-def vae_workspace(pixels: int) -> int:
-    """Activation bytes of the VAE encoding one image of ``pixels`` pixels."""
-    return VAE_BYTES_PER_PIXEL * pixels
-
-
 def plan_placement(parts: dict[str, nn.Module], budget: int | None, device: torch.device, dtype: torch.dtype,
-                   tokens: int, pixels: int, flag: str = "vram_budget") -> Placement:
+                   tokens: int, pixels: int, flag: str = "vram_budget", frames: int = 1) -> Placement:
     """Whole on ``device`` when everything fits ``budget`` (None: no limit); else stream the largest streamable text
-    encoders, one at a time, until it fits. ``parts``: component name -> module (``vae`` is never streamed)."""
+    encoders, one at a time, until it fits; and where even that does not, the VAE in tiles (sources/vae_memory.py).
+    ``parts``: component name -> module (``vae`` is never streamed); ``pixels`` × ``frames``: the largest entry."""
     sizes = {n: module_bytes(m, dtype) for n, m in parts.items()}
     texts = {n: m for n, m in parts.items() if n != "vae"}
-    workspace = max([text_workspace(m, tokens, dtype) for m in texts.values()], default=0) + \
-        (vae_workspace(pixels) if "vae" in parts else 0)
+    text = max([text_workspace(m, tokens, dtype) for m in texts.values()], default=0)
+    vae = parts.get("vae")
     streamed_sizes = {n: streamed_bytes(m, dtype) for n, m in texts.items() if _streamable(m)}
     # only encoders with more blocks than slots save memory streamed
     streamable = sorted((n for n, b in streamed_sizes.items() if b < sizes[n]), key=lambda n: -sizes[n])
     names = {n: type(m).__name__ for n, m in parts.items()}
-    placement = Placement(budget, sizes, streamed_sizes, workspace, (), str(device), names)
-    if budget is None or placement.expected <= budget:
-        return placement
-    for i in range(1, len(streamable) + 1):
-        placement = Placement(budget, sizes, streamed_sizes, workspace, tuple(streamable[:i]), str(device), names)
-        if placement.expected <= budget:
-            return placement
+    placement = None
+    for tiled in (False, True) if vae is not None and can_tile(vae) else (False,):
+        workspace = text + (vae_workspace(vae, pixels, frames, tiled) if vae is not None else 0)
+        for i in range(len(streamable) + 1):
+            placement = Placement(budget, sizes, streamed_sizes, workspace, tuple(streamable[:i]), str(device), names,
+                                  vae_tiled=tiled)
+            if budget is None or placement.expected <= budget:
+                return placement
     raise PlacementError(
         f"{flag} {format_size(budget)} cannot hold the cache's encoders even with "
         f"{' and '.join(streamable) or 'nothing'} streamed block by block: "
@@ -256,7 +255,7 @@ def placed(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderR
     now, not at a later garbage collection (training needs the memory), also after an error half-way through."""
     parts = {n: getattr(owner, n) for n in names if getattr(owner, n, None) is not None}
     placement = plan_placement(parts, run_budget(run.budget, device), device, dtype, run.tokens, run.pixels,
-                               run.flag)
+                               run.flag, run.frames)
     placement = plan_host(placement, parts, dtype, run.host_budget, host_copies(parts, mapped or {}, dtype, device))
     check_host(placement, run.host_budget, run.host_flag)
     streamed = []
@@ -267,6 +266,8 @@ def placed(owner, names, device: torch.device, dtype: torch.dtype, run: EncoderR
                 streamed.append(stream_module(module, device, prefetch=STREAM_PREFETCH, host=host, dtype=dtype))
             else:
                 module.to(device=device, dtype=dtype).eval()
+        if placement.vae_tiled:
+            parts["vae"].enable_tiling()
         yield placement
     finally:
         for module in streamed:

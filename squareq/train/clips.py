@@ -80,6 +80,10 @@ class FrameSettings:
                                                 and not isinstance(self.source_fps, bool) and self.source_fps > 0):
             raise bad("source_fps", "must be a frame rate above 0, e.g. 30.0, or left out to keep every frame")
 
+    def longest(self, stride: int) -> int:
+        """The most frames a window cut by these settings can hold, rounded down to 1 + ``stride``·k."""
+        return round_down(self.max_frames if self.frame_extraction == "full" else max(self.target_frames), stride)
+
     def for_family(self, family: str) -> tuple[FrameSettings, str | None]:
         """These settings with every count rounded down to one the ``family``'s VAE takes (duplicates merged), and
         the sentence saying what changed (None when nothing did)."""

@@ -23,6 +23,7 @@ from ..sources.encoder_source import SINGLE_FILE_FLAGS
 from .clips import ClipError, FrameSettings
 from .config_file import ConfigError, coerce, graphs_word, read_table, shown, toml_text
 from .config_values import SAVE_FORMATS, check_data, check_limits, check_numbers, check_texts
+from .datasets import DATASET_KEYS, HOW, dataset_tables, read_dataset_file
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT
 
 # the title names OUT/<title>_kohya.safetensors: 200 bytes, the suffix (18) and a temporary name's (14) stay within
@@ -84,6 +85,9 @@ class TrainConfig:
     mask_dir: str | None = None
     reg_data: str | None = None
     prior_loss_weight: float = 1.0
+    num_repeats: int = 1  # each image (a clip's window) this many times an epoch, times its repeat folder's count
+    dataset_config: str | None = None  # a TOML file of [[datasets]] tables (kohya's and musubi's --dataset_config)
+    datasets: list[dict[str, Any]] | None = None  # [[datasets]] tables (train/datasets.py): each its own data keys
     validation_data: str | None = None
     validation_split: float = 0.0
     validate_every: int = 0  # 0: with every checkpoint
@@ -164,6 +168,7 @@ class TrainConfig:
             self.frame_settings.check(where)
         except ClipError as exc:
             raise ConfigError(str(exc)) from None
+        self.dataset_views(where)  # each [[datasets]] table's values checked as the run's own are
         for key, value in (("vram_budget", self.vram_budget), ("host_budget", self.host_budget)):
             if value is None or key == "host_budget" and value == "auto":
                 continue
@@ -187,10 +192,44 @@ class TrainConfig:
         """The ring a model is loaded with: ``prefetch``, or for ``auto`` two slots until a step is measured."""
         return 2 if self.prefetch == "auto" else self.prefetch
 
+    def dataset_views(self, where: str = "the configuration") -> list[TrainConfig]:
+        """The run's datasets, each as this configuration with its table's data keys (train/datasets.py): one per
+        ``[[datasets]]`` table, else this one alone. A table's value that cannot work is refused naming the table."""
+        if not self.datasets:
+            return [self]
+        if self.data:
+            raise ConfigError(f"{where}: data = {shown(self.data)} and [[datasets]] tables both name folders; put "
+                              "every folder in a [[datasets]] table (or remove the tables and keep data).")
+        if self.reg_data:
+            raise ConfigError(f"{where}: reg_data with [[datasets]] tables: regularisation images mix into one "
+                              "dataset; train them as a [[datasets]] table of their own, or keep one data folder.")
+        views = []
+        for n, table in enumerate(self.datasets, 1):
+            unknown = sorted(set(table) - set(DATASET_KEYS))
+            if unknown:
+                raise ConfigError(f"{where}: [[datasets]] table {n}: unknown key {unknown[0]}; {HOW}.")
+            values = {k: coerce(k, v, _FIELD_TYPES[k], f"{where}: [[datasets]] table {n}") for k, v in table.items()}
+            try:
+                views.append(dataclasses.replace(self, datasets=None, dataset_config=None, **values))
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("the configuration", f"{where}: [[datasets]] table {n} "
+                                                   f"({shown(table.get('data'))})", 1)) from None
+        return views
+
     @property
     def largest_resolution(self) -> int:
-        """The largest training side: what memory plans and sample images use."""
-        return max(self.resolution)
+        """The largest training side of any dataset: what memory plans and sample images use."""
+        return max(max(view.resolution) for view in self.dataset_views())
+
+    def largest_batch(self, stride: int | None = None) -> tuple[int, int, int]:
+        """(side, batch size, frames) of the dataset whose batches hold the most pixels: what the memory plan is made
+        for. ``stride``: a video family's frames per latent frame (train/clips.py), which the longest window a
+        dataset's frame keys can cut is rounded down by; None: images, one frame."""
+        def largest(v: TrainConfig) -> tuple[int, int, int]:
+            frames = 1 if stride is None else v.frame_settings.longest(stride)
+            return max(v.resolution), v.batch_size, frames
+
+        return max(map(largest, self.dataset_views()), key=lambda e: e[0] ** 2 * e[1] * e[2])
 
     @property
     def lora_alpha(self) -> float:
@@ -252,6 +291,20 @@ def _keep_scale(values: dict[str, Any], overrides: dict[str, Any], where: str) -
                 "pass --alpha to choose it yourself.", rank, where, before, alpha, values["alpha"], alpha / before)
 
 
+def _tables(found: tuple[list[dict[str, Any]], dict[str, Any]], values: dict[str, Any], where: str) -> dict:
+    """The ``[[datasets]]`` tables and the run-wide keys they set (train/datasets.py) as configuration values;
+    refused where a run-wide one differs from the run's own."""
+    tables, run = found
+    out: dict[str, Any] = {"datasets": tables} if tables else {}
+    for key, value in run.items():
+        value = coerce(key, value, _FIELD_TYPES[key], where)
+        if values.get(key) is not None and values[key] != value:
+            raise ConfigError(f"{where}: the [[datasets]] tables' {key} = {shown(value)} and the run's "
+                              f"{shown(values[key])} differ; give it in one place.")
+        out[key] = value
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Defaults, then the TOML file at ``path`` (a ``[train]`` table or top-level keys), then ``overrides``
     (flag values; ``None`` means the flag was not given)."""
@@ -259,8 +312,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     where = "the configuration"
     if path is not None:
         where = str(path)
-        values.update({k: coerce(k, v, _FIELD_TYPES[k], where) for k, v in read_table(path, set(_FIELD_TYPES)).items()})
+        table, parts = read_table(path, set(_FIELD_TYPES) - {"datasets"})
+        values.update({k: coerce(k, v, _FIELD_TYPES[k], where) for k, v in table.items()})
+        values.update(_tables(dataset_tables(parts, where), values, where))
     overrides = dict(overrides or {})
+    file = overrides.get("dataset_config") or values.get("dataset_config")
+    if file and values.get("datasets"):
+        raise ConfigError(f"{where} has [[datasets]] tables and dataset_config names {file} too; keep one of them.")
+    if file:  # read into the tables, which --print-config then writes in place of the file's name
+        values.update(_tables(read_dataset_file(file), values, f"dataset_config {file}"))
+        values["dataset_config"] = overrides["dataset_config"] = None
     if overrides.get("steps") is not None and overrides.get("epochs") is None:
         values.pop("epochs", None)  # a --steps flag decides the length even where the file sets epochs
     _keep_scale(values, overrides, where)

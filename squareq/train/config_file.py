@@ -21,10 +21,11 @@ class ConfigError(ValueError):
     """A configuration value cannot be used; the message names the file or flag."""
 
 
-def read_table(path: str | Path, known: set[str]) -> dict[str, Any]:
+def read_table(path: str | Path, known: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The training keys (``known``) of the TOML file ``path`` (its ``[train]`` table, or its top level without one),
-    kohya's names translated; anything else in the file is refused, since ignoring it would train with a setting
-    unmade."""
+    kohya's names translated, and its ``datasets`` and ``general`` as written (for train/datasets.py); anything else
+    in the file is refused, since ignoring it would train with a setting unmade."""
+
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -34,6 +35,8 @@ def read_table(path: str | Path, known: set[str]) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError(f"{path} is not valid TOML (its arrays or tables nest too deeply to read); fix the "
                           "file.") from None
+    parts = {k: data[k] for k in ("datasets", "general") if k in data}  # [[datasets]] tables: train/datasets.py
+    data = {k: v for k, v in data.items() if k not in parts}
     table = data.get("train", data)
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: train = {shown(table)} is not a table; put the training keys under a [train] "
@@ -51,7 +54,7 @@ def read_table(path: str | Path, known: set[str]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{path}: unknown key{'s' if len(unknown) > 1 else ''} {_names(table, unknown, known)}; "
                           "`squareq train --print-config` lists every key.")
-    return table
+    return table, parts
 
 
 def _names(table: dict[str, Any], keys: list[str], known: set[str] | None = None) -> str:
@@ -141,8 +144,14 @@ def toml_text(items: Iterable[tuple[str, Any]]) -> str:
     """``squareq train --print-config``'s TOML of the (key, value) pairs ``items``, which ``--config`` reads back
     unchanged (keys left unset are written as comments, since TOML has no null)."""
     lines = ["# squareq train configuration (squareq train --print-config)"]
+    tables: list[dict[str, Any]] = []
     for name, value in items:
+        if name == "datasets" and value:
+            tables = value  # tables go after every key, which TOML would read as theirs
+            continue
         lines.append(f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}")
+    for table in tables:
+        lines += ["", "[[datasets]]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
     return "\n".join(lines) + "\n"
 
 

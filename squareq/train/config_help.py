@@ -74,6 +74,12 @@ HELP = {
                 "prior_loss_weight.",
     "prior_loss_weight": "Weight of the regularisation images' loss against the training images' (kohya's "
                          "prior_loss_weight).",
+    "num_repeats": "Train each image (or clip window) this many times an epoch, times its kohya repeat folder's "
+                   "count (musubi-tuner's and kohya's num_repeats; default 1).",
+    "dataset_config": "A TOML file of [[datasets]] tables, kohya's and musubi-tuner's dataset config: each table its "
+                      "own folder, resolution, batch size, num_repeats, caption extension and frame keys, with "
+                      "[general] defaults (docs/train.md, \"Several datasets\").",
+    "datasets": "[[datasets]] tables in the --config file (as in a dataset_config file); a file's, not a flag.",
     "validation_data": "A folder of held-out images with captions (read like --data) whose loss is measured during "
                        "training at fixed timesteps and noise.",
     "validation_split": "Hold this fraction of --data's images out of training and measure their loss instead (kohya's "

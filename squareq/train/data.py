@@ -13,8 +13,8 @@ per file that was left out saying why and what to do. Two layouts are read:
   with a warning.
 
 Images are trained at several aspect ratios (kohya/SimpleTuner buckets) instead of being squashed or
-cropped to a square; :class:`BucketBatches` builds batches from one bucket at a time in a seeded order
-that a resumed run continues exactly.
+cropped to a square; train/buckets.py's :class:`BucketBatches` builds batches from one bucket at a time in a
+seeded order that a resumed run continues exactly.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,16 @@ class Item:
     repeats: int = 1
     reg: bool = False  # a regularisation (prior) image: its loss counts prior_loss_weight times
     frames: tuple[int, ...] | None = None  # a clip's window: the frames it trains on (None: an image)
+    group: int = 0  # the dataset (a [[datasets]] table, train/datasets.py) it belongs to: Dataset.groups[group]
+
+
+@dataclass(frozen=True)
+class DataGroup:
+    """One dataset of several in a run (a ``[[datasets]]`` table): its folder, training sides and batch size."""
+
+    root: Path
+    resolution: tuple[int, ...]
+    batch_size: int
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Dataset:
     skipped: list[Skipped] = field(default_factory=list)
     regularisation: Dataset | None = None  # the regularisation folder its ``reg`` items were taken from
     clips: list[tuple[Path, str, int]] = field(default_factory=list)  # (clip, caption, repeats): train/clip_items.py
+    groups: list[DataGroup] = field(default_factory=list)  # several datasets (:func:`combined`); else the run's keys
 
     def __len__(self) -> int:
         return len(self.items)
@@ -93,7 +105,8 @@ class Dataset:
 
     def without_repeats(self) -> Dataset:
         """The same images, each counted once (a validation set measures every image alike)."""
-        return Dataset(self.root, [dataclasses.replace(it, repeats=1) for it in self.items], self.skipped)
+        return Dataset(self.root, [dataclasses.replace(it, repeats=1) for it in self.items], self.skipped,
+                       groups=self.groups)
 
     @property
     def training_items(self) -> list[Item]:
@@ -144,6 +157,16 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt", clips: boo
     return data
 
 
+def combined(datasets: list[Dataset], groups: list[DataGroup]) -> Dataset:
+    """Several datasets as one, each item marked with its group (``groups[i]`` is ``datasets[i]``'s), under the
+    folders' common parent; one dataset stays as it was."""
+    if len(datasets) == 1:
+        return datasets[0]
+    root = Path(os.path.commonpath([os.path.abspath(d.root) for d in datasets]))
+    items = [dataclasses.replace(it, group=g) for g, d in enumerate(datasets) for it in d.items]
+    return Dataset(root, items, [s for d in datasets for s in d.skipped], groups=groups)
+
+
 def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     """(training, validation): ``fraction`` of the images (at least one; kohya's ``validation_split``) held out of
     training, chosen by a hash of (seed, path) so that the same folder and seed always hold out the same images.
@@ -161,8 +184,9 @@ def hold_out(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dat
         return hashlib.sha256(f"{seed}:{_rel(path, dataset.root)}".encode()).hexdigest()
 
     chosen = set(sorted(paths, key=rank)[:held])
-    train = Dataset(dataset.root, [it for it in dataset.items if it.path not in chosen], dataset.skipped)
-    valid = Dataset(dataset.root, [it for it in dataset.items if it.path in chosen])
+    train = Dataset(dataset.root, [it for it in dataset.items if it.path not in chosen], dataset.skipped,
+                    groups=dataset.groups)
+    valid = Dataset(dataset.root, [it for it in dataset.items if it.path in chosen], groups=dataset.groups)
     return train, valid.without_repeats()
 
 
@@ -203,7 +227,7 @@ def _report_repeat_folders(data: Dataset) -> None:
 
 
 def _rel(p: Path, root: Path) -> str:
-    return p.relative_to(root).as_posix()
+    return Path(os.path.abspath(p)).relative_to(os.path.abspath(root)).as_posix()
 
 
 def _confined(path: Path, root: Path, named_by: str) -> None:
@@ -367,52 +391,6 @@ def _oriented_size(img: Image.Image) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- buckets
 
-def make_buckets(resolution: int, step: int = 64, max_ratio: float = 2.0,
-                 min_side: int | None = None) -> list[tuple[int, int]]:
-    """Sorted (width, height) buckets: multiples of ``step``, area <= resolution², aspect ratio <= ``max_ratio``.
-
-    For each width the height is the largest multiple of ``step`` within the area, so every bucket
-    spends about the same pixel budget; each shape comes with its mirror (portrait and landscape).
-    The square bucket is always present. ``step`` 64 is the usual trainer choice; FLUX itself only
-    needs 16 (VAE factor 8 x patch 2). ``min_side`` (default ``step``) is capped at the square side so
-    tiny resolutions still get their square bucket.
-    """
-    if step <= 0 or resolution < step:
-        raise ValueError(f"resolution {resolution} is smaller than the bucket step {step}: raise it or lower the step.")
-    side = resolution // step * step
-    if max_ratio < 1:
-        raise ValueError(f"max_ratio must be at least 1, got {max_ratio}.")
-    lo = min(-(-(min_side or step) // step) * step, side)  # rounded up to a multiple of step
-    area = resolution * resolution
-    buckets = {(side, side)}
-    for w in range(lo, area // lo + 1, step):
-        h = area // w // step * step
-        if h >= lo and max(w, h) / min(w, h) <= max_ratio:
-            buckets.update([(w, h), (h, w)])  # mirrored, so portrait and landscape get the same shapes
-    return sorted(buckets)
-
-
-def entry_buckets(dataset: Dataset, bucket_sets, no_upscale: bool = False) -> list[tuple[int, int]]:
-    """The bucket of every training entry: each of ``dataset.training_items`` once per resolution's buckets
-    (``bucket_sets``: one :func:`make_buckets` list per resolution), resolution by resolution. Entry ``i`` is
-    ``training_items[i % len(training_items)]``."""
-    items = dataset.training_items
-    return [bucket_for(it.width, it.height, buckets, no_upscale) for buckets in bucket_sets for it in items]
-
-
-def bucket_for(width: int, height: int, buckets, no_upscale: bool = False, step: int = 64) -> tuple[int, int]:
-    """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width).
-
-    ``no_upscale`` (kohya's ``--bucket_no_upscale``): an image with fewer pixels than that bucket gets its own size
-    in multiples of ``step`` instead (cropped by less than ``step`` pixels, never enlarged); a larger one keeps the
-    bucket, so no entry exceeds the resolution's area."""
-    r = math.log(width / height)
-    bucket = min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - r), -b[0] * b[1], b))
-    if no_upscale and width * height < bucket[0] * bucket[1]:
-        return max(step, width // step * step), max(step, height // step * step)
-    return bucket
-
-
 # ---------------------------------------------------------------------------------------------- images and captions
 
 def load_image(path, bucket: tuple[int, int]) -> torch.Tensor:
@@ -493,88 +471,3 @@ def caption_orders(caption: str, trigger: str | None, keep_tokens: int, count: i
         if len(orders) in (count, possible):
             break
     return orders
-
-
-# ---------------------------------------------------------------------------------------------- batches
-
-class BucketBatches:
-    """Epochs of batches (lists of item indices), each batch from one bucket, in an order fixed by (seed, epoch).
-
-    Iterating yields the rest of the current epoch and moves to the next one. ``state_dict()`` after
-    any batch, loaded into a new instance built with the same arguments, continues with the same next
-    batch. Use one iterator at a time: iteration advances this object's state.
-    """
-
-    def __init__(self, dataset: Dataset, buckets, batch_size: int, seed: int, drop_last: bool = False,
-                 no_upscale: bool = False):
-        if batch_size < 1 or seed < 0:
-            raise ValueError(f"batch_size must be at least 1 and seed at least 0, got {batch_size} and {seed}.")
-        self.batch_size, self.seed, self.drop_last = batch_size, seed, drop_last
-        # ``buckets``: one resolution's list, or one list per resolution (every image trained at each). Indices
-        # are the entries of :func:`entry_buckets`: a repeated image is several entries, as in a kohya epoch.
-        bucket_sets = buckets if buckets and isinstance(buckets[0], list) else [buckets]
-        self.item_buckets = entry_buckets(dataset, bucket_sets, no_upscale)
-        # a clip's window is a bucket over time too: one batch holds one (width, height) and one frame count
-        frames = [1 if it.frames is None else len(it.frames) for _ in bucket_sets for it in dataset.training_items]
-        keys = list(zip(self.item_buckets, frames, strict=True)) if max(frames, default=1) > 1 else self.item_buckets
-        groups: dict[tuple, list[int]] = {}
-        for i, b in enumerate(keys):
-            groups.setdefault(b, []).append(i)
-        self._groups = [groups[b] for b in sorted(groups)]
-        self.epoch, self.position = 0, 0
-        self._last_epoch: tuple[int, list[list[int]]] | None = None
-        # Resuming with other data, buckets or settings would silently train on a different order.
-        key = repr((seed, batch_size, drop_last, keys)).encode()
-        self._fingerprint = hashlib.sha256(key).hexdigest()[:16]
-        if len(self) == 0:
-            raise ValueError(f"No bucket holds batch_size={batch_size} images, so drop_last leaves no batch: "
-                             f"lower the batch size or set drop_last=False.")
-
-    def __len__(self) -> int:
-        """Batches per epoch."""
-        whole = sum(len(g) // self.batch_size for g in self._groups)
-        return whole + (0 if self.drop_last else sum(len(g) % self.batch_size > 0 for g in self._groups))
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """All batches of ``epoch`` in order (a pure function of seed, epoch and the bucket groups)."""
-        if self._last_epoch is not None and self._last_epoch[0] == epoch:
-            return self._last_epoch[1]
-        rng = np.random.default_rng([self.seed, epoch])  # SeedSequence mixes both; needs seed >= 0
-        batches = []
-        for group in self._groups:
-            order = [group[i] for i in rng.permutation(len(group))]
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
-                if len(batch) == self.batch_size or not self.drop_last:
-                    batches.append(batch)
-        self._last_epoch = (epoch, [batches[i] for i in rng.permutation(len(batches))])
-        return self._last_epoch[1]
-
-    def peek(self) -> list[int]:
-        """The batch iteration gives next, without advancing (what a prefetch reads ahead)."""
-        return self.epoch_batches(self.epoch)[self.position]
-
-    def __iter__(self):
-        batches = self.epoch_batches(self.epoch)
-        while self.position < len(batches):
-            batch = batches[self.position]
-            self.position += 1
-            last = self.position == len(batches)
-            if last:  # roll over before yielding, so a state saved after the last batch starts the next epoch
-                self.epoch, self.position = self.epoch + 1, 0
-            yield batch
-            if last:
-                return
-
-    def state_dict(self) -> dict:
-        """Where the iteration stands: epoch, batches already given in it, and a fingerprint of the settings."""
-        return {"epoch": self.epoch, "position": self.position, "fingerprint": self._fingerprint}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from a :meth:`state_dict`; refuses one saved with other data, buckets or settings."""
-        if state.get("fingerprint") != self._fingerprint:
-            raise ValueError("The saved batch order belongs to other data, buckets, batch size or seed: "
-                             "resume with the same settings or start a fresh run.")
-        if not 0 <= state["position"] < len(self):
-            raise ValueError(f"Saved batch position {state['position']} is outside an epoch of {len(self)} batches.")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])

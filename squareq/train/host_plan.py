@@ -26,6 +26,7 @@ from ..sizes import format_size, format_size_up, parse_size
 from ..sources.encoder_files import EncoderFiles, planned_placement, read_encoder_files
 from ..sources.encoder_placement import EncoderRun, Placement
 from ..sources.encoders import encoder_dtype
+from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
 from .errors import TrainError
 
@@ -122,7 +123,9 @@ def train_host_plan(cfg: TrainConfig, kind: str, device: torch.device, blobs: li
                     encoder_source=None, family: str | None = None, encode: bool = True) -> HostPlan:
     """:func:`plan_host_memory` for a training run (``kind`` train) or ``squareq cache`` (``kind`` cache) of
     ``cfg``."""
-    run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, cfg.largest_resolution ** 2, "vram_budget")
+    stride = TEMPORAL_STRIDE.get(family)  # a video family's VAE: the longest window's frames the config can cut
+    run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, cfg.largest_resolution ** 2, "vram_budget",
+                     frames=cfg.largest_batch(stride)[2] if stride else 1)
     return plan_host_memory(kind, device, cfg.host_budget, cfg.host, cfg.dtype, run, blobs, encoder_source, family,
                             encode, sampling=kind == "train" and bool(cfg.sample_every))
 

@@ -144,8 +144,6 @@ ALWAYS = {
 UNSUPPORTED = {
     "pretrained_model_name_or_path": "the model is the slab: give it as `squareq train SLAB` (compile it first with "
                                      "`squareq compile`), and the encoders' pipeline folder or Hub ID as model",
-    "dataset_config": "SquareQ reads one data folder (kohya repeat folders, caption files or metadata.jsonl); set "
-                      "data to it",
     "network_args": "SquareQ's LoRA takes no network_args; choose layers with targets",
     "network_dropout": "kohya drops the LoRA's rank activations (lora_down's output), SquareQ's lora_dropout (PEFT's) "
                        "drops the layer's input; set lora_dropout if that is what you want, and remove network_dropout",

@@ -201,7 +201,8 @@ class TrainingRun:
                 self.validate()  # the base model's loss, to compare; or one a killed run did not get to write
         except torch.OutOfMemoryError:
             self.checkpoints.out_of_memory(self.logs.metrics, self.device, None, False)
-        self.echo(steps_line(state.total, state.step, cfg.batch_size, cfg.grad_accum, self.ranks.world,
+        batch = [v.batch_size for v in cfg.dataset_views()] if cfg.datasets else cfg.batch_size
+        self.echo(steps_line(state.total, state.step, batch, cfg.grad_accum, self.ranks.world,
                              len(state.batches)))
         with CtrlC() as ctrl_c:  # only around the steps and their checkpoint
             try:

@@ -3,6 +3,7 @@ order they are trained in, each image's bucket and loss mask, and every latent a
 computed once into the cache by the encoders of the run's model (``squareq cache`` runs this alone)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..slab.digest import content_key, file_sha256
 from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import EncoderSource, slab_encoders
 from ..sources.encoders import Encoders, encoder_dtype, open_encoders
+from .buckets import entries, entry_buckets, make_buckets
 from .cache import EmbeddingCache
 from .clip_items import clip_digest, cut_clips, load_clip
 from .clips import TEMPORAL_STRIDE
@@ -22,12 +24,12 @@ from .config import TrainConfig
 from .data import (
     TRIGGER_TOKEN,
     DataError,
+    DataGroup,
     caption_for,
     caption_orders,
-    entry_buckets,
+    combined,
     hold_out,
     load_image,
-    make_buckets,
     scan_dataset,
     with_regularisation,
 )
@@ -90,12 +92,12 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     if placeholders and not (cfg.trigger or "").strip():
         raise DataError(f"{len(placeholders)} captions use {TRIGGER_TOKEN} (e.g. the one of {placeholders[0].path}) "
                         "but no trigger word is set; pass --trigger WORD.")
-    buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution
+    buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution (several datasets: their own)
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
     if describe is not None:
         for line in describe + data_lines(dataset, buckets, cfg.resolution, cfg.no_upscale):
             echo(line)
-    items = dataset.training_items * len(cfg.resolution)  # what the batches index: entry i is this item
+    items = [item for item, _ in entries(dataset, buckets)]  # what the batches index: entry i is this item
     # a regularisation image's caption is the class's own: the trigger word is the training images' alone
     orders = {(c, reg): caption_orders(c, None if reg else cfg.trigger, cfg.keep_tokens,
                                        cfg.caption_orders if cfg.shuffle_caption else 0, cfg.seed)
@@ -105,7 +107,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         echo(f"shuffle_caption: {sum(map(len, orders.values()))} orders of {len(orders)} captions go into the cache")
     dropped = caption_for("", cfg.trigger, dropout=0.0) if cfg.trigger else ""
     # validation entries come after the training entries in the cache keys: every image once per resolution
-    held_items = held.training_items * len(cfg.resolution) if held else []
+    held_items = [item for item, _ in entries(held, buckets)] if held else []
     held_buckets = entry_buckets(held, buckets, cfg.no_upscale) if held else []
     held_captions = [caption_for(item.caption, cfg.trigger) for item in held_items]
     # images held out of --data keep their masks, so the validation loss measures what training does
@@ -134,23 +136,30 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
 
 def _encoder_run(cfg: TrainConfig, items, host: HostPlan) -> EncoderRun:
     """What the cache's encoders are placed for: the largest entry, whose VAE feature maps grow with a clip window's
-    frames as with its pixels (the video VAEs encode a window at once), and the host plan's room."""
+    frames as with its pixels (all of them, or a chunk at a time: sources/vae_memory.py), and the host plan's room."""
     frames = max((len(it.frames) for it in items if it.frames is not None), default=1)
-    return EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, max(cfg.resolution) ** 2 * frames,
-                      "vram_budget", host_budget=host.encoder_budget)
+    return EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, cfg.largest_resolution ** 2,
+                      "vram_budget", host_budget=host.encoder_budget, frames=frames)
 
 
 def _training_data(cfg: TrainConfig, family: str | None, echo):
-    """``cfg.data`` scanned; for a video family, its clips too, cut into windows (train/clip_items.py). An image
-    family's folder reads as it always has (an animated WebP as its first frame; video files and GIFs are no
+    """The run's datasets scanned (``cfg.data``, or each ``[[datasets]]`` table's folder with its own keys,
+    train/datasets.py) and combined; for a video family, their clips too, cut into windows (train/clip_items.py). An
+    image family's folder reads as it always has (an animated WebP as its first frame; video files and GIFs are no
     images)."""
     clips = family in TEMPORAL_STRIDE
-    dataset = scan_dataset(cfg.data, caption_ext=cfg.caption_ext, clips=clips)
-    dataset = cut_clips(dataset, cfg.frame_settings, family, echo=echo) if clips else dataset
-    if cfg.masked_loss and any(it.frames is not None for it in dataset.items):
-        raise DataError(f"masked_loss (--masked-loss) weighs an image's pixels, and {cfg.data} holds clips: train "
-                        "the clips without it, or move them out of the folder.")
-    return dataset
+    views = cfg.dataset_views()
+    found = []
+    for view in views:
+        dataset = scan_dataset(view.data, caption_ext=view.caption_ext, clips=clips)
+        dataset = cut_clips(dataset, view.frame_settings, family, echo=echo) if clips else dataset
+        if view.num_repeats > 1:
+            dataset.items = [dataclasses.replace(it, repeats=it.repeats * view.num_repeats) for it in dataset.items]
+        if cfg.masked_loss and any(it.frames is not None for it in dataset.items):
+            raise DataError(f"masked_loss (--masked-loss) weighs an image's pixels, and {view.data} holds clips: "
+                            "train the clips without it, or move them out of the folder.")
+        found.append(dataset)
+    return combined(found, [DataGroup(d.root, tuple(v.resolution), v.batch_size) for d, v in zip(found, views)])
 
 
 def _masks(cfg: TrainConfig, dataset, items) -> list:

@@ -20,6 +20,7 @@ from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..slab import open_slab
 from ..sources.encoder_source import EncoderSource, slab_encoders
 from .checkpoint import checkpoint_config, resume_path
+from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
 from .errors import TrainError
 from .objective import training_objective
@@ -128,7 +129,9 @@ def _check_memory_plan(cfg: TrainConfig, slab, device: torch.device, compute: st
     """With ``vram_budget`` on a GPU: say the expected device memory and refuse a plan over the budget."""
     if cfg.vram_budget_bytes is None or device.type != "cuda":
         return
-    plan = runtime.plan(slab, resolution=cfg.largest_resolution, batch=cfg.batch_size,
+    stride = TEMPORAL_STRIDE.get(slab.manifest.model.family)  # a video family: its longest window's frames count
+    side, batch, frames = cfg.largest_batch(stride)  # the dataset whose batches hold the most pixels
+    plan = runtime.plan(slab, resolution=side, batch=batch, frames=frames if stride else None,
                         text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
                         lora_targets=cfg.targets, compute=compute, dtype=dtype)
     echo("expected device memory:\n" + str(plan))

@@ -13,7 +13,7 @@ import torch
 
 from .. import runtime
 from ..runtime.host.pinned import HostMemoryError
-from .data import BucketBatches
+from .buckets import BucketBatches
 from .distributed import Ranks
 from .ema import LoraEma
 from .errors import TrainError
@@ -79,7 +79,8 @@ class RunState:
         model.enable_gradient_checkpointing()
         model.train()
         # one global batch per step, shared out to the ranks (equal shares, so the last short batch is dropped)
-        batches = BucketBatches(dataset, buckets, cfg.batch_size * world, cfg.seed, drop_last=world > 1,
+        sizes = [g.batch_size * world for g in dataset.groups] if len(dataset.groups) > 1 else cfg.batch_size * world
+        batches = BucketBatches(dataset, buckets, sizes, cfg.seed, drop_last=world > 1,
                                 no_upscale=cfg.no_upscale)
         total = cfg.steps if cfg.epochs is None else max(1, math.ceil(cfg.epochs * len(batches) / cfg.grad_accum))
         optimizer = make_optimizer(cfg, params)

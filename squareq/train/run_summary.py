@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from .data import bucket_for
+from .buckets import bucket_for, make_buckets
 
 MEASURED = 2  # steps after the warm-up one that the run's ETA line waits for
 
@@ -36,7 +36,15 @@ def upscaled_images(items, bucket_sets, no_upscale: bool) -> int:
 
 def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -> list[str]:
     """The dataset as the run will see it: images and repeats, each bucket with its entries an epoch, and the images
-    enlarged to their bucket."""
+    enlarged to their bucket; with several datasets (``dataset.groups``), these lines for each, numbered."""
+    if len(dataset.groups) > 1:
+        lines = []
+        for g, group in enumerate(dataset.groups):
+            part = type(dataset)(group.root, [it for it in dataset.items if it.group == g])
+            lines += [f"dataset {g + 1} (batch size {group.batch_size}): {line}" for line in
+                      data_lines(part, [make_buckets(r) for r in group.resolution], list(group.resolution),
+                                 no_upscale)]
+        return lines
     images = [item for item in dataset.items if not item.reg]
     entries = [item for item in dataset.training_items if not item.reg]
     repeats = Counter(item.repeats for item in images)
@@ -69,9 +77,12 @@ def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -
     return lines
 
 
-def steps_line(total: int, step: int, batch: int, grad_accum: int, world: int, epoch_batches: int) -> str:
-    """The optimizer steps to come, and what each takes."""
-    per = f"{batch} image{'s' * (batch != 1)} a batch" + (f" on each of {world} processes" if world > 1 else "") \
+def steps_line(total: int, step: int, batch: int | list[int], grad_accum: int, world: int, epoch_batches: int) -> str:
+    """The optimizer steps to come, and what each takes (``batch``: a list, each dataset's batch size)."""
+    sizes = "/".join(map(str, dict.fromkeys(batch))) if isinstance(batch, list) else str(batch)
+    plural = "s" * (sizes != "1")
+    per = f"{sizes} image{plural} a batch" + (" by dataset" if "/" in sizes else "") \
+        + (f" on each of {world} processes" if world > 1 else "") \
         + (f", {grad_accum} batches a step" if grad_accum > 1 else "")
     epochs = total * grad_accum / max(1, epoch_batches)
     start = f", from step {step}" if step else ""

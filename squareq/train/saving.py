@@ -152,7 +152,8 @@ def write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str, 
                   "objective": objective}
     trained = [item for item in dataset.items if not item.reg]
     dirs, tags = dataset_summary(dataset.root, trained)
-    images = sum(item.repeats for item in trained) * len(cfg.resolution)
+    resolutions = [len(g.resolution) for g in dataset.groups] if len(dataset.groups) > 1 else None
+    images = sum(item.repeats * (resolutions[item.group] if resolutions else len(cfg.resolution)) for item in trained)
     pool = dataset.regularisation  # as kohya records them: the folder's images and repeats, not the epoch's share
     reg = {"ss_num_reg_images": str(len(pool.training_items)),
            "ss_reg_dataset_dirs": json.dumps(dataset_summary(pool.root, pool.items)[0], sort_keys=True),

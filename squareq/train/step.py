@@ -16,6 +16,7 @@ import torch
 from .. import runtime
 from ..runtime.block_compile import compile_seconds
 from ..runtime.residency import StreamTuner
+from .buckets import entries as dataset_entries
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
 from .distributed import Ranks
@@ -62,7 +63,7 @@ class Stepper:
         self.skipped_in_row = self.steps_here = 0  # steps_here: this process's steps, which the tuner counts
         self.updating = False
         # each entry's loss weight where regularisation images are mixed in (prior_loss_weight), else None
-        entries = data.dataset.training_items * len(self.cfg.resolution)
+        entries = [item for item, _ in dataset_entries(data.dataset, data.buckets)]
         self.entry_reg = [e.reg for e in entries]
         self.entry_weights = torch.tensor([self.cfg.prior_loss_weight if e.reg else 1.0 for e in entries]) \
             if self.cfg.reg_data else None

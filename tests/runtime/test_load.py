@@ -299,3 +299,20 @@ def test_a_hostile_config_is_refused_before_it_can_fill_memory(tiny_slab, tmp_pa
     with pytest.raises(ModelError, match=refusal) as info:
         runtime.load(slab, "cpu")
     assert str(slab / "manifest.json") in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-hunyuan-video"])
+def test_a_video_plan_counts_the_windows_frames(tmp_path, name):
+    """A video family's plan is made for the run's longest window: its tokens grow with its latent frames (1 + (F - 1)
+    / 4), and without frames it keeps the family's default length; the negative control: an image slab ignores
+    frames."""
+    from tests.train.tiny_run import w8_tiny_slab
+
+    slab = w8_tiny_slab(tmp_path / f"{name}.slab", name)
+    text = 16 if name == "tiny-hunyuan-video" else 0  # HunyuanVideo's text tokens ride in the block stream
+    one, nine, default = (runtime.plan(slab, resolution=64, text_tokens=16, frames=f) for f in (1, 33, None))
+    assert one.tokens - text == (64 // 16) ** 2 and nine.tokens - text == 9 * (64 // 16) ** 2
+    assert default.tokens - text == (21 if name == "tiny-wan" else 9) * (64 // 16) ** 2
+    assert nine.checkpoints > 4 * one.checkpoints and nine.peak_reserved > one.peak_reserved
+    flux = w8_tiny_slab(tmp_path / "flux.slab")
+    assert runtime.plan(flux, resolution=64, text_tokens=16, frames=33).tokens == (64 // 16) ** 2 + 16

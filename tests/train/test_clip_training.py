@@ -109,7 +109,8 @@ def test_a_folder_of_images_and_clips_trains_in_buckets_over_time(wan, tmp_path,
     assert any(line.startswith("buckets: ") and f"64x64 x 5 frames: {clips} entries" in line for line in said)
     # a batch holds one bucket over time: the trainer's batch order groups by (bucket, frames)
     from squareq.train.clip_items import cut_clips
-    from squareq.train.data import BucketBatches, make_buckets, scan_dataset
+    from squareq.train.buckets import BucketBatches, make_buckets
+    from squareq.train.data import scan_dataset
 
     dataset = cut_clips(scan_dataset(data, clips=True), _config(slab, data, tmp_path / "x").frame_settings, "wan",
                         echo=lambda s: None)
@@ -250,8 +251,8 @@ def test_samples_during_training_are_clips(wan_folder, tmp_path):
 
 
 def test_the_encoders_are_placed_for_the_longest_window():
-    """A video VAE encodes a window at once, so its feature maps are counted for the window's frames; images alone
-    keep the image's pixels (the negative control)."""
+    """A video VAE's feature maps grow with a window's frames (all, or a chunk at a time: sources/vae_memory.py), so
+    the encoders are placed for the longest window's frames; images alone are one frame (the negative control)."""
     from pathlib import Path
 
     from squareq.train.data import Item
@@ -263,8 +264,9 @@ def test_the_encoders_are_placed_for_the_longest_window():
     cfg = load_config(None, {"slab": "s", "data": "d", "output": "o", "resolution": 64})
     image = Item(Path("a.png"), "a", 64, 64)
     window = Item(Path("b.gif"), "b", 64, 64, frames=tuple(range(9)))
-    assert _encoder_run(cfg, [image], Host()).pixels == 64 * 64
-    assert _encoder_run(cfg, [image, window], Host()).pixels == 64 * 64 * 9
+    assert (_encoder_run(cfg, [image], Host()).pixels, _encoder_run(cfg, [image], Host()).frames) == (64 * 64, 1)
+    assert (_encoder_run(cfg, [image, window], Host()).pixels, _encoder_run(cfg, [image, window], Host()).frames) \
+        == (64 * 64, 9)
 
 
 def test_a_metadata_jsonl_may_name_clips(tmp_path):

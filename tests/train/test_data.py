@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from squareq.train.data import (BucketBatches, DataError, Dataset, Item, bucket_for, caption_for, load_image,
-                                make_buckets, scan_dataset)
+from squareq.train.buckets import BucketBatches, bucket_for, make_buckets
+from squareq.train.data import DataError, Dataset, Item, caption_for, load_image, scan_dataset
 
 
 def _image(path: Path, size=(96, 80), color=(200, 30, 30), noise=False):

@@ -13,7 +13,8 @@ import squareq.train.checkpoint as ckpt
 import squareq.train.loop as loop
 from squareq.train.checkpoint import latest_checkpoint
 from squareq.train.config import load_config
-from squareq.train.data import make_buckets, scan_dataset
+from squareq.train.buckets import make_buckets
+from squareq.train.data import scan_dataset
 from squareq.train.errors import TrainInterrupted
 from squareq.train.loop import train
 from squareq.train.lora_reader import load_lora

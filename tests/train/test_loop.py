@@ -1290,7 +1290,8 @@ def test_flip_aug_caches_flipped_latents_and_trains_on_them_half_the_time(worksp
     without flip_aug no flipped entry is cached and none is used."""
     from diffusers.configuration_utils import FrozenDict
 
-    from squareq.train.data import entry_buckets, load_image
+    from squareq.train.buckets import entry_buckets
+    from squareq.train.data import load_image
     from squareq.sources.encoders import open_encoders
     from squareq.train.feed import CacheFeed
     from squareq.sources.encoder_source import slab_encoders
