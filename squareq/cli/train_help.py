@@ -14,6 +14,7 @@ SECTIONS = {
              "mask_dir", "reg_data", "prior_loss_weight", "max_sequence_length", "cache_dir", "target_frames",
              "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps"),
     "Model & memory": ("model", "revision", "clip_l", "clip_g", "t5", "vae", "prefetch", "resident_blocks", "host",
+                       "offload_activations",
                        "vram_budget", "host_budget", "dtype", "compute", "cuda_graphs", "compile", "attention"),
     "LoRA": ("rank", "alpha", "targets", "use_dora", "use_rslora", "lora_dropout", "lora_type", "lokr_factor"),
     "Optimizer": ("lr", "optimizer", "weight_decay", "max_grad_norm", "ema_decay", "batch_size", "grad_accum",

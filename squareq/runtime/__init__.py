@@ -2,6 +2,7 @@
 slots, LoRA on chosen layers, and per-step telemetry. Entry point: :func:`load`, its options a :class:`LoadOptions`;
 docs/runtime.md explains both.
 :func:`stream_module` streams an in-memory module's blocks the same way, for inference (large text encoders)."""
+from .activation_offload import ActivationOffload
 from .blocks import disable_cudnn_attention, retry_without_cudnn
 from .load_options import LoadOptions
 from .loader import Runtime, autocast_dtype, load, runtime_of
@@ -14,6 +15,7 @@ from .streamer import StreamError
 from .telemetry import StepStats
 
 __all__ = [
+    "ActivationOffload",
     "DEFAULT_TARGETS",
     "LoadOptions",
     "LoraVariant",

@@ -255,7 +255,10 @@ class _StreamedCheckpoint(torch.autograd.Function):
         ctx.runner, ctx.skeleton, ctx.spec, ctx.n_params = runner, skeleton, spec, len(params)
         ctx.amp = _AmpState(runner.streamer.device.type)
         ctx.rng = _RngState(runner.streamer.device)
-        ctx.save_for_backward(*inputs)
+        offload = runner.runtime.activation_offload  # the inputs that carry a gradient wait in host memory
+        moved = [i for i, t in enumerate(inputs) if offload.wanted(t)] if offload is not None else []
+        ctx.offloaded = (moved, offload.put([inputs[i] for i in moved])) if moved else None
+        ctx.save_for_backward(*[t for i, t in enumerate(inputs) if i not in moved])
         key = (tuple(t.requires_grad for t in inputs), len(params))
         constant = runner.constant_outputs.get(key)
         with runner.in_slot(FORWARD, training=True) as slot:
@@ -274,7 +277,11 @@ class _StreamedCheckpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         runner = ctx.runner
-        saved = ctx.saved_tensors
+        saved = list(ctx.saved_tensors)
+        if ctx.offloaded is not None:  # back from the host, in their places among the inputs
+            moved, key = ctx.offloaded
+            for i, t in zip(moved, runner.runtime.activation_offload.take(key), strict=True):
+                saved.insert(i, t)
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
         params = runner.trainable()
         if len(params) != ctx.n_params:

@@ -52,6 +52,7 @@ class Runtime:
         self.scratch = scratch
         self.device_blobs = device_blobs  # stream=False: every block's blob on the device
         self.checkpointing = False
+        self.activation_offload = None  # an ActivationOffload: the checkpointed inputs wait in host memory
         self.binder: _Binder | None = None
         self.resident_blocks: dict[int, torch.Tensor] = {}  # streamed model: blocks kept on the device, their blob
         self.block_timer = None  # a residency.BlockTimer while a step is measured

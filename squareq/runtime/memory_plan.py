@@ -5,7 +5,8 @@ The peak is the sum of what stays for the whole run and what one step adds on to
 * resident tensors (embedders, final norm and projection), the K ring slots (each as large as the largest
   block blob) and the dequant scratch (the largest layer in bf16, and under FP8 compute in E4M3 too);
 * LoRA factors with their gradients and AdamW's two moments (16 bytes per fp32 parameter);
-* the checkpointed block inputs, one hidden-state tensor per block (batch x tokens x hidden, bf16);
+* the checkpointed block inputs, one hidden-state tensor per block (batch x tokens x hidden, bf16), or with them
+  offloaded to host memory (runtime/activation_offload.py) two: one copied out, one brought back;
 * the recompute of the one block whose backward is running: ``RECOMPUTE_WIDTHS`` hidden-state tensors
   (attention inputs and outputs, MLP activations, LoRA intermediates, gradients in flight);
 * a fixed allowance for the matmul library's workspaces.
@@ -54,6 +55,7 @@ class MemoryPlan:
     hidden: int
     batch: int
     prefetch: int
+    offloaded: int = 0  # bytes of checkpointed inputs that wait in host memory (offload on)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,7 +63,8 @@ class MemoryPlan:
     def __str__(self) -> str:
         rows = [("resident modules", self.resident), (f"block ring ({self.prefetch} slots)", self.ring),
                 ("dequant scratch", self.scratch), ("LoRA + grads + AdamW", self.lora),
-                (f"checkpointed block inputs ({self.batch} x {self.tokens} tokens)", self.checkpoints),
+                (f"checkpointed block inputs ({self.batch} x {self.tokens} tokens)"
+                 + (f", {self.offloaded / GB:.2f} GB in host memory" if self.offloaded else ""), self.checkpoints),
                 ("one block's recompute + backward", self.recompute), ("library workspaces", self.workspace)]
         width = max(len(r[0]) for r in rows)
         lines = [f"  {name:<{width}}  {n / GB:7.2f} GB" for name, n in rows]
@@ -95,13 +98,14 @@ def _sequence_shape(slab: Slab, resolution: int, text_tokens: int, frames: int |
 
 def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1, text_tokens: int = 512,
          prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS, compute: str = "bf16",
-         dtype: str = "bf16", frames: int | None = None) -> MemoryPlan:
+         dtype: str = "bf16", frames: int | None = None, offload: bool = False) -> MemoryPlan:
     """Expected peak device memory of a streamed LoRA training step on ``slab`` (gradient checkpointing on).
 
     ``resolution`` is the image side in pixels (FLUX: (resolution/16)² image tokens); for a generic-mode
     model only ``text_tokens`` counts. ``compute`` is the settled mode ("bf16" or "fp8", not "auto"); ``dtype`` the
     settled activation type ("bf16" or "fp16": one more buffer, of the largest layer's weight). ``frames``: a video
-    family's longest window in pixel frames (default: the family's own, e.g. Wan's 81).
+    family's longest window in pixel frames (default: the family's own, e.g. Wan's 81). ``offload``: the checkpointed
+    inputs wait in host memory (two in flight on the device).
     ``print(plan(...))`` shows the parts.
     """
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify="off")
@@ -119,9 +123,10 @@ def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1,
     lora_params = sum(lora_rank * (l.shape[0] + l.shape[1]) for l in m.layers if matches(l.name, targets))
     lora = 16 * lora_params
     hidden_state = 2 * batch * tokens * hidden
-    checkpoints = len(m.blocks) * hidden_state
+    checkpoints = (2 if offload else len(m.blocks)) * hidden_state
     recompute = RECOMPUTE_WIDTHS * hidden_state
     allocated = resident + ring + scratch + lora + checkpoints + recompute + WORKSPACE_BYTES
     return MemoryPlan(resident, ring, scratch, lora, checkpoints, recompute, WORKSPACE_BYTES, allocated,
-                      int(allocated * RESERVE_OVERHEAD), tokens, hidden, batch, prefetch)
+                      int(allocated * RESERVE_OVERHEAD), tokens, hidden, batch, prefetch,
+                      len(m.blocks) * hidden_state if offload else 0)
 

@@ -130,6 +130,7 @@ class TrainConfig:
     attention: str = "auto"
     vram_budget: str | None = None  # e.g. "12GB"; refused before training if the plan exceeds it
     host_budget: str = "auto"  # host RAM the run may hold, e.g. "24GB"; auto: the machine's available, less a margin
+    offload_activations: str = "auto"  # the checkpointed block inputs in host memory: auto (where vram_budget needs it)
     # files
     save_format: list[str] | None = None  # default: diffusers and kohya for FLUX.1, diffusers for other families
     title: str | None = None  # default: the output folder's name

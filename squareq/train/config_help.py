@@ -80,6 +80,9 @@ HELP = {
                       "own folder, resolution, batch size, num_repeats, caption extension and frame keys, with "
                       "[general] defaults (docs/train.md, \"Several datasets\").",
     "datasets": "[[datasets]] tables in the --config file (as in a dataset_config file); a file's, not a flag.",
+    "offload_activations": "Keep the checkpointed block inputs in host memory, copied out and back while the blocks "
+                           "compute: auto (where vram_budget cannot hold them with the rest: long video windows), "
+                           "on or off.",
     "validation_data": "A folder of held-out images with captions (read like --data) whose loss is measured during "
                        "training at fixed timesteps and noise.",
     "validation_split": "Hold this fraction of --data's images out of training and measure their loss instead (kohya's "

@@ -25,6 +25,7 @@ SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wit
 TIMESTEP_SAMPLING = TIMESTEP_MODES
 HOSTS = ("auto", "pinned", "shared", "disk")
 DTYPE_CHOICES = (*DTYPES, "auto")
+OFFLOAD_MODES = ("auto", "on", "off")
 CUDA_GRAPHS = ("auto", "on", "off")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 SAVE_FORMATS = ("diffusers", "kohya", "peft")
@@ -47,7 +48,7 @@ def check_numbers(cfg, bad: Bad) -> None:
                          ("compute", COMPUTE_MODES), ("dtype", DTYPE_CHOICES), ("cuda_graphs", CUDA_GRAPHS),
                          ("compile", COMPILE_MODES), ("attention", ATTENTION_MODES),
                          ("loss_weighting", LOSS_WEIGHTINGS), ("timestep_sampling", TIMESTEP_SAMPLING),
-                         ("log", LOGGERS)):
+                         ("log", LOGGERS), ("offload_activations", OFFLOAD_MODES)):
         if getattr(cfg, key) not in choices:
             raise bad(key, f"is not one of {', '.join(choices)}")
     if cfg.prefetch != "auto" and (not isinstance(cfg.prefetch, int) or isinstance(cfg.prefetch, bool)

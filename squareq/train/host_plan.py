@@ -46,6 +46,7 @@ class HostPlan:
     slab_host: str | None  # where the slab's blobs wait (None: no slab, squareq cache)
     slab_bytes: int  # what they hold there: every blob pinned, or the staging ring
     sample_bytes: int  # what sample images add during the steps
+    activation_bytes: int = 0  # the checkpointed block inputs offloaded during the steps (offload_activations)
 
     @property
     def base(self) -> int:
@@ -60,7 +61,7 @@ class HostPlan:
         """What the run is expected to hold at most."""
         if self.kind == "sample":
             return self.base + self.slab_bytes + self.encoder_bytes
-        return self.base + max(self.encoder_bytes, self.slab_bytes + self.sample_bytes)
+        return self.base + max(self.encoder_bytes, self.slab_bytes + self.sample_bytes + self.activation_bytes)
 
     @property
     def encoder_budget(self) -> int | None:
@@ -99,6 +100,8 @@ class HostPlan:
             said.append(f"the slab's blocks {format_size(self.slab_bytes)} ({where})")
         if self.sample_bytes:
             said.append(f"sample images {format_size(self.sample_bytes)}")
+        if self.activation_bytes:
+            said.append(f"the checkpointed block inputs {format_size(self.activation_bytes)} (offloaded, pinned)")
         return ", ".join(said)
 
     def line(self) -> str:
@@ -120,19 +123,21 @@ def resolve_budget(budget: str | int | None, flag: str = "host_budget") -> tuple
 
 
 def train_host_plan(cfg: TrainConfig, kind: str, device: torch.device, blobs: list[int] | None = None,
-                    encoder_source=None, family: str | None = None, encode: bool = True) -> HostPlan:
+                    encoder_source=None, family: str | None = None, encode: bool = True,
+                    activations: int = 0) -> HostPlan:
     """:func:`plan_host_memory` for a training run (``kind`` train) or ``squareq cache`` (``kind`` cache) of
-    ``cfg``."""
+    ``cfg``; ``activations``: the checkpointed inputs offloaded during the steps (train/run_plan.py)."""
     stride = TEMPORAL_STRIDE.get(family)  # a video family's VAE: the longest window's frames the config can cut
     run = EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, cfg.largest_resolution ** 2, "vram_budget",
                      frames=cfg.largest_batch(stride)[2] if stride else 1)
     return plan_host_memory(kind, device, cfg.host_budget, cfg.host, cfg.dtype, run, blobs, encoder_source, family,
-                            encode, sampling=kind == "train" and bool(cfg.sample_every))
+                            encode, sampling=kind == "train" and bool(cfg.sample_every), activations=activations)
 
 
 def plan_host_memory(kind: str, device: torch.device, budget: str | int | None, host: str, dtype: str,
                      run: EncoderRun, blobs: list[int] | None = None, encoder_source=None, family: str | None = None,
-                     encode: bool = True, sampling: bool = False, flag: str = "host_budget") -> HostPlan:
+                     encode: bool = True, sampling: bool = False, flag: str = "host_budget",
+                     activations: int = 0) -> HostPlan:
     """The host plan of a ``kind`` run (:data:`KINDS`) on ``device`` within ``budget`` (:func:`resolve_budget`):
     ``host`` where the slab's blobs wait (``auto``: chosen here), ``dtype`` the run's (``auto`` too), ``run`` the
     encoders' VRAM placement, ``blobs`` the slab's block sizes (None: no slab), ``encoder_source`` the encoders it
@@ -141,7 +146,7 @@ def plan_host_memory(kind: str, device: torch.device, budget: str | int | None, 
     budget, how = resolve_budget(budget, flag)
     planner = _Planner(kind, device, budget, how, run, blobs, family, sampling,
                        read_encoder_files(encoder_source) if encode and encoder_source is not None else None,
-                       encoder_dtype(device, resolve_dtype(dtype, device)[0]))
+                       encoder_dtype(device, resolve_dtype(dtype, device)[0]), activations)
     asked = host if blobs is not None else None
     plan = planner.make("pinned" if asked == "auto" else asked)
     if asked == "auto" and budget is not None and plan.peak > budget:  # pinned does not fit: from the slab file
@@ -173,13 +178,14 @@ class _Planner:
     sampling: bool
     files: EncoderFiles | None
     encoder: torch.dtype
+    activations: int = 0  # offloaded checkpointed inputs during the steps
     process: int = dataclasses.field(default_factory=lambda: anonymous_memory())  # measured when planned
 
     def make(self, slab_host: str | None, least: bool = False) -> HostPlan:
         """The plan with the slab's blobs at ``slab_host``; the encoders pinned where the budget allows (``least``:
         read through their rings wherever that holds less)."""
         plan = HostPlan(self.kind, self.budget, self.how, self.process, working_room(self.device), None, slab_host,
-                        _slab_bytes(self.blobs, slab_host), 0)
+                        _slab_bytes(self.blobs, slab_host), 0, self.activations)
         if self.files is None:
             return plan
         # squareq sample loads its encoders beside the slab on the GPU: planned streamed, the most host memory

@@ -144,7 +144,8 @@ class TrainingRun:
         self.cfg = plan.cfg
         # host memory, before any work: refused here if the run cannot fit host_budget (train/host_plan.py)
         self.host = train_host_plan(plan.cfg, "train", self.device, [b.nbytes for b in plan.slab.manifest.blocks],
-                                     plan.encoder_source, plan.family, encode=self.ranks.is_main)
+                                     plan.encoder_source, plan.family, encode=self.ranks.is_main,
+                                     activations=plan.offload_bytes)
         # the device first, so that a run on the CPU says so in its first lines, before the cache is filled
         self.data = prepare_data(plan.cfg, plan.slab.manifest.model, self.device, self.echo,
                                  encode=self.ranks.is_main, progress=progress, encoder_source=plan.encoder_source,

@@ -49,6 +49,8 @@ class RunPlan:
     started: float  # when the run started, for the LoRA files' metadata
     encoder_source: EncoderSource
     sample_stages: tuple[Path, Path] | None  # a Würstchen stage's two pipeline folders for sample images
+    offload: bool = False  # the checkpointed block inputs wait in host memory (runtime/activation_offload.py)
+    offload_bytes: int = 0  # what they take there at most (the memory plan's figure; 0 where it was not made)
 
     def say_choices(self, echo) -> None:
         """Say what ``auto`` and fp16 chose, and why."""
@@ -74,7 +76,7 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
     compute, compute_why = _compute(cfg, device, dtype)
     cuda_graphs = _use_cuda_graphs(cfg, device, echo)
     compile_blocks, compile_why = resolve_compile(cfg.compile, device, family=slab.manifest.model.family)
-    _check_memory_plan(cfg, slab, device, compute, dtype, echo)
+    offload, offload_bytes = _check_memory_plan(cfg, slab, device, compute, dtype, echo)
     family = slab.manifest.model.family
     _check_trainable(cfg.slab, family)
     formats = save_formats(cfg, family)
@@ -90,7 +92,8 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
     return RunPlan(cfg=cfg, slab=slab, family=family, recipe=recipe, objective=objective, dtype=dtype,
                    dtype_why=dtype_why, compute=compute, compute_why=compute_why, cuda_graphs=cuda_graphs,
                    compile_blocks=compile_blocks, compile_why=compile_why, formats=formats, started=started,
-                   encoder_source=encoder_source, sample_stages=sample_stages)
+                   encoder_source=encoder_source, sample_stages=sample_stages, offload=offload,
+                   offload_bytes=offload_bytes)
 
 
 def _compute(cfg: TrainConfig, device: torch.device, dtype: str) -> tuple[str, str]:
@@ -125,20 +128,41 @@ def _use_cuda_graphs(cfg: TrainConfig, device: torch.device, echo) -> bool:
     return True
 
 
-def _check_memory_plan(cfg: TrainConfig, slab, device: torch.device, compute: str, dtype: str, echo) -> None:
-    """With ``vram_budget`` on a GPU: say the expected device memory and refuse a plan over the budget."""
-    if cfg.vram_budget_bytes is None or device.type != "cuda":
-        return
+def _check_memory_plan(cfg: TrainConfig, slab, device: torch.device, compute: str, dtype: str,
+                       echo) -> tuple[bool, int]:
+    """With ``vram_budget`` on a GPU: say the expected device memory and refuse a plan over the budget. Returns
+    whether the checkpointed inputs go to host memory (``offload_activations``: on; auto: where only that fits the
+    budget, said in one line) and what they take there (0: not planned)."""
+    offload = cfg.offload_activations == "on"
+    if device.type != "cuda" or (cfg.vram_budget_bytes is None and not offload):
+        return offload, 0
     stride = TEMPORAL_STRIDE.get(slab.manifest.model.family)  # a video family: its longest window's frames count
     side, batch, frames = cfg.largest_batch(stride)  # the dataset whose batches hold the most pixels
-    plan = runtime.plan(slab, resolution=side, batch=batch, frames=frames if stride else None,
-                        text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
-                        lora_targets=cfg.targets, compute=compute, dtype=dtype)
+
+    def planned(offload: bool):
+        return runtime.plan(slab, resolution=side, batch=batch, frames=frames if stride else None,
+                            text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
+                            lora_targets=cfg.targets, compute=compute, dtype=dtype, offload=offload)
+
+    plan = planned(offload)
+    if cfg.vram_budget_bytes is None:  # offload on without a budget: the host plan counts what it pins
+        return offload, plan.offloaded
+    if cfg.offload_activations == "auto" and plan.peak_reserved > cfg.vram_budget_bytes:
+        kept = plan
+        plan = planned(True)
+        offload = plan.peak_reserved <= cfg.vram_budget_bytes
+        if offload:
+            echo(f"offload_activations auto: on: the {kept.checkpoints / 1e9:.2f} GB of checkpointed block inputs "
+                 f"do not fit vram_budget beside the rest, so they wait in host memory ({plan.offloaded / 1e9:.2f} "
+                 "GB), copied out and back while the blocks compute")
+        else:
+            plan = kept
     echo("expected device memory:\n" + str(plan))
     if cfg.use_dora:
         log.warning("vram_budget: the memory plan does not count DoRA's own memory (measured on FLUX.1-12B: "
                     "1.7 GB more at 512², 2.1 GB at 1024²); leave that much below the budget.")
     plan.check(cfg.vram_budget_bytes)
+    return offload, plan.offloaded
 
 
 def _check_trainable(slab, family: str) -> None:

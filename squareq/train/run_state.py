@@ -44,6 +44,8 @@ def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo, host: Ho
             raise TrainError(f"--host {cfg.host}: {exc}") from None
         log.warning("%s; each rank pins its own copy of the slab instead (--host pinned).", exc)
         model = runtime.load(plan.slab, device, options=dataclasses.replace(options, host="pinned"))
+    if plan.offload:  # the checkpointed block inputs wait in host memory (run_plan.py said why)
+        runtime.runtime_of(model).activation_offload = runtime.ActivationOffload(device)
     if cfg.attention == "auto":
         rt = runtime.runtime_of(model)
         echo(f"attention auto: {'cuDNN first' if rt.prefer_cudnn else 'torch order'}: {rt.attention_reason}")
