@@ -166,18 +166,20 @@ class HostPeaks:
     count for; :meth:`fields` gives ``<phase>_rss_anon_peak_GB``, ``<phase>_rss_peak_GB`` and
     ``<phase>_own_peak_GB``, None where not measured
     (no /proc: not Linux; a phase too short for a read still gets the read :meth:`phase` takes on entering it).
-    ``ram_files``: a folder on a RAM file system standing in for a disk; the pages of its files that the process maps
-    are shmem too, where on a disk they would be page cache, so they are subtracted from the own memory (read from
-    ``/proc/<pid>/smaps``)."""
+    ``ram_files``: a folder (or several) on a RAM file system standing in for a disk; the pages of its files that the
+    process maps are shmem too, where on a disk they would be page cache, so they are subtracted from the own memory
+    (read from ``/proc/<pid>/smaps``)."""
 
     def __init__(self, phases: tuple[str, ...], pid: int | str = "self", every: float = 0.1,
-                 ram_files: str | None = None) -> None:
+                 ram_files: str | list[str] | None = None) -> None:
         import threading
 
         self.phases, self.path, self.every = phases, f"/proc/{pid}/status", every
-        self.smaps, self.ram_files = f"/proc/{pid}/smaps", ram_files and os.path.realpath(ram_files) + os.sep
+        folders = [ram_files] if isinstance(ram_files, str) else ram_files or []
+        self.smaps, self.ram_files = f"/proc/{pid}/smaps", tuple(os.path.realpath(f) + os.sep for f in folders)
         self.peaks: dict[str, list[int]] = {}
         self.current: str | None = None
+        self._ram_seen = (-1, 0)  # (RssShmem, the RAM files' kB) at the last smaps read
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.available = os.path.exists(self.path)
@@ -192,12 +194,16 @@ class HostPeaks:
         except (OSError, ValueError):
             return
         peak = self.peaks.setdefault(self.current, [0, 0, 0])
-        own = kb.get("RssAnon", 0) + kb.get("RssShmem", 0) - self._ram_file_kb()  # pinned: shared anonymous pages
+        shmem = kb.get("RssShmem", 0)
+        # parsing smaps holds the GIL ~10 ms: redone only when RssShmem, which holds the RAM files' pages, has moved
+        if shmem != self._ram_seen[0]:
+            self._ram_seen = (shmem, self._ram_file_kb())
+        own = kb.get("RssAnon", 0) + shmem - self._ram_seen[1]  # pinned: shared anonymous pages
         peak[0], peak[1], peak[2] = max(peak[0], kb.get("RssAnon", 0)), max(peak[1], kb.get("VmRSS", 0)), \
             max(peak[2], own)
 
     def _ram_file_kb(self) -> int:
-        """Resident kB of the mappings of files under ``ram_files`` (0 without it)."""
+        """Resident kB of the mappings of files under ``ram_files`` (0 without any)."""
         if not self.ram_files:
             return 0
         total, counting = 0, False

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """LoRA training step time of a full-size transformer: SquareQ streaming vs its peers (issues 4 and 7).
 
-    python benchmarks/train_step.py [--family flux|flux2|qwen-image] [--out DIR] [--workdir DIR] [--res 512 1024]
+    python benchmarks/train_step.py [--family flux|flux2|qwen-image|wan] [--out DIR] [--workdir DIR] [--res 512 1024]
+                                    [--frames 49 81 --size 480x832] [--rank 16] [--targets attention]
+                                    [--offload-activations off on]
                                     [--steps 5 --warmup 2] [--only slab,squareq,resident,compiled,bnb,group_offload]
                                     [--phase-timeout S] [--tiny] [--rotate]
 
@@ -9,16 +11,20 @@ The model is the family's diffusers class at its released config with seeded ran
 (normal(0, 0.02) for matrices, norm weights 1, other vectors 0), built directly on the GPU: ``flux``
 is FLUX.1-dev's ``FluxTransformer2DModel`` (11.9B), ``flux2`` FLUX.2-dev's ``Flux2Transformer2DModel``
 (diffusers' defaults: 8 double + 48 single blocks, 32B), ``qwen-image`` Qwen-Image's
-``QwenImageTransformer2DModel`` (60 blocks, 20B). Every setup trains LoRA rank 16 on
-``to_q,to_k,to_v,to_out.0`` (``--targets flux-default``: FLUX.1's default target set) with AdamW (lr 1e-4),
+``QwenImageTransformer2DModel`` (60 blocks, 20B), ``wan`` Wan 2.1-T2V-14B's ``WanTransformer3DModel`` (40 blocks,
+14.3B). Every setup trains LoRA rank 16 (``--rank``) on ``to_q,to_k,to_v,to_out.0`` (``--targets``: ``flux-default``,
+FLUX.1's default target set; ``attention-ffn``, Wan's attention and FFN) with AdamW (lr 1e-4),
 gradient checkpointing, batch 1, 512 text tokens, bf16
 autocast and an MSE loss against a random target; the step time is the median of ``--steps`` steps after
-``--warmup`` steps. The FLUX.2 and Qwen-Image inputs come from their family adapters' calibration inputs
-(noise latents packed 2x2, Gaussian text embeddings). Setups, each one a phase in its own subprocess so
+``--warmup`` steps. The FLUX.2, Qwen-Image and Wan inputs come from their family adapters' calibration inputs
+(noise latents packed 2x2 or video latents, Gaussian text embeddings). A video family measures clips, not squares:
+``--frames`` pixel frames (49 81; the VAE makes 1 + (N-1)/4 latent frames) at ``--size`` pixels (480x832; latents
+8x smaller a side), every record naming its frames, size and tokens (``--res`` takes such a clip as ``49x480x832``
+too, and RES below is either). Setups, each one a phase in its own subprocess so
 that GPU memory statistics start clean and a crash or timeout costs only that phase:
 
-* ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight) unless one made by
-  this script already exists in ``--workdir``;
+* ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight; Wan's is W4 alone: mix_spec) unless
+  one made by this script already exists in ``--workdir``;
 * ``squareq RES K HOST LORA COMPUTE``: ``squareq.runtime.load(slab, options=LoadOptions(prefetch=K, host=HOST,
   compute=COMPUTE))`` + ``add_lora``; COMPUTE ``auto`` (``--compute``'s default, as squareq train's) is FP8 on GPUs
   with FP8 tensor cores; reports copy wait, bytes copied and demand loads of the median step and the
@@ -31,6 +37,9 @@ that GPU memory statistics start clean and a crash or timeout costs only that ph
   --compile on``): each block class's forward under ``torch.compile`` as one graph (``pieces``: the quantized
   layers left eager between compiled pieces); the record's ``block_compile_s`` is Dynamo's count of the compile,
   ``compile_s`` the warm-up steps' excess;
+* ``squareq ... offload`` (``--offload-activations on``): the checkpointed block inputs in page-locked host memory
+  (``runtime.ActivationOffload``, squareq train --offload-activations on), for long clips; the record says how many
+  GB a step moved out (``offloaded_GB``);
 * ``squareq ... fp8grad`` (``--fp8-backward on``): the frozen layers' input gradients in FP8 too
   (``runtime.compute.FP8_BACKWARD``);
 * ``gradients RES``: one LoRA step of the streamed slab in bf16 compute and again in FP8 compute, same batch and
@@ -50,7 +59,8 @@ Each phase prints one JSON line per measurement; the driver echoes them, adds ``
 ``SQUAREQ_COMMIT`` on a machine without git history and ``SQUAREQ_TRACE_DIR`` for a Chrome trace of
 the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config at 128² and runs every phase in this one
 process (seconds on the CPU when no GPU is present, where memory figures are null: not measured; bitsandbytes and
-group offloading, GPU-only, are records that say they were skipped) so the script can be smoke-tested anywhere.
+group offloading, GPU-only, are records that say they were skipped) so the script can be smoke-tested anywhere; a
+video family's tiny clip is 5 frames at 32x48.
 ``--rotate`` stores every layer of the slab Hadamard-rotated (``QuantSpec.rotate``; a slab of its own,
 ``full-FAMILY-rotated.slab``): the same bytes, plus the rotation's work in the kernels.
 """
@@ -81,13 +91,23 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
                 axes_dims_rope=(16, 56, 56))
 # family -> (diffusers class, full-size config); {} is the class's defaults, which diffusers sets to the release
+# Wan-AI/Wan2.1-T2V-14B-Diffusers' transformer/config.json (diffusers' defaults, spelt out: the release is the point)
+WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+               text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+               qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, rope_max_seq_len=1024)
 FAMILIES = {"flux": ("FluxTransformer2DModel", FLUX_DEV), "flux2": ("Flux2Transformer2DModel", {}),
-            "qwen-image": ("QwenImageTransformer2DModel", {})}
-LORA_RANK = 16
-# --targets: the attention projections (the diffusers script's set, SquareQ's default before issue 19), or FLUX.1's
-# default now (squareq.models.flux.FLUX_LORA_TARGETS: every attention and MLP linear of both streams, as kohya's)
-TARGET_SETS = ("attention", "flux-default")
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+            "qwen-image": ("QwenImageTransformer2DModel", {}), "wan": ("WanTransformer3DModel", WAN_14B)}
+LORA_RANK = 16  # --rank
+# --targets: the attention projections (the diffusers script's set, SquareQ's default before issue 19), FLUX.1's
+# default now (squareq.models.flux.FLUX_LORA_TARGETS: every attention and MLP linear of both streams, as kohya's), or
+# Wan's attention (self and cross: attn1, attn2) and FFN, which are all ten linears of its blocks
+TARGET_SETS = ("attention", "flux-default", "attention-ffn")
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+WAN_FFN = ("ffn.net.0.proj", "ffn.net.2")
+LORA_TARGETS = list(ATTENTION_TARGETS)  # --targets
+# a clip's pixels to latents (Wan 2.1's VAE, and HunyuanVideo's): one latent frame per 4 pixel frames after the first,
+# one latent per 8x8 pixels; the transformer then patches 2x2 (16 pixels a side)
+VAE_FRAMES, VAE_SIDE, CLIP_SIDE_MULTIPLE = 4, 8, 16
 MAX_BITS = 4.5  # the slab's average bits per layer weight must not exceed this (full config)
 # Identifies slabs written by this script with this mix, so a stale slab is rebuilt rather than reused.
 SLAB_SOURCE = "benchmarks/train_step.py: random N(0,0.02) seed 0; mix w8g128 to_out.0, w6g128 ff.net.2, w4g64 qkv, w4g128"  # noqa: E501
@@ -103,6 +123,78 @@ def log(msg: str) -> None:
     """A timestamped progress line on stderr (stdout carries only JSON lines and the table)."""
     stamp = datetime.datetime.now().strftime("%H:%M:%S")
     print(f"[{stamp} +{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def patched(latents, patch) -> int:
+    """Tokens of one sample's latent sizes (frames, height, width) over the model's patch sizes."""
+    return math.prod(n // p for n, p in zip(latents, patch, strict=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One measurement's input, as its phase token names it: ``512``, a square image of 512² pixels, or
+    ``49x480x832``, a clip of 49 pixel frames at 480x832 (a video family's --frames and --size)."""
+
+    res: int | None = None
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+
+    @classmethod
+    def parse(cls, token) -> Shape:
+        """The shape of a phase token, or of a square resolution given as a number (sample.py's)."""
+        if isinstance(token, cls):
+            return token
+        try:
+            parts = [int(p) for p in str(token).split("x")]
+        except ValueError:
+            parts = []
+        if len(parts) == 1 and parts[0] > 0:
+            return cls(res=parts[0])
+        if len(parts) != 3 or min(parts) < 1:
+            raise ValueError(f"{token!r} is no shape: give a square side (512) or a clip, FRAMESxHEIGHTxWIDTH "
+                             "(49x480x832)")
+        frames, height, width = parts
+        if frames % VAE_FRAMES != 1 or height % CLIP_SIDE_MULTIPLE or width % CLIP_SIDE_MULTIPLE:
+            raise ValueError(f"{token}: a clip takes 4k+1 frames (the VAE's {VAE_FRAMES}x in time) and sides that "
+                             f"are multiples of {CLIP_SIDE_MULTIPLE} (its {VAE_SIDE}x, then 2x2 patches)")
+        return cls(frames=frames, height=height, width=width)
+
+    def __str__(self) -> str:
+        return str(self.res) if self.res is not None else f"{self.frames}x{self.height}x{self.width}"
+
+    def latents(self) -> dict:
+        """The adapter's calibration_inputs size keywords: an image's latent side, or a clip's latent frames and
+        sides."""
+        if self.res is not None:
+            return {"side": self.res // VAE_SIDE}
+        return {"frames": 1 + (self.frames - 1) // VAE_FRAMES, "height": self.height // VAE_SIDE,
+                "width": self.width // VAE_SIDE}
+
+    def fields(self) -> dict:
+        """What a record says of its shape: the token (``shape``), and ``res`` or a clip's frames, size and latent
+        frames (train() adds the tokens it fed)."""
+        if self.res is not None:
+            return {"shape": str(self), "res": self.res}
+        return {"shape": str(self), "frames": self.frames, "size": f"{self.height}x{self.width}",
+                "latent_frames": self.latents()["frames"]}
+
+    def clip_tokens(self, patch) -> int:
+        """A clip's video tokens, its latents over ``patch``."""
+        return patched(self.latents().values(), patch)
+
+
+def shape_arg(token: str) -> str:
+    """argparse's type of a shape option: the token, checked."""
+    try:
+        return str(Shape.parse(token))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def shape_label(token: str) -> str:
+    """A table's shape cell: 512² or 49×480×832."""
+    return f"{token}²" if "x" not in token else token.replace("x", "×")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -171,17 +263,19 @@ def build_model(setup: Setup):
     return model.requires_grad_(False)
 
 
-def make_batch(setup: Setup, res: int, model):
-    """Forward inputs at ``res``² pixels ((res/16)² image tokens) and a random target, seeded."""
+def make_batch(setup: Setup, shape: Shape | str | int, model):
+    """Forward inputs of ``shape`` (a square side in pixels: FLUX.1 (res/16)² image tokens; or a video family's clip)
+    and a random target, seeded."""
     import torch
 
+    shape = Shape.parse(shape)
     if setup.family != "flux":
         batch = setup.adapter.calibration_inputs(model, 1, 1, device=setup.device, dtype=torch.bfloat16,
-                                                 side=res // 8, text_tokens=setup.text_tokens).kwargs
+                                                 text_tokens=setup.text_tokens, **shape.latents()).kwargs
         g = torch.Generator(device=setup.device).manual_seed(1)
         x = batch["hidden_states"]
         return batch, torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
-    cfg, dev, side = setup.config, setup.device, res // 16
+    cfg, dev, side = setup.config, setup.device, shape.res // 16
     g = torch.Generator(device=dev).manual_seed(1)
 
     def rand(*shape):
@@ -230,22 +324,28 @@ def profile_step(one_step, setup: Setup, path: Path) -> float:
     return kernel_us / 1e6
 
 
-def train(setup: Setup, model, params, res: int, after_step, label: str | None = None, fp16: bool = False) -> dict:
-    """Warm-up plus measured LoRA steps; ``after_step()`` returns a dict of per-step figures (memory peaks
-    at least). Returns the median time, the median step's figures and the max peaks over measured steps. ``fp16``:
-    the batch and autocast in fp16 and the loss scaled as squareq train --dtype fp16 scales it (train/loss_scale.py;
-    a step whose gradients overflow halves the scale and skips the update, as torch.amp.GradScaler does)."""
+def batch_tokens(setup: Setup, batch: dict) -> int:
+    """The image or video tokens of one sample of ``batch``: packed latents [B, tokens, C], or a clip's latents
+    [B, C, frames, height, width] over the model's patches."""
+    x = batch["hidden_states"]
+    return x.shape[1] if x.dim() == 3 else patched(x.shape[2:], setup.config["patch_size"])
+
+
+def train(setup: Setup, model, params, shape: Shape, after_step, label: str | None = None, fp16: bool = False) -> dict:
+    """Warm-up plus measured LoRA steps at ``shape``; ``after_step()`` returns a dict of per-step figures (memory
+    peaks at least). Returns the tokens fed, the median time, the median step's figures and the max peaks over
+    measured steps. ``fp16``: the batch and autocast in fp16 and the loss scaled as squareq train --dtype fp16 scales
+    it (train/loss_scale.py; a step whose gradients overflow halves the scale and skips the update, as GradScaler)."""
     import torch
 
     from squareq.train.loss_scale import LossScale
 
     opt = torch.optim.AdamW(params, lr=1e-4)
-    batch, target = make_batch(setup, res, model)
+    batch, target = make_batch(setup, shape, model)
     dtype = torch.float16 if fp16 else torch.bfloat16
     if fp16:
         batch = {k: v.to(dtype) if v.dtype == torch.bfloat16 else v for k, v in batch.items()}
-    scale = LossScale() if fp16 else None
-    overflows = []
+    scale, overflows = LossScale() if fp16 else None, []  # fp16's loss scale, and the scales of its skipped steps
     model.train()
     after_step()  # start counting at the first step, not at load
     times, cpu, figures, losses, every_step, all_times = [], [], [], [], [], []
@@ -298,8 +398,8 @@ def train(setup: Setup, model, params, res: int, after_step, label: str | None =
         gpu_busy = profile_step(one_step, setup, Path(profile) / f"profile_{label}.txt")
     median_step = sorted(range(len(times)), key=times.__getitem__)[(len(times) - 1) // 2]
     warm = all_times[:warmup]
-    result = {"step_s": statistics.median(times), "steps": [round(t, 4) for t in times], "warmup_steps": warmup,
-            "warmup_steps_s": [round(t, 3) for t in warm],
+    result = {"tokens": batch_tokens(setup, batch), "step_s": statistics.median(times), "warmup_steps": warmup,
+            "steps": [round(t, 4) for t in times], "warmup_steps_s": [round(t, 3) for t in warm],
             "beyond_steady_s": sum(warm) - warmup * statistics.median(times),
             "host_busy_s": statistics.median(cpu), **({"gpu_kernel_s": gpu_busy} if profile and label else {}),
             "peak_alloc_GB": gb(setup, max(f["peak_allocated"] for f in figures)),
@@ -326,7 +426,7 @@ def allocated_GB(setup: Setup) -> float | None:
 
 
 def peft_lora(model) -> list:
-    """PEFT LoRA (rank 16, alpha 16) on --targets, factors in fp32 as SquareQ keeps them."""
+    """PEFT LoRA (rank --rank, alpha = rank) on --targets, factors in fp32 as SquareQ keeps them."""
     from peft import LoraConfig
 
     model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, init_lora_weights="gaussian",
@@ -339,7 +439,9 @@ def peft_lora(model) -> list:
 
 # Slab mix. W4 g64 asymmetric alone already costs 4 + 24/64 = 4.375 bits per weight (fp16 scale + int8 zero
 # per group), which leaves no room under 4.5 for W6/W8 layers, so the bulk uses W4 g128 (4.1875 bits) and
-# the finer W4 g64 is kept for the LoRA-trained q/k/v projections. On FLUX-12B this averages ~4.40 bits.
+# the finer W4 g64 is kept for the LoRA-trained q/k/v projections. On FLUX-12B this averages ~4.40 bits. Wan-14B's
+# names (attn1, attn2, ffn) take only the q/k/v rule: 4.27 bits. Its FFN is 40% of its weights, so W6 there, or W8 on
+# attn1.to_out.0 (4.57 bits), would pass 4.5.
 def mix_spec(name: str):
     """The QuantSpec of block linear ``name`` in the fixed benchmark mix (first matching suffix wins)."""
     from squareq.quant import QuantSpec
@@ -348,7 +450,7 @@ def mix_spec(name: str):
         return QuantSpec(bits=8, group_size=128)
     if name.endswith(".ff.net.2"):  # image-stream MLP down projection (ff_context keeps W4)
         return QuantSpec(bits=6, group_size=128)
-    if name.endswith((".attn.to_q", ".attn.to_k", ".attn.to_v")):
+    if name.endswith((".to_q", ".to_k", ".to_v")):  # FLUX's attn.to_q and Wan's attn1/attn2.to_q alike
         return QuantSpec(bits=4, group_size=64)
     return QuantSpec(bits=4, group_size=128)
 
@@ -437,19 +539,44 @@ def evict_page_cache(slab: Path) -> None:
                 os.close(fd)
 
 
-def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: str = "squareq",
+def plan_figures(setup: Setup, shape: Shape, prefetch: int | str, compute: str, offload: bool = False) -> dict:
+    """runtime.plan's expected peak of this step (``plan_peak_GB``, ``plan_peak_reserved_GB``), or why there is none
+    (``plan_error``). The plan takes square sides only, so a clip's is made for a square and scaled to the clip's
+    tokens: the checkpointed block inputs (on the device or offloaded) and one block's recompute grow with them."""
+    import squareq.runtime as rt
+    from squareq.runtime.compute import resolve_compute
+    from squareq.runtime.memory_plan import RESERVE_OVERHEAD
+
+    try:
+        plan = rt.plan(setup.slab, resolution=shape.res or 256, batch=1, text_tokens=setup.text_tokens,  # any side
+                       prefetch=2 if prefetch == "auto" else prefetch, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS,
+                       compute=resolve_compute(compute, setup.device)[0], offload=offload)
+        if shape.res is None:
+            tokens = shape.clip_tokens(setup.config["patch_size"])
+            grown = {k: getattr(plan, k) * tokens // plan.tokens for k in ("checkpoints", "recompute", "offloaded")}
+            allocated = plan.peak_allocated + grown["checkpoints"] + grown["recompute"] - plan.checkpoints \
+                - plan.recompute
+            plan = dataclasses.replace(plan, **grown, tokens=tokens, peak_allocated=allocated,
+                                       peak_reserved=int(allocated * RESERVE_OVERHEAD))
+    except Exception as exc:  # the plan is a prediction beside the measurement: record why it failed, measure anyway
+        return {"plan_error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"plan_peak_GB": plan.peak_allocated / 1e9, "plan_peak_reserved_GB": plan.peak_reserved / 1e9}
+
+
+def phase_squareq(setup: Setup, shape: Shape, prefetch: int | str, host: str, lora: str = "squareq",
                   compute: str = "bf16", cold: bool = False, graphs: bool = False, block_compile: bool = False,
                   fp8_backward: bool = False, attention: str = "auto", pieces: bool = False,
-                  resident_blocks: int | str = 0, vram_budget_gb: float | None = None, fp16: bool = False) -> None:
+                  resident_blocks: int | str = 0, vram_budget_gb: float | None = None, fp16: bool = False,
+                  offload: bool = False) -> None:
     import squareq.runtime as rt
     from squareq.runtime import block_compile as block_compile_module
     from squareq.runtime import compute as compute_module
 
     compute_module.FP8_BACKWARD = fp8_backward
     block_compile_module.WHOLE_BLOCKS = not pieces
-    rec = {"what": "squareq", "res": res, "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
+    rec = {"what": "squareq", **shape.fields(), "prefetch": prefetch, "host": host, "lora": lora, "compute": compute,
            "cuda_graphs": graphs, "block_compile": block_compile, "fp8_backward": fp8_backward,
-           "block_compile_pieces": block_compile and pieces,
+           "block_compile_pieces": block_compile and pieces, "offload_activations": offload,
            "attention": attention, "device": setup.device_name}
     if resident_blocks:
         rec.update(resident_blocks=resident_blocks, vram_budget_GB=vram_budget_gb)
@@ -460,25 +587,12 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
         rec["cold_cache"] = True  # the slab's pages are dropped from the page cache before every step
     trace_dir = os.environ.get("SQUAREQ_TRACE_DIR")
     trace = None
-    if trace_dir and host == "pinned" and prefetch == 3 and res == (128 if setup.tiny else 512):
-        trace = str(Path(trace_dir) / f"trace_{res}_{prefetch}.json")
+    if trace_dir and host == "pinned" and prefetch == 3 and shape.res == (128 if setup.tiny else 512):
+        trace = str(Path(trace_dir) / f"trace_{shape}_{prefetch}.json")
         rec["trace"] = trace  # tracing adds events per block: this phase's timings carry that overhead
     if host == "disk" and not cold:
         rec["note"] = "the slab is far smaller than host RAM, so reads after the first come from the page cache"
-    if hasattr(rt, "plan"):
-        try:
-            from squareq.runtime.compute import resolve_compute
-
-            predicted = rt.plan(setup.slab, resolution=res, batch=1, text_tokens=setup.text_tokens,
-                                prefetch=2 if prefetch == "auto" else prefetch, lora_rank=LORA_RANK,
-                                lora_targets=LORA_TARGETS, compute=resolve_compute(compute, setup.device)[0])
-            # MemoryPlan has peak_allocated and peak_reserved; an older draft had only peak_bytes.
-            peak = getattr(predicted, "peak_allocated", None) or predicted.peak_bytes
-            rec["plan_peak_GB"] = peak / 1e9
-            if getattr(predicted, "peak_reserved", None):
-                rec["plan_peak_reserved_GB"] = predicted.peak_reserved / 1e9
-        except Exception as exc:  # being written in parallel: record and measure anyway
-            rec["plan_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    rec.update(plan_figures(setup, shape, prefetch, compute, offload))
     start = time.perf_counter()
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
@@ -488,49 +602,24 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
     params = rt.add_lora(model, rank=LORA_RANK, targets=LORA_TARGETS, peft=lora == "peft",
                          variant=rt.LoraVariant(dora=True) if lora == "dora" else None)
     model.enable_gradient_checkpointing()
+    runtime = rt.runtime_of(model)
+    if offload:  # as squareq train --offload-activations on: the checkpointed block inputs wait in host memory
+        runtime.activation_offload = rt.ActivationOffload(setup.device)
     setup.sync()
     rec.update(load_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
                lora_params=sum(p.numel() for p in params))
-    runtime = rt.runtime_of(model)
     rec["compute_used"] = runtime.compute
     rec["cudnn_attention_first"] = runtime.prefer_cudnn
-    log(f"squareq {res} K={prefetch} {host} {runtime.compute}: loaded in {rec['load_s']:.1f} s")
-    tuner = None
-    if prefetch == "auto" or resident_blocks:  # as squareq train: measure the second step, then size the ring
-        import torch
-
-        from squareq.runtime.residency import StreamTuner
-
-        budget = None
-        if vram_budget_gb is not None and setup.device.type == "cuda":  # as squareq train --vram-budget
-            budget = lambda: max(0, int(vram_budget_gb * 1e9) - torch.cuda.max_memory_reserved(setup.device))  # noqa: E731
-        tuner = StreamTuner(model, prefetch=prefetch, resident=resident_blocks, probe_step=1, budget_bytes=budget)
-    steps = iter(range(-1, 1 << 30))
-
-    def after_step() -> dict:
-        i = next(steps)
-        if tuner is not None:
-            if i >= 0:
-                tuner.after_step(i)
-            tuner.before_step(i + 1)
-        stats = runtime.step_stats().to_dict()
-        if runtime.graphs is not None:  # captures in a step make train() warm up one step more
-            counts = runtime.graphs.reset_stats()
-            stats.update(graph_captures=counts.captures, graph_replays=counts.replays, graph_eager=counts.eager,
-                         graph_failures=counts.failures, graph_ungraphed=counts.ungraphed,
-                         graph_at_once=counts.at_once)
-        if cold:  # outside the timed step; the ring's prefetched blocks are already in flight
-            runtime.streamer.settle()
-            evict_page_cache(setup.slab)
-        return stats
-
-    result = train(setup, model, params, res, after_step,
-                   label=f"squareq_{res}_{prefetch}_{host}_{runtime.compute}"
+    log(f"squareq {shape} K={prefetch} {host} {runtime.compute}: loaded in {rec['load_s']:.1f} s")
+    tuner, after_step = squareq_stepper(setup, model, prefetch, resident_blocks, vram_budget_gb, cold)
+    result = train(setup, model, params, shape, after_step,
+                   label=f"squareq_{shape}_{prefetch}_{host}_{runtime.compute}"
                    + ("" if lora == "squareq" else f"_{lora}")
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
                    + ("_pieces" if block_compile and pieces else "")
                    + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else "")
-                   + (f"_keep{resident_blocks}" if resident_blocks else "") + ("_fp16" if fp16 else ""), fp16=fp16)
+                   + (f"_keep{resident_blocks}" if resident_blocks else "") + ("_fp16" if fp16 else "")
+                   + ("_offload" if offload else ""), fp16=fp16)
     if tuner is not None:
         rec.update(slots=len(runtime.streamer.slots), tuned=tuner.plan.describe() if tuner.plan else None,
                    kept_blocks=len(runtime.resident_blocks),
@@ -548,11 +637,53 @@ def phase_squareq(setup: Setup, res: int, prefetch: int | str, host: str, lora: 
                read_wait_s=stats["read_wait_s"],
                bytes_copied_GB=stats["bytes_copied"] / 1e9, copies=stats["copies"],
                demand_loads=stats["demand_loads"])
+    if offload:
+        rec["offloaded_GB"] = stats["offloaded_bytes"] / 1e9
     runtime.close()
     emit(rec)
 
 
-def lora_step(setup: Setup, res: int, compute: str, dtype: str = "bf16") -> tuple:
+def squareq_stepper(setup: Setup, model, prefetch: int | str, resident_blocks: int | str,
+                    vram_budget_gb: float | None, cold: bool) -> tuple:
+    """The StreamTuner that sizes the ring as squareq train's does (None where K and the kept blocks are fixed), and
+    train()'s ``after_step``: it steps the tuner and returns the runtime's figures of the step just run (copies, graph
+    counts, bytes offloaded), then drops the slab from the page cache for a cold-cache setup."""
+    import torch
+
+    import squareq.runtime as rt
+    from squareq.runtime.residency import StreamTuner
+
+    runtime, tuner, steps = rt.runtime_of(model), None, iter(range(-1, 1 << 30))
+    if prefetch == "auto" or resident_blocks:  # as squareq train: measure the second step, then size the ring
+        budget = None
+        if vram_budget_gb is not None and setup.device.type == "cuda":  # as squareq train --vram-budget
+            budget = lambda: max(0, int(vram_budget_gb * 1e9) - torch.cuda.max_memory_reserved(setup.device))  # noqa: E731
+        tuner = StreamTuner(model, prefetch=prefetch, resident=resident_blocks, probe_step=1, budget_bytes=budget)
+
+    def after_step() -> dict:
+        i = next(steps)
+        if tuner is not None:
+            if i >= 0:
+                tuner.after_step(i)
+            tuner.before_step(i + 1)
+        stats = runtime.step_stats().to_dict()
+        if runtime.graphs is not None:  # captures in a step make train() warm up one step more
+            counts = runtime.graphs.reset_stats()
+            stats.update(graph_captures=counts.captures, graph_replays=counts.replays, graph_eager=counts.eager,
+                         graph_failures=counts.failures, graph_ungraphed=counts.ungraphed,
+                         graph_at_once=counts.at_once)
+        if runtime.activation_offload is not None:  # what this step's checkpointed inputs moved to the host
+            stats["offloaded_bytes"] = runtime.activation_offload.bytes_out
+            runtime.activation_offload.clear()
+        if cold:  # outside the timed step; the ring's prefetched blocks are already in flight
+            runtime.streamer.settle()
+            evict_page_cache(setup.slab)
+        return stats
+
+    return tuner, after_step
+
+
+def lora_step(setup: Setup, shape: Shape, compute: str, dtype: str = "bf16") -> tuple:
     """One LoRA step of the streamed slab in ``compute`` and ``dtype``: the output and every LoRA gradient, on the
     host (fp16: the batch and autocast in fp16, the loss scaled by squareq train's first loss scale)."""
     import gc
@@ -577,7 +708,7 @@ def lora_step(setup: Setup, res: int, compute: str, dtype: str = "bf16") -> tupl
             p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
     model.enable_gradient_checkpointing()
     model.train()
-    batch, target = make_batch(setup, res, model)
+    batch, target = make_batch(setup, shape, model)
     amp = torch.float32 if dtype == "fp32" else rt.autocast_dtype(model)
     batch = {k: v.to(amp) if v.dtype == torch.bfloat16 else v for k, v in batch.items()}
     with torch.autocast(setup.device.type, dtype=amp, enabled=dtype != "fp32"):
@@ -611,13 +742,13 @@ GRADIENT_VARIANTS = {
 VARIANT_RUNS = {"fp16": ("bf16", "fp16"), "fp32": ("bf16", "fp32")}  # variant -> (compute, dtype); others fp8, bf16
 
 
-def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
+def phase_gradients(setup: Setup, shape: Shape, variants: list[str]) -> None:
     """The LoRA gradients and output of one step in FP8 compute against bf16's, for each of ``variants``
     (:data:`GRADIENT_VARIANTS`); a variant after ``fp8`` is also compared with ``fp8`` (its own share)."""
     from squareq.kernels import fp8 as fp8_kernels
     from squareq.runtime import compute as compute_mode
 
-    out_b, grads_b, loss_b, _ = lora_step(setup, res, "bf16")
+    out_b, grads_b, loss_b, _ = lora_step(setup, shape, "bf16")
     grads_fp8 = reference = None
     if "fp32" in variants:
         variants = ["fp32"] + [v for v in variants if v != "fp32"]
@@ -629,7 +760,7 @@ def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
             setattr(owner[k], k, v)
         try:
             start = time.perf_counter()
-            out_f, grads_f, loss_f, used = lora_step(setup, res, *VARIANT_RUNS.get(variant, ("fp8", "bf16")))
+            out_f, grads_f, loss_f, used = lora_step(setup, shape, *VARIANT_RUNS.get(variant, ("fp8", "bf16")))
             seconds = time.perf_counter() - start
         finally:
             for k, v in saved.items():
@@ -643,7 +774,7 @@ def phase_gradients(setup: Setup, res: int, variants: list[str]) -> None:
                        vs_fp32_out_rel_mse=((out_f - reference[0]).pow(2).mean() / reference[0].pow(2).mean()).item())
         if variant == "fp8":
             grads_fp8 = grads_f
-        emit({"what": "gradients", "res": res, "device": setup.device_name, "variant": variant,
+        emit({"what": "gradients", **shape.fields(), "device": setup.device_name, "variant": variant,
               "dtype": VARIANT_RUNS.get(variant, ("fp8", "bf16"))[1],
               "backward": "fp8" if switches.get("FP8_BACKWARD") else "bf16",
               "switches": switches,
@@ -670,18 +801,20 @@ def gradient_agreement(grads_b: dict, grads_f: dict) -> dict:
 def compile_blocks(model) -> int:
     """Put each transformer block of ``model`` under ``torch.compile`` (default mode, in place); the blocks
     compiled. Per block, as diffusers documents for its transformers (``mode="reduce-overhead"`` per block failed on
-    this model: CUDA-graph outputs overwritten, issue 41)."""
-    blocks = [b for name in ("transformer_blocks", "single_transformer_blocks")
-              for b in getattr(model, name, None) or []]
-    for block in blocks:
-        block.compile()
+    this model: CUDA-graph outputs overwritten, issue 41). The blocks are those SquareQ streams (the family adapter's:
+    Wan's ``blocks`` too)."""
+    from squareq.models import adapter_for
+
+    blocks = adapter_for(model).blocks(model)
+    for name in blocks:
+        model.get_submodule(name).compile()
     return len(blocks)
 
 
-def phase_resident(setup: Setup, res: int, compiled: bool = False, cudnn_first: bool = False) -> None:
+def phase_resident(setup: Setup, shape: Shape, compiled: bool = False, cudnn_first: bool = False) -> None:
     """The resident bf16 model, eager or compiled per block; ``cudnn_first``: with cuDNN attention first in torch's
     priority (what a user who knows it can set, ``sdpa_kernel(..., set_priority=True)``), else torch's own order."""
-    rec = {"what": "resident", "res": res, "device": setup.device_name, "compiled": compiled,
+    rec = {"what": "resident", **shape.fields(), "device": setup.device_name, "compiled": compiled,
            "cudnn_attention_first": cudnn_first}
     if cudnn_first:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -700,21 +833,21 @@ def phase_resident(setup: Setup, res: int, compiled: bool = False, cudnn_first: 
     setup.sync()
     rec.update(build_s=time.perf_counter() - start, setup_allocated_GB=allocated_GB(setup),
                lora_params=sum(p.numel() for p in params))
-    label = f"resident{'_compiled' if compiled else ''}{'_cudnn' if cudnn_first else ''}_{res}"
-    result = train(setup, model, params, res, lambda: memory_peaks(setup), label=label)
+    label = f"resident{'_compiled' if compiled else ''}{'_cudnn' if cudnn_first else ''}_{shape}"
+    result = train(setup, model, params, shape, lambda: memory_peaks(setup), label=label)
     result.pop("median_figures")
     if compiled:  # the first steps compile each block kind's forward and backward graphs
         result["compile_s"] = result["beyond_steady_s"]
     emit(not_measured({**rec, **result}, *PEER_UNMEASURED))
 
 
-def phase_bnb(setup: Setup, res: int) -> None:
+def phase_bnb(setup: Setup, shape: Shape) -> None:
     import gc
 
     import bitsandbytes as bnb
     import torch
 
-    rec = {"what": "bnb", "res": res, "device": setup.device_name, "bnb": bnb.__version__}
+    rec = {"what": "bnb", **shape.fields(), "device": setup.device_name, "bnb": bnb.__version__}
     model = build_model(setup)
     start = time.perf_counter()
 
@@ -739,15 +872,15 @@ def phase_bnb(setup: Setup, res: int) -> None:
     rec.update(quantize_s=time.perf_counter() - start, weights_GB=allocated_GB(setup))
     params = peft_lora(model)
     model.enable_gradient_checkpointing()
-    result = train(setup, model, params, res, lambda: memory_peaks(setup))
+    result = train(setup, model, params, shape, lambda: memory_peaks(setup))
     result.pop("median_figures")
     emit(not_measured({**rec, **result}, *PEER_UNMEASURED))
 
 
-def phase_group_offload(setup: Setup, res: int) -> None:
+def phase_group_offload(setup: Setup, shape: Shape) -> None:
     import torch
 
-    rec = {"what": "group_offload", "res": res, "device": setup.device_name}
+    rec = {"what": "group_offload", **shape.fields(), "device": setup.device_name}
     start = time.perf_counter()
     model = build_model(setup)
     params = peft_lora(model)
@@ -757,7 +890,7 @@ def phase_group_offload(setup: Setup, res: int) -> None:
     model.enable_group_offload(onload_device=setup.device, offload_device=torch.device("cpu"),
                                offload_type="block_level", num_blocks_per_group=1, use_stream=True)
     rec["setup_s"] = time.perf_counter() - start
-    result = train(setup, model, params, res, lambda: memory_peaks(setup))
+    result = train(setup, model, params, shape, lambda: memory_peaks(setup))
     result.pop("median_figures")
     emit(not_measured({**rec, **result}, *PEER_UNMEASURED))
 
@@ -784,10 +917,11 @@ def dynamo_figures() -> dict:
 
 
 def phase_record(phase: list[str]) -> dict:
-    """The identifying keys of a phase's record, from its command line (``squareq 512 3 pinned``)."""
+    """The identifying keys of a phase's record, from its command line (``squareq 512 3 pinned``, ``resident
+    49x480x832``)."""
     rec: dict = {"what": phase[0]}
     if phase[0] != "slab":
-        rec["res"] = int(phase[1])
+        rec.update(Shape.parse(phase[1]).fields())
     if phase[0] == "gradients":
         rec["variants"] = phase[2:] or ["fp8", "fp8-backward"]
     if phase[0] == "resident":
@@ -803,7 +937,7 @@ def phase_record(phase: list[str]) -> dict:
         keep = next((t[4:] for t in phase[6:] if t.startswith("keep")), "0")
         budget = next((float(t[6:]) for t in phase[6:] if t.startswith("budget")), None)
         rec.update(resident_blocks=keep if keep == "auto" else int(keep), vram_budget_GB=budget,
-                   fp16="fp16" in phase[6:])
+                   fp16="fp16" in phase[6:], offload_activations="offload" in phase[6:])
     return rec
 
 
@@ -859,18 +993,20 @@ def phase_body(args) -> None:
                                          or (name == "squareq" and rec["attention"] == "auto"))
     setup = Setup(args)
     log(f"phase {' '.join(args.phase)} on {setup.device_name}")
+    shape = None if name == "slab" else Shape.parse(args.phase[1])
     if name == "slab":
         phase_slab(setup)
     elif name == "squareq":
-        phase_squareq(setup, rec["res"], rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
+        phase_squareq(setup, shape, rec["prefetch"], rec["host"], rec["lora"], rec["compute"], rec["cold"],
                       rec["graphs"], rec["block_compile"], rec["fp8_backward"], rec["attention"],
-                      rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"], rec["fp16"])
+                      rec["pieces"], rec["resident_blocks"], rec["vram_budget_GB"], rec["fp16"],
+                      rec["offload_activations"])
     elif name == "resident":
-        phase_resident(setup, rec["res"], rec["compiled"], rec["cudnn_attention_first"])
+        phase_resident(setup, shape, rec["compiled"], rec["cudnn_attention_first"])
     elif name == "gradients":
-        phase_gradients(setup, rec["res"], rec["variants"])
+        phase_gradients(setup, shape, rec["variants"])
     else:
-        {"bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, rec["res"])
+        {"bnb": phase_bnb, "group_offload": phase_group_offload}[name](setup, shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -881,7 +1017,7 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
     """Run a phase subprocess, echo its output, return its JSON records (an error record if it died)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family,
-           "--targets", args.targets, "--guidance", repr(args.guidance)] + \
+           "--targets", args.targets, "--rank", str(args.rank), "--guidance", repr(args.guidance)] + \
         (["--tiny"] if args.tiny else []) + (["--rotate"] if args.rotate else [])
     log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
     start = time.perf_counter()
@@ -926,13 +1062,13 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
 
 def add_ratios(records: list[dict]) -> None:
     """Each step time over the eager resident model's (``ratio_to_resident``) and the compiled one's
-    (``ratio_to_compiled``) at its resolution; not measured where the run has not measured that peer (yet)."""
+    (``ratio_to_compiled``) at its shape; not measured where the run has not measured that peer (yet)."""
     for key, compiled in (("ratio_to_resident", False), ("ratio_to_compiled", True)):
-        base = {r["res"]: r["step_s"] for r in records
+        base = {r["shape"]: r["step_s"] for r in records
                 if r.get("what") == "resident" and bool(r.get("compiled")) == compiled and "step_s" in r}
         for r in records:
             if "step_s" in r:
-                set_figure(r, key, r["step_s"] / base[r["res"]] if r.get("res") in base else None)
+                set_figure(r, key, r["step_s"] / base[r["shape"]] if r.get("shape") in base else None)
 
 
 LABELS = {"squareq": "SquareQ", "resident": "bf16 resident", "bnb": "bitsandbytes NF4",
@@ -954,7 +1090,8 @@ def setup_label(r: dict) -> str:
             "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers") + (
             f", resident_blocks {r['resident_blocks']}" if r.get("resident_blocks") else "") + (
             f" within {r['vram_budget_GB']} GB" if r.get("resident_blocks") and r.get("vram_budget_GB") else "") + (
-            ", dtype fp16" if r.get("dtype") == "fp16" else "")
+            ", dtype fp16" if r.get("dtype") == "fp16" else "") + (
+            ", activations offloaded" if r.get("offload_activations") else "")
     if r.get("compiled"):
         setup += ", torch.compile per block" + (", cuDNN attention first" if r.get("cudnn_attention_first") else "")
     return setup
@@ -975,6 +1112,8 @@ def squareq_notes(r: dict) -> list[str]:
                         if "peak_reserved_all_steps_GB" in r else ""))
     if "step_s" in r:
         notes.append(f"{r['bytes_copied_GB']:.2f} GB copied/step, {r['demand_loads']} demand loads")
+    if "offloaded_GB" in r:
+        notes.append(f"{r['offloaded_GB']:.2f} GB of block inputs to the host/step")
     if "block_compile_s" in r:
         notes.append(f"torch.compile {r['block_compile_s']:.1f} s (warm-up beyond steady {r['compile_s']:.1f} s)")
     if "plan_peak_GB" in r:
@@ -1010,8 +1149,9 @@ def gradient_notes(r: dict) -> str:
 
 
 STEP_COLUMNS = [
-    Column("setup", "what", setup_label), Column("res", "res", lambda r: f"{r['res']}²"),
-    Column("step s", "step_s", ".3f"), Column("× bf16 resident", "ratio_to_resident", ".2f"),
+    Column("setup", "what", setup_label), Column("shape", "shape", lambda r: shape_label(r["shape"])),
+    Column("tokens", "tokens"), Column("step s", "step_s", ".3f"),
+    Column("× bf16 resident", "ratio_to_resident", ".2f"),
     Column("× compiled resident", "ratio_to_compiled", ".2f"),
     Column("peak alloc GB", "peak_alloc_GB", ".2f"), Column("peak reserved GB", "peak_reserved_GB", ".2f"),
     Column("copy-wait %", "copy_wait_share", lambda r: f"{100 * r['copy_wait_share']:.1f}"),
@@ -1021,7 +1161,7 @@ SLAB_COLUMNS = [
     Column("bits/w", "bits_per_weight"), Column("streamed GB", "streamed_GB", ".2f"),
     Column("written", "reused", lambda r: "reused" if r["reused"] else f"in {r['write_s']:.0f} s")]
 GRADIENT_COLUMNS = [
-    Column("LoRA grads vs bf16", "variant"), Column("res", "res", lambda r: f"{r['res']}²"),
+    Column("LoRA grads vs bf16", "variant"), Column("shape", "shape", lambda r: shape_label(r["shape"])),
     Column("cos", "cos_global", ".4f"), Column("cos median", "cos_median", ".4f"), Column("cos min", "cos_min", ".4f"),
     Column("norm ratio", "norm_ratio", ".4f"), Column("output rel-MSE", "out_rel_mse", ".2e"),
     Column("notes", None, gradient_notes)]
@@ -1031,7 +1171,8 @@ def tables(records: list[dict]) -> str:
     env = records[0]
     head = (f"{env.get('family', 'flux')}; device: {env.get('device')}, torch {env['torch']}, {env['date_utc']}, "
             f"commit {env['commit']}{' (tiny config)' if env['tiny'] else ''}; median of {env['steps']} steps after "
-            f"{env['warmup']} warm-up; LoRA targets: {env.get('targets', 'attention')}")
+            f"{env['warmup']} warm-up; LoRA targets: {env.get('targets', 'attention')}, rank "
+            f"{env.get('rank', LORA_RANK)}")
     parts = [head, ""]
     if any(r.get("what") == "slab" for r in records):
         parts += [table(records, SLAB_COLUMNS, where={"what": "slab"}), ""]
@@ -1045,11 +1186,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write DIR/train_step.jsonl")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/squareq_bench"), help="where the slab goes")
-    ap.add_argument("--res", type=int, nargs="*",
-                    help="resolutions for squareq pinned, resident, bnb (512 1024; none: only the other phases)")
-    ap.add_argument("--disk-res", type=int, nargs="*", help="resolutions for squareq host=disk K=3 (512)")
-    ap.add_argument("--offload-res", type=int, nargs="*", help="resolutions for group offload (512)")
-    ap.add_argument("--bnb-res", type=int, nargs="*", help="resolutions for bnb (same as --res)")
+    ap.add_argument("--res", type=shape_arg, nargs="*",
+                    help="resolutions for squareq pinned, resident, bnb (512 1024; none: only the other phases); a "
+                         "video family's clip as FRAMESxHEIGHTxWIDTH (49x480x832) too")
+    ap.add_argument("--frames", type=int, nargs="+",
+                    help="a video family's clips: pixel frames, 4k+1 (default 49 81; tiny 5), each at --size; added "
+                         "to --res's shapes")
+    ap.add_argument("--size", help="a video family's clips: HEIGHTxWIDTH pixels, multiples of 16 (default 480x832; "
+                                   "tiny 32x48)")
+    ap.add_argument("--disk-res", type=shape_arg, nargs="*",
+                    help="shapes for squareq host=disk K=3 (the first of --res's)")
+    ap.add_argument("--offload-res", type=shape_arg, nargs="*", help="shapes for group offload (the first of --res's)")
+    ap.add_argument("--bnb-res", type=shape_arg, nargs="*", help="shapes for bnb (same as --res)")
     ap.add_argument("--prefetch", nargs="+", default=["2", "3"],
                     help="ring sizes K for host=pinned: whole numbers, or auto (squareq train's default)")
     ap.add_argument("--compute", nargs="+", default=["auto"],
@@ -1078,10 +1226,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GB: squareq train --vram-budget of the --resident-blocks auto setup (counts are kept whole)")
     ap.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=["bf16"],
                     help="squareq train --dtype of the pinned SquareQ setups (fp16: no FP8, the loss scaled)")
+    ap.add_argument("--offload-activations", nargs="+", choices=("off", "on"), default=["off"],
+                    help="pinned SquareQ setups without and/or with the checkpointed block inputs in host memory "
+                         "(squareq train --offload-activations on: long clips)")
     ap.add_argument("--disk-prefetch", default="3", help="ring size K of the host=disk setups (a number or auto)")
     ap.add_argument("--disk-cold", action="store_true",
                     help="also run each host=disk setup with the slab dropped from the page cache before every step")
-    ap.add_argument("--gradients-res", type=int, nargs="*", default=[],
+    ap.add_argument("--gradients-res", type=shape_arg, nargs="*", default=[],
                     help="resolutions at which to compare LoRA gradients in FP8 and bf16 compute (e.g. 512)")
     ap.add_argument("--gradient-variants", nargs="+", choices=sorted(GRADIENT_VARIANTS),
                     default=["fp8", "fp8-backward"],
@@ -1099,8 +1250,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rotate", action="store_true",
                     help="every slab layer Hadamard-rotated (its own slab): the rotation's cost in the step (issue 42)")
     ap.add_argument("--targets", choices=TARGET_SETS, default="attention",
-                    help="LoRA targets: the attention projections, or FLUX.1's default set (every attention and MLP "
-                         "linear of both streams)")
+                    help="LoRA targets: the attention projections, FLUX.1's default set (every attention and MLP "
+                         "linear of both streams), or Wan's attention and FFN (attention-ffn: every linear of its "
+                         "blocks)")
+    ap.add_argument("--rank", type=int, default=LORA_RANK, help=f"LoRA rank (alpha = rank; default {LORA_RANK})")
     ap.add_argument("--lora-layers", default="squareq",
                     help="comma list of LoRA layers for the pinned SquareQ setups: squareq (its own fast path), peft "
                          "(PEFT's lora.Linear around the quantized layer), dora (PEFT's DoRA)")
@@ -1118,35 +1271,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def main() -> None:
-    ap = build_parser()
-    args = ap.parse_args()
-    global LORA_TARGETS
-    if args.targets == "flux-default":
-        from squareq.models.flux import FLUX_LORA_TARGETS
-        LORA_TARGETS = list(FLUX_LORA_TARGETS)
-    if args.phase:
-        return run_phase(args)
+def use_lora_options(args) -> None:
+    """--targets and --rank, for every phase this process runs."""
+    from squareq.models.flux import FLUX_LORA_TARGETS
 
-    import torch  # version only: touching CUDA here would hold GPU memory during every phase
+    global LORA_RANK, LORA_TARGETS
+    LORA_RANK = args.rank
+    LORA_TARGETS = list({"attention": ATTENTION_TARGETS, "flux-default": FLUX_LORA_TARGETS,
+                         "attention-ffn": ATTENTION_TARGETS + WAN_FFN}[args.targets])
 
-    cuda = torch.cuda.is_available()
-    base_res = [128] if args.tiny else [512, 1024]  # tiny: (128/16)² = 64 image tokens
-    res = args.res if args.res is not None else base_res
-    disk_res = args.disk_res if args.disk_res is not None else res[:1]
-    offload_res = args.offload_res if args.offload_res is not None else res[:1]
-    bnb_res = args.bnb_res if args.bnb_res is not None else res
-    only = set(args.only.split(","))
-    unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
-    if unknown:
-        ap.error(f"--only: unknown setups {sorted(unknown)}")
+
+def shape_lists(ap: argparse.ArgumentParser, args) -> tuple[list[str], ...]:
+    """The shapes of the pinned setups (--res, and the clips of --frames at --size), of the disk, group offload, bnb
+    and gradients setups. By default an image family's are 512² and 1024² (tiny: 128², (128/16)² = 64 image tokens),
+    a video family's clips of 49 and 81 frames at 480x832 (tiny: 5 frames at 32x48, 2 x 2 x 3 = 12 tokens)."""
+    from squareq.models import ADAPTERS
+
+    recipe = ADAPTERS[args.family].recipe
+    video = bool(recipe and recipe.frames)
+    clips = args.frames is not None or args.size is not None or (video and args.res is None)
+    res = list(args.res) if args.res is not None else [] if clips else ["128"] if args.tiny else ["512", "1024"]
+    if clips:
+        size = args.size or ("32x48" if args.tiny else "480x832")
+        frames = args.frames or ([5] if args.tiny else [49, 81])
+        try:
+            res += [str(Shape.parse(f"{n}x{size}")) for n in frames]
+        except ValueError as exc:
+            ap.error(f"--frames/--size: {exc}")
+    lists = (res, res[:1] if args.disk_res is None else args.disk_res,
+             res[:1] if args.offload_res is None else args.offload_res, res if args.bnb_res is None else args.bnb_res,
+             args.gradients_res)
+    if not video and any(Shape.parse(s).res is None for shapes in lists for s in shapes):
+        ap.error(f"--family {args.family} takes square sides: clips (--frames, --size, FxHxW) are for video families")
+    return lists
+
+
+def squareq_options(ap: argparse.ArgumentParser, args, cuda: bool) -> tuple[list[list[str]], list[list[str]]]:
+    """The tokens of the pinned SquareQ phases after their K (LoRA layers, compute, graphs and compile, kept blocks,
+    dtype, activation offload: one phase each), and those of graphs and compile alone, which the disk phases take."""
     graph_tokens = [(["graphs"] if g == "on" else []) + {"off": [], "on": ["compiled"],
                                                           "pieces": ["compiled", "pieces"]}[bc]
                     + (["fp8grad"] if fb == "on" else []) + (["attn-default"] if at == "default" else [])
                     for g in dict.fromkeys(args.graphs) for bc in dict.fromkeys(args.block_compile)
                     for fb in dict.fromkeys(args.fp8_backward) for at in dict.fromkeys(args.attention)]
     budget_token = [f"budget{args.vram_budget}"] if args.vram_budget is not None else []
-    dtype_tokens = [[] if d == "bf16" else ["fp16"] for d in dict.fromkeys(args.dtype)]
+    dtype_tokens = [([] if d == "bf16" else ["fp16"]) + ([] if o == "off" else ["offload"])
+                    for d in dict.fromkeys(args.dtype) for o in dict.fromkeys(args.offload_activations)]
     keep_tokens = [[] if k == "0" else [f"keep{k}"] + (budget_token if k == "auto" else [])
                    for k in dict.fromkeys(args.resident_blocks)]
     if not cuda and any("graphs" in t for t in graph_tokens):
@@ -1154,11 +1324,33 @@ def main() -> None:
     lora_layers = args.lora_layers.split(",")
     if not set(lora_layers) <= set(LORA_LAYERS):
         ap.error(f"--lora-layers: choose from {', '.join(LORA_LAYERS)}")
+    return [[lora, c] + graphs + keep + dtype for lora in lora_layers for c in args.compute for graphs in graph_tokens
+            for keep in keep_tokens for dtype in dtype_tokens], graph_tokens
+
+
+def main() -> None:
+    ap = build_parser()
+    args = ap.parse_args()
+    use_lora_options(args)
+    if args.phase:
+        return run_phase(args)
+
+    import torch  # version only: touching CUDA here would hold GPU memory during every phase
+
+    cuda = torch.cuda.is_available()
+    res, disk_res, offload_res, bnb_res, gradients_res = shape_lists(ap, args)
+    if args.targets == "attention-ffn" and args.family != "wan":
+        ap.error("--targets attention-ffn names Wan's FFN linears (ffn.net.0.proj, ffn.net.2): --family wan only")
+    only = set(args.only.split(","))
+    unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
+    if unknown:
+        ap.error(f"--only: unknown setups {sorted(unknown)}")
+    pinned, graph_tokens = squareq_options(ap, args, cuda)
 
     commit = git_commit()
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
-           "steps": args.steps, "targets": args.targets, "rotate": args.rotate, "guidance": args.guidance,
-           "warmup": args.warmup, "commit": commit, "sdpa_priority": _sdpa_priority(),
+           "steps": args.steps, "targets": args.targets, "rank": args.rank, "rotate": args.rotate,
+           "guidance": args.guidance, "warmup": args.warmup, "commit": commit, "sdpa_priority": _sdpa_priority(),
            "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     emit(env)
     records = [env]
@@ -1166,32 +1358,31 @@ def main() -> None:
     phases: list[list[str]] = []
     if only & {"slab", "squareq"}:
         phases.append(["slab"])
-    for r in res:  # resident first at each resolution: it is what every ratio divides by
+    for r in res:  # resident first at each shape: it is what every ratio divides by
         if "resident" in only:
-            phases.append(["resident", str(r)])
+            phases.append(["resident", r])
         if "compiled" in only:
-            phases += [["resident", str(r), "compiled"] + (["cudnn"] if a == "cudnn" else [])
+            phases += [["resident", r, "compiled"] + (["cudnn"] if a == "cudnn" else [])
                        for a in dict.fromkeys(args.resident_attention)]
         if "squareq" in only:
-            phases += [["squareq", str(r), str(k), "pinned", lora, c] + graphs + keep + dtype for k in args.prefetch
-                       for lora in lora_layers for c in args.compute for graphs in graph_tokens
-                       for keep in keep_tokens for dtype in dtype_tokens]
+            phases += [["squareq", r, str(k), "pinned", *options] for k in args.prefetch for options in pinned]
     if "squareq" in only:
-        phases += [["squareq", str(r), args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold + graphs
+        phases += [["squareq", r, args.disk_prefetch, "disk", "squareq", args.compute[0]] + cold + graphs
                    for r in disk_res for cold in ([[], ["cold"]] if args.disk_cold else [[]])
                    for graphs in graph_tokens]
-        phases += [["gradients", str(r), *args.gradient_variants] for r in args.gradients_res]
+        phases += [["gradients", r, *args.gradient_variants] for r in gradients_res]
     skipped = []
     for name, rs in (("bnb", bnb_res), ("group_offload", offload_res)):
         if name not in only:
             continue
         if not cuda:
-            skipped += [{"what": name, "res": r, "skipped": "no CUDA device"} for r in rs]
+            skipped += [{"what": name, **Shape.parse(r).fields(), "skipped": "no CUDA device"} for r in rs]
         elif name == "bnb" and subprocess.run([sys.executable, "-c", "import bitsandbytes"],
                                               capture_output=True, check=False).returncode != 0:
-            skipped += [{"what": name, "res": r, "skipped": "bitsandbytes does not import"} for r in rs]
+            skipped += [{"what": name, **Shape.parse(r).fields(), "skipped": "bitsandbytes does not import"}
+                        for r in rs]
         else:
-            phases += [[name, str(r)] for r in rs]
+            phases += [[name, r] for r in rs]
 
     log("phases: " + ", ".join(" ".join(p) for p in phases))
     for phase in phases:

@@ -62,6 +62,17 @@ TINY_ARGS = {
     "train_step.py": ["--workdir", "{work}", "--only", "slab,squareq,resident,bnb,group_offload", "--prefetch", "2",
                       "--steps", "2", "--warmup", "1"],
 }
+# Further tiny runs, a test each: name -> (script, its arguments as in TINY_ARGS, what each of its measurements must
+# hold beyond its tables' fields). train_step.py's video family: Wan's clips (--frames, --size: 2 latent frames of
+# 4x6 latents, 2x2 patches), its attention and FFN targets, a rank of its own, activation offloading.
+TINY_VARIANTS = {
+    "train_step.py-wan": ("train_step.py", ["--workdir", "{work}", "--family", "wan", "--frames", "5", "--size",
+                                            "32x48", "--only", "slab,squareq,resident", "--prefetch", "2",
+                                            "--disk-res", "--steps", "2", "--warmup", "1", "--rank", "4",
+                                            "--targets", "attention-ffn", "--offload-activations", "off", "on"],
+                          {"frames": 5, "size": "32x48", "latent_frames": 2, "tokens": 12}),
+}
+TINY_RUNS = {**{script: (script, args, {}) for script, args in TINY_ARGS.items()}, **TINY_VARIANTS}
 # The kernel benchmarks keep the Triton kernels (interpreted); the others run the bit-identical torch reference, as the
 # runtime and trainer tests do (docs/development.md), since the interpreter makes a training step ~30x slower.
 KERNEL_BENCHMARKS = {"dequant.py", "fp8_linear.py", "matmul.py"}
@@ -86,11 +97,11 @@ def tiny_env(script: str, work: Path) -> dict[str, str]:
     return env
 
 
-def run_tiny(script: str, work: Path) -> tuple[int, str, str]:
+def run_tiny(script: str, args: list[str], work: Path) -> tuple[int, str, str]:
     """``python benchmarks/SCRIPT --tiny ARGS`` with :func:`tiny_env`: its exit status, stdout and stderr. Forked from
     this process where :func:`fork_refusal` finds nothing against it; else a new interpreter. A run that takes over
     :data:`TIMEOUT_S` seconds is killed and fails the test."""
-    argv = [str(BENCHMARKS / script), "--tiny", *(a.replace("{work}", str(work)) for a in TINY_ARGS[script]),
+    argv = [str(BENCHMARKS / script), "--tiny", *(a.replace("{work}", str(work)) for a in args),
             "--out", str(work / "out")]
     env = tiny_env(script, work)
     if fork_refusal(env) is not None:
@@ -184,11 +195,12 @@ def test_every_script_has_a_tiny_run():
     assert scripts == set(TINY_ARGS)
 
 
-@pytest.mark.parametrize("script", sorted(TINY_ARGS))
-def test_tiny_path(script, tmp_path, preloaded):
+@pytest.mark.parametrize("run", sorted(TINY_RUNS))
+def test_tiny_path(run, tmp_path, preloaded):
     """The run exits 0, prints its JSON lines, and the lines it keeps (``--out``: what benchmarks/results/ holds,
     with the figures its driver adds last, such as ratios to a peer) have every field its tables show."""
-    code, stdout, stderr = run_tiny(script, tmp_path)
+    script, args, holds = TINY_RUNS[run]
+    code, stdout, stderr = run_tiny(script, args, tmp_path)
     assert code == 0, stderr[-3000:]
     assert any(line.startswith("{") for line in stdout.splitlines()), stdout[-2000:]
     records = [json.loads(line) for path in sorted((tmp_path / "out").glob("*.jsonl"))
@@ -198,6 +210,8 @@ def test_tiny_path(script, tmp_path, preloaded):
     assert tables, "the script printed no table through common.table"
     problems = [p for t in tables for p in common.missing_fields(records, t)]
     assert not problems, problems
+    measured = [r for r in records if "step_s" in r]
+    assert not holds or measured and all(r.items() >= holds.items() for r in measured), measured
 
 
 def test_the_check_sees_a_missing_field():
@@ -270,9 +284,48 @@ def test_files_on_a_ram_file_system_are_not_counted_as_own_memory(tmp_path):
         assert 0.9 * size / 1024 <= counted <= 1.1 * size / 1024
         assert common.HostPeaks(("x",))._ram_file_kb() == 0
         assert common.HostPeaks(("x",), ram_files=str(tmp_path / "none"))._ram_file_kb() == 0
+        both = common.HostPeaks(("x",), ram_files=[str(disk), str(other)])._ram_file_kb()  # several folders
+        assert 0.9 * 2 * size / 1024 <= both <= 1.1 * 2 * size / 1024
     finally:
         for m in maps:
             m.close()
+
+
+def test_a_compile_cut_by_sigterm_resumes_from_its_state(tmp_path):
+    """compile.py's two-call run: SIGTERM in the calibration pass (``timeout``) ends the run with a ``cut`` line and
+    the finished blocks kept in the state (here through --state-dir's link, the source in --source-dir); the same
+    command again resumes them and adds the cut call's wall time to its own."""
+    argv = [sys.executable, str(BENCHMARKS / "compile.py"), "--tiny", "--workdir", str(tmp_path / "work"),
+            "--source-dir", str(tmp_path / "src"), "--state-dir", str(tmp_path / "state"), "--out", str(tmp_path)]
+    env = tiny_env("compile.py", tmp_path)
+    first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(TIMEOUT_S, first.kill)
+    timer.start()
+    try:
+        for line in first.stderr:
+            if "block 2/" in line and "calibrating" in line:  # block 1 is measured: cut while block 2 is
+                first.send_signal(signal.SIGTERM)
+                break
+        first.communicate()
+    finally:
+        timer.cancel()
+    assert first.returncode == 128 + signal.SIGTERM
+
+    def records(kind: str) -> dict:
+        return next(r for r in map(json.loads, (tmp_path / "compile-flux1.jsonl").read_text().splitlines())
+                    if r["kind"] == kind)
+
+    cut = records("cut")
+    assert cut["phase"] == "compile free" and cut["state_blocks"] >= 1 and cut["host_rss_anon_peak_gb"] > 0
+    assert (tmp_path / "work" / "flux1-tiny-free.slab.state").is_symlink()
+    done = subprocess.run([*argv, "--phase", "compile"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rec = records("compile")
+    assert rec["resumed_blocks"] == cut["state_blocks"] and rec["cut_calls_wall_s"] == [cut["wall_s"]]
+    assert rec["total_wall_s"] == pytest.approx(rec["wall_s"] + cut["wall_s"])
+    assert not os.path.lexists(tmp_path / "work" / "flux1-tiny-free.slab.state")  # the link and its folder removed
+    assert not any((tmp_path / "state").iterdir())
 
 
 def test_a_median_step_leaves_out_the_steps_that_compiled(tmp_path):
