@@ -10,8 +10,9 @@ stops otherwise), in a process of its own:
 * the CUDA caching allocator is capped (``torch.cuda.set_per_process_memory_fraction``) at the card's memory less
   the CUDA context this process holds on the device, which a card of that size holds too;
 * the family's text encoders and VAE, at their released shapes with seeded random weights (FLUX.1: CLIP-L and
-  T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B), were written once into
-  the workdir as a user holds them (:data:`LAYOUTS`): the cached Hub snapshot of the family's repository
+  T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B; Wan: UMT5-XXL's encoder
+  and the Wan 2.1 VAE; HunyuanVideo: Llama-3-8B's decoder, CLIP-L and its VAE; :data:`PIPELINES`), were written once
+  into the workdir as a user holds them (:data:`LAYOUTS`): the cached Hub snapshot of the family's repository
   (``hub-full/``, ``HF_HUB_CACHE`` with ``HF_HUB_OFFLINE=1``, the config's ``model`` its Hub ID), and for FLUX.1 also
   ComfyUI's single files (``clip_l``, ``t5``, ``vae``: ``clip_l.safetensors``, ``t5xxl_fp16.safetensors``,
   ``ae.safetensors``), each a run of its own; the trainer's own caching (``squareq.train.loop``) loads them through
@@ -19,21 +20,32 @@ stops otherwise), in a process of its own:
   those that do not fit stream block by block;
 * ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring, host and
   ``host_budget``, the PC it is for) on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same
-  random weights and W4/W6/W8 mix); the run's host plan (``squareq.train.host_plan``: its expected peak, where the
-  slab waits, which encoders read from their files through a ring) is recorded;
+  random weights and W4/W6/W8 mix), on noise images at its largest resolution, or for a video family (Wan,
+  HunyuanVideo) on :data:`CLIPS` noise clips only (folders of square PNG frames at that resolution, each named by the
+  caption beside it), as many frames as its longest window needs after ``source_fps`` drops frames to the family's
+  rate, so every step trains on a window of the config's frames; the run's host plan (``squareq.train.host_plan``:
+  its expected peak, where the slab waits, which encoders read from their files through a ring) is recorded;
 * in the Hub layout, the same steps again with ``host_budget = "auto"`` (what this machine has: no budget to keep
   within) on the filled cache: the step with the PC's budget against the step without one;
-* where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution.
+* where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution
+  (the others, the video configs among them, list sampling as not measured).
+
+The families are keyed by their slab and Hub snapshot (:data:`REPOS`), so ``wan2.2-ti2v-5b`` runs on the ``wan``
+family's Wan 2.1-T2V-14B slab, UMT5-XXL and Wan 2.1 VAE (16 latent channels, 8x), not Wan 2.2-TI2V-5B's 5B transformer
+and 48-channel 16x VAE: its frames, resolution, budgets and card are its config's, and its records say so
+(``notes``, :data:`NOTES`).
 
 The tokenizers are the offline tiny ones (char-level; FLUX.2's and Qwen-Image's pad or template to the same lengths
-as the real ones do), so token counts are like the real ones' but ids are not. Each process reports the peak reserved
+as the real ones do; HunyuanVideo's pipeline cuts its template's ``crop_start`` tokens off whatever they hold), so token
+counts are like the real ones' but ids are not. Each process reports the peak reserved
 memory of caching, of the steps and of sampling against the card; per host phase (:data:`PHASES`: loading the
 encoders, caching, the steps, sampling) the peaks of anonymous memory (RssAnon, pinned pages included) and of RSS,
 read from ``/proc/self/status`` every 100 ms by a thread (``common.HostPeaks``), each against the config's
 ``host_budget`` (``within_host_budget``); the median step, the bytes copied
 into the ring per step, and what that copy would take at a consumer PCIe 4.0 x16 link's ~25 GB/s (arithmetic, not
 measured). One JSON line per measurement, then a markdown table. ``--tiny``: the families' tiny slabs and encoders as
-wide as them, no caps, 2 steps and a 2-step sample at 64 px, the same files written at the tiny shapes
+wide as them, no caps, 2 steps and a 2-step sample at 64 px (a video config's windows :data:`TINY_FRAMES` frames),
+the same files written at the tiny shapes
 (``hub-tiny/``; ComfyUI's for the first FLUX.1 config only), every config in this one process with its own
 ``vram_budget`` (the encoders are placed within it; the trainer checks its memory plan on a GPU only), a smoke test
 anywhere, seconds on a CPU, where the GPU figures (memory peaks, bytes copied) are null and listed as not measured.
@@ -49,6 +61,7 @@ import contextlib
 import datetime
 import inspect
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -72,10 +85,17 @@ GIB = 1 << 30
 EXAMPLES = ROOT / "examples"
 # example config -> (family, the card it names in GiB): a row for every examples/*.toml, which main checks
 CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-dev-24gb": ("flux", 24),
-         "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16)}
+         "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16), "wan2.1-t2v-14b-16gb": ("wan", 16),
+         "wan2.1-t2v-14b-24gb": ("wan", 24), "wan2.2-ti2v-5b": ("wan", 16), "hunyuan-video-24gb": ("hunyuan-video", 24)}
+# what a config's records say beyond its figures: where it runs on other shapes than those its config is for
+NOTES = {"wan2.2-ti2v-5b": "run on Wan 2.1-T2V-14B's slab, UMT5-XXL and Wan 2.1 VAE (the wan family's shapes here), "
+                           "not Wan 2.2-TI2V-5B's 5B transformer and 48-channel 16x VAE: its frames, resolution, "
+                           "budgets and card are the config's, its figures not the 5B model's"}
 PCIE4_BYTES_PER_S = 25e9  # a PCIe 4.0 x16 link's practical host-to-device rate
 SAMPLE_PROMPT = "a photo of sks on a beach"
 IMAGES = 8  # noise images: enough for the largest batch (4) in every bucket
+CLIPS = 2  # noise clips of a video config (batch 1): folders of frames, each its longest window's frames or more
+TINY_FRAMES = 5  # --tiny's window of a video config (1 + 4: one latent frame past the first), as train_step.py's
 TINY_STEPS = 2  # --tiny's training and sampling steps (unless given)
 
 # the released text encoders' shapes (their config.json on the Hub)
@@ -91,6 +111,11 @@ PIXTRAL = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, n
 QWEN25_VL_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rope_theta=1e6,
                     rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=32,
+                relative_attention_num_buckets=32, feed_forward_proj="gated-gelu", is_encoder_decoder=False)
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                 rms_norm_eps=1e-5)
 QWEN25_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                         patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                         fullatt_block_indexes=[7, 15, 23, 31])
@@ -147,70 +172,147 @@ def _scaled(real: dict, **tiny) -> dict:
     return {**real, **tiny}
 
 
-def build_encoders(family: str, config: dict, tiny: bool):
-    """The family's diffusers pipeline without its transformer: VAE and text encoders at their released shapes
-    (``tiny``: a few layers, as wide as the tiny slab's text input), seeded random weights, in host memory."""
+def _flow():
+    import diffusers
+
+    return diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+
+
+def flux_pipeline(config: dict, tiny: bool):
+    """FLUX.1: CLIP-L, T5-XXL and its 16-channel VAE."""
     import diffusers
     import torch
+    from transformers import T5Config, T5EncoderModel
 
     from squareq.models.tiny_pipeline import build_tiny_tokenizers, build_tiny_vae
 
-    dtype = torch.bfloat16
-    flow = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
-    if family == "flux":
-        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    clip_tok, t5_tok = build_tiny_tokenizers()
+    t5 = _scaled(T5_XXL, d_model=config["joint_attention_dim"], d_kv=8, d_ff=64, num_layers=3, num_heads=4) \
+        if tiny else T5_XXL
+    with fast_init(torch.bfloat16):
+        parts = dict(text_encoder=clip_model(clip_tok, config["pooled_projection_dim"], tiny),
+                     text_encoder_2=T5EncoderModel(T5Config(**t5)))
+    vae = build_tiny_vae() if tiny else diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, sample_size=1024,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    return diffusers.FluxPipeline(scheduler=_flow(), vae=vae.to(torch.bfloat16), tokenizer=clip_tok,
+                                  tokenizer_2=t5_tok, transformer=None, **parts)
 
-        clip_tok, t5_tok = build_tiny_tokenizers()
-        t5 = _scaled(T5_XXL, d_model=config["joint_attention_dim"], d_kv=8, d_ff=64, num_layers=3, num_heads=4) \
-            if tiny else T5_XXL
-        clip = _scaled(CLIP_L, hidden_size=config["pooled_projection_dim"], intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, projection_dim=config["pooled_projection_dim"]) if tiny else CLIP_L
-        clip = {**clip, "bos_token_id": clip_tok.bos_token_id, "eos_token_id": clip_tok.eos_token_id}
-        with fast_init(dtype):
-            parts = dict(text_encoder=CLIPTextModel(CLIPTextConfig(**clip)),
-                         text_encoder_2=T5EncoderModel(T5Config(**t5)))
-        vae = build_tiny_vae() if tiny else diffusers.AutoencoderKL(
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16, sample_size=1024,
-            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-        pipe = diffusers.FluxPipeline(scheduler=flow, vae=vae.to(dtype), tokenizer=clip_tok, tokenizer_2=t5_tok,
-                                      transformer=None, **parts)
-    elif family == "flux2":
-        from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
 
-        text = _scaled(MISTRAL_SMALL, hidden_size=config["joint_attention_dim"] // 3,
-                       intermediate_size=64, num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=8) if tiny else MISTRAL_SMALL
-        vision = _scaled(PIXTRAL, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         image_size=32, patch_size=16, head_dim=8) if tiny else PIXTRAL
-        tok = chat_tokenizer()
-        with fast_init(dtype):
-            encoder = Mistral3ForConditionalGeneration(Mistral3Config(
-                text_config=MistralConfig(**text, pad_token_id=tok.pad_token_id),
-                vision_config=PixtralVisionConfig(**vision)))
-        vae = diffusers.AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
-                                           norm_num_groups=4) if tiny else diffusers.AutoencoderKLFlux2()
-        pipe = diffusers.Flux2Pipeline(scheduler=flow, vae=vae.to(dtype), text_encoder=encoder, tokenizer=tok,
-                                       transformer=None)
-    elif family == "qwen-image":
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def clip_model(clip_tok, width: int, tiny: bool):
+    """CLIP-L's text model (``tiny``: 2 layers, ``width`` wide), its bos and eos those of ``clip_tok``; built within
+    :func:`fast_init`."""
+    from transformers import CLIPTextConfig, CLIPTextModel
 
-        text = _scaled(QWEN25_VL_7B, hidden_size=config["joint_attention_dim"], intermediate_size=64,
-                       num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-                       rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}) if tiny else QWEN25_VL_7B
-        vision = _scaled(QWEN25_VL_VISION, depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                         out_hidden_size=config["joint_attention_dim"], fullatt_block_indexes=[0]) if tiny \
-            else QWEN25_VL_VISION
-        with fast_init(dtype):
-            encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
-        z = config["in_channels"] // 4  # the transformer packs 2x2 latent patches
-        vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                               latents_mean=[0.0] * z, latents_std=[1.0] * z) if tiny \
-            else diffusers.AutoencoderKLQwenImage()
-        pipe = diffusers.QwenImagePipeline(scheduler=flow, vae=vae.to(dtype), text_encoder=encoder,
-                                           tokenizer=chat_tokenizer(), transformer=None)
-    else:
+    clip = _scaled(CLIP_L, hidden_size=width, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   projection_dim=width) if tiny else CLIP_L
+    return CLIPTextModel(CLIPTextConfig(**clip, bos_token_id=clip_tok.bos_token_id,
+                                        eos_token_id=clip_tok.eos_token_id))
+
+
+def flux2_pipeline(config: dict, tiny: bool):
+    """FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower, and the FLUX.2 VAE."""
+    import diffusers
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    text = _scaled(MISTRAL_SMALL, hidden_size=config["joint_attention_dim"] // 3,
+                   intermediate_size=64, num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=8) if tiny else MISTRAL_SMALL
+    vision = _scaled(PIXTRAL, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     image_size=32, patch_size=16, head_dim=8) if tiny else PIXTRAL
+    tok = chat_tokenizer()
+    with fast_init(torch.bfloat16):
+        encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=MistralConfig(**text, pad_token_id=tok.pad_token_id),
+            vision_config=PixtralVisionConfig(**vision)))
+    vae = diffusers.AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
+                                       norm_num_groups=4) if tiny else diffusers.AutoencoderKLFlux2()
+    return diffusers.Flux2Pipeline(scheduler=_flow(), vae=vae.to(torch.bfloat16), text_encoder=encoder,
+                                   tokenizer=tok, transformer=None)
+
+
+def qwen_image_pipeline(config: dict, tiny: bool):
+    """Qwen-Image: Qwen2.5-VL-7B and the Qwen-Image VAE."""
+    import diffusers
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = _scaled(QWEN25_VL_7B, hidden_size=config["joint_attention_dim"], intermediate_size=64,
+                   num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                   rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}) if tiny else QWEN25_VL_7B
+    vision = _scaled(QWEN25_VL_VISION, depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                     out_hidden_size=config["joint_attention_dim"], fullatt_block_indexes=[0]) if tiny \
+        else QWEN25_VL_VISION
+    with fast_init(torch.bfloat16):
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+    z = config["in_channels"] // 4  # the transformer packs 2x2 latent patches
+    vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                           latents_mean=[0.0] * z, latents_std=[1.0] * z) if tiny \
+        else diffusers.AutoencoderKLQwenImage()
+    return diffusers.QwenImagePipeline(scheduler=_flow(), vae=vae.to(torch.bfloat16), text_encoder=encoder,
+                                       tokenizer=chat_tokenizer(), transformer=None)
+
+
+def wan_pipeline(config: dict, tiny: bool):
+    """Wan 2.1: UMT5-XXL's encoder and the Wan 2.1 VAE (``AutoencoderKLWan``'s defaults; tiny: 8x, 4x in time, as
+    wide as the tiny slab's latents)."""
+    import diffusers
+    import torch
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from squareq.models.tiny_pipeline import build_tiny_tokenizers
+
+    tok = build_tiny_tokenizers()[1]
+    text = _scaled(UMT5_XXL, d_model=config["text_dim"], d_kv=8, d_ff=64, num_layers=2, num_heads=4) if tiny \
+        else UMT5_XXL
+    with fast_init(torch.bfloat16):
+        encoder = UMT5EncoderModel(UMT5Config(**text, pad_token_id=tok.pad_token_id))
+    z = config["in_channels"]
+    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True], latents_mean=[0.0] * z,
+                                     latents_std=[1.0] * z) if tiny else diffusers.AutoencoderKLWan()
+    return diffusers.WanPipeline(tokenizer=tok, text_encoder=encoder, vae=vae.to(torch.bfloat16), scheduler=_flow(),
+                                 transformer=None)
+
+
+def hunyuan_video_pipeline(config: dict, tiny: bool):
+    """HunyuanVideo: Llama-3-8B's decoder (LLaVA-LLaMA-3-8B's text part, read at its third-to-last layer; the
+    template its pipeline wraps a prompt in is cut off by ``crop_start`` tokens), CLIP-L for the pooled vector, and
+    the HunyuanVideo VAE (tiny: 8x, 4x in time, as wide as the tiny slab's latents)."""
+    import diffusers
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    from squareq.models.tiny_pipeline import build_tiny_tokenizers
+
+    clip_tok, tok = build_tiny_tokenizers()
+    text = _scaled(LLAMA3_8B, hidden_size=config["text_embed_dim"], intermediate_size=64, num_hidden_layers=3,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16) if tiny else LLAMA3_8B
+    with fast_init(torch.bfloat16):
+        parts = dict(text_encoder=LlamaModel(LlamaConfig(**text, pad_token_id=tok.pad_token_id)),
+                     text_encoder_2=clip_model(clip_tok, config["pooled_projection_dim"], tiny))
+    vae = diffusers.AutoencoderKLHunyuanVideo(
+        latent_channels=config["in_channels"], block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        norm_num_groups=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4) if tiny else diffusers.AutoencoderKLHunyuanVideo()
+    return diffusers.HunyuanVideoPipeline(scheduler=_flow(), vae=vae.to(torch.bfloat16), tokenizer=tok,
+                                          tokenizer_2=clip_tok, transformer=None, **parts)
+
+
+# family -> its pipeline without the transformer (config: the slab's transformer config; tiny)
+PIPELINES = {"flux": flux_pipeline, "flux2": flux2_pipeline, "qwen-image": qwen_image_pipeline, "wan": wan_pipeline,
+             "hunyuan-video": hunyuan_video_pipeline}
+
+
+def build_encoders(family: str, config: dict, tiny: bool):
+    """The family's diffusers pipeline without its transformer (:data:`PIPELINES`): VAE and text encoders at their
+    released shapes (``tiny``: a few layers, as wide as the tiny slab's text input), seeded random weights, in host
+    memory."""
+    if family not in PIPELINES:
         raise ValueError(f"no encoders for {family}")
+    pipe = PIPELINES[family](config, tiny)
     for name in ("text_encoder", "text_encoder_2"):
         module = getattr(pipe, name, None)
         if module is not None:
@@ -334,7 +436,8 @@ def slab_path(workdir: Path, family: str, tiny: bool) -> Path:
 PHASES = ("load", "caching", "steps", "sampling")  # the host-memory phases each record gives peaks for
 # the layouts of a family's files a user holds, each run: the Hub cache (--model a Hub ID); ComfyUI's single files
 # (--clip-l, --t5, --vae; the configs and tokenizers from the Hub cache, as squareq reads them)
-LAYOUTS = {"flux": ("hub", "comfyui"), "flux2": ("hub",), "qwen-image": ("hub",)}
+LAYOUTS = {"flux": ("hub", "comfyui"), "flux2": ("hub",), "qwen-image": ("hub",), "wan": ("hub",),
+           "hunyuan-video": ("hub",)}
 
 
 def run_config(args, name: str, layout: str) -> None:
@@ -356,7 +459,10 @@ def run_config(args, name: str, layout: str) -> None:
     cfg = config_of(args, name, slab, layout)
     rec["files"] = {k: v for k, v in cfg.encoder_files.items() if v}
     rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
-               prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget)
+               prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget, target_frames=cfg.target_frames,
+               frame_extraction=cfg.frame_extraction, data=Path(cfg.data).name)
+    if name in NOTES:
+        rec["notes"] = NOTES[name]
     rec["host_budget_GB"] = cfg.host_budget_bytes / 1e9 if cfg.host_budget_bytes else None
     with hub_cache(hub_dir(args)), HostPeaks(PHASES, ram_files=args.files_dir) as peaks:
         train_config(cfg, family, rec, peaks)
@@ -385,25 +491,60 @@ def run_config(args, name: str, layout: str) -> None:
 
 
 def config_of(args, name: str, slab: Path, layout: str):
-    """The example config ``name`` on ``slab`` for ``--steps`` steps, with noise images at its largest resolution,
-    its encoders those of the family's Hub ID, in ``layout`` (:data:`LAYOUTS`)."""
+    """The example config ``name`` on ``slab`` for ``--steps`` steps, with noise images at its largest resolution (a
+    video family's: noise clips, :func:`write_clips`), its encoders those of the family's Hub ID, in ``layout``
+    (:data:`LAYOUTS`). ``--tiny``: 64 px, 16 text tokens, and a video config's windows :data:`TINY_FRAMES` frames."""
+    from squareq.train.clips import FAMILY_FPS
     from squareq.train.config import load_config
 
-    work = Path(args.workdir)
+    work, family = Path(args.workdir), CARDS[name][0]
     stamp = f"{name}-{time.time_ns()}"
-    overrides = {"slab": str(slab), "model": REPOS[CARDS[name][0]], "output": str(work / f"out-{stamp}"),
+    overrides = {"slab": str(slab), "model": REPOS[family], "output": str(work / f"out-{stamp}"),
                  "cache_dir": str(work / f"cache-{stamp}"),
                  "steps": args.steps, "save_every": 0, "sample_every": 0, "seed": 0}
     if args.tiny:
         overrides.update(resolution=64, max_sequence_length=16)
+        if family in FAMILY_FPS:
+            overrides.update(target_frames=[TINY_FRAMES], max_frames=TINY_FRAMES)
     if layout == "comfyui":
-        family = CARDS[name][0]
         overrides.update({flag: str(path) for flag, path in comfyui_files(hub_dir(args), family).items()})
     cfg = load_config(ROOT / "examples" / f"{name}.toml", overrides)
     res = max(cfg.resolution)
-    cfg.data = str(work / f"data-{res}")
-    write_data(Path(cfg.data), IMAGES, res)
+    if family in FAMILY_FPS:
+        frames = clip_frames(cfg.frame_settings, FAMILY_FPS[family])
+        cfg.data = str(work / f"clips-{res}x{frames}")
+        write_clips(Path(cfg.data), CLIPS, frames, res)
+    else:
+        cfg.data = str(work / f"data-{res}")
+        write_data(Path(cfg.data), IMAGES, res)
     return cfg
+
+
+def clip_frames(settings, family_fps: float) -> int:
+    """The frames a clip needs for the longest window ``settings`` cut (``max_frames`` for ``full``); with
+    ``source_fps``, frames are dropped to ``family_fps`` first, so enough more that the longest still fits."""
+    needed = settings.max_frames if settings.frame_extraction == "full" else max(settings.target_frames)
+    if settings.source_fps is None:
+        return needed
+    return math.ceil(needed * settings.source_fps / family_fps) + 1
+
+
+def write_clips(folder: Path, count: int, frames: int, side: int) -> None:
+    """``count`` noise clips as folders of ``frames`` PNG frames of ``side``² pixels, each named by the caption beside
+    it (``clip0/`` and ``clip0.txt``: docs/train.md, "Clips"); a clip whose caption is there was written whole."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        caption = folder / f"clip{i}.txt"
+        if caption.is_file():
+            continue
+        (folder / f"clip{i}").mkdir(parents=True, exist_ok=True)
+        for j in range(frames):
+            Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(
+                folder / f"clip{i}" / f"{j:04d}.png", compress_level=1)  # noise does not compress: spend no time
+        caption.write_text(f"a video of sample {i}, noise texture")  # last: the clip is whole
 
 
 def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:

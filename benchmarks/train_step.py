@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """LoRA training step time of a full-size transformer: SquareQ streaming vs its peers (issues 4 and 7).
 
-    python benchmarks/train_step.py [--family flux|flux2|qwen-image|wan] [--out DIR] [--workdir DIR] [--res 512 1024]
-                                    [--frames 49 81 --size 480x832] [--rank 16] [--targets attention]
+    python benchmarks/train_step.py [--family flux|flux2|qwen-image|wan|hunyuan-video] [--out DIR] [--workdir DIR]
+                                    [--res 512 1024] [--frames 49 81 --size 480x832] [--rank 16] [--targets attention]
                                     [--offload-activations off on]
                                     [--steps 5 --warmup 2] [--only slab,squareq,resident,compiled,bnb,group_offload]
                                     [--phase-timeout S] [--tiny] [--rotate]
@@ -12,8 +12,10 @@ The model is the family's diffusers class at its released config with seeded ran
 is FLUX.1-dev's ``FluxTransformer2DModel`` (11.9B), ``flux2`` FLUX.2-dev's ``Flux2Transformer2DModel``
 (diffusers' defaults: 8 double + 48 single blocks, 32B), ``qwen-image`` Qwen-Image's
 ``QwenImageTransformer2DModel`` (60 blocks, 20B), ``wan`` Wan 2.1-T2V-14B's ``WanTransformer3DModel`` (40 blocks,
-14.3B). Every setup trains LoRA rank 16 (``--rank``) on ``to_q,to_k,to_v,to_out.0`` (``--targets``: ``flux-default``,
-FLUX.1's default target set; ``attention-ffn``, Wan's attention and FFN) with AdamW (lr 1e-4),
+14.3B), ``hunyuan-video`` HunyuanVideo's ``HunyuanVideoTransformer3DModel`` (20 + 40 blocks, 13B; its slab only,
+``--only slab``, for benchmarks/cards.py). Every setup trains LoRA rank 16 (``--rank``) on
+``to_q,to_k,to_v,to_out.0`` (``--targets``: ``flux-default``, FLUX.1's default target set; ``attention-ffn``, Wan's
+attention and FFN) with AdamW (lr 1e-4),
 gradient checkpointing, batch 1, 512 text tokens, bf16
 autocast and an MSE loss against a random target; the step time is the median of ``--steps`` steps after
 ``--warmup`` steps. The FLUX.2, Qwen-Image and Wan inputs come from their family adapters' calibration inputs
@@ -95,8 +97,17 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, rope_max_seq_len=1024)
+# hunyuanvideo-community/HunyuanVideo's transformer/config.json (13B): its slab only (SLAB_ONLY), for cards.py
+HUNYUAN_VIDEO_13B = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
+                         num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
+                         patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096,
+                         pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
 FAMILIES = {"flux": ("FluxTransformer2DModel", FLUX_DEV), "flux2": ("Flux2Transformer2DModel", {}),
-            "qwen-image": ("QwenImageTransformer2DModel", {}), "wan": ("WanTransformer3DModel", WAN_14B)}
+            "qwen-image": ("QwenImageTransformer2DModel", {}), "wan": ("WanTransformer3DModel", WAN_14B),
+            "hunyuan-video": ("HunyuanVideoTransformer3DModel", HUNYUAN_VIDEO_13B)}
+# families whose slab is all this script makes (--only slab): their calibration inputs take square latents, not the
+# clips of --size
+SLAB_ONLY = ("hunyuan-video",)
 LORA_RANK = 16  # --rank
 # --targets: the attention projections (the diffusers script's set, SquareQ's default before issue 19), FLUX.1's
 # default now (squareq.models.flux.FLUX_LORA_TARGETS: every attention and MLP linear of both streams, as kohya's), or
@@ -1345,6 +1356,8 @@ def main() -> None:
     unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
+    if args.family in SLAB_ONLY and only != {"slab"}:
+        ap.error(f"--family {args.family}: its slab only (--only slab, as benchmarks/cards.py builds it)")
     pinned, graph_tokens = squareq_options(ap, args, cuda)
 
     commit = git_commit()

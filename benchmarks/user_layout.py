@@ -9,7 +9,8 @@ from pathlib import Path
 
 # the repository a family's pipeline is released as (its ID is what a user passes with --model)
 REPOS = {"flux": "black-forest-labs/FLUX.1-dev", "flux2": "black-forest-labs/FLUX.2-dev",
-         "qwen-image": "Qwen/Qwen-Image"}
+         "qwen-image": "Qwen/Qwen-Image", "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+         "hunyuan-video": "hunyuanvideo-community/HunyuanVideo"}
 COMMIT = "0000000000000000000000000000000000000000"  # the snapshot's stand-in revision (refs/main points at it)
 
 

@@ -328,12 +328,17 @@ def test_a_compile_cut_by_sigterm_resumes_from_its_state(tmp_path):
     assert not any((tmp_path / "state").iterdir())
 
 
-def test_a_median_step_leaves_out_the_steps_that_compiled(tmp_path):
-    """cards.py's step median: the first step and those in which torch.compile compiled are left out, so the arm that
-    runs first does not pay the other's compile; with every step compiling, all but the first count."""
+def _load_cards():
     spec = importlib.util.spec_from_file_location("benchmarks_cards_under_test", BENCHMARKS / "cards.py")
     cards = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cards)
+    return cards
+
+
+def test_a_median_step_leaves_out_the_steps_that_compiled(tmp_path):
+    """cards.py's step median: the first step and those in which torch.compile compiled are left out, so the arm that
+    runs first does not pay the other's compile; with every step compiling, all but the first count."""
+    cards = _load_cards()
     rows = [{"step": 1, "seconds": 40.0, "compile_s": 34.0}, {"step": 2, "seconds": 1.1, "compile_s": 0.0},
             {"step": 3, "seconds": 38.0, "compile_s": 37.0}, {"step": 4, "seconds": 1.2, "compile_s": 0.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -342,3 +347,25 @@ def test_a_median_step_leaves_out_the_steps_that_compiled(tmp_path):
         r["compile_s"] = 5.0
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["step"] for r in cards.step_rows(tmp_path)[1]] == [2, 3, 4]
+
+
+def test_a_video_configs_noise_clips_hold_its_longest_window(tmp_path):
+    """cards.py's noise clips for each video example config have frames enough that its longest window is cut from
+    them after source_fps drops frames to the family's rate; the data scan reads them as clips, not images."""
+    from squareq.train.clips import FAMILY_FPS, TEMPORAL_STRIDE, frame_count, resampled, windows
+    from squareq.train.config import load_config
+    from squareq.train.data import scan_dataset
+
+    cards = _load_cards()
+    video = {name: family for name, (family, _) in cards.CARDS.items() if family in FAMILY_FPS}
+    assert set(video) == {"wan2.1-t2v-14b-16gb", "wan2.1-t2v-14b-24gb", "wan2.2-ti2v-5b", "hunyuan-video-24gb"}
+    for name, family in video.items():
+        settings, _ = load_config(ROOT / "examples" / f"{name}.toml").frame_settings.for_family(family)
+        frames = cards.clip_frames(settings, FAMILY_FPS[family])
+        kept = len(resampled(frames, settings.source_fps, FAMILY_FPS[family])) if settings.source_fps else frames
+        assert max(n for _, n in windows(kept, settings, TEMPORAL_STRIDE[family])) == \
+            settings.longest(TEMPORAL_STRIDE[family]), name
+    cards.write_clips(tmp_path, 2, 7, 16)
+    data = scan_dataset(tmp_path, min_side=16, clips=True)
+    assert not data.items and not data.skipped
+    assert [(p.name, frame_count(p)) for p, _, _ in data.clips] == [("clip0", 7), ("clip1", 7)]
