@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ..compiler.ladder import DEFAULT_FORMATS, ladder
 from ..devices import describe
@@ -166,9 +167,10 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
                 where = encoder_source_for(source.encoder_source or source.description, source.family,
                                            source.skeleton().config, model=encoders, files=files)
                 opts.encoders = pinned(where).record()  # train and sample find the same encoders
+            resolution = _fitting_resolution(source, calib_resolution)
             with memory_cap(opts.vram_budget, opts.device):  # the encoders run on the GPU too
                 opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
-                                                       resolution=calib_resolution, device=opts.device,
+                                                       resolution=resolution, device=opts.device,
                                                        limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
                                                        echo=_compile_line, vram_budget=opts.vram_budget,
                                                        host_budget=opts.host_budget)
@@ -180,6 +182,26 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
                                    "out.")
         manifest = compile_slab(source, out, opts, progress=_compile_line, bar=sys.stderr.isatty())
     _say_written(out, manifest, opts.budget)
+
+
+def _fitting_resolution(source, asked: int) -> int:
+    """The calibration side: ``asked``, or where the model's positional embedding takes less (SD3's
+    ``pos_embed_max_size`` patches of 8x VAE pixels), the largest side it takes, said in a line; given as
+    ``--calib-resolution`` and too large, refused in one sentence naming that side."""
+    config = source.skeleton().config
+    patches = config.get("pos_embed_max_size")
+    if not patches:
+        return asked
+    largest = int(patches) * int(config.get("patch_size", 1)) * 8  # the family's VAE: 8 pixels a latent
+    if asked <= largest:
+        return asked
+    if click.get_current_context().get_parameter_source("calib_resolution") is not ParameterSource.DEFAULT:
+        raise click.UsageError(f"--calib-resolution {asked} is more than {source.description} takes: its positional "
+                               f"embedding covers {largest} px ({patches} patches of {config.get('patch_size', 1)} "
+                               f"latents of 8 pixels); give --calib-resolution {largest} or less.")
+    _compile_line(f"calibrating at {largest} px, not {asked}: {source.description}'s positional embedding covers "
+                  f"{largest} px (pos_embed_max_size {patches})")
+    return largest
 
 
 def _say_written(out: Path, manifest, budget: int) -> None:

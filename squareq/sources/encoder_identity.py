@@ -3,18 +3,25 @@ fp8 T5) never read entries another encoder wrote."""
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
 from ..slab.digest import content_key
+from .encoder_source import EncoderError
 
 
-def module_identity(module: torch.nn.Module, name: str, dtype: torch.dtype | None = None) -> str:
+class NonFiniteWeights(EncoderError):
+    """An encoder's weights hold NaN or Inf: every entry it computed would be NaN."""
+
+
+def module_identity(module: torch.nn.Module, name: str, dtype: torch.dtype | None = None, source: str = "") -> str:
     """A short, stable identity for an encoder: its class, config and every parameter's name, shape and a
     checksum of its values (float64 sum and sum of squares), so different weights give different keys. ``dtype``:
     the dtype it runs in, in which the values and the config's dtype are taken, as if it had been loaded in it: an
     encoder loaded in its file's own dtype and cast block by block (sources/encoder_files.py) keeps the key it had
-    when it was cast on load."""
+    when it was cast on load. The same sums check the weights: a tensor with NaN or Inf is refused
+    (:class:`NonFiniteWeights`), naming it and ``source``, where its file came from."""
     config = getattr(module, "config", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
     config = {k: v for k, v in config.items() if not str(k).startswith("_") and k != "transformers_version"}
@@ -24,6 +31,11 @@ def module_identity(module: torch.nn.Module, name: str, dtype: torch.dtype | Non
     with torch.no_grad():
         for pname, p in module.state_dict().items():
             total, squares = _sums(p.detach(), dtype if dtype is not None and p.is_floating_point() else None)
+            if not (math.isfinite(total) and math.isfinite(squares)):
+                raise NonFiniteWeights(
+                    f"the {name} of {source or 'the encoders'} holds NaN or Inf values in its tensor {pname}, so "
+                    "every latent or text embedding it computed would be NaN; replace that file (download or export "
+                    "it again) and run the command again.")
             sums.append([pname, list(p.shape), round(total, 6), round(squares, 6)])
     return content_key(name, type(module).__name__, json.loads(json.dumps(config, default=str)), sums)[:16]
 

@@ -68,7 +68,23 @@ def hub_ref(model: str | Path, revision: str | None = None) -> HubRef | None:
         validate_repo_id(m["repo"])
     except HFValidationError:
         return None
-    return HubRef(m["repo"], revision or m["revision"])
+    revision = revision or m["revision"]
+    if revision is not None and not _good_revision(revision):
+        raise ModelError(f"--revision {revision!r} of {m['repo']} is not a branch, tag or commit name (a revision "
+                         "has no '..', no leading '/' or '.', and none of ~^:?*[\\ or spaces); give a branch such as "
+                         "main, a tag, or a 40-hex commit.")
+    return HubRef(m["repo"], revision)
+
+
+# what git's check-ref-format refuses in a ref name, and so what no branch or tag on the Hub can hold: ".." (a path
+# out of the cache's folders), a part that starts with "." or ends with ".lock", "@{", control characters and
+# ~^:?*[\ and spaces
+_BAD_REVISION = re.compile(r"\.\.|@\{|//|[\x00-\x20\x7f~^:?*\[\\]|(^|/)\.|\.lock(/|$)|^/|/$|\.$")
+
+
+def _good_revision(revision: str) -> bool:
+    """Whether ``revision`` can be a branch, tag or commit of a Hub repository (and so a safe path part)."""
+    return bool(revision) and len(revision) <= 255 and _BAD_REVISION.search(revision) is None
 
 
 def like_recorded(ref: HubRef, recorded: str) -> HubRef:

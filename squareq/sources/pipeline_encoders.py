@@ -61,7 +61,7 @@ class PipelineEncoders:
     """A family pipeline's VAE and text encoders, for the cache."""
 
     def __init__(self, pipe, family: str, device: torch.device, dtype: torch.dtype,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, source: str = "") -> None:
         self.pipeline, self.family = pipe, family
         self.recipe = ADAPTERS[family].recipe
         self.device, self.dtype = device, dtype
@@ -71,9 +71,9 @@ class PipelineEncoders:
                                f"knows {', '.join(IMAGE_VAES + VIDEO_VAES)}.")
         self.video_vae = vae in VIDEO_VAES
         where = dtype_tag(dtype)
-        self.vae_identity = module_identity(pipe.vae, "vae") + where
-        self.text_identity = family + "".join(module_identity(getattr(pipe, n), n, dtype) for n in TEXT_ENCODERS
-                                              if getattr(pipe, n, None) is not None) + where
+        self.vae_identity = module_identity(pipe.vae, "vae", source=source) + where
+        self.text_identity = family + "".join(module_identity(getattr(pipe, n), n, dtype, source)
+                                              for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None) + where
         self.placement = placement
 
     @torch.no_grad()
@@ -140,7 +140,7 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     mapped = as_loaded(mapped, before, pipe, ("vae", *TEXT_ENCODERS), dtype)
     try:
         with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run, mapped) as placement:
-            yield PipelineEncoders(pipe, family, device, dtype, placement)
+            yield PipelineEncoders(pipe, family, device, dtype, placement, str(source))
     finally:
         for name in ("vae", *TEXT_ENCODERS):
             setattr(pipe, name, None)

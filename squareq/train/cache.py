@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..slab.atomic import atomic_write_bytes
 from ..slab.digest import DigestError, hashed_safetensors, read_hashed
 
 KINDS = ("latents", "text")
+DEBRIS_AGE_S = 60  # a temporary file older than this is a killed writer's, not a live one's
 ENCODERS_FILE = "encoders.json"
 
 
@@ -37,7 +39,23 @@ class EmbeddingCache:
         self.echo = echo or (lambda line: print(line, file=sys.stderr))  # a re-encoded entry is said
         for kind in KINDS:
             (self.root / kind).mkdir(parents=True, exist_ok=True)
+        self.removed = self._remove_debris()
         self.computed = 0  # entries written by this object (tests and progress lines read it)
+
+    def _remove_debris(self) -> int:
+        """Remove the temporary files a killed fill left (``.<entry>.<hex>.tmp``, atomic_write_bytes'): none is ever
+        read, but each held disk. Only those a minute old: another process filling this cache now may be writing
+        one."""
+        now, removed = time.time(), 0
+        for folder in (self.root, *(self.root / kind for kind in KINDS)):
+            for path in folder.glob(".*.tmp"):
+                try:
+                    if now - path.stat().st_mtime > DEBRIS_AGE_S:
+                        path.unlink()
+                        removed += 1
+                except OSError:
+                    continue  # gone already, or not ours to remove: the cache works without it
+        return removed
 
     def path(self, kind: str, key: str) -> Path:
         if kind not in KINDS:

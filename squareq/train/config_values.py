@@ -201,6 +201,9 @@ def _check_adapter(cfg, bad: Bad) -> None:
     if not isinstance(cfg.lokr_factor, int) or isinstance(cfg.lokr_factor, bool) \
             or not (cfg.lokr_factor == -1 or cfg.lokr_factor >= 1):
         raise bad("lokr_factor", "must be -1 (balanced) or a whole number of at least 1")
+    if cfg.lokr_factor != -1 and cfg.lora_type != "lokr":  # ignored, it would train another adapter than asked
+        raise bad("lokr_factor", f"sets LoKr's Kronecker factor, and lora_type is {cfg.lora_type}; set lora_type = "
+                                 "\"lokr\" or remove lokr_factor")
     if cfg.lora_type == "lora":
         if cfg.save_format is not None and "peft" in cfg.save_format:
             raise bad("save_format", "names peft, the folder LoKr and LoHa are written as; a LoRA is written as "

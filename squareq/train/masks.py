@@ -17,19 +17,22 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
-from .data import IMAGE_EXTENSIONS, cover_crop
+from .data import IMAGE_EXTENSIONS, DataError, cover_crop
 
 log = logging.getLogger("squareq.train")
 
 ALPHA = "alpha"  # the mask is the image's own alpha channel
+MAX_MASK_PIXELS = 89_478_485  # PIL's MAX_IMAGE_PIXELS (it warns past it, raises at twice it): our sentence first
 LOSS_MASK = "loss_mask"  # a latent cache entry's mask, handed to the loss with the batch (train/feed.py)
 
 
 def mask_sources(items, root: Path, alpha_mask: bool, mask_dir: str | None) -> list[Path | str | None]:
     """Each item's mask: :data:`ALPHA`, the mask file in ``mask_dir`` with the item's path relative to ``root``
-    (any image extension), or None (trained unmasked; one warning lists how many)."""
+    (any image extension), or None (trained unmasked; one warning lists how many). Each mask is read once here
+    (:func:`check_masks`): one that cannot be read is refused naming it, a black one is named in a warning, and
+    masks that are all black are refused, since the run would train nothing."""
     if alpha_mask:
-        return [ALPHA] * len(items)
+        return check_masks(items, [ALPHA] * len(items))
     if not mask_dir:
         return [None] * len(items)
     folder = Path(mask_dir).expanduser()
@@ -44,7 +47,56 @@ def mask_sources(items, root: Path, alpha_mask: bool, mask_dir: str | None) -> l
         log.warning("mask_dir %s has no mask for %d of %d training images (e.g. %s, looked for as %s); they train "
                     "unmasked.", folder, len(missing), len(items), missing[0].path,
                     folder / Path(missing[0].path).relative_to(root))
-    return found
+    return check_masks(items, found)
+
+
+def check_masks(items, sources: list) -> list:
+    """``sources`` (each item's mask, :func:`mask_sources`), each read for its brightest pixel: a mask that cannot
+    be read is refused in one sentence naming it; black ones are named in a warning (those images train nothing),
+    and all black refused (the run would train nothing); with ``alpha_mask``, images without an alpha channel are
+    named in a warning (they train everywhere)."""
+    black, opaque, read = [], [], 0
+    for item, source in zip(items, sources, strict=True):
+        if source is None:
+            continue
+        brightest, has_alpha = _brightest(item.path, source)
+        read += 1
+        if brightest == 0:
+            black.append(source if source != ALPHA else item.path)
+        if source == ALPHA and not has_alpha:
+            opaque.append(item.path)
+    if opaque:
+        log.warning("alpha_mask: %d of %d images have no alpha channel (e.g. %s), so all of each trains; save them "
+                    "with transparency where they should not, or give masks with mask_dir.", len(opaque), read,
+                    opaque[0])
+    if black and len(black) == read:
+        raise DataError(f"every one of the {read} loss masks is black (e.g. {black[0]}), so masked_loss would train "
+                        "nothing: white (or opaque) is where the loss counts; fix the masks or train without "
+                        "masked_loss.")
+    if black:
+        log.warning("%d of %d loss masks are black (e.g. %s): those images train nothing; white (or opaque) is where "
+                    "the loss counts.", len(black), read, black[0])
+    return sources
+
+
+def _brightest(image: Path, source: Path | str) -> tuple[int, bool]:
+    """The largest value of ``image``'s mask (its alpha, or the file ``source``), and whether it has an alpha
+    channel; a file that cannot be read is one sentence naming it."""
+    path = image if source == ALPHA else Path(source)
+    try:
+        with Image.open(path) as img:
+            if img.width * img.height > MAX_MASK_PIXELS:
+                raise DataError(f"the mask {path} is {img.width}x{img.height} pixels, more than SquareQ reads "
+                                f"({MAX_MASK_PIXELS // 10**6} million); give a mask the size of its image.")
+            if source != ALPHA:
+                return int(img.convert("L").getextrema()[1]), False
+            has_alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info
+            return (int(img.convert("RGBA").getchannel("A").getextrema()[1]) if has_alpha else 255), has_alpha
+    except DataError:
+        raise
+    except Exception as exc:  # any decode failure (OSError, SyntaxError, PIL's DecompressionBombError ...)
+        raise DataError(f"the mask {path} cannot be read ({type(exc).__name__}: {str(exc)[:120]}); replace it with a "
+                        "greyscale image, or remove it to train that image unmasked.") from None
 
 
 def load_mask(image: Path, source: Path | str, bucket: tuple[int, int]) -> torch.Tensor:

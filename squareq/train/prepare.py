@@ -115,6 +115,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo)
     keys = None
     if encode:
+        masks = _masks(cfg, dataset, items) + held_masks  # read (and refused) before the encoders load
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
         with open_encoders(encoder_source, device, model.family, FrozenDict(model.config),
@@ -128,7 +129,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
                            | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
                                flipped=len(items) if cfg.flip_aug else 0,
-                               masks=_masks(cfg, dataset, items) + held_masks, progress=progress)
+                               masks=masks, progress=progress)
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)

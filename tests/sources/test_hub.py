@@ -169,3 +169,15 @@ def test_hub_refusals_are_one_sentence(error, words, monkeypatch, tmp_path):
         hub.fetch(HubRef("org/name", "v9"), hub.MODEL_FILES)
     one_sentence(err, *words)
     hub._fetch.cache_clear()
+
+
+@pytest.mark.parametrize("revision", ["..", "../../../../pipe", ".hidden", "a..b", "main/", "x y", "v1.lock", "a:b"])
+def test_a_revision_that_no_branch_can_be_is_refused_in_one_sentence(revision):
+    """The third audit: a revision of ``..`` reached the cache's folders as a path. It is refused before any file is
+    read, naming it; branches with slashes, tags and commits still pass (the positive control)."""
+    with pytest.raises(ModelError, match="is not a branch, tag or commit name"):
+        hub_ref("owner/name", revision)
+    with pytest.raises(ModelError, match="is not a branch, tag or commit name"):
+        hub_ref(f"owner/name@{revision}") if " " not in revision else hub_ref("owner/name", revision)
+    for good in ("main", "refs/pr/3", "v1.0", "0123456789abcdef0123456789abcdef01234567"):
+        assert hub_ref("owner/name", good) == HubRef("owner/name", good)

@@ -124,3 +124,23 @@ def test_a_damaged_entry_is_encoded_again_with_a_line_saying_so(tmp_path, damage
     else:
         assert made == 1 and len(lines) == 1 and keys[1] in lines[0] and "encoding it again" in lines[0]
     assert torch.equal(cache.load("text", keys[1])["embeds"], torch.full((2, 3), 5.0))
+
+
+def test_a_killed_fills_temporary_files_are_removed_by_the_next_run(tmp_path):
+    """The third audit: a killed `squareq cache` left hidden .tmp files that no rerun removed. The next cache object
+    removes those older than a minute; a fresh one (a live writer's, the negative control) and the entries stay."""
+    import os
+    import time
+
+    cache = EmbeddingCache(tmp_path)
+    cache.store("text", "k", {"x": torch.ones(2)})
+    old = [tmp_path / "text" / ".k2.safetensors.0badc0de.tmp", tmp_path / ".pairs.json.12345678.tmp"]
+    fresh = tmp_path / "latents" / ".k3.safetensors.feedbeef.tmp"
+    for path in (*old, fresh):
+        path.write_bytes(b"half an entry")
+    stale = time.time() - 3600
+    for path in old:
+        os.utime(path, (stale, stale))
+    again = EmbeddingCache(tmp_path)
+    assert again.removed == 2 and not any(p.exists() for p in old)
+    assert fresh.exists() and torch.equal(again.load("text", "k")["x"], torch.ones(2))

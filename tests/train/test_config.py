@@ -322,3 +322,13 @@ def test_kohya_schedule_keys_are_read_and_an_unknown_schedule_is_one_sentence(tm
         path.write_text(f"steps = 10\n{bad}\n")
         with pytest.raises(ConfigError, match=bad.split()[0]):
             load_config(path)
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha"])
+def test_an_option_of_another_adapter_is_refused_by_name(kind):
+    """The third audit: a LoKr factor on a plain LoRA was ignored, training another adapter than asked. It is refused
+    naming the key; on a LoKr it is taken (the positive control)."""
+    with pytest.raises(ConfigError, match=f"lokr_factor = 4 sets LoKr's Kronecker factor, and lora_type is {kind}"):
+        load_config(None, {"lora_type": kind, "lokr_factor": 4})
+    assert load_config(None, {"lora_type": "lokr", "lokr_factor": 4}).lokr_factor == 4
+    assert load_config(None, {"lora_type": kind}).lokr_factor == -1

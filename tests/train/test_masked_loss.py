@@ -166,3 +166,64 @@ def test_kohyas_conditioning_data_dir_is_the_mask_folder(tmp_path, slab):
     toml.write_text(f'masked_loss = true\nconditioning_data_dir = "{tmp_path}"\nnetwork_dim = 4\n')
     cfg = load_config(toml, {"slab": str(slab), "data": str(tmp_path), "output": str(tmp_path / "out")})
     assert cfg.masked_loss and cfg.mask_dir == str(tmp_path) and cfg.rank == 4
+
+
+def _masked(tmp_path, values):
+    """The three images of :func:`_dataset` with masks of grey ``values`` (None: no mask file)."""
+    _dataset(tmp_path / "data")
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for i, value in enumerate(values):
+        if value is not None:
+            Image.new("L", (64, 64), value).save(masks / f"img{i}.png")
+    return masks
+
+
+def test_black_masks_are_named_and_all_black_ones_refused(tmp_path, slab, caplog):
+    """The third audit: all-black masks trained nothing (loss 0, grad norm 0, exit 0). Refused before the cache
+    fills, naming a mask; one black mask among others is named in a warning and the run goes on (positive control)."""
+    from squareq.train.data import DataError
+    from squareq.train.loop import train
+
+    masks = _masked(tmp_path, [0, 0, 0])
+    with pytest.raises(DataError, match=r"every one of the 3 loss masks is black \(e\.g\. .*img0\.png\)"):
+        train(_config(tmp_path, slab, masked_loss=True, mask_dir=str(masks)), echo=lambda s: None)
+    assert not (tmp_path / "cache" / "latents").exists() or not any((tmp_path / "cache" / "latents").iterdir())
+    Image.new("L", (64, 64), 255).save(masks / "img2.png")
+    assert train(_config(tmp_path, slab, masked_loss=True, mask_dir=str(masks)), echo=lambda s: None).steps == 2
+    assert any("2 of 3 loss masks are black" in r.getMessage() and "img0.png" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_an_alpha_mask_without_alpha_is_named(tmp_path, slab, caplog):
+    from squareq.train.masks import mask_sources
+
+    data = _dataset(tmp_path / "data")
+    Image.new("RGB", (64, 64), (9, 9, 9)).save(data / "img1.png")  # the RGB one
+    items = [type("I", (), {"path": data / f"img{i}.png"})() for i in range(3)]
+    assert mask_sources(items, data, True, None) == [ALPHA] * 3
+    said = [r.getMessage() for r in caplog.records if "no alpha channel" in r.getMessage()]
+    assert len(said) == 1 and "1 of 3 images" in said[0] and "img1.png" in said[0]
+    caplog.clear()
+    _rgba(data / "img1.png")  # the negative control: every image has alpha, nothing is said
+    mask_sources(items, data, True, None)
+    assert not [r for r in caplog.records if "no alpha channel" in r.getMessage()]
+
+
+def test_a_mask_that_cannot_be_read_or_is_too_large_is_one_sentence(tmp_path, monkeypatch):
+    """An unreadable mask said "training failed at the output", naming no file; a decompression bomb was PIL's
+    exception. Both are one sentence naming the mask now; a readable one of a sane size passes."""
+    from squareq.train import masks as mask_module
+    from squareq.train.data import DataError
+
+    folder = _masked(tmp_path, [255, 255, 255])
+    items = [type("I", (), {"path": tmp_path / "data" / f"img{i}.png"})() for i in range(3)]
+    assert mask_module.mask_sources(items, tmp_path / "data", False, str(folder))[0] == folder / "img0.png"
+    monkeypatch.setattr(mask_module, "MAX_MASK_PIXELS", 64 * 64 - 1)
+    with pytest.raises(DataError, match=r"the mask .*img0\.png is 64x64 pixels, more than SquareQ reads"):
+        mask_module.mask_sources(items, tmp_path / "data", False, str(folder))
+    monkeypatch.undo()
+    (folder / "img1.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    with pytest.raises(DataError, match=r"the mask .*img1\.png cannot be read \(") as refused:
+        mask_module.mask_sources(items, tmp_path / "data", False, str(folder))
+    assert str(refused.value).count(". ") == 0
