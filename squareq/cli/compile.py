@@ -167,10 +167,9 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
                 where = encoder_source_for(source.encoder_source or source.description, source.family,
                                            source.skeleton().config, model=encoders, files=files)
                 opts.encoders = pinned(where).record()  # train and sample find the same encoders
-            resolution = _fitting_resolution(source, calib_resolution)
             with memory_cap(opts.vram_budget, opts.device):  # the encoders run on the GPU too
-                opts.calib_images = calibration_images(source, data=calib_data, encoders=where,
-                                                       resolution=resolution, device=opts.device,
+                opts.calib_images = calibration_images(source, data=calib_data, encoders=where, device=opts.device,
+                                                       resolution=_fitting_resolution(source, calib_resolution),
                                                        limit=calib_samples or DEFAULT_IMAGE_SAMPLES, seed=opts.seed,
                                                        echo=_compile_line, vram_budget=opts.vram_budget,
                                                        host_budget=opts.host_budget)
