@@ -99,6 +99,34 @@ def most_slab_bytes(skeleton, block_paths, specs) -> int:
     return resident + fixed + most + (1 << 20)
 
 
+def least_block_bytes(skeleton, block_paths, specs) -> dict[str, int]:
+    """Each block's fewest bytes, from ``skeleton``'s shapes alone: its layers at their smallest rung among ``specs``
+    and its other tensors as stored (a lower bound on what the plan can make of it)."""
+    from torch import nn
+
+    out = {}
+    for path in block_paths:
+        block = skeleton.get_submodule(path)
+        linear = {f"{n}.weight": tuple(m.weight.shape) for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+        out[path] = sum(min(layout_bytes(spec, linear[name]) for spec in specs) if name in linear
+                        else align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
+                        for name, t in block.state_dict().items())
+    return out
+
+
+def check_block_cap(cap: int | None, skeleton, block_paths, specs) -> None:
+    """Refuse, before anything is measured, a ``--max-block-bytes`` below a block's fewest bytes."""
+    if cap is None:
+        return
+    least = least_block_bytes(skeleton, block_paths, specs)
+    path = max(least, key=least.get)
+    if least[path] > cap:
+        raise BudgetError(f"--max-block-bytes {cap:,} cannot hold block {path}, which takes more than "
+                          f"{least[path]:,} bytes with every layer at the smallest rung of --formats (the transforms "
+                          "add a little per layer); raise --max-block-bytes above that, or offer a smaller rung in "
+                          "--formats.")
+
+
 def check_least_budget(budget: int, skeleton, block_paths, specs) -> None:
     """Refuse, before anything is measured, a ``--budget`` below :func:`least_slab_bytes`."""
     resident, fixed, layers = least_slab_bytes(skeleton, block_paths, specs)

@@ -13,11 +13,11 @@ from torch import nn
 
 from ..slab.writer import stored_tensor
 from ..sources import Source
-from .budget import BudgetError, check_least_budget
+from .budget import BudgetError, check_block_cap, check_least_budget
 from .calibration_pass import CalibrationPass, on_device
 from .chunks import BatchAxes, batched_kwargs, probe_batch_axes
 from .disk import check_disk, estimate_disk
-from .host_plan import HostPlan, estimate_host, plan_host
+from .host_plan import HostPlan, check_least_host, estimate_host, plan_host
 from .inputs import calibration_batch
 from .ladder import rung_specs
 from .options import CompileOptions
@@ -92,11 +92,14 @@ def set_up(source: Source, out: Path, opts: CompileOptions, progress: CompilePro
 
 
 def check_budget(source: Source, opts: CompileOptions) -> None:
-    """Refuse, from the shapes alone, a ``--budget`` no slab of ``source`` fits: before any encoder or calibration
-    runs (a rebuild is not checked: it may keep rungs its ``--formats`` no longer offers)."""
+    """Refuse, from the shapes alone, a ``--budget`` no slab of ``source`` fits, or a ``--max-block-bytes`` no block
+    fits: before any encoder or calibration runs (a rebuild is not checked: it may keep rungs its ``--formats`` no
+    longer offers)."""
     if opts.previous is None:
-        check_least_budget(opts.budget, source.skeleton(), source.block_paths,
-                           rung_specs(opts.formats, opts.group_size))
+        specs = rung_specs(opts.formats, opts.group_size)
+        check_least_budget(opts.budget, source.skeleton(), source.block_paths, specs)
+        check_block_cap(opts.max_block_bytes, source.skeleton(), source.block_paths, specs)
+    check_least_host(opts.host_budget, opts.device)
 
 
 def _block_cap(opts: CompileOptions, residents: dict) -> int | None:

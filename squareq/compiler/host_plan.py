@@ -257,6 +257,16 @@ def plan_host(needs: HostNeeds | None, budget: int | None, vram: VramPlan, folde
     raise BudgetError(_too_small(needs, budget, flag, default))
 
 
+def check_least_host(budget: int | None, device, flag: str = "--host-budget") -> None:
+    """Refuse, before any encoder runs, a host budget below what the process itself takes (:data:`PROCESS_CPU`,
+    :data:`PROCESS_CUDA`): no plan fits it, and the exact least is only known once calibration has its batch."""
+    process = PROCESS_CPU if torch.device(device).type == "cpu" else PROCESS_CUDA
+    if budget is not None and budget < process:
+        raise BudgetError(f"{flag} {format_size(budget)} cannot hold the compile's host memory: the process itself "
+                          f"takes about {format_size(process)} before any tensor of the compile; give it more than "
+                          "that (the plan, once calibration has its batch, names the least that works).")
+
+
 def _too_small(needs: HostNeeds, budget: int, flag: str, default: str) -> str:
     least = needs.least
     given = f"{flag} {format_size(budget)}" if not default else \

@@ -155,3 +155,39 @@ def test_the_smallest_slab_bound_is_below_a_real_slab_with_every_layer_at_the_sm
     size = (out / "slab.safetensors").stat().st_size
     assert resident > 0 and fixed > 0 and layers > 0
     assert resident + fixed + layers <= size < 2 * (resident + fixed + layers), (resident, fixed, layers, size)
+
+
+def test_a_block_cap_no_block_fits_is_refused_before_anything_is_measured(tmp_path):
+    """The third audit: an impossible --max-block-bytes was refused only after the encoders and the whole search ran,
+    leaving a state folder. Refused from the shapes now, naming the block; a cap above the bound goes on to the
+    encoders (the positive control: it reaches calibration)."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "t.slab"
+    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "2", "--calib-resolution",
+            "64", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
+    result = CliRunner().invoke(main, [*args, "--max-block-bytes", "1KB"])
+    assert result.exit_code == 1 and "--max-block-bytes 1,000 cannot hold block transformer_blocks." in result.output
+    assert "encoding" not in result.output and "calibrating" not in result.output
+    assert not out.exists() and not (tmp_path / "t.slab.state").exists()
+    result = CliRunner().invoke(main, [*args, "--max-block-bytes", "200KB"])
+    assert result.exit_code == 0 and "calibrating" in result.output, result.output[-1500:]
+
+
+def test_a_host_budget_below_the_process_is_refused_before_the_encoders(tmp_path):
+    """The third audit: an impossible --host-budget was refused only after the calibration images were encoded. Below
+    what the process itself takes, it is refused before; a budget above it reaches calibration (positive control)."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "t.slab"
+    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "2", "--calib-resolution",
+            "64", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
+    result = CliRunner().invoke(main, [*args, "--host-budget", "1KB"])
+    assert result.exit_code == 1 and "--host-budget 1.00 KB cannot hold the compile's host memory" in result.output
+    assert "encoding" not in result.output and not out.exists() and not (tmp_path / "t.slab.state").exists()
+    result = CliRunner().invoke(main, [*args, "--host-budget", "8GB"])
+    assert result.exit_code == 0 and "calibrating" in result.output, result.output[-1500:]
