@@ -114,17 +114,40 @@ def least_block_bytes(skeleton, block_paths, specs) -> dict[str, int]:
     return out
 
 
+def largest_least_block(skeleton, block_paths, specs) -> tuple[str, int]:
+    """The block with the most bytes at the smallest rung (:func:`least_block_bytes`), and those bytes."""
+    least = least_block_bytes(skeleton, block_paths, specs)
+    path = max(least, key=least.get)
+    return path, least[path]
+
+
 def check_block_cap(cap: int | None, skeleton, block_paths, specs) -> None:
     """Refuse, before anything is measured, a ``--max-block-bytes`` below a block's fewest bytes."""
     if cap is None:
         return
-    least = least_block_bytes(skeleton, block_paths, specs)
-    path = max(least, key=least.get)
-    if least[path] > cap:
-        raise BudgetError(f"--max-block-bytes {cap:,} cannot hold block {path}, which takes more than "
-                          f"{least[path]:,} bytes with every layer at the smallest rung of --formats (the transforms "
-                          "add a little per layer); raise --max-block-bytes above that, or offer a smaller rung in "
-                          "--formats.")
+    path, least = largest_least_block(skeleton, block_paths, specs)
+    if least > cap:
+        raise BudgetError(f"--max-block-bytes {cap:,} cannot hold block {path}, which takes more than {least:,} bytes "
+                          "with every layer at the smallest rung of --formats (the transforms add a little per "
+                          "layer); raise --max-block-bytes above that, or offer a smaller rung in --formats.")
+
+
+def check_vram_cap(cap: int | None, slots: int, skeleton, block_paths, specs) -> None:
+    """Refuse, before anything is measured, a ``--vram-cap`` below the resident tensors and ``slots`` ring slots of
+    the largest block at its fewest bytes."""
+    if cap is None:
+        return
+    prefixes = tuple(p + "." for p in block_paths)  # the resident tensors as the runtime holds them, unaligned
+    resident = sum(t.numel() * (2 if t.is_floating_point() else t.element_size())
+                   for n, t in skeleton.state_dict().items() if not n.startswith(prefixes))
+    path, least = largest_least_block(skeleton, block_paths, specs)
+    slots = max(slots, 1)
+    need = resident + slots * least
+    if cap < need:
+        raise BudgetError(f"--vram-cap {cap:,} cannot hold the resident tensors ({resident:,} bytes) and {slots} ring "
+                          f"slots of block {path}, which takes more than {least:,} bytes with every layer at the "
+                          f"smallest rung of --formats: more than {need:,} bytes in all; raise --vram-cap above that, "
+                          "or offer a smaller rung in --formats.")
 
 
 def check_least_budget(budget: int, skeleton, block_paths, specs) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..slab.writer import stored_tensor
 from ..sources import Source
-from .budget import BudgetError, check_block_cap, check_least_budget
+from .budget import BudgetError, check_block_cap, check_least_budget, check_vram_cap
 from .calibration_pass import CalibrationPass, on_device
 from .chunks import BatchAxes, batched_kwargs, probe_batch_axes
 from .disk import check_disk, estimate_disk
@@ -99,6 +99,7 @@ def check_budget(source: Source, opts: CompileOptions) -> None:
         specs = rung_specs(opts.formats, opts.group_size)
         check_least_budget(opts.budget, source.skeleton(), source.block_paths, specs)
         check_block_cap(opts.max_block_bytes, source.skeleton(), source.block_paths, specs)
+        check_vram_cap(opts.vram_cap, opts.ring_slots, source.skeleton(), source.block_paths, specs)
     check_least_host(opts.host_budget, opts.device)
 
 

@@ -191,3 +191,22 @@ def test_a_host_budget_below_the_process_is_refused_before_the_encoders(tmp_path
     assert "encoding" not in result.output and not out.exists() and not (tmp_path / "t.slab.state").exists()
     result = CliRunner().invoke(main, [*args, "--host-budget", "8GB"])
     assert result.exit_code == 0 and "calibrating" in result.output, result.output[-1500:]
+
+
+def test_a_vram_cap_no_ring_of_blocks_fits_is_refused_before_the_encoders(tmp_path):
+    """The third audit: a --vram-cap above the resident tensors but below two ring slots of a block was refused only
+    after the whole search. Refused from the shapes now, naming the least; a cap above it compiles (positive
+    control)."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+
+    out = tmp_path / "t.slab"
+    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "2", "--calib-resolution",
+            "64", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
+    result = CliRunner().invoke(main, [*args, "--vram-cap", "150KB"])
+    assert result.exit_code == 1 and "--vram-cap 150,000 cannot hold the resident tensors" in result.output
+    assert "2 ring slots of block transformer_blocks." in result.output
+    assert "encoding" not in result.output and not (tmp_path / "t.slab.state").exists()
+    result = CliRunner().invoke(main, [*args, "--vram-cap", "400KB"])
+    assert result.exit_code == 0, result.output[-1500:]

@@ -282,7 +282,7 @@ def test_generic_mode_compiles_a_transformers_encoder(tmp_path):
     (["tiny-flux", "--budget", "1GB", "--formats", ""], "--formats (empty): name each rung once"),
     (["tiny-flux", "--budget", "1GB", "--min-bits", "6"], "--min-bits and --max-bits are gone: name the rungs with"),
     (["tiny-flux", "--budget", "1GB", "--vram-cap", "1KB", "--calib-samples", "4", "--calib-resolution", "64",
-      "--rounding", "nearest", "--effect-probes", "1"], "does not even hold the resident tensors"),
+      "--rounding", "nearest", "--effect-probes", "1"], "--vram-cap 1,000 cannot hold the resident tensors"),
 ])
 def test_bad_input_gets_one_clear_sentence(tmp_path, args, message):
     result = CliRunner().invoke(main, ["compile", *args[:1], "-o", str(tmp_path / "x.slab"), *args[1:]])
