@@ -63,26 +63,43 @@ def candidate_bytes(c) -> int:
 MANIFEST_PER_LAYER = 8 << 10
 
 
+def _stored_bytes(t) -> int:
+    """Bytes of a tensor outside the quantized layers as the slab and the runtime hold it (floating ones in bf16)."""
+    return t.numel() * (2 if t.is_floating_point() else t.element_size())
+
+
+def _shape_parts(skeleton, block_paths, specs):
+    """From ``skeleton``'s shapes alone, per tensor: (the block it belongs to, None for a resident one; its fewest
+    bytes; its most bytes; whether it is a linear layer's weight). A layer's weight at its smallest rung among
+    ``specs`` and at its largest with smoothing's scales and its manifest entry; any other tensor as stored; each
+    256-aligned as the slab stores it."""
+    from torch import nn
+
+    weights = {f"{name}.weight": tuple(m.weight.shape) for path in block_paths
+               for name, m in skeleton.get_submodule(path).named_modules(prefix=path) if isinstance(m, nn.Linear)}
+    prefixes = [(p + ".", p) for p in block_paths]
+    for name, t in skeleton.state_dict().items():
+        block = next((path for prefix, path in prefixes if name.startswith(prefix)), None)
+        if name in weights:
+            yield (block, min(layout_bytes(spec, weights[name]) for spec in specs),
+                   max(layer_candidate_bytes(spec, weights[name]) for spec in specs) + MANIFEST_PER_LAYER, True)
+        else:
+            stored = align_up(_stored_bytes(t))
+            yield block, stored, stored, False
+
+
 def slab_bounds(skeleton, block_paths, specs) -> tuple[int, int, int, int]:
     """From ``skeleton``'s shapes alone: (the resident tensors, the blocks' other tensors, every layer at its smallest
     rung among ``specs``, every layer at its largest with smoothing's scales and its manifest entry), each 256-aligned
     as the slab stores it (floating tensors in bf16)."""
-    from torch import nn
-
-    prefixes = tuple(p + "." for p in block_paths)
-    weights = {f"{name}.weight": tuple(m.weight.shape) for path in block_paths
-               for name, m in skeleton.get_submodule(path).named_modules(prefix=path) if isinstance(m, nn.Linear)}
     resident = fixed = least = most = 0
-    for name, t in skeleton.state_dict().items():
-        if name in weights:
-            least += min(layout_bytes(spec, weights[name]) for spec in specs)
-            most += max(layer_candidate_bytes(spec, weights[name]) for spec in specs) + MANIFEST_PER_LAYER
-            continue
-        stored = align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
-        if name.startswith(prefixes):
-            fixed += stored
+    for block, fewest, largest, layer in _shape_parts(skeleton, block_paths, specs):
+        if layer:
+            least, most = least + fewest, most + largest
+        elif block is None:
+            resident += fewest
         else:
-            resident += stored
+            fixed += fewest
     return resident, fixed, least, most
 
 
@@ -102,15 +119,10 @@ def most_slab_bytes(skeleton, block_paths, specs) -> int:
 def least_block_bytes(skeleton, block_paths, specs) -> dict[str, int]:
     """Each block's fewest bytes, from ``skeleton``'s shapes alone: its layers at their smallest rung among ``specs``
     and its other tensors as stored (a lower bound on what the plan can make of it)."""
-    from torch import nn
-
-    out = {}
-    for path in block_paths:
-        block = skeleton.get_submodule(path)
-        linear = {f"{n}.weight": tuple(m.weight.shape) for n, m in block.named_modules() if isinstance(m, nn.Linear)}
-        out[path] = sum(min(layout_bytes(spec, linear[name]) for spec in specs) if name in linear
-                        else align_up(t.numel() * (2 if t.is_floating_point() else t.element_size()))
-                        for name, t in block.state_dict().items())
+    out = dict.fromkeys(block_paths, 0)
+    for block, fewest, _, _ in _shape_parts(skeleton, block_paths, specs):
+        if block is not None:
+            out[block] += fewest
     return out
 
 
@@ -138,8 +150,7 @@ def check_vram_cap(cap: int | None, slots: int, skeleton, block_paths, specs) ->
     if cap is None:
         return
     prefixes = tuple(p + "." for p in block_paths)  # the resident tensors as the runtime holds them, unaligned
-    resident = sum(t.numel() * (2 if t.is_floating_point() else t.element_size())
-                   for n, t in skeleton.state_dict().items() if not n.startswith(prefixes))
+    resident = sum(_stored_bytes(t) for n, t in skeleton.state_dict().items() if not n.startswith(prefixes))
     path, least = largest_least_block(skeleton, block_paths, specs)
     slots = max(slots, 1)
     need = resident + slots * least

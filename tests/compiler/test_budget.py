@@ -1,8 +1,12 @@
 """The budget's sizes and the planner (compiler/plan.py) on hand-made measurements."""
 import pytest
+from click.testing import CliRunner
 
+from squareq.cli import main
 from squareq.compiler.budget import BudgetError, parse_size
 from squareq.compiler.plan import HYSTERESIS, LayerOptions, PlanError, make_plan
+
+from .test_vram import tiny_compile_args
 
 
 @pytest.mark.parametrize("text, n", [("12GB", 12 * 10**9), ("11.5GiB", int(11.5 * 2**30)), ("800MB", 800 * 10**6),
@@ -161,13 +165,8 @@ def test_a_block_cap_no_block_fits_is_refused_before_anything_is_measured(tmp_pa
     """The third audit: an impossible --max-block-bytes was refused only after the encoders and the whole search ran,
     leaving a state folder. Refused from the shapes now, naming the block; a cap above the bound goes on to the
     encoders (the positive control: it reaches calibration)."""
-    from click.testing import CliRunner
-
-    from squareq.cli import main
-
     out = tmp_path / "t.slab"
-    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "2", "--calib-resolution",
-            "64", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
+    args = tiny_compile_args(out)
     result = CliRunner().invoke(main, [*args, "--max-block-bytes", "1KB"])
     assert result.exit_code == 1 and "--max-block-bytes 1,000 cannot hold block transformer_blocks." in result.output
     assert "encoding" not in result.output and "calibrating" not in result.output
@@ -179,13 +178,8 @@ def test_a_block_cap_no_block_fits_is_refused_before_anything_is_measured(tmp_pa
 def test_a_host_budget_below_the_process_is_refused_before_the_encoders(tmp_path):
     """The third audit: an impossible --host-budget was refused only after the calibration images were encoded. Below
     what the process itself takes, it is refused before; a budget above it reaches calibration (positive control)."""
-    from click.testing import CliRunner
-
-    from squareq.cli import main
-
     out = tmp_path / "t.slab"
-    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "2", "--calib-resolution",
-            "64", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
+    args = tiny_compile_args(out)
     result = CliRunner().invoke(main, [*args, "--host-budget", "1KB"])
     assert result.exit_code == 1 and "--host-budget 1.00 KB cannot hold the compile's host memory" in result.output
     assert "encoding" not in result.output and not out.exists() and not (tmp_path / "t.slab.state").exists()
@@ -197,13 +191,8 @@ def test_a_vram_cap_no_ring_of_blocks_fits_is_refused_before_the_encoders(tmp_pa
     """The third audit: a --vram-cap above the resident tensors but below two ring slots of a block was refused only
     after the whole search. Refused from the shapes now, naming the least; a cap above it compiles (positive
     control)."""
-    from click.testing import CliRunner
-
-    from squareq.cli import main
-
     out = tmp_path / "t.slab"
-    args = ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB", "--calib-samples", "2", "--calib-resolution",
-            "64", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
+    args = tiny_compile_args(out)
     result = CliRunner().invoke(main, [*args, "--vram-cap", "150KB"])
     assert result.exit_code == 1 and "--vram-cap 150,000 cannot hold the resident tensors" in result.output
     assert "2 ring slots of block transformer_blocks." in result.output

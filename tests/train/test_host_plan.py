@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from PIL import Image
 
 from squareq.cli import main
 from squareq.runtime.host.budget import working_room
@@ -18,6 +17,7 @@ from squareq.train.config import load_config
 from squareq.train.errors import TrainError
 from squareq.train.host_plan import plan_host_memory
 from squareq.train.loop import train
+from squareq.train.tiny_dataset import write_tiny_dataset
 
 from ..models.tiny_folders import write_pipeline
 from .tiny_run import w8_tiny_slab
@@ -39,11 +39,7 @@ def fixed_process(monkeypatch):
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("host")
     w8_tiny_slab(root / "tiny.slab")
-    data = root / "data"
-    data.mkdir()
-    for i, color in enumerate([(220, 30, 30), (30, 30, 220)]):
-        Image.new("RGB", (64, 64), color).save(data / f"img{i}.png")
-        (data / f"img{i}.txt").write_text(f"square {i}")
+    write_tiny_dataset(root / "data", count=2)
     # a FLUX.1 pipeline folder with an eight-block T5: the encoders a plan reads from configs and file headers
     write_pipeline("tiny-flux", root / "pipeline", text_layers=8)
     return root
