@@ -22,7 +22,7 @@ from .layer_search import Candidate, weight_metrics
 from .layer_statistics import StatsCollector
 from .options import CompileOptions
 from .progress import CompileProgress
-from .spill import fetch
+from .spill import KeepThenSpill, fetch
 from .state import CompileState
 from .vram import PeakLog, VramPlan
 
@@ -102,10 +102,15 @@ class CalibrationPass:
         """Measure the block's layers at their rungs, save them, and return the original block's output."""
         o, b = self.opts, self.batch
         spill = self.host.spill_file(TAPE) if self.host.spill_tape else None
-        store = spill.put if spill is not None else self.vram.store(self.vram.host_tape)
+        park = store = spill.put if spill is not None else self.vram.store(self.vram.host_tape)
+        if spill is not None and self.host.tape_kept:
+            # the first recorded inputs stay in memory, as many as the budget has room for; the block's outputs are
+            # spilled all the same (kept whole, joining their chunks would copy them)
+            store = KeepThenSpill(spill, self.vram.store(self.vram.host_tape), self.host.tape_kept,
+                                  self.host.keep_cost)
         # off the GPU (or out of host memory) the block's outputs wait with the recorded inputs while the layers are
         # searched
-        parked = (lambda *a, **kw: tree_map(lambda t: store(t) if torch.is_tensor(t) else t, real(*a, **kw))) \
+        parked = (lambda *a, **kw: tree_map(lambda t: park(t) if torch.is_tensor(t) else t, real(*a, **kw))) \
             if self.vram.host_tape or spill is not None else real
         with StatsCollector(path, real, max_rows=o.max_rows, hessian=o.rounding == "gptq", seed=o.seed + index,
                             samples=b.description.get("samples"), heldout_samples=b.heldout,

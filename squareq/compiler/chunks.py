@@ -264,6 +264,6 @@ def join_outputs(outs: list, batched: tuple[bool, ...]):
     spec = flat[0][1]
     columns = list(zip(*[leaves for leaves, _ in flat]))
     it = iter(batched)
-    joined = [(spill.join(col) if spill.is_spilled(col[0]) else torch.cat(col))
+    joined = [(spill.join(col) if any(spill.is_spilled(c) for c in col) else torch.cat(col))
               if (torch.is_tensor(col[0]) or spill.is_spilled(col[0])) and next(it) else col[0] for col in columns]
     return tree_unflatten(joined, spec)

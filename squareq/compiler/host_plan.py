@@ -20,9 +20,11 @@ time, below the calibration pass's).
 
 The tape and the effect inputs never wait at once (the last block's tape is gone before the effects pass starts), so
 each is spilled to a scratch file in the state folder (compiler/spill.py) only when its own pass would pass the
-budget; the effect inputs are the larger part and are read once. When even with both spilled the count passes the
-budget, the compile is refused before calibration starts, naming the smallest budget that works. The budget defaults
-to what the machine has available (docs/compiler.md, "Compiling within a host memory budget").
+budget; the effect inputs are the larger part and are read once. A spilled tape keeps its first recorded inputs in
+memory all the same, as many as the budget has room for beside the spill (:meth:`HostNeeds.room_for_tape`): on the
+12B model each byte through the file and back cost more than the block's forward. When even with both spilled the
+count passes the budget, the compile is refused before calibration starts, naming the smallest budget that works.
+The budget defaults to what the machine has available (docs/compiler.md, "Compiling within a host memory budget").
 """
 from __future__ import annotations
 
@@ -70,15 +72,23 @@ class HostNeeds:
     def fixed(self) -> int:
         return self.process + self.kept + self.block
 
-    def phases(self, spill_tape: bool, spill_saved: bool) -> tuple[int, int]:
-        """(the calibration pass's bytes beside :attr:`fixed`, the effects pass's)."""
-        calibrate = self.calibrate + 2 * self.rungs + self.hessian + (self.tape_reads if spill_tape else self.tape)
+    def phases(self, spill_tape: bool, spill_saved: bool, kept: int = 0) -> tuple[int, int]:
+        """(the calibration pass's bytes beside :attr:`fixed`, the effects pass's); ``kept``: bytes of a spilled
+        tape kept in memory all the same."""
+        tape = self.tape_reads + kept if spill_tape else self.tape
+        calibrate = self.calibrate + 2 * self.rungs + self.hessian + tape
         effects = self.effects + self.rungs + (self.saved_reads if spill_saved else self.saved)
         return calibrate, effects
 
-    def peak(self, spill_tape: bool, spill_saved: bool) -> int:
+    def peak(self, spill_tape: bool, spill_saved: bool, kept: int = 0) -> int:
         spilling = (spill_tape and self.tape) or (spill_saved and self.saved)
-        return self.fixed + max(self.phases(spill_tape, spill_saved)) + (self.staging if spilling else 0)
+        return self.fixed + max(self.phases(spill_tape, spill_saved, kept)) + (self.staging if spilling else 0)
+
+    def room_for_tape(self, budget: int, spill_saved: bool) -> int:
+        """Bytes of a spilled tape that can stay in memory within ``budget``: each of them saves a write to the spill
+        file and a read back, which on the 12B model cost more than the block's own forward."""
+        spare = budget - self.fixed - self.staging - self.phases(True, spill_saved)[0]
+        return max(0, min(spare, self.tape))
 
     def placements(self) -> list[tuple[bool, bool]]:
         """(spill the tape, spill the effect inputs), from the least spilled; a part that does not wait on the host
@@ -163,6 +173,8 @@ class HostPlan:
     saved_where: str = "gpu"
     folder: Path | None = None  # the state folder, where spill files go
     default: str = ""  # how the default budget was found ('': given by --host-budget)
+    tape_kept: int = 0  # a spilled tape's bytes kept in memory all the same (the budget's room beside the spill)
+    kept_where: str = "pinned"  # where those are kept: ``pinned`` (counted as the pinned allocator rounds) or ``host``
     files: dict[str, SpillFile] = field(default_factory=dict)
     spilled: dict[str, int] = field(default_factory=dict)  # bytes written to each part's spill file
 
@@ -176,7 +188,7 @@ class HostPlan:
 
     @property
     def expected_peak(self) -> int | None:
-        return self.needs.peak(self.spill_tape, self.spill_saved) if self.needs else None
+        return self.needs.peak(self.spill_tape, self.spill_saved, self.tape_kept) if self.needs else None
 
     def path(self, part: str) -> Path:
         return spill_path(self.folder, part)
@@ -222,9 +234,18 @@ class HostPlan:
     def _where(self, what: str, size: int, where: str, part: str) -> str:
         if where == "gpu":
             return f"{what} on the GPU"
+        if where == "spilled" and part == TAPE and self.tape_kept:
+            memory = "pinned host memory" if self.kept_where == "pinned" else "host memory"
+            return (f"{what} ({format_size(size)}) spilled to {self.path(part)} beyond the first "
+                    f"{format_size(self.tape_kept)} of each block, kept in {memory} (the budget's room)")
         if where == "spilled":
             return f"{what} ({format_size(size)}) spilled to {self.path(part)}"
         return f"{what} ({format_size(size)}) in {'pinned ' if where == 'pinned' else ''}host memory"
+
+    def keep_cost(self, t: torch.Tensor) -> int:
+        """What keeping ``t`` takes, as :attr:`tape_kept` counts it."""
+        n = t.numel() * t.element_size()
+        return pinned_bytes(n) if self.kept_where == "pinned" else n
 
     def record(self, final: bool) -> dict:
         """The plan for the manifest's calibration.vram (integers at their widest while planning, ``final`` False)."""
@@ -233,6 +254,7 @@ class HostPlan:
                 "host_budget_bytes": self.budget if final else wide,
                 "host_expected_peak_bytes": self.expected_peak if final else wide,
                 "recorded_inputs_spilled_bytes": self.spilled.get(TAPE, 0) if final else wide,
+                "recorded_inputs_kept_bytes": self.tape_kept if final else wide,
                 "effect_inputs_spilled_bytes": self.spilled.get(SAVED, 0) if final else wide}
 
 
@@ -253,6 +275,8 @@ def plan_host(needs: HostNeeds | None, budget: int | None, vram: VramPlan, folde
         if needs.peak(spill_tape, spill_saved) <= budget:
             plan.tape_where = "spilled" if spill_tape else tape
             plan.saved_where = "spilled" if spill_saved else saved
+            plan.tape_kept = needs.room_for_tape(budget, spill_saved) if spill_tape else 0
+            plan.kept_where = tape
             return plan
     raise BudgetError(_too_small(needs, budget, flag, default))
 

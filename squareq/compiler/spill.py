@@ -9,6 +9,10 @@ what the budget limits. Every :data:`SEGMENT` bytes of a tensor carry a CRC-32, 
 sentence, never other numbers. A tensor comes back with the strides ``clone()`` would give it, so where it waited
 never changes what is computed from it.
 
+The recorded inputs go through :class:`KeepThenSpill`: as many of each block's first ones as the budget has room for
+beside the spill stay in memory, and only the rest make the trip through the file (on the 12B model at
+``--host-budget 16GB`` the trip cost more per block than the block's forward).
+
 The file is scratch, not state: it is written in place (no atomic rename), never read by a later compile, deleted
 when the pass that needed it ends, and :class:`~squareq.compiler.state.CompileState` deletes the leftovers of a
 killed compile when it opens the folder.
@@ -190,7 +194,8 @@ class Spilled:
 
 @dataclass(frozen=True, eq=False)
 class SpilledRows:
-    """Spilled chunks of one tensor along its first axis (a block's output computed chunk by chunk)."""
+    """Chunks of one tensor along its first axis (a block's output computed chunk by chunk), some or all of them
+    spilled (the others kept in memory by :class:`KeepThenSpill`)."""
 
     parts: tuple[Spilled, ...]
 
@@ -207,9 +212,26 @@ class SpilledRows:
         out = torch.empty(self.shape, dtype=self.dtype, device=device)
         at = 0
         for p in self.parts:
-            out[at:at + p.shape[0]].copy_(p.load())
+            out[at:at + p.shape[0]].copy_(p.load() if is_spilled(p) else p)
             at += p.shape[0]
         return out
+
+
+class KeepThenSpill:
+    """A store that keeps tensors as ``keep`` copies them (in pinned host memory) while what it kept costs at most
+    ``quota`` bytes (``cost``: a tensor's bytes as its copy takes them), and writes the rest to ``file``: the host
+    budget's room beside a spill, spent on the first tensors so that fewer go through the file and back."""
+
+    def __init__(self, file: SpillFile, keep, quota: int, cost) -> None:
+        self.file, self.keep, self.quota, self.cost = file, keep, quota, cost
+        self.kept = 0  # bytes kept so far, as ``cost`` counts them
+
+    def __call__(self, t: torch.Tensor):
+        c = self.cost(t)
+        if self.kept + c <= self.quota:
+            self.kept += c
+            return self.keep(t)
+        return self.file.put(t)
 
 
 def is_spilled(x) -> bool:
@@ -217,7 +239,7 @@ def is_spilled(x) -> bool:
 
 
 def join(parts) -> SpilledRows:
-    """Chunks of one tensor, spilled one by one, as one."""
+    """Chunks of one tensor, spilled one by one (or some kept), as one."""
     return SpilledRows(tuple(q for p in parts for q in (p.parts if isinstance(p, SpilledRows) else (p,))))
 
 

@@ -14,7 +14,7 @@ from squareq.cli import main
 from squareq.compiler import CompileOptions, chunks, compile_setup, compile_slab, host_plan, prefetch, spill
 from squareq.compiler.budget import BudgetError
 from squareq.compiler.host_plan import HostNeeds, plan_host
-from squareq.compiler.spill import SpillError, SpillFile
+from squareq.compiler.spill import KeepThenSpill, SpillError, SpillFile
 from squareq.compiler.state import CompileState, spill_path
 from squareq.compiler.vram import VramPlan
 from squareq.runtime.host import budget as host_budget
@@ -175,6 +175,38 @@ def test_the_host_plan_spills_each_part_only_when_its_pass_would_pass_the_budget
     assert not plan_host(small, small.least, gpu, tmp_path).spill_saved
 
 
+def test_a_spilled_tape_keeps_in_memory_what_the_budget_has_room_for_and_no_more(tmp_path):
+    n = _needs()  # tape 400: spilled, the calibration pass holds 100 beside the 1300 fixed; the effects pass 50
+    gpu = VramPlan(None, None, host_tape=True, host_saved=True, device="cuda")
+    between = plan_host(n, 1600, gpu, tmp_path)
+    assert between.spill_tape and between.tape_kept == 200 and between.expected_peak == 1600
+    assert "beyond the first 200 B of each block, kept in pinned host memory" in between.describe()
+    assert between.record(final=True)["recorded_inputs_kept_bytes"] == 200
+    # negative control: at the least budget there is no room, so the whole tape is spilled
+    least = plan_host(n, n.peak(True, True), gpu, tmp_path)
+    assert least.spill_tape and least.tape_kept == 0 and least.expected_peak == n.peak(True, True)
+    assert "beyond the first" not in least.describe()
+    # never more than the tape itself (the effects pass can leave more room than the tape takes)
+    assert _needs(tape=400, saved=5000, rungs=0).room_for_tape(10**6, True) == 400
+
+
+def test_keep_then_spill_keeps_the_first_tensors_within_its_quota_and_spills_the_rest(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, generator=g) for _ in range(4)]  # 256 bytes each
+    with SpillFile(tmp_path / "tape") as f:
+        store = KeepThenSpill(f, torch.clone, 600, lambda t: t.numel() * t.element_size())
+        out = [store(x) for x in xs]
+        assert [torch.is_tensor(o) for o in out] == [True, True, False, False] and store.kept == 512
+        assert f.bytes_written == 512
+        assert all(torch.equal(o if torch.is_tensor(o) else o.load(), x) for o, x in zip(out, xs))
+        # the outputs of a chunked block, some kept and some spilled, join as one tensor read back when consumed
+        joined = spill.join(out)
+        assert torch.equal(joined.to("cpu"), torch.cat(xs))
+        # negative control: no quota, nothing kept
+        none = KeepThenSpill(f, torch.clone, 0, lambda t: t.numel() * t.element_size())
+        assert not any(torch.is_tensor(none(x)) for x in xs)
+
+
 def test_the_default_host_budget_is_what_is_available_less_10_percent_or_2_gb(monkeypatch):
     monkeypatch.setattr(host_budget, "anonymous_memory", lambda: 1 << 30)
     monkeypatch.setattr(host_budget, "available_memory", lambda: 64 << 30)
@@ -246,10 +278,16 @@ def compiled(tmp_path_factory, tiny_flux_images):
         opts = dict(OPTS, calib_images=tiny_flux_images)
         compile_slab(open_source("tiny-flux"), tmp / "roomy.slab", CompileOptions(**opts, host_budget=10**13))
         roomy_files = len(files)
-        least = plans[0].needs.peak(True, True)
+        n = plans[0].needs
+        least = n.peak(True, True)
         compile_slab(open_source("tiny-flux"), tmp / "tight.slab", CompileOptions(**opts, host_budget=least),
                      progress=progress)
-    return dict(tmp=tmp, plans=plans, files=files, roomy_files=roomy_files, at_plan_error=at_plan_error)
+        tight_files = len(files)
+        # room for about half the tape beside the spill, below what keeping either part whole needs
+        between = min(n.peak(True, True, n.tape // 2), n.peak(False, True) - 1, n.peak(True, False) - 1)
+        compile_slab(open_source("tiny-flux"), tmp / "between.slab", CompileOptions(**opts, host_budget=between))
+    return dict(tmp=tmp, plans=plans, files=files, roomy_files=roomy_files, tight_files=tight_files,
+                at_plan_error=at_plan_error)
 
 
 def _vram(tmp: Path, name: str) -> dict:
@@ -257,7 +295,7 @@ def _vram(tmp: Path, name: str) -> dict:
 
 
 def test_a_host_budget_below_what_waits_spills_it_and_writes_the_same_slab(compiled):
-    tmp, files = compiled["tmp"], compiled["files"][compiled["roomy_files"]:]
+    tmp, files = compiled["tmp"], compiled["files"][compiled["roomy_files"]:compiled["tight_files"]]
     a, b = ((tmp / f"{n}.slab" / "slab.safetensors").read_bytes() for n in ("roomy", "tight"))
     assert a == b
     rungs = [[layer["rung"] for layer in json.loads((tmp / f"{n}.slab" / "manifest.json").read_text())["layers"]]
@@ -277,6 +315,20 @@ def test_a_host_budget_below_what_waits_spills_it_and_writes_the_same_slab(compi
     # each file gone when its pass ended (before the plan's error is measured), and the state folder with it after
     assert compiled["at_plan_error"] == [[]]
     assert not any(f.path.exists() for f in files) and not (tmp / "tight.slab.state").exists()
+
+
+def test_room_beside_the_spill_keeps_the_first_recorded_inputs_in_memory_and_writes_the_same_slab(compiled):
+    tmp, plans = compiled["tmp"], compiled["plans"]
+    tight, between = plans[1], plans[2]
+    assert between.spill_tape and 0 < between.tape_kept < between.needs.tape
+    assert between.expected_peak <= between.budget
+    a, b = ((tmp / f"{n}.slab" / "slab.safetensors").read_bytes() for n in ("tight", "between"))
+    assert a == b
+    wrote = {n: _vram(tmp, n)["recorded_inputs_spilled_bytes"] for n in ("tight", "between")}
+    assert 0 < wrote["between"] < wrote["tight"]  # fewer through the file: the kept ones did not go
+    assert _vram(tmp, "between")["recorded_inputs_kept_bytes"] == between.tape_kept
+    # at the least budget the effects pass sets the peak, so the calibration pass has some room there too, less
+    assert _vram(tmp, "tight")["recorded_inputs_kept_bytes"] == tight.tape_kept < between.tape_kept
 
 
 def test_a_large_host_budget_spills_nothing(compiled):
