@@ -71,6 +71,16 @@ def registrations_at_most(limit: int | None):
             h.remove()
 
 
+def build_within(build: Callable[[], nn.Module], tensors: int | None, refusal: str) -> nn.Module:
+    """``build()``, stopped with :class:`ModelError` (``refusal``) once it has registered far more modules,
+    parameters and buffers than the ``tensors`` its weights hold (None: no limit)."""
+    try:
+        with registrations_at_most(None if tensors is None else 8 * tensors + 1024):
+            return build()
+    except _TooLarge:
+        raise ModelError(refusal) from None
+
+
 def skeleton_from_record(class_name: str, config: dict[str, Any], tensors: int | None = None,
                          where: str = "the slab") -> nn.Module:
     """The diffusers or transformers class ``class_name`` built from a slab's recorded config, on meta.
@@ -78,13 +88,10 @@ def skeleton_from_record(class_name: str, config: dict[str, Any], tensors: int |
     ``tensors``: how many parameters and buffers the slab holds; a config that builds far more (the build is
     stopped early, before it can exhaust memory) is refused with :class:`ModelError` naming ``where``.
     """
-    limit = None if tensors is None else 8 * tensors + 1024
     try:
-        with registrations_at_most(limit):
-            return _skeleton_from_record(class_name, config)
-    except _TooLarge:
-        raise ModelError(f"{where}: the recorded {class_name} config builds far more than the {tensors} tensors the "
-                         "slab holds (e.g. an edited layer count), so it was not built; recompile the slab.") from None
+        return build_within(lambda: _skeleton_from_record(class_name, config), tensors,
+                            f"{where}: the recorded {class_name} config builds far more than the {tensors} tensors the "
+                            "slab holds (e.g. an edited layer count), so it was not built; recompile the slab.")
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError,
             RecursionError) as exc:
         raise ModelError(f"{where}: {class_name} cannot be built from the recorded config ({type(exc).__name__}: "

@@ -20,6 +20,7 @@ import torch
 from ..models import ADAPTERS, BUILTIN_MODELS, ModelError
 from ..models.base import PIPELINE_ENCODER_PARTS
 from ..sources import hub
+from .boundary import check_parts
 from .local_files import refuse_pickled, source_identity
 
 log = logging.getLogger("squareq.sources")
@@ -235,7 +236,10 @@ def pipeline_folder(source: EncoderSource | str | Path) -> Path | None:
         # every loader reads the folders of this one function: a pickled encoder is refused here, before any loads
         index = hub.read_index(folder) or {}
         replaced = set(file_components(index, [k for k, _ in source.files]).values())
-        refuse_pickled(*(folder / c for c in hub.pipeline_components(index, WEIGHTED_PARTS) if c not in replaced))
+        weighted = [c for c in hub.pipeline_components(index, WEIGHTED_PARTS) if c not in replaced]
+        refuse_pickled(*(folder / c for c in weighted))
+        check_parts(folder, weighted, f"download it again (`hf download {ref.repo}`)" if ref is not None else
+                    "re-save the pipeline with save_pretrained or download it again")
     except ModelError as exc:
         raise EncoderError(str(exc)) from None
     return folder

@@ -28,7 +28,7 @@ from ..models.tiny_pipeline import (
     build_tiny_vae,
 )
 from ..runtime.host.budget import anonymous_memory
-from ..slab.errors import brief
+from .boundary import reading
 from .encoder_files import as_loaded, mapped_dtypes
 from .encoder_identity import module_identity
 from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
@@ -86,13 +86,11 @@ def _load_folder(source: EncoderSource, dtype: torch.dtype, text: bool = True, d
     left_out = dict.fromkeys(("transformer",) + (() if text else TEXT_PARTS))
     given = load_single_files(source, folder, read_index(folder), dtype, only=None if text else ("vae",),
                               dtypes=dtypes)
-    try:
+    with reading(f"the VAE{' and text encoders' if text else ''} of {source} from {folder}",
+                 "pass a complete FLUX pipeline folder or Hub ID with --model", EncoderError):
         return FluxPipeline.from_pretrained(str(folder), **{**left_out, **given}, torch_dtype={"default": dtype,
                                                                                               **dtypes},
                                             local_files_only=True, use_safetensors=True)  # never a pickle
-    except (OSError, ValueError) as exc:
-        raise EncoderError(f"cannot load the VAE{' and text encoders' if text else ''} from {source} ({brief(exc)}); "
-                           "pass a complete FLUX pipeline folder or Hub ID with --model.") from None
 
 
 class ToyEncoders:

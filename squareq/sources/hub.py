@@ -23,6 +23,7 @@ from pathlib import Path
 from .. import settings
 from ..models.base import ModelError, read_json_object
 from ..third_party import download_bars
+from .boundary import reading
 
 # owner/name as the Hub spells repository IDs, with an optional @revision (a branch, tag or commit)
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@(?P<revision>[^\s@]+))?")
@@ -153,13 +154,25 @@ def require(folder: Path, ref: HubRef, components: Iterable[str], weights: Itera
 
 @functools.lru_cache(maxsize=64)
 def _fetch(ref: HubRef, allow: tuple[str, ...], ignore: tuple[str, ...], local_only: bool, cache_dir) -> str:
-    from huggingface_hub import errors as hf
     from huggingface_hub import snapshot_download
 
-    try:
+    cache = cache_dir or _default_cache()
+    storage = Path(cache) / f"models--{ref.repo.replace('/', '--')}"
+    with reading(f"{ref} through the Hugging Face cache ({storage})", "where the cached copy is damaged, delete that "
+                 "folder and run the command with network access to download it again"), \
+            _hub_errors(ref, local_only, cache):
         with contextlib.nullcontext() if local_only else download_bars():
             return snapshot_download(ref.repo, revision=ref.revision, allow_patterns=list(allow),
                                      ignore_patterns=list(ignore), local_files_only=local_only, cache_dir=cache_dir)
+
+
+@contextlib.contextmanager
+def _hub_errors(ref: HubRef, local_only: bool, cache: str):
+    """huggingface_hub's own errors for ``ref``, each as the sentence that says what to do about it."""
+    from huggingface_hub import errors as hf
+
+    try:
+        yield
     except hf.GatedRepoError:
         raise ModelError(f"{ref.repo} is gated: accept its license at {ref.page} and log in with `hf auth login` "
                          "(`huggingface-cli login` before huggingface_hub 1.0) or set HF_TOKEN, then run the command "
@@ -175,7 +188,7 @@ def _fetch(ref: HubRef, allow: tuple[str, ...], ignore: tuple[str, ...], local_o
         raise ModelError(f"the cached copy of {ref} is incomplete ({str(exc).split('. ')[0]}); run the command with "
                          "network access to finish the download.") from None
     except hf.LocalEntryNotFoundError as exc:
-        where = f"{ref} is not a local path, nor in the Hugging Face cache ({cache_dir or _default_cache()})"
+        where = f"{ref} is not a local path, nor in the Hugging Face cache ({cache})"
         if local_only or "HF_HUB_OFFLINE" in str(exc) or "outgoing traffic has been disabled" in str(exc):
             raise ModelError(f"{where}, and downloads are off (HF_HUB_OFFLINE=1); download it where there is network "
                              f"(`hf download {ref.repo}`) into this cache, or unset HF_HUB_OFFLINE.") from None

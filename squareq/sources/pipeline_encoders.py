@@ -18,7 +18,7 @@ import torch
 from ..models import ADAPTERS
 from ..models.base import PIPELINE_ENCODER_PARTS
 from ..runtime.host.budget import anonymous_memory
-from ..slab.errors import brief
+from .boundary import reading
 from .encoder_files import as_loaded, mapped_dtypes
 from .encoder_identity import module_identity
 from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
@@ -130,13 +130,11 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     mapped = mapped_dtypes(source, folder, index, TEXT_ENCODERS)
     before = anonymous_memory()
     given = load_single_files(source, folder, index, dtype, dtypes=mapped)
-    try:
+    with reading(f"the VAE and text encoders of {source} from {folder}", f"pass a complete {found} folder with "
+                 "--model", EncoderError):
         pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given,
                                                  torch_dtype={"default": dtype, **mapped}, local_files_only=True,
                                                  use_safetensors=True)  # never a pickle
-    except (OSError, ValueError) as exc:
-        raise EncoderError(f"cannot load the VAE and text encoders from {folder} ({brief(exc)}); pass a complete "
-                           f"{found} folder with --model.") from None
     mapped = as_loaded(mapped, before, pipe, ("vae", *TEXT_ENCODERS), dtype)
     try:
         with placed(pipe, ("vae", *TEXT_ENCODERS), device, dtype, run, mapped) as placement:

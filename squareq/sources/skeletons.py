@@ -18,9 +18,10 @@ from torch import nn
 
 from ..models import ModelError
 from ..models.base import PIPELINE_DENOISER, diffusers_class, read_json_object
-from ..models.skeleton import build_meta
+from ..models.skeleton import build_meta, build_within
+from .boundary import reading
 from .local_files import refuse_pickled
-from .tensors import Renamed, Tensors, few
+from .tensors import Renamed, Tensors, few, header_shapes
 
 log = logging.getLogger("squareq.sources")
 
@@ -45,11 +46,28 @@ def folder_model(folder: Path, model_class: str | None = None) -> tuple[nn.Modul
                          f"{WHAT_TO_PASS}.")
     config = read_json_object(config_file, "re-save the model")
     if "_class_name" in config:
-        return _diffusers_skeleton(folder, config, model_class), folder, pipeline
-    if "architectures" in config or "model_type" in config:
-        return _transformers_skeleton(folder, model_class), folder, pipeline
-    raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
-                     f"(transformers); {WHAT_TO_PASS}.")
+        build = lambda: _diffusers_skeleton(folder, config, model_class)  # noqa: E731
+    elif "architectures" in config or "model_type" in config:
+        build = lambda: _transformers_skeleton(folder, model_class)  # noqa: E731
+    else:
+        raise ModelError(f"{config_file} has neither _class_name (diffusers) nor architectures/model_type "
+                         f"(transformers); {WHAT_TO_PASS}.")
+    tensors = _tensor_count(folder)
+    with reading(f"the model described by {config_file}", "check that file, or download the model again"):
+        skeleton = build_within(build, tensors, f"{config_file} describes far more layers than the {tensors} tensors "
+                                "of its weights files hold (an edited layer count?), so it was not built; download "
+                                "the model again or restore its config.json")
+    return skeleton, folder, pipeline
+
+
+def _tensor_count(folder: Path) -> int | None:
+    """How many tensors the folder's weights files hold (None: no weights yet, as before a Hub download, or files
+    the loader will refuse with their own sentence)."""
+    try:
+        files = folder_weights(folder)
+        return sum(len(header_shapes(f)) for f in files) if files else None
+    except ModelError:
+        return None
 
 
 def _diffusers_skeleton(folder: Path, config: dict, model_class: str | None = None) -> nn.Module:
