@@ -78,6 +78,17 @@ def _mutated_once(draw, tree):
     return tree
 
 
+def raises_other_than_a_user_error(run) -> bool:
+    """Whether ``run()`` raises an exception that is not one of the CLI's user errors (a negative control's find)."""
+    try:
+        run()
+    except USER_ERRORS:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return False
+
+
 def _one_sentence(exc: BaseException) -> None:
     assert isinstance(exc, USER_ERRORS), f"{type(exc).__name__}: {exc}"
     message = str(exc)
@@ -141,13 +152,7 @@ def test_negative_control_the_fuzzer_finds_the_crash_a_missing_check_lets_throug
 
     def crashes(manifest) -> bool:
         (slab_copy / "manifest.json").write_text(json.dumps(manifest))
-        try:
-            _use_slab(slab_copy, build=False)
-        except USER_ERRORS:
-            return False
-        except Exception:  # noqa: BLE001
-            return True
-        return False
+        return raises_other_than_a_user_error(lambda: _use_slab(slab_copy, build=False))
 
     find(mutated(original), crashes, settings=settings(FUZZ, max_examples=2000))
 
@@ -437,7 +442,7 @@ def test_mutated_cache_entries_are_re_encoded_or_refused_in_one_sentence(tmp_pat
     from squareq.train.cache import EmbeddingCache
 
     cache = EmbeddingCache(tmp_path_factory.mktemp("cache", numbered=True), echo=lambda line: None)
-    cache.store("latents", "k", {"latents": torch.randn(4, 8, 8), "size": torch.tensor([64, 64])})
+    cache.store("latents", "k", {"latents": torch.randn(4, 8, 8), "loss_mask": torch.ones(1, 8, 8)})
     path = cache.path("latents", "k")
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])

@@ -55,7 +55,7 @@ def test_a_damaged_entry_the_fill_finds_is_added_to_its_bars_total(tmp_path, dam
     cache = EmbeddingCache(tmp_path, echo=lambda line: None)
 
     def compute(indices):
-        return [{"embeds": torch.full((2,), float(i))} for i in indices]
+        return [{"prompt_embeds": torch.full((2, 3), float(i))} for i in indices]
 
     cache.fill("text", ["a", "b", "c"], compute)
     if damaged:

@@ -54,7 +54,7 @@ def compile_slab(source: Source, out: str | Path, opts: CompileOptions, progress
 
 
 def _compile(source: Source, out: Path, opts: CompileOptions, progress: CompileProgress):
-    check_output(out, opts.overwrite)
+    check_output(out, opts.overwrite, progress)
     if opts.objective not in OBJECTIVES:
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
     for debris in remove_debris(out):

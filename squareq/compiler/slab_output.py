@@ -3,12 +3,14 @@ fitted to them (compiler/correction.py) and the plan's output error measured, ea
 biases, and the slab written."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from ..slab import BlockContent, SlabBuilder, SlabError, WriteOptions
+from ..slab.atomic import restore_replaced
 from ..slab.writer import block_linears
 from ..sources import Source
 from .budget import BudgetError
@@ -28,9 +30,14 @@ from .state import CompileState
 SLACK_PER_LAYER = 512
 
 
-def check_output(out: Path, overwrite: bool) -> None:
+def check_output(out: Path, overwrite: bool, say=lambda line: print(f"[compile] {line}", file=sys.stderr)) -> None:
     """Refuse a slab path that is taken (without ``overwrite``, --force) before any work, rather than after the
-    calibration and measurements; the driver checks again before it writes."""
+    calibration and measurements; the driver checks again before it writes. A slab that a killed ``--force`` left
+    hidden is put back first (``say`` says so)."""
+    restored = restore_replaced(out)
+    if restored is not None:
+        say(f"put {out} back from {restored.name}: a compile that replaced it was killed before the new slab was in "
+            "place")
     if out.exists() and not overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
 
@@ -50,8 +57,9 @@ def fit_plan(setup: CompileSetup, opts: CompileOptions, state: CompileState, nam
             raise BudgetError(f"the plan needs a slab of at least {needed:,} bytes but --budget is {opts.budget:,} "
                               "bytes; raise --budget to at least that.")
     except BudgetError as exc:
+        state.mark_refused(str(exc))
         raise BudgetError(f"{exc} Nothing was written; the measurements are kept in {state.folder}, so rerunning "
-                          "with --resume and another --budget or --thresholds skips them.") from None
+                          "with another --budget or --thresholds (and the same other options) skips them.") from None
     return plan
 
 

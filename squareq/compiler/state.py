@@ -33,6 +33,7 @@ class StateError(ValueError):
 
 
 SPILL_GLOB = "spill.*.scratch"
+REFUSED = "refused.json"  # the compile's plan was refused after every layer was measured
 
 
 def state_folder(out: Path) -> Path:
@@ -59,20 +60,30 @@ class CompileState:
         self._verified: set[int] = set()
         self._pending: tuple[int, Future] | None = None  # the block a worker is writing
         meta = self.folder / "state.json"
+        found = self._json(meta) if self.folder.exists() and meta.is_file() else None
+        if found is not None and found != fingerprint:
+            changed = sorted(k for k in set(found) | set(fingerprint) if found.get(k) != fingerprint.get(k))
+            raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
+                             "rerun with the same model and options to continue it, or delete the folder to start "
+                             "over.")
         if self.folder.exists() and not resume:
-            raise StateError(f"{self.folder} holds an earlier, unfinished compile; pass --resume to continue it, "
-                             "or delete the folder to start over.")
-        if resume and meta.is_file():
-            found = self._json(meta)
-            if found != fingerprint:
-                changed = sorted(k for k in set(found) | set(fingerprint) if found.get(k) != fingerprint.get(k))
-                raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
-                                 "rerun with the same model and options, or delete the folder to start over.")
+            if found is None or not (self.folder / REFUSED).is_file():
+                raise StateError(f"{self.folder} holds an earlier, unfinished compile; pass --resume to continue it, "
+                                 "or delete the folder to start over.")
+            # a compile that measured everything and was refused by its plan (the budget), rerun with another
+            # --budget or --thresholds as its error says: the same inputs measure the same numbers
+            echo(f"continuing the compile in {self.folder}: it measured every layer with the same model and options "
+                 "and was refused by its budget, so its measurements are reused (delete the folder to measure again)")
         self.folder.mkdir(parents=True, exist_ok=True)
         # a write a kill interrupted and a killed pass's spill files (tens of GB): never read, only filling the disk
         for leftover in [*self.folder.glob(".*.tmp"), *self.folder.glob(SPILL_GLOB)]:
             leftover.unlink(missing_ok=True)
         atomic_write_bytes(meta, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+
+    def mark_refused(self, why: str) -> None:
+        """Note that the compile measured everything and its plan was refused (``why``): rerun with the same model and
+        measurement options, the next compile continues from this state without --resume."""
+        atomic_write_bytes(self.folder / REFUSED, json.dumps({"refused": why}).encode())
 
     def _json(self, path: Path):
         """A JSON file of the state; a damaged one (a disk error, an edit) is refused in a sentence."""

@@ -173,11 +173,12 @@ PAIRS_FILE = "pairs.json"  # written by the trainer's cache fill: [[latent key, 
 
 
 def _entry(path: Path, root: Path) -> dict[str, torch.Tensor]:
-    """A cache entry's tensors, its hash checked."""
-    from ..slab.digest import DigestError, read_hashed
+    """A cache entry's tensors, its hash and its kind's rules checked (models/cache_entry.py)."""
+    from ..slab.digest import DigestError
+    from .cache_entry import read_entry
 
     try:
-        return read_hashed(path)
+        return read_entry(path)
     except DigestError as exc:
         raise ModelError(f"cache entry {path} {exc}; fill the cache again with `squareq cache SLAB --data DIR "
                          f"--cache-dir {root}` (it re-encodes what is damaged) or a training run.") from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
@@ -57,13 +58,30 @@ def ensure_output_dir(path: Path, flag: str = "-o") -> Path:
 _DEBRIS = (".tmp-*", ".old-*", ".blobs-*", ".blocks-*", ".del-*", ".*.tmp")
 
 
+def restore_replaced(final: Path) -> Path | None:
+    """Put back the previous output that a replace killed between its two renames left hidden (``.<name>.old-*``,
+    where the system cannot swap two folders in one step), when ``final`` itself is missing: the hidden copy it came
+    from, or None when there is nothing to restore."""
+    final = Path(final)
+    if final.exists() or final.is_symlink() or not final.parent.is_dir():
+        return None
+    hidden = sorted(final.parent.glob(f".{glob_escape(final.name)}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not hidden:
+        return None
+    os.replace(hidden[-1], final)
+    return hidden[-1]
+
+
 def remove_debris(final: Path, pattern: bool = False) -> list[Path]:
     """Remove what a killed writer of ``final`` left beside it (Python's cleanup never ran: SIGKILL, power loss);
-    call it before writing ``final`` again. With ``pattern``, ``final``'s name is a glob (``step-[0-9]*``): the
-    debris of every output it matches goes. Returns what was removed."""
+    call it before writing ``final`` again. A previous output a killed replace left hidden is put back first
+    (:func:`restore_replaced`). With ``pattern``, ``final``'s name is a glob (``step-[0-9]*``): the debris of every
+    output it matches goes. Returns what was removed."""
     final = Path(final)
     if not final.parent.is_dir():
         return []
+    if not pattern:
+        restore_replaced(final)
     name = final.name if pattern else glob_escape(final.name)
     found = sorted({p for suffix in _DEBRIS for p in final.parent.glob(f".{name}{suffix}")})
     for p in found:
@@ -122,13 +140,37 @@ def atomic_directory(final: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        if final.exists():
+        if final.exists() and swap_paths(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # it holds the previous output now
+        elif final.exists():
+            # two renames: a kill between them leaves the previous output hidden, and the next writer of ``final``
+            # puts it back (restore_replaced) before anything else
             old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(old, final)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def swap_paths(a: Path, b: Path) -> bool:
+    """Exchange two paths in one step (Linux's ``renameat2`` with ``RENAME_EXCHANGE``), so that no moment has neither
+    in place; False where the system or the file system has no such call (the caller renames twice)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(str(a)), at_cwd, os.fsencode(str(b)), exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))

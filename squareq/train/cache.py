@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ..models.cache_entry import read_entry
 from ..progress import Progress
 from ..slab.atomic import atomic_write_bytes
-from ..slab.digest import DigestError, hashed_safetensors, read_hashed
+from ..slab.digest import DigestError, hashed_safetensors
 
 KINDS = ("latents", "text")
 DEBRIS_AGE_S = 60  # a temporary file older than this is a killed writer's, not a live one's
@@ -66,21 +67,23 @@ class EmbeddingCache:
         return self.path(kind, key).is_file()
 
     def load(self, kind: str, key: str) -> dict[str, torch.Tensor]:
-        """An entry's tensors, their hash checked (a damaged entry is a :class:`CacheError` naming the file)."""
+        """An entry's tensors, their hash and their kind's rules checked (models/cache_entry.py): one that fails is a
+        :class:`CacheError` naming the file."""
         path = self.path(kind, key)
         try:
-            return read_hashed(path)
+            return read_entry(path, kind)
         except DigestError as exc:
             raise CacheError(f"cache entry {path} {exc}; delete it and the next run recomputes it.") from None
 
     def intact(self, kind: str, key: str, echo: Callable[[str], None] | None = None) -> bool:
-        """Whether the entry is there and as it was written; a damaged one is deleted, with a line saying so (through
-        ``echo``, else the cache's), so that the fill encodes it again."""
+        """Whether the entry is there, as it was written and of its kind's form; a damaged one, or one that does not
+        fit its kind (an edited entry, re-hashed), is deleted, with a line saying so (through ``echo``, else the
+        cache's), so that the fill encodes it again."""
         path = self.path(kind, key)
         if not path.is_file():
             return False
         try:
-            read_hashed(path)
+            read_entry(path, kind)
         except DigestError as exc:
             (echo or self.echo)(f"cache entry {path} {exc}; encoding it again.")
             path.unlink(missing_ok=True)

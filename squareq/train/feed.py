@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..models.recipe import stack_captions
+from ..models.recipe import TOKEN_FIELDS, stack_captions
 from .cache import CacheError, EmbeddingCache
 from .masks import LOSS_MASK, full_mask
 
@@ -87,6 +87,13 @@ class CacheFeed:
         masks are cached (train/masks.py)) on the device, fp32. Captions of different lengths are zero-padded to the
         longest (their masks mark the padding)."""
         images = [self._get("latents", self.image_key(i, epoch)) for i in indices]
+        texts = [self._get("text", key) for kind, key in self._entries(indices, drops, epoch) if kind == "text"]
+        for kind, entries in (("latents", images), ("text", texts)):
+            why = _mismatch(entries, skip=(LOSS_MASK,))
+            if why is not None:
+                raise CacheError(f"the {kind} entries of one batch in {self.cache.root} do not fit together ({why}), "
+                                 "so the cache holds entries of another run or edited ones; delete its "
+                                 f"{kind}/ folder and fill it again.")
         latents = self._stack([e["latents"] for e in images])
         # an image embedding cached with the latent (Würstchen's decoder) conditions the denoiser like the text
         extra = {name: self._stack([e[name] for e in images]) for name in images[0]
@@ -94,7 +101,6 @@ class CacheFeed:
         if any(LOSS_MASK in e for e in images):  # masked_loss; an entry without a mask counts everywhere
             extra[LOSS_MASK] = self._stack([e[LOSS_MASK] if LOSS_MASK in e else full_mask(e["latents"])
                                             for e in images])
-        texts = [self._get("text", key) for kind, key in self._entries(indices, drops, epoch) if kind == "text"]
         try:
             captions = stack_captions(texts, place=lambda t: t.to(self.device, non_blocking=True))
         except ValueError:
@@ -105,6 +111,20 @@ class CacheFeed:
     def close(self) -> None:
         self._pending = {}
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _mismatch(entries: list[dict[str, torch.Tensor]], skip: tuple[str, ...] = ()) -> str | None:
+    """Why ``entries`` cannot be batched (other fields, or other shapes where token fields may differ only in
+    length), in a clause; None when they can. Fields in ``skip`` may be missing from some."""
+    fields = set(entries[0]) - set(skip)
+    for e in entries[1:]:
+        if set(e) - set(skip) != fields:
+            return f"one holds {', '.join(sorted(fields))} and another {', '.join(sorted(set(e) - set(skip)))}"
+    for name in sorted(fields):
+        shapes = {tuple(e[name].shape[1:] if name in TOKEN_FIELDS else e[name].shape) for e in entries}
+        if len(shapes) > 1:
+            return f"their {name} differ in shape: {' and '.join(map(str, sorted(shapes)))}"
+    return None
 
 
 def _done(value) -> Future:

@@ -9,6 +9,7 @@ latent element's squared error by it before the mean. The masks are cached with 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def _brightest(image: Path, source: Path | str) -> tuple[int, bool]:
     """The largest value of ``image``'s mask (its alpha, or the file ``source``), and whether it has an alpha
     channel; a file that cannot be read is one sentence naming it."""
     path = image if source == ALPHA else Path(source)
-    try:
+    with _reading(path):
         with Image.open(path) as img:
             if img.width * img.height > MAX_MASK_PIXELS:
                 raise DataError(f"the mask {path} is {img.width}x{img.height} pixels, more than SquareQ reads "
@@ -92,6 +93,14 @@ def _brightest(image: Path, source: Path | str) -> tuple[int, bool]:
                 return int(img.convert("L").getextrema()[1]), False
             has_alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info
             return (int(img.convert("RGBA").getchannel("A").getextrema()[1]) if has_alpha else 255), has_alpha
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """Within: a failure to decode the mask ``path`` (or the image whose alpha is the mask) as one sentence naming
+    it."""
+    try:
+        yield
     except DataError:
         raise
     except Exception as exc:  # any decode failure (OSError, SyntaxError, PIL's DecompressionBombError ...)
@@ -102,14 +111,14 @@ def _brightest(image: Path, source: Path | str) -> tuple[int, bool]:
 def load_mask(image: Path, source: Path | str, bucket: tuple[int, int]) -> torch.Tensor:
     """``[1, height, width]`` float32 in [0, 1]: the mask of ``image`` (its alpha channel, or the file ``source``
     brought to the image's size) through the image's geometry. An image without alpha is all ones."""
-    with Image.open(image) as img:
+    with _reading(image), Image.open(image) as img:
         img = ImageOps.exif_transpose(img)
         size = img.size
         if source == ALPHA:
             has_alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info
             mask = img.convert("RGBA").getchannel("A") if has_alpha else Image.new("L", size, 255)
     if source != ALPHA:
-        with Image.open(source) as m:
+        with _reading(Path(source)), Image.open(source) as m:
             mask = ImageOps.exif_transpose(m).convert("L")
             if mask.size != size:  # the same picture at another size: brought to the image's first
                 mask = mask.resize(size, Image.Resampling.BILINEAR)

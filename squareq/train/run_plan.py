@@ -17,6 +17,7 @@ from .. import runtime
 from ..models import ADAPTERS
 from ..runtime.block_compile import resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
+from ..runtime.lora import matches as lora_matches
 from ..slab import open_slab
 from ..sources.encoder_source import EncoderSource, slab_encoders
 from .checkpoint import checkpoint_config, resume_path
@@ -67,7 +68,10 @@ class RunPlan:
 def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo) -> RunPlan:
     """Open the slab, settle the configuration against it and check the memory plan (``world`` processes train)."""
     slab = open_slab(cfg.slab, verify="eager")
-    cfg = _resumed_targets(cfg, out).with_family_defaults(slab.manifest.model.family)
+    cfg = _resumed_targets(cfg, out)
+    given = cfg.targets is not None
+    cfg = cfg.with_family_defaults(slab.manifest.model.family)
+    _check_targets(cfg.targets, [layer.name for layer in slab.manifest.layers], given)
     _check_variant(cfg, out, world)
     try:
         dtype, dtype_why = resolve_dtype(cfg.dtype, device)
@@ -207,6 +211,22 @@ def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:
         if key in saved and saved[key] != getattr(cfg, key):
             raise TrainError(f"{path} was trained with {key} = {saved[key]}; resume with the same setting "
                              f"(--{key.replace('_', '-')} {saved[key]}), or start a new run in a new -o folder.")
+
+
+def _check_targets(targets: list[str], layers: list[str], given: bool) -> None:
+    """Refuse, before the cache fills, LoRA targets that match no layer of the slab; with ``given`` targets (the
+    config's or a resumed run's, not the family's default), also one target that matches none (a typo would train
+    less than asked, silently)."""
+    unmatched = [t for t in targets if not any(lora_matches(name, (t,)) for name in layers)]
+    if len(unmatched) < len(targets) and not (given and unmatched):
+        return
+    ends = {".".join(name.split(".")[-2:]) if name.split(".")[-1].isdigit() else name.split(".")[-1]
+            for name in layers}
+    which = "match no layer" if len(unmatched) == len(targets) else \
+        f"include {', '.join(unmatched)}, which {'match' if len(unmatched) > 1 else 'matches'} no layer"
+    raise TrainError(f"targets {', '.join(targets)} {which} of this slab's {len(layers)} quantized layers; name "
+                     f"layers as PEFT's target_modules do, by a name's last parts (this slab's end in "
+                     f"{', '.join(sorted(ends)[:8])}, ...; `squareq inspect SLAB` lists them).")
 
 
 def _resumed_targets(cfg: TrainConfig, out: Path) -> TrainConfig:

@@ -199,3 +199,24 @@ def test_a_vram_cap_no_ring_of_blocks_fits_is_refused_before_the_encoders(tmp_pa
     assert "encoding" not in result.output and not (tmp_path / "t.slab.state").exists()
     result = CliRunner().invoke(main, [*args, "--vram-cap", "400KB"])
     assert result.exit_code == 0, result.output[-1500:]
+
+
+def test_a_compile_refused_by_its_budget_continues_when_rerun_with_another_budget_without_resume(tmp_path):
+    """The third audit: the refusal said to rerun with --resume, and the rerun without it was blocked by the state
+    folder the refusal kept. The same model and measurement options now continue from it, saying so."""
+    from .test_vram import error_lines
+
+    out = tmp_path / "t.slab"
+    args = tiny_compile_args(out)
+    at = args.index("--budget") + 1
+    refused = CliRunner().invoke(main, args[:at] + ["380KB"] + args[at + 1:])
+    assert refused.exit_code == 1 and "the measurements are kept in" in refused.output, refused.output
+    assert (tmp_path / "t.slab.state").is_dir() and not out.exists()
+    # negative control: other measurement options cannot use those measurements, and say so
+    other = CliRunner().invoke(main, args + ["--calib-samples", "4"])
+    assert other.exit_code == 1 and len(error_lines(other)) == 1, other.output
+    assert "was made by a compile with different inputs" in error_lines(other)[0]
+    rerun = CliRunner().invoke(main, args)
+    assert rerun.exit_code == 0, rerun.output
+    assert "continuing the compile in" in rerun.output and "calibrating and searching" not in rerun.output
+    assert out.is_dir() and not (tmp_path / "t.slab.state").exists()

@@ -12,7 +12,7 @@ def _encode_all(cache, captions, calls):
 
     def compute(indices):
         calls.extend(captions[i] for i in indices)
-        return [{"embeds": torch.full((2, 3), float(len(captions[i])))} for i in indices]
+        return [{"prompt_embeds": torch.full((2, 3), float(len(captions[i])))} for i in indices]
 
     made = cache.fill("text", keys, compute, batch_size=2)
     return keys, made
@@ -31,7 +31,7 @@ def test_only_changed_entries_are_recomputed(tmp_path):
     # which entries happened to be missing, and the unchanged neighbour is not rewritten
     assert made == 1 and calls == ["a cat", "a red dog"]
     assert _encode_all(EmbeddingCache(tmp_path / "cache"), captions, calls)[1] == 0
-    assert torch.equal(cache.load("text", keys[2])["embeds"], torch.full((2, 3), 5.0))
+    assert torch.equal(cache.load("text", keys[2])["prompt_embeds"], torch.full((2, 3), 5.0))
 
 
 def test_keys_depend_on_every_part():
@@ -96,7 +96,7 @@ def _without_a_key(path):
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(path))
-    tensors.pop("embeds")
+    tensors.pop("prompt_embeds")
     save_file({**tensors, "other": torch.zeros(1)}, str(path))
 
 
@@ -123,7 +123,7 @@ def test_a_damaged_entry_is_encoded_again_with_a_line_saying_so(tmp_path, damage
         assert made == 0 and calls == [] and lines == []
     else:
         assert made == 1 and len(lines) == 1 and keys[1] in lines[0] and "encoding it again" in lines[0]
-    assert torch.equal(cache.load("text", keys[1])["embeds"], torch.full((2, 3), 5.0))
+    assert torch.equal(cache.load("text", keys[1])["prompt_embeds"], torch.full((2, 3), 5.0))
 
 
 def test_a_killed_fills_temporary_files_are_removed_by_the_next_run(tmp_path):
@@ -133,7 +133,7 @@ def test_a_killed_fills_temporary_files_are_removed_by_the_next_run(tmp_path):
     import time
 
     cache = EmbeddingCache(tmp_path)
-    cache.store("text", "k", {"x": torch.ones(2)})
+    cache.store("text", "k", {"prompt_embeds": torch.ones(2, 3)})
     old = [tmp_path / "text" / ".k2.safetensors.0badc0de.tmp", tmp_path / ".pairs.json.12345678.tmp"]
     fresh = tmp_path / "latents" / ".k3.safetensors.feedbeef.tmp"
     for path in (*old, fresh):
@@ -143,4 +143,46 @@ def test_a_killed_fills_temporary_files_are_removed_by_the_next_run(tmp_path):
         os.utime(path, (stale, stale))
     again = EmbeddingCache(tmp_path)
     assert again.removed == 2 and not any(p.exists() for p in old)
-    assert fresh.exists() and torch.equal(again.load("text", "k")["x"], torch.ones(2))
+    assert fresh.exists() and torch.equal(again.load("text", "k")["prompt_embeds"], torch.ones(2, 3))
+
+
+def _resealed(cache, kind, key, tensors):
+    """An entry edited and re-hashed, as a user or a script could: its hash holds."""
+    from squareq.slab.atomic import atomic_write_bytes
+    from squareq.slab.digest import hashed_safetensors
+
+    atomic_write_bytes(cache.path(kind, key), hashed_safetensors(tensors))
+
+
+GOOD_TEXT = {"prompt_embeds": torch.ones(4, 3), "pooled_prompt_embeds": torch.ones(5),
+             "prompt_mask": torch.tensor([1.0, 1.0, 0.0, 0.0])}
+GOOD_LATENTS = {"latents": torch.ones(4, 8, 8), "loss_mask": torch.ones(1, 8, 8)}
+BAD = {  # kind, the entry, words of the line that says why it is encoded again
+    "no prompt_embeds": ("text", {"embeds": torch.ones(4, 3)}, "has no prompt_embeds tensor (it holds embeds)"),
+    "integer latents": ("latents", {"latents": torch.ones(4, 8, 8, dtype=torch.int64)},
+                        "holds latents as int64"),
+    "flat latents": ("latents", {"latents": torch.ones(256)}, "holds latents with 1 axes"),
+    "NaN embeddings": ("text", {**GOOD_TEXT, "prompt_embeds": torch.full((4, 3), float("nan"))}, "NaN or Inf"),
+    "mask of other length": ("text", {**GOOD_TEXT, "prompt_mask": torch.ones(3)}, "prompt_mask of 3 tokens"),
+    "mask of other values": ("text", {**GOOD_TEXT, "prompt_mask": torch.full((4,), 0.5)}, "other than 0 and 1"),
+    "loss_mask of another size": ("latents", {**GOOD_LATENTS, "loss_mask": torch.ones(1, 4, 4)},
+                                  "loss_mask of (1, 4, 4)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_resealed_entry_that_does_not_fit_its_kind_is_refused_and_encoded_again(tmp_path, case):
+    """Issue 63, item 4: the hash of an edited, re-hashed entry holds, so its kind's rules are checked too."""
+    kind, tensors, words = BAD[case]
+    good = GOOD_TEXT if kind == "text" else GOOD_LATENTS
+    lines = []
+    cache = EmbeddingCache(tmp_path, echo=lines.append)
+    assert cache.fill(kind, ["k"], lambda idx: [good for _ in idx]) == 1
+    assert cache.fill(kind, ["k"], lambda idx: [good for _ in idx]) == 0 and lines == []  # positive control
+    _resealed(cache, kind, "k", tensors)
+    with pytest.raises(CacheError) as refused:
+        cache.load(kind, "k")
+    assert words in str(refused.value) and "k.safetensors" in str(refused.value)
+    assert cache.fill(kind, ["k"], lambda idx: [good for _ in idx]) == 1  # encoded again
+    assert len(lines) == 1 and words in lines[0] and lines[0].endswith("encoding it again.")
+    assert set(cache.load(kind, "k")) == set(good)

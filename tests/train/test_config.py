@@ -332,3 +332,28 @@ def test_an_option_of_another_adapter_is_refused_by_name(kind):
         load_config(None, {"lora_type": kind, "lokr_factor": 4})
     assert load_config(None, {"lora_type": "lokr", "lokr_factor": 4}).lokr_factor == 4
     assert load_config(None, {"lora_type": kind}).lokr_factor == -1
+
+
+def test_lora_targets_that_match_no_layer_are_refused_before_the_cache_fills(tiny_slab, tmp_path):
+    """The second and third audits: `--targets` matching no layer ended in a traceback after the cache was filled."""
+    from click.testing import CliRunner
+
+    from squareq.cli import main
+    from squareq.slab import open_slab
+    from squareq.train.run_plan import _check_targets
+    from squareq.train.tiny_dataset import write_tiny_dataset
+
+    data = write_tiny_dataset(tmp_path / "data", count=2)
+    for targets, words in (("nothing_like_this", "targets nothing_like_this match no layer of this slab's"),
+                           ("to_q,to_qq", "targets to_q, to_qq include to_qq, which matches no layer")):
+        out = tmp_path / targets.replace(",", "-")
+        result = CliRunner().invoke(main, ["train", str(tiny_slab), "--data", str(data), "-o", str(out), "--steps",
+                                           "1", "--targets", targets])
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert result.exit_code == 1 and len(errors) == 1 and words in errors[0], result.output
+        assert "to_out.0" in errors[0] or "proj_out" in errors[0]  # examples of the slab's own names
+        assert not out.exists()  # refused before the cache (or anything) was written
+    with open_slab(tiny_slab, verify="off") as slab:
+        names = [layer.name for layer in slab.manifest.layers]
+    _check_targets(["to_q", "to_k"], names, given=True)  # positive control: names that match are accepted
+    _check_targets(["to_q", "not_in_this_model"], names, given=False)  # a family default may name absent layers

@@ -51,3 +51,25 @@ def test_captions_of_different_lengths_are_zero_padded_with_their_masks(tmp_path
         feed.close()
     assert text["prompt_embeds"].shape == (2, 5, 3) and text["prompt_mask"].tolist() == [[1, 1, 0, 0, 0], [1] * 5]
     assert text["prompt_embeds"][0, 2:].abs().sum() == 0 and torch.equal(text["prompt_embeds"][1], torch.full((5, 3), 5.0))
+
+
+def test_entries_that_do_not_fit_together_are_one_sentence_naming_the_cache(tmp_path):
+    """Each entry fits its kind, but not the others of its batch (another run's, or resealed): a sentence, not a
+    KeyError or a stacking error from deep in torch."""
+    import pytest
+
+    from squareq.train.cache import CacheError
+
+    cache, images, texts = _cache(tmp_path)
+    feed = CacheFeed(cache, images, texts, ["a", "b", "c", "d"], "", torch.device("cpu"))
+    try:
+        feed.batch([0, 1], [False, False])  # positive control: these fit
+        cache.store("text", texts["b"], {"prompt_embeds": torch.randn(6, 5)})  # no pooled_prompt_embeds
+        with pytest.raises(CacheError, match=r"the text entries of one batch in .* do not fit together \(one holds "
+                                             r"pooled_prompt_embeds, prompt_embeds and another prompt_embeds\)"):
+            feed.batch([0, 1], [False, False])
+        cache.store("latents", images[3], {"latents": torch.randn(4, 8, 16)})
+        with pytest.raises(CacheError, match=r"their latents differ in shape: \(4, 8, 8\) and \(4, 8, 16\)"):
+            feed.batch([2, 3], [False, False])
+    finally:
+        feed.close()

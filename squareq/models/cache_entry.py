@@ -1,0 +1,63 @@
+"""What a cache entry of each kind must hold, checked when it is read as well as its hash.
+
+The hash catches damage; it does not catch an entry that was edited and re-hashed (resealed), or one a future
+version wrote differently. Such an entry would otherwise surface as a ``KeyError`` deep in a step, a dtype error
+in the model, or NaN losses. The rules are the kind's, not the run's:
+
+* ``latents``: a floating ``latents`` tensor of 3 (``[C, h, w]``) or 4 (``[C, F, h, w]``) axes; a ``loss_mask``
+  covers the same ``h`` and ``w``;
+* ``text``: a floating ``prompt_embeds`` of 2 axes (``[L, D]``); a ``pooled_prompt_embeds`` of 1; a
+  ``prompt_mask`` of ``L`` values, each 0 or 1;
+* every tensor floating point and finite (the encoders write float32 or bfloat16 only).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..slab.digest import DigestError, read_hashed
+
+REQUIRED = {"latents": ("latents", (3, 4)), "text": ("prompt_embeds", (2,))}
+AXES = {"pooled_prompt_embeds": (1,), "prompt_mask": (1,)}
+
+
+def entry_problem(kind: str, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why ``tensors`` cannot be an entry of ``kind`` (``latents`` or ``text``), in a clause; None when they can."""
+    name, axes = REQUIRED[kind]
+    if name not in tensors:
+        return f"has no {name} tensor (it holds {', '.join(sorted(tensors)) or 'none'})"
+    for key, t in tensors.items():
+        if not t.is_floating_point():
+            return f"holds {key} as {str(t.dtype).removeprefix('torch.')}, where the encoders write floating point"
+        want = axes if key == name else AXES.get(key)
+        if want is not None and t.dim() not in want:
+            return f"holds {key} with {t.dim()} axes, where a {kind} entry has {' or '.join(map(str, want))}"
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            return f"holds NaN or Inf values in {key}"
+    main = tensors[name]
+    if kind == "latents" and "loss_mask" in tensors and tensors["loss_mask"].shape[-2:] != main.shape[-2:]:
+        return f"holds a loss_mask of {tuple(tensors['loss_mask'].shape)} for latents of {tuple(main.shape)}"
+    mask = tensors.get("prompt_mask")
+    if kind == "text" and mask is not None:
+        if mask.shape[0] != main.shape[0]:
+            return f"holds a prompt_mask of {mask.shape[0]} tokens for {main.shape[0]} embedded tokens"
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            return "holds a prompt_mask with values other than 0 and 1"
+    return None
+
+
+class EntryFormError(DigestError):
+    """A cache entry whose hash holds but whose tensors do not fit its kind."""
+
+
+def read_entry(path: str | os.PathLike, kind: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the cache entry at ``path``, its hash and its kind's rules checked (``kind``: by default the
+    name of its folder, ``latents`` or ``text``); a :class:`DigestError` says what is wrong."""
+    kind = kind or ("latents" if Path(path).parent.name == "latents" else "text")
+    tensors = read_hashed(path)
+    problem = entry_problem(kind, tensors)
+    if problem is not None:
+        raise EntryFormError(f"{problem}, so it is not a {kind} entry this version wrote")
+    return tensors
