@@ -61,3 +61,20 @@ def read_entry(path: str | os.PathLike, kind: str | None = None) -> dict[str, to
     if problem is not None:
         raise EntryFormError(f"{problem}, so it is not a {kind} entry this version wrote")
     return tensors
+
+
+def model_problem(kind: str, tensors: dict[str, torch.Tensor], recipe, config) -> str | None:
+    """Why an entry of ``kind`` (of its kind's form) was not made by the encoders of the model whose training
+    ``recipe`` and ``config`` are given: other latent channels, another text width, or a pooled embedding missing or
+    of another width; None when it fits."""
+    if kind == "latents":
+        want, got = recipe.latent_channels(config), tensors["latents"].shape[0]
+        return None if got == want else f"holds latents of {got} channels, where this model takes {want}"
+    fields = recipe.text_fields(config)
+    width = tensors["prompt_embeds"].shape[-1]
+    if width != fields.width:
+        return f"holds prompt_embeds {width} wide, where this model takes {fields.width}"
+    pooled = tensors.get("pooled_prompt_embeds")
+    if fields.pooled and (pooled is None or pooled.shape[-1] != fields.pooled):
+        return f"has no pooled_prompt_embeds {fields.pooled} wide, which this model takes"
+    return None

@@ -9,7 +9,7 @@ from .recipe import PipelineFolder, TextFields, TrainingRecipe
 
 TINY_Z_IMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
                            n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6],
-                           axes_lens=[64, 32, 32])
+                           axes_lens=[1024, 64, 64])  # caption positions up to 1024 tokens (the real one: 1536)
 
 
 def build_tiny_z_image(seed: int = 0):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.cache_entry import read_entry
+from ..models.cache_entry import EntryFormError, read_entry
 from ..progress import Progress
 from ..slab.atomic import atomic_write_bytes
 from ..slab.digest import DigestError, hashed_safetensors
@@ -35,8 +35,10 @@ class CacheError(ValueError):
 class EmbeddingCache:
     """Content-addressed tensors under ``root/<kind>/<key>.safetensors``."""
 
-    def __init__(self, root: str | os.PathLike, echo: Callable[[str], None] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, echo: Callable[[str], None] | None = None,
+                 fits: Callable[[str, dict], str | None] | None = None) -> None:
         self.root = Path(root)
+        self.fits = fits  # (kind, tensors) -> why an entry was not made for this run's model (None: it was)
         self.echo = echo or (lambda line: print(line, file=sys.stderr))  # a re-encoded entry is said
         for kind in KINDS:
             (self.root / kind).mkdir(parents=True, exist_ok=True)
@@ -71,7 +73,7 @@ class EmbeddingCache:
         :class:`CacheError` naming the file."""
         path = self.path(kind, key)
         try:
-            return read_entry(path, kind)
+            return self._read(kind, path)
         except DigestError as exc:
             raise CacheError(f"cache entry {path} {exc}; delete it and the next run recomputes it.") from None
 
@@ -83,12 +85,19 @@ class EmbeddingCache:
         if not path.is_file():
             return False
         try:
-            read_entry(path, kind)
+            self._read(kind, path)
         except DigestError as exc:
             (echo or self.echo)(f"cache entry {path} {exc}; encoding it again.")
             path.unlink(missing_ok=True)
             return False
         return True
+
+    def _read(self, kind: str, path: Path) -> dict[str, torch.Tensor]:
+        tensors = read_entry(path, kind)
+        problem = self.fits(kind, tensors) if self.fits is not None else None
+        if problem is not None:
+            raise EntryFormError(f"{problem}, so it was not made by this run's encoders")
+        return tensors
 
     def store(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
         atomic_write_bytes(self.path(kind, key), hashed_safetensors(tensors))

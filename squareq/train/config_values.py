@@ -6,6 +6,7 @@ cannot work raises it.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,8 @@ from ..runtime.peft_lora import KINDS
 from .data import refused_character
 from .objective import LOSS_WEIGHTINGS, TIMESTEP_MODES
 from .prompt_options import MAX_GUIDANCE, MAX_STEPS, PromptError, parse_prompt
+
+log = logging.getLogger("squareq.train")
 
 OPTIMIZERS = ("adamw", "adamw8bit", "prodigy", "adafactor")
 # diffusers' get_scheduler names (kohya's lr_scheduler values); "constant" with a warm-up is constant_with_warmup
@@ -156,6 +159,7 @@ def check_data(cfg, bad: Bad) -> None:
             raise bad(key, "must be true or false")
     _check_masks(cfg, bad)
     _check_adapter(cfg, bad)
+    _check_applies(cfg, bad)
     if cfg.wandb_project != "squareq" and cfg.log != "wandb":
         raise bad("wandb_project", "names a Weights & Biases project, and log is not wandb; set log = \"wandb\" "
                                    "(--log wandb) or remove wandb_project")
@@ -192,6 +196,21 @@ def _check_masks(cfg, bad: Bad) -> None:
         raise bad("mask_dir", "and alpha_mask both give masks; keep one")
     if cfg.mask_dir is not None and not Path(cfg.mask_dir).expanduser().is_dir():
         raise bad("mask_dir", "is not a folder; give the folder that holds the masks")
+
+
+def _check_applies(cfg, bad: Bad) -> None:
+    """Options set away from their default whose setting the run would ignore: one warning each (the fourth audit:
+    they were ignored silently). Not refused, unlike lokr_factor: kohya's configs carry them whatever the schedule
+    (lr_scheduler_power, discrete_flow_shift), and kohya ignores them too."""
+    from ..models.noising import DEFAULT_SHIFT
+
+    for key, default, applies, when in (
+            ("schedule_cycles", 1, cfg.schedule == "cosine_with_restarts", "schedule = \"cosine_with_restarts\""),
+            ("schedule_power", 1.0, cfg.schedule == "polynomial", "schedule = \"polynomial\""),
+            ("shift", DEFAULT_SHIFT, cfg.timestep_sampling == "shift", "timestep_sampling = \"shift\""),
+            ("caption_orders", 8, cfg.shuffle_caption, "shuffle_caption = true")):
+        if getattr(cfg, key) != default and not applies:
+            log.warning("%s = %s only applies with %s, so this run ignores it.", key, getattr(cfg, key), when)
 
 
 def _check_adapter(cfg, bad: Bad) -> None:

@@ -90,9 +90,19 @@ def _brightest(image: Path, source: Path | str) -> tuple[int, bool]:
                 raise DataError(f"the mask {path} is {img.width}x{img.height} pixels, more than SquareQ reads "
                                 f"({MAX_MASK_PIXELS // 10**6} million); give a mask the size of its image.")
             if source != ALPHA:
-                return int(img.convert("L").getextrema()[1]), False
+                return int(greyscale(img).getextrema()[1]), False
             has_alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info
             return (int(img.convert("RGBA").getchannel("A").getextrema()[1]) if has_alpha else 255), has_alpha
+
+
+def greyscale(img: Image.Image) -> Image.Image:
+    """``img`` as 8-bit greyscale, a 16- or 32-bit greyscale mask scaled to it (PIL's own conversion clips such
+    values at 255: half of 65535 would read as white)."""
+    if img.mode.startswith("I"):  # I, I;16, I;16B, ...: integers of more than 8 bits
+        top = 65535.0 if img.mode.startswith("I;16") or int(np.asarray(img).max(initial=0)) <= 65535 else 2**31 - 1
+        values = np.asarray(img, dtype=np.float64) * (255.0 / top)
+        return Image.fromarray(np.clip(values.round(), 0, 255).astype(np.uint8), "L")
+    return img.convert("L")
 
 
 @contextlib.contextmanager
@@ -119,7 +129,7 @@ def load_mask(image: Path, source: Path | str, bucket: tuple[int, int]) -> torch
             mask = img.convert("RGBA").getchannel("A") if has_alpha else Image.new("L", size, 255)
     if source != ALPHA:
         with _reading(Path(source)), Image.open(source) as m:
-            mask = ImageOps.exif_transpose(m).convert("L")
+            mask = greyscale(ImageOps.exif_transpose(m))
             if mask.size != size:  # the same picture at another size: brought to the image's first
                 mask = mask.resize(size, Image.Resampling.BILINEAR)
     mask = cover_crop(mask, bucket, Image.Resampling.BILINEAR)

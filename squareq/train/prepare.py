@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..models import ADAPTERS
+from ..models.cache_entry import model_problem
 from ..progress import Progress, wanted
 from ..runtime.compute import resolve_dtype
 from ..slab.digest import content_key, file_sha256
@@ -112,7 +114,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     held_captions = [caption_for(item.caption, cfg.trigger) for item in held_items]
     # images held out of --data keep their masks, so the validation loss measures what training does
     held_masks = _masks(cfg, held, held_items) if cfg.validation_split else [None] * len(held_items)
-    cache = EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo)
+    cache = _cache(cfg, model, echo)
     keys = None
     if encode:
         masks = _masks(cfg, dataset, items) + held_masks  # read (and refused) before the encoders load
@@ -133,6 +135,16 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
+
+
+def _cache(cfg: TrainConfig, model, echo) -> EmbeddingCache:
+    """The run's cache, whose entries are checked against the run's model too (models/cache_entry.py)."""
+    from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
+
+    recipe = ADAPTERS[model.family].recipe if model is not None and model.family in ADAPTERS else None
+    fits = (lambda kind, tensors: model_problem(kind, tensors, recipe, FrozenDict(model.config))) \
+        if recipe is not None else None
+    return EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo, fits)
 
 
 def _encoder_run(cfg: TrainConfig, items, host: HostPlan) -> EncoderRun:

@@ -44,3 +44,18 @@ def test_unknown_models_are_refused():
         adapter_for(torch.nn.Linear(2, 2))
     with pytest.raises(ModelError, match="no block list"):
         FLUX.blocks(torch.nn.Linear(2, 2))
+
+
+def test_tiny_z_image_takes_a_caption_of_hundreds_of_tokens():
+    """The fourth audit: the tiny config's RoPE table held 64 caption positions, so compile's default calibration
+    (32 samples) and a long caption ended in an IndexError deep in diffusers."""
+    import torch
+
+    from squareq.models.z_image import build_tiny_z_image, z_image_synthetic_inputs
+
+    model = build_tiny_z_image()
+    for tokens in (16, 300):  # a short caption (what the old table held) and a long one
+        batch = z_image_synthetic_inputs(model, 1, 0, side=8, text_tokens=tokens)
+        with torch.no_grad():
+            out = model(**batch.kwargs)
+        assert torch.isfinite(out[0][0]).all()

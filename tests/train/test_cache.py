@@ -186,3 +186,30 @@ def test_a_resealed_entry_that_does_not_fit_its_kind_is_refused_and_encoded_agai
     assert cache.fill(kind, ["k"], lambda idx: [good for _ in idx]) == 1  # encoded again
     assert len(lines) == 1 and words in lines[0] and lines[0].endswith("encoding it again.")
     assert set(cache.load(kind, "k")) == set(good)
+
+
+def test_an_entry_of_the_right_form_made_for_another_model_is_encoded_again(tmp_path):
+    """The fourth audit: resealed entries of another width (latent channels, text width, no pooled embedding) passed
+    the kind's rules and crashed the step; the run's model now checks them too (models/cache_entry.py)."""
+    from diffusers.configuration_utils import FrozenDict
+
+    from squareq.models import ADAPTERS, load_builtin
+    from squareq.models.cache_entry import model_problem
+
+    model, _ = load_builtin("tiny-flux")
+    recipe, config = ADAPTERS["flux"].recipe, FrozenDict(dict(model.config))
+    fields = recipe.text_fields(config)
+    good = {"latents": {"latents": torch.ones(recipe.latent_channels(config), 8, 8)},
+            "text": {"prompt_embeds": torch.ones(4, fields.width), "pooled_prompt_embeds": torch.ones(fields.pooled)}}
+    other = {"latents": {"latents": torch.ones(recipe.latent_channels(config) + 4, 8, 8)},
+             "text": {"prompt_embeds": torch.ones(4, fields.width + 1), "pooled_prompt_embeds": torch.ones(fields.pooled)}}
+    lines = []
+    cache = EmbeddingCache(tmp_path, echo=lines.append, fits=lambda k, t: model_problem(k, t, recipe, config))
+    for kind in ("latents", "text"):
+        assert cache.fill(kind, ["k"], lambda idx, kind=kind: [good[kind] for _ in idx]) == 1
+        assert cache.fill(kind, ["k"], lambda idx, kind=kind: [good[kind] for _ in idx]) == 0  # positive control
+        _resealed(cache, kind, "k", other[kind])
+        with pytest.raises(CacheError, match="so it was not made by this run's encoders"):
+            cache.load(kind, "k")
+        assert cache.fill(kind, ["k"], lambda idx, kind=kind: [good[kind] for _ in idx]) == 1
+    assert len(lines) == 2 and "where this model takes" in lines[0] and "where this model takes" in lines[1]

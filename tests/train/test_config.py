@@ -357,3 +357,19 @@ def test_lora_targets_that_match_no_layer_are_refused_before_the_cache_fills(tin
         names = [layer.name for layer in slab.manifest.layers]
     _check_targets(["to_q", "to_k"], names, given=True)  # positive control: names that match are accepted
     _check_targets(["to_q", "not_in_this_model"], names, given=False)  # a family default may name absent layers
+
+
+def test_an_option_the_run_would_ignore_is_named_in_a_warning(tmp_path, caplog):
+    """The fourth audit: schedule_cycles without cosine_with_restarts (and its kin) trained silently as if unset."""
+    import logging
+
+    base = {"slab": "tiny-flux", "data": str(tmp_path), "output": str(tmp_path / "out")}
+    with caplog.at_level(logging.WARNING, logger="squareq.train"):
+        load_config(None, {**base, "schedule": "constant", "schedule_cycles": 4})
+        load_config(None, {**base, "timestep_sampling": "uniform", "shift": 5.0})
+    assert "schedule_cycles = 4 only applies with schedule = \"cosine_with_restarts\"" in caplog.text
+    assert "shift = 5.0 only applies with timestep_sampling = \"shift\"" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="squareq.train"):  # negative control: where they apply, no warning
+        load_config(None, {**base, "schedule": "cosine_with_restarts", "schedule_cycles": 4})
+    assert "only applies" not in caplog.text

@@ -227,3 +227,21 @@ def test_a_mask_that_cannot_be_read_or_is_too_large_is_one_sentence(tmp_path, mo
     with pytest.raises(DataError, match=r"the mask .*img1\.png cannot be read \(") as refused:
         mask_module.mask_sources(items, tmp_path / "data", False, str(folder))
     assert str(refused.value).count(". ") == 0
+
+
+def test_a_16_bit_greyscale_mask_is_scaled_not_clipped(tmp_path):
+    """The fourth audit: PIL's convert("L") clips 16-bit values at 255, so a 50% mask read as 100% (exit 0)."""
+    import numpy as np
+    from PIL import Image
+
+    from squareq.train.masks import load_mask
+
+    image, mask = tmp_path / "a.png", tmp_path / "m.png"
+    Image.new("RGB", (8, 8), 100).save(image)
+    Image.fromarray(np.full((8, 8), 32768, dtype=np.uint16)).save(mask)
+    with Image.open(mask) as m:
+        assert np.asarray(m.convert("L")).max() == 255  # the clipping this test guards against
+    got = load_mask(image, mask, (8, 8))
+    assert torch.allclose(got, torch.full_like(got, 128 / 255))
+    Image.new("L", (8, 8), 128).save(mask)  # positive control: an 8-bit mask of the same value reads the same
+    assert torch.allclose(load_mask(image, mask, (8, 8)), got)
