@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .base import CalibrationBatch, ModelError
+from .cache_entry import model_problem, read_entry
 from .noising import DEFAULT_GUIDANCE, DEFAULT_SHIFT, calibration_times, image_tokens, noised
 from .recipe import TrainingRecipe, stack_captions
 
@@ -175,7 +176,6 @@ PAIRS_FILE = "pairs.json"  # written by the trainer's cache fill: [[latent key, 
 def _entry(path: Path, root: Path) -> dict[str, torch.Tensor]:
     """A cache entry's tensors, its hash and its kind's rules checked (models/cache_entry.py)."""
     from ..slab.digest import DigestError
-    from .cache_entry import read_entry
 
     try:
         return read_entry(path)
@@ -209,10 +209,8 @@ def read_training_cache(cache_dir: str | Path, recipe: TrainingRecipe, config, f
     shape, _ = Counter(tuple(e["latents"].shape) for e in latents).most_common(1)[0]
     keep = [i for i, e in enumerate(latents) if tuple(e["latents"].shape) == shape]
     texts = [_entry(pairs[i][1], root) for i in keep]
-    fields = recipe.text_fields(config)
-    width, pooled = texts[0]["prompt_embeds"].shape[-1], texts[0].get("pooled_prompt_embeds")
-    if shape[0] != recipe.latent_channels(config) or width != fields.width or \
-            (fields.pooled and (pooled is None or pooled.shape[-1] != fields.pooled)):
+    width = texts[0]["prompt_embeds"].shape[-1]
+    if model_problem("latents", latents[keep[0]], recipe, config) or model_problem("text", texts[0], recipe, config):
         raise ModelError(f"{root} was made with other encoders than this {family} model's (latents {list(shape)}, text "
                          f"width {width}); fill a cache with this model's pipeline.")
     description = {"kind": "images", "source": f"training cache {root}", "cache": str(root), "images": len(keep),

@@ -141,9 +141,10 @@ def _cache(cfg: TrainConfig, model, echo) -> EmbeddingCache:
     """The run's cache, whose entries are checked against the run's model too (models/cache_entry.py)."""
     from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
-    recipe = ADAPTERS[model.family].recipe if model is not None and model.family in ADAPTERS else None
-    fits = (lambda kind, tensors: model_problem(kind, tensors, recipe, FrozenDict(model.config))) \
-        if recipe is not None else None
+    if model is None or model.family not in ADAPTERS:
+        return EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo)
+    recipe, config = ADAPTERS[model.family].recipe, FrozenDict(model.config)
+    fits = lambda kind, tensors: model_problem(kind, tensors, recipe, config)  # noqa: E731
     return EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo, fits)
 
 
