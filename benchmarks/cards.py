@@ -27,8 +27,9 @@ stops otherwise), in a process of its own:
   its expected peak, where the slab waits, which encoders read from their files through a ring) is recorded;
 * in the Hub layout, the same steps again with ``host_budget = "auto"`` (what this machine has: no budget to keep
   within) on the filled cache: the step with the PC's budget against the step without one;
-* where the family samples (FLUX.1), ``squareq sample``'s path draws one image at the config's largest resolution
-  (the others, the video configs among them, list sampling as not measured).
+* ``squareq sample``'s path draws one image at the config's largest resolution (a video config: one clip of its
+  longest window), FLUX.1 by SquareQ's own path, the other families by their diffusers pipeline over the Hub
+  snapshot, within the config's host budget: the host phase ``sampling``.
 
 The families are keyed by their slab and Hub snapshot (:data:`REPOS`), so ``wan2.2-ti2v-5b`` runs on the ``wan``
 family's Wan 2.1-T2V-14B slab, UMT5-XXL and Wan 2.1 VAE (16 latent channels, 8x), not Wan 2.2-TI2V-5B's 5B transformer
@@ -470,10 +471,7 @@ def run_config(args, name: str, layout: str) -> None:
             baseline_steps(cfg, rec)
         else:
             not_measured(rec, "step_s_no_budget", "step_vs_no_budget")
-        if family == "flux":
-            sample_config(args, slab, cfg, rec, peaks)
-        else:  # this benchmark samples FLUX.1 only
-            not_measured(rec, "sample_s", "sample_steps", "sample_size", "sample_placement", "sample_peak_reserved_GB")
+        sample_config(args, slab, cfg, rec, peaks)
     peaks.fields(rec)
     anon = [rec[f"{phase}_own_peak_GB"] for phase in PHASES if rec[f"{phase}_own_peak_GB"] is not None]
     rec["host_peak_GB"] = max(anon) if anon else None
@@ -635,13 +633,19 @@ def sample_config(args, slab: Path, cfg, rec: dict, peaks: HostPeaks) -> None:
     with watched_encoders(sample_measure, peaks):
         images = sample.sample_images(slab, [SAMPLE_PROMPT], model=cfg.model, files=cfg.encoder_files,
                                       resolution=max(cfg.resolution), steps=args.sample_steps,
+                                      frames=max(cfg.target_frames),
                                       max_sequence_length=cfg.max_sequence_length, host=cfg.host,
                                       host_budget=cfg.host_budget)
     peaks.phase(None)
     rec["sample_s"] = time.perf_counter() - start
     rec["sample_steps"] = args.sample_steps
-    rec["sample_size"] = list(images[0].size)
-    rec["sample_placement"] = sample_measure["placement"]["streamed"]
+    first = images[0] if not isinstance(images[0], list) else images[0][0]  # a video family's clip: its frames
+    rec["sample_size"] = list(first.size)
+    rec["sample_frames"] = len(images[0]) if isinstance(images[0], list) else 1
+    if "placement" in sample_measure:  # FLUX.1's own path; a family's diffusers pipeline places its own encoders
+        rec["sample_placement"] = sample_measure["placement"]["streamed"]
+    else:
+        not_measured(rec, "sample_placement")
     if cuda:  # the denoising's peak, or the prompt encoding's before it where that was higher
         rec["sample_peak_reserved_GB"] = max(torch.cuda.max_memory_reserved() / 1e9,
                                              sample_measure["cache_peak_reserved_GB"])
