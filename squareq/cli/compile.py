@@ -117,7 +117,6 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
     from ..compiler import CompileOptions, Thresholds, check_budget, compile_slab
     from ..compiler.device_choice import choose_device, compile_flops
     from ..compiler.inputs import DEFAULT_IMAGE_SAMPLES, is_text_model
-    from ..compiler.previous import check_previous
     from ..compiler.slab_output import check_output
     from ..compiler.state import state_folder
     from ..compiler.vram import memory_cap
@@ -157,7 +156,7 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
         source = open_source(model, list(blocks) or None, revision, check=on_device, model_class=model_class)
         _compile_line(f"compiling {source.description} on {describe(opts.device)}")
         check_budget(source, opts)  # before the encoders run
-        check_previous(opts.previous, source)  # --from: another model or a damaged build number, before the encoders
+        _check_source(source, opts.previous)  # before the encoders run
         trains = source.family_adapter is not None and source.family_adapter.recipe is not None
         if not (calib_cache or calib_text or calib_synthetic) and trains and not is_text_model(source.skeleton()):
             from ..compiler.calibration_images import calibration_images
@@ -181,6 +180,15 @@ def compile_cmd(model, revision, out, budget, objective, thresholds_file, format
                                    "out.")
         manifest = compile_slab(source, out, opts, progress=_compile_line, bar=sys.stderr.isatty())
     _say_written(out, manifest, opts.budget)
+
+
+def _check_source(source, previous: str | None) -> None:
+    """What is refused of the source before the encoders run or anything is calibrated: a --from slab of another
+    model or with a damaged build number, and NaN/Inf weights (a pass over the source, one block at a time)."""
+    from ..compiler.previous import check_previous
+
+    check_previous(previous, source)
+    source.check_finite(_compile_line)
 
 
 def _fitting_resolution(source, asked: int) -> int:

@@ -68,11 +68,12 @@ def _stored_bytes(t) -> int:
     return t.numel() * (2 if t.is_floating_point() else t.element_size())
 
 
-def _shape_parts(skeleton, block_paths, specs):
+def _shape_parts(skeleton, block_paths, specs, scales: bool = False):
     """From ``skeleton``'s shapes alone, per tensor: (the block it belongs to, None for a resident one; its fewest
     bytes; its most bytes; whether it is a linear layer's weight). A layer's weight at its smallest rung among
-    ``specs`` and at its largest with smoothing's scales and its manifest entry; any other tensor as stored; each
-    256-aligned as the slab stores it."""
+    ``specs`` (with ``scales``, plus the smoothing scales the search may give it: the most its smallest rung can take)
+    and at its largest with smoothing's scales and its manifest entry; any other tensor as stored; each 256-aligned as
+    the slab stores it."""
     from torch import nn
 
     weights = {f"{name}.weight": tuple(m.weight.shape) for path in block_paths
@@ -81,7 +82,8 @@ def _shape_parts(skeleton, block_paths, specs):
     for name, t in skeleton.state_dict().items():
         block = next((path for prefix, path in prefixes if name.startswith(prefix)), None)
         if name in weights:
-            yield (block, min(layout_bytes(spec, weights[name]) for spec in specs),
+            at = layer_candidate_bytes if scales else layout_bytes
+            yield (block, min(at(spec, weights[name]) for spec in specs),
                    max(layer_candidate_bytes(spec, weights[name]) for spec in specs) + MANIFEST_PER_LAYER, True)
         else:
             stored = align_up(_stored_bytes(t))
@@ -116,49 +118,55 @@ def most_slab_bytes(skeleton, block_paths, specs) -> int:
     return resident + fixed + most + (1 << 20)
 
 
-def least_block_bytes(skeleton, block_paths, specs) -> dict[str, int]:
+def least_block_bytes(skeleton, block_paths, specs, scales: bool = False) -> dict[str, int]:
     """Each block's fewest bytes, from ``skeleton``'s shapes alone: its layers at their smallest rung among ``specs``
-    and its other tensors as stored (a lower bound on what the plan can make of it)."""
+    and its other tensors as stored (a lower bound on what the plan can make of it). With ``scales``, each layer's
+    smallest rung with the smoothing scales the search may add to it: what the block takes at most with every layer
+    at its smallest rung, so a block cap of that holds it whatever the search picks (a rung's other transforms,
+    clipping and rotation, store no more)."""
     out = dict.fromkeys(block_paths, 0)
-    for block, fewest, _, _ in _shape_parts(skeleton, block_paths, specs):
+    for block, fewest, _, _ in _shape_parts(skeleton, block_paths, specs, scales):
         if block is not None:
             out[block] += fewest
     return out
 
 
-def largest_least_block(skeleton, block_paths, specs) -> tuple[str, int]:
+def largest_least_block(skeleton, block_paths, specs, scales: bool = False) -> tuple[str, int]:
     """The block with the most bytes at the smallest rung (:func:`least_block_bytes`), and those bytes."""
-    least = least_block_bytes(skeleton, block_paths, specs)
+    least = least_block_bytes(skeleton, block_paths, specs, scales)
     path = max(least, key=least.get)
     return path, least[path]
 
 
 def check_block_cap(cap: int | None, skeleton, block_paths, specs) -> None:
-    """Refuse, before anything is measured, a ``--max-block-bytes`` below a block's fewest bytes."""
+    """Refuse, before anything is measured, a ``--max-block-bytes`` below what a block can take with every layer at
+    its smallest rung (smoothing's scales included: which layers the search smooths is known only after calibration,
+    and the plan cannot take them off again), so that a cap this lets through is never refused after the search."""
     if cap is None:
         return
-    path, least = largest_least_block(skeleton, block_paths, specs)
-    if least > cap:
-        raise BudgetError(f"--max-block-bytes {cap:,} cannot hold block {path}, which takes more than {least:,} bytes "
-                          "with every layer at the smallest rung of --formats (the transforms add a little per "
-                          "layer); raise --max-block-bytes above that, or offer a smaller rung in --formats.")
+    path, need = largest_least_block(skeleton, block_paths, specs, scales=True)
+    if need > cap:
+        raise BudgetError(f"--max-block-bytes {cap:,} cannot hold block {path}, which can take {need:,} bytes with "
+                          "every layer at the smallest rung of --formats and its smoothing scales; raise "
+                          f"--max-block-bytes to at least {need:,} ({sizes.format_size_up(need)}), or offer a smaller "
+                          "rung in --formats.")
 
 
 def check_vram_cap(cap: int | None, slots: int, skeleton, block_paths, specs) -> None:
     """Refuse, before anything is measured, a ``--vram-cap`` below the resident tensors and ``slots`` ring slots of
-    the largest block at its fewest bytes."""
+    the largest block with every layer at its smallest rung, smoothing's scales included (:func:`check_block_cap`)."""
     if cap is None:
         return
     prefixes = tuple(p + "." for p in block_paths)  # the resident tensors as the runtime holds them, unaligned
     resident = sum(_stored_bytes(t) for n, t in skeleton.state_dict().items() if not n.startswith(prefixes))
-    path, least = largest_least_block(skeleton, block_paths, specs)
+    path, block = largest_least_block(skeleton, block_paths, specs, scales=True)
     slots = max(slots, 1)
-    need = resident + slots * least
+    need = resident + slots * block
     if cap < need:
         raise BudgetError(f"--vram-cap {cap:,} cannot hold the resident tensors ({resident:,} bytes) and {slots} ring "
-                          f"slots of block {path}, which takes more than {least:,} bytes with every layer at the "
-                          f"smallest rung of --formats: more than {need:,} bytes in all; raise --vram-cap above that, "
-                          "or offer a smaller rung in --formats.")
+                          f"slots of block {path}, which can take {block:,} bytes with every layer at the smallest "
+                          f"rung of --formats and its smoothing scales: {need:,} bytes in all; raise --vram-cap to at "
+                          f"least {need:,} ({sizes.format_size_up(need)}), or offer a smaller rung in --formats.")
 
 
 def check_least_budget(budget: int, skeleton, block_paths, specs) -> None:

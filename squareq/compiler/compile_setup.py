@@ -63,6 +63,7 @@ def set_up(source: Source, out: Path, opts: CompileOptions, progress: CompilePro
     skeleton = source.skeleton()
     previous = read_previous(opts.previous, source, skeleton) if opts.previous else None
     check_budget(source, opts)
+    source.check_finite(progress)  # NaN/Inf weights, refused before any calibration (the CLI checked already)
     specs = rung_specs(opts.formats, opts.group_size)
     batch = calibration_batch(source, skeleton, opts)
     progress(_calibration_line(batch.description))

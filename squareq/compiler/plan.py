@@ -33,6 +33,26 @@ class PlanError(BudgetError):
     """No plan meets τ_OUT within the budget or the block cap."""
 
 
+@dataclass(frozen=True)
+class CapFlag:
+    """The flag a block cap came from, for the sentence that refuses it: ``--max-block-bytes`` (the cap itself), or
+    ``--vram-cap`` of ``given`` bytes, whose room beside the resident tensors is shared by ``slots`` ring slots."""
+
+    flag: str = "--max-block-bytes"
+    given: int | None = None
+    slots: int = 1
+
+    def value_for(self, cap: int, block: int) -> int:
+        """A value of the flag that caps blocks at ``block`` bytes, where the one given capped them at ``cap``."""
+        return block if self.given is None else self.given + self.slots * (block - cap)
+
+    def says(self, cap: int) -> str:
+        """The block cap of ``cap`` bytes, as the flag gave it."""
+        if self.given is None:
+            return f"the block cap of {cap:,}"
+        return f"the {cap:,} bytes {self.flag} {self.given:,} leaves each of its {self.slots} ring slots"
+
+
 @dataclass
 class LayerOptions:
     """One layer as the planner sees it: bytes and measured effect per rung, and where it starts."""
@@ -125,10 +145,10 @@ def _best_down(s: _State, names, limit: float | None):
 
 def make_plan(layers: list[LayerOptions], fixed: dict[int, int], tau: float, budget: int | None = None,
               overhead: int = 0, objective: str = "size", block_cap: int | None = None,
-              block_names: dict[int, str] | None = None) -> Plan:
+              block_names: dict[int, str] | None = None, cap_flag: CapFlag = CapFlag()) -> Plan:
     """The plan for ``layers`` (module docstring). ``fixed``: bytes of each block's other tensors; ``overhead``:
-    the slab's bytes besides the blocks; ``budget``: the most the slab may take. Raises :class:`PlanError` when the
-    cap or the budget cannot be met."""
+    the slab's bytes besides the blocks; ``budget``: the most the slab may take; ``cap_flag``: the flag ``block_cap``
+    came from, named when it is refused. Raises :class:`PlanError` when the cap or the budget cannot be met."""
     s = _State(layers, fixed)
     names = block_names or {}
     if block_cap is not None:
@@ -141,15 +161,16 @@ def make_plan(layers: list[LayerOptions], fixed: dict[int, int], tau: float, bud
             move = _best_down(s, [n for n, layer in s.layers.items() if layer.block == worst], None)
             if move is None:
                 raise PlanError(f"block {names.get(worst, worst)} takes {blocks[worst]:,} bytes with every layer at "
-                                f"its lowest rung, more than the block cap of {block_cap:,}; raise --max-block-bytes "
-                                "(or the VRAM it came from) or offer a rung of fewer bytes in --formats.")
+                                f"its lowest rung, more than {cap_flag.says(block_cap)}; raise {cap_flag.flag} to "
+                                f"{cap_flag.value_for(block_cap, blocks[worst]):,} or offer a rung of fewer bytes in "
+                                "--formats.")
             s.apply(*move, f"block {names.get(worst, worst)} {blocks[worst]:,} bytes > block cap {block_cap:,}; "
                            "this layer's move down cost the least effect per byte saved")
     while (err := s.error()) > tau:
         move = _best_up(s, block_cap, None)
         if move is None:
             raise PlanError(f"the model-output error {err:.3g} stays above τ_OUT {tau:g} with every layer as high as "
-                            "the block cap allows; raise --max-block-bytes or τ_OUT (out) in --thresholds.")
+                            f"the block cap allows; raise {cap_flag.flag} or τ_OUT (out) in --thresholds.")
         s.apply(*move, f"the plan's model-output rel-MSE {err:.3g} > τ_OUT {tau:g}; this move lowered it most per byte")
     floor = HYSTERESIS * tau
     while (move := _best_down(s, list(s.layers), floor)) is not None:

@@ -20,7 +20,7 @@ from .correction import Correction, NotFitted, fit_correction, wanted
 from .effect import PlanWeights, plan_output_errors
 from .manifest_records import CORRECTION_RECORD, layer_annotations, metadata_bytes
 from .options import CompileOptions
-from .plan import Plan, make_plan
+from .plan import CapFlag, Plan, make_plan
 from .previous import Previous
 from .progress import CompileProgress
 from .state import CompileState
@@ -51,7 +51,9 @@ def fit_plan(setup: CompileSetup, opts: CompileOptions, state: CompileState, nam
                                        correcting)
     overhead = meta(Plan({x.name: x.start for x in layers})) + SLACK_PER_LAYER * build * len(layers)
     try:
-        plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, setup.cap, names)
+        flag = CapFlag() if opts.vram_cap is None else CapFlag("--vram-cap", opts.vram_cap, max(opts.ring_slots, 1))
+        plan = make_plan(layers, fixed, opts.thresholds.out, opts.budget, overhead, opts.objective, setup.cap, names,
+                         flag)
         needed = meta(plan) + sum(fixed.values()) + plan.layer_bytes
         if needed > opts.budget:
             raise BudgetError(f"the plan needs a slab of at least {needed:,} bytes but --budget is {opts.budget:,} "

@@ -6,7 +6,9 @@ holds every candidate measured for the block's layers and ``block.<k>.json`` the
 written last, so a block counts as finished only when both files are complete. ``effects.json`` holds each
 layer's measured effect on the model's output once that pass has run. ``spill.<part>.scratch`` files are not state:
 a pass's tensors that did not fit ``--host-budget`` (compiler/spill.py), deleted when the pass ends and, left by a
-killed compile, when the folder is opened again.
+killed compile, when the folder is opened again. A folder made with other inputs is refused when it holds finished
+work (a block, the effects, a refused plan: :data:`REFUSED`), and discarded with a line when it holds none (a compile
+refused or killed before its first block finished), so the rerun that fixed its inputs needs no hand deletion.
 """
 from __future__ import annotations
 
@@ -63,9 +65,16 @@ class CompileState:
         found = self._json(meta) if self.folder.exists() and meta.is_file() else None
         if found is not None and found != fingerprint:
             changed = sorted(k for k in set(found) | set(fingerprint) if found.get(k) != fingerprint.get(k))
-            raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
-                             "rerun with the same model and options to continue it, or delete the folder to start "
-                             "over.")
+            if self._holds_work():
+                raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
+                                 "rerun with the same model and options to continue it, or delete the folder to "
+                                 "start over.")
+            # a compile refused (a damaged source, fixed since) or killed before it finished a block: nothing to
+            # keep, so the corrected rerun starts over rather than asking for the folder to be deleted by hand
+            echo(f"starting over in {self.folder}: the compile that made it had different inputs "
+                 f"({', '.join(changed)}) and finished no block")
+            self._discard()
+            found = None
         if self.folder.exists() and not resume:
             if found is None or not (self.folder / REFUSED).is_file():
                 raise StateError(f"{self.folder} holds an earlier, unfinished compile; pass --resume to continue it, "
@@ -79,6 +88,22 @@ class CompileState:
         for leftover in [*self.folder.glob(".*.tmp"), *self.folder.glob(SPILL_GLOB)]:
             leftover.unlink(missing_ok=True)
         atomic_write_bytes(meta, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+
+    def _holds_work(self) -> bool:
+        """Whether the folder holds anything a compile finished: a block's record, the effects or a refused plan."""
+        return any(self.folder.glob("block.*.json")) or (self.folder / "effects.json").exists() \
+            or (self.folder / REFUSED).exists()
+
+    def _discard(self) -> None:
+        """Remove a state that holds no finished work; its state.json goes last, so an interrupted discard is done
+        again by the next compile rather than read as an unfinished one."""
+        for entry in self.folder.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.name != "state.json":
+                entry.unlink()
+        (self.folder / "state.json").unlink()
+        self.folder.rmdir()
 
     def mark_refused(self, why: str) -> None:
         """Note that the compile measured everything and its plan was refused (``why``): rerun with the same model and

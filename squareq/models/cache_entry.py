@@ -9,6 +9,9 @@ in the model, or NaN losses. The rules are the kind's, not the run's:
 * ``text``: a floating ``prompt_embeds`` of 2 axes (``[L, D]``); a ``pooled_prompt_embeds`` of 1; a
   ``prompt_mask`` of ``L`` values, each 0 or 1;
 * every tensor floating point and finite (the encoders write float32 or bfloat16 only).
+
+:func:`model_problem` adds the run's model's rules: the latent channels, a latent height and width its patches
+divide (FLUX packs 2x2: a resealed latent of an odd side would end in a traceback in a step), the text widths.
 """
 from __future__ import annotations
 
@@ -65,11 +68,11 @@ def read_entry(path: str | os.PathLike, kind: str | None = None) -> dict[str, to
 
 def model_problem(kind: str, tensors: dict[str, torch.Tensor], recipe, config) -> str | None:
     """Why an entry of ``kind`` (of its kind's form) was not made by the encoders of the model whose training
-    ``recipe`` and ``config`` are given: other latent channels, another text width, or a pooled embedding missing or
-    of another width; None when it fits."""
+    ``recipe`` and ``config`` are given: other latent channels, a latent height or width the denoiser cannot patch
+    (an odd side for FLUX's 2x2 packing), another text width, or a pooled embedding missing or of another width; None
+    when it fits."""
     if kind == "latents":
-        want, got = recipe.latent_channels(config), tensors["latents"].shape[0]
-        return None if got == want else f"holds latents of {got} channels, where this model takes {want}"
+        return _latent_problem(tensors["latents"].shape, recipe, config)
     fields = recipe.text_fields(config)
     width = tensors["prompt_embeds"].shape[-1]
     if width != fields.width:
@@ -77,4 +80,18 @@ def model_problem(kind: str, tensors: dict[str, torch.Tensor], recipe, config) -
     pooled = tensors.get("pooled_prompt_embeds")
     if fields.pooled and (pooled is None or pooled.shape[-1] != fields.pooled):
         return f"has no pooled_prompt_embeds {fields.pooled} wide, which this model takes"
+    return None
+
+
+def _latent_problem(shape, recipe, config) -> str | None:
+    """Why a latent of ``shape`` (``[C, h, w]`` or ``[C, F, h, w]``) does not fit the model: other channels, or sides
+    that are not whole multiples of its patch (``recipe.latent_multiple``: the VAE turns every bucket into such sides,
+    so an odd one was edited in, and would end in the model's patching)."""
+    want, got = recipe.latent_channels(config), shape[0]
+    if got != want:
+        return f"holds latents of {got} channels, where this model takes {want}"
+    multiple, (h, w) = int(recipe.latent_multiple(config)), shape[-2:]
+    if h < multiple or w < multiple or h % multiple or w % multiple:
+        return (f"holds latents {h}x{w} in size, where this model takes a height and width that are non-zero "
+                f"multiples of {multiple}")
     return None

@@ -77,6 +77,7 @@ HUNYUAN_VIDEO = FamilyAdapter(family="hunyuan-video", class_name="HunyuanVideoTr
                                                                                        cfg.pooled_projection_dim,
                                                                                        mask=True),
                                                     forward=hunyuan_video_forward, prediction=first_output,
+                                                    latent_multiple=lambda cfg: cfg.patch_size,
                                                     frames=True, pipeline=PipelineFolder(("HunyuanVideoPipeline",),
                                                                                          hunyuan_video_captions)),
                               pipeline_samples=True)

@@ -82,6 +82,7 @@ LTX_VIDEO = FamilyAdapter(family="ltx-video", class_name="LTXVideoTransformer3DM
                           recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                                 text_fields=lambda cfg: TextFields(cfg.caption_channels, mask=True),
                                                 forward=ltx_video_forward, prediction=ltx_video_prediction,
+                                                latent_multiple=lambda cfg: 1,  # patch size 1, as forward checks
                                                 frames=True, pipeline=PipelineFolder(("LTXPipeline",),
                                                                                      ltx_video_captions)),
                           pipeline_samples=True)

@@ -24,6 +24,7 @@ import torch
 from .flux_latents import unpack_latents
 
 OBJECTIVES = ("flow", "epsilon", "v_prediction", "cosine_epsilon")
+PACKED_PATCH = 2  # FLUX packs 2x2 latent patches into one token; the flow transformers' patch size
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class TrainingRecipe:
     image_conditioning: Callable[[torch.Tensor], torch.Tensor] | None = None
     pipeline: PipelineFolder | None = None
     no_pipeline: str | None = None
+    # config -> what a cached latent's height and width must be whole multiples of for the denoiser to take it: its
+    # patch size (2: FLUX's 2x2 packing, the default), 1 for a model that takes any side (models/cache_entry.py)
+    latent_multiple: Callable[[Any], int] = lambda cfg: PACKED_PATCH
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -62,5 +62,6 @@ SD3 = FamilyAdapter(family="sd3", class_name="SD3Transformer2DModel", block_list
                                           text_fields=lambda cfg: TextFields(cfg.joint_attention_dim,
                                                                              cfg.pooled_projection_dim),
                                           forward=sd3_forward, prediction=first_output,
+                                          latent_multiple=lambda cfg: cfg.patch_size,
                                           pipeline=PipelineFolder(("StableDiffusion3Pipeline",), sd3_captions)),
                     pipeline_samples=True)

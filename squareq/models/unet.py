@@ -111,6 +111,7 @@ SD_UNET = FamilyAdapter(family="sd-unet", class_name="UNet2DConditionModel", blo
                                               text_fields=lambda cfg: TextFields(cfg.cross_attention_dim,
                                                                                  _pooled_width(cfg)),
                                               forward=unet_forward, prediction=first_output,
+                                              latent_multiple=lambda cfg: 1,  # diffusers sizes its upsamplers
                                               pipeline=PipelineFolder(("StableDiffusionXLPipeline",
                                                                        "StableDiffusionPipeline"), unet_captions,
                                                                       objective=unet_objective)),

@@ -64,5 +64,6 @@ WAN = FamilyAdapter(family="wan", class_name="WanTransformer3DModel", block_list
                     recipe=TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels,
                                           text_fields=lambda cfg: TextFields(cfg.text_dim), forward=wan_forward,
                                           prediction=first_output, frames=True,
+                                          latent_multiple=lambda cfg: max(cfg.patch_size[1:]),
                                           pipeline=PipelineFolder(("WanPipeline",), wan_captions)),
                     pipeline_samples=True)

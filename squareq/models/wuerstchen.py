@@ -96,6 +96,12 @@ def decoder_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidanc
     return dict(x=x_t, r=t, effnet=text["effnet"], clip=text["prompt_embeds"])
 
 
+def decoder_latent_multiple(cfg) -> int:
+    """The decoder unshuffles ``patch_size`` pixels, then halves the side at each level after the first and adds the
+    skips back unresized: a latent's sides are whole multiples of both."""
+    return int(cfg.patch_size) * 2 ** (len(cfg.c_hidden) - 1)
+
+
 def toy_image_embedding(latent: torch.Tensor) -> torch.Tensor:
     """The built-in decoder's stand-in for Würstchen's EfficientNet image embedding: the toy latent pooled 2x (its
     channels are the tiny decoder's ``effnet_embd``). Real embeddings need the EfficientNet encoder."""
@@ -110,7 +116,8 @@ WUERSTCHEN_PRIOR = FamilyAdapter(
     pipeline_samples=True,  # through both stages' pipelines, the decoder's folder given (train/wuerstchen_sample.py)
     recipe=TrainingRecipe(objective="cosine_epsilon", latent_channels=lambda cfg: cfg.c_in,
                           text_fields=lambda cfg: TextFields(cfg.c_cond), forward=prior_forward,
-                          prediction=first_output, no_pipeline=NO_EFFNET + " (the prior's latents are its embeddings)"))
+                          prediction=first_output, latent_multiple=lambda cfg: 1,
+                          no_pipeline=NO_EFFNET + " (the prior's latents are its embeddings)"))
 
 WUERSTCHEN_DECODER = FamilyAdapter(
     family="wuerstchen-decoder", class_name="WuerstchenDiffNeXt", block_lists=("down_blocks.*", "up_blocks.*"),
@@ -119,4 +126,5 @@ WUERSTCHEN_DECODER = FamilyAdapter(
     recipe=TrainingRecipe(objective="cosine_epsilon", latent_channels=lambda cfg: cfg.c_in,
                           text_fields=lambda cfg: TextFields(cfg.clip_embd), forward=decoder_forward,
                           prediction=first_output, image_conditioning=toy_image_embedding,
+                          latent_multiple=decoder_latent_multiple,
                           no_pipeline=NO_EFFNET + " (the decoder is conditioned on its embeddings)"))

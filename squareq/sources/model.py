@@ -33,6 +33,8 @@ log = logging.getLogger("squareq.sources")
 class Source:
     """A model to compile: its skeleton on the meta device and lazy, checked access to its weights."""
 
+    _checked_finite = False  # check_finite found every tensor finite
+
     def __init__(self, description: str, skeleton: nn.Module, tensors: Tensors,
                  blocks: Sequence[str] | None = None):
         self.description = description
@@ -111,6 +113,22 @@ class Source:
         and modification time (an in-memory built-in model: a hash of its values)."""
         parts = [self.description, model_signature(self._skeleton), self._tensors.identity()]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+    def check_finite(self, say: Callable[[str], None] = lambda line: None) -> None:
+        """Read every checkpoint tensor the model binds, the resident ones and then one block at a time (host memory:
+        one block as read, what ``load_block`` holds), and refuse the first holding NaN or Inf in tensors.py's
+        sentence naming the tensor and its file: before a compile encodes or calibrates anything, not when it
+        reaches that block. One pass at memory or disk speed (``say`` says it starts); once per source."""
+        if self._checked_finite:
+            return
+        say(f"checking the {len(set(self._key.values()))} tensors of {self._tensors.label} for NaN and Inf values")
+        prefixes = [p + "." for p in self.block_paths]
+        groups: dict[str, set[str]] = {p: set() for p in ["", *prefixes]}
+        for name, key in self._key.items():
+            groups[next((p for p in prefixes if name.startswith(p)), "")].add(key)
+        for keys in groups.values():
+            self._tensors.read(sorted(keys))  # checked as read (tensors.py), then let go
+        self._checked_finite = True
 
     def skeleton(self) -> nn.Module:
         """The model's own class built from its config on the meta device.

@@ -220,3 +220,82 @@ def test_a_compile_refused_by_its_budget_continues_when_rerun_with_another_budge
     assert rerun.exit_code == 0, rerun.output
     assert "continuing the compile in" in rerun.output and "calibrating and searching" not in rerun.output
     assert out.is_dir() and not (tmp_path / "t.slab.state").exists()
+
+
+def test_a_refused_block_cap_names_the_flag_it_came_from_and_a_value_that_holds_the_block():
+    """Issue 63: the planner's refusal of a cap from --vram-cap told the user to raise --max-block-bytes. It names
+    the flag given now, and a value of it that holds the block (the control: a cap given as --max-block-bytes)."""
+    from squareq.compiler.plan import CapFlag
+
+    big = [LayerOptions(x.name, x.block, x.bytes, x.effect, "W8") for x in layers()]
+    with pytest.raises(PlanError) as refused:
+        make_plan(big, FIXED, tau=1.0, block_cap=50 + 199)
+    assert "more than the block cap of 249; raise --max-block-bytes to 250 or offer" in str(refused.value)
+    vram = CapFlag("--vram-cap", given=10_000, slots=2)  # the resident tensors and 2 slots of 249 bytes, and 1 spare
+    with pytest.raises(PlanError) as refused:
+        make_plan(big, FIXED, tau=1.0, block_cap=50 + 199, cap_flag=vram)
+    message = str(refused.value)
+    assert "the 249 bytes --vram-cap 10,000 leaves each of its 2 ring slots; raise --vram-cap to 10,002" in message
+    assert "--max-block-bytes" not in message
+    with pytest.raises(PlanError, match=r"raise --vram-cap or τ_OUT"):
+        make_plan(layers(), FIXED, tau=1e-6, block_cap=50 + 200, cap_flag=vram)
+
+
+def _block_floors():
+    """For tiny-flux at the default --formats: (the old early bound, the largest block with its layers at the smallest
+    rung; the new, with the smoothing scales the search may add; the resident tensors as --vram-cap counts them)."""
+    from squareq.compiler.budget import _stored_bytes, largest_least_block
+    from squareq.compiler.ladder import DEFAULT_FORMATS, rung_specs
+    from squareq.sources import open_source
+
+    source, specs = open_source("tiny-flux"), rung_specs(DEFAULT_FORMATS)
+    skeleton = source.skeleton()
+    blocks = tuple(p + "." for p in source.block_paths)
+    resident = sum(_stored_bytes(t) for n, t in skeleton.state_dict().items() if not n.startswith(blocks))
+    return (largest_least_block(skeleton, source.block_paths, specs)[1],
+            largest_least_block(skeleton, source.block_paths, specs, scales=True)[1], resident)
+
+
+@pytest.mark.parametrize("flag", ["--max-block-bytes", "--vram-cap"])
+def test_a_cap_just_above_the_old_bound_is_refused_before_calibration_and_the_floor_it_names_compiles(tmp_path,
+                                                                                                       flag):
+    """Issue 63: --max-block-bytes 89,601 (the old early bound 89,600 + 1; the search's block took 92,928) and the
+    --vram-cap of two such slots were refused only after the whole search, the latter naming --max-block-bytes. The
+    early floor counts the smoothing scales the search may add now: a value below it is refused before calibration in
+    one sentence naming the flag given and the floor; the floor itself compiles (the negative control)."""
+    from .test_vram import error_lines
+
+    old, floor, resident = _block_floors()
+    assert (old, floor) == (89_600, 94_720)  # the audit's model: every one of a block's 14 layers smoothed adds 5,120
+    slots = 2  # --ring-slots' default
+    value = {"--max-block-bytes": lambda block: block, "--vram-cap": lambda block: resident + slots * block}[flag]
+    out = tmp_path / "t.slab"
+    args = tiny_compile_args(out)
+    for given in (value(old + 1), value(floor) - 1):
+        result = CliRunner().invoke(main, [*args, flag, str(given)])
+        errors = error_lines(result)
+        assert result.exit_code == 1 and len(errors) == 1, result.output[-1500:]
+        assert errors[0].startswith(f"error: {flag} {given:,} cannot hold ") and errors[0].endswith(".")
+        assert f"raise {flag} to at least {value(floor):,} " in errors[0]
+        assert "--max-block-bytes" not in errors[0] or flag == "--max-block-bytes"
+        assert "calibrating" not in result.output and not (tmp_path / "t.slab.state").exists()
+    result = CliRunner().invoke(main, [*args, flag, str(value(floor))])
+    assert result.exit_code == 0 and out.is_dir(), result.output[-1500:]
+
+
+def test_a_vram_cap_the_search_cannot_fit_is_refused_naming_vram_cap(tmp_path, monkeypatch):
+    """The late refusal, where it can still happen (the early check is skipped for a rebuild, stood in for here by
+    switching it off): it names --vram-cap, the flag given, and a value of it that holds the block."""
+    import squareq.compiler.compile_setup as compile_setup
+
+    from .test_vram import error_lines
+
+    old, _, resident = _block_floors()
+    monkeypatch.setattr(compile_setup, "check_vram_cap", lambda *args: None)
+    out = tmp_path / "t.slab"
+    given = resident + 2 * (old + 1)
+    result = CliRunner().invoke(main, [*tiny_compile_args(out), "--vram-cap", str(given)])
+    errors = error_lines(result)
+    assert result.exit_code == 1 and len(errors) == 1 and "calibrating" in result.output, result.output[-1500:]
+    assert "leaves each of its 2 ring slots; raise --vram-cap to " in errors[0]
+    assert "--max-block-bytes" not in errors[0]

@@ -213,3 +213,73 @@ def test_an_entry_of_the_right_form_made_for_another_model_is_encoded_again(tmp_
             cache.load(kind, "k")
         assert cache.fill(kind, ["k"], lambda idx, kind=kind: [good[kind] for _ in idx]) == 1
     assert len(lines) == 2 and "where this model takes" in lines[0] and "where this model takes" in lines[1]
+
+
+def _flux_fits():
+    from diffusers.configuration_utils import FrozenDict
+
+    from squareq.models import ADAPTERS, load_builtin
+    from squareq.models.cache_entry import model_problem
+
+    model, _ = load_builtin("tiny-flux")
+    recipe, config = ADAPTERS["flux"].recipe, FrozenDict(dict(model.config))
+    return recipe.latent_channels(config), lambda k, t: model_problem(k, t, recipe, config)
+
+
+@pytest.mark.parametrize("side", [(17, 16), (16, 17), (0, 16)])
+def test_a_resealed_latent_of_a_side_flux_cannot_pack_is_refused_and_encoded_again(tmp_path, side):
+    """Issue 63: a latent entry resealed at an odd height or width (FLUX packs 2x2 patches) passed every check and
+    ended in a traceback in the step's packing; the run's model checks its sides now. Negative control: an entry of
+    the bucket's shape (a 128x128 bucket through the 8x VAE: 16x16) is kept without a line."""
+    channels, fits = _flux_fits()
+    good = {"latents": torch.ones(channels, 16, 16)}
+    lines = []
+    cache = EmbeddingCache(tmp_path, echo=lines.append, fits=fits)
+    assert cache.fill("latents", ["k"], lambda idx: [good for _ in idx]) == 1
+    assert cache.fill("latents", ["k"], lambda idx: [good for _ in idx]) == 0 and lines == []  # negative control
+    assert cache.load("latents", "k")["latents"].shape == (channels, 16, 16)
+    _resealed(cache, "latents", "k", {"latents": torch.ones(channels, *side)})
+    with pytest.raises(CacheError) as refused:
+        cache.load("latents", "k")
+    message = str(refused.value)
+    assert "\n" not in message and "k.safetensors" in message and message.endswith("the next run recomputes it.")
+    assert f"holds latents {side[0]}x{side[1]} in size" in message and "multiples of 2" in message
+    assert cache.fill("latents", ["k"], lambda idx: [good for _ in idx]) == 1  # encoded again, with one line
+    assert len(lines) == 1 and f"{side[0]}x{side[1]}" in lines[0] and lines[0].endswith("encoding it again.")
+    assert cache.load("latents", "k")["latents"].shape == (channels, 16, 16)
+
+
+@pytest.mark.usefixtures("torch_kernels")
+def test_training_on_a_cache_with_resealed_odd_latents_re_encodes_them_and_trains(tmp_path):
+    """The audit's run end to end: `squareq train` on a cache whose latents were resealed at 9x8 said so in a line per
+    entry, encoded them again and trained (it ended in a ValueError traceback from the 2x2 packing)."""
+    from click.testing import CliRunner
+    from PIL import Image
+
+    from squareq.cli import main
+    from squareq.slab.atomic import atomic_write_bytes
+    from squareq.slab.digest import hashed_safetensors, read_hashed
+
+    from .tiny_run import w8_tiny_slab
+
+    w8_tiny_slab(tmp_path / "tiny.slab")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, color in enumerate([(220, 30, 30), (30, 30, 220)]):
+        Image.new("RGB", (64, 64), color).save(data / f"img{i}.png")
+        (data / f"img{i}.txt").write_text(f"square {i}")
+    args = ["train", str(tmp_path / "tiny.slab"), "--data", str(data), "--resolution", "64", "--max-sequence-length",
+            "16", "--steps", "1", "--rank", "2", "--cache-dir", str(tmp_path / "cache")]
+    runner = CliRunner()
+    first = runner.invoke(main, args + ["-o", str(tmp_path / "first")])
+    assert first.exit_code == 0, first.output
+    entries = sorted((tmp_path / "cache" / "latents").iterdir())
+    for path in entries:
+        kept = read_hashed(path)["latents"]
+        assert kept.shape[-2:] == (8, 8)  # negative control: the 64x64 bucket's latents
+        atomic_write_bytes(path, hashed_safetensors({"latents": torch.ones(kept.shape[0], 9, 8)}))  # resealed
+    second = runner.invoke(main, args + ["-o", str(tmp_path / "second")])
+    assert second.exit_code == 0 and "Traceback" not in second.output, second.output
+    assert second.output.count("holds latents 9x8 in size") == len(entries) == 2
+    assert "done: 1 step" in second.output
+    assert all(read_hashed(p)["latents"].shape[-2:] == (8, 8) for p in entries)
