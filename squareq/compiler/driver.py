@@ -23,7 +23,7 @@ import torch
 
 from ..sizes import format_size
 from ..slab import WriteOptions
-from ..slab.atomic import OutputError, os_error_sentence, remove_debris
+from ..slab.atomic import OutputError, os_error_sentence
 from ..sources import Source
 from ..sources.local_files import source_identity
 from .budget import OBJECTIVES, BudgetError
@@ -57,8 +57,6 @@ def _compile(source: Source, out: Path, opts: CompileOptions, progress: CompileP
     check_output(out, opts.overwrite, progress)
     if opts.objective not in OBJECTIVES:
         raise BudgetError(f"--objective {opts.objective!r} is not one of {', '.join(OBJECTIVES)}.")
-    for debris in remove_debris(out):
-        progress(f"removed {debris}, left by a compile that was killed")
     setup = set_up(source, out, opts, progress)
     with vram_cap(setup.vram):
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..slab import BlockContent, SlabBuilder, SlabError, WriteOptions
-from ..slab.atomic import restore_replaced
+from ..slab.atomic import remove_debris, restore_replaced
 from ..slab.writer import block_linears
 from ..sources import Source
 from .budget import BudgetError
@@ -33,11 +33,14 @@ SLACK_PER_LAYER = 512
 def check_output(out: Path, overwrite: bool, say=lambda line: print(f"[compile] {line}", file=sys.stderr)) -> None:
     """Refuse a slab path that is taken (without ``overwrite``, --force) before any work, rather than after the
     calibration and measurements; the driver checks again before it writes. A slab that a killed ``--force`` left
-    hidden is put back first (``say`` says so)."""
+    hidden is put back first, and what a killed compile left beside it is removed, refused or not (``say`` says
+    so)."""
     restored = restore_replaced(out)
     if restored is not None:
         say(f"put {out} back from {restored.name}: a compile that replaced it was killed before the new slab was in "
             "place")
+    for debris in remove_debris(out):
+        say(f"removed {debris}, left by a compile that was killed")
     if out.exists() and not overwrite:
         raise SlabError(f"{out} already exists; choose another output path or pass --force.")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..models.base import ModelError
 from ..slab.errors import brief
+from .file_kind import unreadable
 
 
 @contextlib.contextmanager
@@ -61,4 +62,4 @@ def check_parts(folder: Path, parts: Iterable[str], then: str, error: type[Excep
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     f.keys()
             except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
-                raise error(f"{file} is not a readable safetensors file ({brief(exc)}); {then}.") from None
+                raise error(f"{unreadable(file, brief(exc))}; {then}.") from None

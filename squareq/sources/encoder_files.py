@@ -31,6 +31,7 @@ from .encoder_placement import (
     run_budget,
 )
 from .encoder_source import EncoderError, EncoderSource, file_components, pipeline_folder
+from .file_kind import unreadable
 from .hub import read_index
 from .skeletons import folder_model, folder_weights
 
@@ -64,7 +65,7 @@ def file_dtype(files: list[Path]) -> torch.dtype | None:
             with safe_open(str(path), framework="pt") as f:
                 found.update(f.get_slice(k).get_dtype() for k in f.keys())
         except Exception as exc:  # safetensors raises its own error types for a file that is not one
-            raise EncoderError(f"{path} is not a readable safetensors file ({exc}); re-download it.") from None
+            raise EncoderError(f"{unreadable(path, exc)}; re-download it.") from None
     floating = {d for d in found if d.startswith(("F", "BF"))}
     return MAPPED_DTYPES.get(floating.pop()) if len(floating) == 1 else None
 

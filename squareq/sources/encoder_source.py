@@ -65,6 +65,11 @@ class EncoderSource:
         given = ", ".join(f"{cli_flag(k)} {v}" for k, v in self.files)
         return f"{self.where} ({given})" if given else self.where
 
+    def origin(self, flag: str) -> str:
+        """Where the component that ``flag`` (a single-file flag name: clip_l, t5, vae) gives comes from: its single
+        file where one was given, else the pipeline; what an error about that component's weights names."""
+        return self.file_map.get(flag) or self.where
+
     def record(self) -> dict[str, str]:
         """What a slab records (ModelRecord.encoders) so later commands find the same encoders."""
         return {"where": self.where, **self.file_map}

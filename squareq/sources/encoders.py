@@ -232,9 +232,9 @@ def open_encoders(source: EncoderSource | str, device: torch.device, family: str
         pipe = _load_folder(source, dtype, dtypes=mapped)
         mapped = as_loaded(mapped, before, pipe, ENCODER_PARTS, dtype)
     where = dtype_tag(dtype)
-    vae_id = module_identity(pipe.vae, "vae", source=str(source)) + where
-    text_id = module_identity(pipe.text_encoder, "clip", dtype, str(source)) \
-        + module_identity(pipe.text_encoder_2, "t5", dtype, str(source)) + where
+    vae_id = module_identity(pipe.vae, "vae", source=source.origin("vae")) + where
+    text_id = module_identity(pipe.text_encoder, "clip", dtype, source.origin("clip_l")) \
+        + module_identity(pipe.text_encoder_2, "t5", dtype, source.origin("t5")) + where
     try:
         with placed(pipe, ENCODER_PARTS, device, dtype, run, mapped) as placement:
             yield Encoders(pipe, device, dtype, vae_id, text_id, placement)

@@ -26,6 +26,7 @@ from ..third_party import download_bars
 from .boundary import reading
 
 # owner/name as the Hub spells repository IDs, with an optional @revision (a branch, tag or commit)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@(?P<revision>[^\s@]+))?")
 # names that are files someone meant to pass, not repositories: a missing file stays a missing file
 _FILE_SUFFIXES = (".safetensors", ".ckpt", ".bin", ".pt", ".pth", ".gguf", ".json", ".toml", ".slab")
@@ -161,9 +162,24 @@ def _fetch(ref: HubRef, allow: tuple[str, ...], ignore: tuple[str, ...], local_o
     with reading(f"{ref} through the Hugging Face cache ({storage})", "where the cached copy is damaged, delete that "
                  "folder and run the command with network access to download it again"), \
             _hub_errors(ref, local_only, cache):
+        _check_cached_ref(storage, ref)
         with contextlib.nullcontext() if local_only else download_bars():
             return snapshot_download(ref.repo, revision=ref.revision, allow_patterns=list(allow),
                                      ignore_patterns=list(ignore), local_files_only=local_only, cache_dir=cache_dir)
+
+
+def _check_cached_ref(storage: Path, ref: HubRef) -> None:
+    """A cached ``refs/<branch>`` file must hold a commit: an empty one (a download cut before it was written) would
+    have the snapshot's parent folder read as the model, and said wrongly as "not a pipeline"."""
+    revision = ref.revision or "main"
+    refs = storage / "refs" / revision
+    if _COMMIT.fullmatch(revision) or not refs.is_file():
+        return
+    held = refs.read_bytes().strip()
+    if not _COMMIT.fullmatch(held.decode("ascii", "replace")):
+        what = "is empty" if not held else f"holds {held[:40]!r}, not a 40-hex commit"
+        raise ModelError(f"{refs} {what}, so the cached {ref} names no snapshot (a download was cut or the file was "
+                         f"edited); delete {storage} and download it again (`hf download {ref.repo}`).")
 
 
 @contextlib.contextmanager

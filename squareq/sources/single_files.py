@@ -23,6 +23,7 @@ import torch
 
 from ..slab.errors import brief
 from .encoder_source import EncoderError, EncoderSource, cli_flag, file_components
+from .file_kind import unreadable
 
 
 def load_single_files(source: EncoderSource, folder: Path, index: Mapping, dtype: torch.dtype,
@@ -84,8 +85,7 @@ def _header_keys(path: Path, what: str) -> list[str]:
         with safe_open(str(path), framework="pt") as f:
             return list(f.keys())
     except Exception as exc:  # safetensors raises its own error types for a file that is not one
-        raise EncoderError(f"{what} {path} is not a readable safetensors file ({exc}); pass the encoder's "
-                           ".safetensors file.") from None
+        raise EncoderError(f"{what} {unreadable(path, exc)}; pass the encoder's .safetensors file.") from None
 
 
 def _diffusers_single_file(cls, path: Path, folder: Path, component: str, dtype):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..models import ModelError, flux_bfl
+from .file_kind import unreadable
 
 MISMATCH = "the checkpoint does not match its config"
 
@@ -49,7 +50,7 @@ def _safe_open(path: Path):
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise ModelError(f"{path} is not a readable safetensors file ({exc}); re-download or re-export it.") from None
+        raise ModelError(f"{unreadable(path, exc)}; re-download or re-export it.") from None
     with handle as h:
         yield h
 

@@ -130,8 +130,9 @@ _KIND_WORDS = {"int": "a whole number, e.g. 8", "float": "a number, e.g. 0.5", "
 
 
 def shown(value: Any) -> str:
-    """``value`` as an error message quotes it: its repr, cut short where it would fill the line."""
-    text = repr(value)
+    """``value`` as an error message quotes it: its repr (a bool as TOML writes it), cut short where it would fill
+    the line."""
+    text = ("true" if value else "false") if isinstance(value, bool) else repr(value)
     return text if len(text) <= 80 else text[:60] + "…"
 
 

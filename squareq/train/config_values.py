@@ -231,8 +231,8 @@ def _check_adapter(cfg, bad: Bad) -> None:
     given = [k for k in ("use_dora", "use_rslora") if getattr(cfg, k)] + (["lora_dropout"] if cfg.lora_dropout
                                                                            else [])
     if given:
-        raise bad("lora_type", f"is {cfg.lora_type}, which takes none of {', '.join(given)} (they are LoRA's); "
-                               "remove them or set lora_type = \"lora\"")
+        raise bad("lora_type", f"is a LyCORIS adapter, and {', '.join(given)} {'is' if len(given) == 1 else 'are'} "
+                               "LoRA's only; remove it or set lora_type = \"lora\"")
     if cfg.save_format is not None and set(cfg.save_format) != {"peft"}:
         raise bad("save_format", f"names {', '.join(f for f in cfg.save_format if f != 'peft')}, which hold "
                                  f"LoRA factors only; a {cfg.lora_type} adapter is written as a PEFT folder: "

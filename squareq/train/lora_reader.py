@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..sources.file_kind import pickle_kind
 from .lora_factors import (
     LORA_A,
     MAGNITUDE,
@@ -114,14 +115,7 @@ def _adapter_alphas(header: Mapping[str, str], prefix: str | None, where: str) -
 
 def read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors and header; a pickle or an unreadable file is a :class:`LoraFileError`."""
-    with open(file, "rb") as fh:
-        head = fh.read(9)
-    # a safetensors file opens with its header's length (8 bytes, little-endian) and the JSON header's "{";
-    # torch.save writes a zip archive (PK..) or, in the legacy format, a raw pickle (protocol byte 0x80)
-    kind = None
-    if head[8:9] != b"{":
-        kind = ("a zip archive (torch.save output)" if head.startswith(b"PK")
-                else "a pickle" if head[:1] == b"\x80" else None)
+    kind = pickle_kind(file)
     if kind:
         raise LoraFileError(f"{file} is {kind}, not a safetensors file; SquareQ reads LoRA only from safetensors "
                             "(loading a pickle can run code), so convert it with safetensors.torch.save_file.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,11 @@ def _reading(path: Path):
         yield
     except DataError:
         raise
+    except Image.DecompressionBombError as exc:  # PIL refuses past twice its limit, before our size check can run
+        pixels = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{int(pixels[1]):,} pixels" if pixels else "too many pixels"
+        raise DataError(f"the mask {path} is {size}, more than SquareQ reads ({MAX_MASK_PIXELS // 10**6} million); "
+                        "give a mask the size of its image.") from None
     except Exception as exc:  # any decode failure (OSError, SyntaxError, PIL's DecompressionBombError ...)
         raise DataError(f"the mask {path} cannot be read ({type(exc).__name__}: {str(exc)[:120]}); replace it with a "
                         "greyscale image, or remove it to train that image unmasked.") from None

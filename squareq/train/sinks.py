@@ -72,9 +72,13 @@ class RunLogs:
             self.echo(said)
 
     def close(self, failed: bool) -> None:
-        """Close the bar, metrics.jsonl and the board (a W&B run that ``failed`` shows as failed)."""
+        """Close the bar, metrics.jsonl and the board (a W&B run that ``failed`` shows as failed). A metrics.jsonl
+        that no step wrote to is removed: a run that stopped before its first step leaves no empty file behind."""
         self.bar.close()
         self.metrics.close()
+        path = Path(self.metrics.name)
+        if path.name == METRICS_FILE and path.is_file() and path.stat().st_size == 0:
+            path.unlink()
         if self.board is not None:
             self.board.close(failed=failed)
 

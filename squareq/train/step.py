@@ -199,9 +199,12 @@ class Stepper:
         self.logs.echo(f"step {state.step + 1}: the loss or a gradient is NaN/Inf; skipped ({self.skipped_in_row} in "
                        "a row)")
         if self.skipped_in_row >= self.cfg.nan_patience:
+            last = latest_checkpoint(self.out)
+            then = (f"the last good checkpoint, {last}, is untouched. Lower the learning rate or check the data, then "
+                    "--resume latest" if last else "no checkpoint was written before them. Lower the learning rate or "
+                    "check the data, then start again")
             raise TrainError(f"{self.skipped_in_row} steps in a row had NaN/Inf losses or gradients, so the run "
-                             f"stopped at step {state.step}; the last good checkpoint in {self.out / 'checkpoints'} "
-                             "is untouched. Lower the learning rate or check the data, then --resume latest.")
+                             f"stopped at step {state.step}; {then}.")
 
     def update(self) -> None:
         """The optimizer's step, checked for diverged weights before anything of it can be saved."""

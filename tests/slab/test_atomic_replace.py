@@ -69,3 +69,18 @@ def test_compile_puts_a_slab_back_that_a_killed_force_left_hidden_before_it_chec
     assert f"put {out} back from .s.slab.old-0000cafe" in result.output
     assert f"error: {out} already exists; choose another output path or pass --force." in result.output
     assert _text(out) == "the user's slab"
+
+
+def test_a_refused_compile_removes_what_a_killed_one_left_beside_the_slab(tmp_path):
+    """The refusal for a taken path still removes a killed compile's hidden copies (the fourth audit found the .tmp-
+    copy kept); a compile's own output is never removed."""
+    out = tmp_path / "s.slab"
+    _output(out, "the user's slab")
+    _output(tmp_path / ".s.slab.tmp-0000beef", "a killed compile's new slab")
+    _output(tmp_path / ".s.slab.old-0000dead", "a stale copy")
+    _output(tmp_path / ".other.slab.tmp-0000beef", "another output's")  # negative control: not this slab's debris
+    result = CliRunner().invoke(main, ["compile", "tiny-flux", "-o", str(out), "--budget", "2MB"])
+    assert result.exit_code == 1 and "already exists" in result.output, result.output
+    assert f"removed {tmp_path / '.s.slab.tmp-0000beef'}, left by a compile that was killed" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.slab.tmp-0000beef", "s.slab"]
+    assert _text(out) == "the user's slab"

@@ -56,8 +56,11 @@ def test_a_comfyui_t5_file_with_inf_is_refused_naming_the_file(tmp_path):
     pipe.save_pretrained(folder, safe_serialization=True)
     files = write_comfyui_files(pipe, tmp_path / "comfyui")
     _poisoned(files["t5"], float("inf"))
-    source = EncoderSource(str(folder), (("t5", str(files["t5"])),))
+    given = tuple((flag, str(files[flag])) for flag in ("clip_l", "t5", "vae"))
+    source = EncoderSource(str(folder), given)
     with pytest.raises(NonFiniteWeights, match="holds NaN or Inf values") as refused:
         with open_encoders(source, torch.device("cpu"), "flux"):
             pass
-    assert str(files["t5"]) in str(refused.value)
+    # the file that holds the tensor, not the list of every file given (the fourth audit)
+    assert f"the t5 of {files['t5']} holds" in str(refused.value)
+    assert str(files["vae"]) not in str(refused.value) and str(files["clip_l"]) not in str(refused.value)

@@ -53,8 +53,7 @@ def _huge_config(path):
 # case: (what is done to the snapshot, words the one sentence holds)
 CASES = {
     "refs/main not UTF-8": (lambda s: (s.parents[1] / "refs" / "main").write_bytes(b"\xff\xfe\x00"),
-                            ["through the Hugging Face cache", "models--black-forest-labs--FLUX.1-dev",
-                             "download it again"]),
+                            ["refs/main holds", "models--black-forest-labs--FLUX.1-dev", "download it again"]),
     "text_encoder/config.json missing": (lambda s: (s / "text_encoder" / "config.json").unlink(),
                                          ["text_encoder/config.json is missing", "hf download"]),
     "text_encoder/config.json not JSON": (lambda s: (s / "text_encoder" / "config.json").write_text("{not json"),
@@ -64,9 +63,15 @@ CASES = {
     "vae cut": (lambda s: _cut(s / "vae" / "diffusion_pytorch_model.safetensors"),
                 ["vae/diffusion_pytorch_model.safetensors is not a readable safetensors file"]),
     "a pickle named model.safetensors": (lambda s: _pickle_in_place(s / "text_encoder" / "model.safetensors"),
-                                         ["text_encoder/model.safetensors is not a readable safetensors file"]),
+                                         ["text_encoder/model.safetensors is a zip archive (torch.save output), "
+                                          "not a safetensors file", "never loads pickles"]),
     "model.safetensors a link to a pickle": (lambda s: _link_to_pickle(s / "text_encoder" / "model.safetensors"),
-                                             ["text_encoder/model.safetensors is not a readable safetensors file"]),
+                                             ["text_encoder/model.safetensors is a zip archive",
+                                              "never loads pickles"]),
+    "refs/main empty": (lambda s: (s.parents[1] / "refs" / "main").write_bytes(b""),
+                        ["refs/main is empty", "names no snapshot", "hf download black-forest-labs/FLUX.1-dev"]),
+    "refs/main not a commit": (lambda s: (s.parents[1] / "refs" / "main").write_text("../../../../pipe"),
+                               ["refs/main holds", "not a 40-hex commit"]),
     "a transformer config asking for 100 GB": (lambda s: _huge_config(s / "transformer" / "config.json"),
                                                ["transformer/config.json", "check that file"]),
 }

@@ -152,8 +152,16 @@ def test_nan_losses_are_skipped_then_stop_the_run(workspace, tmp_path, monkeypat
     out = tmp_path / "nan"
     with pytest.raises(TrainError, match="NaN/Inf") as err:
         train(_config(workspace, out, nan_patience=3), echo=lambda s: None)
-    assert "--resume latest" in str(err.value)
+    assert "--resume latest" in str(err.value) and "step-00000005" in str(err.value)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000005"]
+    assert (out / "metrics.jsonl").stat().st_size > 0  # the control: steps were written, so the file stays
+    # with no checkpoint before the NaN steps, the sentence points to none (the fourth audit: it named one)
+    calls["n"] = 6
+    early = tmp_path / "nan-early"
+    with pytest.raises(TrainError, match="no checkpoint was written before them") as err:
+        train(_config(workspace, early, nan_patience=3), echo=lambda s: None)
+    assert "--resume latest" not in str(err.value)
+    assert not (early / "metrics.jsonl").exists()  # no step finished: no empty metrics file left (the audit)
 
 
 def test_a_step_that_blows_the_weights_up_stops_the_run_and_saves_nothing_of_it(workspace, tmp_path, monkeypatch):
@@ -1557,7 +1565,8 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
 def test_lokr_and_loha_options_are_checked(workspace, tmp_path):
     for values, why in (
             (dict(lora_type="lycoris"), "lora_type = 'lycoris' is not one of lora, lokr, loha"),
-            (dict(lora_type="lokr", use_dora=True), "lora_type = 'lokr' is lokr, which takes none of use_dora"),
+            (dict(lora_type="lokr", use_dora=True),
+             "lora_type = 'lokr' is a LyCORIS adapter, and use_dora is LoRA's only"),
             (dict(lora_type="loha", save_format=["diffusers"]), "save_format = \\['diffusers'\\] names diffusers"),
             (dict(save_format=["peft"]), "names peft, the folder LoKr and LoHa are written as"),
             (dict(lora_type="lokr", lokr_factor=0), "lokr_factor = 0 must be -1 \\(balanced\\)")):

@@ -151,8 +151,8 @@ def test_a_mask_folder_masks_the_images_it_has_masks_for(tmp_path, slab, caplog)
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"masked_loss": True}, "masked_loss = True needs masks: set alpha_mask = true"),
-    ({"alpha_mask": True}, "alpha_mask = True only takes effect with masked_loss = true"),
+    ({"masked_loss": True}, "masked_loss = true needs masks: set alpha_mask = true"),
+    ({"alpha_mask": True}, "alpha_mask = true only takes effect with masked_loss = true"),
     ({"masked_loss": True, "alpha_mask": True, "mask_dir": "."}, "mask_dir = '.' and alpha_mask both give masks"),
     ({"masked_loss": True, "mask_dir": "/nonexistent/masks"}, "mask_dir = '/nonexistent/masks' is not a folder"),
 ])
@@ -221,6 +221,11 @@ def test_a_mask_that_cannot_be_read_or_is_too_large_is_one_sentence(tmp_path, mo
     assert mask_module.mask_sources(items, tmp_path / "data", False, str(folder))[0] == folder / "img0.png"
     monkeypatch.setattr(mask_module, "MAX_MASK_PIXELS", 64 * 64 - 1)
     with pytest.raises(DataError, match=r"the mask .*img0\.png is 64x64 pixels, more than SquareQ reads"):
+        mask_module.mask_sources(items, tmp_path / "data", False, str(folder))
+    monkeypatch.undo()
+    from PIL import Image  # PIL refuses past twice its own limit in open(), before our check: still our sentence
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(DataError, match=r"the mask .*img0\.png is 4,096 pixels, more than SquareQ reads"):
         mask_module.mask_sources(items, tmp_path / "data", False, str(folder))
     monkeypatch.undo()
     (folder / "img1.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
