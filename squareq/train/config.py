@@ -22,7 +22,7 @@ from ..sizes import SizeError, parse_size
 from ..sources.encoder_source import SINGLE_FILE_FLAGS
 from .clips import ClipError, FrameSettings
 from .config_file import ConfigError, coerce, graphs_word, read_table, shown, toml_text
-from .config_values import SAVE_FORMATS, check_data, check_limits, check_numbers, check_texts
+from .config_values import SAVE_FORMATS, check_data, check_limits, check_numbers, check_texts, warn_ignored
 from .datasets import DATASET_KEYS, HOW, dataset_tables, read_dataset_file
 from .objective import DEFAULT_GUIDANCE, DEFAULT_SHIFT
 
@@ -332,8 +332,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if value is not None:
             values[key] = coerce(key, value, _FIELD_TYPES[key], f"--{key.replace('_', '-')}")
     try:
-        return TrainConfig(**values)
+        cfg = TrainConfig(**values)
     except ConfigError as exc:
         key = getattr(exc, "key", None)
         source = f"--{key.replace('_', '-')}" if key and overrides.get(key) is not None else where
         raise ConfigError(str(exc).replace("the configuration", source, 1)) from None
+    warn_ignored(cfg)
+    return cfg

@@ -159,7 +159,6 @@ def check_data(cfg, bad: Bad) -> None:
             raise bad(key, "must be true or false")
     _check_masks(cfg, bad)
     _check_adapter(cfg, bad)
-    _check_applies(cfg, bad)
     if cfg.wandb_project != "squareq" and cfg.log != "wandb":
         raise bad("wandb_project", "names a Weights & Biases project, and log is not wandb; set log = \"wandb\" "
                                    "(--log wandb) or remove wandb_project")
@@ -198,10 +197,11 @@ def _check_masks(cfg, bad: Bad) -> None:
         raise bad("mask_dir", "is not a folder; give the folder that holds the masks")
 
 
-def _check_applies(cfg, bad: Bad) -> None:
+def warn_ignored(cfg) -> None:
     """Options set away from their default whose setting the run would ignore: one warning each (the fourth audit:
-    they were ignored silently). Not refused, unlike lokr_factor: kohya's configs carry them whatever the schedule
-    (lr_scheduler_power, discrete_flow_shift), and kohya ignores them too."""
+    they were ignored silently), said once where a command reads its configuration (config.load_config), not at
+    each validation (the fifth audit saw each three times). Not refused, unlike lokr_factor: kohya's configs carry
+    them whatever the schedule (lr_scheduler_power, discrete_flow_shift), and kohya ignores them too."""
     from ..models.noising import DEFAULT_SHIFT
 
     for key, default, applies, when in (
