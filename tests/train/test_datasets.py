@@ -104,7 +104,7 @@ image_dir = "{tmp_path / 'z'}"
     ('image_directory = "A"\nimage_jsonl_file = "x.jsonl"', "unknown key image_jsonl_file"),
     ('image_directory = "A"\nflip_aug = true', "unknown key flip_aug"),
     ('image_directory = "A"\nnum_repeat = 2', "unknown key num_repeat (did you mean num_repeats?)"),
-    ('image_directory = "A"\nenable_bucket = false', "enable_bucket = False: SquareQ always buckets"),
+    ('image_directory = "A"\nenable_bucket = false', "enable_bucket = false: SquareQ always buckets"),
     ('image_directory = "A"\nimage_dir = "B"', "image_dir gives data a second time"),
     ('num_repeats = 2', "[[datasets]] table 1 names no folder"),
     ('image_directory = "A"\nbatch_size = 0', "[[datasets]] table 1 ('A'): batch_size = 0"),
