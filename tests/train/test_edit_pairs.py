@@ -329,3 +329,18 @@ def test_a_prompts_control_image_is_its_ci_option(tmp_path):
         check_prompts("flux", [two])
     with pytest.raises(SampleError, match="sd3 model, which draws no edits"):
         check_prompts("sd3", [prompt.settled(64, 2, 1.0, 0)])
+
+
+def test_a_flux_kontext_pipeline_folder_gives_the_encoders_and_the_decoder(tmp_path):
+    """black-forest-labs/FLUX.1-Kontext-dev's folder holds a FluxKontextPipeline: its VAE and text encoders are
+    FLUX.1's, read as a FluxPipeline's (tiny components in its layout)."""
+    from diffusers import FluxKontextPipeline
+
+    from squareq.models import build_tiny_flux_pipeline
+    from squareq.sources.encoders import open_decoder, open_encoders
+
+    FluxKontextPipeline(**build_tiny_flux_pipeline().components).save_pretrained(tmp_path / "kontext")
+    assert json.loads((tmp_path / "kontext" / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    with open_encoders(str(tmp_path / "kontext"), torch.device("cpu"), "flux") as encoders:
+        assert encoders.encode_prompts(["make it red"], 16)[0]["prompt_embeds"].shape == (16, 48)
+    assert open_decoder(str(tmp_path / "kontext"), "flux", torch.float32).vae is not None
