@@ -31,6 +31,9 @@ from .options import REVISION, encoder_file_options, given_files, removed_if_fai
               "beside a decoder slab; an image needs both stages.")
 @click.option("--decoder", help="Würstchen: the decoder's pipeline folder or Hub ID (warp-ai/wuerstchen), run whole "
               "beside a prior slab.")
+@click.option("--control", "controls", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="A control image to edit (FLUX.1 Kontext; a prompt's --ci sets its own): resized as "
+              "FluxKontextPipeline does, to the nearest aspect of its preferred resolutions.")
 @click.option("--resolution", type=int, default=1024, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=3.5, show_default=True, help="Guidance scale, 0 to 100.")
@@ -64,9 +67,9 @@ from .options import REVISION, encoder_file_options, given_files, removed_if_fai
 @shared_option("compile", "Run each block's forward under torch.compile: on, off, or auto (off: a sampling run "
                "measured slower with its compile counted; docs/tuning.md).")
 @shared_option("attention")
-def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, prior, decoder, resolution,
-           steps, guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host, host_budget,
-           compute, dtype, frames, cuda_graphs, compile, attention):
+def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_g, t5, vae, prior, decoder, controls,
+           resolution, steps, guidance, seed, max_sequence_length, prefetch, resident_blocks, vram_budget, host,
+           host_budget, compute, dtype, frames, cuda_graphs, compile, attention):
     """Generate images with the streamed slab, optionally with a LoRA: FLUX.1 through SquareQ's sampler, other
     families through their diffusers pipeline folder (--model)."""
     from ..train.prompt_options import read_prompt_file
@@ -89,8 +92,8 @@ def sample(slab, prompts, prompt_file, lora, out, model, revision, clip_l, clip_
               steps=steps, guidance=guidance, seed=seed, max_sequence_length=max_sequence_length, prefetch=prefetch,
               host=host, resident_blocks=resident_blocks, compute=compute, cuda_graphs=cuda_graphs == "on",
               revision=revision, compile=compile, attention=attention, dtype=dtype, frames=frames, vram_budget=limit,
-              host_budget=host_budget,
-              stages={"prior": prior, "decoder": decoder})
+              host_budget=host_budget, stages={"prior": prior, "decoder": decoder},
+              controls=tuple(str(c) for c in controls))
 
 
 def _draw(slab, prompts: list[str], out: Path, files: dict[str, str], **settings) -> None:

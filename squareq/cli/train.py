@@ -101,6 +101,9 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
               "tables in --config or --dataset-config).")
 @shared_option("cache_dir", "Where the cache goes.", required=True)
 @_key_option("dataset_config")
+@_key_option("control_dir")
+@_key_option("control_resolution")
+@_key_option("no_resize_control")
 @click.option("--config", "config_file", type=click.Path(path_type=Path), help="A TOML file of training options.")
 @shared_option("model")
 @REVISION
@@ -115,15 +118,18 @@ def train(slab, data, output, config_file, print_config, **flags) -> None:
                "available, less 10% or 2 GB. A streamed encoder is pinned whole where it fits, else read from its "
                "file through a few page-locked blocks.")
 @device_option("the VAE and text encoders run")
-def cache_cmd(slab, data, cache_dir, dataset_config, config_file, model, revision, clip_l, clip_g, t5, vae,
-              resolution, trigger, caption_ext, max_sequence_length, vram_budget, host_budget, device) -> None:
+def cache_cmd(slab, data, cache_dir, dataset_config, control_dir, control_resolution, no_resize_control, config_file,
+              model, revision, clip_l, clip_g, t5, vae, resolution, trigger, caption_ext, max_sequence_length,
+              vram_budget, host_budget, device) -> None:
     """Compute the latents and text embeddings `squareq train` would, without training."""
 
     from ..train.prepare import prepare_data
 
     values = given({"model": model, "revision": revision, "resolution": resolution, "trigger": trigger,
                     "caption_ext": caption_ext, "max_sequence_length": max_sequence_length,
-                    "vram_budget": vram_budget, "host_budget": host_budget, "dataset_config": dataset_config})
+                    "vram_budget": vram_budget, "host_budget": host_budget, "dataset_config": dataset_config,
+                    "control_dir": control_dir, "control_resolution": control_resolution,
+                    "no_resize_control": no_resize_control})
     cfg = load_config(config_file, {"slab": str(slab), "data": str(data) if data else None,
                                     "cache_dir": str(cache_dir), **values, **given_files(clip_l, clip_g, t5, vae)})
     if not cfg.data and not cfg.datasets:

@@ -11,7 +11,8 @@ from click.utils import make_default_short_help
 SECTIONS = {
     "Data": ("data", "dataset_config", "num_repeats", "resolution", "trigger", "caption_ext", "caption_dropout",
              "shuffle_caption", "keep_tokens", "caption_orders", "no_upscale", "flip_aug", "masked_loss", "alpha_mask",
-             "mask_dir", "reg_data", "prior_loss_weight", "max_sequence_length", "cache_dir", "target_frames",
+             "mask_dir", "control_dir", "control_resolution", "no_resize_control",
+             "reg_data", "prior_loss_weight", "max_sequence_length", "cache_dir", "target_frames",
              "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps"),
     "Model & memory": ("model", "revision", "clip_l", "clip_g", "t5", "vae", "prefetch", "resident_blocks", "host",
                        "offload_activations",

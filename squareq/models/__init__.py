@@ -55,7 +55,10 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
     raise ModelError(f"no SquareQ family adapter for {type(model).__name__}; supported classes: {known}.")
 
 
-CAPABILITIES = ("compile", "stream", "train", "train on clips", "sample")
+CAPABILITIES = ("compile", "stream", "train", "train on clips", "train on pairs", "sample")
+# the families whose edit models (Qwen-Image-Edit, FLUX.2's reference images) take control images SquareQ does not
+# train on yet; the others have none ("-")
+EDITS_TO_COME = ("qwen-image", "flux2")
 
 
 def families_table() -> str:
@@ -69,7 +72,7 @@ def families_table() -> str:
     for a in ADAPTERS.values():
         # clips are for the families whose latents carry frames: the others have nothing to do there
         marks = ["yes" if c in a.supports else "-" if c == "train on clips" and a.recipe and not a.recipe.frames
-                 else "not yet" for c in CAPABILITIES]
+                 or c == "train on pairs" and a.family not in EDITS_TO_COME else "not yet" for c in CAPABILITIES]
         rows.append(f"| {a.family} | `{a.class_name}` | {', '.join(f'`{b}`' for b in a.block_lists)} | "
                     f"{', '.join(builtin.get(a.family, ['-']))} | " + " | ".join(marks) + " |")
     return "\n".join(rows) + "\n"

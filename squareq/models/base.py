@@ -103,9 +103,11 @@ class FamilyAdapter:
     @property
     def supports(self) -> tuple[str, ...]:
         """What SquareQ does for the family today (`squareq families` prints it): compile, stream, train (on clips too
-        where its latents carry frames: train/clips.py), sample."""
+        where its latents carry frames: train/clips.py; on edit pairs where it takes control images:
+        train/controls.py), sample."""
         return ("compile", "stream") + (("train",) if self.recipe else ()) + (
             ("train on clips",) if self.recipe and self.recipe.frames else ()) + (
+            ("train on pairs",) if self.recipe and self.recipe.controls else ()) + (
             ("sample",) if self.samples or self.pipeline_samples else ())
 
     def blocks(self, model: nn.Module) -> list[str]:

@@ -8,7 +8,9 @@ in the model, or NaN losses. The rules are the kind's, not the run's:
   covers the same ``h`` and ``w``;
 * ``text``: a floating ``prompt_embeds`` of 2 axes (``[L, D]``); a ``pooled_prompt_embeds`` of 1; a
   ``prompt_mask`` of ``L`` values, each 0 or 1;
-* every tensor floating point and finite (the encoders write float32 or bfloat16 only).
+* every tensor floating point and finite (the encoders write float32 or bfloat16 only);
+* an edit pair's control latents (``control_0``, ``control_1``, ... numbered from 0 without gaps) have the
+  ``latents``' axes and channels; their height and width are their own.
 
 :func:`model_problem` adds the run's model's rules: the latent channels, a latent height and width its patches
 divide (FLUX packs 2x2: a resealed latent of an odd side would end in a traceback in a step), the text widths.
@@ -16,11 +18,13 @@ divide (FLUX packs 2x2: a resealed latent of an odd side would end in a tracebac
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from ..slab.digest import DigestError, read_hashed
+from .recipe import CONTROL_FIELD
 
 REQUIRED = {"latents": ("latents", (3, 4)), "text": ("prompt_embeds", (2,))}
 AXES = {"pooled_prompt_embeds": (1,), "prompt_mask": (1,)}
@@ -42,12 +46,31 @@ def entry_problem(kind: str, tensors: dict[str, torch.Tensor]) -> str | None:
     main = tensors[name]
     if kind == "latents" and "loss_mask" in tensors and tensors["loss_mask"].shape[-2:] != main.shape[-2:]:
         return f"holds a loss_mask of {tuple(tensors['loss_mask'].shape)} for latents of {tuple(main.shape)}"
+    if kind == "latents":
+        return _control_problem(tensors, main)
     mask = tensors.get("prompt_mask")
     if kind == "text" and mask is not None:
         if mask.shape[0] != main.shape[0]:
             return f"holds a prompt_mask of {mask.shape[0]} tokens for {main.shape[0]} embedded tokens"
         if not bool(((mask == 0) | (mask == 1)).all()):
             return "holds a prompt_mask with values other than 0 and 1"
+    return None
+
+
+_CONTROL = re.compile(CONTROL_FIELD.format(r"(\d+)"))
+
+
+def _control_problem(tensors: dict[str, torch.Tensor], main: torch.Tensor) -> str | None:
+    """Why an entry's control latents do not go with its ``latents``: a gap in their numbers, other axes or
+    channels; None when they do (or there are none)."""
+    numbers = sorted(int(m[1]) for key in tensors if (m := _CONTROL.fullmatch(key)))
+    if numbers != list(range(len(numbers))):
+        return f"holds control latents numbered {numbers}, where they are numbered from 0 without gaps"
+    for n in numbers:
+        control = tensors[CONTROL_FIELD.format(n)]
+        if control.dim() != main.dim() or control.shape[0] != main.shape[0]:
+            return (f"holds {CONTROL_FIELD.format(n)} of {tuple(control.shape)} beside latents of {tuple(main.shape)}, "
+                    "where a control has the latents' axes and channels")
     return None
 
 
@@ -72,7 +95,9 @@ def model_problem(kind: str, tensors: dict[str, torch.Tensor], recipe, config) -
     (an odd side for FLUX's 2x2 packing), another text width, or a pooled embedding missing or of another width; None
     when it fits."""
     if kind == "latents":
-        return _latent_problem(tensors["latents"].shape, recipe, config)
+        controls = [t.shape for k, t in sorted(tensors.items()) if _CONTROL.fullmatch(k)]
+        return next(filter(None, (_latent_problem(shape, recipe, config)
+                                  for shape in [tensors["latents"].shape, *controls])), None)
     fields = recipe.text_fields(config)
     width = tensors["prompt_embeds"].shape[-1]
     if width != fields.width:

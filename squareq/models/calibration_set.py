@@ -23,7 +23,7 @@ import torch
 from .base import CalibrationBatch, ModelError
 from .cache_entry import model_problem, read_entry
 from .noising import DEFAULT_GUIDANCE, DEFAULT_SHIFT, calibration_times, image_tokens, noised
-from .recipe import TrainingRecipe, stack_captions
+from .recipe import TrainingRecipe, split_controls, stack_captions
 
 HELDOUT_FRACTION = 0.25
 DEFAULT_CAPTION_TOKENS = 512  # T5 tokens per calibration caption: the trainer's default, FLUX.1-dev's T5 length
@@ -206,8 +206,11 @@ def read_training_cache(cache_dir: str | Path, recipe: TrainingRecipe, config, f
         if recorded:
             pairs, pairing = list(dict.fromkeys(recorded)), "each image with its caption"
     latents = [_entry(a, root) for a, _ in pairs]
-    shape, _ = Counter(tuple(e["latents"].shape) for e in latents).most_common(1)[0]
-    keep = [i for i, e in enumerate(latents) if tuple(e["latents"].shape) == shape]
+    # an edit pair's controls batch only with controls of their sizes: they are part of the shape
+    shapes = [(tuple(e["latents"].shape), *(tuple(c.shape) for c in split_controls(e)[1])) for e in latents]
+    common, _ = Counter(shapes).most_common(1)[0]
+    shape = common[0]
+    keep = [i for i, e in enumerate(shapes) if e == common]
     texts = [_entry(pairs[i][1], root) for i in keep]
     width = texts[0]["prompt_embeds"].shape[-1]
     if model_problem("latents", latents[keep[0]], recipe, config) or model_problem("text", texts[0], recipe, config):

@@ -5,7 +5,7 @@ import torch
 
 from .base import CalibrationBatch, FamilyAdapter
 from .flux_latents import image_ids, pack_latents, text_ids
-from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, unpack_2x2_output
+from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, split_controls, unpack_2x2_output
 
 
 def flux_synthetic_inputs(model, samples: int, seed: int, side: int | None = None, text_tokens: int | None = None,
@@ -53,11 +53,17 @@ def flux_sequence_shape(config: dict, resolution: int, text_tokens: int) -> tupl
 
 def flux_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: float) -> dict:
     """2x2-packed latents with (0, row, column) position ids, T5 sequence + CLIP pooled text, t in [0, 1] (the
-    model scales by 1000 itself), the guidance scale as is for guidance-distilled models."""
+    model scales by 1000 itself), the guidance scale as is for guidance-distilled models. An edit pair's control
+    latents (FLUX.1 Kontext) are packed alike and appended after the target's tokens with ids (1, row, column), as
+    FluxKontextPipeline does (its ``prepare_latents`` and the ``torch.cat([latents, image_latents], dim=1)`` of its
+    loop)."""
+    text, controls = split_controls(text)
     prompt = text["prompt_embeds"]
-    kwargs = dict(hidden_states=pack_latents(x_t), encoder_hidden_states=prompt,
-                  pooled_projections=text["pooled_prompt_embeds"], timestep=t,
-                  img_ids=image_ids(*x_t.shape[-2:], device=x_t.device),
+    tokens = [pack_latents(x_t)] + [pack_latents(c.to(x_t.dtype)) for c in controls]
+    ids = [image_ids(*x_t.shape[-2:], device=x_t.device)] + [
+        image_ids(*c.shape[-2:], device=x_t.device, index=1) for c in controls]
+    kwargs = dict(hidden_states=torch.cat(tokens, dim=1), encoder_hidden_states=prompt,
+                  pooled_projections=text["pooled_prompt_embeds"], timestep=t, img_ids=torch.cat(ids),
                   txt_ids=text_ids(prompt.shape[1], device=x_t.device))
     if cfg.guidance_embeds:
         kwargs["guidance"] = torch.full_like(t, guidance)
@@ -73,7 +79,8 @@ def flux_captions(pipe, texts, length, device):
 FLUX_RECIPE = TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.in_channels // 4,
                              text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, cfg.pooled_projection_dim),
                              forward=flux_forward, prediction=unpack_2x2_output,
-                             pipeline=PipelineFolder(("FluxPipeline",), flux_captions))
+                             pipeline=PipelineFolder(("FluxPipeline",), flux_captions),
+                             controls=1, edit_name="FLUX.1 Kontext")  # Kontext is FLUX.1's class with one control
 
 
 # Every attention and MLP linear of both streams, the adaLN modulation left out: kohya sd-scripts' FLUX.1 default

@@ -32,10 +32,11 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return x.reshape(b, d // 4, height, width)
 
 
-def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Position ids [(H/2)(W/2), 3] for a ``height`` x ``width`` latent: (0, patch row, patch column)."""
+def image_ids(height: int, width: int, device=None, dtype=torch.float32, index: int = 0) -> torch.Tensor:
+    """Position ids [(H/2)(W/2), 3] for a ``height`` x ``width`` latent: (``index``, patch row, patch column); index 0
+    for the image drawn, 1 for FLUX.1 Kontext's control image (FluxKontextPipeline's ``image_ids[..., 0] = 1``)."""
     rows, cols = height // 2, width // 2
-    ids = torch.zeros(rows, cols, 3, device=device, dtype=dtype)
+    ids = torch.full((rows, cols, 3), float(index), device=device, dtype=dtype)
     ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
     ids[..., 2] = torch.arange(cols, device=device, dtype=dtype)[None, :]
     return ids.reshape(rows * cols, 3)

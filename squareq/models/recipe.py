@@ -12,6 +12,10 @@ between that and one model class. Conventions every recipe follows:
   model's own timestep scale and direction; ``prediction`` maps the output back onto the target's layout and sign.
 * A caption is a dict of tensors: ``prompt_embeds`` ``[L, D]`` always, ``pooled_prompt_embeds`` ``[P]`` and
   ``prompt_mask`` ``[L]`` (1 = token, 0 = padding) where the family uses them. Batched, each gains a leading axis.
+* An edit pair's control images (``controls`` > 0: FLUX.1 Kontext) come with the caption as ``control_0``,
+  ``control_1``, ... (:data:`CONTROL_FIELD`): clean latents normalized as the target's, each of its own size.
+  ``forward`` appends them after the target's tokens, as the family's edit pipeline does; the prediction is the
+  target's tokens alone (:func:`unpack_2x2_output` takes the first), so the loss sees the target only.
 """
 from __future__ import annotations
 
@@ -25,6 +29,16 @@ from .flux_latents import unpack_latents
 
 OBJECTIVES = ("flow", "epsilon", "v_prediction", "cosine_epsilon")
 PACKED_PATCH = 2  # FLUX packs 2x2 latent patches into one token; the flow transformers' patch size
+CONTROL_FIELD = "control_{}"  # an edit pair's n-th control latent, in a latent cache entry and beside a caption
+
+
+def split_controls(text: dict) -> tuple[dict, list[torch.Tensor]]:
+    """``text`` without its control latents, and those in order (``control_0``, ``control_1``, ...)."""
+    controls = []
+    while CONTROL_FIELD.format(len(controls)) in text:
+        controls.append(text[CONTROL_FIELD.format(len(controls))])
+    names = {CONTROL_FIELD.format(n) for n in range(len(controls))}
+    return {k: v for k, v in text.items() if k not in names}, controls
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,9 @@ class TrainingRecipe:
     # config -> what a cached latent's height and width must be whole multiples of for the denoiser to take it: its
     # patch size (2: FLUX's 2x2 packing, the default), 1 for a model that takes any side (models/cache_entry.py)
     latent_multiple: Callable[[Any], int] = lambda cfg: PACKED_PATCH
+    # the most control images one target of an edit pair may have (train/controls.py); 0: the family trains no pairs
+    controls: int = 0
+    edit_name: str = ""  # what the family is called when it trains on pairs (FLUX.1: "FLUX.1 Kontext")
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -126,6 +143,8 @@ def first_output(output, x_t: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_2x2_output(output, x_t: torch.Tensor) -> torch.Tensor:
-    """The first output of a model that packs 2x2 latent patches into tokens, back in the latent layout."""
-    return unpack_latents(output[0], *x_t.shape[-2:])
+    """The first output of a model that packs 2x2 latent patches into tokens, back in the latent layout: the target's
+    tokens, which come first (an edit pair's control tokens after them are no prediction)."""
+    h, w = x_t.shape[-2:]
+    return unpack_latents(output[0][:, : (h // PACKED_PATCH) * (w // PACKED_PATCH)], h, w)
 

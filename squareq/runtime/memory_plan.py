@@ -98,19 +98,22 @@ def _sequence_shape(slab: Slab, resolution: int, text_tokens: int, frames: int |
 
 def plan(slab: str | os.PathLike | Slab, resolution: int = 1024, batch: int = 1, text_tokens: int = 512,
          prefetch: int = 2, lora_rank: int = 16, lora_targets=DEFAULT_TARGETS, compute: str = "bf16",
-         dtype: str = "bf16", frames: int | None = None, offload: bool = False) -> MemoryPlan:
+         dtype: str = "bf16", frames: int | None = None, offload: bool = False,
+         control_tokens: int = 0) -> MemoryPlan:
     """Expected peak device memory of a streamed LoRA training step on ``slab`` (gradient checkpointing on).
 
     ``resolution`` is the image side in pixels (FLUX: (resolution/16)² image tokens); for a generic-mode
     model only ``text_tokens`` counts. ``compute`` is the settled mode ("bf16" or "fp8", not "auto"); ``dtype`` the
     settled activation type ("bf16" or "fp16": one more buffer, of the largest layer's weight). ``frames``: a video
     family's longest window in pixel frames (default: the family's own, e.g. Wan's 81). ``offload``: the checkpointed
-    inputs wait in host memory (two in flight on the device).
+    inputs wait in host memory (two in flight on the device). ``control_tokens``: an edit pair's control tokens
+    beside each target (FLUX.1 Kontext appends them to the sequence).
     ``print(plan(...))`` shows the parts.
     """
     s = slab if isinstance(slab, Slab) else open_slab(slab, verify="off")
     m = s.manifest
     tokens, hidden = _sequence_shape(s, resolution, text_tokens, frames)
+    tokens += control_tokens
     resident = sum(itemsize(r.dtype) * math.prod(r.shape) for r in m.resident)
     ring = prefetch * max(b.nbytes for b in m.blocks)
     scratch = 2 * max((l.shape[0] * l.shape[1] for l in m.layers if not l.spec.is_passthrough), default=0)

@@ -55,6 +55,31 @@ def entry_buckets(dataset: Dataset, bucket_sets, no_upscale: bool = False) -> li
     return [bucket_for(it.width, it.height, buckets, no_upscale) for it, buckets in entries(dataset, bucket_sets)]
 
 
+CONTROL_STEP = 16  # a control kept at its own size is cropped to this: FLUX's 8x VAE and 2x2 packing
+
+
+def control_bucket(control, target: tuple[int, int]) -> tuple[int, int]:
+    """The (width, height) a control image (data.py :class:`Control`) trains at beside a target of bucket ``target``,
+    as musubi-tuner sizes it: the target's bucket; with ``control_resolution`` (its ``area``), the bucket of that area
+    closest to its own aspect; with ``no_resize_control``, its own size cropped to a multiple of 16, scaled down first
+    where ``control_resolution`` is given and it is larger."""
+    w, h = control.width, control.height
+    if control.resize:
+        if control.area is None:
+            return target
+        return bucket_for(w, h, make_buckets(max(64, round(math.sqrt(control.area)))))
+    if control.area is not None and w * h > control.area:
+        scale = math.sqrt(control.area / (w * h))
+        w, h = w * scale, h * scale
+    return max(CONTROL_STEP, int(w) // CONTROL_STEP * CONTROL_STEP), \
+        max(CONTROL_STEP, int(h) // CONTROL_STEP * CONTROL_STEP)
+
+
+def control_buckets(item, target: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """The training sizes of ``item``'s control images beside its bucket ``target`` (() for a plain image)."""
+    return tuple(control_bucket(c, target) for c in item.controls)
+
+
 def bucket_for(width: int, height: int, buckets, no_upscale: bool = False, step: int = 64) -> tuple[int, int]:
     """The bucket closest in aspect ratio to width/height (log-ratio distance; ties: larger area, smaller width).
 
@@ -94,6 +119,11 @@ class BucketBatches:
         # several datasets, one dataset too, each in batches of its own size
         frames = [1 if it.frames is None else len(it.frames) for it, _ in listed]
         keys = list(zip(self.item_buckets, frames, strict=True)) if max(frames, default=1) > 1 else self.item_buckets
+        # an edit pair's controls too: one batch holds one size of each control (a plain dataset's keys stay as they
+        # were, so its saved batch order still resumes)
+        controls = [control_buckets(it, b) for (it, _), b in zip(listed, self.item_buckets, strict=True)]
+        if any(controls):
+            keys = [(key, c) for key, c in zip(keys, controls, strict=True)]
         if len(dataset.groups) > 1:
             keys = [(it.group, *key) for (it, _), key in zip(listed, keys, strict=True)]
         groups: dict[tuple, list[int]] = {}

@@ -83,6 +83,9 @@ class TrainConfig:
     masked_loss: bool = False
     alpha_mask: bool = False
     mask_dir: str | None = None
+    control_dir: list[str] | None = None  # edit pairs (train/controls.py): the control images' folder, or several
+    control_resolution: list[int] | None = None  # musubi-tuner's: the controls' area, [width, height] or one side
+    no_resize_control: bool = False  # musubi-tuner's: controls keep their size, cropped to a multiple of 16
     reg_data: str | None = None
     prior_loss_weight: float = 1.0
     num_repeats: int = 1  # each image (a clip's window) this many times an epoch, times its repeat folder's count

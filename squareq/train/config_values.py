@@ -158,6 +158,7 @@ def check_data(cfg, bad: Bad) -> None:
         if not isinstance(getattr(cfg, key), bool):
             raise bad(key, "must be true or false")
     _check_masks(cfg, bad)
+    _check_controls(cfg, bad)
     _check_adapter(cfg, bad)
     if cfg.wandb_project != "squareq" and cfg.log != "wandb":
         raise bad("wandb_project", "names a Weights & Biases project, and log is not wandb; set log = \"wandb\" "
@@ -195,6 +196,32 @@ def _check_masks(cfg, bad: Bad) -> None:
         raise bad("mask_dir", "and alpha_mask both give masks; keep one")
     if cfg.mask_dir is not None and not Path(cfg.mask_dir).expanduser().is_dir():
         raise bad("mask_dir", "is not a folder; give the folder that holds the masks")
+
+
+def _check_controls(cfg, bad: Bad) -> None:
+    """The edit-pair keys (train/controls.py): folders that exist, a control area of at least 64², and none of the
+    keys whose images would have no controls or lose their pairing (flipped targets, regularisation and validation
+    folders)."""
+    if cfg.control_dir is not None:
+        if not cfg.control_dir or not all(isinstance(f, str) and f.strip() for f in cfg.control_dir):
+            raise bad("control_dir", "must name a folder of control images, or a list of them")
+        missing = next((f for f in cfg.control_dir if not Path(f).expanduser().is_dir()), None)
+        if missing is not None:
+            raise bad("control_dir", f"names {missing}, which is not a folder; give the folder that holds the control "
+                                     "images")
+    value = cfg.control_resolution
+    if value is not None and (len(value) not in (1, 2) or min(value) < 16 or math.prod(value) < 64 * 64):
+        raise bad("control_resolution", "must be [width, height] or one side, of an area of at least 64x64 pixels, "
+                                        "e.g. [1024, 1024]")
+    if not isinstance(cfg.no_resize_control, bool):
+        raise bad("no_resize_control", "must be true or false")
+    if not cfg.control_dir:
+        return
+    for key, why in (("flip_aug", "would flip the target and not its control"),
+                     ("reg_data", "mixes in images without controls"),
+                     ("validation_data", "holds images without controls; hold out pairs with validation_split")):
+        if getattr(cfg, key):
+            raise bad(key, f"with control_dir (edit pairs) {why}; remove {key}")
 
 
 def warn_ignored(cfg) -> None:

@@ -55,9 +55,22 @@ def refused_character(text: str) -> str | None:
 
 
 @dataclass(frozen=True)
+class Control:
+    """A control (source) image of an edit pair (train/controls.py): its file, its size after EXIF rotation, and how it
+    is brought to its training size (train/buckets.py ``control_bucket``): ``area`` musubi-tuner's
+    ``control_resolution`` as a pixel area (None: not set), ``resize`` False for its ``no_resize_control``."""
+
+    path: Path
+    width: int
+    height: int
+    area: int | None = None
+    resize: bool = True
+
+
+@dataclass(frozen=True)
 class Item:
     """One usable image, or one window of a clip: its path, caption, size (after EXIF rotation; a clip's first
-    frame's) and how often an epoch trains on it."""
+    frame's) and how often an epoch trains on it; for an edit pair, its control images in order."""
 
     path: Path
     caption: str
@@ -67,6 +80,7 @@ class Item:
     reg: bool = False  # a regularisation (prior) image: its loss counts prior_loss_weight times
     frames: tuple[int, ...] | None = None  # a clip's window: the frames it trains on (None: an image)
     group: int = 0  # the dataset (a [[datasets]] table, train/datasets.py) it belongs to: Dataset.groups[group]
+    controls: tuple[Control, ...] = ()  # an edit pair's control images (train/controls.py); () for a plain image
 
 
 @dataclass(frozen=True)
@@ -137,7 +151,7 @@ def scan_dataset(path, min_side: int = 64, caption_ext: str = ".txt", clips: boo
         if clips and (image.is_dir() or is_clip(image)):
             data.clips.append((image, caption, repeats))
             continue
-        problem = _check_image(image, root, min_side)
+        problem = check_image(image, root, min_side)
         if isinstance(problem, str):
             data.skipped.append(Skipped(image, problem))
         else:
@@ -368,7 +382,7 @@ def _from_jsonl(root: Path, data: Dataset) -> list[tuple[Path, str, int]]:
     return found
 
 
-def _check_image(image: Path, root: Path, min_side: int) -> tuple[int, int] | str:
+def check_image(image: Path, root: Path, min_side: int) -> tuple[int, int] | str:
     """(width, height) of a fully decodable image, or the reason it cannot be used."""
     rel = _rel(image, root)
     try:
@@ -393,16 +407,26 @@ def _oriented_size(img: Image.Image) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- images and captions
 
-def load_image(path, bucket: tuple[int, int]) -> torch.Tensor:
-    """RGB float32 (3, height, width) in [-1, 1]: scaled to cover the bucket, then center-cropped."""
+def rgb_image(path) -> Image.Image:
+    """The image at ``path`` upright (its EXIF rotation applied) in RGB, transparency over white."""
     with Image.open(path) as img:
         img = ImageOps.exif_transpose(img)
         if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
             # Transparent pixels often hide black; a white backdrop is what viewers show.
             rgba = img.convert("RGBA")
             img = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
-        img = img.convert("RGB")
-    img = cover_crop(img, bucket, Image.Resampling.LANCZOS)
+        return img.convert("RGB")
+
+
+def load_image(path, bucket: tuple[int, int], crop_only: bool = False) -> torch.Tensor:
+    """RGB float32 (3, height, width) in [-1, 1]: scaled to cover the bucket, then center-cropped; ``crop_only``: only
+    center-cropped (a control image kept at its own size, musubi-tuner's ``no_resize_control``)."""
+    img = rgb_image(path)
+    if crop_only and img.width >= bucket[0] and img.height >= bucket[1]:
+        left, top = (img.width - bucket[0]) // 2, (img.height - bucket[1]) // 2
+        img = img.crop((left, top, left + bucket[0], top + bucket[1]))
+    else:
+        img = cover_crop(img, bucket, Image.Resampling.LANCZOS)
     pixels = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1)
     return pixels.float().div_(127.5).sub_(1.0)
 

@@ -16,19 +16,23 @@ from pathlib import Path
 from typing import Any
 
 from .config_file import ConfigError, shown
+from .controls import ALIASES as CONTROL_ALIASES
+from .controls import unsupported_key
 
 # a dataset's own keys (train/config.py's names); the rest of a run's keys are the run's
 DATASET_KEYS = ("data", "resolution", "batch_size", "num_repeats", "caption_ext", "target_frames",
-                "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps")
-# kohya's and musubi-tuner's names for them
+                "frame_extraction", "frame_stride", "frame_sample", "max_frames", "source_fps", "control_dir",
+                "control_resolution", "no_resize_control")
+# kohya's, musubi-tuner's and ai-toolkit's names for them
 ALIASES = {"image_directory": "data", "video_directory": "data", "image_dir": "data",
-           "caption_extension": "caption_ext"}
+           "caption_extension": "caption_ext", **CONTROL_ALIASES}
 # keys of theirs that name one thing for the whole run: taken where every table agrees (``run_keys``)
 RUN_KEYS = {"cache_directory": "cache_dir", "bucket_no_upscale": "no_upscale"}
 # what SquareQ always does: accepted where they ask for it
 ALWAYS = {"enable_bucket": True}
 HOW = "each [[datasets]] table takes " + ", ".join(DATASET_KEYS) + \
-    " (or image_directory, video_directory, caption_extension), cache_directory and bucket_no_upscale"
+    " (or image_directory, video_directory, caption_extension, control_directory, control_path), cache_directory " \
+    "and bucket_no_upscale"
 
 
 def dataset_tables(data: dict[str, Any], where: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -74,6 +78,8 @@ def _named(table: dict[str, Any], where: str) -> dict[str, Any]:
             out[RUN_KEYS[key]] = value
             continue
         name = ALIASES.get(key, key)
+        if unsupported_key(key):
+            raise ConfigError(f"{where}: {unsupported_key(key)}")
         if name not in DATASET_KEYS:
             close = difflib.get_close_matches(key, [*DATASET_KEYS, *ALIASES, *RUN_KEYS], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""

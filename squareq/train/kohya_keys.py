@@ -4,7 +4,8 @@ for each one that does not.
 A kohya user's ``flux_train_network.py`` TOML (``network_dim``, ``learning_rate``, ``train_data_dir``, ...) works as
 a SquareQ config for what both trainers share. Keys whose behaviour SquareQ always has (gradient checkpointing,
 cached latents, bf16) are dropped with a warning; keys naming something SquareQ does differently or not at all are
-refused, each with its own sentence, so nothing is silently ignored.
+refused, each with its own sentence, so nothing is silently ignored. musubi-tuner's and ai-toolkit's control keys
+(``control_directory``, ``control_path``, train/controls.py) are read the same way beside ``data``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .config_values import SCHEDULES
+from .controls import ALIASES as CONTROL_ALIASES
+from .controls import unsupported_key
 
 log = logging.getLogger("squareq.train")
 
@@ -181,6 +184,13 @@ def translate(table: dict[str, Any], where: str, known: set[str]) -> dict[str, A
                                 "file, or the prompts themselves, e.g. sample_prompts = [\"a photo of sks\"].")
         elif key in known:
             out[key] = value
+        elif key in CONTROL_ALIASES or unsupported_key(key):  # musubi-tuner's and ai-toolkit's control keys
+            if unsupported_key(key):
+                problems.append(unsupported_key(key))
+            elif CONTROL_ALIASES[key] in table or CONTROL_ALIASES[key] in out:
+                problems.append(f"{key} and {CONTROL_ALIASES[key]} both set {CONTROL_ALIASES[key]}; keep one.")
+            else:
+                out[CONTROL_ALIASES[key]] = value
         elif key in RENAMED:
             ours, convert = RENAMED[key]
             try:

@@ -23,6 +23,7 @@ from .cache import EmbeddingCache
 from .clip_items import clip_digest, cut_clips, load_clip
 from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
+from .controls import attach_controls, check_pairs, control_latents, control_mark, pairs_line
 from .data import (
     TRIGGER_TOKEN,
     DataError,
@@ -97,7 +98,7 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     buckets = [make_buckets(r) for r in cfg.resolution]  # one list per resolution (several datasets: their own)
     item_buckets = entry_buckets(dataset, buckets, cfg.no_upscale)
     if describe is not None:
-        for line in describe + data_lines(dataset, buckets, cfg.resolution, cfg.no_upscale):
+        for line in describe + data_lines(dataset, buckets, cfg.resolution, cfg.no_upscale, pairs_line):
             echo(line)
     items = [item for item, _ in entries(dataset, buckets)]  # what the batches index: entry i is this item
     # a regularisation image's caption is the class's own: the trigger word is the training images' alone
@@ -167,13 +168,16 @@ def _training_data(cfg: TrainConfig, family: str | None, echo):
     for view in views:
         dataset = scan_dataset(view.data, caption_ext=view.caption_ext, clips=clips)
         dataset = cut_clips(dataset, view.frame_settings, family, echo=echo) if clips else dataset
+        dataset = attach_controls(dataset, view)  # an edit pair's control images (train/controls.py)
         if view.num_repeats > 1:
             dataset.items = [dataclasses.replace(it, repeats=it.repeats * view.num_repeats) for it in dataset.items]
         if cfg.masked_loss and any(it.frames is not None for it in dataset.items):
             raise DataError(f"masked_loss (--masked-loss) weighs an image's pixels, and {view.data} holds clips: "
                             "train the clips without it, or move them out of the folder.")
         found.append(dataset)
-    return combined(found, [DataGroup(d.root, tuple(v.resolution), v.batch_size) for d, v in zip(found, views)])
+    dataset = combined(found, [DataGroup(d.root, tuple(v.resolution), v.batch_size) for d, v in zip(found, views)])
+    check_pairs(dataset, cfg, family)
+    return dataset
 
 
 def _masks(cfg: TrainConfig, dataset, items) -> list:
@@ -195,19 +199,21 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
     terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per caption and the
     flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
-    hashed: dict = {}  # a clip's windows (and a repeated image's entries) are hashed once
+    hashed: dict = {}  # a clip's windows (and a repeated image's entries, a shared control) are hashed once
 
-    def content_of(item) -> str:
-        if item.path not in hashed:
-            hashed[item.path] = clip_digest(item.path) if item.frames is not None else file_sha256(item.path)
-        return hashed[item.path]
+    def content_of(path, clip: bool = False) -> str:
+        if path not in hashed:
+            hashed[path] = clip_digest(path) if clip else file_sha256(path)
+        return hashed[path]
 
-    digests = [content_of(item) for item in items]
+    digests = [content_of(item.path, item.frames is not None) for item in items]
     masks = masks or [None] * len(items)
     marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_sha256(m)) for m in masks]
-    # a clip's window: which of its frames (a changed frame key re-encodes only the windows it changes)
-    marks = [mark if item.frames is None else (*mark, "frames", list(item.frames))
-             for mark, item in zip(marks, items, strict=True)]
+    # a clip's window: which of its frames (a changed frame key re-encodes only the windows it changes); an edit
+    # pair's controls: their content and sizes (train/controls.py)
+    marks = [(*mark, *control_mark(item, bucket, content_of)) if item.frames is None else
+             (*mark, "frames", list(item.frames))
+             for mark, item, bucket in zip(marks, items, item_buckets, strict=True)]
     image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
                   for digest, bucket, mark in zip(digests, item_buckets, marks, strict=True)]
     flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped", *marks[i])
@@ -224,6 +230,7 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
                     pixels = load_image(items[i].path, item_buckets[i])
                     e = encoders.encode_image(pixels.flip(-1) if flip else pixels)
                 e = e if isinstance(e, dict) else {"latents": e}
+                e.update(control_latents(items[i], item_buckets[i], encoders.encode_image))
                 if masks[i] is not None:
                     mask = load_mask(items[i].path, masks[i], item_buckets[i])
                     e["loss_mask"] = latent_mask(mask.flip(-1) if flip else mask, e["latents"])

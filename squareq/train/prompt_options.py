@@ -7,7 +7,8 @@ A prompt may end with options, each ``--<letter> <value>``::
 ``--w``/``--h`` width and height (multiples of 16), ``--s`` denoising steps, ``--g`` FLUX's embedded guidance,
 ``--d`` the seed, ``--n`` a negative prompt and ``--l`` the true classifier-free guidance scale that uses it (FLUX.1
 is guidance-distilled: a negative prompt acts only with ``--l`` above 1, as in kohya's sampler, and each step then
-runs the transformer twice), ``--f`` the frames of a video family's clip (musubi-tuner's option). What a prompt
+runs the transformer twice), ``--f`` the frames of a video family's clip (musubi-tuner's option), ``--ci`` a control
+image to edit (musubi-tuner's option; FLUX.1 Kontext, which resizes it as FluxKontextPipeline does). What a prompt
 does not set comes from the command's flags. A prompt file holds one
 prompt a line; empty lines and lines starting with ``#`` are skipped, as kohya's are.
 """
@@ -42,13 +43,17 @@ class SamplePrompt:
     negative: str | None = None
     cfg_scale: float | None = None
     frames: int | None = None
+    controls: tuple[str, ...] = ()  # control images to edit (``--ci``, repeatable), in order
 
-    def settled(self, resolution: int, steps: int, guidance: float, seed: int, frames: int = 1) -> SamplePrompt:
-        """Every setting filled in, the command's where the prompt has none."""
+    def settled(self, resolution: int, steps: int, guidance: float, seed: int, frames: int = 1,
+                controls: tuple[str, ...] = ()) -> SamplePrompt:
+        """Every setting filled in, the command's where the prompt has none (``controls``: its ``--control``
+        images)."""
         return replace(self, width=self.width or resolution, height=self.height or resolution,
                        steps=self.steps or steps, guidance=guidance if self.guidance is None else self.guidance,
                        seed=seed if self.seed is None else self.seed,
-                       cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale, frames=self.frames or frames)
+                       cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale, frames=self.frames or frames,
+                       controls=self.controls or tuple(controls))
 
     @property
     def texts(self) -> list[str]:
@@ -91,9 +96,17 @@ def _scale(least: float):
     return parse
 
 
+def _image(v: str) -> str:
+    path = Path(v).expanduser()
+    if not v or not path.is_file():
+        raise ValueError("must name an existing image file (a control image to edit)")
+    return str(path)
+
+
 OPTIONS = {"w": ("width", _size), "h": ("height", _size), "s": ("steps", _count(1, MAX_STEPS)),
            "g": ("guidance", _scale(0.0)), "d": ("seed", _count(0, MAX_SEED)), "n": ("negative", str),
-           "l": ("cfg_scale", _scale(1.0)), "f": ("frames", _count(1, MAX_FRAMES))}
+           "l": ("cfg_scale", _scale(1.0)), "f": ("frames", _count(1, MAX_FRAMES)), "ci": ("controls", _image)}
+REPEATABLE = ("ci",)  # options a prompt may give several times, each adding one (several control images)
 # kohya options that choose what SquareQ's FLUX sampler does not offer: skipped with a warning, so a kohya prompt
 # file works as it is
 IGNORED = {"ss": "a sampler (SquareQ draws with the pipeline's own scheduler)", "fs": "a flow shift",
@@ -118,14 +131,15 @@ def parse_prompt(line: str, true_cfg_only: bool = True) -> SamplePrompt:
                 log.warning("the prompt %s sets %s (--%s), which SquareQ's sampler does not take; drawn without "
                             "it.", short, IGNORED[letter], letter)
             continue
-        if letter in OPTIONS and OPTIONS[letter][0] in values:
+        if letter in OPTIONS and OPTIONS[letter][0] in values and letter not in REPEATABLE:
             raise PromptError(f"the prompt {short} sets --{letter} twice; keep one.")
         if letter not in OPTIONS:
             raise PromptError(f"the prompt {short} has an option --{letter}, which is not one of "
                               f"{', '.join('--' + o for o in OPTIONS)}; remove it.")
         name, parse = OPTIONS[letter]
         try:
-            values[name] = parse(value.strip())
+            parsed = parse(value.strip())
+            values[name] = values.get(name, ()) + (parsed,) if letter in REPEATABLE else parsed
         except ValueError as exc:
             detail = str(exc) if "must" in str(exc) else "is not a number"
             raise PromptError(f"the prompt {short}: --{letter} {value.strip()!r} {detail}.") from None

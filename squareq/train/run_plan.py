@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from ..models import ADAPTERS
+from ..models import ADAPTERS, BUILTIN_MODELS
 from ..runtime.block_compile import resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..runtime.lora import matches as lora_matches
@@ -23,6 +23,7 @@ from ..sources.encoder_source import EncoderSource, slab_encoders
 from .checkpoint import checkpoint_config, resume_path
 from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
+from .controls import control_tokens, edit_families
 from .errors import TrainError
 from .objective import training_objective
 from .run_samples import check_sampling
@@ -83,6 +84,7 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
     offload, offload_bytes = _check_memory_plan(cfg, slab, device, compute, dtype, echo)
     family = slab.manifest.model.family
     _check_trainable(cfg.slab, family)
+    _check_pairs(cfg, slab.manifest.model, echo)
     formats = save_formats(cfg, family)
     started = time.time()
     recipe = ADAPTERS[family].recipe
@@ -146,7 +148,8 @@ def _check_memory_plan(cfg: TrainConfig, slab, device: torch.device, compute: st
     def planned(offload: bool):
         return runtime.plan(slab, resolution=side, batch=batch, frames=frames if stride else None,
                             text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
-                            lora_targets=cfg.targets, compute=compute, dtype=dtype, offload=offload)
+                            lora_targets=cfg.targets, compute=compute, dtype=dtype, offload=offload,
+                            control_tokens=control_tokens(cfg))
 
     plan = planned(offload)
     if cfg.vram_budget_bytes is None:  # offload on without a budget: the host plan counts what it pins
@@ -173,6 +176,24 @@ def _check_trainable(slab, family: str) -> None:
     if family not in ADAPTERS or ADAPTERS[family].recipe is None:
         raise TrainError(f"{slab} holds a {family} model, which squareq train cannot train yet; the families it "
                          f"trains are: {', '.join(f for f, a in ADAPTERS.items() if a.recipe)}.")
+
+
+def _check_pairs(cfg: TrainConfig, model, echo) -> None:
+    """Edit pairs (``control_dir``, train/controls.py) only for a family that trains on them, refused before anything
+    loads; a FLUX.1 slab whose source is not named Kontext is said in a line (Kontext is FLUX.1's class, so the slab
+    cannot tell)."""
+    views = [v for v in cfg.dataset_views() if v.control_dir]
+    if not views:
+        return
+    recipe = ADAPTERS[model.family].recipe
+    if not recipe.controls:
+        raise TrainError(f"control_dir = {views[0].control_dir}: edit pairs train {', '.join(edit_families())}, and "
+                         f"{cfg.slab} holds a {model.family} model; remove control_dir to train it on the images "
+                         "alone.")
+    source = str(getattr(model, "source", ""))
+    if model.family == "flux" and "kontext" not in source.lower() and source not in BUILTIN_MODELS:
+        echo(f"edit pairs: {cfg.slab} was compiled from {source}, whose name does not say Kontext; it trains as "
+             f"{recipe.edit_name} (the same model class), which a base model was not trained for")
 
 
 def save_formats(cfg: TrainConfig, family: str) -> list[str]:

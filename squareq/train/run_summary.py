@@ -34,16 +34,18 @@ def upscaled_images(items, bucket_sets, no_upscale: bool) -> int:
     return sum(any(enlarged(item, buckets) for buckets in bucket_sets) for item in items)
 
 
-def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -> list[str]:
+def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool, more=None) -> list[str]:
     """The dataset as the run will see it: images and repeats, each bucket with its entries an epoch, and the images
-    enlarged to their bucket; with several datasets (``dataset.groups``), these lines for each, numbered."""
+    enlarged to their bucket; with several datasets (``dataset.groups``), these lines for each, numbered. ``more``:
+    a line of the run's own on the dataset (``more(dataset, bucket_sets, no_upscale)``, None for none: the edit
+    pairs' controls, train/controls.py)."""
     if len(dataset.groups) > 1:
         lines = []
         for g, group in enumerate(dataset.groups):
             part = type(dataset)(group.root, [it for it in dataset.items if it.group == g])
             lines += [f"dataset {g + 1} (batch size {group.batch_size}): {line}" for line in
                       data_lines(part, [make_buckets(r) for r in group.resolution], list(group.resolution),
-                                 no_upscale)]
+                                 no_upscale, more)]
         return lines
     images = [item for item in dataset.items if not item.reg]
     entries = [item for item in dataset.training_items if not item.reg]
@@ -74,7 +76,8 @@ def data_lines(dataset, bucket_sets, resolutions: list[int], no_upscale: bool) -
                      "no_upscale = true (--no-upscale) trains each at its own size instead")
     else:
         lines.append(f"upscaled: none of the {len(images)} images" + (" (no_upscale)" if no_upscale else ""))
-    return lines
+    extra = more(dataset, bucket_sets, no_upscale) if more is not None else None
+    return lines + ([extra] if extra else [])
 
 
 def steps_line(total: int, step: int, batch: int | list[int], grad_accum: int, world: int, epoch_batches: int) -> str:

@@ -186,12 +186,31 @@ def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: tor
             text.update(negative_prompt_embeds=negative["prompt_embeds"][None].to(device, dtype),
                         negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(device, dtype),
                         true_cfg_scale=prompt.cfg_scale)
+    if prompt.controls:  # an edit of the control image: FLUX.1 Kontext
+        pipe, text = edit_pipeline(pipe), {**text, **edit_inputs(prompt)}
     pipeline_bars(pipe)  # SquareQ's own bar counts the steps (SampleProgress)
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(pipe.transformer)):
         return pipe(**text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
                     guidance_scale=prompt.guidance, max_sequence_length=max_sequence_length,
                     callback_on_step_end=_FiniteLatents(prompt.text, on_step_end),
                     generator=torch.Generator(device).manual_seed(prompt.seed)).images[0]
+
+
+def edit_pipeline(pipe):
+    """diffusers' ``FluxKontextPipeline`` on the components of the FLUX pipeline ``pipe`` (Kontext is FLUX.1's
+    transformer class; its pipeline encodes the control image and appends its tokens to the image's)."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**pipe.components)
+
+
+def edit_inputs(prompt: SamplePrompt) -> dict:
+    """FluxKontextPipeline's inputs for ``prompt``'s control image: the image upright over white (the pipeline brings
+    it to the nearest of its PREFERRED_KONTEXT_RESOLUTIONS, as in inference), and ``max_area`` such that the image
+    drawn keeps the prompt's width and height (the pipeline fits them to that area)."""
+    from .data import rgb_image
+
+    return {"image": rgb_image(prompt.controls[0]), "max_area": prompt.width * prompt.height}
 
 
 def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None):
@@ -235,7 +254,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                   files: dict[str, str | None] | None = None, compile: str = "auto", attention: str = "auto",
                   dtype: str = "auto", frames: int = 1, vram_budget: int | None = None,
                   stages: dict[str, str | None] | None = None, progress: bool | None = None,
-                  echo: Echo | None = None, label: str = "sample", host_budget: str | int | None = "auto"):
+                  echo: Echo | None = None, label: str = "sample", host_budget: str | int | None = "auto",
+                  controls: tuple[str, ...] = ()):
     """One PIL image per prompt (a clip's list of frames for a video family's prompt with frames), each from ``seed``
     (so a prompt gives the same image with and without a LoRA, but for the LoRA's effect). prefetch "auto" starts
     the ring at :data:`FORWARD_SLOTS` slots and grows it
@@ -255,7 +275,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     (:class:`SampleProgress`; on a terminal when ``progress`` is None), else its lines for ``echo``.
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
-    diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be."""
+    diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be.
+    ``controls``: a control image to edit (FLUX.1 Kontext) for each prompt without its own ``--ci``."""
     check_sample_options(resolution, steps, guidance, max_sequence_length, frames)
     try:  # before the slab is hashed; the family's rule on --n once it is open
         [parse_prompt(p, true_cfg_only=False) for p in prompts]
@@ -264,12 +285,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     device = default_device(device)
     s = open_slab(slab, verify="eager")
     family = s.manifest.model.family
-    try:
-        settled = [parse_prompt(p, negative_needs_true_cfg(family)).settled(resolution, steps, guidance, seed, frames)
-                   for p in prompts]
-    except PromptError as exc:
-        raise SampleError(f"--prompt: {exc}") from None
-    check_prompts(family, settled)
+    settled = _settled(prompts, family, resolution, steps, guidance, seed, frames, tuple(controls))
     encoders = slab_encoders(s.manifest.model, model, revision, files)
     draw = _drawer(slab, family, encoders, stages or {})
     plan = _host_plan(s, device, host_budget, host, dtype, max_sequence_length, encoders, family)
@@ -306,6 +322,17 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
                     progress=SampleProgress(label, progress, echo), encoder_host=plan.encoder_budget)
     finally:
         runtime.runtime_of(transformer).close()
+
+
+def _settled(prompts: list[str], family: str, *settings) -> list[SamplePrompt]:
+    """``prompts`` with the command's ``settings`` (SamplePrompt.settled's) where they give none, refused
+    (:class:`SampleError`) where ``family`` cannot draw them."""
+    try:
+        settled = [parse_prompt(p, negative_needs_true_cfg(family)).settled(*settings) for p in prompts]
+    except PromptError as exc:
+        raise SampleError(f"--prompt: {exc}") from None
+    check_prompts(family, settled)
+    return settled
 
 
 def _host_plan(s, device: torch.device, host_budget, host: str, dtype: str, max_sequence_length: int,
@@ -384,6 +411,7 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
         raise SampleError(f"--resolution/--w/--h {odd[0].width}x{odd[0].height}: a Würstchen image's sides are "
                           f"multiples of {SIDE_MULTIPLE} (the prior's latents are 1/42.67 of a side, rounded up, and "
                           "other sides come back another size or fail in the decoder); give e.g. 512 or 1024.")
+    _check_controls(family, settled)
     params = _pipeline_parameters(family)
     if params is None:  # FLUX.1's own sampler: parse_prompt's rule
         return
@@ -394,6 +422,20 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
         if p.cfg_scale > 1.0 and "true_cfg_scale" not in params:
             raise SampleError(f"--l in the prompt {p.text[:40]!r}: the {family} pipeline has no true CFG scale, so it "
                               "would be ignored (its guidance, --g, is the one to set); drop --l.")
+
+
+def _check_controls(family: str, settled: list[SamplePrompt]) -> None:
+    """Refuse control images (``--ci``, ``--control``) for a family that draws no edits, or more than it takes."""
+    recipe = getattr(ADAPTERS.get(family), "recipe", None)
+    limit = recipe.controls if recipe is not None else 0
+    edited = next((p for p in settled if len(p.controls) > limit), None)
+    if edited is None:
+        return
+    if not limit:
+        raise SampleError(f"--ci/--control {edited.controls[0]}: this slab holds a {family} model, which draws no "
+                          "edits of a control image (FLUX.1 Kontext does); drop the control image.")
+    raise SampleError(f"--ci/--control: the prompt {edited.text[:40]!r} gives {len(edited.controls)} control images, "
+                      f"and {recipe.edit_name} takes {limit}; give one.")
 
 
 def _pipeline_parameters(family: str):
