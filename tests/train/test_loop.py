@@ -1524,6 +1524,7 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     runtime gives with those factors (both in fp32, so bf16's rounding, larger than the adapter's effect on the tiny
     model, stays out). Negative control: the plain denoiser without the adapter is far from them."""
     from peft import PeftModel
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from squareq.models import tiny_flux_inputs
@@ -1548,6 +1549,14 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     zero_at_start = "lokr_w1" if kind == "lokr" else "hada_w2_b"
     assert all(a[k].abs().max() > 0 for k in a if k.endswith(zero_at_start))
+    # issue 64: beside the folder, LyCORIS's file for ComfyUI (LoKr under LyCORIS's names for the diffusers model,
+    # LoHa stacked on FLUX.1's fused modules)
+    assert straight.kohya_file == tmp_path / "straight" / "run_kohya.safetensors"
+    with safe_open(str(straight.kohya_file), "pt") as f:
+        header, keys = f.metadata(), set(f.keys())
+    assert header["ss_network_module"] == "lycoris.kohya" and json.loads(header["ss_network_args"])["algo"] == kind
+    assert ("lycoris_transformer_blocks_0_attn_to_q.lokr_w1" if kind == "lokr"
+            else "lora_unet_double_blocks_0_img_attn_qkv.hada_w1_a") in keys
 
     with pytest.raises(LoraFileError, match="is a PEFT adapter folder .* not a LoRA file: squareq sample --lora takes"):
         load_lora(straight.lora_file)  # export-lora says so too

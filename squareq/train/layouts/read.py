@@ -47,7 +47,7 @@ def family_layers(tensors: Mapping[str, torch.Tensor], header: Mapping[str, str]
     try:
         state = getattr(diffusers, layout.pipeline).lora_state_dict(dict(tensors))
     except (ValueError, KeyError, IndexError, RuntimeError) as exc:
-        raise LoraFileError(f"{where}: diffusers' {layout.pipeline} cannot read it as {layout.name} "
+        raise LoraFileError(f"{where}: diffusers' {layout.converter} cannot read it as {layout.name} "
                             f"({str(exc)[:200]!r}); it is damaged or for another model.") from None
     prefix = "transformer."
     named = {k[len(prefix):]: v.float() for k, v in state.items() if k.startswith(prefix)}

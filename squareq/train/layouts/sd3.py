@@ -13,5 +13,5 @@ PREFIX = "transformer."
 SD3 = FamilyLayout(
     family="sd3", name="ComfyUI's SD3 layout (diffusers names, alpha baked)", network_module="networks.lora_sd3",
     implementation="https://github.com/Stability-AI/sd3.5", pipeline="StableDiffusion3Pipeline",
-    converter="none: SD3LoraLoaderMixin reads diffusers names", style=PEFT_NAMES_BAKED,
+    converter="SD3LoraLoaderMixin.lora_state_dict", style=PEFT_NAMES_BAKED,
     module_of=lambda layer: Module(PREFIX + layer, (layer,)))
