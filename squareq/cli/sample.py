@@ -117,14 +117,18 @@ def _draw(slab, prompts: list[str], out: Path, files: dict[str, str], **settings
 @click.argument("lora", type=click.Path(path_type=Path))
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True,
               help="kohya: a .safetensors file; diffusers: a folder for pytorch_lora_weights.safetensors.")
-@click.option("--format", "fmt", type=click.Choice(["kohya", "diffusers"]), default="kohya", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["kohya", "diffusers"]), default="kohya", show_default=True,
+              help="kohya: the family's kohya/ComfyUI layout (LyCORIS's for a LoKr or LoHa folder); diffusers: "
+              "diffusers/PEFT's.")
 def export_lora(lora: Path, out: Path, fmt: str) -> None:
-    """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT)."""
-    from ..runtime import LoraVariant
-    from ..train.lora_files import WEIGHT_NAME, save_diffusers_lora, save_kohya_lora
-    from ..train.lora_reader import load_lora
+    """Write a LoRA in another layout (kohya/ComfyUI or diffusers/PEFT).
 
-    source = lora / WEIGHT_NAME if lora.is_dir() else lora
+    kohya writes the family's kohya/ComfyUI layout, and a LoKr or LoHa run's PEFT folder in LyCORIS's."""
+    from ..runtime import LoraVariant
+    from ..train.lora_files import PEFT_WEIGHTS, WEIGHT_NAME, is_peft_adapter, save_diffusers_lora, save_kohya_lora
+    from ..train.lora_reader import load_exported
+
+    source = lora / (PEFT_WEIGHTS if is_peft_adapter(lora) else WEIGHT_NAME) if lora.is_dir() else lora
     target = out if fmt == "kohya" else out / WEIGHT_NAME
     if source.exists() and target.exists() and source.resolve() == target.resolve():
         raise click.UsageError(f"-o {out} would overwrite the LoRA being exported ({source}); write the {fmt} layout "
@@ -133,10 +137,12 @@ def export_lora(lora: Path, out: Path, fmt: str) -> None:
 
     for debris in remove_debris(target):  # an export killed mid-write (its cleanup never ran) left its temporary
         click.echo(f"removed {debris}, left by an export that was killed while writing it")
-    factors, info = load_lora(lora)
+    factors, info = load_exported(lora, fmt)
     save = save_kohya_lora if fmt == "kohya" else save_diffusers_lora
-    provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature")}
-    prefix = {"prefix": info["component"], "variant": LoraVariant(dora=info["use_dora"])} if fmt == "diffusers" else {}
+    provenance = {k: v for k, v in info["metadata"].items() if k in ("family", "base_model_signature", "base_config")}
+    extra = ({"prefix": info["component"], "variant": LoraVariant(dora=info["use_dora"])} if fmt == "diffusers"
+             else {"config": provenance.get("base_config")})
     path = save(factors, out, info["rank"], info["alpha"], info["targets"], extra_metadata=provenance,
-                header=info["header"], **prefix)
-    click.echo(f"wrote {path} ({fmt} layout, rank {info['rank']}, alpha {info['alpha']:g})")
+                header=info["header"], **extra)
+    kind = f"{info['layout']} " if info["layout"] in ("lokr", "loha") else ""
+    click.echo(f"wrote {path} ({fmt} layout, {kind}rank {info['rank']}, alpha {info['alpha']:g})")

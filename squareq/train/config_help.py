@@ -174,9 +174,9 @@ HELP = {
                    "pinned whole, else read from their files through a few page-locked blocks) and refuses, before "
                    "any work, a run that cannot fit, naming the smallest budget that would.",
     "save_format": "LoRA files to write: diffusers (pytorch_lora_weights.safetensors), kohya (OUT/<title>_kohya"
-                   ".safetensors, with the .alpha tensors ComfyUI reads; FLUX.1 only), or both, comma-separated "
-                   "(default: both for FLUX.1, diffusers otherwise); peft (OUT/<title>_peft/, the only one for "
-                   "lora_type lokr and loha).",
+                   ".safetensors, the family's kohya/ComfyUI layout at the trained strength; LyCORIS's for lokr and "
+                   "loha), or both, comma-separated (default: both, where the family has a kohya layout that holds "
+                   "the LoRA's layers); peft (OUT/<title>_peft/, lora_type lokr and loha, with kohya).",
     "title": "The LoRA's title in its metadata (modelspec.title) and the kohya file's name (default: the output "
              "folder's name).",
 }

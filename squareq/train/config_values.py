@@ -260,7 +260,7 @@ def _check_adapter(cfg, bad: Bad) -> None:
     if given:
         raise bad("lora_type", f"is a LyCORIS adapter, and {', '.join(given)} {'is' if len(given) == 1 else 'are'} "
                                "LoRA's only; remove it or set lora_type = \"lora\"")
-    if cfg.save_format is not None and set(cfg.save_format) != {"peft"}:
-        raise bad("save_format", f"names {', '.join(f for f in cfg.save_format if f != 'peft')}, which hold "
-                                 f"LoRA factors only; a {cfg.lora_type} adapter is written as a PEFT folder: "
-                                 "save_format = peft")
+    if cfg.save_format is not None and set(cfg.save_format) - {"peft", "kohya"}:
+        raise bad("save_format", f"names {', '.join(f for f in cfg.save_format if f not in ('peft', 'kohya'))}, "
+                                 f"which holds LoRA factors only; a {cfg.lora_type} adapter is written as a PEFT "
+                                 "folder and a LyCORIS file: save_format = peft, kohya or both")

@@ -4,17 +4,15 @@
 layer is refused naming the file's own key."""
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .layouts.read import key_of
 from .lora_factors import LORA_A, LORA_B, MAGNITUDE, LoraFileError, few_names
-from .lora_files import PEFT_CONFIG, PEFT_WEIGHTS
-from .lora_layouts import kohya_key_of
-from .lora_reader import read_safetensors
+from .lora_reader import lycoris_settings, read_peft_adapter
 
 
 def attach_lora(model: torch.nn.Module, lora: Mapping[str, torch.Tensor],
@@ -92,7 +90,7 @@ def _file_key(info: Mapping[str, Any], name: str) -> str:
     if info.get("layout") != "kohya" or suffix not in (LORA_A, LORA_B):
         return info.get("key_prefix", "") + name
     try:
-        key = kohya_key_of(layer, suffix)
+        key = key_of(info.get("family") or "flux", layer, suffix)
     except LoraFileError:
         return name
     return f"{key} (its part for layer {layer})"
@@ -112,19 +110,8 @@ def attach_peft_adapter(model: torch.nn.Module, folder) -> list[torch.nn.Paramet
     from ..runtime import LoraVariant, add_lora, lora_parameters
 
     folder = Path(folder)
-    try:
-        config = json.loads((folder / PEFT_CONFIG).read_text(encoding="utf-8"))
-        kind = {"LOKR": "lokr", "LOHA": "loha"}.get(config.get("peft_type"))
-        rank, alpha, layers = int(config["r"]), float(config["alpha"]), list(config["target_modules"])
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise LoraFileError(f"{folder / PEFT_CONFIG} is not a PEFT adapter config SquareQ can read ({exc!r}); use "
-                            "the folder squareq train wrote, or train again.") from None
-    if kind is None:
-        raise LoraFileError(f"{folder}: its peft_type is {config.get('peft_type')!r}; SquareQ attaches PEFT LoKr and "
-                            "LoHa folders, and LoRAs as .safetensors files.")
-    tensors, _ = read_safetensors(folder / PEFT_WEIGHTS)
-    prefix = "base_model.model."
-    named = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+    named, config, _ = read_peft_adapter(folder)
+    kind, rank, alpha, layers = lycoris_settings(folder, config)
     variant = LoraVariant(kind=kind, factor=int(config.get("decompose_factor", -1)))
     try:
         params = add_lora(model, rank=rank, alpha=alpha, targets=layers, variant=variant)

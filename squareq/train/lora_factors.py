@@ -85,6 +85,12 @@ def with_one_alpha(layers: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]
     return out, rank, float(alpha)
 
 
+def plain_number(x: float) -> int | float:
+    """An int when integral, so headers read ``16`` rather than ``16.0``."""
+    x = float(x)
+    return int(x) if x.is_integer() else x
+
+
 def positive_number(value: Any) -> bool:
     """A real number above zero (not a bool, NaN or infinity): what an alpha read from a file must be."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

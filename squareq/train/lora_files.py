@@ -1,5 +1,5 @@
-"""Writing LoRA files: the diffusers/PEFT file SquareQ writes by default, the kohya (sd-scripts, ComfyUI) file
-(its layout: train/lora_layouts.py), and the PEFT adapter folder of a LoKr or LoHa.
+"""Writing LoRA files: the diffusers/PEFT file SquareQ writes by default, each family's kohya/ComfyUI file (and
+LyCORIS's for a LoKr or LoHa; the layouts: train/layouts/), and the PEFT adapter folder of a LoKr or LoHa.
 
 **diffusers layout** (``save_diffusers_lora``): ``<dir>/pytorch_lora_weights.safetensors`` with keys
 ``transformer.<layer>.lora_A.weight`` [rank, in] and ``.lora_B.weight`` [out, rank], bf16 by default. The
@@ -29,8 +29,12 @@ from .. import __version__
 from ..runtime.peft_lora import LoraVariant
 from ..slab.atomic import atomic_write_bytes
 from ..slab.safetensors_file import safetensors_bytes
-from .lora_factors import LORA_A, LORA_B, MAGNITUDE, LoraFileError, dora_magnitudes, factor_pairs
-from .lora_layouts import KOHYA_ALPHA, KOHYA_NETWORK_MODULE, to_kohya
+from .layouts import layout_for
+from .layouts.lycoris import NETWORK_MODULE as LYCORIS_MODULE
+from .layouts.lycoris import adapter_kind, lycoris_tensors
+from .layouts.modules import ALPHA as KOHYA_ALPHA
+from .lora_factors import LORA_A, LORA_B, MAGNITUDE, LoraFileError, dora_magnitudes, factor_pairs, plain_number
+from .lora_metadata import MODELSPEC_VERSION, architecture
 
 # The names diffusers uses (diffusers/loaders/lora_base.py: LORA_WEIGHT_NAME_SAFE, LORA_ADAPTER_METADATA_KEY;
 # lora_pipeline.py: FluxLoraLoaderMixin.transformer_name). Repeated so that saving does not import diffusers'
@@ -46,12 +50,6 @@ FORMAT_VERSION = 1
 PEFT_WEIGHTS, PEFT_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 _SAVE_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def plain_number(x: float) -> int | float:
-    """An int when integral, so headers read ``16`` rather than ``16.0``."""
-    x = float(x)
-    return int(x) if x.is_integer() else x
 
 
 def _provenance(layout: str, rank: int, alpha: float, targets, extra: Mapping[str, Any] | None) -> dict[str, str]:
@@ -156,46 +154,61 @@ def save_diffusers_lora(lora: Mapping[str, torch.Tensor], out_dir, rank: int, al
 
 def save_kohya_lora(lora: Mapping[str, torch.Tensor], path, rank: int, alpha: float, targets=(),
                     extra_metadata: Mapping[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16,
-                    header: Mapping[str, str] | None = None) -> Path:
-    """Write the kohya/ComfyUI layout of ``lora`` to the file ``path`` (``.safetensors``); returns it.
+                    header: Mapping[str, str] | None = None, config: Mapping[str, Any] | None = None) -> Path:
+    """Write the kohya/ComfyUI layout of ``lora`` for its family (``extra_metadata["family"]``, FLUX.1 when absent;
+    train/layouts/) to the file ``path`` (``.safetensors``); returns it. A LoKr or LoHa (``<layer>.lokr_w1``, ...) is
+    written in LyCORIS's layout (layouts/lycoris.py). ``config``: the model's config, which sizes the modules a
+    layout needs beyond the LoRA's own (Wan's, HunyuanVideo's).
 
     Factors are stored in ``dtype`` (bf16 by default), ``.alpha`` in fp32. The header carries ``header`` (the
-    ``modelspec.*`` and ``ss_*`` keys of a training run), sd-scripts' ``ss_network_*`` keys (``ss_network_dim`` is
-    the training rank, before fusion) and SquareQ's provenance.
+    ``modelspec.*`` and ``ss_*`` keys of a training run) without any ``lora_adapter_metadata`` (diffusers would apply
+    alpha from it a second time), the layout's ``ss_network_*`` keys (``ss_network_dim`` is the training rank, before
+    fusion), its ``modelspec.implementation`` and SquareQ's provenance.
     """
     _check_dtype(dtype)
     path = Path(path)
-    family = (extra_metadata or {}).get("family", "flux")
-    if family != "flux":
-        raise LoraFileError(f"{path}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's (BFL block names); this LoRA "
-                            f"is for a {family} model, so export it with --format diffusers.")
     if path.suffix != ".safetensors":
         raise LoraFileError(f"{path}: a kohya LoRA is written as a .safetensors file; give a path ending in "
                             ".safetensors.")
-    tensors = to_kohya(lora, alpha)
+    family = (extra_metadata or {}).get("family", "flux")
+    layout = layout_for(family, str(path))
+    kind = adapter_kind(lora)
+    if kind is None:
+        tensors, module = layout.write(lora, alpha, config), layout.network_module
+    else:
+        tensors, module = lycoris_tensors(lora, rank, alpha, layout), LYCORIS_MODULE
     tensors = {k: (v if k.endswith(KOHYA_ALPHA) else v.to(dtype)).contiguous() for k, v in tensors.items()}
-    metadata = dict(header or {})
+    metadata = {k: v for k, v in (header or {}).items() if k != ADAPTER_METADATA_KEY}
+    metadata.setdefault("modelspec.sai_model_spec", MODELSPEC_VERSION)
+    metadata.setdefault("modelspec.architecture", f"{architecture(family, config)[0]}/{kind or 'lora'}")
     metadata.update({
         "format": "pt",
-        "ss_network_module": KOHYA_NETWORK_MODULE,
+        "modelspec.implementation": layout.implementation,
+        "ss_network_module": module,
         "ss_network_dim": str(int(rank)),
         "ss_network_alpha": str(plain_number(alpha)),
     })
-    metadata.update(_provenance("kohya", rank, alpha, targets, extra_metadata))
+    if kind is not None:
+        metadata.setdefault("ss_network_args", json.dumps({"algo": kind}))
+    metadata.update(_provenance("lycoris" if kind else "kohya", rank, alpha, targets, extra_metadata))
     return _write(path, tensors, metadata)
 
 
 def save_peft_adapter(lora: Mapping[str, torch.Tensor], folder, config: Mapping[str, Any],
-                      header: Mapping[str, str] | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+                      header: Mapping[str, str] | None = None, dtype: torch.dtype = torch.bfloat16,
+                      extra_metadata: Mapping[str, Any] | None = None) -> Path:
     """Write ``folder/adapter_model.safetensors`` and ``adapter_config.json`` as PEFT's ``save_pretrained`` writes
     them, for ``PeftModel.from_pretrained(denoiser, folder)``: the LoKr or LoHa factors of ``lora``
     (``runtime.lora_state_dict``; ``<layer>.lokr_w1``, ...) under ``base_model.model.``, and ``config``
-    (runtime/peft_lora.py ``lycoris_config``). Each file is written atomically, the weights first: the config, which
+    (runtime/peft_lora.py ``lycoris_config``); ``extra_metadata`` as SquareQ's provenance in the weights' header, as
+    :func:`save_diffusers_lora` records it. Each file is written atomically, the weights first: the config, which
     :func:`is_peft_adapter` looks for, marks a whole folder. Returns the folder."""
     _check_dtype(dtype)
     folder = Path(folder)
     tensors = {f"base_model.model.{name}": t.detach().to("cpu", dtype).contiguous() for name, t in sorted(lora.items())}
-    _write(folder / PEFT_WEIGHTS, tensors, {"format": "pt", **(header or {})})
+    provenance = _provenance("peft", int(config.get("r", 0)), float(config.get("alpha", 0)),
+                             config.get("target_modules", ()), extra_metadata) if extra_metadata else {}
+    _write(folder / PEFT_WEIGHTS, tensors, {"format": "pt", **(header or {}), **provenance})
     atomic_write_bytes(folder / PEFT_CONFIG, (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode())
     return folder
 

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .lora_files import plain_number
+from .lora_factors import plain_number
 
 MODELSPEC_VERSION = "1.0.0"
 _LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z, the last time modelspec.date's ISO form can write
@@ -43,6 +43,16 @@ def architecture(family: str, config: Mapping | None = None) -> tuple[str, str]:
         sdxl = (config or {}).get("cross_attention_dim") == 2048
         return ("stable-diffusion-xl-v1-base", "sdxl_base_v1-0") if sdxl else ("stable-diffusion-v1", "sd_v1")
     return _ARCHITECTURES.get(family, family), _BASE_VERSIONS.get(family, family)
+
+
+def family_of(architecture_id: str | None) -> str | None:
+    """The family a ``modelspec.architecture`` (``flux-1-dev/lora``, ``wan/lokr``) names, or None."""
+    from ..models import ADAPTERS
+
+    base = (architecture_id or "").partition("/")[0]
+    named = {arch: family for family, arch in _ARCHITECTURES.items()}
+    named.update({"stable-diffusion-v1": "sd-unet", "stable-diffusion-xl-v1-base": "sd-unet"})
+    return named.get(base) or (base if base in ADAPTERS else None)
 
 
 def dataset_summary(root: Path, items: Iterable) -> tuple[dict, dict]:

@@ -1,6 +1,7 @@
 """Reading a LoRA file back into runtime naming (``load_lora``): a diffusers/PEFT file (alphas, rsLoRA and DoRA from
-its adapter metadata) or a kohya one (train/lora_layouts.py), told apart by key names; refusing pickles, damaged
-headers and NaN factors in a sentence each."""
+its adapter metadata) or a kohya one (train/layouts/: FLUX.1's by key names, another family's by the family its
+header records), refusing pickles, damaged headers and NaN factors in a sentence each; and a PEFT adapter folder's
+factors and config (``read_peft_adapter``)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..sources.file_kind import pickle_kind
+from .layouts import LAYOUTS
+from .layouts.flux import KOHYA_PREFIX, kohya_layers
+from .layouts.lycoris import adapter_kind
+from .layouts.read import family_layers
 from .lora_factors import (
     LORA_A,
     MAGNITUDE,
@@ -24,8 +29,8 @@ from .lora_factors import (
     positive_number,
     with_one_alpha,
 )
-from .lora_files import ADAPTER_METADATA_KEY, PREFIX, PREFIXES, WEIGHT_NAME, is_peft_adapter
-from .lora_layouts import KOHYA_PREFIX, kohya_layers
+from .lora_files import ADAPTER_METADATA_KEY, PEFT_CONFIG, PEFT_WEIGHTS, PREFIX, PREFIXES, WEIGHT_NAME, is_peft_adapter
+from .lora_metadata import family_of
 
 
 def _read_provenance(header: Mapping[str, str], where: str) -> dict[str, Any]:
@@ -113,6 +118,45 @@ def _adapter_alphas(header: Mapping[str, str], prefix: str | None, where: str) -
     return alpha, pattern, rslora
 
 
+def read_peft_adapter(folder) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
+    """A PEFT adapter folder's factors in runtime naming (``<layer>.lokr_w1``, ...), its ``adapter_config.json`` and
+    its weights' header. :class:`LoraFileError` for a folder SquareQ cannot read."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / PEFT_CONFIG).read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise LoraFileError(f"{folder / PEFT_CONFIG} is not a PEFT adapter config SquareQ can read ({exc!r}); use "
+                            "the folder squareq train wrote, or train again.") from None
+    tensors, header = read_safetensors(folder / PEFT_WEIGHTS)
+    prefix = "base_model.model."
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in tensors.items()}, config, header
+
+
+def lycoris_settings(folder, config: Mapping[str, Any]) -> tuple[str, int, float, list[str]]:
+    """(kind, rank, alpha, layers) of a PEFT LoKr or LoHa adapter config; a sentence naming ``folder`` otherwise."""
+    try:
+        kind = {"LOKR": "lokr", "LOHA": "loha"}.get(config.get("peft_type"))
+        rank, alpha, layers = int(config["r"]), float(config["alpha"]), list(config["target_modules"])
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise LoraFileError(f"{Path(folder) / PEFT_CONFIG} is not a PEFT adapter config SquareQ can read ({exc!r}); "
+                            "use the folder squareq train wrote, or train again.") from None
+    if kind is None:
+        raise LoraFileError(f"{folder}: its peft_type is {config.get('peft_type')!r}; SquareQ attaches PEFT LoKr and "
+                            "LoHa folders, and LoRAs as .safetensors files.")
+    return kind, rank, alpha, layers
+
+
+def _kohya_family(header: Mapping[str, str]) -> str | None:
+    """The family of a kohya file SquareQ wrote for a family other than FLUX.1 and Chroma (whose files the FLUX.1
+    kohya reader reads), from its header; None for any other file."""
+    family = header.get("squareq.family")
+    if header.get("squareq.layout") == "kohya" and family in LAYOUTS and family not in ("flux", "chroma"):
+        return family
+    return None
+
+
 def read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A safetensors file's tensors and header; a pickle or an unreadable file is a :class:`LoraFileError`."""
     kind = pickle_kind(file)
@@ -130,12 +174,13 @@ def read_safetensors(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str
 
 
 def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a LoRA file (diffusers/PEFT or kohya layout, told apart by key names) into runtime naming.
+    """Read a LoRA file (diffusers/PEFT or kohya layout, told apart by key names and the header) into runtime
+    naming.
 
     ``path`` is the file or the folder holding ``pytorch_lora_weights.safetensors``. Returns the factors
     (``<layer>.lora_A.weight`` / ``.lora_B.weight``, no ``transformer.`` prefix, fp32 like the runtime's master
-    weights; bf16 widens to fp32 exactly) and ``info`` with
-    ``layout`` ("diffusers" or "kohya"), ``rank`` (the most common), ``alpha`` (each layer's scale is alpha / its
+    weights; bf16 widens to fp32 exactly) and ``info`` with ``layout`` ("diffusers" or "kohya"; ``family``: the
+    family whose kohya layout it is), ``rank`` (the most common), ``alpha`` (each layer's scale is alpha / its
     own rank), ``targets`` (as given to add_lora when SquareQ wrote the file, else the layer names),
     ``metadata`` (SquareQ's ``squareq.*`` header keys, decoded), ``use_dora`` (the factors come with
     ``<layer>.lora_magnitude_vector``), ``file`` (the file read) and ``key_prefix`` (``transformer.`` when its keys
@@ -160,8 +205,15 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         # a NaN factor turns every image drawn with it black, and every step trained from it NaN
         raise LoraFileError(f"{file} holds NaN or Inf values in {few_names(broken)}; the LoRA is damaged, use an "
                             "earlier checkpoint's LoRA or train it again.")
-    if any(k.startswith((KOHYA_PREFIX, "lora_te")) for k in tensors):
-        layout, per_layer, magnitudes = "kohya", kohya_layers(tensors, str(file)), {}
+    kind = adapter_kind(tensors)
+    if kind is not None:
+        raise LoraFileError(f"{file} is a LyCORIS {kind} file; SquareQ samples and exports a {kind} from the PEFT "
+                            "folder its run wrote beside it (<title>_peft), so pass that folder.")
+    family = _kohya_family(header)
+    if family is not None:
+        layout, per_layer, magnitudes = "kohya", family_layers(tensors, header, family, str(file)), {}
+    elif any(k.startswith((KOHYA_PREFIX, "lora_te")) for k in tensors):
+        layout, per_layer, magnitudes, family = "kohya", kohya_layers(tensors, str(file)), {}, "flux"
     elif any(".lora_A." in k or ".lora_B." in k for k in tensors):
         layout, (per_layer, magnitudes) = "diffusers", _from_diffusers(tensors, header, str(file))
     else:
@@ -185,11 +237,41 @@ def load_lora(path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "targets": list(targets) if targets is not None else sorted(per_layer),
         "metadata": provenance,
         "use_dora": bool(magnitudes),
-        # the training run's own header keys (modelspec.*, ss_*), for a re-export to carry; SquareQ's and the
-        # layout's own keys are written anew
-        "header": {k: v for k, v in header.items() if not k.startswith("squareq.")
-                   and k not in ("format", ADAPTER_METADATA_KEY)},
+        # a kohya file's family, whose layout named its keys
+        "family": family,
+        "header": _run_header(header),
     }
+    return lora, info
+
+
+def _run_header(header: Mapping[str, str]) -> dict[str, str]:
+    """The training run's own header keys (modelspec.*, ss_*), for a re-export to carry; SquareQ's and the layout's
+    own keys are written anew."""
+    own = ("format", ADAPTER_METADATA_KEY)
+    return {k: v for k, v in header.items() if not k.startswith("squareq.") and k not in own}
+
+
+def load_exported(path, fmt: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What `export-lora` rewrites in the layout ``fmt``: a LoRA file as :func:`load_lora` reads it, or the PEFT folder
+    of a LoKr or LoHa (for the kohya layout, LyCORIS's, only), its ``info["layout"]`` then ``lokr`` or ``loha``. The
+    family is the one the header records, else the one its ``modelspec.architecture`` names."""
+    path = Path(path)
+    if not is_peft_adapter(path):
+        lora, info = load_lora(path)
+    elif fmt != "kohya":
+        raise LoraFileError(f"{path} is the PEFT folder of a LoKr or LoHa, and the diffusers layout holds LoRA "
+                            "factors only; export it with --format kohya, which writes LyCORIS's layout.")
+    else:
+        lora, config, header = read_peft_adapter(path)
+        kind, rank, alpha, layers = lycoris_settings(path, config)
+        provenance = _read_provenance(header, str(path))
+        info = {"layout": kind, "component": PREFIX, "file": str(path / PEFT_WEIGHTS), "key_prefix": "", "rank": rank,
+                "alpha": alpha, "targets": list(provenance.get("targets") or layers), "metadata": provenance,
+                "use_dora": False, "family": None, "header": _run_header(header)}
+    if "family" not in info["metadata"]:
+        family = family_of(info["header"].get("modelspec.architecture"))
+        if family is not None:
+            info["metadata"]["family"] = family
     return lora, info
 
 

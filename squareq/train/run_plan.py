@@ -25,6 +25,9 @@ from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
 from .controls import control_tokens, edit_families
 from .errors import TrainError
+from .layouts import LAYOUTS, layout_for
+from .layouts.lycoris import lokr_key
+from .lora_factors import LoraFileError
 from .objective import training_objective
 from .run_samples import check_sampling
 
@@ -85,7 +88,8 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
     family = slab.manifest.model.family
     _check_trainable(cfg.slab, family)
     _check_pairs(cfg, slab.manifest.model, echo)
-    formats = save_formats(cfg, family)
+    targeted = [layer.name for layer in slab.manifest.layers if lora_matches(layer.name, cfg.targets)]
+    formats = save_formats(cfg, family, targeted, echo)
     started = time.time()
     recipe = ADAPTERS[family].recipe
     encoder_source = slab_encoders(slab.manifest.model, cfg.model, cfg.revision, cfg.encoder_files)
@@ -196,20 +200,40 @@ def _check_pairs(cfg: TrainConfig, model, echo) -> None:
              f"{recipe.edit_name} (the same model class), which a base model was not trained for")
 
 
-def save_formats(cfg: TrainConfig, family: str) -> list[str]:
-    """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file and, for FLUX.1, the kohya
-    file whose ``.alpha`` tensors carry the strength to ComfyUI. Refused before training where a layout cannot
-    hold this family's LoRA."""
-    if cfg.lora_type != "lora":  # config_values.py refused any other format for them
-        return ["peft"]
-    formats = cfg.save_format or (["diffusers", "kohya"] if family == "flux" and not cfg.use_dora else ["diffusers"])
-    if "kohya" in formats and family != "flux":
-        raise TrainError(f"save_format = {','.join(formats)}: the kohya/ComfyUI layout SquareQ writes is FLUX.1's, and "
-                         f"this slab holds a {family} model; use --save-format diffusers.")
-    if "kohya" in formats and cfg.use_dora:
-        raise TrainError(f"save_format = {','.join(formats)} with use_dora: the kohya/ComfyUI layout has no DoRA that "
-                         "kohya and ComfyUI read alike; use --save-format diffusers.")
+def save_formats(cfg: TrainConfig, family: str, layers=(), echo=None) -> list[str]:
+    """The LoRA layouts to write: ``cfg.save_format``, or by default the diffusers file (a LoKr's or LoHa's PEFT
+    folder) and the family's kohya/ComfyUI file (LyCORIS's for a LoKr or LoHa), whose ``.alpha`` tensors or baked
+    factors carry the strength to ComfyUI. ``layers``: the layers the LoRA will have. A kohya file that cannot hold
+    this LoRA (DoRA, a family with no such layout, a layer it has no place for) is refused before training when
+    asked for, and left out of the default with a line to ``echo`` saying why."""
+    lycoris = cfg.lora_type != "lora"  # config_values.py refused diffusers for them, peft for a LoRA
+    formats = list(cfg.save_format or (["peft", "kohya"] if lycoris else ["diffusers", "kohya"]))
+    why, quiet = _kohya_refusal(cfg, family, layers) if "kohya" in formats else (None, True)
+    if why is not None and cfg.save_format:
+        raise TrainError(f"save_format = {','.join(formats)}: {why}.")
+    if why is not None:
+        formats.remove("kohya")
+        if echo is not None and not quiet:
+            echo(f"no kohya/ComfyUI file: {why}")
     return formats
+
+
+def _kohya_refusal(cfg: TrainConfig, family: str, layers) -> tuple[str | None, bool]:
+    """Why this run's LoRA has no kohya/ComfyUI file (None if it has one), and whether that goes without saying
+    (DoRA, a family without a layout: the default never had one)."""
+    if cfg.use_dora:
+        return ("the kohya/ComfyUI layout has no DoRA that kohya and ComfyUI read alike (use_dora); use "
+                "--save-format diffusers"), True
+    try:
+        layout = layout_for(family, "this slab's LoRA")
+        for layer in layers:
+            if cfg.lora_type == "lokr":
+                lokr_key(layer, layout)
+            else:
+                layout.module_of(layer)
+    except LoraFileError as exc:
+        return str(exc).rstrip("."), family not in LAYOUTS
+    return None, True
 
 
 def _check_variant(cfg: TrainConfig, out: Path, world: int) -> None:

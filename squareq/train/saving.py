@@ -148,8 +148,9 @@ def write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str, 
     """The trained LoRA in each of ``formats``, each with the run's metadata (train/lora_metadata.py)."""
     family = model_record.family
     component = ADAPTERS[family].component
+    # the model's config sizes the modules a family's kohya layout needs beyond the LoRA's own, also on export
     provenance = {"base_model_signature": model_record.signature, "family": family, "component": component,
-                  "objective": objective}
+                  "objective": objective, "base_config": model_record.config}
     trained = [item for item in dataset.items if not item.reg]
     dirs, tags = dataset_summary(dataset.root, trained)
     resolutions = [len(g.resolution) for g in dataset.groups] if len(dataset.groups) > 1 else None
@@ -177,13 +178,15 @@ def write_lora(cfg: TrainConfig, out: Path, lora, model_record, objective: str, 
         files["diffusers"] = save_diffusers_lora(lora, out, cfg.rank, cfg.lora_alpha, cfg.targets,
                                                  extra_metadata=provenance, prefix=component,
                                                  header=header("diffusers"), variant=cfg.lora_variant)
-    if "kohya" in formats:
+    if "kohya" in formats:  # a LoKr or LoHa: LyCORIS's layout
         files["kohya"] = save_kohya_lora(lora, files["kohya"], cfg.rank, kohya_alpha, cfg.targets,
-                                         extra_metadata=provenance, header=header("kohya"))
+                                         extra_metadata=provenance, header=header("kohya"),
+                                         config=model_record.config)
     if "peft" in formats:
         layers = sorted({name.rsplit(".", 1)[0] for name in lora})
         config = lycoris_config(cfg.lora_variant, cfg.rank, cfg.lora_alpha, layers)
-        files["peft"] = save_peft_adapter(lora, files["peft"], config, header=header("peft"))
+        files["peft"] = save_peft_adapter(lora, files["peft"], config, header=header("peft"),
+                                          extra_metadata=provenance)
     return files
 
 

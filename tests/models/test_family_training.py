@@ -14,6 +14,7 @@ from squareq.quant import QuantSpec
 from squareq.train.cache import EmbeddingCache
 from squareq.train.config import load_config
 from squareq.train.errors import TrainError
+from squareq.train.layouts import LAYOUTS
 from squareq.train.loop import train
 from squareq.train.lora_attach import attach_lora
 from squareq.train.lora_reader import load_lora
@@ -93,6 +94,19 @@ def test_training_with_the_family_objective_lowers_its_loss_and_the_lora_loads_b
     before = _eval_loss(slab, cache, family)
     after = _eval_loss(slab, cache, family, result.lora_file)
     assert after < 0.95 * before, f"{name}: loss {before:.4f} -> {after:.4f} after training"
+    # issue 64: beside it, the family's kohya/ComfyUI file, which reads back (through the family's diffusers reader)
+    # to the same deltas; diffusers splits HunyuanVideo's single-block linear1 at the real model's 3072 rows
+    assert (result.kohya_file is not None) == (family in LAYOUTS)
+    if result.kohya_file is not None and family != "hunyuan-video":
+        ours, kohya = (_deltas(*load_lora(f)) for f in (result.lora_file, result.kohya_file))
+        assert ours.keys() == kohya.keys()
+        for layer, d in ours.items():  # diffusers' converters scale the bf16 factors in bf16
+            assert float((kohya[layer] - d).abs().max()) <= 1e-2 * float(d.abs().max()), layer
+
+
+def _deltas(lora, info):
+    return {k[: -len(".lora_A.weight")]: info["alpha"] / a.shape[0] * lora[k.replace("_A.", "_B.")] @ a
+            for k, a in lora.items() if k.endswith(".lora_A.weight")}
 
 
 def test_sample_images_need_the_family_pipeline(data, tmp_path):

@@ -840,15 +840,36 @@ def test_a_killed_runs_temporaries_are_removed_with_a_line_and_nothing_else_is(w
     assert not any(p.exists() for p in debris) and all(p.exists() for p in kept)
 
 
-def test_the_kohya_layout_is_refused_for_other_families_before_training(workspace, tmp_path):
+def test_the_kohya_file_is_refused_before_training_where_it_cannot_hold_the_lora(workspace, tmp_path):
+    """Issue 64: every family with a kohya/ComfyUI layout writes it by default; asked for where the family has none
+    or a targeted layer has no place in it, it is refused before training, and the default leaves it out, saying so
+    for a layer (negative control: the same layers without the refused one keep it)."""
     from squareq.train.errors import TrainError
     from squareq.train.run_plan import save_formats
 
-    cfg = _config(workspace, tmp_path / "wan", save_format=["diffusers", "kohya"])
-    assert save_formats(cfg, "flux") == ["diffusers", "kohya"]
-    assert save_formats(_config(workspace, tmp_path / "x"), "wan") == ["diffusers"]
-    with pytest.raises(TrainError, match="kohya/ComfyUI layout SquareQ writes is FLUX.1's.*--save-format diffusers"):
-        save_formats(cfg, "wan")
+    asked = _config(workspace, tmp_path / "wan", save_format=["diffusers", "kohya"])
+    default = _config(workspace, tmp_path / "x")
+    blocks = ["blocks.0.attn1.to_q", "blocks.0.ffn.net.2"]
+    for family in ("flux", "wan", "hunyuan-video", "qwen-image", "flux2", "ltx-video", "sd3", "chroma", "z-image"):
+        assert save_formats(default, family) == ["diffusers", "kohya"]
+    assert save_formats(asked, "wan", blocks) == ["diffusers", "kohya"]
+    lines = []
+    assert save_formats(default, "wan", [*blocks, "proj_out"], lines.append) == ["diffusers"]
+    assert lines == ["no kohya/ComfyUI file: LoRA layer proj_out cannot be written in musubi-tuner's Wan layout, "
+                     "which has only the blocks' modules; drop it from targets, or keep to the diffusers file, which "
+                     "holds every layer"]
+    with pytest.raises(TrainError, match=r"save_format = diffusers,kohya: LoRA layer proj_out cannot be written in "):
+        save_formats(asked, "wan", [*blocks, "proj_out"])
+    lines.clear()
+    assert save_formats(default, "sd-unet", ["down_blocks.0.attentions.0.proj_in"], lines.append) == ["diffusers"]
+    assert lines == []  # the default never had one there
+    with pytest.raises(TrainError, match="is for a sd-unet model, for which SquareQ writes no kohya/ComfyUI layout"):
+        save_formats(asked, "sd-unet")
+    lycoris = _config(workspace, tmp_path / "k", lora_type="lokr")
+    assert save_formats(lycoris, "z-image", ["layers.0.attention.to_q"]) == ["peft", "kohya"]
+    with pytest.raises(TrainError, match="LoKr layer transformer_blocks.0.attn.to_q is part of the fused module"):
+        save_formats(_config(workspace, tmp_path / "k", lora_type="lokr", save_format=["peft", "kohya"]),
+                     "hunyuan-video", ["transformer_blocks.0.attn.to_q"])
 
 
 def test_a_trigger_placeholder_without_a_trigger_word_is_refused_in_one_sentence(workspace, tmp_path):
@@ -1150,7 +1171,7 @@ def test_dora_with_dropout_trains_and_resumes_bit_for_bit_and_writes_the_diffuse
         header = f.metadata()
     assert json.loads(header["lora_adapter_metadata"])["transformer.use_dora"] is True
     assert header["ss_network_dropout"] == "0.1" and json.loads(header["ss_network_args"]) == {"use_dora": True}
-    with pytest.raises(TrainError, match="with use_dora: the kohya/ComfyUI layout has no DoRA"):
+    with pytest.raises(TrainError, match="kohya,?.*: the kohya/ComfyUI layout has no DoRA"):
         save_formats(_config(workspace, tmp_path / "k", use_dora=True, save_format=["diffusers", "kohya"]), "flux")
 
 
@@ -1503,6 +1524,7 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     runtime gives with those factors (both in fp32, so bf16's rounding, larger than the adapter's effect on the tiny
     model, stays out). Negative control: the plain denoiser without the adapter is far from them."""
     from peft import PeftModel
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from squareq.models import tiny_flux_inputs
@@ -1527,6 +1549,14 @@ def test_lokr_and_loha_train_resume_bit_for_bit_and_load_back_in_peft(workspace,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     zero_at_start = "lokr_w1" if kind == "lokr" else "hada_w2_b"
     assert all(a[k].abs().max() > 0 for k in a if k.endswith(zero_at_start))
+    # issue 64: beside the folder, LyCORIS's file for ComfyUI (LoKr under LyCORIS's names for the diffusers model,
+    # LoHa stacked on FLUX.1's fused modules)
+    assert straight.kohya_file == tmp_path / "straight" / "run_kohya.safetensors"
+    with safe_open(str(straight.kohya_file), "pt") as f:
+        header, keys = f.metadata(), set(f.keys())
+    assert header["ss_network_module"] == "lycoris.kohya" and json.loads(header["ss_network_args"])["algo"] == kind
+    assert ("lycoris_transformer_blocks_0_attn_to_q.lokr_w1" if kind == "lokr"
+            else "lora_unet_double_blocks_0_img_attn_qkv.hada_w1_a") in keys
 
     with pytest.raises(LoraFileError, match="is a PEFT adapter folder .* not a LoRA file: squareq sample --lora takes"):
         load_lora(straight.lora_file)  # export-lora says so too

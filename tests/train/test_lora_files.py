@@ -13,7 +13,7 @@ from squareq.models import TINY_FLUX_CONFIG, tiny_flux_inputs
 from squareq.slab import open_slab
 from squareq.train.lora_factors import LoraFileError
 from squareq.train.lora_files import ADAPTER_METADATA_KEY, PREFIX, WEIGHT_NAME, save_diffusers_lora, save_kohya_lora
-from squareq.train.lora_layouts import from_kohya, to_kohya
+from squareq.train.layouts.flux import from_kohya, to_kohya
 from squareq.train.lora_reader import load_lora
 
 RANK, ALPHA = 4, 8  # scale 2: a loader that ignored alpha (scale 1) would not match

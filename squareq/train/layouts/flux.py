@@ -1,16 +1,13 @@
-"""LoRA key layouts other than diffusers': the names a layout gives a LoRA's tensors and the conversion from and to
-runtime naming both ways. Today that is the kohya (sd-scripts, ComfyUI) FLUX.1 layout; another family's ComfyUI
-layout belongs here too.
+"""FLUX.1's and Chroma's kohya layout (sd-scripts, ComfyUI, Forge), both ways: ``to_kohya`` writes it,
+``from_kohya`` reads it (and kohya files from other tools) back into runtime naming.
 
-**kohya layout** (``to_kohya``, ``from_kohya``; train/lora_files.py ``save_kohya_lora`` writes it):
 ``lora_unet_<BFL module, dots as underscores>`` with ``.lora_down.weight`` [rank, in], ``.lora_up.weight``
 [out, rank] and a scalar ``.alpha``; the module names are Black Forest Labs' (``double_blocks_0_img_attn_qkv``),
-where q, k, v (and a single block's MLP input) are one fused linear. A LoRA on the split diffusers layers is the
-same delta on the fused layer when stacked: lora_down is the parts' A matrices concatenated along the rank, lora_up
-is block-diagonal (each part's B in its own rows and rank columns), and alpha is multiplied by the number of parts
-so that alpha_fused / (k·r) = alpha / r. A part that was not targeted gets zero rows in lora_up and no rank.
+where q, k, v (and a single block's MLP input) are one fused linear, stacked as layouts/modules.py says.
 ``from_kohya`` inverts this; a kohya LoRA trained on the fused layer (lora_up not block-diagonal) becomes, for each
-part, (the fused lora_down, that part's rows of lora_up) at rank k·r, which reproduces the same delta.
+part, (the fused lora_down, that part's rows of lora_up) at rank k·r, which reproduces the same delta. diffusers
+reads it through ``FluxLoraLoaderMixin`` (``_convert_kohya_flux_lora_to_diffusers``), which Chroma's pipeline uses
+too; that converter splits a single block's ``linear1`` at FLUX.1's hidden size 3072, which Chroma shares.
 
 The diffusers <-> BFL names come from ``squareq.models.flux_bfl``; no table is repeated here.
 """
@@ -18,20 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from ..models import flux_bfl
-from ..models.base import ModelError
-from .lora_factors import (
-    LORA_A,
-    LoraFileError,
-    dora_magnitudes,
-    factor_pairs,
-    positive_number,
-    with_one_alpha,
-)
+from ...models import flux_bfl
+from ...models.base import ModelError
+from ..lora_factors import LoraFileError, positive_number, with_one_alpha
+from .modules import FamilyLayout, Module, lora_tensors
 
 KOHYA_PREFIX = "lora_unet_"  # sd-scripts' networks/lora_flux.py prefix for the transformer
 KOHYA_NETWORK_MODULE = "networks.lora_flux"
@@ -43,8 +33,8 @@ def _fused_module(layer: str):
     # flux_bfl's lookup table works on tensor names; a LoRA targets a linear, whose tensor is "<layer>.weight"
     found = flux_bfl.bfl_lookup(layer + ".weight")
     if found is None or found[4] != "weight":
-        raise LoraFileError(f"LoRA layer {layer} has no linear counterpart in the kohya/BFL FLUX layout; export this "
-                            "LoRA in the diffusers layout (save_diffusers_lora) instead.")
+        raise LoraFileError(f"LoRA layer {layer} has no linear counterpart in the kohya/BFL FLUX layout; drop it from "
+                            "targets, or keep to the diffusers file, which holds every layer.")
     group, index, rule, part, _ = found
     return group.bfl.replace("{i}", index) + rule.bfl, rule, part, group.diffusers.replace("{i}", index)
 
@@ -54,78 +44,19 @@ def _kohya_stem(module: str) -> str:
     return KOHYA_PREFIX + module.replace(".", "_")
 
 
-def kohya_key_of(layer: str, factor: str) -> str:
-    """The kohya key that holds runtime layer ``layer``'s factor ``factor`` (``LORA_A`` or ``LORA_B``): its fused
-    module's lora_down or lora_up. :class:`LoraFileError` for a layer the layout has no module for."""
-    return _kohya_stem(_fused_module(layer)[0]) + (KOHYA_DOWN if factor == LORA_A else KOHYA_UP)
-
-
-def _part_rows(rule, parts: Mapping[int, tuple[torch.Tensor, torch.Tensor]], module: str) -> list[int]:
-    """Output rows of every part of a fused module, also of parts the LoRA did not target."""
-    a0 = next(iter(parts.values()))[0]
-    hidden = int(a0.shape[1])
-    known = {p: int(b.shape[0]) for p, (_, b) in parts.items()}
-    n = len(rule.diffusers)
-    if rule.layout == flux_bfl.QKV:
-        rows = [next(iter(known.values()))] * n  # q, k and v are equal
-    elif rule.layout == flux_bfl.QKV_MLP:
-        # linear1's q, k, v are each as wide as its input (FLUX's hidden size); the MLP part is 4x hidden, as
-        # diffusers' FluxSingleTransformerBlock fixes mlp_ratio=4.0 (used only when proj_mlp has no LoRA)
-        rows = [hidden] * (n - 1) + [known.get(n - 1, 4 * hidden)]
-    else:
-        rows = [known[0]]
-    for p, r in known.items():
-        if r != rows[p]:
-            raise LoraFileError(f"LoRA layer {rule.diffusers[p]} of {module} has {r} output rows where the fused "
-                                f"FLUX layout expects {rows[p]}; these factors do not belong to a FLUX.1 transformer.")
-    return rows
+def flux_module(layer: str) -> Module:
+    """Where a FLUX.1 (or Chroma) runtime layer goes in the kohya file: its BFL module, fused where BFL fuses."""
+    module, rule, part, prefix = _fused_module(layer)
+    return Module(_kohya_stem(module), tuple(prefix + d for d in rule.diffusers), part, rule.layout)
 
 
 def to_kohya(lora: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
     """The kohya sd-scripts / ComfyUI FLUX LoRA (``lora_unet_*.lora_down/.lora_up/.alpha``) of a runtime LoRA.
 
     Each layer's scale is alpha / its rank. Split diffusers layers are stacked onto their fused BFL layer (see
-    the module docstring), so every layer's delta scale·B·A is reproduced exactly; tensors stay in fp32.
+    layouts/modules.py), so every layer's delta scale·B·A is reproduced exactly; tensors stay in fp32.
     """
-    layers = factor_pairs(lora, "the LoRA state dict")
-    if dora_magnitudes(lora, layers, "the LoRA state dict"):
-        raise LoraFileError("a DoRA LoRA has no kohya/ComfyUI layout that SquareQ can write exactly (kohya's FLUX LoRA "
-                            "has no DoRA, and LyCORIS's dora_scale is measured differently); use the diffusers file "
-                            "(--format diffusers, save_format = [\"diffusers\"]).")
-    fused: dict[str, tuple[Any, str, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
-    for layer, ab in layers.items():
-        module, rule, part, prefix = _fused_module(layer)
-        fused.setdefault(module, (rule, prefix, {}))[2][part] = ab
-    out = {}
-    for module in sorted(fused):
-        rule, prefix, parts = fused[module]
-        present = sorted(parts)
-        ranks = [int(parts[p][0].shape[0]) for p in present]
-        total, r0 = sum(ranks), ranks[0]
-        rows = _part_rows(rule, parts, module)
-        down = torch.cat([parts[p][0].detach().float() for p in present], dim=0)
-        # lora_up of each part: its B in its own rank columns, zero elsewhere; untargeted parts are all zero
-        ups, col = {}, 0
-        for p, d in enumerate(rule.diffusers):
-            up = torch.zeros(rows[p], total, dtype=torch.float32)
-            if p in parts:
-                b = parts[p][1].detach().float()
-                r = b.shape[1]
-                # one fused alpha serves every part: a part whose rank differs keeps its own scale through B
-                up[:, col:col + r] = b if r == r0 else b * (r0 / r)
-                col += r
-            ups[f"{prefix}{d}.weight"] = up
-        try:
-            (up,) = flux_bfl.diffusers_to_bfl(ups).values()  # stacks parts, or swaps halves for adaLN
-        except ModelError as e:
-            raise LoraFileError(f"cannot build the kohya module of {module}: {e}") from None
-        # alpha_fused / (k·r) = alpha / r; an integer multiple keeps integral alphas exact
-        alpha_fused = alpha * (total // r0) if total % r0 == 0 else alpha * total / r0
-        key = _kohya_stem(module)
-        out[key + KOHYA_DOWN] = down.contiguous()
-        out[key + KOHYA_UP] = up.contiguous()
-        out[key + KOHYA_ALPHA] = torch.tensor(float(alpha_fused), dtype=torch.float32)
-    return out
+    return lora_tensors(lora, alpha, flux_module)
 
 
 class _KohyaNames:
@@ -237,3 +168,16 @@ def from_kohya(sd: Mapping[str, torch.Tensor], where: str = "the kohya LoRA") ->
     """
     lora, _, alpha = with_one_alpha(kohya_layers(sd, where))
     return lora, alpha
+
+
+def _layout(family: str, implementation: str, pipeline: str) -> FamilyLayout:
+    # LoKr cannot stack onto BFL's fused qkv, so its keys are LyCORIS's own for the diffusers model, which ComfyUI
+    # maps onto the fused layers by row offset
+    return FamilyLayout(family=family, name="kohya sd-scripts' FLUX.1 layout", network_module=KOHYA_NETWORK_MODULE,
+                        implementation=implementation, pipeline=pipeline,
+                        converter="_convert_kohya_flux_lora_to_diffusers", module_of=flux_module,
+                        lokr_key=lambda layer: "lycoris_" + layer.replace(".", "_"))
+
+
+FLUX = _layout("flux", "https://github.com/black-forest-labs/flux", "FluxPipeline")
+CHROMA = _layout("chroma", "https://huggingface.co/lodestones/Chroma", "ChromaPipeline")
