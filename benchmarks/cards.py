@@ -466,13 +466,32 @@ def run_config(args, name: str, layout: str) -> None:
         rec["notes"] = NOTES[name]
     rec["host_budget_GB"] = cfg.host_budget_bytes / 1e9 if cfg.host_budget_bytes else None
     with hub_cache(hub_dir(args)), HostPeaks(PHASES, ram_files=args.files_dir) as peaks:
+        log(f"{name}: training (load, caching, steps) from {wall_clock()}")
         train_config(cfg, family, rec, peaks)
         if layout == "hub":
+            log(f"{name}: the steps with no host budget from {wall_clock()}")
             baseline_steps(cfg, rec)
         else:
             not_measured(rec, "step_s_no_budget", "step_vs_no_budget")
+        if args.run:  # the figures so far, should sampling run past the timeout (in_its_own_process keeps them)
+            so_far = not_measured({**rec, "what": PARTIAL}, *SAMPLE_FIELDS)
+            print(json.dumps(summed(peaks.fields(so_far), cuda, card), sort_keys=True, default=str), flush=True)
+        log(f"{name}: sampling from {wall_clock()}")
         sample_config(args, slab, cfg, rec, peaks)
-    peaks.fields(rec)
+    emit(summed(peaks.fields(rec), cuda, card))
+
+
+SAMPLE_FIELDS = ("sample_s", "sample_steps", "sample_size", "sample_frames", "sample_placement",
+                 "sample_peak_reserved_GB")
+PARTIAL = "card-until-sampling"  # a record's ``what`` before sampling
+
+
+def wall_clock() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%H:%M:%S UTC")
+
+
+def summed(rec: dict, cuda: bool, card: int) -> dict:
+    """``rec`` with its run's host peak against the budget and its GPU peak against the card."""
     anon = [rec[f"{phase}_own_peak_GB"] for phase in PHASES if rec[f"{phase}_own_peak_GB"] is not None]
     rec["host_peak_GB"] = max(anon) if anon else None
     if rec["host_budget_GB"] is None or rec["host_peak_GB"] is None:
@@ -485,7 +504,7 @@ def run_config(args, name: str, layout: str) -> None:
         rec["fits_card"] = rec["peak_reserved_GB"] * 1e9 <= card * GIB
     else:
         not_measured(rec, "peak_reserved_GB", "fits_card")
-    emit(rec)
+    return rec
 
 
 def config_of(args, name: str, slab: Path, layout: str):
@@ -591,7 +610,9 @@ def baseline_steps(cfg, rec: dict) -> None:
 
     out = Path(cfg.output + "-no-budget")
     train(dataclasses.replace(cfg, output=str(out), host_budget="auto"), echo=lambda s: log(f"[no budget] {s}"))
-    rec["step_s_no_budget"] = statistics.median(r["seconds"] for r in step_rows(out)[1])
+    rows, timed = step_rows(out)
+    rec["step_s_no_budget"] = statistics.median(r["seconds"] for r in timed)
+    rec["step_times_no_budget"] = [round(r["seconds"], 3) for r in rows]
     rec["step_vs_no_budget"] = rec["step_s"] / rec["step_s_no_budget"]
 
 
@@ -648,7 +669,7 @@ def sample_config(args, slab: Path, cfg, rec: dict, peaks: HostPeaks) -> None:
         not_measured(rec, "sample_placement")
     if cuda:  # the denoising's peak, or the prompt encoding's before it where that was higher
         rec["sample_peak_reserved_GB"] = max(torch.cuda.max_memory_reserved() / 1e9,
-                                             sample_measure["cache_peak_reserved_GB"])
+                                             sample_measure.get("cache_peak_reserved_GB", 0.0))
     else:
         not_measured(rec, "sample_peak_reserved_GB")
 
@@ -824,13 +845,26 @@ def in_its_own_process(args, name: str, layout: str) -> None:
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        lines = [rec for rec in lines if rec["what"] != PARTIAL]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"exit code {done.returncode}")
         for rec in lines:
             RECORDS.append(rec)
             print(json.dumps(rec, sort_keys=True), flush=True)
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired as exc:
+        emit(cut_record(name, layout, exc.stdout, f"timed out after {args.timeout:.0f} s (--timeout)"))
+    except RuntimeError as exc:
         emit({"what": "card", "config": name, "layout": layout, "error": str(exc)})
+
+
+def cut_record(name: str, layout: str, stdout: str | bytes | None, why: str) -> dict:
+    """The record of a config whose process was cut while sampling: its figures up to sampling (the last
+    :data:`PARTIAL` line it printed), sampling's not measured; else only ``why``."""
+    text = stdout.decode() if isinstance(stdout, bytes) else stdout or ""
+    partial = [json.loads(line) for line in text.splitlines() if line.startswith("{") and f'"{PARTIAL}"' in line]
+    if not partial:
+        return {"what": "card", "config": name, "layout": layout, "error": why}
+    return {**partial[-1], "what": "card", "error": f"{why}, while sampling"}
 
 
 if __name__ == "__main__":

@@ -369,3 +369,17 @@ def test_a_video_configs_noise_clips_hold_its_longest_window(tmp_path):
     data = scan_dataset(tmp_path, min_side=16, clips=True)
     assert not data.items and not data.skipped
     assert [(p.name, frame_count(p)) for p, _, _ in data.clips] == [("clip0", 7), ("clip1", 7)]
+
+
+def test_a_config_cut_while_sampling_keeps_its_figures_until_then():
+    """cards.py: a config's process killed by --timeout while sampling keeps the figures it printed before sampling
+    (sampling's listed as not measured) and says why; one cut before that keeps only why."""
+    cards = _load_cards()
+    before = common.not_measured({"what": cards.PARTIAL, "config": "flux2-dev", "step_s": 1.8},
+                                 *cards.SAMPLE_FIELDS)
+    out = "noise\n" + json.dumps(before) + "\n"
+    rec = cards.cut_record("flux2-dev", "hub", out, "timed out after 400 s (--timeout)")
+    assert rec["what"] == "card" and rec["step_s"] == 1.8 and rec["sample_s"] is None
+    assert "sample_peak_reserved_GB" in rec["not_measured"] and rec["error"].endswith("while sampling")
+    bare = cards.cut_record("flux2-dev", "hub", out.encode().replace(b'"step_s"', b'"x"')[:5], "timed out")
+    assert bare == {"what": "card", "config": "flux2-dev", "layout": "hub", "error": "timed out"}

@@ -19,6 +19,7 @@ import torch
 from .. import quant
 from ..quant import QuantizedWeight
 from .errors import SlabError
+from .file_head import PICKLE, ZIP, pickled_format
 from .manifest import (
     DATA_FILE,
     DTYPES,
@@ -41,12 +42,8 @@ VERIFY_MODES = ("eager", "lazy", "off")
 
 
 def _not_safetensors(path: Path, head: bytes) -> SlabError:
-    if head[:1] == b"\x80":
-        kind = "a Python pickle"
-    elif head[:2] == b"PK":
-        kind = "a zip archive (torch.save output)"
-    else:
-        kind = "not a safetensors file"
+    kind = {PICKLE: "a Python pickle", ZIP: "a zip archive (torch.save output)"}.get(
+        pickled_format(head), "not a safetensors file")
     return SlabError(
         f"{path} is {kind}, not a safetensors file; SquareQ never unpickles files, so recompile the slab "
         "with `squareq compile`."

@@ -1,25 +1,20 @@
-"""What a file that safetensors cannot open is: a PyTorch pickle under a safetensors name is named as one, since
-the way out differs (convert it, never load it) from a damaged download (fetch it again)."""
+"""The sentence for a file safetensors cannot open: a PyTorch pickle under a safetensors name named as one."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..slab.file_head import PICKLE, ZIP, pickled_format
+
 
 def pickle_kind(path: Path | str) -> str | None:
-    """"a zip archive (torch.save output)" or "a pickle" where ``path`` opens as one, else None (a safetensors file,
-    or something else). A safetensors file opens with its header's length (8 bytes, little-endian) then the JSON
-    header's ``{``; torch.save writes a zip archive (``PK``) or, in the legacy format, a raw pickle (protocol byte
-    0x80)."""
+    """"a zip archive (torch.save output)" or "a pickle" where ``path`` opens as one (slab/file_head.py), else None
+    (a safetensors file, something else, or no file)."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(9)
     except OSError:
         return None
-    if head[8:9] == b"{":
-        return None
-    if head.startswith(b"PK"):
-        return "a zip archive (torch.save output)"
-    return "a pickle" if head[:1] == b"\x80" else None
+    return {PICKLE: "a pickle", ZIP: "a zip archive (torch.save output)"}.get(pickled_format(head))
 
 
 def unreadable(path: Path | str, reason: object) -> str:

@@ -9,6 +9,7 @@ diffusers 0.42's pipelines (docs/families.md lists them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,11 +71,21 @@ class PipelineEncoders:
             raise EncoderError(f"the pipeline's VAE is a {vae}, whose latent normalization SquareQ does not know; it "
                                f"knows {', '.join(IMAGE_VAES + VIDEO_VAES)}.")
         self.video_vae = vae in VIDEO_VAES
-        where = dtype_tag(dtype)
-        self.vae_identity = module_identity(pipe.vae, "vae", source=source) + where
-        self.text_identity = family + "".join(module_identity(getattr(pipe, n), n, dtype, source)
-                                              for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None) + where
+        self.source = source
         self.placement = placement
+
+    # Taken when the cache first asks, not on opening: a checksum over every weight (FLUX.2's 24B Mistral: minutes
+    # on a CPU) that sampling, which reads no cache, never needs.
+    @functools.cached_property
+    def vae_identity(self) -> str:
+        return module_identity(self.pipeline.vae, "vae", source=self.source) + dtype_tag(self.dtype)
+
+    @functools.cached_property
+    def text_identity(self) -> str:
+        pipe = self.pipeline
+        return self.family + "".join(module_identity(getattr(pipe, n), n, self.dtype, self.source)
+                                     for n in TEXT_ENCODERS if getattr(pipe, n, None) is not None) \
+            + dtype_tag(self.dtype)
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:

@@ -64,3 +64,33 @@ def test_a_comfyui_t5_file_with_inf_is_refused_naming_the_file(tmp_path):
     # the file that holds the tensor, not the list of every file given (the fourth audit)
     assert f"the t5 of {files['t5']} holds" in str(refused.value)
     assert str(files["vae"]) not in str(refused.value) and str(files["clip_l"]) not in str(refused.value)
+
+
+def _flux2_vae_pipeline():
+    import diffusers
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=4,
+                                       norm_num_groups=4).eval()
+    return diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+                                   tokenizer=None, transformer=None)
+
+
+def test_a_pipeline_s_identities_are_taken_when_first_asked_and_once(monkeypatch):
+    """Opening a family pipeline's encoders sums no weight (sampling reads no cache, and FLUX.2's Mistral takes
+    minutes to sum); the cache's first question does, once; a poisoned VAE is still refused when it is asked."""
+    from squareq.sources import pipeline_encoders
+
+    calls = []
+    real = pipeline_encoders.module_identity
+    monkeypatch.setattr(pipeline_encoders, "module_identity", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    encoders = pipeline_encoders.PipelineEncoders(_flux2_vae_pipeline(), "flux2", torch.device("cpu"), torch.float32)
+    assert calls == []
+    first = encoders.vae_identity
+    assert calls == ["vae"] and encoders.vae_identity == first and calls == ["vae"]
+    poisoned = _flux2_vae_pipeline()
+    with torch.no_grad():
+        next(poisoned.vae.parameters()).view(-1)[0] = float("nan")
+    encoders = pipeline_encoders.PipelineEncoders(poisoned, "flux2", torch.device("cpu"), torch.float32)
+    with pytest.raises(NonFiniteWeights, match="vae"):
+        encoders.vae_identity  # noqa: B018 - the property's sum is the check
