@@ -9,6 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from squareq.models import chroma, flux2, hunyuan_video, ltx_video, qwen_image, sd3, wan, z_image
+from squareq.models.tiny import build_tiny_flux
 from squareq.train.layouts import LAYOUTS
 from squareq.train.layouts.wan import WAN
 from squareq.train.lora_factors import LoraFileError
@@ -19,14 +20,14 @@ RANK, ALPHA = 4, 6  # scale 1.5: a reader that dropped alpha, or applied it twic
 BUILD = {"wan": wan.build_tiny_wan, "hunyuan-video": hunyuan_video.build_tiny_hunyuan_video,
          "qwen-image": qwen_image.build_tiny_qwen_image, "flux2": flux2.build_tiny_flux2,
          "ltx-video": ltx_video.build_tiny_ltx_video, "sd3": sd3.build_tiny_sd3, "chroma": chroma.build_tiny_chroma,
-         "z-image": z_image.build_tiny_z_image}
+         "z-image": z_image.build_tiny_z_image, "flux": build_tiny_flux}
 # diffusers' HunyuanVideo and FLUX.1 (Chroma) readers split a single block's linear1 at the real models' hidden size
 # 3072, which the tiny models do not have: those four layers are checked by the stacking tests of test_lora_files.py.
-# diffusers' FLUX.1 reader (Chroma's) leaves the modules outside the blocks without their transformer prefix, so
+# diffusers' FLUX.1 reader (also Chroma's) leaves the modules outside the blocks without their transformer prefix, so
 # they never load there; the file holds them for ComfyUI, as sd-scripts' files do (docs/train.md)
 LINEAR1 = r"single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp)$"
-NOT_IN_DIFFUSERS = {"hunyuan-video": re.compile(LINEAR1),
-                    "chroma": re.compile(LINEAR1 + r"|^(x_embedder|context_embedder|proj_out)$")}
+FLUX1_READER = re.compile(LINEAR1 + r"|^(x_embedder|context_embedder|proj_out|norm_out\.linear|time_text_embed\..*)$")
+NOT_IN_DIFFUSERS = {"hunyuan-video": re.compile(LINEAR1), "chroma": FLUX1_READER, "flux": FLUX1_READER}
 
 
 def linears(family):
@@ -76,7 +77,7 @@ def loaded_deltas(family, source):
     state, metadata = pipeline.lora_state_dict(str(source), return_lora_metadata=True)
     assert all("lora" in k or "lokr" in k for k in state)  # load_lora_weights refuses a file otherwise
     model = BUILD[family]()
-    extra = {"network_alphas": None} if family == "chroma" else {}
+    extra = {"network_alphas": None} if family in ("chroma", "flux") else {}
     pipeline.load_lora_into_transformer(state, transformer=model, metadata=metadata, **extra)
     with torch.no_grad():
         return {name: m.get_delta_weight(m.active_adapters[0]).float() for name, m in model.named_modules()
@@ -335,3 +336,27 @@ def test_export_lora_writes_a_peft_folder_in_lycoris_s_layout_and_a_family_s_dif
     ours = loaded_deltas("wan", tmp_path / "wan")
     # the converter scales the bf16 file's lora_down by alpha / rank in bf16: one bf16 rounding
     assert worst(loaded_deltas("wan", tmp_path / "wan.safetensors"), ours) < 1e-2
+
+
+def renamed_one_key(path):
+    """The file at ``path`` with one factor's key moved to a block the model does not have (block 0's first)."""
+    tensors = load_file(str(path))
+    key = next(k for k in sorted(tensors) if re.search(r"[._]0[._]", k) and k.endswith(".weight"))
+    tensors[re.sub(r"([._])0([._])", r"\g<1>97\2", key, count=1)] = tensors.pop(key)
+    save_file(tensors, str(path), metadata=safe_open(str(path), "pt").metadata())
+    return key
+
+
+@pytest.mark.parametrize("family", sorted(BUILD))
+def test_negative_control_a_file_with_one_key_renamed_fails_the_read_back(tmp_path, family):
+    """The read-back check of the first test, on the family's file with one key renamed: the family's converter
+    refuses it, or the layers it loads are not ours (the renamed factor's layer lost, or left at PEFT's init)."""
+    lora = make_lora(family, held(family))
+    ours = loaded_deltas(family, diffusers_file(tmp_path, family, lora))
+    path = kohya_file(tmp_path, family, lora)
+    renamed_one_key(path)
+    try:
+        theirs = loaded_deltas(family, path)
+    except (ValueError, KeyError):  # diffusers' converters refuse keys they do not know
+        return
+    assert theirs.keys() != ours.keys() or worst(theirs, ours) > 0.3
