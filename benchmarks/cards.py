@@ -468,11 +468,14 @@ def run_config(args, name: str, layout: str) -> None:
     with hub_cache(hub_dir(args)), HostPeaks(PHASES, ram_files=args.files_dir) as peaks:
         log(f"{name}: training (load, caching, steps) from {wall_clock()}")
         train_config(cfg, family, rec, peaks)
-        if layout == "hub":
+        if layout == "hub" and "baseline" not in args.skip:
             log(f"{name}: the steps with no host budget from {wall_clock()}")
             baseline_steps(cfg, rec)
         else:
             not_measured(rec, "step_s_no_budget", "step_vs_no_budget")
+        if "sampling" in args.skip:
+            emit(summed(peaks.fields(not_measured(rec, *SAMPLE_FIELDS)), cuda, card))
+            return
         if args.run:  # the figures so far, should sampling run past the timeout (in_its_own_process keeps them)
             so_far = not_measured({**rec, "what": PARTIAL}, *SAMPLE_FIELDS)
             print(json.dumps(summed(peaks.fields(so_far), cuda, card), sort_keys=True, default=str), flush=True)
@@ -484,6 +487,7 @@ def run_config(args, name: str, layout: str) -> None:
 SAMPLE_FIELDS = ("sample_s", "sample_steps", "sample_size", "sample_frames", "sample_placement",
                  "sample_peak_reserved_GB")
 PARTIAL = "card-until-sampling"  # a record's ``what`` before sampling
+SKIPPABLE = ("baseline", "sampling")  # --skip
 
 
 def wall_clock() -> str:
@@ -780,9 +784,16 @@ def main() -> None:
     parser.add_argument("--files-dir", help="where the encoder files are written (default: the workdir), e.g. a RAM "
                         "file system where the disk is too small; the pages of its files the process maps are "
                         "subtracted from its own memory, as page cache on a disk would not count")
+    parser.add_argument("--skip", default="", help="phases to leave out, comma-separated: baseline (the steps with "
+                        "no host budget), sampling; a config too long for one device call runs in two, each "
+                        "measuring the phases it keeps")
     parser.add_argument("--keep-files", action="store_true",
                         help="keep each family's encoder files in the workdir after its configs ran (default: removed)")
     args = parser.parse_args()
+    args.skip = [p for p in args.skip.split(",") if p]
+    if set(args.skip) - set(SKIPPABLE):
+        parser.error(f"--skip: {', '.join(sorted(set(args.skip) - set(SKIPPABLE)))} is not a phase it can leave out; "
+                     f"choose from {', '.join(SKIPPABLE)}.")
     args.steps = args.steps or (TINY_STEPS if args.tiny else 5)
     args.sample_steps = args.sample_steps or (TINY_STEPS if args.tiny else 20)
     if args.run:
@@ -841,7 +852,7 @@ def in_its_own_process(args, name: str, layout: str) -> None:
     """The config in a process of its own (its allocator capped to the card), its JSON lines echoed."""
     cmd = [sys.executable, __file__, "--workdir", args.workdir, "--run", name, "--layout", layout,
            *(["--files-dir", args.files_dir] if args.files_dir else []),
-           "--steps", str(args.steps), "--sample-steps", str(args.sample_steps)]
+           "--steps", str(args.steps), "--sample-steps", str(args.sample_steps), "--skip", ",".join(args.skip)]
     try:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
