@@ -235,6 +235,7 @@ class Setup:
         self.device_name = torch.cuda.get_device_name(0) if self.cuda else "cpu"
         self.steps, self.warmup = args.steps, args.warmup
         self.guidance = getattr(args, "guidance", 3.5)  # the embedded guidance of every batch (sample.py: 3.5)
+        self.controls = getattr(args, "controls", 0)  # Kontext's control images per sample (flux only)
         self.rotate = args.rotate
         self.slab = slab_path(args.workdir, args.family, args.tiny, args.rotate)
 
@@ -295,7 +296,10 @@ def make_batch(setup: Setup, shape: Shape | str | int, model):
     img_ids = torch.zeros(side, side, 3, device=dev)
     img_ids[..., 1] = torch.arange(side, device=dev)[:, None]
     img_ids[..., 2] = torch.arange(side, device=dev)[None, :]
-    batch = dict(hidden_states=rand(1, side * side, cfg["in_channels"]),
+    # Kontext: each control image's tokens after the target's, on the same grid with the first id 1 (models/flux.py)
+    img_ids = torch.cat([img_ids] + [img_ids.clone().index_fill_(-1, torch.tensor([0], device=dev), 1.0)
+                                     for _ in range(setup.controls)])
+    batch = dict(hidden_states=rand(1, side * side * (1 + setup.controls), cfg["in_channels"]),
                  encoder_hidden_states=rand(1, setup.text_tokens, cfg["joint_attention_dim"]),
                  pooled_projections=rand(1, cfg["pooled_projection_dim"]),
                  timestep=torch.full((1,), 0.5, device=dev, dtype=torch.bfloat16),
@@ -335,6 +339,11 @@ def profile_step(one_step, setup: Setup, path: Path) -> float:
     return kernel_us / 1e6
 
 
+def predicted(out, target):
+    """The model's prediction for ``target``: its first tokens, where control tokens follow them (Kontext)."""
+    return out[:, :target.shape[1]] if out.dim() == 3 else out
+
+
 def batch_tokens(setup: Setup, batch: dict) -> int:
     """The image or video tokens of one sample of ``batch``: packed latents [B, tokens, C], or a clip's latents
     [B, C, frames, height, width] over the model's patches."""
@@ -364,7 +373,7 @@ def train(setup: Setup, model, params, shape: Shape, after_step, label: str | No
     def one_step():
         with torch.autocast(setup.device.type, dtype=dtype):
             out = model(**batch, return_dict=False)[0]
-        loss = torch.nn.functional.mse_loss(out.float(), target.float())
+        loss = torch.nn.functional.mse_loss(predicted(out, target).float(), target.float())
         if scale is None:
             loss.backward()
             opt.step()
@@ -561,7 +570,8 @@ def plan_figures(setup: Setup, shape: Shape, prefetch: int | str, compute: str, 
     try:
         plan = rt.plan(setup.slab, resolution=shape.res or 256, batch=1, text_tokens=setup.text_tokens,  # any side
                        prefetch=2 if prefetch == "auto" else prefetch, lora_rank=LORA_RANK, lora_targets=LORA_TARGETS,
-                       compute=resolve_compute(compute, setup.device)[0], offload=offload)
+                       compute=resolve_compute(compute, setup.device)[0], offload=offload,
+                       control_tokens=setup.controls * (shape.res or 0) ** 2 // 256)  # a control: the target's size
         if shape.res is None:
             tokens = shape.clip_tokens(setup.config["patch_size"])
             grown = {k: getattr(plan, k) * tokens // plan.tokens for k in ("checkpoints", "recompute", "offloaded")}
@@ -724,7 +734,7 @@ def lora_step(setup: Setup, shape: Shape, compute: str, dtype: str = "bf16") -> 
     batch = {k: v.to(amp) if v.dtype == torch.bfloat16 else v for k, v in batch.items()}
     with torch.autocast(setup.device.type, dtype=amp, enabled=dtype != "fp32"):
         out = model(**batch, return_dict=False)[0]
-    loss = torch.nn.functional.mse_loss(out.float(), target.float())
+    loss = torch.nn.functional.mse_loss(predicted(out, target).float(), target.float())
     scale = LossScale().value if dtype == "fp16" else 1.0
     (loss * scale).backward()
     grads = {n: p.grad.float().cpu() / scale for n, p in rt.lora_parameters(model).items()}
@@ -1028,7 +1038,8 @@ def spawn(phase: list[str], args, timeout: float) -> list[dict]:
     """Run a phase subprocess, echo its output, return its JSON records (an error record if it died)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", *phase, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--workdir", str(args.workdir), "--family", args.family,
-           "--targets", args.targets, "--rank", str(args.rank), "--guidance", repr(args.guidance)] + \
+           "--targets", args.targets, "--rank", str(args.rank), "--guidance", repr(args.guidance),
+           "--controls", str(args.controls)] + \
         (["--tiny"] if args.tiny else []) + (["--rotate"] if args.rotate else [])
     log(f"phase {' '.join(phase)}: start (timeout {timeout:.0f} s)")
     start = time.perf_counter()
@@ -1274,6 +1285,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the embedded guidance of every training batch (default: squareq train's). The model "
                          "multiplies it by 1000 in the activations' type, where bf16 rounds 3500 to 3504 but not "
                          "1000: a guidance of 3.5 gives bf16 another input than fp16 and fp32 (docs/benchmarks.md)")
+    ap.add_argument("--controls", type=int, choices=(0, 1), default=0,
+                    help="FLUX.1 Kontext: control images per sample, each as many tokens as the target and "
+                         "appended after them (ids (1, i, j)); the loss is on the target's tokens (default 0)")
     ap.add_argument("--phase", nargs="+", help=argparse.SUPPRESS)  # internal: run one phase in this process
     return ap
 
@@ -1356,6 +1370,8 @@ def main() -> None:
     unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
+    if args.controls and args.family != "flux":
+        ap.error(f"--controls: FLUX.1 Kontext's control images (--family flux), not --family {args.family}'s")
     if args.family in SLAB_ONLY and only != {"slab"}:
         ap.error(f"--family {args.family}: its slab only (--only slab, as benchmarks/cards.py builds it)")
     pinned, graph_tokens = squareq_options(ap, args, cuda)
@@ -1363,7 +1379,8 @@ def main() -> None:
     commit = git_commit()
     env = {"what": "env", "family": args.family, "device": None, "torch": torch.__version__, "tiny": args.tiny,
            "steps": args.steps, "targets": args.targets, "rank": args.rank, "rotate": args.rotate,
-           "guidance": args.guidance, "warmup": args.warmup, "commit": commit, "sdpa_priority": _sdpa_priority(),
+           "guidance": args.guidance, "controls": args.controls, "warmup": args.warmup, "commit": commit,
+           "sdpa_priority": _sdpa_priority(),
            "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     emit(env)
     records = [env]

@@ -328,11 +328,15 @@ def test_a_compile_cut_by_sigterm_resumes_from_its_state(tmp_path):
     assert not any((tmp_path / "state").iterdir())
 
 
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}_under_test", BENCHMARKS / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load_cards():
-    spec = importlib.util.spec_from_file_location("benchmarks_cards_under_test", BENCHMARKS / "cards.py")
-    cards = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cards)
-    return cards
+    return _load_script("cards")
 
 
 def test_a_median_step_leaves_out_the_steps_that_compiled(tmp_path):
@@ -383,3 +387,21 @@ def test_a_config_cut_while_sampling_keeps_its_figures_until_then():
     assert "sample_peak_reserved_GB" in rec["not_measured"] and rec["error"].endswith("while sampling")
     bare = cards.cut_record("flux2-dev", "hub", out.encode().replace(b'"step_s"', b'"x"')[:5], "timed out")
     assert bare == {"what": "card", "config": "flux2-dev", "layout": "hub", "error": "timed out"}
+
+
+def test_a_kontext_step_appends_the_control_s_tokens_with_first_id_1_and_learns_on_the_target_s():
+    """train_step.py --controls 1: the batch holds the target's tokens then as many control tokens, the control's
+    ids the target's grid with the first id 1 (FluxKontextPipeline's); the loss sees the target's tokens only.
+    Negative control: without --controls the batch is the target's alone."""
+    step = _load_script("train_step")
+    side = 128 // 16
+    for controls in (1, 0):
+        setup = step.Setup(step.parse_args(["--tiny", "--controls", str(controls), "--workdir", "/nonexistent"]))
+        batch, target = step.make_batch(setup, 128, None)
+        assert batch["hidden_states"].shape[1] == side * side * (1 + controls) and target.shape[1] == side * side
+        ids = batch["img_ids"]
+        assert ids.shape[0] == side * side * (1 + controls) and not ids[:side * side, 0].any()
+        if controls:
+            assert (ids[side * side:, 0] == 1).all() and torch.equal(ids[side * side:, 1:], ids[:side * side, 1:])
+        out = torch.randn(1, batch["hidden_states"].shape[1], 4)
+        assert torch.equal(step.predicted(out, target), out[:, :side * side])
