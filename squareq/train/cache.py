@@ -26,6 +26,7 @@ from ..slab.digest import DigestError, hashed_safetensors
 KINDS = ("latents", "text")
 DEBRIS_AGE_S = 60  # a temporary file older than this is a killed writer's, not a live one's
 ENCODERS_FILE = "encoders.json"
+IDENTITIES_FILE = "encoder_identities.json"  # the encoders' identities by their files (EmbeddingCache.identities)
 
 
 class CacheError(ValueError):
@@ -114,14 +115,33 @@ class EmbeddingCache:
         """Note in ``encoders.json`` where the encoders of ``text_identity`` ran (whole or streamed, the budget, the
         expected peak): how the entries were made, beside what identifies them. Streaming changes no value, so it is
         not part of an entry's key."""
-        path = self.root / ENCODERS_FILE
+        self._note(ENCODERS_FILE, text_identity, placement)
+
+    def remember_identities(self, files_key: str, vae_identity: str, text_identity: str) -> None:
+        """Note the identities the encoders of ``files_key`` (sources/encoder_files_key.py) had, for
+        :meth:`identities`."""
+        self._note(IDENTITIES_FILE, files_key, {"vae": vae_identity, "text": text_identity})
+
+    def identities(self, files_key: str | None) -> tuple[str, str] | None:
+        """The (VAE, text) identities noted for ``files_key``: the keys of a run's entries without loading its
+        encoders; None where none were noted (or the note is damaged: the encoders then load and note them)."""
+        found = self._notes(IDENTITIES_FILE).get(files_key) if files_key else None
+        if not isinstance(found, dict) or not all(isinstance(found.get(k), str) for k in ("vae", "text")):
+            return None
+        return found["vae"], found["text"]
+
+    def _notes(self, name: str) -> dict:
+        path = self.root / name
         try:
             found = json.loads(path.read_text()) if path.is_file() else {}
         except (OSError, ValueError):
             found = {}  # a damaged note is only a note: rewritten whole
-        found = found if isinstance(found, dict) else {}
-        found[text_identity] = placement
-        atomic_write_bytes(path, json.dumps(found, indent=1, sort_keys=True).encode())
+        return found if isinstance(found, dict) else {}
+
+    def _note(self, name: str, key: str, value) -> None:
+        found = self._notes(name)
+        found[key] = value
+        atomic_write_bytes(self.root / name, json.dumps(found, indent=1, sort_keys=True).encode())
 
     def fill(self, kind: str, keys: Iterable[str], compute: Callable[[list[int]], list[dict[str, torch.Tensor]]],
              batch_size: int = 8, progress: Progress | None = None) -> int:

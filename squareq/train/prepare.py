@@ -12,9 +12,11 @@ import torch
 
 from ..models import ADAPTERS
 from ..models.cache_entry import model_problem
-from ..progress import Progress, wanted
+from ..progress import Progress
+from ..progress import wanted as wanted_bar
 from ..runtime.compute import resolve_dtype
 from ..slab.digest import content_key, file_sha256
+from ..sources.encoder_files_key import encoder_files_key
 from ..sources.encoder_placement import EncoderRun
 from ..sources.encoder_source import EncoderSource, slab_encoders
 from ..sources.encoders import Encoders, encoder_dtype, open_encoders
@@ -119,20 +121,12 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     keys = None
     if encode:
         masks = _masks(cfg, dataset, items) + held_masks  # read (and refused) before the encoders load
-        from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
-
-        with open_encoders(encoder_source, device, model.family, FrozenDict(model.config),
-                           _encoder_run(cfg, items, host),
-                           encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
-            if encoders.placement is not None:
-                echo(encoders.placement.describe())
-                cache.record_encoders(encoders.text_identity, encoders.placement.record())
-            # the sample prompts too: sample images then need the VAE only, never the text encoders again
-            texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
-                           | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
-            keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
-                               flipped=len(items) if cfg.flip_aug else 0,
-                               masks=masks, progress=progress)
+        # the sample prompts too: sample images then need the VAE only, never the text encoders again
+        texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
+                       | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
+        wanted = CacheWants(cfg, items + held_items, item_buckets + held_buckets, texts,
+                            flipped=len(items) if cfg.flip_aug else 0, masks=masks)
+        keys = _fill_cache(cfg, model, device, encoder_source, host, wanted, cache, echo, progress)
         image_keys, text_keys, _ = keys
         cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
@@ -190,68 +184,116 @@ def _masks(cfg: TrainConfig, dataset, items) -> list:
     return [None if item.reg else found.get(item.path) for item in items]
 
 
-def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
-                cache: EmbeddingCache, echo, flipped: int = 0, masks: list | None = None,
-                progress: bool | None = None) -> tuple[list[str], dict[str, str], list[str]]:
-    """Cache every image's latents and every caption's embeddings, and for the first ``flipped`` items (the training
-    ones, with ``flip_aug``) the latents of the image flipped left to right; with ``masks`` (each item's mask source,
-    train/masks.py, or None) each latent entry also holds its loss mask. The entries to compute are a bar on a
-    terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per caption and the
-    flipped latents' keys."""
-    vae_id, text_id = encoders.vae_identity, encoders.text_identity
-    hashed: dict = {}  # a clip's windows (and a repeated image's entries, a shared control) are hashed once
+@dataclass
+class CacheWants:
+    """What a run's cache must hold: every item's latents at its bucket (with ``masks``' loss masks, each item's
+    mask source or None; for the first ``flipped`` items, the training ones with ``flip_aug``, also flipped left to
+    right) and every caption's embeddings."""
 
-    def content_of(path, clip: bool = False) -> str:
-        if path not in hashed:
-            hashed[path] = clip_digest(path) if clip else file_sha256(path)
-        return hashed[path]
+    cfg: TrainConfig
+    items: list
+    buckets: list
+    captions: list[str]
+    flipped: int = 0
+    masks: list | None = None
+    hashed: dict = field(default_factory=dict)  # a clip's windows (a repeated image, a shared control): hashed once
 
-    digests = [content_of(item.path, item.frames is not None) for item in items]
-    masks = masks or [None] * len(items)
-    marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_sha256(m)) for m in masks]
-    # a clip's window: which of its frames (a changed frame key re-encodes only the windows it changes); an edit
-    # pair's controls: their content and sizes (train/controls.py)
-    marks = [(*mark, *control_mark(item, bucket, content_of)) if item.frames is None else
-             (*mark, "frames", list(item.frames))
-             for mark, item, bucket in zip(marks, items, item_buckets, strict=True)]
-    image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
-                  for digest, bucket, mark in zip(digests, item_buckets, marks, strict=True)]
-    flipped_keys = [content_key("latents", digests[i], vae_id, list(item_buckets[i]), "flipped", *marks[i])
-                    for i in range(flipped)]
+    def content_of(self, path, clip: bool = False) -> str:
+        if path not in self.hashed:
+            self.hashed[path] = clip_digest(path) if clip else file_sha256(path)
+        return self.hashed[path]
+
+    def keys(self, vae_id: str, text_id: str) -> tuple[list[str], dict[str, str], list[str]]:
+        """The latent keys per item, the text key per caption and the flipped latents' keys, for encoders of these
+        identities."""
+        items, buckets = self.items, self.buckets
+        digests = [self.content_of(item.path, item.frames is not None) for item in items]
+        masks = self.masks or [None] * len(items)
+        marks = [() if m is None else (ALPHA,) if m == ALPHA else ("mask", file_sha256(m)) for m in masks]
+        # a clip's window: which of its frames (a changed frame key re-encodes only the windows it changes); an edit
+        # pair's controls: their content and sizes (train/controls.py)
+        marks = [(*mark, *control_mark(item, bucket, self.content_of)) if item.frames is None else
+                 (*mark, "frames", list(item.frames)) for mark, item, bucket in zip(marks, items, buckets, strict=True)]
+        image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
+                      for digest, bucket, mark in zip(digests, buckets, marks, strict=True)]
+        flipped_keys = [content_key("latents", digests[i], vae_id, list(buckets[i]), "flipped", *marks[i])
+                        for i in range(self.flipped)]
+        text_keys = {c: content_key("text", c, text_id, self.cfg.max_sequence_length) for c in self.captions}
+        return image_keys, text_keys, flipped_keys
+
+
+def _fill_cache(cfg: TrainConfig, model, device: torch.device, source: EncoderSource, host: HostPlan,
+                wanted: CacheWants, cache: EmbeddingCache, echo, progress: bool | None):
+    """The keys of ``wanted`` (:meth:`CacheWants.keys`), its missing entries computed. Where the cache noted the
+    identities of these encoder files and holds every entry intact, the encoders are never loaded (a resumed run of
+    FLUX.2 skips loading, pinning and checksumming its 24B Mistral); else they load and fill it, and their
+    identities are noted."""
+    from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
+
+    dtype = encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])
+    files_key = encoder_files_key(source, model.family, dtype)
+    known = cache.identities(files_key)
+    if known is not None:
+        keys = wanted.keys(*known)
+        total = len(keys[0]) + len(keys[2]) + len(keys[1])
+        if all(cache.has(kind, key) and cache.intact(kind, key, echo) for kind, key in _entries(keys)):
+            echo(f"cache {cache.root}: all {total} entries there; the VAE and text encoders were not loaded")
+            return keys
+    with open_encoders(source, device, model.family, FrozenDict(model.config), _encoder_run(cfg, wanted.items, host),
+                       dtype) as encoders:
+        if encoders.placement is not None:
+            echo(encoders.placement.describe())
+            cache.record_encoders(encoders.text_identity, encoders.placement.record())
+        keys = wanted.keys(encoders.vae_identity, encoders.text_identity)
+        _compute_missing(wanted, keys, encoders, cache, echo, progress)
+        if files_key is not None:
+            cache.remember_identities(files_key, encoders.vae_identity, encoders.text_identity)
+    return keys
+
+
+def _entries(keys) -> list[tuple[str, str]]:
+    image_keys, text_keys, flipped_keys = keys
+    return [("latents", k) for k in image_keys + flipped_keys] + [("text", k) for k in text_keys.values()]
+
+
+def _compute_missing(wanted: CacheWants, keys, encoders: Encoders, cache: EmbeddingCache, echo,
+                     progress: bool | None) -> None:
+    """Every entry of ``keys`` the cache lacks (or holds damaged) computed by ``encoders``. The entries to compute
+    are a bar on a terminal (or with ``progress``), then a line."""
+    items, buckets, masks = wanted.items, wanted.buckets, wanted.masks or [None] * len(wanted.items)
+    image_keys, text_keys, flipped_keys = keys
 
     def encoder_of(flip: bool):
         def encode_images(indices):
             out = []
             for i in indices:
                 if items[i].frames is not None:
-                    pixels = load_clip(items[i].path, items[i].frames, item_buckets[i])
+                    pixels = load_clip(items[i].path, items[i].frames, buckets[i])
                     e = encoders.encode_clip(pixels.flip(-1) if flip else pixels)
                 else:
-                    pixels = load_image(items[i].path, item_buckets[i])
+                    pixels = load_image(items[i].path, buckets[i])
                     e = encoders.encode_image(pixels.flip(-1) if flip else pixels)
                 e = e if isinstance(e, dict) else {"latents": e}
-                e.update(control_latents(items[i], item_buckets[i], encoders.encode_image))
+                e.update(control_latents(items[i], buckets[i], encoders.encode_image))
                 if masks[i] is not None:
-                    mask = load_mask(items[i].path, masks[i], item_buckets[i])
+                    mask = load_mask(items[i].path, masks[i], buckets[i])
                     e["loss_mask"] = latent_mask(mask.flip(-1) if flip else mask, e["latents"])
                 out.append(e)
             return out
 
         return encode_images
 
-    text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
     unique = list(text_keys)
 
     def encode_texts(indices):
-        return encoders.encode_prompts([unique[i] for i in indices], cfg.max_sequence_length)
+        return encoders.encode_prompts([unique[i] for i in indices], wanted.cfg.max_sequence_length)
 
     fills = [("latents", image_keys, encoder_of(False)), ("latents", flipped_keys, encoder_of(True)),
              ("text", [text_keys[c] for c in unique], encode_texts)]
     todo = len({(kind, key) for kind, keys, _ in fills for key in keys if not cache.has(kind, key)})
     start = time.perf_counter()
     # the line below says what the finished bar would, so the bar is not left on the screen
-    with Progress(todo, "cache", "entry", shown=todo > 0 and wanted(progress), leave=False) as bar:
+    with Progress(todo, "cache", "entry", shown=todo > 0 and wanted_bar(progress), leave=False) as bar:
         made = sum(cache.fill(kind, keys, compute, progress=bar) for kind, keys, compute in fills)
     echo(f"cache {cache.root}: {made} new entries of {len(image_keys) + len(flipped_keys) + len(unique)} in "
          f"{time.perf_counter() - start:.1f} s")
-    return image_keys, text_keys, flipped_keys
