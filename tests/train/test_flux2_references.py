@@ -177,8 +177,10 @@ def test_a_flux2_run_with_two_references_caches_them_resumes_bit_for_bit_and_sam
         tokens, _ = pipe.prepare_image_latents([p.contiguous() for p in processed], 1, None, "cpu", torch.float32)
     packed = [torch.cat([pack_latents(e["control_0"][None]), pack_latents(e["control_1"][None])], dim=1)
               for e in entries]
-    # (its pixels made contiguous, as ours are: channels-last pixels take another CPU convolution, 4e-3 apart)
-    assert sum(torch.allclose(p, tokens, atol=1e-6) for p in packed) == 1  # img0's, the other three far off
+    # (its pixels made contiguous, as ours are: channels-last pixels take another CPU convolution, 4e-3 apart; on a
+    # GPU the cache encodes in bf16)
+    tol = 5e-2 if torch.cuda.is_available() else 1e-6
+    assert sum(torch.allclose(p.float().cpu(), tokens, atol=tol) for p in packed) == 1  # img0's; the others far off
 
     resumes_bit_for_bit(lambda **kw: _config(ws, tmp_path / "killed", **kw), straight.lora_file, killed_at=3)
 
