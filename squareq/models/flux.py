@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .base import CalibrationBatch, FamilyAdapter
-from .flux_latents import image_ids, pack_latents, text_ids
+from .flux_latents import packed_with_controls, text_ids
 from .recipe import PipelineFolder, TextFields, TrainingRecipe, caption_entries, split_controls, unpack_2x2_output
 
 
@@ -59,11 +59,9 @@ def flux_forward(cfg, x_t: torch.Tensor, t: torch.Tensor, text: dict, guidance: 
     loop)."""
     text, controls = split_controls(text)
     prompt = text["prompt_embeds"]
-    tokens = [pack_latents(x_t)] + [pack_latents(c.to(x_t.dtype)) for c in controls]
-    ids = [image_ids(*x_t.shape[-2:], device=x_t.device)] + [
-        image_ids(*c.shape[-2:], device=x_t.device, index=1) for c in controls]
-    kwargs = dict(hidden_states=torch.cat(tokens, dim=1), encoder_hidden_states=prompt,
-                  pooled_projections=text["pooled_prompt_embeds"], timestep=t, img_ids=torch.cat(ids),
+    tokens, ids = packed_with_controls(x_t, controls, lambda k: 1)
+    kwargs = dict(hidden_states=tokens, encoder_hidden_states=prompt,
+                  pooled_projections=text["pooled_prompt_embeds"], timestep=t, img_ids=ids,
                   txt_ids=text_ids(prompt.shape[1], device=x_t.device))
     if cfg.guidance_embeds:
         kwargs["guidance"] = torch.full_like(t, guidance)

@@ -5,6 +5,8 @@ exactly what diffusers' ``FluxPipeline`` does (tests/train/test_objective.py che
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -32,14 +34,27 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return x.reshape(b, d // 4, height, width)
 
 
-def image_ids(height: int, width: int, device=None, dtype=torch.float32, index: int = 0) -> torch.Tensor:
-    """Position ids [(H/2)(W/2), 3] for a ``height`` x ``width`` latent: (``index``, patch row, patch column); index 0
-    for the image drawn, 1 for FLUX.1 Kontext's control image (FluxKontextPipeline's ``image_ids[..., 0] = 1``)."""
+def image_ids(height: int, width: int, device=None, dtype=torch.float32, index: int = 0, axes: int = 3) -> torch.Tensor:
+    """Position ids [(H/2)(W/2), ``axes``] for a ``height`` x ``width`` latent: (``index``, patch row, patch column),
+    and zeros after (FLUX.2's fourth axis, L). Index 0 for the image drawn; an edit pair's control images have their
+    family's (FLUX.1 Kontext's 1, FluxKontextPipeline's ``image_ids[..., 0] = 1``; FLUX.2's 10 + 10k)."""
     rows, cols = height // 2, width // 2
-    ids = torch.full((rows, cols, 3), float(index), device=device, dtype=dtype)
+    ids = torch.zeros(rows, cols, axes, device=device, dtype=dtype)
+    ids[..., 0] = index
     ids[..., 1] = torch.arange(rows, device=device, dtype=dtype)[:, None]
     ids[..., 2] = torch.arange(cols, device=device, dtype=dtype)[None, :]
-    return ids.reshape(rows * cols, 3)
+    return ids.reshape(rows * cols, axes)
+
+
+def packed_with_controls(x_t: torch.Tensor, controls: list[torch.Tensor], index: Callable[[int], int],
+                         axes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens [target | control_0 | control_1 | ...], each latent 2x2-packed alike, and their position ids: the
+    target's first coordinate 0, the k-th control's ``index(k)``, each on its own grid from 0 (the edit pipelines'
+    ``torch.cat([latents, image_latents], dim=1)`` and ids)."""
+    tokens = [pack_latents(x_t)] + [pack_latents(c.to(x_t.dtype)) for c in controls]
+    ids = [image_ids(*x_t.shape[-2:], device=x_t.device, axes=axes)] + [
+        image_ids(*c.shape[-2:], device=x_t.device, index=index(k), axes=axes) for k, c in enumerate(controls)]
+    return torch.cat(tokens, dim=1), torch.cat(ids)
 
 
 def text_ids(n: int, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -12,10 +12,10 @@ between that and one model class. Conventions every recipe follows:
   model's own timestep scale and direction; ``prediction`` maps the output back onto the target's layout and sign.
 * A caption is a dict of tensors: ``prompt_embeds`` ``[L, D]`` always, ``pooled_prompt_embeds`` ``[P]`` and
   ``prompt_mask`` ``[L]`` (1 = token, 0 = padding) where the family uses them. Batched, each gains a leading axis.
-* An edit pair's control images (``controls`` > 0: FLUX.1 Kontext) come with the caption as ``control_0``,
-  ``control_1``, ... (:data:`CONTROL_FIELD`): clean latents normalized as the target's, each of its own size.
-  ``forward`` appends them after the target's tokens, as the family's edit pipeline does; the prediction is the
-  target's tokens alone (:func:`unpack_2x2_output` takes the first), so the loss sees the target only.
+* An edit pair's control images (``controls`` > 0: FLUX.1 Kontext, FLUX.2's references) come with the caption as
+  ``control_0``, ``control_1``, ... (:data:`CONTROL_FIELD`): clean latents normalized as the target's, each of its
+  own size. ``forward`` appends them after the target's tokens, as the family's edit pipeline does; the prediction
+  is the target's tokens alone (:func:`unpack_2x2_output` takes the first), so the loss sees the target only.
 """
 from __future__ import annotations
 
@@ -108,6 +108,11 @@ class TrainingRecipe:
     # the most control images one target of an edit pair may have (train/controls.py); 0: the family trains no pairs
     controls: int = 0
     edit_name: str = ""  # what the family is called when it trains on pairs (FLUX.1: "FLUX.1 Kontext")
+    # where a dataset sets neither control_resolution nor no_resize_control: each control keeps its own size up to
+    # this area, cropped to 16s, as the family's edit pipeline takes it (FLUX.2: 1024²); None: the target's bucket
+    control_area: int | None = None
+    # PIL image -> why the family's edit pipeline refuses it as a control to draw from, None where it takes it
+    control_problem: Callable[[Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

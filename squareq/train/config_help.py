@@ -67,15 +67,16 @@ HELP = {
     "mask_dir": "With masked_loss: a folder of grey-level masks named like the training images (same path below it, "
                 "any image extension; kohya's conditioning_data_dir, ai-toolkit's mask_path). An image without one "
                 "trains unmasked, with a warning.",
-    "control_dir": "Edit pairs (FLUX.1 Kontext): the folder of control images, each named like its training image "
-                   "(any image extension; musubi-tuner's control_directory), or several folders, comma-separated "
-                   "(ai-toolkit's control_path list). The captions are the edit instructions (docs/train.md, \"Edit "
-                   "pairs\").",
+    "control_dir": "Edit pairs (FLUX.1 Kontext, FLUX.2's reference images): the folder of control images, each "
+                   "named like its training image (any image extension, or numbered name_0, name_1 for several; "
+                   "musubi-tuner's control_directory), or several folders, comma-separated (ai-toolkit's control_path "
+                   "list). The captions are the edit instructions (docs/train.md, \"Edit pairs\").",
     "control_resolution": "Edit pairs: bring each control image to this area instead of its target's bucket, [width, "
                           "height] or one side (musubi-tuner's control_resolution); with no_resize_control, the most "
                           "a control keeps.",
     "no_resize_control": "Edit pairs: keep each control image at its own size, center-cropped to a multiple of 16 "
-                         "(musubi-tuner's no_resize_control).",
+                         "(musubi-tuner's no_resize_control). FLUX.2 does so by default, up to 1024² (Flux2Pipeline's "
+                         "rule), where neither key is set.",
     "no_upscale": "Train an image smaller than its bucket at its own size (in steps of 64, center-cropped) instead "
                   "of enlarging it, like kohya's --bucket_no_upscale.",
     "reg_data": "A folder of regularisation (prior) images with captions, read like --data (kohya's reg_data_dir): "

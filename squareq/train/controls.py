@@ -75,11 +75,12 @@ def control_area(control_resolution: list[int] | None) -> int | None:
     return math.prod(control_resolution) if len(control_resolution) == 2 else control_resolution[0] ** 2
 
 
-def attach_controls(dataset: Dataset, view) -> Dataset:
+def attach_controls(dataset: Dataset, view, family: str | None = None) -> Dataset:
     """``dataset`` (one scanned data folder) with each target's controls found as ``view`` (its configuration: its
-    ``control_dir``, ``control_resolution``, ``no_resize_control``) or its ``metadata.jsonl`` say; a dataset without
-    controls is returned as it is. Targets without their controls are skipped, each named in a warning;
-    :class:`DataError` when none is left, or for keys that cannot work."""
+    ``control_dir``, ``control_resolution``, ``no_resize_control``) or its ``metadata.jsonl`` say, sized as
+    :func:`control_fit` says for ``family``; a dataset without controls is returned as it is. Targets without their
+    controls are skipped, each named in a warning; :class:`DataError` when none is left, or for keys that cannot
+    work."""
     listed = _jsonl_controls(dataset.root)
     folders = [Path(f).expanduser() for f in view.control_dir or []]
     if listed and folders:
@@ -91,7 +92,7 @@ def attach_controls(dataset: Dataset, view) -> Dataset:
             raise DataError(f"{key} sizes control images, and {dataset.root} has none (no control_dir, no "
                             f"control_path in a {METADATA}); set control_dir or remove {key}.")
         return dataset
-    area, resize = control_area(view.control_resolution), not view.no_resize_control
+    area, resize = control_fit(view, family)
     found = _from_jsonl(dataset, listed) if listed else _from_folders(dataset, folders)
     items, skipped = [], list(dataset.skipped)
     for item in dataset.items:
@@ -128,23 +129,39 @@ def _check_controls(paths: list[Path], item: Item, root: Path) -> list[tuple[Pat
     return out
 
 
+def control_fit(view, family: str | None) -> tuple[int | None, bool]:
+    """How ``view``'s controls are brought to their training size, as :class:`Control`'s ``area`` and ``resize``:
+    musubi-tuner's ``control_resolution`` and ``no_resize_control`` where either is set; else the rule of ``family``'s
+    edit pipeline where it has one (FLUX.2: its own size up to 1024², never enlarged, its recipe's ``control_area``),
+    else its target's bucket."""
+    recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
+    if not view.control_resolution and not view.no_resize_control and recipe is not None and recipe.control_area:
+        return recipe.control_area, False
+    return control_area(view.control_resolution), not view.no_resize_control
+
+
 def controls_per_target(view) -> int:
-    """How many control images each target of ``view``'s dataset has, as far as the configuration says before the
-    folders are read (the memory plan counts them): one per control folder, else the most a ``metadata.jsonl`` line
-    names; 0 without controls."""
+    """The most control images a target of ``view``'s dataset may have, as far as the configuration and the control
+    files' names say before any image is read (the memory plan counts them): in each control folder, the most files
+    one name has (``car.png``, ``car_0.png``, ``car_1.png``: 3), else the most a ``metadata.jsonl`` line names; 0
+    without controls."""
     if view.control_dir:
-        return len(view.control_dir)
+        return sum(_most_of_one_name(Path(f).expanduser()) for f in view.control_dir)
     listed = _jsonl_controls(Path(view.data).expanduser()) if view.data else {}
     return max((len(fields) for fields in listed.values()), default=0)
 
 
-def control_tokens(cfg) -> int:
+def control_tokens(cfg, family: str | None = None) -> int:
     """The control tokens beside one target that the memory plan counts (FLUX's 16 pixels a token side): each control
-    at ``control_resolution``'s area, else at the largest training side (a control kept at its own size with
-    ``no_resize_control`` alone is counted so too), times :func:`controls_per_target`; the most of any dataset."""
+    at the area :func:`control_fit` gives (``control_resolution``'s, FLUX.2's 1024² by default), else at the largest
+    training side (a control kept at its own size with ``no_resize_control`` alone is counted so too), times
+    :func:`controls_per_target` (at most ``family``'s); the most of any dataset."""
+    recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
+
     def tokens(view) -> int:
-        area = control_area(view.control_resolution) or max(view.resolution) ** 2
-        return controls_per_target(view) * (int(math.sqrt(area)) // 16) ** 2
+        area = control_fit(view, family)[0] or max(view.resolution) ** 2
+        count = controls_per_target(view)
+        return (min(count, recipe.controls) if recipe is not None else count) * (int(math.sqrt(area)) // 16) ** 2
 
     return max(map(tokens, cfg.dataset_views()), default=0)
 
@@ -196,6 +213,14 @@ def _controls_in(folder: Path, rel: Path, exact: dict, numbered: dict, targets: 
         if same or more:
             return same + [p for _, p in more]
     return []
+
+
+def _most_of_one_name(folder: Path) -> int:
+    """The most control files one name has in ``folder`` (itself and its numbered ones); 0 for an empty folder."""
+    if not folder.is_dir():
+        return 0
+    exact, numbered = _index(folder)
+    return max((int(key in exact) + len(numbered.get(key, [])) for key in {*exact, *numbered}), default=0)
 
 
 def _index(folder: Path) -> tuple[dict, dict]:
@@ -284,10 +309,13 @@ def _from_jsonl(dataset: Dataset, listed: dict[Path, dict[int, object]]) -> dict
 
 # ---------------------------------------------------------------------------------------------- the cache
 
-def control_crop_only(control: Control) -> bool:
-    """Whether a control is only center-cropped to its size (``no_resize_control``, where it is within
-    ``control_resolution``'s area or none is set), not scaled."""
-    return not control.resize and (control.area is None or control.width * control.height <= control.area)
+def control_geometry(control: Control) -> bool | str:
+    """How a control is brought to its size, as its cache key records it: True only center-cropped
+    (``no_resize_control`` within ``control_resolution``'s area or without one), ``"area, crop"`` scaled down to that
+    area first (a larger one; FLUX.2's 1024² by default), False scaled to cover its bucket and cropped."""
+    if control.resize:
+        return False
+    return True if control.area is None or control.width * control.height <= control.area else "area, crop"
 
 
 def control_mark(item: Item, bucket: tuple[int, int], digest) -> tuple:
@@ -296,7 +324,7 @@ def control_mark(item: Item, bucket: tuple[int, int], digest) -> tuple:
     if not item.controls:
         return ()
     sizes = control_buckets(item, bucket)
-    return ("controls", [[digest(c.path), list(size), control_crop_only(c)] for c, size in zip(item.controls, sizes)])
+    return ("controls", [[digest(c.path), list(size), control_geometry(c)] for c, size in zip(item.controls, sizes)])
 
 
 def control_latents(item: Item, bucket: tuple[int, int], encode) -> dict[str, torch.Tensor]:
@@ -304,7 +332,7 @@ def control_latents(item: Item, bucket: tuple[int, int], encode) -> dict[str, to
     its size (:func:`control_bucket`) and encoded by ``encode`` (the VAE's mode, normalized as the target's)."""
     out = {}
     for n, (control, size) in enumerate(zip(item.controls, control_buckets(item, bucket), strict=True)):
-        z = encode(load_image(control.path, size, crop_only=control_crop_only(control)))
+        z = encode(load_image(control.path, size, crop_only=not control.resize, area=control.area))
         out[CONTROL_FIELD.format(n)] = z if isinstance(z, torch.Tensor) else z["latents"]
     return out
 
@@ -325,7 +353,7 @@ def check_pairs(dataset: Dataset, cfg, family: str | None) -> None:
     if many is not None:
         names = ", ".join(c.path.name for c in many.controls)
         raise DataError(f"{many.path} has {len(many.controls)} control images ({names}), and {recipe.edit_name} takes "
-                        f"{limit}; keep {'one' if limit == 1 else limit} per image.")
+                        f"{limit}; keep {'one' if limit == 1 else f'at most {limit}'} per image.")
     for key, why in (("flip_aug", "would flip the targets and not their controls"),
                      ("reg_data", "mixes in images without controls"),
                      ("validation_data", "holds images without controls; hold out pairs with validation_split")):

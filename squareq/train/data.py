@@ -418,10 +418,14 @@ def rgb_image(path) -> Image.Image:
         return img.convert("RGB")
 
 
-def load_image(path, bucket: tuple[int, int], crop_only: bool = False) -> torch.Tensor:
+def load_image(path, bucket: tuple[int, int], crop_only: bool = False, area: int | None = None) -> torch.Tensor:
     """RGB float32 (3, height, width) in [-1, 1]: scaled to cover the bucket, then center-cropped; ``crop_only``: only
-    center-cropped (a control image kept at its own size, musubi-tuner's ``no_resize_control``)."""
+    center-cropped (a control image kept at its own size, musubi-tuner's ``no_resize_control``), scaled down first to
+    ``area`` pixels where it is larger (sides truncated, LANCZOS: Flux2Pipeline's ``_resize_to_target_area``)."""
     img = rgb_image(path)
+    if crop_only and area is not None and img.width * img.height > area:
+        scale = math.sqrt(area / (img.width * img.height))
+        img = img.resize((int(img.width * scale), int(img.height * scale)), Image.Resampling.LANCZOS)
     if crop_only and img.width >= bucket[0] and img.height >= bucket[1]:
         left, top = (img.width - bucket[0]) // 2, (img.height - bucket[1]) // 2
         img = img.crop((left, top, left + bucket[0], top + bucket[1]))

@@ -162,7 +162,7 @@ def _training_data(cfg: TrainConfig, family: str | None, echo):
     for view in views:
         dataset = scan_dataset(view.data, caption_ext=view.caption_ext, clips=clips)
         dataset = cut_clips(dataset, view.frame_settings, family, echo=echo) if clips else dataset
-        dataset = attach_controls(dataset, view)  # an edit pair's control images (train/controls.py)
+        dataset = attach_controls(dataset, view, family)  # an edit pair's control images (train/controls.py)
         if view.num_repeats > 1:
             dataset.items = [dataclasses.replace(it, repeats=it.repeats * view.num_repeats) for it in dataset.items]
         if cfg.masked_loss and any(it.frames is not None for it in dataset.items):

@@ -153,7 +153,7 @@ def _check_memory_plan(cfg: TrainConfig, slab, device: torch.device, compute: st
         return runtime.plan(slab, resolution=side, batch=batch, frames=frames if stride else None,
                             text_tokens=cfg.max_sequence_length, prefetch=cfg.start_prefetch, lora_rank=cfg.rank,
                             lora_targets=cfg.targets, compute=compute, dtype=dtype, offload=offload,
-                            control_tokens=control_tokens(cfg))
+                            control_tokens=control_tokens(cfg, slab.manifest.model.family))
 
     plan = planned(offload)
     if cfg.vram_budget_bytes is None:  # offload on without a budget: the host plan counts what it pins

@@ -39,6 +39,8 @@ from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
 from ..sources.pipeline_encoders import open_family_pipeline
 from ..third_party import pipeline_bars
 from .clips import TEMPORAL_STRIDE
+from .controls import edit_families
+from .data import rgb_image
 from .errors import TrainError
 from .host_plan import plan_host_memory
 from .lora_attach import attach_lora, attach_peft_adapter
@@ -208,9 +210,12 @@ def edit_inputs(prompt: SamplePrompt) -> dict:
     """FluxKontextPipeline's inputs for ``prompt``'s control image: the image upright over white (the pipeline brings
     it to the nearest of its PREFERRED_KONTEXT_RESOLUTIONS, as in inference), and ``max_area`` such that the image
     drawn keeps the prompt's width and height (the pipeline fits them to that area)."""
-    from .data import rgb_image
+    return {"image": control_images(prompt)[0], "max_area": prompt.width * prompt.height}
 
-    return {"image": rgb_image(prompt.controls[0]), "max_area": prompt.width * prompt.height}
+
+def control_images(prompt: SamplePrompt) -> list:
+    """``prompt``'s control images (``--ci``, ``--control``) in order, each upright over white, as PIL images."""
+    return [rgb_image(path) for path in prompt.controls]
 
 
 def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None):
@@ -224,7 +229,8 @@ def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, dev
     optional = {"max_sequence_length": max_sequence_length, "num_frames": prompt.frames or 1, "output_type": "pil",
                 "negative_prompt": prompt.negative or None,
                 "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
-                "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
+                "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end),
+                "image": control_images(prompt) or None}  # FLUX.2's reference images, in order
     kwargs.update({k: v for k, v in optional.items() if k in params and v is not None})
     pipeline_bars(pipe)  # SquareQ's own bar counts the steps (SampleProgress)
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(_denoiser(pipe))):
@@ -425,17 +431,22 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
 
 
 def _check_controls(family: str, settled: list[SamplePrompt]) -> None:
-    """Refuse control images (``--ci``, ``--control``) for a family that draws no edits, or more than it takes."""
+    """Refuse control images (``--ci``, ``--control``) for a family that draws no edits, more than it takes, or one its
+    edit pipeline would refuse mid-drawing (FLUX.2's: a side under 64, an aspect over 8)."""
     recipe = getattr(ADAPTERS.get(family), "recipe", None)
     limit = recipe.controls if recipe is not None else 0
     edited = next((p for p in settled if len(p.controls) > limit), None)
-    if edited is None:
-        return
-    if not limit:
+    if edited is not None and not limit:
         raise SampleError(f"--ci/--control {edited.controls[0]}: this slab holds a {family} model, which draws no "
-                          "edits of a control image (FLUX.1 Kontext does); drop the control image.")
-    raise SampleError(f"--ci/--control: the prompt {edited.text[:40]!r} gives {len(edited.controls)} control images, "
-                      f"and {recipe.edit_name} takes {limit}; give one.")
+                          f"edits of a control image ({', '.join(edit_families())} do); drop the control image.")
+    if edited is not None:
+        raise SampleError(f"--ci/--control: the prompt {edited.text[:40]!r} gives {len(edited.controls)} control "
+                          f"images, and {recipe.edit_name} takes {limit}; give {'one' if limit == 1 else 'fewer'}.")
+    check = recipe.control_problem if recipe is not None else None
+    for path in dict.fromkeys(c for p in settled for c in p.controls) if check is not None else ():
+        problem = check(rgb_image(path))
+        if problem:
+            raise SampleError(f"--ci/--control {path}: {problem}; give a larger image, or one nearer square.")
 
 
 def _pipeline_parameters(family: str):

@@ -22,12 +22,11 @@ from squareq.train.config import ConfigError, load_config
 from squareq.train.controls import attach_controls, check_pairs, control_tokens
 from squareq.train.data import Control, DataError, Dataset, Item, scan_dataset
 from squareq.train.loop import train
-from squareq.train.lora_reader import load_lora
 from squareq.train.objective import denoising_loss
 from squareq.train.prompt_options import PromptError, parse_prompt
 from squareq.train.sample import SampleError, check_prompts
 
-from .tiny_run import w8_tiny_slab
+from .tiny_run import resumes_bit_for_bit, w8_tiny_slab
 
 pytestmark = pytest.mark.usefixtures("torch_kernels")
 
@@ -210,16 +209,7 @@ def test_a_kontext_run_caches_its_controls_resumes_bit_for_bit_and_samples_an_ed
     entries = [cache.load("latents", p.stem) for p in sorted((workspace / "cache" / "latents").iterdir())]
     assert len(entries) == 4 and all(e["control_0"].shape == e["latents"].shape == (4, 8, 8) for e in entries)
 
-    def kill(step):
-        if step == 4:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(_config(workspace, tmp_path / "killed"), echo=lambda s: None, after_step=kill)
-    resumed = train(_config(workspace, tmp_path / "killed", resume="latest"), echo=lambda s: None)
-    a, _ = load_lora(straight.lora_file)
-    b, _ = load_lora(resumed.lora_file)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumes_bit_for_bit(lambda **kw: _config(workspace, tmp_path / "killed", **kw), straight.lora_file, killed_at=4)
 
     result = CliRunner().invoke(main, ["sample", str(workspace / "tiny.slab"), "--prompt", "make it blue",
                                        "--control", str(workspace / "ctrl" / "img0.jpg"), "--lora",
