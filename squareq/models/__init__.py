@@ -56,9 +56,9 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
 
 
 CAPABILITIES = ("compile", "stream", "train", "train on clips", "train on pairs", "sample")
-# the families whose edit models (Qwen-Image-Edit, FLUX.2's reference images) take control images SquareQ does not
-# train on yet; the others have none ("-")
-EDITS_TO_COME = ("qwen-image", "flux2")
+# the families whose edit models (FLUX.2's reference images) take control images SquareQ does not train on yet; the
+# others have none ("-")
+EDITS_TO_COME = ("flux2",)
 
 
 def families_table() -> str:

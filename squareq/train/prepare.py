@@ -23,7 +23,17 @@ from .cache import EmbeddingCache
 from .clip_items import clip_digest, cut_clips, load_clip
 from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
-from .controls import attach_controls, check_pairs, control_latents, control_mark, pairs_line
+from .controls import (
+    attach_controls,
+    caption_control_tokens,
+    check_edit_folder,
+    check_pairs,
+    control_images,
+    control_latents,
+    control_mark,
+    control_text_mark,
+    pairs_line,
+)
 from .data import (
     TRIGGER_TOKEN,
     DataError,
@@ -36,6 +46,7 @@ from .data import (
     scan_dataset,
     with_regularisation,
 )
+from .feed import text_key
 from .host_plan import HostPlan, train_host_plan
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .run_samples import sample_prompts
@@ -119,23 +130,33 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     keys = None
     if encode:
         masks = _masks(cfg, dataset, items) + held_masks  # read (and refused) before the encoders load
+        check_edit_folder(dataset, model.family, encoder_source)
         from diffusers.configuration_utils import FrozenDict  # attribute access to the recorded config, as on a model
 
         with open_encoders(encoder_source, device, model.family, FrozenDict(model.config),
-                           _encoder_run(cfg, items, host),
+                           _encoder_run(cfg, items, host, model.family),
                            encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])) as encoders:
             if encoders.placement is not None:
                 echo(encoders.placement.describe())
                 cache.record_encoders(encoders.text_identity, encoders.placement.record())
-            # the sample prompts too: sample images then need the VAE only, never the text encoders again
-            texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
-                           | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
+            texts, own = _texts(cfg, model.family, encoders, items + held_items,
+                                [orders + [dropped] for orders in captions] + [[c] for c in held_captions])
             keys = _fill_cache(cfg, items + held_items, item_buckets + held_buckets, texts, encoders, cache, echo,
                                flipped=len(items) if cfg.flip_aug else 0,
-                               masks=masks, progress=progress)
+                               masks=masks, progress=progress, own_texts=own)
         image_keys, text_keys, _ = keys
-        cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
+        cache.record_pairs([(image_keys[i], text_key(text_keys, i, c[0])) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
+
+
+def _texts(cfg: TrainConfig, family: str, encoders, items, entry_texts: list[list[str]]):
+    """The captions to encode alone, sorted, and those of each item whose text encoder reads its control images beside
+    them (Qwen-Image-Edit: its own entries, :func:`_fill_cache`), by item; ``entry_texts``: each item's captions."""
+    own = {i: texts for i, (texts, item) in enumerate(zip(entry_texts, items, strict=True))
+           if item.controls and getattr(encoders, "control_text", None) is not None}
+    # the sample prompts too: sample images then need the VAE only, never the text encoders again
+    return sorted({t for i, entry in enumerate(entry_texts) if i not in own for t in entry}
+                  | {t for p in sample_prompts(cfg, family) for t in p.texts}), own
 
 
 def _cache(cfg: TrainConfig, model, echo) -> EmbeddingCache:
@@ -149,11 +170,14 @@ def _cache(cfg: TrainConfig, model, echo) -> EmbeddingCache:
     return EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo, fits)
 
 
-def _encoder_run(cfg: TrainConfig, items, host: HostPlan) -> EncoderRun:
+def _encoder_run(cfg: TrainConfig, items, host: HostPlan, family: str) -> EncoderRun:
     """What the cache's encoders are placed for: the largest entry, whose VAE feature maps grow with a clip window's
-    frames as with its pixels (all of them, or a chunk at a time: sources/vae_memory.py), and the host plan's room."""
+    frames as with its pixels (all of them, or a chunk at a time: sources/vae_memory.py), the longest caption with
+    the vision tokens of its control images where the text encoder reads them (Qwen-Image-Edit), and the host plan's
+    room."""
     frames = max((len(it.frames) for it in items if it.frames is not None), default=1)
-    return EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, cfg.largest_resolution ** 2,
+    tokens = cfg.max_sequence_length + caption_control_tokens(cfg, family)
+    return EncoderRun(cfg.vram_budget_bytes, tokens, cfg.largest_resolution ** 2,
                       "vram_budget", host_budget=host.encoder_budget, frames=frames)
 
 
@@ -192,12 +216,15 @@ def _masks(cfg: TrainConfig, dataset, items) -> list:
 
 def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], encoders: Encoders,
                 cache: EmbeddingCache, echo, flipped: int = 0, masks: list | None = None,
-                progress: bool | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+                progress: bool | None = None,
+                own_texts: dict[int, list[str]] | None = None) -> tuple[list[str], dict, list[str]]:
     """Cache every image's latents and every caption's embeddings, and for the first ``flipped`` items (the training
     ones, with ``flip_aug``) the latents of the image flipped left to right; with ``masks`` (each item's mask source,
-    train/masks.py, or None) each latent entry also holds its loss mask. The entries to compute are a bar on a
-    terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per caption and the
-    flipped latents' keys."""
+    train/masks.py, or None) each latent entry also holds its loss mask. ``own_texts``: the captions of the items
+    whose text encoder reads their control images beside them (Qwen-Image-Edit), each encoded with them under a key
+    of theirs too, ``(item, caption)`` in the text keys (:func:`squareq.train.feed.text_key`). The entries to compute
+    are a bar on a terminal (or with ``progress``), then a line. Return the latent keys per item, the text key per
+    caption and the flipped latents' keys."""
     vae_id, text_id = encoders.vae_identity, encoders.text_identity
     hashed: dict = {}  # a clip's windows (and a repeated image's entries, a shared control) are hashed once
 
@@ -239,11 +266,20 @@ def _fill_cache(cfg: TrainConfig, items, item_buckets, captions: list[str], enco
 
         return encode_images
 
-    text_keys = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
+    text_keys: dict = {c: content_key("text", c, text_id, cfg.max_sequence_length) for c in captions}
+    for i, texts in (own_texts or {}).items():
+        mark = control_text_mark(items[i], encoders.control_text_identity, content_of)
+        text_keys.update({(i, c): content_key("text", c, text_id, cfg.max_sequence_length, *mark) for c in texts})
     unique = list(text_keys)
 
     def encode_texts(indices):
-        return encoders.encode_prompts([unique[i] for i in indices], cfg.max_sequence_length)
+        asked = [unique[i] for i in indices]
+        pairs = [a for a in asked if isinstance(a, tuple)]
+        plain = [a for a in asked if not isinstance(a, tuple)]
+        read = iter(encoders.encode_prompts(plain, cfg.max_sequence_length) if plain else [])
+        edited = iter(encoders.encode_prompts([c for _, c in pairs], cfg.max_sequence_length,
+                                              images=[control_images(items[i]) for i, _ in pairs]) if pairs else [])
+        return [next(edited if isinstance(a, tuple) else read) for a in asked]
 
     fills = [("latents", image_keys, encoder_of(False)), ("latents", flipped_keys, encoder_of(True)),
              ("text", [text_keys[c] for c in unique], encode_texts)]
