@@ -15,6 +15,9 @@ from .boundary import reading
 from .encoder_source import EncoderError
 
 PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")  # what the Qwen-Image-Edit folders' model_index names
+# Qwen2.5-VL's vision tokens by the config field that holds each one's id
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "image_token_id": "<|image_pad|>",
+                 "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"}
 
 
 def processor_stand_in(folder: Path, index: Mapping) -> dict:
@@ -54,3 +57,24 @@ def image_only_processor(image_processor, tokenizer):
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
     return ImageOnlyQwen2VLProcessor(image_processor, tokenizer)
+
+
+def save_in_hub_layout(folder: Path, image_processor, tokenizer) -> None:
+    """A saved edit pipeline ``folder`` whose processor was :func:`image_only_processor`'s, as Qwen/Qwen-Image-Edit's
+    folder holds it: ``processor/`` with the tokenizer's files and ``preprocessor_config.json``, named in
+    model_index.json as transformers' ``Qwen2VLProcessor`` (the tests' and benchmarks' toy folders)."""
+    import json
+
+    for name in (Path(folder) / "processor").iterdir():
+        name.unlink()
+    tokenizer.save_pretrained(Path(folder) / "processor")
+    image_processor.save_pretrained(Path(folder) / "processor")
+    index = json.loads((Path(folder) / "model_index.json").read_text())
+    (Path(folder) / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", PROCESSORS[0]]}))
+
+
+def add_vision_tokens(tokenizer) -> dict[str, int]:
+    """``tokenizer`` (a toy one, for the tests' and benchmarks' folders) given Qwen2.5-VL's vision tokens; their ids
+    by the ``Qwen2_5_VLConfig`` field that takes each."""
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS.values())})
+    return {field: tokenizer.convert_tokens_to_ids(token) for field, token in VISION_TOKENS.items()}

@@ -77,28 +77,21 @@ def _qwen_image_parts(denoiser, layers: int = 2):
     return dict(vae=vae, text_encoder=encoder, tokenizer=char_tokenizer(), transformer=denoiser)
 
 
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]  # Qwen2.5-VL's
-
-
 def write_qwen_image_edit_folder(folder: Path, plus: bool = False, text_layers: int = 2, seed: int = 11) -> Path:
     """A QwenImageEditPipeline folder (``plus``: QwenImageEditPlusPipeline) around tiny-qwen-image, in the Hub's
     layout: a Qwen2.5-VL text encoder with a vision tower, its character tokenizer with Qwen's vision tokens, and
     ``processor/`` holding that tokenizer and a Qwen2-VL image processor (at most 16 vision tokens an image) under
     model_index.json's ``["transformers", "Qwen2VLProcessor"]``, as Qwen/Qwen-Image-Edit names it."""
-    import json
-
     import diffusers
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
 
-    from squareq.sources.vl_processor import image_only_processor
+    from squareq.sources.vl_processor import add_vision_tokens, image_only_processor, save_in_hub_layout
 
     torch.manual_seed(seed)
     denoiser, _ = load_builtin("tiny-qwen-image")
     parts = _qwen_image_parts(denoiser, text_layers)
     tokenizer = char_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    ids = dict(zip(["vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"],
-                   tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
+    ids = add_vision_tokens(tokenizer)
     config = parts["text_encoder"].config
     parts["text_encoder"] = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=config.text_config.to_dict(), vision_config=config.vision_config.to_dict(), **ids)).eval()
@@ -106,13 +99,7 @@ def write_qwen_image_edit_folder(folder: Path, plus: bool = False, text_layers: 
     cls = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
     cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), processor=image_only_processor(images, tokenizer),
         **{**parts, "tokenizer": tokenizer}).save_pretrained(folder, safe_serialization=True)
-    # the Hub's processor/: tokenizer files and preprocessor_config.json, named as transformers' own class
-    for name in (folder / "processor").iterdir():
-        name.unlink()
-    tokenizer.save_pretrained(folder / "processor")
-    images.save_pretrained(folder / "processor")
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]}))
+    save_in_hub_layout(folder, images, tokenizer)
     return folder
 
 

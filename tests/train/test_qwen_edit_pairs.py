@@ -4,6 +4,7 @@ is read by Qwen2.5-VL with its control images, as the pipeline's own ``__call__`
 of theirs; a run caches, resumes bit for bit and samples with --control. Negative controls: swapped controls change
 the loss, a grid left out of ``img_shapes`` fails a ``zero_cond_t`` model, a changed control re-encodes its caption,
 a target without its control is skipped by name, folders that cannot read the pairs are refused by name."""
+import json
 import logging
 
 import pytest
@@ -159,14 +160,16 @@ def test_a_changed_control_re_encodes_its_caption_and_swapped_controls_change_th
     swapped_controls_change_the_loss(config, root)
 
 
-def test_edit_plus_trains_on_two_controls_each(ws, tmp_path):
+def test_edit_plus_trains_on_two_controls_each_and_validates_on_held_out_pairs(ws, tmp_path):
     """Two control folders (ai-toolkit's list): each target's two controls, appended in order, read together as
-    "Picture 1" and "Picture 2" by QwenImageEditPlusPipeline's template."""
+    "Picture 1" and "Picture 2" by QwenImageEditPlusPipeline's template; a pair held out by validation_split is
+    validated on with its caption read with its controls."""
     lines = []
     result = train(_config(ws, tmp_path / "o", model=str(ws / "plus"), control_dir=[str(ws / "ctrl")] * 2, steps=1,
-                           save_every=0, cache_dir=str(tmp_path / "cache")), echo=lines.append)
+                           save_every=0, cache_dir=str(tmp_path / "cache"), validation_split=0.25), echo=lines.append)
     assert result.steps == 1
-    assert any(line.startswith("edit pairs: 4 images with 2 control images") for line in lines), lines
+    assert any(line.startswith("edit pairs: 3 images with 2 control images") for line in lines), lines
+    assert json.loads((tmp_path / "o" / "validation.jsonl").read_text().splitlines()[-1])["step"] == 1
 
 
 # ---------------------------------------------------------------------------------------------- refusals
