@@ -71,6 +71,8 @@ def edit_folder_problem(family: str, encoders: EncoderSource, settled: list[Samp
         found = pipeline_class(encoders)
     except EncoderError as exc:
         return f"--model: {exc}"
+    if found is None:  # a built-in model: check_family says it has no pipeline to draw with
+        return None
     edit = edits.get(found)
     where = EncoderSource.of(encoders).where
     if edit is None:
