@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import inspect
 import json
@@ -86,8 +87,12 @@ GIB = 1 << 30
 EXAMPLES = ROOT / "examples"
 # example config -> (family, the card it names in GiB): a row for every examples/*.toml, which main checks
 CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-dev-24gb": ("flux", 24),
-         "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16), "wan2.1-t2v-14b-16gb": ("wan", 16),
-         "wan2.1-t2v-14b-24gb": ("wan", 24), "wan2.2-ti2v-5b": ("wan", 16), "hunyuan-video-24gb": ("hunyuan-video", 24)}
+         "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16), "qwen-image-edit": ("qwen-image", 24),
+         "wan2.1-t2v-14b-16gb": ("wan", 16), "wan2.1-t2v-14b-24gb": ("wan", 24), "wan2.2-ti2v-5b": ("wan", 16),
+         "hunyuan-video-24gb": ("hunyuan-video", 24)}
+# the configs that train on edit pairs, with the Hub repository of their edit pipeline (its processor and template;
+# the family's slab stands in for the edit model's transformer, which is the same class at the same shapes)
+EDIT_REPOS = {"qwen-image-edit": "Qwen/Qwen-Image-Edit"}
 # what a config's records say beyond its figures: where it runs on other shapes than those its config is for
 NOTES = {"wan2.2-ti2v-5b": "run on Wan 2.1-T2V-14B's slab, UMT5-XXL and Wan 2.1 VAE (the wan family's shapes here), "
                            "not Wan 2.2-TI2V-5B's 5B transformer and 48-channel 16x VAE: its frames, resolution, "
@@ -234,11 +239,15 @@ def flux2_pipeline(config: dict, tiny: bool):
                                    tokenizer=tok, transformer=None)
 
 
-def qwen_image_pipeline(config: dict, tiny: bool):
-    """Qwen-Image: Qwen2.5-VL-7B and the Qwen-Image VAE."""
+def qwen_image_pipeline(config: dict, tiny: bool, edit: bool = False):
+    """Qwen-Image: Qwen2.5-VL-7B and the Qwen-Image VAE. ``edit``: Qwen-Image-Edit's pipeline, its tokenizer given
+    Qwen's vision tokens (their ids in the encoder's config) and a Qwen2-VL image processor for the vision tower (the
+    released one's pixel bounds; tiny: at most 16 vision tokens an image)."""
     import diffusers
     import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    from squareq.sources.vl_processor import add_vision_tokens, image_only_processor
 
     text = _scaled(QWEN25_VL_7B, hidden_size=config["joint_attention_dim"], intermediate_size=64,
                    num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
@@ -246,14 +255,21 @@ def qwen_image_pipeline(config: dict, tiny: bool):
     vision = _scaled(QWEN25_VL_VISION, depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                      out_hidden_size=config["joint_attention_dim"], fullatt_block_indexes=[0]) if tiny \
         else QWEN25_VL_VISION
+    tokenizer = chat_tokenizer()
+    ids = add_vision_tokens(tokenizer) if edit else {}
     with fast_init(torch.bfloat16):
-        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+        encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
     z = config["in_channels"] // 4  # the transformer packs 2x2 latent patches
     vae = diffusers.AutoencoderKLQwenImage(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                            latents_mean=[0.0] * z, latents_std=[1.0] * z) if tiny \
         else diffusers.AutoencoderKLQwenImage()
-    return diffusers.QwenImagePipeline(scheduler=_flow(), vae=vae.to(torch.bfloat16), text_encoder=encoder,
-                                       tokenizer=chat_tokenizer(), transformer=None)
+    parts = dict(scheduler=_flow(), vae=vae.to(torch.bfloat16), text_encoder=encoder, tokenizer=tokenizer,
+                 transformer=None)
+    if not edit:
+        return diffusers.QwenImagePipeline(**parts)
+    images = Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16) if tiny else \
+        Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)
+    return diffusers.QwenImageEditPipeline(**parts, processor=image_only_processor(images, tokenizer))
 
 
 def wan_pipeline(config: dict, tiny: bool):
@@ -302,15 +318,31 @@ def hunyuan_video_pipeline(config: dict, tiny: bool):
                                           tokenizer_2=clip_tok, transformer=None, **parts)
 
 
-# family -> its pipeline without the transformer (config: the slab's transformer config; tiny)
+def save_processor(pipe):
+    """What an edit pipeline's snapshot needs after saving: its processor in the Hub's layout; None for the others."""
+    if getattr(pipe, "processor", None) is None:
+        return None
+    from squareq.sources.vl_processor import save_in_hub_layout
+
+    return lambda snapshot: save_in_hub_layout(snapshot, pipe.processor.image_processor, pipe.processor.tokenizer)
+
+
+# family -> its pipeline without the transformer (config: the slab's transformer config; tiny); an edit repository's
+# (EDIT_REPOS) by its name
 PIPELINES = {"flux": flux_pipeline, "flux2": flux2_pipeline, "qwen-image": qwen_image_pipeline, "wan": wan_pipeline,
-             "hunyuan-video": hunyuan_video_pipeline}
+             "hunyuan-video": hunyuan_video_pipeline,
+             "Qwen/Qwen-Image-Edit": lambda config, tiny: qwen_image_pipeline(config, tiny, edit=True)}
+
+
+def repo_of(name: str) -> str:
+    """The Hub repository config ``name``'s encoders are read from: its edit pipeline's, else its family's."""
+    return EDIT_REPOS.get(name, REPOS[CARDS[name][0]])
 
 
 def build_encoders(family: str, config: dict, tiny: bool):
-    """The family's diffusers pipeline without its transformer (:data:`PIPELINES`): VAE and text encoders at their
-    released shapes (``tiny``: a few layers, as wide as the tiny slab's text input), seeded random weights, in host
-    memory."""
+    """The family's diffusers pipeline without its transformer (:data:`PIPELINES`; ``family`` may be an edit
+    repository there): VAE and text encoders at their released shapes (``tiny``: a few layers, as wide as the tiny
+    slab's text input), seeded random weights, in host memory."""
     if family not in PIPELINES:
         raise ValueError(f"no encoders for {family}")
     pipe = PIPELINES[family](config, tiny)
@@ -373,33 +405,39 @@ def watched_encoders(measure: dict, peaks: HostPeaks, phases: tuple[str, str, st
             setattr(module, name, real_open)
 
 
-def write_user_files(args, family: str) -> None:
+def write_user_files(args, family: str, repo: str | None = None) -> None:
     """The family's VAE and text encoders (seeded random weights, released shapes; ``--tiny``: the tiny ones) as the
-    cached Hub snapshot of its repository in the workdir, once: what a user's ``hf download`` leaves; for FLUX.1 also
-    as ComfyUI's single files. Their count of parameters beside it (``params-<family>.json``)."""
+    cached Hub snapshot of its repository (``repo``: an edit pipeline's, :data:`EDIT_REPOS`) in the workdir, once:
+    what a user's ``hf download`` leaves; for FLUX.1 also as ComfyUI's single files. Their count of parameters beside
+    it (:func:`params_file`)."""
     from squareq.slab import open_slab
 
-    cache = hub_dir(args)
-    if has_snapshot(cache, REPOS[family]):
+    cache, repo = hub_dir(args), repo or REPOS[family]
+    if has_snapshot(cache, repo):
         return
     start = time.perf_counter()
     model_config = open_slab(slab_path(Path(args.workdir), family, args.tiny), verify="off").manifest.model.config
-    pipe = build_encoders(family, model_config, args.tiny)
+    pipe = build_encoders(family if repo == REPOS[family] else repo, model_config, args.tiny)
     params = sum(p.numel() for n in ("text_encoder", "text_encoder_2")
                  if getattr(pipe, n, None) is not None for p in getattr(pipe, n).parameters())
-    if "comfyui" in LAYOUTS[family]:
+    if "comfyui" in LAYOUTS[family] and repo == REPOS[family]:
         write_comfyui_encoders(pipe, cache / f"comfyui-{family}")
-    snapshot = write_hub_snapshot(cache, pipe, REPOS[family])  # last: its refs/main says the files are whole
-    (cache / f"params-{family}.json").write_text(json.dumps({"encoder_params": params}))
-    log(f"{family}: encoders and VAE written to {snapshot} in {time.perf_counter() - start:.1f} s")
+    snapshot = write_hub_snapshot(cache, pipe, repo, then=save_processor(pipe))  # last: refs/main says it is whole
+    params_file(cache, repo).write_text(json.dumps({"encoder_params": params}))
+    log(f"{repo}: encoders and VAE written to {snapshot} in {time.perf_counter() - start:.1f} s")
 
 
-def remove_user_files(args, family: str) -> None:
+def params_file(cache: Path, repo: str) -> Path:
+    return cache / f"params-{repo.replace('/', '--')}.json"
+
+
+def remove_user_files(args, family: str, repos: list[str]) -> None:
     import shutil
 
     cache = hub_dir(args)
     shutil.rmtree(cache / f"comfyui-{family}", ignore_errors=True)
-    shutil.rmtree(cache / f"models--{REPOS[family].replace('/', '--')}", ignore_errors=True)
+    for repo in repos:
+        shutil.rmtree(cache / f"models--{repo.replace('/', '--')}", ignore_errors=True)
     log(f"{family}: its encoder files removed from {cache} (--keep-files keeps them)")
 
 
@@ -449,11 +487,11 @@ def run_config(args, name: str, layout: str) -> None:
     family, card = CARDS[name]
     work = Path(args.workdir)
     rec = {"what": "card", "config": name, "family": family, "card_GiB": card, "commit": git_commit(),
-           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": REPOS[family],
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": repo_of(name),
            "layout": layout}
     cuda = torch.cuda.is_available()
     slab = slab_path(work, family, args.tiny)
-    rec["encoder_params_B"] = json.loads((hub_dir(args) / f"params-{family}.json").read_text())["encoder_params"] / 1e9
+    rec["encoder_params_B"] = json.loads(params_file(hub_dir(args), repo_of(name)).read_text())["encoder_params"] / 1e9
     if cuda and not args.tiny:
         torch.cuda.empty_cache()
         rec.update(cap_to_card(card))
@@ -520,7 +558,7 @@ def config_of(args, name: str, slab: Path, layout: str):
 
     work, family = Path(args.workdir), CARDS[name][0]
     stamp = f"{name}-{time.time_ns()}"
-    overrides = {"slab": str(slab), "model": REPOS[family], "output": str(work / f"out-{stamp}"),
+    overrides = {"slab": str(slab), "model": repo_of(name), "output": str(work / f"out-{stamp}"),
                  "cache_dir": str(work / f"cache-{stamp}"),
                  "steps": args.steps, "save_every": 0, "sample_every": 0, "seed": 0}
     if args.tiny:
@@ -538,6 +576,10 @@ def config_of(args, name: str, slab: Path, layout: str):
     else:
         cfg.data = str(work / f"data-{res}")
         write_data(Path(cfg.data), IMAGES, res)
+    if name in EDIT_REPOS:  # edit pairs: a noise control of each target's name and size (--tiny: at its 64 px too)
+        write_data(work / f"controls-{res}", IMAGES, res)
+        cfg = dataclasses.replace(cfg, control_dir=[str(work / f"controls-{res}")],
+                                  control_resolution=[res, res] if args.tiny else cfg.control_resolution)
     return cfg
 
 
@@ -657,6 +699,7 @@ def sample_config(args, slab: Path, cfg, rec: dict, peaks: HostPeaks) -> None:
     peaks.phase("sampling")
     with watched_encoders(sample_measure, peaks):
         images = sample.sample_images(slab, [SAMPLE_PROMPT], model=cfg.model, files=cfg.encoder_files,
+                                      controls=tuple(str(next(Path(d).glob("*.png"))) for d in cfg.control_dir or []),
                                       resolution=max(cfg.resolution), steps=args.sample_steps,
                                       frames=max(cfg.target_frames),
                                       max_sequence_length=cfg.max_sequence_length, host=cfg.host,
@@ -810,7 +853,9 @@ def main() -> None:
         parser.error(f"--configs: {', '.join(unknown)} are not example configs; choose from {', '.join(CARDS)}.")
     for family in dict.fromkeys(CARDS[n][0] for n in names):
         ensure_slab(args, family)
-        write_user_files(args, family)
+        repos = list(dict.fromkeys(repo_of(n) for n in names if CARDS[n][0] == family))
+        for repo in repos:
+            write_user_files(args, family, repo)
         for name, layout in runs([n for n in names if CARDS[n][0] == family], args.tiny, args.layouts.split(",")):
             log(f"config {name}, files as {layout}")
             if args.tiny:
@@ -819,7 +864,7 @@ def main() -> None:
                 in_its_own_process(args, name, layout)
             common.write_records(args.out, "cards.jsonl")
         if not (args.tiny or args.keep_files):  # the next family's files need the disk (FLUX.2's encoder: 48 GB)
-            remove_user_files(args, family)
+            remove_user_files(args, family, repos)
     print(card_table(RECORDS))
 
 

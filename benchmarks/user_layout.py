@@ -18,12 +18,15 @@ def snapshot_of(cache: Path, repo: str, commit: str = COMMIT) -> Path:
     return Path(cache) / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
 
 
-def write_hub_snapshot(cache: Path, pipe, repo: str, commit: str = COMMIT) -> Path:
+def write_hub_snapshot(cache: Path, pipe, repo: str, commit: str = COMMIT, then=None) -> Path:
     """``pipe`` (its transformer None: the slab is the denoiser) saved as safetensors into the cached snapshot of
-    ``repo`` at ``commit``, its main branch; the snapshot folder. refs/main is written last: a snapshot without it
+    ``repo`` at ``commit``, its main branch; the snapshot folder. ``then(snapshot)``: what the saved folder needs
+    besides (an edit pipeline's processor in the Hub's layout). refs/main is written last: a snapshot without it
     was cut short and is written again."""
     snapshot = snapshot_of(cache, repo, commit)
     pipe.save_pretrained(snapshot, safe_serialization=True)
+    if then is not None:
+        then(snapshot)
     refs = snapshot.parents[1] / "refs"
     refs.mkdir(parents=True, exist_ok=True)
     (refs / "main").write_text(commit)

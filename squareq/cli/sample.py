@@ -32,8 +32,9 @@ from .options import REVISION, encoder_file_options, given_files, removed_if_fai
 @click.option("--decoder", help="Würstchen: the decoder's pipeline folder or Hub ID (warp-ai/wuerstchen), run whole "
               "beside a prior slab.")
 @click.option("--control", "controls", multiple=True, type=click.Path(path_type=Path, exists=True, dir_okay=False),
-              help="A control image to edit (FLUX.1 Kontext), or a reference image (FLUX.2; repeat the flag for "
-              "several, in order); a prompt's --ci sets its own. Sized as the family's pipeline sizes it.")
+              help="A control image to edit (FLUX.1 Kontext, Qwen-Image-Edit; repeat the flag for Edit-Plus's "
+              "several), or a reference image (FLUX.2; repeat the flag for several, in order); a prompt's --ci sets "
+              "its own. Sized as the family's pipeline sizes it.")
 @click.option("--resolution", type=int, default=1024, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True, help="Denoising steps.")
 @click.option("--guidance", type=float, default=3.5, show_default=True, help="Guidance scale, 0 to 100.")

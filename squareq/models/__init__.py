@@ -56,9 +56,9 @@ def adapter_for(model: nn.Module) -> FamilyAdapter:
 
 
 CAPABILITIES = ("compile", "stream", "train", "train on clips", "train on pairs", "sample")
-# the families whose edit models (Qwen-Image-Edit) take control images SquareQ does not train on yet; the others have
-# none ("-")
-EDITS_TO_COME = ("qwen-image",)
+# the families whose edit models take control images SquareQ does not train on yet (none since FLUX.2's reference
+# images and Qwen-Image-Edit); the others have none ("-")
+EDITS_TO_COME: tuple[str, ...] = ()
 
 
 def families_table() -> str:

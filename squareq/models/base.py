@@ -66,7 +66,8 @@ def read_json_object(path, remedy: str) -> dict:
 # A diffusers pipeline's components by name: the denoiser a slab replaces, and those that encode images and text
 # (model_index.json names them; prefixes, since a pipeline may have several text encoders and tokenizers).
 PIPELINE_DENOISER = "transformer"
-PIPELINE_ENCODER_PARTS = ("vae", "scheduler", "text_encoder", "tokenizer")
+# an edit pipeline's processor (Qwen-Image-Edit's Qwen2.5-VL reads its control images through it) has no weights
+PIPELINE_ENCODER_PARTS = ("vae", "scheduler", "text_encoder", "tokenizer", "processor")
 
 
 @dataclass(frozen=True)

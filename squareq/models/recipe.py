@@ -12,15 +12,18 @@ between that and one model class. Conventions every recipe follows:
   model's own timestep scale and direction; ``prediction`` maps the output back onto the target's layout and sign.
 * A caption is a dict of tensors: ``prompt_embeds`` ``[L, D]`` always, ``pooled_prompt_embeds`` ``[P]`` and
   ``prompt_mask`` ``[L]`` (1 = token, 0 = padding) where the family uses them. Batched, each gains a leading axis.
-* An edit pair's control images (``controls`` > 0: FLUX.1 Kontext, FLUX.2's references) come with the caption as
-  ``control_0``, ``control_1``, ... (:data:`CONTROL_FIELD`): clean latents normalized as the target's, each of its
-  own size. ``forward`` appends them after the target's tokens, as the family's edit pipeline does; the prediction
-  is the target's tokens alone (:func:`unpack_2x2_output` takes the first), so the loss sees the target only.
+* An edit pair's control images (``controls`` > 0: FLUX.1 Kontext, FLUX.2's references, Qwen-Image-Edit) come with
+  the caption as ``control_0``, ``control_1``, ... (:data:`CONTROL_FIELD`): clean latents normalized as the
+  target's, each of its own size. ``forward`` appends them after the target's tokens, as the family's edit pipeline
+  does; the prediction is the target's tokens alone (:func:`unpack_2x2_output` takes the first), so the loss sees the
+  target only. Where the edit pipeline's text encoder sees the control images too (:class:`EditText`:
+  Qwen-Image-Edit's Qwen2.5-VL), the caption's entry is encoded with them, so it is one per caption and control
+  images.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,16 +76,30 @@ def caption_entries(embeds: torch.Tensor, pooled: torch.Tensor | None = None, ma
 
 
 @dataclass(frozen=True)
+class EditText:
+    """An edit pipeline class whose text encoder reads the control images beside the caption (Qwen-Image-Edit): how
+    many it takes, the pixel area each is brought to for the text encoder (its aspect kept), and how a caption is
+    encoded with them (``encode(pipeline, caption, images, device)``: one cache entry; ``images`` PIL, upright)."""
+
+    controls: int
+    area: int
+    encode: Callable[..., dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
 class PipelineFolder:
     """Where a family's cache comes from: the diffusers pipeline classes its folders hold, and how one of them turns
     captions into cache entries (``encode(pipeline, captions, max_sequence_length, device)``, one entry per caption,
     the module docstring's caption layout). ``objective``: for families whose scheduler decides what the model
     predicts (the UNets), the objective a scheduler config means; it refuses one SquareQ cannot train with a
-    ``ValueError`` sentence."""
+    ``ValueError`` sentence. ``edits``: the classes among them that edit control images and whose text encoder reads
+    them (:class:`EditText`); the first class is the family's text-to-image pipeline, which draws a prompt without
+    control images from an edit folder's components."""
 
     classes: tuple[str, ...]
     encode: Callable[..., list[dict[str, torch.Tensor]]]
     objective: Callable[[dict], str] | None = None
+    edits: dict[str, EditText] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,9 @@ class TrainingRecipe:
     control_area: int | None = None
     # PIL image -> why the family's edit pipeline refuses it as a control to draw from, None where it takes it
     control_problem: Callable[[Any], str | None] | None = None
+    # n control images -> the most tokens they add to the caption (Qwen-Image-Edit: their vision tokens), which the
+    # memory plan counts; None: the text encoder sees no control image
+    control_text_tokens: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

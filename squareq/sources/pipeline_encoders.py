@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 
 from ..models import ADAPTERS
 from ..models.base import PIPELINE_ENCODER_PARTS
+from ..models.recipe import EditText, PipelineFolder
 from ..runtime.host.budget import anonymous_memory
 from .boundary import reading
 from .encoder_files import as_loaded, mapped_dtypes
@@ -26,6 +29,7 @@ from .encoder_placement import DEFAULT_RUN, EncoderRun, Placement, placed
 from .encoder_source import EncoderError, EncoderSource, dtype_tag, pipeline_folder
 from .hub import read_index
 from .single_files import load_single_files
+from .vl_processor import processor_stand_in
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 IMAGE_VAES = ("AutoencoderKL", "AutoencoderKLFlux2")
@@ -106,10 +110,55 @@ class PipelineEncoders:
         z = self.pipeline.vae.encode(frames[None].to(self.device, self.dtype)).latent_dist.mode()
         return normalize_latent(self.pipeline.vae, z)[0].cpu()
 
+    @property
+    def control_text(self) -> EditText | None:
+        """How the pipeline's text encoder reads a caption's control images (an edit pipeline's folder:
+        Qwen-Image-Edit's), or None where it reads the caption alone."""
+        return self.recipe.pipeline.edits.get(type(self.pipeline).__name__)
+
+    @functools.cached_property
+    def control_text_identity(self) -> list[str]:
+        """What a caption's entry read with control images depends on beside the caption, the images and the text
+        encoder: the pipeline class and the area the images are brought to, its prompt template and the image
+        processor's settings (how many vision tokens an image becomes); a cache-key part."""
+        pipe, edit = self.pipeline, self.control_text
+        processor = pipe.processor.image_processor
+        rules = f"{pipe.prompt_template_encode}|{pipe.prompt_template_encode_start_idx}|" \
+                f"{type(processor).__name__}|{processor.to_json_string()}"
+        return [type(pipe).__name__, str(edit.area), hashlib.sha256(rules.encode()).hexdigest()]
+
     @torch.no_grad()
-    def encode_prompts(self, texts: list[str], max_sequence_length: int) -> list[dict[str, torch.Tensor]]:
-        """One cache entry per caption through the pipeline's ``encode_prompt``."""
-        return self.recipe.pipeline.encode(self.pipeline, list(texts), max_sequence_length, self.device)
+    def encode_prompts(self, texts: list[str], max_sequence_length: int,
+                       images: list[list] | None = None) -> list[dict[str, torch.Tensor]]:
+        """One cache entry per caption through the pipeline's ``encode_prompt``; with ``images`` (each caption's
+        control images, PIL), through the edit pipeline's, which reads them beside the caption
+        (:attr:`control_text`). A caption without them in an edit pipeline's folder is read by the family's
+        text-to-image pipeline on the same components (:func:`plain_pipeline`), as sampling draws it."""
+        if images is not None:
+            return [self.control_text.encode(self.pipeline, text, list(shown), self.device)
+                    for text, shown in zip(texts, images, strict=True)]
+        pipe = plain_pipeline(self.pipeline, self.recipe.pipeline)
+        return self.recipe.pipeline.encode(pipe, list(texts), max_sequence_length, self.device)
+
+
+def plain_pipeline(pipe, folder: PipelineFolder):
+    """``pipe``, or for an edit pipeline (``folder.edits``) the family's text-to-image pipeline (its first class) on
+    the same components, which draws and encodes a prompt without control images (Qwen-Image-Edit's folder: a
+    ``QwenImagePipeline`` of its VAE, Qwen2.5-VL, tokenizer and transformer)."""
+    if type(pipe).__name__ not in folder.edits:
+        return pipe
+    import diffusers
+
+    plain = getattr(diffusers, folder.classes[0])
+    takes = inspect.signature(plain.__init__).parameters
+    return plain(**{name: part for name, part in pipe.components.items() if name in takes})
+
+
+def pipeline_class(source: EncoderSource | str | Path) -> str | None:
+    """The pipeline class ``source``'s folder holds (its model_index.json's ``_class_name``); None for a built-in
+    model, whose encoders are built in."""
+    folder = pipeline_folder(source)
+    return None if folder is None else read_index(folder).get("_class_name")
 
 
 @contextlib.contextmanager
@@ -140,7 +189,7 @@ def open_family_pipeline(source: EncoderSource | str | Path, family: str, device
     # text encoders in their files' own dtype load as views of the files (sources/encoder_files.py)
     mapped = mapped_dtypes(source, folder, index, TEXT_ENCODERS)
     before = anonymous_memory()
-    given = load_single_files(source, folder, index, dtype, dtypes=mapped)
+    given = load_single_files(source, folder, index, dtype, dtypes=mapped) | processor_stand_in(folder, index)
     with reading(f"the VAE and text encoders of {source} from {folder}", f"pass a complete {found} folder with "
                  "--model", EncoderError):
         pipe = DiffusionPipeline.from_pretrained(str(folder), **unused, **given,

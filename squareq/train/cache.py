@@ -117,18 +117,22 @@ class EmbeddingCache:
         not part of an entry's key."""
         self._note(ENCODERS_FILE, text_identity, placement)
 
-    def remember_identities(self, files_key: str, vae_identity: str, text_identity: str) -> None:
-        """Note the identities the encoders of ``files_key`` (sources/encoder_files_key.py) had, for
-        :meth:`identities`."""
-        self._note(IDENTITIES_FILE, files_key, {"vae": vae_identity, "text": text_identity})
+    def remember_identities(self, files_key: str, identities: dict) -> None:
+        """Note the identities the encoders of ``files_key`` (sources/encoder_files_key.py) had (``vae``, ``text``
+        and ``control_text``: train/prepare.py ``EncoderIdentities``), for :meth:`identities`."""
+        self._note(IDENTITIES_FILE, files_key, identities)
 
-    def identities(self, files_key: str | None) -> tuple[str, str] | None:
-        """The (VAE, text) identities noted for ``files_key``: the keys of a run's entries without loading its
-        encoders; None where none were noted (or the note is damaged: the encoders then load and note them)."""
+    def identities(self, files_key: str | None) -> dict | None:
+        """The identities noted for ``files_key``: the keys of a run's entries without loading its encoders; None
+        where none were noted (or the note is damaged: the encoders then load and note them)."""
         found = self._notes(IDENTITIES_FILE).get(files_key) if files_key else None
-        if not isinstance(found, dict) or not all(isinstance(found.get(k), str) for k in ("vae", "text")):
+        if not isinstance(found, dict) or set(found) != {"vae", "text", "control_text"}:
             return None
-        return found["vae"], found["text"]
+        strings = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
+        if not (isinstance(found["vae"], str) and isinstance(found["text"], str)
+                and (found["control_text"] is None or strings(found["control_text"]))):
+            return None
+        return found
 
     def _notes(self, name: str) -> dict:
         path = self.root / name

@@ -67,10 +67,10 @@ HELP = {
     "mask_dir": "With masked_loss: a folder of grey-level masks named like the training images (same path below it, "
                 "any image extension; kohya's conditioning_data_dir, ai-toolkit's mask_path). An image without one "
                 "trains unmasked, with a warning.",
-    "control_dir": "Edit pairs (FLUX.1 Kontext, FLUX.2's reference images): the folder of control images, each "
-                   "named like its training image (any image extension, or numbered name_0, name_1 for several; "
-                   "musubi-tuner's control_directory), or several folders, comma-separated (ai-toolkit's control_path "
-                   "list). The captions are the edit instructions (docs/train.md, \"Edit pairs\").",
+    "control_dir": "Edit pairs (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2's reference images): the folder of control "
+                   "images, each named like its training image (any image extension, or numbered name_0, name_1 for "
+                   "several; musubi-tuner's control_directory), or several folders, comma-separated (ai-toolkit's "
+                   "control_path list). The captions are the edit instructions (docs/train.md, \"Edit pairs\").",
     "control_resolution": "Edit pairs: bring each control image to this area instead of its target's bucket, [width, "
                           "height] or one side (musubi-tuner's control_resolution); with no_resize_control, the most "
                           "a control keeps.",

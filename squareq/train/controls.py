@@ -28,9 +28,11 @@ import torch
 
 from ..models import ADAPTERS
 from ..models.recipe import CONTROL_FIELD
+from ..sources.encoder_source import EncoderSource
+from ..sources.pipeline_encoders import pipeline_class
 from .buckets import bucket_for, control_buckets, entries
 from .clips import IMAGE_EXTENSIONS
-from .data import METADATA, Control, DataError, Dataset, Item, Skipped, check_image, load_image
+from .data import METADATA, Control, DataError, Dataset, Item, Skipped, check_image, load_image, rgb_image
 
 log = logging.getLogger("squareq.train")
 
@@ -155,7 +157,8 @@ def control_tokens(cfg, family: str | None = None) -> int:
     """The control tokens beside one target that the memory plan counts (FLUX's 16 pixels a token side): each control
     at the area :func:`control_fit` gives (``control_resolution``'s, FLUX.2's 1024² by default), else at the largest
     training side (a control kept at its own size with ``no_resize_control`` alone is counted so too), times
-    :func:`controls_per_target` (at most ``family``'s); the most of any dataset."""
+    :func:`controls_per_target` (at most ``family``'s); the most of any dataset. For a ``family`` whose text encoder
+    reads the controls (Qwen-Image-Edit), the tokens they add to the caption too (:func:`caption_control_tokens`)."""
     recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
 
     def tokens(view) -> int:
@@ -163,7 +166,15 @@ def control_tokens(cfg, family: str | None = None) -> int:
         count = controls_per_target(view)
         return (min(count, recipe.controls) if recipe is not None else count) * (int(math.sqrt(area)) // 16) ** 2
 
-    return max(map(tokens, cfg.dataset_views()), default=0)
+    return max(map(tokens, cfg.dataset_views()), default=0) + caption_control_tokens(cfg, family)
+
+
+def caption_control_tokens(cfg, family: str | None) -> int:
+    """The most tokens the control images of one target add to its caption, where ``family``'s edit pipeline reads
+    them beside it (its recipe's ``control_text_tokens``: Qwen-Image-Edit's vision tokens); 0 elsewhere."""
+    recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
+    count = recipe.control_text_tokens if recipe is not None else None
+    return max((count(n) for n in map(controls_per_target, cfg.dataset_views()) if n), default=0) if count else 0
 
 
 # ---------------------------------------------------------------------------------------------- folders
@@ -327,6 +338,19 @@ def control_mark(item: Item, bucket: tuple[int, int], digest) -> tuple:
     return ("controls", [[digest(c.path), list(size), control_geometry(c)] for c, size in zip(item.controls, sizes)])
 
 
+def control_text_mark(item: Item, identity: list[str], digest) -> tuple:
+    """What a caption's text cache key adds where the text encoder reads the target's controls beside it
+    (Qwen-Image-Edit): their contents in order and ``identity``, how the pipeline reads them (its class, the area
+    they are brought to, its template: sources/pipeline_encoders.py ``control_text_identity``)."""
+    return ("controls", identity, [digest(c.path) for c in item.controls])
+
+
+def control_images(item: Item) -> list:
+    """A target's control images as the text encoder is given them: whole, upright, transparency over white (the
+    edit pipeline sizes them itself)."""
+    return [rgb_image(c.path) for c in item.controls]
+
+
 def control_latents(item: Item, bucket: tuple[int, int], encode) -> dict[str, torch.Tensor]:
     """The latents of a target's controls beside its bucket, ``control_0``, ``control_1``, ...: each image brought to
     its size (:func:`control_bucket`) and encoded by ``encode`` (the VAE's mode, normalized as the target's)."""
@@ -359,6 +383,33 @@ def check_pairs(dataset: Dataset, cfg, family: str | None) -> None:
                      ("validation_data", "holds images without controls; hold out pairs with validation_split")):
         if getattr(cfg, key):
             raise DataError(f"{key} with edit pairs {why}; remove {key}.")
+
+
+def check_edit_folder(dataset: Dataset, family: str | None, source) -> None:
+    """Refuse (:class:`DataError`, one sentence) what ``family``'s edit pipelines cannot train from the encoders of
+    ``source`` (its pipeline folder's class; a built-in model's toy encoders read captions alone): edit pairs from a
+    folder whose text encoder reads no control image (Qwen-Image's text-to-image pipeline), images without controls
+    from an edit pipeline's folder, or more controls than its pipeline takes."""
+    recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
+    edits = recipe.pipeline.edits if recipe is not None and recipe.pipeline is not None else {}
+    pipeline = pipeline_class(source) if edits else None
+    if pipeline is None:
+        return
+    where = EncoderSource.of(source).where
+    pairs, edit = [item for item in dataset.items if item.controls], edits.get(pipeline)
+    if pairs and edit is None:
+        raise DataError(f"{dataset.root} holds edit pairs, and {where} holds a {pipeline}, whose text encoder reads no "
+                        f"control image; train them from a {' or '.join(edits)} folder (--model).")
+    if not pairs and edit is not None:
+        raise DataError(f"{where} holds a {pipeline}, which edits control images, and {dataset.root} has none; give "
+                        "each image its control (control_dir: docs/train.md, \"Edit pairs\"), or train from a "
+                        f"{recipe.pipeline.classes[0]} folder (--model).")
+    many = next((item for item in pairs if len(item.controls) > edit.controls), None)
+    if many is not None:
+        takes = [name for name, e in edits.items() if e.controls >= len(many.controls)]
+        raise DataError(f"{many.path} has {len(many.controls)} control images, and {where}'s {pipeline} takes "
+                        f"{edit.controls}; keep {edit.controls} per image" +
+                        (f", or train from a {' or '.join(takes)} folder." if takes else "."))
 
 
 def pairs_line(dataset: Dataset, bucket_sets, no_upscale: bool) -> str | None:

@@ -17,6 +17,13 @@ from .cache import CacheError, EmbeddingCache
 from .masks import LOSS_MASK, full_mask
 
 
+def text_key(text_keys: dict, index: int, caption: str) -> str:
+    """The cache key of entry ``index``'s ``caption``: its own, ``(index, caption)``, where its text entry was read
+    with its control images (Qwen-Image-Edit: train/prepare.py), else the caption's, shared by every entry."""
+    own = text_keys.get((index, caption))
+    return own if own is not None else text_keys[caption]
+
+
 class CacheFeed:
     """Latents and text embeddings of the dataset's items on ``device``, by item index."""
 
@@ -51,7 +58,7 @@ class CacheFeed:
     def _entries(self, indices: list[int], drops: list[bool] | None = None, epoch: int = 0) -> list[tuple[str, str]]:
         drops = drops or [False] * len(indices)
         return ([("latents", self.image_key(i, epoch)) for i in indices]
-                + [("text", self.text_keys[self.dropped if d else self.caption(i, epoch)])
+                + [("text", text_key(self.text_keys, i, self.dropped if d else self.caption(i, epoch)))
                    for i, d in zip(indices, drops)])
 
     def _read(self, kind: str, key: str) -> dict[str, torch.Tensor]:

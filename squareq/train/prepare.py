@@ -25,7 +25,17 @@ from .cache import EmbeddingCache
 from .clip_items import clip_digest, cut_clips, load_clip
 from .clips import TEMPORAL_STRIDE
 from .config import TrainConfig
-from .controls import attach_controls, check_pairs, control_latents, control_mark, pairs_line
+from .controls import (
+    attach_controls,
+    caption_control_tokens,
+    check_edit_folder,
+    check_pairs,
+    control_images,
+    control_latents,
+    control_mark,
+    control_text_mark,
+    pairs_line,
+)
 from .data import (
     TRIGGER_TOKEN,
     DataError,
@@ -38,6 +48,7 @@ from .data import (
     scan_dataset,
     with_regularisation,
 )
+from .feed import text_key
 from .host_plan import HostPlan, train_host_plan
 from .masks import ALPHA, latent_mask, load_mask, mask_sources
 from .run_samples import sample_prompts
@@ -121,14 +132,15 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
     keys = None
     if encode:
         masks = _masks(cfg, dataset, items) + held_masks  # read (and refused) before the encoders load
+        check_edit_folder(dataset, model.family, encoder_source)
         # the sample prompts too: sample images then need the VAE only, never the text encoders again
-        texts = sorted({order for entry in captions for order in entry} | {dropped} | set(held_captions)
-                       | {t for p in sample_prompts(cfg, model.family) for t in p.texts})
-        wanted = CacheWants(cfg, items + held_items, item_buckets + held_buckets, texts,
+        wanted = CacheWants(cfg, items + held_items, item_buckets + held_buckets,
+                            [orders + [dropped] for orders in captions] + [[c] for c in held_captions],
+                            {t for p in sample_prompts(cfg, model.family) for t in p.texts},
                             flipped=len(items) if cfg.flip_aug else 0, masks=masks)
         keys = _fill_cache(cfg, model, device, encoder_source, host, wanted, cache, echo, progress)
         image_keys, text_keys, _ = keys
-        cache.record_pairs([(image_keys[i], text_keys[c[0]]) for i, c in enumerate(captions)])
+        cache.record_pairs([(image_keys[i], text_key(text_keys, i, c[0])) for i, c in enumerate(captions)])
     return PreparedData(dataset, buckets, cache, captions, dropped, keys, cache.computed, held_captions)
 
 
@@ -143,11 +155,14 @@ def _cache(cfg: TrainConfig, model, echo) -> EmbeddingCache:
     return EmbeddingCache(cfg.cache_dir or Path(cfg.output) / "cache", echo, fits)
 
 
-def _encoder_run(cfg: TrainConfig, items, host: HostPlan) -> EncoderRun:
+def _encoder_run(cfg: TrainConfig, items, host: HostPlan, family: str) -> EncoderRun:
     """What the cache's encoders are placed for: the largest entry, whose VAE feature maps grow with a clip window's
-    frames as with its pixels (all of them, or a chunk at a time: sources/vae_memory.py), and the host plan's room."""
+    frames as with its pixels (all of them, or a chunk at a time: sources/vae_memory.py), the longest caption with
+    the vision tokens of its control images where the text encoder reads them (Qwen-Image-Edit), and the host plan's
+    room."""
     frames = max((len(it.frames) for it in items if it.frames is not None), default=1)
-    return EncoderRun(cfg.vram_budget_bytes, cfg.max_sequence_length, cfg.largest_resolution ** 2,
+    tokens = cfg.max_sequence_length + caption_control_tokens(cfg, family)
+    return EncoderRun(cfg.vram_budget_bytes, tokens, cfg.largest_resolution ** 2,
                       "vram_budget", host_budget=host.encoder_budget, frames=frames)
 
 
@@ -184,16 +199,33 @@ def _masks(cfg: TrainConfig, dataset, items) -> list:
     return [None if item.reg else found.get(item.path) for item in items]
 
 
+@dataclass(frozen=True)
+class EncoderIdentities:
+    """What names a run's entries of its encoders: the VAE's and the text encoders' identities, and where the text
+    encoder reads an edit pair's control images beside the caption (Qwen-Image-Edit), how it reads them
+    (``control_text``: sources/pipeline_encoders.py ``control_text_identity``; None where it reads none)."""
+
+    vae: str
+    text: str
+    control_text: list[str] | None = None
+
+    @classmethod
+    def of(cls, encoders) -> EncoderIdentities:
+        reads = getattr(encoders, "control_text", None) is not None
+        return cls(encoders.vae_identity, encoders.text_identity, encoders.control_text_identity if reads else None)
+
+
 @dataclass
 class CacheWants:
     """What a run's cache must hold: every item's latents at its bucket (with ``masks``' loss masks, each item's
     mask source or None; for the first ``flipped`` items, the training ones with ``flip_aug``, also flipped left to
-    right) and every caption's embeddings."""
+    right), every item's captions (``entry_texts``, each item's) and the ``extra_texts`` (the sample prompts)."""
 
     cfg: TrainConfig
     items: list
     buckets: list
-    captions: list[str]
+    entry_texts: list[list[str]]
+    extra_texts: set[str]
     flipped: int = 0
     masks: list | None = None
     hashed: dict = field(default_factory=dict)  # a clip's windows (a repeated image, a shared control): hashed once
@@ -203,9 +235,10 @@ class CacheWants:
             self.hashed[path] = clip_digest(path) if clip else file_sha256(path)
         return self.hashed[path]
 
-    def keys(self, vae_id: str, text_id: str) -> tuple[list[str], dict[str, str], list[str]]:
-        """The latent keys per item, the text key per caption and the flipped latents' keys, for encoders of these
-        identities."""
+    def keys(self, ids: EncoderIdentities) -> tuple[list[str], dict, list[str]]:
+        """The latent keys per item, the text key per caption and the flipped latents' keys, for encoders of ``ids``.
+        Where the text encoder reads an item's control images beside its captions (Qwen-Image-Edit), each of those
+        captions is its own entry, keyed ``(item, caption)`` in the text keys (:func:`squareq.train.feed.text_key`)."""
         items, buckets = self.items, self.buckets
         digests = [self.content_of(item.path, item.frames is not None) for item in items]
         masks = self.masks or [None] * len(items)
@@ -214,11 +247,19 @@ class CacheWants:
         # pair's controls: their content and sizes (train/controls.py)
         marks = [(*mark, *control_mark(item, bucket, self.content_of)) if item.frames is None else
                  (*mark, "frames", list(item.frames)) for mark, item, bucket in zip(marks, items, buckets, strict=True)]
-        image_keys = [content_key("latents", digest, vae_id, list(bucket), *mark)
+        image_keys = [content_key("latents", digest, ids.vae, list(bucket), *mark)
                       for digest, bucket, mark in zip(digests, buckets, marks, strict=True)]
-        flipped_keys = [content_key("latents", digests[i], vae_id, list(buckets[i]), "flipped", *marks[i])
+        flipped_keys = [content_key("latents", digests[i], ids.vae, list(buckets[i]), "flipped", *marks[i])
                         for i in range(self.flipped)]
-        text_keys = {c: content_key("text", c, text_id, self.cfg.max_sequence_length) for c in self.captions}
+        own = {i: texts for i, (texts, item) in enumerate(zip(self.entry_texts, items, strict=True))
+               if item.controls and ids.control_text is not None}
+        alone = sorted({t for i, texts in enumerate(self.entry_texts) if i not in own for t in texts}
+                       | self.extra_texts)
+        length = self.cfg.max_sequence_length
+        text_keys: dict = {c: content_key("text", c, ids.text, length) for c in alone}
+        for i, texts in own.items():
+            mark = control_text_mark(items[i], ids.control_text, self.content_of)
+            text_keys.update({(i, c): content_key("text", c, ids.text, length, *mark) for c in texts})
         return image_keys, text_keys, flipped_keys
 
 
@@ -234,20 +275,21 @@ def _fill_cache(cfg: TrainConfig, model, device: torch.device, source: EncoderSo
     files_key = encoder_files_key(source, model.family, dtype)
     known = cache.identities(files_key)
     if known is not None:
-        keys = wanted.keys(*known)
+        keys = wanted.keys(EncoderIdentities(**known))
         total = len(keys[0]) + len(keys[2]) + len(keys[1])
         if all(cache.has(kind, key) and cache.intact(kind, key, echo) for kind, key in _entries(keys)):
             echo(f"cache {cache.root}: all {total} entries there; the VAE and text encoders were not loaded")
             return keys
-    with open_encoders(source, device, model.family, FrozenDict(model.config), _encoder_run(cfg, wanted.items, host),
-                       dtype) as encoders:
+    with open_encoders(source, device, model.family, FrozenDict(model.config),
+                       _encoder_run(cfg, wanted.items, host, model.family), dtype) as encoders:
         if encoders.placement is not None:
             echo(encoders.placement.describe())
             cache.record_encoders(encoders.text_identity, encoders.placement.record())
-        keys = wanted.keys(encoders.vae_identity, encoders.text_identity)
+        ids = EncoderIdentities.of(encoders)
+        keys = wanted.keys(ids)
         _compute_missing(wanted, keys, encoders, cache, echo, progress)
         if files_key is not None:
-            cache.remember_identities(files_key, encoders.vae_identity, encoders.text_identity)
+            cache.remember_identities(files_key, dataclasses.asdict(ids))
     return keys
 
 
@@ -286,7 +328,14 @@ def _compute_missing(wanted: CacheWants, keys, encoders: Encoders, cache: Embedd
     unique = list(text_keys)
 
     def encode_texts(indices):
-        return encoders.encode_prompts([unique[i] for i in indices], wanted.cfg.max_sequence_length)
+        asked = [unique[i] for i in indices]
+        pairs = [a for a in asked if isinstance(a, tuple)]
+        plain = [a for a in asked if not isinstance(a, tuple)]
+        length = wanted.cfg.max_sequence_length
+        read = iter(encoders.encode_prompts(plain, length) if plain else [])
+        edited = iter(encoders.encode_prompts([c for _, c in pairs], length,
+                                              images=[control_images(items[i]) for i, _ in pairs]) if pairs else [])
+        return [next(edited if isinstance(a, tuple) else read) for a in asked]
 
     fills = [("latents", image_keys, encoder_of(False)), ("latents", flipped_keys, encoder_of(True)),
              ("text", [text_keys[c] for c in unique], encode_texts)]

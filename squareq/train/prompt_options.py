@@ -8,8 +8,8 @@ A prompt may end with options, each ``--<letter> <value>``::
 ``--d`` the seed, ``--n`` a negative prompt and ``--l`` the true classifier-free guidance scale that uses it (FLUX.1
 is guidance-distilled: a negative prompt acts only with ``--l`` above 1, as in kohya's sampler, and each step then
 runs the transformer twice), ``--f`` the frames of a video family's clip (musubi-tuner's option), ``--ci`` a control
-image to edit (musubi-tuner's option; FLUX.1 Kontext, which resizes it as FluxKontextPipeline does; FLUX.2's
-reference images, one ``--ci`` each, in order). What a prompt
+image to edit (musubi-tuner's option, repeated for several, in order; FLUX.1 Kontext, Qwen-Image-Edit and FLUX.2's
+reference images, each sized as its family's pipeline sizes it). What a prompt
 does not set comes from the command's flags. A prompt file holds one
 prompt a line; empty lines and lines starting with ``#`` are skipped, as kohya's are.
 """

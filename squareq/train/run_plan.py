@@ -184,8 +184,8 @@ def _check_trainable(slab, family: str) -> None:
 
 def _check_pairs(cfg: TrainConfig, model, echo) -> None:
     """Edit pairs (``control_dir``, train/controls.py) only for a family that trains on them, refused before anything
-    loads; a FLUX.1 slab whose source is not named Kontext is said in a line (Kontext is FLUX.1's class, so the slab
-    cannot tell)."""
+    loads; a slab whose source is not named for its edit model (Kontext, Qwen-Image-Edit) is said in a line (the edit
+    models are their base models' classes, so the slab cannot tell)."""
     views = [v for v in cfg.dataset_views() if v.control_dir]
     if not views:
         return
@@ -195,8 +195,9 @@ def _check_pairs(cfg: TrainConfig, model, echo) -> None:
                          f"{cfg.slab} holds a {model.family} model; remove control_dir to train it on the images "
                          "alone.")
     source = str(getattr(model, "source", ""))
-    if model.family == "flux" and "kontext" not in source.lower() and source not in BUILTIN_MODELS:
-        echo(f"edit pairs: {cfg.slab} was compiled from {source}, whose name does not say Kontext; it trains as "
+    word = recipe.edit_name.replace("-", " ").split()[-1]  # Kontext, Edit
+    if word.lower() not in source.lower() and source not in BUILTIN_MODELS:
+        echo(f"edit pairs: {cfg.slab} was compiled from {source}, whose name does not say {word}; it trains as "
              f"{recipe.edit_name} (the same model class), which a base model was not trained for")
 
 

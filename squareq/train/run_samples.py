@@ -25,6 +25,7 @@ from .sample import (
     FORWARD_SLOTS,
     SampleError,
     SampleProgress,
+    check_edit_prompts,
     check_family,
     check_prompts,
     draw_image,
@@ -45,6 +46,8 @@ def check_sampling(cfg: TrainConfig, family: str, encoders: EncoderSource) -> tu
     stages = _check_samples(cfg, family, encoders) if cfg.sample_every else None
     try:  # a negative prompt without --l: refused for a guidance-distilled family only; frames for a video one
         check_prompts(family, sample_prompts(cfg, family))
+        if cfg.sample_every:  # control images its folder can draw (Qwen-Image-Edit's edit pipelines)
+            check_edit_prompts(family, encoders, sample_prompts(cfg, family))
     except (PromptError, SampleError) as exc:
         raise TrainError(f"sample_prompts: {exc}") from None
     return stages

@@ -39,8 +39,7 @@ from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
 from ..sources.pipeline_encoders import open_family_pipeline
 from ..third_party import pipeline_bars
 from .clips import TEMPORAL_STRIDE
-from .controls import edit_families
-from .data import rgb_image
+from .edit_sample import controls_problem, edit_folder_problem, edit_inputs, edit_pipeline, prompt_pipeline
 from .errors import TrainError
 from .host_plan import plan_host_memory
 from .lora_attach import attach_lora, attach_peft_adapter
@@ -188,7 +187,7 @@ def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: tor
             text.update(negative_prompt_embeds=negative["prompt_embeds"][None].to(device, dtype),
                         negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"][None].to(device, dtype),
                         true_cfg_scale=prompt.cfg_scale)
-    if prompt.controls:  # an edit of the control image: FLUX.1 Kontext
+    if prompt.controls:  # an edit of the control image: FLUX.1 Kontext (train/edit_sample.py)
         pipe, text = edit_pipeline(pipe), {**text, **edit_inputs(prompt)}
     pipeline_bars(pipe)  # SquareQ's own bar counts the steps (SampleProgress)
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(pipe.transformer)):
@@ -198,39 +197,21 @@ def draw_image(pipe, prompt: SamplePrompt, max_sequence_length: int, device: tor
                     generator=torch.Generator(device).manual_seed(prompt.seed)).images[0]
 
 
-def edit_pipeline(pipe):
-    """diffusers' ``FluxKontextPipeline`` on the components of the FLUX pipeline ``pipe`` (Kontext is FLUX.1's
-    transformer class; its pipeline encodes the control image and appends its tokens to the image's)."""
-    from diffusers import FluxKontextPipeline
-
-    return FluxKontextPipeline(**pipe.components)
-
-
-def edit_inputs(prompt: SamplePrompt) -> dict:
-    """FluxKontextPipeline's inputs for ``prompt``'s control image: the image upright over white (the pipeline brings
-    it to the nearest of its PREFERRED_KONTEXT_RESOLUTIONS, as in inference), and ``max_area`` such that the image
-    drawn keeps the prompt's width and height (the pipeline fits them to that area)."""
-    return {"image": control_images(prompt)[0], "max_area": prompt.width * prompt.height}
-
-
-def control_images(prompt: SamplePrompt) -> list:
-    """``prompt``'s control images (``--ci``, ``--control``) in order, each upright over white, as PIL images."""
-    return [rgb_image(path) for path in prompt.controls]
-
-
-def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None):
+def draw_with_pipeline(pipe, prompt: SamplePrompt, max_sequence_length: int, device: torch.device, on_step_end=None,
+                       inputs: dict | None = None):
     """One image of ``prompt`` (settled) from a family's own diffusers pipeline whose denoiser is a runtime model and
     whose text encoders encode the prompt: ``--g`` is its ``guidance_scale`` (CFG for SD 1.5/SDXL/SD3/Wan, the
-    embedded guidance for the distilled families), a video family draws one frame. :class:`SampleError` if the
-    latents turn NaN/Inf."""
+    embedded guidance for the distilled families), a video family draws one frame; ``inputs``: more of the call's
+    arguments (an edit pipeline's control images: train/edit_sample.py). :class:`SampleError` if the latents turn
+    NaN/Inf."""
     params = inspect.signature(pipe.__call__).parameters
     kwargs = dict(prompt=prompt.text, height=prompt.height, width=prompt.width, num_inference_steps=prompt.steps,
-                  guidance_scale=prompt.guidance, generator=torch.Generator(device).manual_seed(prompt.seed))
+                  guidance_scale=prompt.guidance, generator=torch.Generator(device).manual_seed(prompt.seed),
+                  **(inputs or {}))
     optional = {"max_sequence_length": max_sequence_length, "num_frames": prompt.frames or 1, "output_type": "pil",
                 "negative_prompt": prompt.negative or None,
                 "true_cfg_scale": prompt.cfg_scale if prompt.uses_negative else None,  # Qwen-Image's, as FLUX.1's
-                "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end),
-                "image": control_images(prompt) or None}  # FLUX.2's reference images, in order
+                "callback_on_step_end": _FiniteLatents(prompt.text, on_step_end)}
     kwargs.update({k: v for k, v in optional.items() if k in params and v is not None})
     pipeline_bars(pipe)  # SquareQ's own bar counts the steps (SampleProgress)
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype(_denoiser(pipe))):
@@ -282,7 +263,8 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     ``model`` (at ``revision``) and the single ``files`` choose the VAE and text encoders (default: what the slab
     records). FLUX.1 is drawn by SquareQ's own path; the families whose adapter has ``pipeline_samples`` by their own
     diffusers pipeline folder (:func:`draw_with_pipeline`), which ``model`` or the slab's source must be.
-    ``controls``: a control image to edit (FLUX.1 Kontext) for each prompt without its own ``--ci``."""
+    ``controls``: the control images to edit (FLUX.1 Kontext, Qwen-Image-Edit) for each prompt without its own
+    ``--ci``."""
     check_sample_options(resolution, steps, guidance, max_sequence_length, frames)
     try:  # before the slab is hashed; the family's rule on --n once it is open
         [parse_prompt(p, true_cfg_only=False) for p in prompts]
@@ -294,6 +276,7 @@ def sample_images(slab: str | Path, prompts: list[str], lora: str | Path | None 
     settled = _settled(prompts, family, resolution, steps, guidance, seed, frames, tuple(controls))
     encoders = slab_encoders(s.manifest.model, model, revision, files)
     draw = _drawer(slab, family, encoders, stages or {})
+    check_edit_prompts(family, encoders, settled)
     plan = _host_plan(s, device, host_budget, host, dtype, max_sequence_length, encoders, family)
     host = plan.slab_host
     start = FORWARD_SLOTS if prefetch == "auto" else prefetch
@@ -417,7 +400,9 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
         raise SampleError(f"--resolution/--w/--h {odd[0].width}x{odd[0].height}: a Würstchen image's sides are "
                           f"multiples of {SIDE_MULTIPLE} (the prior's latents are 1/42.67 of a side, rounded up, and "
                           "other sides come back another size or fail in the decoder); give e.g. 512 or 1024.")
-    _check_controls(family, settled)
+    problem = controls_problem(family, settled)
+    if problem is not None:
+        raise SampleError(problem)
     params = _pipeline_parameters(family)
     if params is None:  # FLUX.1's own sampler: parse_prompt's rule
         return
@@ -430,23 +415,12 @@ def check_prompts(family: str, settled: list[SamplePrompt]) -> None:
                               "would be ignored (its guidance, --g, is the one to set); drop --l.")
 
 
-def _check_controls(family: str, settled: list[SamplePrompt]) -> None:
-    """Refuse control images (``--ci``, ``--control``) for a family that draws no edits, more than it takes, or one its
-    edit pipeline would refuse mid-drawing (FLUX.2's: a side under 64, an aspect over 8)."""
-    recipe = getattr(ADAPTERS.get(family), "recipe", None)
-    limit = recipe.controls if recipe is not None else 0
-    edited = next((p for p in settled if len(p.controls) > limit), None)
-    if edited is not None and not limit:
-        raise SampleError(f"--ci/--control {edited.controls[0]}: this slab holds a {family} model, which draws no "
-                          f"edits of a control image ({', '.join(edit_families())} do); drop the control image.")
-    if edited is not None:
-        raise SampleError(f"--ci/--control: the prompt {edited.text[:40]!r} gives {len(edited.controls)} control "
-                          f"images, and {recipe.edit_name} takes {limit}; give {'one' if limit == 1 else 'fewer'}.")
-    check = recipe.control_problem if recipe is not None else None
-    for path in dict.fromkeys(c for p in settled for c in p.controls) if check is not None else ():
-        problem = check(rgb_image(path))
-        if problem:
-            raise SampleError(f"--ci/--control {path}: {problem}; give a larger image, or one nearer square.")
+def check_edit_prompts(family: str, encoders: EncoderSource, settled: list[SamplePrompt]) -> None:
+    """Refuse (:class:`SampleError`) control images the pipeline folder of ``encoders`` cannot draw (Qwen-Image's
+    text-to-image folder; more than its edit pipeline takes), before anything loads."""
+    problem = edit_folder_problem(family, encoders, settled)
+    if problem is not None:
+        raise SampleError(problem)
 
 
 def _pipeline_parameters(family: str):
@@ -513,8 +487,11 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
         pipe = opened.pipeline
         setattr(pipe, component, transformer)
         try:
-            return each_prompt(settled, tuner, on_image, lambda prompt, callback: draw_with_pipeline(
-                pipe, prompt, max_sequence_length, device, callback), progress)
+            def draw_one(prompt, callback):
+                drawing, inputs = prompt_pipeline(pipe, family, prompt)  # an edit's: train/edit_sample.py
+                return draw_with_pipeline(drawing, prompt, max_sequence_length, device, callback, inputs)
+
+            return each_prompt(settled, tuner, on_image, draw_one, progress)
         finally:
             setattr(pipe, component, None)
 

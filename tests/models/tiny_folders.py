@@ -77,6 +77,32 @@ def _qwen_image_parts(denoiser, layers: int = 2):
     return dict(vae=vae, text_encoder=encoder, tokenizer=char_tokenizer(), transformer=denoiser)
 
 
+def write_qwen_image_edit_folder(folder: Path, plus: bool = False, text_layers: int = 2, seed: int = 11) -> Path:
+    """A QwenImageEditPipeline folder (``plus``: QwenImageEditPlusPipeline) around tiny-qwen-image, in the Hub's
+    layout: a Qwen2.5-VL text encoder with a vision tower, its character tokenizer with Qwen's vision tokens, and
+    ``processor/`` holding that tokenizer and a Qwen2-VL image processor (at most 16 vision tokens an image) under
+    model_index.json's ``["transformers", "Qwen2VLProcessor"]``, as Qwen/Qwen-Image-Edit names it."""
+    import diffusers
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    from squareq.sources.vl_processor import add_vision_tokens, image_only_processor, save_in_hub_layout
+
+    torch.manual_seed(seed)
+    denoiser, _ = load_builtin("tiny-qwen-image")
+    parts = _qwen_image_parts(denoiser, text_layers)
+    tokenizer = char_tokenizer()
+    ids = add_vision_tokens(tokenizer)
+    config = parts["text_encoder"].config
+    parts["text_encoder"] = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=config.text_config.to_dict(), vision_config=config.vision_config.to_dict(), **ids)).eval()
+    images = Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    cls = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
+    cls(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), processor=image_only_processor(images, tokenizer),
+        **{**parts, "tokenizer": tokenizer}).save_pretrained(folder, safe_serialization=True)
+    save_in_hub_layout(folder, images, tokenizer)
+    return folder
+
+
 def _z_image_parts(denoiser, layers: int = 2):
     """Z-Image's pipeline parts at toy size: a Qwen3 text encoder as wide as the transformer's caption features, a
     character tokenizer whose chat template keeps the user's text, and the FLUX-style toy VAE (4 latent channels)."""

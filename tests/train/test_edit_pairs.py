@@ -196,27 +196,37 @@ def test_a_control_is_sized_as_musubi_sizes_it_and_a_batch_holds_one_size_of_eac
 # ---------------------------------------------------------------------------------------------- a run
 
 def test_a_kontext_run_caches_its_controls_resumes_bit_for_bit_and_samples_an_edit(workspace, tmp_path, caplog):
-    lines = []
-    edit = f"make it blue --ci {workspace / 'ctrl' / 'img0.jpg'} --s 2"  # musubi's prompt-file option
-    straight = train(_config(workspace, tmp_path / "straight", sample_every=6, sample_prompts=[edit]),
-                     echo=lines.append)
-    assert straight.steps == 6
-    assert Image.open(tmp_path / "straight" / "samples" / "step-00000006-0.png").size == (64, 64)
-    assert any(line.startswith("edit pairs: 4 images with 1 control image") for line in lines), lines
+    config = lambda out, **kw: _config(workspace, out, **kw)  # noqa: E731
+    straight = trains_on_the_pairs(config, workspace, tmp_path / "straight", steps=6)
+    resumes_bit_for_bit(lambda **kw: config(tmp_path / "killed", **kw), straight.lora_file, killed_at=4)
+    samples_an_edit(workspace, tmp_path / "straight", tmp_path / "drawn")
+
+
+def trains_on_the_pairs(config, ws, out, steps: int):
+    """The run of ``config(out)`` on the four pairs of ``ws`` for ``steps`` steps, drawing an edit of a control
+    (``--ci``, musubi's prompt-file option) at the last: its sample, its line on the pairs, each target's control
+    latents cached beside its own in ``ws/cache``."""
     from squareq.train.cache import EmbeddingCache
 
-    cache = EmbeddingCache(workspace / "cache")
-    entries = [cache.load("latents", p.stem) for p in sorted((workspace / "cache" / "latents").iterdir())]
+    lines = []
+    edit = f"make it blue --ci {ws / 'ctrl' / 'img0.jpg'} --s 2"
+    straight = train(config(out, sample_every=steps, sample_prompts=[edit]), echo=lines.append)
+    assert straight.steps == steps
+    assert Image.open(out / "samples" / f"step-{steps:08d}-0.png").size == (64, 64)
+    assert any(line.startswith("edit pairs: 4 images with 1 control image") for line in lines), lines
+    cache = EmbeddingCache(ws / "cache")
+    entries = [cache.load("latents", p.stem) for p in sorted((ws / "cache" / "latents").iterdir())]
     assert len(entries) == 4 and all(e["control_0"].shape == e["latents"].shape == (4, 8, 8) for e in entries)
+    return straight
 
-    resumes_bit_for_bit(lambda **kw: _config(workspace, tmp_path / "killed", **kw), straight.lora_file, killed_at=4)
 
-    result = CliRunner().invoke(main, ["sample", str(workspace / "tiny.slab"), "--prompt", "make it blue",
-                                       "--control", str(workspace / "ctrl" / "img0.jpg"), "--lora",
-                                       str(tmp_path / "straight"), "--resolution", "64", "--steps", "2",
-                                       "-o", str(tmp_path / "drawn")])
+def samples_an_edit(ws, lora, out, *options) -> None:
+    """``squareq sample --control`` draws ``ws/ctrl/img0.jpg`` edited at 64² with ``lora`` (``options``: more)."""
+    result = CliRunner().invoke(main, ["sample", str(ws / "tiny.slab"), *options, "--prompt", "make it blue",
+                                       "--control", str(ws / "ctrl" / "img0.jpg"), "--lora", str(lora),
+                                       "--resolution", "64", "--steps", "2", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert Image.open(tmp_path / "drawn" / "sample-000.png").size == (64, 64)
+    assert Image.open(out / "sample-000.png").size == (64, 64)
 
 
 def test_a_changed_control_re_encodes_its_entry_and_swapped_controls_change_the_loss(tmp_path):
@@ -235,8 +245,14 @@ def test_a_changed_control_re_encodes_its_entry_and_swapped_controls_change_the_
     again = prepare_data(_config(ws, ws / "x"), record, torch.device("cpu"), echo=lambda s: None)
     assert again.computed == 1
 
+    swapped_controls_change_the_loss(lambda out, **kw: _config(ws, out, **kw), ws)
+
+
+def swapped_controls_change_the_loss(config, ws) -> None:
+    """The first step's loss of ``config(out)`` (one batch of the four pairs in ``ws``) is the same for the same
+    pairs, and another where two targets' controls are swapped (``ws/swapped``)."""
     def first_loss(name, **kw):
-        train(_config(ws, ws / name, steps=1, save_every=0, batch_size=4, **kw), echo=lambda s: None)
+        train(config(ws / name, steps=1, save_every=0, batch_size=4, **kw), echo=lambda s: None)
         return json.loads((ws / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
     swapped = ws / "swapped"
@@ -289,7 +305,8 @@ def test_the_control_keys_are_read_where_the_other_data_keys_are(tmp_path, works
                                        str(tmp_path / "o"), "--control-dir", str(workspace / "ctrl"),
                                        "--control-resolution", "512,384", "--print-config"])
     assert result.exit_code == 0, result.output
-    assert f'control_dir = ["{workspace / "ctrl"}"]' in result.output and "control_resolution = [512, 384]" in result.output
+    assert f'control_dir = ["{workspace / "ctrl"}"]' in result.output
+    assert "control_resolution = [512, 384]" in result.output
     plan = runtime.plan(workspace / "tiny.slab", resolution=64, text_tokens=16)
     assert runtime.plan(workspace / "tiny.slab", resolution=64, text_tokens=16, control_tokens=16).tokens == \
         plan.tokens + 16

@@ -250,7 +250,7 @@ def test_more_references_than_flux2_takes_and_ones_its_pipeline_refuses_are_refu
                 _view(flip_aug=False, reg_data=None, validation_data=None), "flux2")  # ten are taken
     ref = str(workspace / "refs0" / "img0.png")
     many = parse_prompt("x" + f" --ci {ref}" * 11).settled(64, 2, 1.0, 0)
-    with pytest.raises(SampleError, match="gives 11 control images, and FLUX.2 takes 10; give fewer"):
+    with pytest.raises(SampleError, match="gives 11 control images, and FLUX.2 takes 10; give at most 10"):
         check_prompts("flux2", [many])
     small = tmp_path / "small.png"
     Image.new("RGB", (48, 64)).save(small)
