@@ -155,6 +155,10 @@ def test_a_changed_control_re_encodes_its_caption_and_swapped_controls_change_th
     keys = [[text_key(data.keys[1], i, c) for i, c in enumerate(["make it blue", "make it red", "make it yellow",
                                                                   "make it green"])] for data in (first, again)]
     assert keys[0][0] == keys[1][0] and keys[0][2] != keys[1][2]
+    # unchanged, the cache's noted identities (the control text's with them) name every entry: no encoder loads
+    lines = []
+    third = prepare_data(config(root / "x"), record, torch.device("cpu"), echo=lines.append)
+    assert third.computed == 0 and third.keys == again.keys and any("were not loaded" in line for line in lines)
 
     swapped_controls_change_the_loss(config, root)
 
