@@ -87,12 +87,14 @@ GIB = 1 << 30
 EXAMPLES = ROOT / "examples"
 # example config -> (family, the card it names in GiB): a row for every examples/*.toml, which main checks
 CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-dev-24gb": ("flux", 24),
+         "flux1-kontext-dev-16gb": ("flux", 16),
          "flux2-dev": ("flux2", 24), "qwen-image": ("qwen-image", 16), "qwen-image-edit": ("qwen-image", 24),
          "wan2.1-t2v-14b-16gb": ("wan", 16), "wan2.1-t2v-14b-24gb": ("wan", 24), "wan2.2-ti2v-5b": ("wan", 16),
          "hunyuan-video-24gb": ("hunyuan-video", 24)}
 # the configs that train on edit pairs, with the Hub repository of their edit pipeline (its processor and template;
 # the family's slab stands in for the edit model's transformer, which is the same class at the same shapes)
-EDIT_REPOS = {"qwen-image-edit": "Qwen/Qwen-Image-Edit"}
+EDIT_REPOS = {"qwen-image-edit": "Qwen/Qwen-Image-Edit",
+              "flux1-kontext-dev-16gb": "black-forest-labs/FLUX.1-Kontext-dev"}
 # what a config's records say beyond its figures: where it runs on other shapes than those its config is for
 NOTES = {"wan2.2-ti2v-5b": "run on Wan 2.1-T2V-14B's slab, UMT5-XXL and Wan 2.1 VAE (the wan family's shapes here), "
                            "not Wan 2.2-TI2V-5B's 5B transformer and 48-channel 16x VAE: its frames, resolution, "
@@ -318,6 +320,13 @@ def hunyuan_video_pipeline(config: dict, tiny: bool):
                                           tokenizer_2=clip_tok, transformer=None, **parts)
 
 
+def kontext_pipeline(config: dict, tiny: bool):
+    """FLUX.1 Kontext: FLUX.1's encoders and VAE in a FluxKontextPipeline folder (Kontext's own Hub layout)."""
+    import diffusers
+
+    return diffusers.FluxKontextPipeline(**flux_pipeline(config, tiny).components)
+
+
 def save_processor(pipe):
     """What an edit pipeline's snapshot needs after saving: its processor in the Hub's layout; None for the others."""
     if getattr(pipe, "processor", None) is None:
@@ -331,7 +340,8 @@ def save_processor(pipe):
 # (EDIT_REPOS) by its name
 PIPELINES = {"flux": flux_pipeline, "flux2": flux2_pipeline, "qwen-image": qwen_image_pipeline, "wan": wan_pipeline,
              "hunyuan-video": hunyuan_video_pipeline,
-             "Qwen/Qwen-Image-Edit": lambda config, tiny: qwen_image_pipeline(config, tiny, edit=True)}
+             "Qwen/Qwen-Image-Edit": lambda config, tiny: qwen_image_pipeline(config, tiny, edit=True),
+             "black-forest-labs/FLUX.1-Kontext-dev": lambda config, tiny: kontext_pipeline(config, tiny)}
 
 
 def repo_of(name: str) -> str:
@@ -869,14 +879,15 @@ def main() -> None:
 
 
 def runs(names: list[str], tiny: bool, layouts: list[str] | None = None) -> list[tuple[str, str]]:
-    """(config, layout) to run: each config in each of its family's layouts (``layouts``: those of them only;
-    ``tiny``: the layouts after the first for the family's first config only, which runs the same loaders in
-    seconds less)."""
+    """(config, layout) to run: each config in each of its family's layouts, an edit config in the Hub layout of its
+    edit pipeline only (``layouts``: those of them only; ``tiny``: the layouts after the first for the family's first
+    config only, which runs the same loaders in seconds less)."""
     done: set[str] = set()
     out = []
     for name in names:
         family = CARDS[name][0]
-        out += [(name, layout) for i, layout in enumerate(LAYOUTS[family])
+        layouts_of = LAYOUTS[family][:1] if name in EDIT_REPOS else LAYOUTS[family]
+        out += [(name, layout) for i, layout in enumerate(layouts_of)
                 if not (tiny and i and family in done) and (layouts is None or layout in layouts)]
         done.add(family)
     return out
