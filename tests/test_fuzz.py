@@ -517,3 +517,18 @@ def test_lora_factors_of_any_shape_attach_to_a_slab_or_are_refused_in_one_senten
         linear = model.get_submodule(layer)
         out = linear(torch.randn(2, linear.in_features))
         assert out.shape == (2, linear.out_features)
+
+
+@pytest.mark.parametrize("record", [{"measurement_key": "k", "\n": []}, ["measurement_key"], "k"])
+def test_a_state_json_with_a_line_break_in_a_key_or_no_object_is_refused_in_one_sentence(compile_state, record):
+    """The cases the fuzzer found: a key holding a line break is named as Python writes it; a state.json that holds
+    no JSON object is damaged. Each is one sentence (the control: the state itself resumes, above)."""
+    from squareq.compiler.state import CompileState, StateError
+
+    work = compile_state.parent / "odd.slab.state"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(compile_state, work)
+    (work / "state.json").write_text(json.dumps(record))
+    with pytest.raises(StateError) as err:
+        CompileState(work, {"measurement_key": "k"}, resume=True)
+    _one_sentence(err.value)

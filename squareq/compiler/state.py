@@ -63,8 +63,13 @@ class CompileState:
         self._pending: tuple[int, Future] | None = None  # the block a worker is writing
         meta = self.folder / "state.json"
         found = self._json(meta) if self.folder.exists() and meta.is_file() else None
+        if found is not None and not isinstance(found, dict):
+            raise StateError(f"{meta} is damaged (it holds no JSON object); delete {self.folder} to start the compile "
+                             "over.")
         if found is not None and found != fingerprint:
-            changed = sorted(k for k in set(found) | set(fingerprint) if found.get(k) != fingerprint.get(k))
+            # a damaged state.json's keys are said as Python writes them: one sentence, whatever they hold
+            changed = sorted(k if k.isprintable() else repr(k) for k in set(found) | set(fingerprint)
+                             if found.get(k) != fingerprint.get(k))
             if self._holds_work():
                 raise StateError(f"{self.folder} was made by a compile with different inputs ({', '.join(changed)}); "
                                  "rerun with the same model and options to continue it, or delete the folder to "

@@ -108,8 +108,8 @@ def test_a_folder_of_images_and_clips_trains_in_buckets_over_time(wan, tmp_path,
     assert any(line.startswith(f"data: 2 images and {clips} windows of {n_clips} clips from ") for line in said)
     assert any(line.startswith("buckets: ") and f"64x64 x 5 frames: {clips} entries" in line for line in said)
     # a batch holds one bucket over time: the trainer's batch order groups by (bucket, frames)
-    from squareq.train.clip_items import cut_clips
     from squareq.train.buckets import BucketBatches, make_buckets
+    from squareq.train.clip_items import cut_clips
     from squareq.train.data import scan_dataset
 
     dataset = cut_clips(scan_dataset(data, clips=True), _config(slab, data, tmp_path / "x").frame_settings, "wan",
@@ -264,9 +264,9 @@ def test_the_encoders_are_placed_for_the_longest_window():
     cfg = load_config(None, {"slab": "s", "data": "d", "output": "o", "resolution": 64})
     image = Item(Path("a.png"), "a", 64, 64)
     window = Item(Path("b.gif"), "b", 64, 64, frames=tuple(range(9)))
-    assert (_encoder_run(cfg, [image], Host()).pixels, _encoder_run(cfg, [image], Host()).frames) == (64 * 64, 1)
-    assert (_encoder_run(cfg, [image, window], Host()).pixels, _encoder_run(cfg, [image, window], Host()).frames) \
-        == (64 * 64, 9)
+    run = lambda items: _encoder_run(cfg, items, Host(), "wan")  # noqa: E731
+    assert (run([image]).pixels, run([image]).frames) == (64 * 64, 1)
+    assert (run([image, window]).pixels, run([image, window]).frames) == (64 * 64, 9)
 
 
 def test_a_metadata_jsonl_may_name_clips(tmp_path):
