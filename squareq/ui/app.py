@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -28,8 +29,13 @@ from .start import resume, start, start_options
 
 STATIC = Path(__file__).resolve().parent / "static"
 COOKIE = "squareq_ui_token"
-TEXT_TYPES = {".toml": "text/plain; charset=utf-8", ".log": "text/plain; charset=utf-8",
-              ".jsonl": "text/plain; charset=utf-8", ".json": "application/json"}
+# what a run folder's files are served as; anything else is a download, never a page of this origin
+SERVED_TYPES = {".png": "image/png", ".webp": "image/webp", ".gif": "image/gif", ".jpg": "image/jpeg",
+                ".toml": "text/plain; charset=utf-8", ".log": "text/plain; charset=utf-8",
+                ".jsonl": "text/plain; charset=utf-8", ".txt": "text/plain; charset=utf-8", ".json": "application/json"}
+# the page's own script and style only, and no other site may frame it (a click there must not press Stop here)
+SECURITY_HEADERS = {"content-security-policy": "default-src 'self'; frame-ancestors 'none'",
+                    "x-content-type-options": "nosniff", "x-frame-options": "DENY"}
 
 
 class Guard(BaseHTTPMiddleware):
@@ -56,7 +62,9 @@ class Guard(BaseHTTPMiddleware):
             if request.headers.get("content-type", "").split(";")[0] != "application/json" or \
                     origin and urlsplit(origin).netloc != request.headers.get("host"):
                 return JSONResponse({"error": "actions are JSON requests from the page itself."}, status_code=403)
-        return await call_next(request)
+        answer = await call_next(request)
+        answer.headers.update(SECURITY_HEADERS)
+        return answer
 
 
 def _ui_error(request: Request, exc: UiError) -> JSONResponse:
@@ -121,11 +129,12 @@ def create_app(roots: Roots, token: str | None = None, host: str = "127.0.0.1", 
         return folder
 
     async def api_start(request: Request) -> JSONResponse:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
         if not isinstance(body, dict):
             raise UiError("a start request is a JSON object; use the page's form.")
-        from starlette.concurrency import run_in_threadpool
-
         return JSONResponse({"job": await run_in_threadpool(start, roots, queue, body)})
 
     def api_stop(request: Request) -> JSONResponse:
@@ -138,9 +147,9 @@ def create_app(roots: Roots, token: str | None = None, host: str = "127.0.0.1", 
         path = inside(roots.runs, request.path_params["path"], "file")
         if not path.is_file():
             raise UiError(f"{request.path_params['path']} is not a file of the runs folder.")
-        kind = TEXT_TYPES.get(path.suffix)
-        return FileResponse(path, media_type=kind, headers={"cache-control": "no-cache"},
-                            filename=path.name if path.suffix == ".safetensors" else None)
+        kind = SERVED_TYPES.get(path.suffix.lower())
+        return FileResponse(path, media_type=kind or "application/octet-stream", headers={"cache-control": "no-cache"},
+                            filename=None if kind else path.name)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -129,7 +129,7 @@ def summary(folder: Path) -> dict:
             "total": (record or {}).get("total"), "eta_s": eta_seconds(rows, record, step) if state == "running"
             else None, "started": (record or {}).get("started"), "ended": (record or {}).get("ended"),
             "pid": (record or {}).get("pid"), "config": config_text(folder), "checkpoint": last.name if last else None,
-            "resumable": last is not None and (folder / CONFIG_FILE).is_file() and state in ("stopped", "failed")}
+            "resumable": (folder / CONFIG_FILE).is_file() and state in ("stopped", "failed")}
 
 
 def _jsonl(path: Path) -> list[dict]:

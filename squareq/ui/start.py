@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 from ..slab.atomic import atomic_write_bytes
-from ..train.checkpoint import latest_checkpoint
 from ..train.config import load_config
 from ..train.run_record import CONFIG_FILE, read_run_record
 from .paths import Roots, UiError, within
@@ -131,15 +130,16 @@ def start(roots: Roots, queue: Queue, body: dict) -> dict:
 
 def resume(roots: Roots, queue: Queue, name: str) -> dict:
     """Queue ``--resume latest`` for the run folder ``name``, with the configuration it recorded, in the folder it
-    was started from (its relative paths mean what they meant then)."""
+    was started from (its relative paths mean what they meant then). A run stopped before its first checkpoint
+    starts over, on the cache it filled."""
     folder = roots.run(name)
     record = read_run_record(folder) if folder.is_dir() else None
     state = status(folder, record)[0] if folder.is_dir() else "missing"
     if state not in ("stopped", "failed"):
         raise UiError(f"{name} is {state}; only a stopped or failed run resumes.")
-    if latest_checkpoint(folder) is None or not (folder / CONFIG_FILE).is_file():
-        raise UiError(f"{name} has no checkpoint, or no {CONFIG_FILE} (a run of an older SquareQ), to resume from; "
-                      "start it again instead.")
+    if not (folder / CONFIG_FILE).is_file():
+        raise UiError(f"{name} has no {CONFIG_FILE} (a run of an older SquareQ) to resume with; resume it with "
+                      "squareq train --resume latest and its own flags.")
     cwd = (record or {}).get("cwd") or os.getcwd()
     argv = ["--config", str(folder / CONFIG_FILE), "-o", str(folder), "--resume", "latest"]
     return queue.add(name, "resume", argv, cwd)

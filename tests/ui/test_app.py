@@ -2,6 +2,7 @@
 from the page's origin, a start from an example config queued with the page's dataset and output, the starts it
 refuses before queuing anything, and what a run folder says when its process is gone."""
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -96,9 +97,50 @@ def test_a_run_whose_process_is_gone_without_a_word_shows_as_failed(port, ws):
     (folder / "run.json").write_text(json.dumps({"status": "running", "pid": gone.pid, "host": socket.gethostname(),
                                                  "total": 10}))
     status, run = request(port, "/api/runs/killed")
-    assert status == 200 and run["status"] == "failed" and "killed?" in run["message"]
-    refused = request(port, "/api/runs/killed/resume", {})  # a checkpoint folder with no step in it
-    assert refused[0] == 400 and "has no checkpoint" in refused[1]["error"]
+    assert status == 200 and run["status"] == "failed" and "killed?" in run["message"] and not run["resumable"]
+    refused = request(port, "/api/runs/killed/resume", {})
+    assert refused[0] == 400 and "killed has no config.toml" in refused[1]["error"]
+    (folder / "config.toml").write_text(f'output = "{folder}"\n')
+    assert request(port, "/api/runs/killed")[1]["resumable"]
+    status, queued = request(port, "/api/runs/killed/resume", {})
+    assert status == 200 and queued["job"]["argv"][-2:] == ["--resume", "latest"], queued
+    assert request(port, "/api/runs/killed/resume", {})[0] == 400  # queued already
+    request(port, "/api/runs/killed/stop", {})
+
+
+def test_a_finished_or_running_run_does_not_resume(port, ws):
+    folder = ws / "runs" / "live"
+    folder.mkdir()
+    (folder / "config.toml").write_text("")
+    (folder / "run.json").write_text(json.dumps({"status": "running", "pid": os.getpid(),
+                                                 "host": socket.gethostname()}))
+    assert request(port, "/api/runs/live/resume", {})[1]["error"] == "live is running; only a stopped or failed run " \
+                                                                     "resumes."
+    (folder / "run.json").write_text(json.dumps({"status": "finished", "pid": 1, "host": socket.gethostname()}))
+    assert request(port, "/api/runs/live/resume", {})[1]["error"].startswith("live is finished")
+
+
+def test_a_run_folders_files_are_served_as_images_text_or_downloads(port, ws):
+    folder = ws / "runs" / "files"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "page.html").write_text("<script>alert(1)</script>")
+    (folder / "loss.png").write_bytes(b"\x89PNG")
+    html, png = (http_head(port, f"/files/files/{name}") for name in ("page.html", "loss.png"))
+    assert html["content-type"] == "application/octet-stream" and "attachment" in html["content-disposition"]
+    assert png["content-type"] == "image/png" and "content-disposition" not in png
+    assert html["x-content-type-options"] == "nosniff" and "frame-ancestors 'none'" in html["content-security-policy"]
+
+
+def http_head(port, path):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    conn.request("GET", path)
+    answer = conn.getresponse()
+    answer.read()
+    conn.close()
+    assert answer.status == 200, answer.status
+    return {k.lower(): v for k, v in answer.getheaders()}
 
 
 def test_the_token_is_asked_for_then_carried_by_a_cookie(ws):

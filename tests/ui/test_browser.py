@@ -70,7 +70,7 @@ def ws(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(ws):
+def server(ws, torch_kernels):  # the jobs it starts take the environment as it is then
     app = create_app(Roots(ws / "runs", (ws / "datasets",)), lanes=[None], every=0.25)
     try:
         with served(app) as port:
@@ -91,13 +91,13 @@ def page(server):
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.set_default_timeout(WAIT_MS)
         expect.set_options(timeout=WAIT_MS)
-        page.goto(f"http://127.0.0.1:{server[0]}/")
+        page.goto(f"http://127.0.0.1:{server[0]}/?poll=150")  # the page asks every 0.15 s rather than 0.7
         yield page
         browser.close()
 
 
 @pytest.fixture(scope="module")
-def terminal(ws):
+def terminal(ws, torch_kernels):
     """`squareq train` as a person types it, into the runs folder the page watches."""
     log = open(ws / "terminal.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "squareq", "train", "--config", str(ws / "tiny.toml"),
@@ -140,7 +140,7 @@ def _points(page) -> int:
     return int(page.get_attribute("#chart-loss svg", "data-points") or 0)
 
 
-def test_a_terminal_run_shows_and_a_page_run_queues_behind_it(ws, server, page, terminal):
+def test_a_terminal_run_shows_and_a_page_run_queues_behind_it(ws, terminal, server, page):
     pid = _until(lambda: _running_pid(ws / "runs" / "terminal"), "the terminal run's record")
     os.kill(pid, signal.SIGSTOP)  # held, so that it still holds the lane when the page's run is queued
     try:

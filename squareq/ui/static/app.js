@@ -1,7 +1,7 @@
 "use strict";
 // squareq ui's page, written for it: the runs list and the start form, and one run's curves, samples, files and log,
 // each read from the server's JSON every POLL_MS (the server reads the files the trainer writes).
-const POLL_MS = 700;
+const POLL_MS = Number(new URLSearchParams(location.search).get("poll")) || 700;  // ?poll=MS asks more or less often
 const SVG = "http://www.w3.org/2000/svg";
 const view = { run: null, rows: [], samplesKey: "", timer: null };
 
