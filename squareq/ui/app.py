@@ -91,11 +91,21 @@ def runs_list(roots: Roots, queue: Queue) -> list[dict]:
             row["job"] = job
             # started, and not yet past writing its record: its folder still says how the run before it ended
             if job["state"] == "queued" or job["state"] == "running" and row["status"] != "running" and \
-                    queue.holds(job) and pid_alive(job["pid"]):
+                    queue.holds(job) and pid_alive(job["pid"], job["started_at"]):
                 row.update(status="queued" if job["state"] == "queued" else "starting", resumable=False)
         rows.append(row)
     rows += [_job_row(queue, job) for job in jobs.values() if job["state"] != "cancelled"]
     return rows
+
+
+def _middleware(token: str | None, host: str) -> list[Middleware]:
+    """The token and origin checks; on a local bind, local host names only, so a rebound DNS name cannot reach it."""
+    middleware = [Middleware(Guard, token=token)]
+    if is_local(host):
+        named = f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header writes it
+        allowed = ["127.0.0.1", "localhost", "[::1]", named]
+        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=allowed))
+    return middleware
 
 
 def create_app(roots: Roots, token: str | None = None, host: str = "127.0.0.1", schedule: bool = True,
@@ -119,8 +129,10 @@ def create_app(roots: Roots, token: str | None = None, host: str = "127.0.0.1", 
         return JSONResponse(detail)
 
     def api_metrics(request: Request) -> JSONResponse:
-        since = int(request.query_params.get("since", 0) or 0)
-        return JSONResponse(run_files.metrics(_run_folder(request), since))
+        since = request.query_params.get("since", "0")
+        if not since.isdigit():
+            raise UiError(f"since={since!r} is not a step number.")
+        return JSONResponse(run_files.metrics(_run_folder(request), int(since)))
 
     def _run_folder(request: Request) -> Path:
         folder = roots.run(request.path_params["name"])
@@ -158,9 +170,6 @@ def create_app(roots: Roots, token: str | None = None, host: str = "127.0.0.1", 
         if scheduler is not None:
             scheduler.close()
 
-    middleware = [Middleware(Guard, token=token)]
-    if is_local(host):  # a local page answers only to local names, so a rebound DNS name cannot reach it
-        middleware.insert(0, Middleware(TrustedHostMiddleware, allowed_hosts=["127.0.0.1", "localhost", "[::1]", host]))
     routes = [Route("/", index), Route("/api/runs", api_runs), Route("/api/runs/{name}", api_run),
               Route("/api/runs/{name}/metrics", api_metrics),
               Route("/api/start", lambda request: JSONResponse(start_options(roots))),
@@ -168,6 +177,7 @@ def create_app(roots: Roots, token: str | None = None, host: str = "127.0.0.1", 
               Route("/api/runs/{name}/stop", api_stop, methods=["POST"]),
               Route("/api/runs/{name}/resume", api_resume, methods=["POST"]),
               Route("/files/{path:path}", files), Mount("/static", StaticFiles(directory=STATIC))]
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={UiError: _ui_error}, lifespan=lifespan)
+    app = Starlette(routes=routes, middleware=_middleware(token, host), exception_handlers={UiError: _ui_error},
+                    lifespan=lifespan)
     app.state.queue = queue
     return app

@@ -61,11 +61,13 @@ class Queue:
             if fcntl is not None:
                 fcntl.flock(held, fcntl.LOCK_EX)
             jobs = self.jobs()
+            before = json.dumps(jobs)
             for job in jobs:  # a process that ended since the last tick must not hold its run or lane
                 if job["state"] == "running":
                     self._check_ended(job)
             yield jobs
-            atomic_write_bytes(self.path, (json.dumps({"version": 1, "jobs": jobs}, indent=1) + "\n").encode())
+            if json.dumps(jobs) != before:  # the scheduler looks twice a second; the file changes far less often
+                atomic_write_bytes(self.path, (json.dumps({"version": 1, "jobs": jobs}, indent=1) + "\n").encode())
 
     def jobs(self) -> list[dict]:
         """Every job in the file, oldest first."""
@@ -113,12 +115,13 @@ class Queue:
         folder = self.roots.run(run)
         record = read_run_record(folder) if folder.is_dir() else None
         pid = None
-        if record and record["status"] == "running" and record.get("host") == socket.gethostname():
-            pid = record.get("pid")
+        if record and record["status"] == "running" and record.get("host") == socket.gethostname() and \
+                pid_alive(record.get("pid"), record.get("started")):
+            pid = record["pid"]
         job = self.active(run)
-        if not pid_alive(pid) and job is not None:
+        if pid is None and job is not None and pid_alive(job["pid"], job["started_at"]):
             pid = job["pid"]  # started, and not yet past the point where it writes its record
-        if not pid_alive(pid):
+        if pid is None:
             raise UiError(f"{run} is not running on this machine, so there is nothing to stop.")
         os.kill(pid, signal.SIGINT)
         return f"sent Ctrl-C (SIGINT) to process {pid}: it finishes its step, then writes its checkpoint"
@@ -140,7 +143,7 @@ class Queue:
         child = self.children.get(job["pid"])
         code = child.poll() if child is not None else None
         # a process of an earlier server is not this one's child: only whether it still lives can be known
-        running = code is None if child is not None else pid_alive(job["pid"])
+        running = code is None if child is not None else pid_alive(job["pid"], job["started_at"])
         if running:
             return
         self.children.pop(job["pid"], None)
@@ -156,7 +159,7 @@ class Queue:
             record = read_run_record(folder)
             if not record or record["status"] != "running" or record.get("pid") in ours:
                 continue
-            if record.get("host") == socket.gethostname() and pid_alive(record.get("pid")):
+            if record.get("host") == socket.gethostname() and pid_alive(record.get("pid"), record.get("started")):
                 visible = (record.get("cuda_visible_devices") or "").split(",")[0].strip()
                 busy.add(visible if visible in self.lanes else self.lanes[0])
         return busy
@@ -169,10 +172,15 @@ class Queue:
             env["CUDA_VISIBLE_DEVICES"] = lane
         cwd = job["cwd"] if Path(job["cwd"]).is_dir() else os.getcwd()
         with open(log, "ab") as out:
-            # a session of its own: a Ctrl-C of the server's terminal does not stop the runs it started
-            child = subprocess.Popen([sys.executable, "-m", "squareq", "train", *job["argv"]], cwd=cwd, env=env,
-                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+            try:
+                # a session of its own: a Ctrl-C of the server's terminal does not stop the runs it started
+                child = subprocess.Popen([sys.executable, "-m", "squareq", "train", *job["argv"]], cwd=cwd, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            except OSError as exc:  # said in its log, and out of the queue, rather than tried again every tick
+                out.write(f"error: squareq train could not be started: {exc}\n".encode())
+                job.update(state="ended", ended_at=time.time())
+                return
         self.children[child.pid] = child
         job.update(state="running", lane=lane, pid=child.pid, started_at=time.time())
 

@@ -20,8 +20,10 @@ LOG_LINES = 80
 ETA_STEPS = 20  # the recent steps whose mean time gives the ETA
 
 
-def pid_alive(pid: int | None) -> bool:
-    """Whether process ``pid`` of this machine still runs (a zombie that no one has reaped yet does not)."""
+def pid_alive(pid: int | None, since: float | None = None) -> bool:
+    """Whether process ``pid`` of this machine still runs (a zombie that no one has reaped yet does not) and, with
+    ``since`` (when a record of it was written), is the process that wrote it: one started later is another process
+    that was given the same number, and must not be sent a Stop."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -29,11 +31,15 @@ def pid_alive(pid: int | None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, IndexError, ValueError, StopIteration):
         return True  # no /proc: kill's answer stands
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return fields[0] != "Z" and (since is None or started <= since + 2)  # btime is in whole seconds
 
 
 def is_run(folder: Path) -> bool:
@@ -94,7 +100,7 @@ def status(folder: Path, record: dict | None) -> tuple[str, str | None]:
         return record["status"], record.get("message")
     if record.get("host") != socket.gethostname():
         return "running", f"on {record.get('host')}"
-    if pid_alive(record.get("pid")):
+    if pid_alive(record.get("pid"), record.get("started")):
         return "running", None
     return "failed", "the process ended without saying how (killed?); Resume continues from the last checkpoint"
 

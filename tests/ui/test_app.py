@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -106,6 +107,19 @@ def test_a_run_whose_process_is_gone_without_a_word_shows_as_failed(port, ws):
     assert status == 200 and queued["job"]["argv"][-2:] == ["--resume", "latest"], queued
     assert request(port, "/api/runs/killed/resume", {})[0] == 400  # queued already
     request(port, "/api/runs/killed/stop", {})
+
+
+def test_a_record_whose_process_number_went_to_a_later_process_is_not_running(port, ws):
+    """A killed run's process number given to a newer process (this one, started after the record said): not that
+    run, so neither running nor a process a Stop may reach; the control: a record written after it started."""
+    folder = ws / "runs" / "reused"
+    folder.mkdir()
+    record = {"status": "running", "pid": os.getpid(), "host": socket.gethostname(), "started": 1_000_000_000.0}
+    (folder / "run.json").write_text(json.dumps(record))
+    assert request(port, "/api/runs/reused")[1]["status"] == "failed"
+    assert "not running on this machine" in request(port, "/api/runs/reused/stop", {})[1]["error"]
+    (folder / "run.json").write_text(json.dumps({**record, "started": time.time()}))
+    assert request(port, "/api/runs/reused")[1]["status"] == "running"
 
 
 def test_a_finished_or_running_run_does_not_resume(port, ws):
