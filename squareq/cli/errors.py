@@ -24,10 +24,11 @@ from ..train.errors import TrainError, TrainInterrupted
 from ..train.lora_factors import LoraFileError
 from ..train.prompt_options import PromptError
 from ..train.sample import SampleError
+from ..ui.paths import UiError
 
 USER_ERRORS = (SlabError, ModelError, SpecError, BudgetError, StateError, ThresholdsError, ConfigError, DataError,
                CheckpointError, CacheError, EncoderError, LoraFileError, PlanError, StreamError, AcceptError,
                TrainError, SampleError, OutputError, PeftMissing, DeviceError, SizeError, MissingExtra, PromptError,
-               ClipError)
+               ClipError, UiError)
 
 __all__ = ["USER_ERRORS", "TrainInterrupted"]

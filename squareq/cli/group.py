@@ -31,6 +31,8 @@ COMMANDS = {
                "SquareQ's sampler, other families through their diffusers pipeline folder (--model)."),
     "train": ("train", "train", "Train a LoRA on SLAB, streaming its blocks through the GPU (flags override "
               "--config)."),
+    "ui": ("ui", "ui", "Serve a local page to watch and steer training runs: status, curves, samples, memory, logs; "
+           "start, stop, resume."),
 }
 
 

@@ -109,6 +109,11 @@ class Runtime:
     def streamed(self) -> bool:
         return self.streamer is not None
 
+    @property
+    def ring_slots(self) -> int:
+        """The device slots the streamed blocks go through now (0 when every block stays on the device)."""
+        return len(self.streamer.slots) if self.streamer is not None else 0
+
     def step_stats(self) -> StepStats:
         """Copies, copy wait and peak memory since the previous call (call once per training step)."""
         stats = self.telemetry.step()

@@ -45,6 +45,7 @@ from .interrupt import CtrlC
 from .lora_metadata import source_date_epoch
 from .prepare import prepare_data
 from .run_plan import plan_run
+from .run_record import recorded
 from .run_samples import TrainingSamples, forward_only
 from .run_state import RunState, load_model
 from .run_summary import device_line, steps_line
@@ -106,20 +107,23 @@ def _train(cfg: TrainConfig, out: Path, device: torch.device, ranks: Ranks, echo
                          "choose a new -o/--out folder.")
     if ranks.is_main:  # rank 0 writes every checkpoint and LoRA file, so only it knows their temporaries are dead
         remove_run_debris(cfg, out, echo)
-    torch.manual_seed(cfg.seed)
-    run = TrainingRun(cfg, out, device, ranks, echo, after_step, on_gradients)
-    run.setup(progress)
-    try:
-        run.load()
-        run.resume()
-        run.open_logs(progress)
-        run.train()
-    finally:
-        run.close()
-    result = run.finish()
-    if run.interrupted:
-        raise TrainInterrupted(run.interrupted_message(result))
-    return result
+    with recorded(out, cfg, ranks.is_main, echo) as (record, echo):  # run.json, config.toml, train.log
+        torch.manual_seed(cfg.seed)
+        run = TrainingRun(cfg, out, device, ranks, echo, after_step, on_gradients)
+        run.setup(progress)
+        try:
+            run.load()
+            run.resume()
+            if record is not None:
+                record.update(total=run.state.total, first_step=run.state.step)
+            run.open_logs(progress)
+            run.train()
+        finally:
+            run.close()
+        result = run.finish()
+        if run.interrupted:
+            raise TrainInterrupted(run.interrupted_message(result))
+        return result
 
 
 class TrainingRun:

@@ -39,6 +39,7 @@ from .lora_files import (
 )
 from .lora_metadata import dataset_summary, lora_header
 from .optimizers import apply_new_hyperparameters
+from .run_record import CONFIG_FILE, RUN_FILE
 from .run_state import RunState
 from .sinks import METRICS_FILE, WANDB_RUN_ID, plot_losses, truncate_metrics
 from .validation import VALIDATION_FILE
@@ -195,6 +196,6 @@ def remove_run_debris(cfg: TrainConfig, out: Path, echo) -> None:
     never ran), one line each; only names this run's own writers make, never a user's file."""
     paths = lora_paths(cfg, out)
     written = [paths["diffusers"], paths["kohya"], paths["peft"] / PEFT_WEIGHTS, paths["peft"] / PEFT_CONFIG,
-               out / METRICS_FILE, out / VALIDATION_FILE, out / "loss.png"]
+               out / METRICS_FILE, out / VALIDATION_FILE, out / "loss.png", out / RUN_FILE, out / CONFIG_FILE]
     for debris in [*remove_checkpoint_debris(out), *(p for path in written for p in remove_debris(path))]:
         echo(f"removed {debris}, left by a run that was killed while writing it")

@@ -15,6 +15,7 @@ import torch
 
 from .. import runtime
 from ..runtime.block_compile import compile_seconds
+from ..runtime.host.budget import anonymous_memory
 from ..runtime.residency import StreamTuner
 from .buckets import entries as dataset_entries
 from .checkpoint import latest_checkpoint
@@ -232,13 +233,15 @@ class Stepper:
 
     def figures(self, step_loss: float, norm: float, started: float, compiled: float) -> dict:
         """The finished step's line of metrics.jsonl: loss, learning rate, gradient norm, seconds (``compile_s`` of
-        them torch.compile's, which a new resolution costs once), skipped steps, and on a GPU the reserved peak and
-        the copies (each rank's too, with several)."""
+        them torch.compile's, which a new resolution costs once), skipped steps, the process's host memory and the
+        ring's slots, and on a GPU the reserved peak and the copies (each rank's too, with several)."""
         state = self.state
+        rt = runtime.runtime_of(state.model)
         record = {"step": state.step, "loss": step_loss, "lr": state.scheduler.get_last_lr()[0], "grad_norm": norm,
-                  "seconds": time.perf_counter() - started, "compile_s": compiled, "skipped_total": state.skipped}
+                  "seconds": time.perf_counter() - started, "compile_s": compiled, "skipped_total": state.skipped,
+                  "host_GB": anonymous_memory() / 1e9, "ring_slots": rt.ring_slots}
         if self.device.type == "cuda":
-            stats = runtime.runtime_of(state.model).step_stats()
+            stats = rt.step_stats()
             record.update(peak_reserved_GB=stats.peak_reserved / 1e9, copy_wait_s=stats.copy_wait_s,
                           copied_GB=stats.bytes_copied / 1e9)
             if self.ranks.world > 1:  # each GPU's own figures: memory and copy waits can differ between ranks
