@@ -228,7 +228,8 @@ def test_a_path_outside_the_runs_folder_is_refused(server, path):
     assert status == 403 and SECRET not in str(body), (status, body)
 
 
-def test_a_file_inside_the_runs_folder_is_served(server, ws):
+def test_a_file_inside_the_runs_folder_is_served(server, ws, terminal):
     """The control of the refusals above: the same route serves a run's own file."""
+    _until(lambda: (ws / "runs" / "terminal" / "config.toml").is_file(), "the terminal run's config.toml")
     status, body = request(server[0], "/files/terminal/config.toml")
     assert status == 200 and f'data = "{ws / "datasets" / "squares"}"' in body
