@@ -42,20 +42,32 @@ def pytest_collection_modifyitems(config, items):
 
 
 _frozen_for = [None]  # the test file whose first test froze the heap
+# Resident memory the frozen heap may gain before it is all unfrozen and collected: a full collection walks 1.6 million
+# objects in about 2 s, which at every one of a worker's sixty files took a fifth of the suite's time; collecting only
+# at this growth, a worker peaked within 0.3 GB of doing it at every file.
+FULL_COLLECTION_GROWTH = 256 << 20
+_collected_at = [0]  # the resident memory after the last full collection
 
 
 def pytest_runtest_setup(item):
     """Before each test, what is alive is frozen out of the garbage collector's sight (gc.freeze). squareq calls
     gc.collect() where it lets a model's memory go (encoders after caching, effects passes), and a full collection
     walks every object the process holds: in a test process with the libraries and a hundred files' fixtures, over a
-    million objects and half a second a call, which made up about 40% of the acceptance and training tests' time. A
-    test's own objects stay in sight; at each new file, the earlier files' objects are unfrozen and collected first,
-    so nothing unreachable outlives the file it came from."""
+    million objects and a second or two a call, which made up about 40% of the acceptance and training tests' time. A
+    test's own objects stay in sight. At each new file, what the last test left is collected; once the process has
+    grown by FULL_COLLECTION_GROWTH, everything is unfrozen and collected first, so what earlier files left unreachable
+    (cycles frozen while still in use) does not pile up."""
+    from squareq.runtime.host.budget import resident_memory
+
     module = getattr(item, "module", None)
     if module is not _frozen_for[0]:
         _frozen_for[0] = module
-        gc.unfreeze()
-        gc.collect()
+        if resident_memory() - _collected_at[0] >= FULL_COLLECTION_GROWTH:
+            gc.unfreeze()
+            gc.collect()
+            _collected_at[0] = resident_memory()
+        else:
+            gc.collect()  # the objects not frozen: those of the last test
     gc.freeze()
 
 

@@ -196,15 +196,6 @@ def test_size_over_budget_and_a_required_gpu_fail(good_slab, tmp_path):
     assert failure is not None and "100.00 KB" in failure.text
 
 
-def test_without_a_gpu_vram_is_skipped_not_failed(good_slab, tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    result, report, _ = _accept(good_slab, tmp_path, "--vram-budget", "1GB", *FEW_IMAGES)
-    assert result.exit_code == 0, result.output
-    vram = json.loads(report.read_text())["gates"][5]["details"]["vram"]
-    assert vram["status"] == "SKIP" and "without CUDA" in vram["note"]
-
-
 def test_a_slab_of_another_model_is_refused_in_one_sentence(tmp_path):
     from diffusers import FluxTransformer2DModel
 
@@ -246,7 +237,8 @@ def test_a_clip_folder_without_its_processor_config_is_named(good_slab, tmp_path
     assert not (tmp_path / "good.slab.accept").exists()
 
 
-def test_a_local_clip_model_adds_clip_scores(good_slab, tmp_path):
+def _tiny_clip(folder):
+    """A CLIP model of one-layer towers with the tiny pipeline's tokenizer, saved with its processor in ``folder``."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     from squareq.models.tiny_pipeline import build_tiny_tokenizers
@@ -257,13 +249,39 @@ def test_a_local_clip_model_adds_clip_scores(good_slab, tmp_path):
                                          num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77),
                         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=2, image_size=32, patch_size=8), projection_dim=16)
-    folder = tmp_path / "clip"
     CLIPModel(config).save_pretrained(folder)
     CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=32),
                   tokenizer=tokenizer).save_pretrained(folder)
-    result, report, _ = _accept(good_slab, tmp_path, "--clip-model", str(folder), *FEW_IMAGES)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vram_and_clip_run(good_slab, tmp_path_factory):
+    """One accept run of the good slab with --vram-budget and a local CLIP model, which the next two tests read: the
+    options reach separate gates (peak VRAM and size; image drift), and each test checks the pass and its own gate."""
+    tmp_path = tmp_path_factory.mktemp("vram-clip")
+    result, report, _ = _accept(good_slab, tmp_path, "--vram-budget", "1GB", "--clip-model",
+                                str(_tiny_clip(tmp_path / "clip")), *FEW_IMAGES)
+    return result, report
+
+
+def _gates(report) -> dict:
+    return {g["name"]: g for g in json.loads(report.read_text())["gates"]}
+
+
+def test_without_a_gpu_vram_is_skipped_not_failed(vram_and_clip_run):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result, report = vram_and_clip_run
     assert result.exit_code == 0, result.output
-    drift = {g["name"]: g for g in json.loads(report.read_text())["gates"]}["image drift"]
+    vram = _gates(report)["peak VRAM and size"]["details"]["vram"]
+    assert vram["status"] == "SKIP" and "without CUDA" in vram["note"]
+
+
+def test_a_local_clip_model_adds_clip_scores(vram_and_clip_run):
+    result, report = vram_and_clip_run
+    assert result.exit_code == 0, result.output
+    drift = _gates(report)["image drift"]
     scores = drift["details"]["clip_score"]
     assert len(scores["bf16"]) == len(scores["slab"]) == 2 and "CLIP score" in drift["note"]
     assert all(isinstance(v, float) for v in scores["bf16"] + scores["slab"])

@@ -8,6 +8,9 @@ from squareq.compiler.plan import HYSTERESIS, LayerOptions, PlanError, make_plan
 
 from .test_vram import tiny_compile_args
 
+# the torch reference dequantizer (conftest.py): the refusals and the compiles they let through are under test here
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 
 @pytest.mark.parametrize("text, n", [("12GB", 12 * 10**9), ("11.5GiB", int(11.5 * 2**30)), ("800MB", 800 * 10**6),
                                      ("123456", 123456), (" 2 kib ", 2048)])

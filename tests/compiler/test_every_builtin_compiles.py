@@ -9,6 +9,9 @@ from click.testing import CliRunner
 from squareq.cli import main
 from squareq.models import BUILTIN_MODELS
 
+# the torch reference dequantizer (conftest.py): the calibration resolution is under test here, not the kernels
+pytestmark = pytest.mark.usefixtures("torch_kernels")
+
 CHEAP = ["--calib-samples", "2", "--formats", "W4,W8", "--rounding", "nearest", "--effect-probes", "1"]
 
 

@@ -10,6 +10,8 @@ from squareq.runtime.activation_offload import ActivationOffload
 
 from .harness import assert_same, inputs, step, with_lora
 
+pytestmark = pytest.mark.usefixtures("torch_kernels")  # the torch reference dequantizer (conftest.py)
+
 
 @pytest.fixture
 def model(tiny_slab):
