@@ -29,10 +29,10 @@ def roots_of(runs: Path, data_roots: tuple[Path, ...]) -> Roots:
 @click.option("--data-root", "data_roots", type=click.Path(path_type=Path), multiple=True,
               help="A folder whose folders the page may train on (repeat for several; default: the current folder). "
                    "No other dataset folder can be chosen.")
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--bind", "host", default="127.0.0.1", show_default=True,
               help="The address to bind; anything but this machine's loopback needs --token.")
 @click.option("--token", envvar="SQUAREQ_UI_TOKEN", help="A secret every request must carry (open the page as "
-              "http://HOST:PORT/?token=TOKEN once); needed for a --host other machines can reach. Also read from "
+              "http://HOST:PORT/?token=TOKEN once); needed for a --bind other machines can reach. Also read from "
               "SQUAREQ_UI_TOKEN, which keeps it out of the process list.")
 def ui(port, runs, data_roots, host, token) -> None:
     """Serve a local page to watch and steer training runs: status, curves, samples, memory, logs; start, stop, resume.

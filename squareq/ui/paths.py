@@ -57,8 +57,8 @@ def is_local(host: str) -> bool:
 def check_bind(host: str, token: str | None) -> None:
     """A page bound beyond this machine must ask for a token."""
     if not is_local(host) and not token:
-        raise UiError(f"--host {host} lets other machines reach the page, so it needs --token (or SQUAREQ_UI_TOKEN): "
-                      "pass a secret the browser must send, or leave --host at 127.0.0.1.")
+        raise UiError(f"--bind {host} lets other machines reach the page, so it needs --token (or SQUAREQ_UI_TOKEN): "
+                      "pass a secret the browser must send, or leave --bind at 127.0.0.1.")
 
 
 @dataclass(frozen=True)

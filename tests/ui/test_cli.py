@@ -21,13 +21,13 @@ def served(monkeypatch):
 
 def test_a_bind_beyond_this_machine_without_a_token_is_refused(tmp_path, served, monkeypatch):
     monkeypatch.delenv("SQUAREQ_UI_TOKEN", raising=False)
-    result = CliRunner().invoke(main, ["ui", "--host", "0.0.0.0", "--runs", str(tmp_path / "runs")])
+    result = CliRunner().invoke(main, ["ui", "--bind", "0.0.0.0", "--runs", str(tmp_path / "runs")])
     assert result.exit_code == 1 and served == [] and not (tmp_path / "runs").exists()
-    assert result.output.startswith("error: --host 0.0.0.0 lets other machines reach the page, so it needs --token")
+    assert result.output.startswith("error: --bind 0.0.0.0 lets other machines reach the page, so it needs --token")
     assert result.output.count("\n") == 1, result.output
 
 
-@pytest.mark.parametrize("args", [["--host", "0.0.0.0", "--token", "s3cret"], []])
+@pytest.mark.parametrize("args", [["--bind", "0.0.0.0", "--token", "s3cret"], []])
 def test_with_a_token_or_on_this_machine_the_page_is_served(tmp_path, served, args):
     result = CliRunner().invoke(main, ["ui", "--runs", str(tmp_path / "runs"), "--data-root", str(tmp_path), *args])
     assert result.exit_code == 0, result.output

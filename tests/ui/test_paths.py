@@ -45,5 +45,5 @@ def test_a_bind_beyond_this_machine_needs_a_token():
     assert not is_local("0.0.0.0") and not is_local("192.168.1.5") and not is_local("example.org")
     check_bind("127.0.0.1", None)
     check_bind("0.0.0.0", "a secret")
-    with pytest.raises(UiError, match=r"^--host 0.0.0.0 lets other machines reach the page, so it needs --token"):
+    with pytest.raises(UiError, match=r"^--bind 0.0.0.0 lets other machines reach the page, so it needs --token"):
         check_bind("0.0.0.0", None)
