@@ -276,9 +276,12 @@ def _fill_cache(cfg: TrainConfig, model, device: torch.device, source: EncoderSo
     known = cache.identities(files_key)
     if known is not None:
         keys = wanted.keys(EncoderIdentities(**known))
-        total = len(keys[0]) + len(keys[2]) + len(keys[1])
-        if all(cache.has(kind, key) and cache.intact(kind, key, echo) for kind, key in _entries(keys)):
-            echo(f"cache {cache.root}: all {total} entries there; the VAE and text encoders were not loaded")
+        entries = _entries(keys)
+        # every entry there first (a stat each), and only then each one read and checked: with one missing, the
+        # encoders load and the fill checks what is there, so nothing is read twice
+        if all(cache.has(kind, key) for kind, key in entries) and all(cache.intact(kind, key, echo)
+                                                                      for kind, key in entries):
+            echo(f"cache {cache.root}: all {len(entries)} entries there; the VAE and text encoders were not loaded")
             return keys
     with open_encoders(source, device, model.family, FrozenDict(model.config),
                        _encoder_run(cfg, wanted.items, host, model.family), dtype) as encoders:
