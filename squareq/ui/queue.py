@@ -176,13 +176,18 @@ class Queue:
                 # a session of its own: a Ctrl-C of the server's terminal does not stop the runs it started
                 child = subprocess.Popen([sys.executable, "-m", "squareq", "train", *job["argv"]], cwd=cwd, env=env,
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_default_sigint)
             except OSError as exc:  # said in its log, and out of the queue, rather than tried again every tick
                 out.write(f"error: squareq train could not be started: {exc}\n".encode())
                 job.update(state="ended", ended_at=time.time())
                 return
         self.children[child.pid] = child
         job.update(state="running", lane=lane, pid=child.pid, started_at=time.time())
+
+
+def _default_sigint() -> None:
+    # in the child, before exec: SIGINT ignored by the server (`nohup ... &`) is inherited, and Stop would do nothing
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def new_id() -> str:

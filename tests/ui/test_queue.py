@@ -1,16 +1,23 @@
 """The page's job queue (squareq/ui/queue.py): a file in the runs folder that a restarted server reads back, one
 job at a time per lane (a GPU, or the CPU), with runs started from a terminal holding their lane too; Stop takes a
-queued job out, and refuses a run that is not running."""
+queued job out, refuses a run that is not running, and stops a real run even when the server ignores SIGINT."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from squareq.train.checkpoint import latest_checkpoint
+from squareq.train.run_record import read_run_record
+from squareq.train.tiny_dataset import write_tiny_dataset
 from squareq.ui.paths import Roots, UiError
 from squareq.ui.queue import Queue
+
+from ..train.tiny_run import w8_tiny_slab
 
 
 @pytest.fixture
@@ -101,3 +108,38 @@ def test_stop_takes_a_queued_job_out_and_refuses_a_run_that_is_not_running(roots
     assert started == [] and [j["state"] for j in queue.jobs()] == ["cancelled"]
     with pytest.raises(UiError, match="a is not running on this machine"):
         queue.stop("a")
+
+
+def test_stop_stops_a_run_started_by_a_server_that_ignores_sigint(roots, tmp_path, torch_kernels, monkeypatch):
+    """A server run as `nohup squareq ui &` ignores SIGINT; its runs must not, or Stop (a SIGINT) does nothing."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    w8_tiny_slab(tmp_path / "tiny.slab")
+    write_tiny_dataset(tmp_path / "data", count=4)
+    (tmp_path / "tiny.toml").write_text(f'slab = "{tmp_path / "tiny.slab"}"\nresolution = 64\nsteps = 10000\n'
+                                        "max_sequence_length = 16\nrank = 4\nbatch_size = 2\nsave_every = 0\n")
+    queue, folder = Queue(roots, [None]), roots.runs / "a"
+    queue.add("a", "start", ["--config", str(tmp_path / "tiny.toml"), "--data", str(tmp_path / "data"),
+                             "-o", str(folder)], str(tmp_path))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `nohup ... &` leaves it; a child inherits it
+    try:
+        queue.tick()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    child = next(iter(queue.children.values()))
+    try:
+        deadline = time.monotonic() + 60
+        while not (folder / "metrics.jsonl").is_file() or not (folder / "metrics.jsonl").read_text():
+            assert child.poll() is None and time.monotonic() < deadline, queue.log_path(queue.jobs()[0]).read_text()
+            time.sleep(0.05)  # a first step done: Ctrl-C now saves a checkpoint
+        assert queue.stop("a").startswith("sent Ctrl-C (SIGINT)")
+        try:
+            code = child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the run ignored Stop's SIGINT: it inherited the server's SIG_IGN")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    queue.tick()
+    assert code == 130 and [(j["state"], j["exit_code"]) for j in queue.jobs()] == [("ended", 130)]
+    assert read_run_record(folder)["status"] == "stopped" and latest_checkpoint(folder) is not None
