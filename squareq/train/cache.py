@@ -117,22 +117,18 @@ class EmbeddingCache:
         not part of an entry's key."""
         self._note(ENCODERS_FILE, text_identity, placement)
 
-    def remember_identities(self, files_key: str, identities: dict) -> None:
-        """Note the identities the encoders of ``files_key`` (sources/encoder_files_key.py) had (``vae``, ``text``
-        and ``control_text``: train/prepare.py ``EncoderIdentities``), for :meth:`identities`."""
-        self._note(IDENTITIES_FILE, files_key, identities)
+    def remember_identities(self, files_key: str, record: dict) -> None:
+        """Note ``record``, what names the entries the encoders of ``files_key`` (sources/encoder_files_key.py) make,
+        for :meth:`identities`. The cache keeps it as given, a JSON object it does not read: its fields are its
+        writer's (train/prepare.py ``EncoderIdentities.to_record``)."""
+        self._note(IDENTITIES_FILE, files_key, record)
 
     def identities(self, files_key: str | None) -> dict | None:
-        """The identities noted for ``files_key``: the keys of a run's entries without loading its encoders; None
-        where none were noted (or the note is damaged: the encoders then load and note them)."""
+        """The record noted for ``files_key``, as it was noted: the keys of a run's entries without loading its
+        encoders; None where none was noted, or the note is not a JSON object (damaged: the encoders then load and
+        note it again). Its fields are checked by its writer (``EncoderIdentities.from_record``)."""
         found = self._notes(IDENTITIES_FILE).get(files_key) if files_key else None
-        if not isinstance(found, dict) or set(found) != {"vae", "text", "control_text"}:
-            return None
-        strings = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)  # noqa: E731
-        if not (isinstance(found["vae"], str) and isinstance(found["text"], str)
-                and (found["control_text"] is None or strings(found["control_text"]))):
-            return None
-        return found
+        return found if isinstance(found, dict) else None
 
     def _notes(self, name: str) -> dict:
         path = self.root / name

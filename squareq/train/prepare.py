@@ -214,6 +214,23 @@ class EncoderIdentities:
         reads = getattr(encoders, "control_text", None) is not None
         return cls(encoders.vae_identity, encoders.text_identity, encoders.control_text_identity if reads else None)
 
+    def to_record(self) -> dict:
+        """These identities as the JSON object the cache notes (``EmbeddingCache.remember_identities``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, record) -> EncoderIdentities | None:
+        """The identities a noted record (:meth:`to_record`) holds; None where it is not one (a field missing or
+        unknown, a value of another type: a damaged note, or another version's), so the encoders load and their
+        identities are noted again."""
+        if not isinstance(record, dict) or set(record) != {f.name for f in dataclasses.fields(cls)}:
+            return None
+        control = record["control_text"]
+        if not (isinstance(record["vae"], str) and isinstance(record["text"], str) and (
+                control is None or isinstance(control, list) and all(isinstance(x, str) for x in control))):
+            return None
+        return cls(**record)
+
 
 @dataclass
 class CacheWants:
@@ -273,9 +290,9 @@ def _fill_cache(cfg: TrainConfig, model, device: torch.device, source: EncoderSo
 
     dtype = encoder_dtype(device, resolve_dtype(cfg.dtype, device)[0])
     files_key = encoder_files_key(source, model.family, dtype)
-    known = cache.identities(files_key)
+    known = EncoderIdentities.from_record(cache.identities(files_key))
     if known is not None:
-        keys = wanted.keys(EncoderIdentities(**known))
+        keys = wanted.keys(known)
         entries = _entries(keys)
         # every entry there first (a stat each), and only then each one read and checked: with one missing, the
         # encoders load and the fill checks what is there, so nothing is read twice
@@ -292,7 +309,7 @@ def _fill_cache(cfg: TrainConfig, model, device: torch.device, source: EncoderSo
         keys = wanted.keys(ids)
         _compute_missing(wanted, keys, encoders, cache, echo, progress)
         if files_key is not None:
-            cache.remember_identities(files_key, dataclasses.asdict(ids))
+            cache.remember_identities(files_key, ids.to_record())
     return keys
 
 
