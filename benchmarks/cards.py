@@ -519,7 +519,7 @@ def run_config(args, name: str, layout: str) -> None:
         train_config(cfg, family, rec, peaks)
         if layout == "hub" and "baseline" not in args.skip:
             log(f"{name}: the steps with no host budget from {wall_clock()}")
-            baseline_steps(cfg, rec)
+            baseline_steps(cfg, rec, peaks)
         else:
             not_measured(rec, "step_s_no_budget", "step_vs_no_budget", "step_s_filled", "step_vs_no_budget_filled")
         if "sampling" in args.skip:
@@ -658,18 +658,20 @@ def step_rows(out: Path) -> tuple[list[dict], list[dict]]:
     return rows, steady or rows[1:] or rows
 
 
-def baseline_steps(cfg, rec: dict) -> None:
+def baseline_steps(cfg, rec: dict, peaks: HostPeaks) -> None:
     """The same steps with ``host_budget = "auto"`` (this machine's memory) on the filled cache, then with the
     config's budget again on it: ``step_s_no_budget`` and the budgeted step's ratio to it, both as the user's first
     run measured it (after caching in the same process) and with both arms on the filled cache (``_filled``), which
-    tells the budget's effect from that of the caching before it."""
-    rec["step_s_no_budget"], rec["step_times_no_budget"] = filled_cache_steps(cfg, "auto", "no budget")
+    tells the budget's effect from that of the caching before it. ``peaks`` reads the host memory in each arm as it
+    did in the first run's steps (its phases of their own, not reported), so the arms differ in nothing else."""
+    rec["step_s_no_budget"], rec["step_times_no_budget"] = filled_cache_steps(cfg, "auto", "no budget", peaks)
     rec["step_vs_no_budget"] = rec["step_s"] / rec["step_s_no_budget"]
-    rec["step_s_filled"], rec["step_times_filled"] = filled_cache_steps(cfg, cfg.host_budget, "budget, filled cache")
+    rec["step_s_filled"], rec["step_times_filled"] = filled_cache_steps(cfg, cfg.host_budget, "budget, filled cache",
+                                                                      peaks)
     rec["step_vs_no_budget_filled"] = rec["step_s_filled"] / rec["step_s_no_budget"]
 
 
-def filled_cache_steps(cfg, host_budget, label: str) -> tuple[float, list[float]]:
+def filled_cache_steps(cfg, host_budget, label: str, peaks: HostPeaks) -> tuple[float, list[float]]:
     """The config's steps with ``host_budget`` on the cache the first run filled: the median step and every step's
     seconds."""
     import dataclasses
@@ -677,7 +679,12 @@ def filled_cache_steps(cfg, host_budget, label: str) -> tuple[float, list[float]
     from squareq.train.loop import train
 
     out = Path(f"{cfg.output}-{label.replace(' ', '-').replace(',', '')}")
-    train(dataclasses.replace(cfg, output=str(out), host_budget=host_budget), echo=lambda s: log(f"[{label}] {s}"))
+    peaks.phase(label)
+    try:
+        train(dataclasses.replace(cfg, output=str(out), host_budget=host_budget),
+              echo=lambda s: log(f"[{label}] {s}"))
+    finally:
+        peaks.phase(None)
     rows, timed = step_rows(out)
     return statistics.median(r["seconds"] for r in timed), [round(r["seconds"], 3) for r in rows]
 
