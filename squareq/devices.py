@@ -60,3 +60,14 @@ def run_on(requested: str | torch.device | None) -> Iterator[torch.device]:
         yield device
     finally:
         _chosen.pop()
+
+
+def allocator_cap(index: int, total: int) -> int | None:
+    """The bytes this process's CUDA allocator may reserve on GPU ``index`` (of ``total`` bytes) when a cap is set
+    (``torch.cuda.set_per_process_memory_fraction``: the compile's ``--vram-budget``, a benchmark's card), else None.
+    The device's free memory does not show the cap, so whatever sizes itself by free memory bounds it by this too."""
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is None:
+        return None
+    share = fraction(index)
+    return int(share * total) if share < 1.0 else None

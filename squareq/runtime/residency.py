@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..devices import allocator_cap
 from .block_compile import compile_seconds
 
 log = logging.getLogger("squareq.runtime")
@@ -271,6 +272,10 @@ class StreamTuner:
             return self.budget_bytes
         if self.rt.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.rt.device)
+            index = self.rt.device.index if self.rt.device.index is not None else torch.cuda.current_device()
+            cap = allocator_cap(index, total)
+            if cap is not None:  # a capped allocator fails at its cap, with the device's memory still free
+                free, total = min(free, cap - torch.cuda.memory_reserved(self.rt.device)), cap
         else:  # the "device" is host memory
             try:
                 page = os.sysconf("SC_PAGE_SIZE")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..devices import allocator_cap
 from ..runtime import release_module, stream_module
 from ..runtime.module_stream import RING_STAGES, blob_bytes, largest_block_list
 from ..sizes import format_size, format_size_up
@@ -285,7 +286,7 @@ def run_budget(budget: int | None, device: torch.device) -> int | None:
     free, total = torch.cuda.mem_get_info(index)
     allocated = torch.cuda.memory_allocated(index)
     available = free + torch.cuda.memory_reserved(index) - allocated
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction is not None:
-        available = min(available, int(fraction(index) * total) - allocated)
+    cap = allocator_cap(index, total)
+    if cap is not None:
+        available = min(available, cap - allocated)
     return max(available, 0)

@@ -268,3 +268,23 @@ def test_a_vram_budget_counts_the_eager_peak_only_where_blocks_run_eagerly(monke
     assert tuner._budget() == 0
     tuner.rt.graphs, tuner.peak_limit = SimpleNamespace(enabled=True, at_once=True), now
     assert tuner._budget() == 0
+
+
+def test_free_memory_is_bounded_by_a_capped_allocator(monkeypatch):
+    """With ``torch.cuda.set_per_process_memory_fraction`` set (a benchmark's card on a larger GPU), the tuner plans
+    with the room the cap leaves and a margin of the cap's size, not with the device's free memory, which the cap
+    does not show; negative control: with no cap, the device's free memory less its margin, as before."""
+    from types import SimpleNamespace
+
+    from squareq.runtime.residency import MIN_MARGIN_BYTES
+
+    gb = 10**9
+    tuner = StreamTuner.__new__(StreamTuner)
+    tuner.rt, tuner.budget_bytes = SimpleNamespace(device=torch.device("cuda", 0)), None
+    share = [0.1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * gb, 150 * gb))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: share[0])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gb)
+    assert tuner._free_budget() == 15 * gb - 10 * gb - max(MIN_MARGIN_BYTES, 15 * gb // 20)
+    share[0] = 1.0
+    assert tuner._free_budget() == 100 * gb - 150 * gb // 20

@@ -266,3 +266,21 @@ def test_an_encoder_copied_as_it_loaded_counts_as_a_copy(monkeypatch):
     assert as_loaded(mapped, now - copies, owner, names, torch.float32) == mapped
     grown = copies + module_bytes(parts["text_encoder_2"], torch.float32) + (256 << 20)
     assert as_loaded(mapped, now - grown, owner, names, torch.float32) == {}
+
+
+def test_the_encoders_budget_on_a_gpu_keeps_within_a_capped_allocator(monkeypatch):
+    """No budget given, on a GPU: the free memory plus what the allocator holds unused, within the allocator's cap
+    (a benchmark's card on a larger GPU); negative control: no cap, the device's free memory counts whole."""
+    from squareq.sources.encoder_placement import run_budget
+
+    gb = 10**9
+    share = [0.1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (100 * gb, 150 * gb))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index=None: share[0])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index=None: 6 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda index=None: 4 * gb)
+    cuda = torch.device("cuda", 0)
+    assert run_budget(None, cuda) == 15 * gb - 4 * gb
+    assert run_budget(7 * gb, cuda) == 7 * gb  # a budget given is the budget
+    share[0] = 1.0
+    assert run_budget(None, cuda) == 100 * gb + 6 * gb - 4 * gb
