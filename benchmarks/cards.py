@@ -80,7 +80,7 @@ for p in (str(ROOT), str(HERE)):
         sys.path.insert(0, p)
 
 import common  # noqa: E402
-from common import NOT_MEASURED, RECORDS, Column, HostPeaks, emit, git_commit, log, not_measured  # noqa: E402
+from common import NOT_MEASURED, RECORDS, Column, HostPeaks, emit, git_commit, log, not_measured, set_figure  # noqa: E402
 from train_e2e import write_data  # noqa: E402  (noise images with captions)
 from user_layout import REPOS, has_snapshot, hub_cache, write_comfyui_encoders, write_hub_snapshot  # noqa: E402
 
@@ -521,7 +521,8 @@ def run_config(args, name: str, layout: str) -> None:
             log(f"{name}: the steps with no host budget from {wall_clock()}")
             baseline_steps(cfg, rec, peaks)
         else:
-            not_measured(rec, "step_s_no_budget", "step_vs_no_budget", "step_s_filled", "step_vs_no_budget_filled")
+            not_measured(rec, "step_s_no_budget", "step_vs_no_budget", "step_s_filled", "step_vs_no_budget_filled",
+                         "copy_wait_s_no_budget", "copy_wait_s_filled")
         if "sampling" in args.skip:
             emit(summed(peaks.fields(not_measured(rec, *SAMPLE_FIELDS)), cuda, card))
             return
@@ -639,6 +640,7 @@ def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
     rec["steps"] = len(rows)
     rec["step_s"] = statistics.median(r["seconds"] for r in timed)
     rec["step_times"] = [round(r["seconds"], 3) for r in rows]
+    set_figure(rec, "copy_wait_s", copy_wait(timed))
     rec["losses_finite"] = all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in rows)
     if torch.cuda.is_available():
         rec["copied_GB_per_step"] = statistics.median(r["copied_GB"] for r in timed)
@@ -664,16 +666,17 @@ def baseline_steps(cfg, rec: dict, peaks: HostPeaks) -> None:
     run measured it (after caching in the same process) and with both arms on the filled cache (``_filled``), which
     tells the budget's effect from that of the caching before it. ``peaks`` reads the host memory in each arm as it
     did in the first run's steps (its phases of their own, not reported), so the arms differ in nothing else."""
-    rec["step_s_no_budget"], rec["step_times_no_budget"] = filled_cache_steps(cfg, "auto", "no budget", peaks)
+    for suffix, budget, label in (("_no_budget", "auto", "no budget"),
+                                  ("_filled", cfg.host_budget, "budget, filled cache")):
+        rec[f"step_s{suffix}"], rec[f"step_times{suffix}"], wait = filled_cache_steps(cfg, budget, label, peaks)
+        set_figure(rec, f"copy_wait_s{suffix}", wait)
     rec["step_vs_no_budget"] = rec["step_s"] / rec["step_s_no_budget"]
-    rec["step_s_filled"], rec["step_times_filled"] = filled_cache_steps(cfg, cfg.host_budget, "budget, filled cache",
-                                                                      peaks)
     rec["step_vs_no_budget_filled"] = rec["step_s_filled"] / rec["step_s_no_budget"]
 
 
-def filled_cache_steps(cfg, host_budget, label: str, peaks: HostPeaks) -> tuple[float, list[float]]:
-    """The config's steps with ``host_budget`` on the cache the first run filled: the median step and every step's
-    seconds."""
+def filled_cache_steps(cfg, host_budget, label: str, peaks: HostPeaks) -> tuple[float, list[float], float | None]:
+    """The config's steps with ``host_budget`` on the cache the first run filled: the median step, every step's
+    seconds, and the median seconds a step waited on the weights' copies (:func:`copy_wait`)."""
     import dataclasses
 
     from squareq.train.loop import train
@@ -686,7 +689,15 @@ def filled_cache_steps(cfg, host_budget, label: str, peaks: HostPeaks) -> tuple[
     finally:
         peaks.phase(None)
     rows, timed = step_rows(out)
-    return statistics.median(r["seconds"] for r in timed), [round(r["seconds"], 3) for r in rows]
+    return statistics.median(r["seconds"] for r in timed), [round(r["seconds"], 3) for r in rows], copy_wait(timed)
+
+
+def copy_wait(timed: list[dict]) -> float | None:
+    """The median seconds a step waited on the weights' host-to-device copies (the trainer's ``copy_wait_s``; None on
+    a CPU, whose metrics have none): where arms of the same plan differ in step time, it says whether the copies
+    (where the slab's pages lie, the bus) or the compute and the host differ."""
+    waits = [r["copy_wait_s"] for r in timed if "copy_wait_s" in r]
+    return statistics.median(waits) if waits else None
 
 
 @contextlib.contextmanager
