@@ -638,9 +638,8 @@ def train_config(cfg, family: str, rec: dict, peaks: HostPeaks) -> None:
     rec.update(measure)
     rows, timed = step_rows(Path(cfg.output))
     rec["steps"] = len(rows)
-    rec["step_s"] = statistics.median(r["seconds"] for r in timed)
-    rec["step_times"] = [round(r["seconds"], 3) for r in rows]
-    set_figure(rec, "copy_wait_s", copy_wait(timed))
+    rec["step_s"], rec["step_times"], wait = step_figures(rows, timed)
+    set_figure(rec, "copy_wait_s", wait)
     rec["losses_finite"] = all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in rows)
     if torch.cuda.is_available():
         rec["copied_GB_per_step"] = statistics.median(r["copied_GB"] for r in timed)
@@ -676,9 +675,7 @@ def baseline_steps(cfg, rec: dict, peaks: HostPeaks) -> None:
 
 def filled_cache_steps(cfg, host_budget, label: str, peaks: HostPeaks) -> tuple[float, list[float], float | None]:
     """The config's steps with ``host_budget`` on the cache the first run filled: the median step, every step's
-    seconds, and the median seconds a step waited on the weights' copies (:func:`copy_wait`)."""
-    import dataclasses
-
+    seconds, and the median seconds a step waited on the weights' copies (:func:`step_figures`)."""
     from squareq.train.loop import train
 
     out = Path(f"{cfg.output}-{label.replace(' ', '-').replace(',', '')}")
@@ -688,16 +685,17 @@ def filled_cache_steps(cfg, host_budget, label: str, peaks: HostPeaks) -> tuple[
               echo=lambda s: log(f"[{label}] {s}"))
     finally:
         peaks.phase(None)
-    rows, timed = step_rows(out)
-    return statistics.median(r["seconds"] for r in timed), [round(r["seconds"], 3) for r in rows], copy_wait(timed)
+    return step_figures(*step_rows(out))
 
 
-def copy_wait(timed: list[dict]) -> float | None:
-    """The median seconds a step waited on the weights' host-to-device copies (the trainer's ``copy_wait_s``; None on
-    a CPU, whose metrics have none): where arms of the same plan differ in step time, it says whether the copies
-    (where the slab's pages lie, the bus) or the compute and the host differ."""
+def step_figures(rows: list[dict], timed: list[dict]) -> tuple[float, list[float], float | None]:
+    """From a run's :func:`step_rows`: the median step, every step's seconds, and the median seconds a step waited
+    on the weights' host-to-device copies (the trainer's ``copy_wait_s``; None on a CPU, whose metrics have none):
+    where arms of the same plan differ in step time, it says whether the copies (where the slab's pages lie, the
+    bus) or the compute and the host differ."""
     waits = [r["copy_wait_s"] for r in timed if "copy_wait_s" in r]
-    return statistics.median(waits) if waits else None
+    return (statistics.median(r["seconds"] for r in timed), [round(r["seconds"], 3) for r in rows],
+            statistics.median(waits) if waits else None)
 
 
 @contextlib.contextmanager
