@@ -78,7 +78,8 @@ FLUX_RECIPE = TrainingRecipe(objective="flow", latent_channels=lambda cfg: cfg.i
                              text_fields=lambda cfg: TextFields(cfg.joint_attention_dim, cfg.pooled_projection_dim),
                              forward=flux_forward, prediction=unpack_2x2_output,
                              pipeline=PipelineFolder(("FluxPipeline",), flux_captions),
-                             controls=1, edit_name="FLUX.1 Kontext")  # Kontext is FLUX.1's class with one control
+                             # Kontext is FLUX.1's class with one control
+                             controls=1, edit_name="FLUX.1 Kontext", edit_word="Kontext")
 
 
 # Every attention and MLP linear of both streams, the adaLN modulation left out: kohya sd-scripts' FLUX.1 default

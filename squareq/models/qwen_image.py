@@ -110,6 +110,6 @@ QWEN_IMAGE = FamilyAdapter(family="qwen-image", class_name="QwenImageTransformer
                                                  pipeline=PipelineFolder(("QwenImagePipeline", *QWEN_IMAGE_EDITS),
                                                                          qwen_image_captions, edits=QWEN_IMAGE_EDITS),
                                                  controls=max(e.controls for e in QWEN_IMAGE_EDITS.values()),
-                                                 edit_name="Qwen-Image-Edit",
+                                                 edit_name="Qwen-Image-Edit", edit_word="Edit",
                                                  control_text_tokens=qwen_image_control_text),
                            pipeline_samples=True)

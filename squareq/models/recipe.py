@@ -125,6 +125,9 @@ class TrainingRecipe:
     # the most control images one target of an edit pair may have (train/controls.py); 0: the family trains no pairs
     controls: int = 0
     edit_name: str = ""  # what the family is called when it trains on pairs (FLUX.1: "FLUX.1 Kontext")
+    # the word an edit model's name has and its base model's lacks ("Kontext", "Edit"): a slab compiled from a model
+    # whose name lacks it is said to train as the edit model; "" where the base model takes controls itself (FLUX.2)
+    edit_word: str = ""
     # where a dataset sets neither control_resolution nor no_resize_control: each control keeps its own size up to
     # this area, cropped to 16s, as the family's edit pipeline takes it (FLUX.2: 1024²); None: the target's bucket
     control_area: int | None = None

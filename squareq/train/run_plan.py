@@ -194,9 +194,8 @@ def _check_pairs(cfg: TrainConfig, model, echo) -> None:
         raise TrainError(f"control_dir = {views[0].control_dir}: edit pairs train {', '.join(edit_families())}, and "
                          f"{cfg.slab} holds a {model.family} model; remove control_dir to train it on the images "
                          "alone.")
-    source = str(getattr(model, "source", ""))
-    word = recipe.edit_name.replace("-", " ").split()[-1]  # Kontext, Edit
-    if word.lower() not in source.lower() and source not in BUILTIN_MODELS:
+    source, word = str(getattr(model, "source", "")), recipe.edit_word
+    if word and word.lower() not in source.lower() and source not in BUILTIN_MODELS:
         echo(f"edit pairs: {cfg.slab} was compiled from {source}, whose name does not say {word}; it trains as "
              f"{recipe.edit_name} (the same model class), which a base model was not trained for")
 

@@ -351,3 +351,23 @@ def test_a_flux_kontext_pipeline_folder_gives_the_encoders_and_the_decoder(tmp_p
     with open_encoders(str(tmp_path / "kontext"), torch.device("cpu"), "flux") as encoders:
         assert encoders.encode_prompts(["make it red"], 16)[0]["prompt_embeds"].shape == (16, 48)
     assert open_decoder(str(tmp_path / "kontext"), "flux", torch.float32).vae is not None
+
+
+@pytest.mark.parametrize("family, source, said", [
+    ("flux", "/models/FLUX.1-dev", True),  # a base model's name: trained as Kontext, which it was not trained for
+    ("flux", "black-forest-labs/FLUX.1-Kontext-dev", False),
+    ("qwen-image", "Qwen/Qwen-Image", True),
+    ("qwen-image", "Qwen/Qwen-Image-Edit-2509", False),
+    ("flux2", "/models/flux2", False),  # FLUX.2's base model takes its references itself: nothing to say
+])
+def test_a_slab_not_named_for_its_edit_model_is_said_once(family, source, said):
+    """Edit pairs on a slab compiled from a model whose name lacks its edit model's word (``edit_word``) get a line;
+    a model named for it, or a family whose base model takes controls itself, gets none."""
+    from types import SimpleNamespace
+
+    from squareq.train.run_plan import _check_pairs
+
+    cfg = SimpleNamespace(slab="model.slab", dataset_views=lambda: [_view(control_dir=["controls"])])
+    lines = []
+    _check_pairs(cfg, SimpleNamespace(family=family, source=source), lines.append)
+    assert bool(lines) == said and all("does not say" in line for line in lines)
