@@ -134,9 +134,12 @@ def prepare_data(cfg: TrainConfig, model, device: torch.device, echo=print, enco
         masks = _masks(cfg, dataset, items) + held_masks  # read (and refused) before the encoders load
         check_edit_folder(dataset, model.family, encoder_source)
         # the sample prompts too: sample images then need the VAE only, never the text encoders again
+        # the dropped caption is one shared entry; an item whose captions are read with its controls
+        # (Qwen-Image-Edit) gets its own only where caption_dropout can draw it, since each is a pass of the encoder
+        own_dropped = [dropped] if cfg.caption_dropout > 0 else []
         wanted = CacheWants(cfg, items + held_items, item_buckets + held_buckets,
-                            [orders + [dropped] for orders in captions] + [[c] for c in held_captions],
-                            {t for p in sample_prompts(cfg, model.family) for t in p.texts},
+                            [orders + own_dropped for orders in captions] + [[c] for c in held_captions],
+                            {dropped} | {t for p in sample_prompts(cfg, model.family) for t in p.texts},
                             flipped=len(items) if cfg.flip_aug else 0, masks=masks)
         keys = _fill_cache(cfg, model, device, encoder_source, host, wanted, cache, echo, progress)
         image_keys, text_keys, _ = keys

@@ -132,9 +132,10 @@ def test_a_qwen_edit_run_caches_its_controls_resumes_bit_for_bit_and_samples_an_
 
 
 def test_a_changed_control_re_encodes_its_caption_and_swapped_controls_change_the_loss(tmp_path, ws):
-    """The text key holds the control images: changing one control re-encodes its latents and its caption's entries
-    (the caption and the dropped one) and no other. Swapping two targets' controls changes the first step's loss,
-    while the same pairs give the same loss (the positive control)."""
+    """The text key holds the control images: changing one control re-encodes its latents and its caption's entry and
+    no other. A target's dropped caption is read with its controls only where caption_dropout can draw it (else one
+    shared entry). Swapping two targets' controls changes the first step's loss, while the same pairs give the same
+    loss (the positive control)."""
     from squareq.slab import open_slab
     from squareq.train.feed import text_key
     from squareq.train.prepare import prepare_data
@@ -148,10 +149,13 @@ def test_a_changed_control_re_encodes_its_caption_and_swapped_controls_change_th
 
     record = open_slab(ws / "tiny.slab").manifest.model
     first = prepare_data(config(root / "x"), record, torch.device("cpu"), echo=lambda s: None)
-    assert first.computed == 4 + 4 * 2  # four latents with their controls, each caption and the dropped one with them
+    assert first.computed == 4 + 4 + 1  # four latents with their controls, each caption with them, the dropped one
+    dropping = prepare_data(config(root / "d", caption_dropout=0.1, cache_dir=str(root / "cache-d")), record,
+                            torch.device("cpu"), echo=lambda s: None)
+    assert dropping.computed == 4 + 4 * 2 + 1  # and each target's dropped caption read with its controls
     Image.new("RGB", (80, 48), (1, 2, 3)).save(root / "ctrl" / "img2.jpg")
     again = prepare_data(config(root / "x"), record, torch.device("cpu"), echo=lambda s: None)
-    assert again.computed == 1 + 2
+    assert again.computed == 1 + 1
     keys = [[text_key(data.keys[1], i, c) for i, c in enumerate(["make it blue", "make it red", "make it yellow",
                                                                   "make it green"])] for data in (first, again)]
     assert keys[0][0] == keys[1][0] and keys[0][2] != keys[1][2]
