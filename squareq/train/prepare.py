@@ -356,8 +356,9 @@ def _compute_missing(wanted: CacheWants, keys, encoders: Encoders, cache: Embedd
         plain = [a for a in asked if not isinstance(a, tuple)]
         length = wanted.cfg.max_sequence_length
         read = iter(encoders.encode_prompts(plain, length) if plain else [])
+        loaded = {i: control_images(items[i]) for i, _ in pairs}  # a target's controls read once for its captions
         edited = iter(encoders.encode_prompts([c for _, c in pairs], length,
-                                              images=[control_images(items[i]) for i, _ in pairs]) if pairs else [])
+                                              images=[loaded[i] for i, _ in pairs]) if pairs else [])
         return [next(edited if isinstance(a, tuple) else read) for a in asked]
 
     fills = [("latents", image_keys, encoder_of(False)), ("latents", flipped_keys, encoder_of(True)),
