@@ -73,7 +73,7 @@ def _ui_error(request: Request, exc: UiError) -> JSONResponse:
 
 def _job_row(queue: Queue, job: dict) -> dict:
     """A job whose run folder does not show it yet (queued, starting, or failed before writing anything)."""
-    state = {"queued": "queued", "running": "starting", "cancelled": "cancelled"}.get(job["state"], "failed")
+    state = {"queued": "queued", "running": "starting"}.get(job["state"], "failed")  # runs_list leaves cancelled out
     last = tail_lines(queue.log_path(job), 1)
     return {"name": job["run"], "status": state, "message": last[0] if state == "failed" and last else None,
             "job": job, "step": 0, "total": None, "eta_s": None, "config": None, "resumable": False,

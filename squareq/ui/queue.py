@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from pathlib import Path
 from ..slab.atomic import atomic_write_bytes
 from ..train.run_record import read_run_record
 from .paths import Roots, UiError
-from .runs import pid_alive, run_folders
+from .runs import pid_alive, run_folders, running_here
 
 try:
     import fcntl
@@ -114,10 +113,7 @@ class Queue:
                     return "taken out of the queue"
         folder = self.roots.run(run)
         record = read_run_record(folder) if folder.is_dir() else None
-        pid = None
-        if record and record["status"] == "running" and record.get("host") == socket.gethostname() and \
-                pid_alive(record.get("pid"), record.get("started")):
-            pid = record["pid"]
+        pid = record["pid"] if running_here(record) else None
         job = self.active(run)
         if pid is None and job is not None and pid_alive(job["pid"], job["started_at"]):
             pid = job["pid"]  # started, and not yet past the point where it writes its record
@@ -129,11 +125,9 @@ class Queue:
     def tick(self) -> None:
         """Note the jobs whose process ended, then start the oldest queued job on each free lane."""
         with self._editing() as jobs:
-            busy = self._busy_lanes(jobs)
-            for lane in [lane for lane in self.lanes if lane not in busy]:
-                job = next((j for j in jobs if j["state"] == "queued"), None)
-                if job is None:
-                    break
+            queued = [j for j in jobs if j["state"] == "queued"]
+            busy = self._busy_lanes(jobs) if queued else set()  # read from every run folder: only when a job waits
+            for lane, job in zip([lane for lane in self.lanes if lane not in busy], queued):
                 self._start(job, lane)
             ended = [j for j in jobs if j["state"] in ("ended", "cancelled")]
             for old in ended[:max(0, len(ended) - KEPT_ENDED)]:
@@ -157,9 +151,7 @@ class Queue:
         ours = {j["pid"] for j in jobs if j["state"] == "running"}
         for folder in run_folders(self.roots.runs):
             record = read_run_record(folder)
-            if not record or record["status"] != "running" or record.get("pid") in ours:
-                continue
-            if record.get("host") == socket.gethostname() and pid_alive(record.get("pid"), record.get("started")):
+            if record and record.get("pid") not in ours and running_here(record):
                 visible = (record.get("cuda_visible_devices") or "").split(",")[0].strip()
                 busy.add(visible if visible in self.lanes else self.lanes[0])
         return busy

@@ -3,6 +3,7 @@ and train.log; metrics.jsonl, validation.jsonl, samples/, checkpoints/, the LoRA
 terminal shows up as one started from the page does, and nothing is lost when the server restarts."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -10,8 +11,8 @@ import socket
 import tomllib
 from pathlib import Path
 
-from ..train.checkpoint import latest_checkpoint
-from ..train.run_record import CONFIG_FILE, LOG_FILE, read_run_record
+from ..train.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+from ..train.run_record import CONFIG_FILE, LOG_FILE, RUN_FILE, read_run_record
 from ..train.sinks import METRICS_FILE
 from ..train.validation import VALIDATION_FILE
 
@@ -34,17 +35,29 @@ def pid_alive(pid: int | None, since: float | None = None) -> bool:
         pass
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = _boot_time()
     except (OSError, IndexError, ValueError, StopIteration):
         return True  # no /proc: kill's answer stands
     started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     return fields[0] != "Z" and (since is None or started <= since + 2)  # btime is in whole seconds
 
 
+@functools.cache
+def _boot_time() -> float:
+    """When this machine booted (``btime``, whole seconds): read once, as it holds until the next boot."""
+    return next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+
+
+def running_here(record: dict | None) -> bool:
+    """Whether a run record says running, on this machine, and the process that wrote it still runs."""
+    return bool(record) and record["status"] == "running" and record.get("host") == socket.gethostname() and \
+        pid_alive(record.get("pid"), record.get("started"))
+
+
 def is_run(folder: Path) -> bool:
     """A folder a training run wrote to: its record, its metrics or its checkpoints."""
-    return any((folder / name).exists() for name in ("run.json", METRICS_FILE, "checkpoints"))
+    return any((folder / name).exists() for name in (RUN_FILE, METRICS_FILE, CHECKPOINTS_DIR))
 
 
 def run_folders(runs: Path) -> list[Path]:
@@ -100,7 +113,7 @@ def status(folder: Path, record: dict | None) -> tuple[str, str | None]:
         return record["status"], record.get("message")
     if record.get("host") != socket.gethostname():
         return "running", f"on {record.get('host')}"
-    if pid_alive(record.get("pid"), record.get("started")):
+    if running_here(record):
         return "running", None
     return "failed", "the process ended without saying how (killed?); Resume continues from the last checkpoint"
 
