@@ -390,8 +390,7 @@ def check_edit_folder(dataset: Dataset, family: str | None, source) -> None:
     ``source`` (its pipeline folder's class; a built-in model's toy encoders read captions alone): edit pairs from a
     folder whose text encoder reads no control image (Qwen-Image's text-to-image pipeline), images without controls
     from an edit pipeline's folder, or more controls than its pipeline takes."""
-    recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
-    edits = recipe.pipeline.edits if recipe is not None and recipe.pipeline is not None else {}
+    edits = folder_edits(family)
     pipeline = pipeline_class(source) if edits else None
     if pipeline is None:
         return
@@ -403,7 +402,7 @@ def check_edit_folder(dataset: Dataset, family: str | None, source) -> None:
     if not pairs and edit is not None:
         raise DataError(f"{where} holds a {pipeline}, which edits control images, and {dataset.root} has none; give "
                         "each image its control (control_dir: docs/train.md, \"Edit pairs\"), or train from a "
-                        f"{recipe.pipeline.classes[0]} folder (--model).")
+                        f"{ADAPTERS[family].recipe.pipeline.classes[0]} folder (--model).")
     many = next((item for item in pairs if len(item.controls) > edit.controls), None)
     if many is not None:
         takes = [name for name, e in edits.items() if e.controls >= len(many.controls)]
@@ -425,6 +424,13 @@ def pairs_line(dataset: Dataset, bucket_sets, no_upscale: bool) -> str | None:
                      for k, n in sorted(counts.items()))
     shown = ", ".join(" + ".join(f"{w}x{h}" for w, h in key) + f": {n}" for key, n in sorted(sizes.items()))
     return f"edit pairs: {said}; control sizes (entries an epoch): {shown}"
+
+
+def folder_edits(family: str | None) -> dict:
+    """The edit pipelines of ``family`` that are their own folders' classes (Qwen-Image-Edit's), by class name: what
+    each takes (``PipelineFolder.edits``); empty for a family whose edits are drawn otherwise (FLUX.1, FLUX.2)."""
+    recipe = ADAPTERS[family].recipe if family in ADAPTERS else None
+    return recipe.pipeline.edits if recipe is not None and recipe.pipeline is not None else {}
 
 
 def edit_families() -> list[str]:

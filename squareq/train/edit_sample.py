@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..models import ADAPTERS
 from ..sources.encoder_source import EncoderError, EncoderSource
 from ..sources.pipeline_encoders import pipeline_class, plain_pipeline
-from .controls import edit_families
+from .controls import edit_families, folder_edits
 from .data import rgb_image
 from .prompt_options import SamplePrompt
 
@@ -69,8 +69,7 @@ def edit_folder_problem(family: str, encoders: EncoderSource, settled: list[Samp
     """Why the pipeline folder of ``encoders`` cannot draw the control images of ``settled`` for a family whose edit
     pipelines are their own folders' (Qwen-Image-Edit): it holds no edit pipeline, or one that takes fewer; None
     when it can."""
-    recipe = getattr(ADAPTERS.get(family), "recipe", None)
-    edits = recipe.pipeline.edits if recipe is not None and recipe.pipeline is not None else {}
+    edits = folder_edits(family)
     edited = [p for p in settled if p.controls]
     if not edits or not edited:
         return None
