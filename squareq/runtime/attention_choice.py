@@ -12,6 +12,10 @@ torch goes on down the list as it always does.
   The narrow heads of the tiny test models are left out: on the device image cuDNN's backward returns NaN for them
   (docs/train.md).
 * ``cudnn``: cuDNN first on any CUDA GPU; ``default``: torch's order.
+* A training run whose sequences carry an edit pair's control tokens settles ``auto`` as ``default``
+  (:func:`edit_pair_attention`): the streamed FLUX.1 Kontext step at 1024² (8,704 tokens) with cuDNN first stopped on
+  an illegal memory access in its first backward on the H200 (torch 2.11), twice, where torch's order ran; cuDNN's
+  kernel alone at that shape did not fail, so the cause is not known yet (docs/train.md, "Edit pairs").
 
 The fallback stays as it was: a cuDNN attention backward that raises or returns NaN turns cuDNN off for the process
 (runtime/blocks.py :func:`disable_cudnn_attention`, which calls :func:`mark_cudnn_failed`), and then the preference
@@ -78,6 +82,19 @@ def resolve_attention(mode: str, device: torch.device | str, width: int | None) 
                        f"this model's ({width}); attention='cudnn' tries it")
     return True, (f"cuDNN's attention kernels measured about twice as fast as flash's at head width {width} on "
                   "GPUs of this generation (docs/benchmarks.md)")
+
+
+EDIT_PAIR_REASON = ("the streamed step on an edit pair's control tokens with cuDNN attention first stopped on an "
+                    "illegal memory access on the H200 (FLUX.1 Kontext at 1024²), and ran in torch's order "
+                    "(docs/train.md); attention = \"cudnn\" tries it")
+
+
+def edit_pair_attention(mode: str, controls: bool) -> tuple[str, str | None]:
+    """(the mode a training run loads with, why ``auto`` was settled otherwise or None): ``auto`` with control tokens
+    in the sequence (``controls``) loads as ``default`` (module docstring); every other mode as it is."""
+    if mode == "auto" and controls:
+        return "default", EDIT_PAIR_REASON
+    return mode, None
 
 
 def preferring_cudnn(forward, runtime):

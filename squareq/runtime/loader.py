@@ -124,6 +124,8 @@ class Runtime:
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
+        if self.activation_offload is not None:  # its page-locked buffers go back to the system
+            self.activation_offload.close()
         if self.telemetry.tracing:
             self.telemetry.write_trace()
 

@@ -34,6 +34,7 @@ import torch
 from .. import runtime
 from ..devices import default_device
 from ..extras import require
+from ..runtime.host.budget import empty_host_cache
 from ..slab.atomic import ensure_output_dir, os_error_sentence
 from .checkpoint import check_resume_folder, latest_checkpoint
 from .config import TrainConfig
@@ -276,6 +277,7 @@ class TrainingRun:
             self.logs.close(failed)
         if self.model is not None:
             runtime.runtime_of(self.model).close()
+        empty_host_cache()  # the feed's pinned batches, which torch's pinned allocator would keep for the next run
 
     def finish(self) -> TrainResult:
         """The LoRA files (the moving average when there is one), written by rank 0."""

@@ -93,3 +93,31 @@ def test_a_run_with_offload_on_trains_the_same_lora(tmp_path, monkeypatch):
     assert not used and on.losses == off.losses
     with pytest.raises(ConfigError, match="offload_activations = 'maybe' is not one of auto, on, off"):
         load_config(None, {**values, "output": "o", "offload_activations": "maybe"})
+
+
+def test_host_buffers_are_exact_and_reused(model):
+    """The offloaded inputs are held at their exact size (no power-of-two rounding), a second step reuses them, and
+    closing the runtime gives them back; the negative control: a longer input than any free buffer releases the
+    smaller ones instead of holding both."""
+    from squareq.runtime.host.pinned import held_bytes
+
+    before = held_bytes()
+    rt = runtime.runtime_of(model)
+    rt.activation_offload = offload = ActivationOffload(torch.device("cpu"), min_bytes=0)
+    step(model, inputs("cpu"), checkpointing=True)
+    held = held_bytes() - before
+    assert held == offload.bytes_out  # every put's exact bytes: none rounded up
+    step(model, inputs("cpu"), checkpointing=True)
+    assert held_bytes() - before == held  # reused, not allocated again
+    buffers = offload.buffers
+    small = len(buffers.free)
+    longer = buffers.take(max(m.nbytes for m in buffers.free) + 1)
+    assert not buffers.free and held_bytes() - before == longer.nbytes  # the smaller ones were given back
+    buffers.give_back([longer])
+    assert buffers.take(1) is longer and small > 1  # the smallest free buffer that holds a request serves it
+    buffers.give_back([longer])
+    offload.close()
+    assert held_bytes() == before and not buffers.free
+    buffers.give_back([buffers.take(8)])
+    rt.close()  # the end of a run: the runtime closes its offload
+    assert not buffers.free

@@ -137,3 +137,13 @@ def test_a_sampling_run_keeps_torchs_order_unless_cudnn_is_asked_for(asked, used
     with pytest.raises(Stop):
         sample.sample_images(tiny_slab, ["a cat"], resolution=64, steps=2, max_sequence_length=32, attention=asked)
     assert seen["options"].attention == used
+
+
+def test_edit_pairs_settle_auto_as_torchs_order():
+    """auto on a sequence with control tokens loads in torch's order, with its reason; the negative controls: without
+    control tokens auto stays auto, and a mode the user chose is kept."""
+    from squareq.runtime.attention_choice import EDIT_PAIR_REASON, edit_pair_attention
+
+    assert edit_pair_attention("auto", True) == ("default", EDIT_PAIR_REASON)
+    assert edit_pair_attention("auto", False) == ("auto", None)
+    assert edit_pair_attention("cudnn", True) == ("cudnn", None)
