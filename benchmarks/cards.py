@@ -9,17 +9,18 @@ stops otherwise), in a process of its own:
 
 * the CUDA caching allocator is capped (``torch.cuda.set_per_process_memory_fraction``) at the card's memory less
   the CUDA context this process holds on the device, which a card of that size holds too;
-* the family's text encoders and VAE, at their released shapes with seeded random weights (FLUX.1: CLIP-L and
-  T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B; Wan: UMT5-XXL's encoder
-  and the Wan 2.1 VAE; HunyuanVideo: Llama-3-8B's decoder, CLIP-L and its VAE; :data:`PIPELINES`), were written once
-  into the workdir as a user holds them (:data:`LAYOUTS`): the cached Hub snapshot of the family's repository
+* the config's text encoders and VAE, at their released shapes with seeded random weights (FLUX.1: CLIP-L and
+  T5-XXL; FLUX.2: Mistral-Small-3.1-24B with its Pixtral tower; Qwen-Image: Qwen2.5-VL-7B; Wan 2.1: UMT5-XXL's
+  encoder and the Wan 2.1 VAE; Wan 2.2-TI2V-5B: UMT5-XXL's encoder and the Wan 2.2 VAE; HunyuanVideo: Llama-3-8B's
+  decoder, CLIP-L and its VAE; :data:`PIPELINES`), were written once
+  into the workdir as a user holds them (:data:`LAYOUTS`): the cached Hub snapshot of its repository
   (``hub-full/``, ``HF_HUB_CACHE`` with ``HF_HUB_OFFLINE=1``, the config's ``model`` its Hub ID), and for FLUX.1 also
   ComfyUI's single files (``clip_l``, ``t5``, ``vae``: ``clip_l.safetensors``, ``t5xxl_fp16.safetensors``,
   ``ae.safetensors``), each a run of its own; the trainer's own caching (``squareq.train.loop``) loads them through
   squareq's loaders and places them within the config's ``vram_budget`` (``squareq.sources.encoder_placement``), so
   those that do not fit stream block by block;
 * ``squareq.train.loop.train`` then runs ``--steps`` steps of the config (its batch, resolution, rank, ring, host and
-  ``host_budget``, the PC it is for) on the family's shaped slab (``benchmarks/train_step.py --only slab``: the same
+  ``host_budget``, the PC it is for) on its shape key's slab (``benchmarks/train_step.py --only slab``: the same
   random weights and W4/W6/W8 mix), on noise images at its largest resolution, or for a video family (Wan,
   HunyuanVideo) on :data:`CLIPS` noise clips only (folders of square PNG frames at that resolution, each named by the
   caption beside it), as many frames as its longest window needs after ``source_fps`` drops frames to the family's
@@ -32,10 +33,11 @@ stops otherwise), in a process of its own:
   longest window), FLUX.1 by SquareQ's own path, the other families by their diffusers pipeline over the Hub
   snapshot, within the config's host budget: the host phase ``sampling``.
 
-The families are keyed by their slab and Hub snapshot (:data:`REPOS`), so ``wan2.2-ti2v-5b`` runs on the ``wan``
-family's Wan 2.1-T2V-14B slab, UMT5-XXL and Wan 2.1 VAE (16 latent channels, 8x), not Wan 2.2-TI2V-5B's 5B transformer
-and 48-channel 16x VAE: its frames, resolution, budgets and card are its config's, and its records say so
-(``notes``, :data:`NOTES`).
+The slab, the Hub snapshot (:data:`REPOS`) and the files written for it are keyed by a config's shape key
+(:func:`shape_of`: its family, or where one family's configs are for models of other shapes, :data:`SHAPES`), so
+``wan2.2-ti2v-5b`` runs on Wan 2.2-TI2V-5B's shapes: its 5B transformer (``train_step.py --family wan2.2-5b``, 48
+latent channels), UMT5-XXL and the Wan 2.2 VAE (48 channels, 16x a side) in the release's repository, while what goes
+by the family (its slab's manifest says ``wan``: squareq's frame rate and temporal stride, :data:`LAYOUTS`) is Wan's.
 
 The tokenizers are the offline tiny ones (char-level; FLUX.2's and Qwen-Image's pad or template to the same lengths
 as the real ones do; HunyuanVideo's pipeline cuts its template's ``crop_start`` tokens off whatever they hold), so token
@@ -96,10 +98,10 @@ CARDS = {"flux1-dev-8gb": ("flux", 8), "flux1-dev-16gb": ("flux", 16), "flux1-de
 # the family's slab stands in for the edit model's transformer, which is the same class at the same shapes)
 EDIT_REPOS = {"qwen-image-edit": "Qwen/Qwen-Image-Edit",
               "flux1-kontext-dev-16gb": "black-forest-labs/FLUX.1-Kontext-dev"}
-# what a config's records say beyond its figures: where it runs on other shapes than those its config is for
-NOTES = {"wan2.2-ti2v-5b": "run on Wan 2.1-T2V-14B's slab, UMT5-XXL and Wan 2.1 VAE (the wan family's shapes here), "
-                           "not Wan 2.2-TI2V-5B's 5B transformer and 48-channel 16x VAE: its frames, resolution, "
-                           "budgets and card are the config's, its figures not the 5B model's"}
+# config -> its shape key where that is not its family: train_step.py's --family of its slab, the key of its Hub
+# repository (user_layout.REPOS) and of its pipeline (PIPELINES); Wan 2.2-TI2V-5B is squareq's wan family at shapes
+# of its own
+SHAPES = {"wan2.2-ti2v-5b": "wan2.2-5b"}
 PCIE4_BYTES_PER_S = 25e9  # a PCIe 4.0 x16 link's practical host-to-device rate
 SAMPLE_PROMPT = "a photo of sks on a beach"
 IMAGES = 8  # noise images: enough for the largest batch (4) in every bucket
@@ -275,9 +277,10 @@ def qwen_image_pipeline(config: dict, tiny: bool, edit: bool = False):
     return diffusers.QwenImageEditPipeline(**parts, processor=image_only_processor(images, tokenizer))
 
 
-def wan_pipeline(config: dict, tiny: bool):
-    """Wan 2.1: UMT5-XXL's encoder and the Wan 2.1 VAE (``AutoencoderKLWan``'s defaults; tiny: 8x, 4x in time, as
-    wide as the tiny slab's latents)."""
+def wan_pipeline(config: dict, tiny: bool, vae=None, **registered):
+    """Wan 2.1: UMT5-XXL's encoder and ``vae``, by default the Wan 2.1 VAE (``AutoencoderKLWan``'s defaults; tiny:
+    8x, 4x in time, as wide as the tiny slab's latents); ``registered``: the pipeline's settings beyond its
+    components (:func:`wan22_pipeline`'s)."""
     import diffusers
     import torch
     from transformers import UMT5Config, UMT5EncoderModel
@@ -290,11 +293,30 @@ def wan_pipeline(config: dict, tiny: bool):
     with fast_init(torch.bfloat16):
         encoder = UMT5EncoderModel(UMT5Config(**text, pad_token_id=tok.pad_token_id))
     z = config["in_channels"]
-    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True], latents_mean=[0.0] * z,
-                                     latents_std=[1.0] * z) if tiny else diffusers.AutoencoderKLWan()
+    if vae is None:
+        vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                         temperal_downsample=[False, True, True], latents_mean=[0.0] * z,
+                                         latents_std=[1.0] * z) if tiny else diffusers.AutoencoderKLWan()
     return diffusers.WanPipeline(tokenizer=tok, text_encoder=encoder, vae=vae.to(torch.bfloat16), scheduler=_flow(),
-                                 transformer=None)
+                                 transformer=None, **registered)
+
+
+def wan22_pipeline(config: dict, tiny: bool):
+    """Wan 2.2-TI2V-5B: UMT5-XXL's encoder as Wan 2.1's, and the Wan 2.2 VAE (its vae/config.json: 2x2 pixel patches
+    into 12 channels, then 8x, so 16x a side, 4x in time, 48 latent channels; tiny: as narrow as Wan 2.1's tiny one,
+    its 48 channels those of the tiny slab's latents), in the ``WanPipeline`` with per-token timesteps
+    (``expand_timesteps``) that the release's model_index.json registers."""
+    import diffusers
+
+    z = config["in_channels"]
+    width = dict(base_dim=8, decoder_base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1) if tiny else \
+        dict(base_dim=160, decoder_base_dim=256, dim_mult=[1, 2, 4, 4], num_res_blocks=2)
+    # the release's latents_mean and latents_std are 48 measured values each, not in diffusers' defaults; the
+    # weights are random here anyway, so zeros and ones normalize as well as they would
+    vae = diffusers.AutoencoderKLWan(**width, z_dim=z, temperal_downsample=[False, True, True], is_residual=True,
+                                     in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+                                     scale_factor_temporal=4, latents_mean=[0.0] * z, latents_std=[1.0] * z)
+    return wan_pipeline(config, tiny, vae=vae, expand_timesteps=True)
 
 
 def hunyuan_video_pipeline(config: dict, tiny: bool):
@@ -337,26 +359,32 @@ def save_processor(pipe):
     return lambda snapshot: save_in_hub_layout(snapshot, pipe.processor.image_processor, pipe.processor.tokenizer)
 
 
-# family -> its pipeline without the transformer (config: the slab's transformer config; tiny); an edit repository's
-# (EDIT_REPOS) by its name
+# shape key (shape_of) -> its pipeline without the transformer (config: the slab's transformer config; tiny); an
+# edit repository's (EDIT_REPOS) by its name
 PIPELINES = {"flux": flux_pipeline, "flux2": flux2_pipeline, "qwen-image": qwen_image_pipeline, "wan": wan_pipeline,
-             "hunyuan-video": hunyuan_video_pipeline,
+             "wan2.2-5b": wan22_pipeline, "hunyuan-video": hunyuan_video_pipeline,
              "Qwen/Qwen-Image-Edit": lambda config, tiny: qwen_image_pipeline(config, tiny, edit=True),
              "black-forest-labs/FLUX.1-Kontext-dev": lambda config, tiny: kontext_pipeline(config, tiny)}
 
 
+def shape_of(name: str) -> str:
+    """Config ``name``'s shape key: what its slab, Hub snapshot and pipeline are keyed by (:data:`SHAPES`, else its
+    family)."""
+    return SHAPES.get(name, CARDS[name][0])
+
+
 def repo_of(name: str) -> str:
-    """The Hub repository config ``name``'s encoders are read from: its edit pipeline's, else its family's."""
-    return EDIT_REPOS.get(name, REPOS[CARDS[name][0]])
+    """The Hub repository config ``name``'s encoders are read from: its edit pipeline's, else its shape key's."""
+    return EDIT_REPOS.get(name, REPOS[shape_of(name)])
 
 
-def build_encoders(family: str, config: dict, tiny: bool):
-    """The family's diffusers pipeline without its transformer (:data:`PIPELINES`; ``family`` may be an edit
-    repository there): VAE and text encoders at their released shapes (``tiny``: a few layers, as wide as the tiny
-    slab's text input), seeded random weights, in host memory."""
-    if family not in PIPELINES:
-        raise ValueError(f"no encoders for {family}")
-    pipe = PIPELINES[family](config, tiny)
+def build_encoders(shape: str, config: dict, tiny: bool):
+    """The diffusers pipeline of shape key ``shape`` without its transformer (:data:`PIPELINES`; ``shape`` may be an
+    edit repository there): VAE and text encoders at their released shapes (``tiny``: a few layers, as wide as the
+    tiny slab's text input), seeded random weights, in host memory."""
+    if shape not in PIPELINES:
+        raise ValueError(f"no encoders for {shape}")
+    pipe = PIPELINES[shape](config, tiny)
     for name in ("text_encoder", "text_encoder_2"):
         module = getattr(pipe, name, None)
         if module is not None:
@@ -416,23 +444,23 @@ def watched_encoders(measure: dict, peaks: HostPeaks, phases: tuple[str, str, st
             setattr(module, name, real_open)
 
 
-def write_user_files(args, family: str, repo: str | None = None) -> None:
-    """The family's VAE and text encoders (seeded random weights, released shapes; ``--tiny``: the tiny ones) as the
-    cached Hub snapshot of its repository (``repo``: an edit pipeline's, :data:`EDIT_REPOS`) in the workdir, once:
-    what a user's ``hf download`` leaves; for FLUX.1 also as ComfyUI's single files. Their count of parameters beside
-    it (:func:`params_file`)."""
+def write_user_files(args, shape: str, family: str, repo: str | None = None) -> None:
+    """The VAE and text encoders of shape key ``shape`` (of squareq's ``family``; seeded random weights, released
+    shapes; ``--tiny``: the tiny ones) as the cached Hub snapshot of its repository (``repo``: an edit pipeline's,
+    :data:`EDIT_REPOS`) in the workdir, once: what a user's ``hf download`` leaves; for FLUX.1 also as ComfyUI's
+    single files. Their count of parameters beside it (:func:`params_file`)."""
     from squareq.slab import open_slab
 
-    cache, repo = hub_dir(args), repo or REPOS[family]
+    cache, repo = hub_dir(args), repo or REPOS[shape]
     if has_snapshot(cache, repo):
         return
     start = time.perf_counter()
-    model_config = open_slab(slab_path(Path(args.workdir), family, args.tiny), verify="off").manifest.model.config
-    pipe = build_encoders(family if repo == REPOS[family] else repo, model_config, args.tiny)
+    model_config = open_slab(slab_path(Path(args.workdir), shape, args.tiny), verify="off").manifest.model.config
+    pipe = build_encoders(shape if repo == REPOS[shape] else repo, model_config, args.tiny)
     params = sum(p.numel() for n in ("text_encoder", "text_encoder_2")
                  if getattr(pipe, n, None) is not None for p in getattr(pipe, n).parameters())
-    if "comfyui" in LAYOUTS[family] and repo == REPOS[family]:
-        write_comfyui_encoders(pipe, cache / f"comfyui-{family}")
+    if "comfyui" in LAYOUTS[family] and repo == REPOS[shape]:
+        write_comfyui_encoders(pipe, cache / f"comfyui-{shape}")
     snapshot = write_hub_snapshot(cache, pipe, repo, then=save_processor(pipe))  # last: refs/main says it is whole
     params_file(cache, repo).write_text(json.dumps({"encoder_params": params}))
     log(f"{repo}: encoders and VAE written to {snapshot} in {time.perf_counter() - start:.1f} s")
@@ -442,18 +470,18 @@ def params_file(cache: Path, repo: str) -> Path:
     return cache / f"params-{repo.replace('/', '--')}.json"
 
 
-def remove_user_files(args, family: str, repos: list[str]) -> None:
+def remove_user_files(args, shape: str, repos: list[str]) -> None:
     import shutil
 
     cache = hub_dir(args)
-    shutil.rmtree(cache / f"comfyui-{family}", ignore_errors=True)
+    shutil.rmtree(cache / f"comfyui-{shape}", ignore_errors=True)
     for repo in repos:
         shutil.rmtree(cache / f"models--{repo.replace('/', '--')}", ignore_errors=True)
-    log(f"{family}: its encoder files removed from {cache} (--keep-files keeps them)")
+    log(f"{shape}: its encoder files removed from {cache} (--keep-files keeps them)")
 
 
-def comfyui_files(cache: Path, family: str) -> dict[str, Path]:
-    folder = cache / f"comfyui-{family}"
+def comfyui_files(cache: Path, shape: str) -> dict[str, Path]:
+    folder = cache / f"comfyui-{shape}"
     return {"clip_l": folder / "clip_l.safetensors", "t5": folder / "t5xxl_fp16.safetensors",
             "vae": folder / "ae.safetensors"}
 
@@ -479,8 +507,9 @@ def cap_to_card(card_gib: int) -> dict:
             "device": torch.cuda.get_device_name(0), "device_total_GB": total / 1e9}
 
 
-def slab_path(workdir: Path, family: str, tiny: bool) -> Path:
-    return workdir / f"{'tiny' if tiny else 'full'}-{family}.slab"
+def slab_path(workdir: Path, shape: str, tiny: bool) -> Path:
+    """Where train_step.py's slab phase writes the slab of shape key ``shape`` (its ``slab_path``)."""
+    return workdir / f"{'tiny' if tiny else 'full'}-{shape}.slab"
 
 
 PHASES = ("load", "caching", "steps", "sampling")  # the host-memory phases each record gives peaks for
@@ -501,7 +530,8 @@ def run_config(args, name: str, layout: str) -> None:
            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "model": repo_of(name),
            "layout": layout}
     cuda = torch.cuda.is_available()
-    slab = slab_path(work, family, args.tiny)
+    slab = slab_path(work, shape_of(name), args.tiny)
+    rec["shape"] = shape_of(name)  # train_step.py --family of the slab
     rec["encoder_params_B"] = json.loads(params_file(hub_dir(args), repo_of(name)).read_text())["encoder_params"] / 1e9
     if cuda and not args.tiny:
         torch.cuda.empty_cache()
@@ -511,8 +541,6 @@ def run_config(args, name: str, layout: str) -> None:
     rec.update(batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, resolution=cfg.resolution, rank=cfg.rank,
                prefetch=cfg.prefetch, host=cfg.host, vram_budget=cfg.vram_budget, target_frames=cfg.target_frames,
                frame_extraction=cfg.frame_extraction, data=Path(cfg.data).name)
-    if name in NOTES:
-        rec["notes"] = NOTES[name]
     rec["host_budget_GB"] = cfg.host_budget_bytes / 1e9 if cfg.host_budget_bytes else None
     with hub_cache(hub_dir(args)), HostPeaks(PHASES, ram_files=args.files_dir) as peaks:
         log(f"{name}: training (load, caching, steps) from {wall_clock()}")
@@ -563,7 +591,7 @@ def summed(rec: dict, cuda: bool, card: int) -> dict:
 
 def config_of(args, name: str, slab: Path, layout: str):
     """The example config ``name`` on ``slab`` for ``--steps`` steps, with noise images at its largest resolution (a
-    video family's: noise clips, :func:`write_clips`), its encoders those of the family's Hub ID, in ``layout``
+    video family's: noise clips, :func:`write_clips`), its encoders those of its Hub ID (:func:`repo_of`), in ``layout``
     (:data:`LAYOUTS`). ``--tiny``: 64 px, 16 text tokens, and a video config's windows :data:`TINY_FRAMES` frames."""
     from squareq.train.clips import FAMILY_FPS
     from squareq.train.config import load_config
@@ -578,7 +606,7 @@ def config_of(args, name: str, slab: Path, layout: str):
         if family in FAMILY_FPS:
             overrides.update(target_frames=[TINY_FRAMES], max_frames=TINY_FRAMES)
     if layout == "comfyui":
-        overrides.update({flag: str(path) for flag, path in comfyui_files(hub_dir(args), family).items()})
+        overrides.update({flag: str(path) for flag, path in comfyui_files(hub_dir(args), shape_of(name)).items()})
     cfg = load_config(ROOT / "examples" / f"{name}.toml", overrides)
     res = max(cfg.resolution)
     if family in FAMILY_FPS:
@@ -776,19 +804,20 @@ def tiny_flux2_slab(path: Path) -> None:
         overwrite=True))
 
 
-def ensure_slab(args, family: str) -> None:
+def ensure_slab(args, shape: str) -> None:
+    """The slab of shape key ``shape`` in the workdir: train_step.py's slab phase (``--family shape``)."""
     work = Path(args.workdir)
-    if args.tiny and family == "flux2":
-        tiny_flux2_slab(slab_path(work, family, True))
+    if args.tiny and shape == "flux2":
+        tiny_flux2_slab(slab_path(work, shape, True))
         return
     if args.tiny:
         import train_step
 
-        log(f"slab for {family}: train_step.py's slab phase in this process")
-        train_step.slab_here(work, family, tiny=True)
+        log(f"slab for {shape}: train_step.py's slab phase in this process")
+        train_step.slab_here(work, shape, tiny=True)
         return
-    cmd = ["--family", family, "--only", "slab", "--workdir", str(work), "--out", str(work / f"slab-{family}")]
-    log(f"slab for {family}: train_step.py {' '.join(cmd)}")
+    cmd = ["--family", shape, "--only", "slab", "--workdir", str(work), "--out", str(work / f"slab-{shape}")]
+    log(f"slab for {shape}: train_step.py {' '.join(cmd)}")
     subprocess.run([sys.executable, str(HERE / "train_step.py"), *cmd], check=True, stdout=sys.stderr)
 
 
@@ -868,7 +897,7 @@ def main() -> None:
                         "no host budget), sampling; a config too long for one device call runs in two, each "
                         "measuring the phases it keeps")
     parser.add_argument("--keep-files", action="store_true",
-                        help="keep each family's encoder files in the workdir after its configs ran (default: removed)")
+                        help="keep each shape's encoder files in the workdir after its configs ran (default: removed)")
     args = parser.parse_args()
     args.skip = [p for p in args.skip.split(",") if p]
     if set(args.skip) - set(SKIPPABLE):
@@ -888,20 +917,21 @@ def main() -> None:
     unknown = [n for n in names if n not in CARDS]
     if unknown:
         parser.error(f"--configs: {', '.join(unknown)} are not example configs; choose from {', '.join(CARDS)}.")
-    for family in dict.fromkeys(CARDS[n][0] for n in names):
-        ensure_slab(args, family)
-        repos = list(dict.fromkeys(repo_of(n) for n in names if CARDS[n][0] == family))
+    for shape in dict.fromkeys(map(shape_of, names)):  # one slab and snapshot at a time: the configs on them
+        group = [n for n in names if shape_of(n) == shape]
+        ensure_slab(args, shape)
+        repos = list(dict.fromkeys(map(repo_of, group)))
         for repo in repos:
-            write_user_files(args, family, repo)
-        for name, layout in runs([n for n in names if CARDS[n][0] == family], args.tiny, args.layouts.split(",")):
+            write_user_files(args, shape, CARDS[group[0]][0], repo)
+        for name, layout in runs(group, args.tiny, args.layouts.split(",")):
             log(f"config {name}, files as {layout}")
             if args.tiny:
                 in_this_process(args, name, layout)
             else:
                 in_its_own_process(args, name, layout)
             common.write_records(args.out, "cards.jsonl")
-        if not (args.tiny or args.keep_files):  # the next family's files need the disk (FLUX.2's encoder: 48 GB)
-            remove_user_files(args, family, repos)
+        if not (args.tiny or args.keep_files):  # the next shape's files need the disk (FLUX.2's encoder: 48 GB)
+            remove_user_files(args, shape, repos)
     print(card_table(RECORDS))
 
 

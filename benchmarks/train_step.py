@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """LoRA training step time of a full-size transformer: SquareQ streaming vs its peers (issues 4 and 7).
 
-    python benchmarks/train_step.py [--family flux|flux2|qwen-image|wan|hunyuan-video] [--out DIR] [--workdir DIR]
+    python benchmarks/train_step.py [--family flux|flux2|qwen-image|wan|wan2.2-5b|hunyuan-video] [--out DIR]
+                                    [--workdir DIR]
                                     [--res 512 1024] [--frames 49 81 --size 480x832] [--rank 16] [--targets attention]
                                     [--offload-activations off on]
                                     [--steps 5 --warmup 2] [--only slab,squareq,resident,compiled,bnb,group_offload]
@@ -12,17 +13,18 @@ The model is the family's diffusers class at its released config with seeded ran
 is FLUX.1-dev's ``FluxTransformer2DModel`` (11.9B), ``flux2`` FLUX.2-dev's ``Flux2Transformer2DModel``
 (diffusers' defaults: 8 double + 48 single blocks, 32B), ``qwen-image`` Qwen-Image's
 ``QwenImageTransformer2DModel`` (60 blocks, 20B), ``wan`` Wan 2.1-T2V-14B's ``WanTransformer3DModel`` (40 blocks,
-14.3B), ``hunyuan-video`` HunyuanVideo's ``HunyuanVideoTransformer3DModel`` (20 + 40 blocks, 13B; its slab only,
-``--only slab``, for benchmarks/cards.py). Every setup trains LoRA rank 16 (``--rank``) on
-``to_q,to_k,to_v,to_out.0`` (``--targets``: ``flux-default``, FLUX.1's default target set; ``attention-ffn``, Wan's
-attention and FFN) with AdamW (lr 1e-4),
+14.3B), ``wan2.2-5b`` Wan 2.2-TI2V-5B's (30 blocks, 5.0B, 48 latent channels of its 16x VAE: squareq's ``wan`` family,
+a slab of its own; :data:`SHAPE_FAMILIES`), ``hunyuan-video`` HunyuanVideo's ``HunyuanVideoTransformer3DModel``
+(20 + 40 blocks, 13B; its slab only, ``--only slab``, for benchmarks/cards.py). Every setup trains LoRA rank 16
+(``--rank``) on ``to_q,to_k,to_v,to_out.0`` (``--targets``: ``flux-default``, FLUX.1's default target set;
+``attention-ffn``, Wan's attention and FFN) with AdamW (lr 1e-4),
 gradient checkpointing, batch 1, 512 text tokens, bf16
 autocast and an MSE loss against a random target; the step time is the median of ``--steps`` steps after
 ``--warmup`` steps. The FLUX.2, Qwen-Image and Wan inputs come from their family adapters' calibration inputs
 (noise latents packed 2x2 or video latents, Gaussian text embeddings). A video family measures clips, not squares:
 ``--frames`` pixel frames (49 81; the VAE makes 1 + (N-1)/4 latent frames) at ``--size`` pixels (480x832; latents
-8x smaller a side), every record naming its frames, size and tokens (``--res`` takes such a clip as ``49x480x832``
-too, and RES below is either). Setups, each one a phase in its own subprocess so
+8x smaller a side, Wan 2.2-TI2V-5B's 16x), every record naming its frames, size and tokens (``--res`` takes such a
+clip as ``49x480x832`` too, and RES below is either). Setups, each one a phase in its own subprocess so
 that GPU memory statistics start clean and a crash or timeout costs only that phase:
 
 * ``slab``: writes the SquareQ slab (fixed W8/W6/W4 mix, <= 4.5 bits per weight; Wan's is W4 alone: mix_spec) unless
@@ -62,7 +64,7 @@ Each phase prints one JSON line per measurement; the driver echoes them, adds ``
 the 512², K=3 pinned phase. ``--tiny`` swaps in the family's tiny config at 128² and runs every phase in this one
 process (seconds on the CPU when no GPU is present, where memory figures are null: not measured; bitsandbytes and
 group offloading, GPU-only, are records that say they were skipped) so the script can be smoke-tested anywhere; a
-video family's tiny clip is 5 frames at 32x48.
+video family's tiny clip is 5 frames at 32x48 (``wan2.2-5b``'s at 64x96, the same tokens).
 ``--rotate`` stores every layer of the slab Hadamard-rotated (``QuantSpec.rotate``; a slab of its own,
 ``full-FAMILY-rotated.slab``): the same bytes, plus the rotation's work in the kernels.
 """
@@ -97,6 +99,11 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, rope_max_seq_len=1024)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers' transformer/config.json (5.0B): the same class and squareq family as the 14B, over
+# the 48 latent channels of the Wan 2.2 VAE (16x a side), so a slab of its own (SHAPE_FAMILIES)
+WAN22_5B = dict(patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48,
+                out_channels=48, text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, rope_max_seq_len=1024)
 # hunyuanvideo-community/HunyuanVideo's transformer/config.json (13B): its slab only (SLAB_ONLY), for cards.py
 HUNYUAN_VIDEO_13B = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
                          num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2,
@@ -104,7 +111,17 @@ HUNYUAN_VIDEO_13B = dict(in_channels=16, out_channels=16, num_attention_heads=24
                          pooled_projection_dim=768, rope_theta=256.0, rope_axes_dim=(16, 56, 56))
 FAMILIES = {"flux": ("FluxTransformer2DModel", FLUX_DEV), "flux2": ("Flux2Transformer2DModel", {}),
             "qwen-image": ("QwenImageTransformer2DModel", {}), "wan": ("WanTransformer3DModel", WAN_14B),
+            "wan2.2-5b": ("WanTransformer3DModel", WAN22_5B),
             "hunyuan-video": ("HunyuanVideoTransformer3DModel", HUNYUAN_VIDEO_13B)}
+# the FAMILIES keys (--family: the shapes a slab is built at) that are not a squareq family themselves -> the squareq
+# family whose adapter, built-in tiny model and manifest they take; the others are their own
+SHAPE_FAMILIES = {"wan2.2-5b": "wan"}
+# what a shape key changes in its family's built-in tiny config (--tiny): the 5B's 48 latent channels, so that its
+# tiny slab takes the tiny Wan 2.2 VAE's latents (benchmarks/cards.py) and squareq's memory plan counts a 16x VAE's
+# tokens (it tells the Wan 2.2 VAE by those 48 channels: squareq/models/wan.py wan_sequence_shape)
+TINY_CHANGES = {"wan2.2-5b": dict(in_channels=48, out_channels=48)}
+# pixels per latent a side where a shape key's VAE is not the 8x one (VAE_SIDE): Wan 2.2's VAE, 16x
+VAE_SIDES = {"wan2.2-5b": 16}
 # families whose slab is all this script makes (--only slab): their calibration inputs take square latents, not the
 # clips of --size
 SLAB_ONLY = ("hunyuan-video",)
@@ -134,6 +151,11 @@ def log(msg: str) -> None:
     """A timestamped progress line on stderr (stdout carries only JSON lines and the table)."""
     stamp = datetime.datetime.now().strftime("%H:%M:%S")
     print(f"[{stamp} +{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def squareq_family(shape: str) -> str:
+    """The squareq family of ``--family`` ``shape`` (:data:`SHAPE_FAMILIES`): its adapter, tiny model, manifest."""
+    return SHAPE_FAMILIES.get(shape, shape)
 
 
 def patched(latents, patch) -> int:
@@ -174,13 +196,13 @@ class Shape:
     def __str__(self) -> str:
         return str(self.res) if self.res is not None else f"{self.frames}x{self.height}x{self.width}"
 
-    def latents(self) -> dict:
+    def latents(self, vae_side: int = VAE_SIDE) -> dict:
         """The adapter's calibration_inputs size keywords: an image's latent side, or a clip's latent frames and
-        sides."""
+        sides (``vae_side``: the VAE's pixels per latent a side)."""
         if self.res is not None:
-            return {"side": self.res // VAE_SIDE}
-        return {"frames": 1 + (self.frames - 1) // VAE_FRAMES, "height": self.height // VAE_SIDE,
-                "width": self.width // VAE_SIDE}
+            return {"side": self.res // vae_side}
+        return {"frames": 1 + (self.frames - 1) // VAE_FRAMES, "height": self.height // vae_side,
+                "width": self.width // vae_side}
 
     def fields(self) -> dict:
         """What a record says of its shape: the token (``shape``), and ``res`` or a clip's frames, size and latent
@@ -190,9 +212,9 @@ class Shape:
         return {"shape": str(self), "frames": self.frames, "size": f"{self.height}x{self.width}",
                 "latent_frames": self.latents()["frames"]}
 
-    def clip_tokens(self, patch) -> int:
+    def clip_tokens(self, patch, vae_side: int = VAE_SIDE) -> int:
         """A clip's video tokens, its latents over ``patch``."""
-        return patched(self.latents().values(), patch)
+        return patched(self.latents(vae_side).values(), patch)
 
 
 def shape_arg(token: str) -> str:
@@ -220,12 +242,13 @@ class Setup:
 
         from squareq.models import ADAPTERS, BUILTIN_MODELS
 
-        self.tiny, self.family = args.tiny, args.family
+        self.tiny, self.family = args.tiny, squareq_family(args.family)  # args.family: the shape key
         self.class_name, config = FAMILIES[args.family]
-        self.adapter = ADAPTERS[args.family]
+        self.adapter = ADAPTERS[self.family]
+        self.vae_side = VAE_SIDES.get(args.family, VAE_SIDE)
         if args.tiny:
-            tiny = next(build for name, (family, build) in BUILTIN_MODELS.items() if family == args.family)
-            self.config, self.text_tokens = dict(tiny().config), 16
+            tiny = next(build for name, (family, build) in BUILTIN_MODELS.items() if family == self.family)
+            self.config, self.text_tokens = {**tiny().config, **TINY_CHANGES.get(args.family, {})}, 16
         else:
             self.config, self.text_tokens = dict(config), 512
         self.cuda = torch.cuda.is_available()
@@ -283,7 +306,8 @@ def make_batch(setup: Setup, shape: Shape | str | int, model):
     shape = Shape.parse(shape)
     if setup.family != "flux":
         batch = setup.adapter.calibration_inputs(model, 1, 1, device=setup.device, dtype=torch.bfloat16,
-                                                 text_tokens=setup.text_tokens, **shape.latents()).kwargs
+                                                 text_tokens=setup.text_tokens,
+                                                 **shape.latents(setup.vae_side)).kwargs
         g = torch.Generator(device=setup.device).manual_seed(1)
         x = batch["hidden_states"]
         return batch, torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)
@@ -573,7 +597,7 @@ def plan_figures(setup: Setup, shape: Shape, prefetch: int | str, compute: str, 
                        compute=resolve_compute(compute, setup.device)[0], offload=offload,
                        control_tokens=setup.controls * (shape.res or 0) ** 2 // 256)  # a control: the target's size
         if shape.res is None:
-            tokens = shape.clip_tokens(setup.config["patch_size"])
+            tokens = shape.clip_tokens(setup.config["patch_size"], setup.vae_side)
             grown = {k: getattr(plan, k) * tokens // plan.tokens for k in ("checkpoints", "recompute", "offloaded")}
             allocated = plan.peak_allocated + grown["checkpoints"] + grown["recompute"] - plan.checkpoints \
                 - plan.recompute
@@ -1311,15 +1335,18 @@ def use_lora_options(args) -> None:
 def shape_lists(ap: argparse.ArgumentParser, args) -> tuple[list[str], ...]:
     """The shapes of the pinned setups (--res, and the clips of --frames at --size), of the disk, group offload, bnb
     and gradients setups. By default an image family's are 512² and 1024² (tiny: 128², (128/16)² = 64 image tokens),
-    a video family's clips of 49 and 81 frames at 480x832 (tiny: 5 frames at 32x48, 2 x 2 x 3 = 12 tokens)."""
+    a video family's clips of 49 and 81 frames at 480x832 (tiny: 5 frames at 32x48, 2 x 2 x 3 = 12 tokens; a 16x VAE's,
+    :data:`VAE_SIDES`, at 64x96, the same tokens)."""
     from squareq.models import ADAPTERS
 
-    recipe = ADAPTERS[args.family].recipe
+    recipe = ADAPTERS[squareq_family(args.family)].recipe
+    vae_side = VAE_SIDES.get(args.family, VAE_SIDE)
     video = bool(recipe and recipe.frames)
     clips = args.frames is not None or args.size is not None or (video and args.res is None)
     res = list(args.res) if args.res is not None else [] if clips else ["128"] if args.tiny else ["512", "1024"]
     if clips:
-        size = args.size or ("32x48" if args.tiny else "480x832")
+        scale = vae_side // VAE_SIDE
+        size = args.size or (f"{32 * scale}x{48 * scale}" if args.tiny else "480x832")
         frames = args.frames or ([5] if args.tiny else [49, 81])
         try:
             res += [str(Shape.parse(f"{n}x{size}")) for n in frames]
@@ -1330,6 +1357,11 @@ def shape_lists(ap: argparse.ArgumentParser, args) -> tuple[list[str], ...]:
              args.gradients_res)
     if not video and any(Shape.parse(s).res is None for shapes in lists for s in shapes):
         ap.error(f"--family {args.family} takes square sides: clips (--frames, --size, FxHxW) are for video families")
+    clip_shapes = [Shape.parse(s) for shapes in lists for s in shapes if Shape.parse(s).res is None]
+    odd = [c for c in clip_shapes if c.height % (2 * vae_side) or c.width % (2 * vae_side)]
+    if odd:  # Shape.parse checks the 8x VAE's multiples of 16 only
+        ap.error(f"--family {args.family}: the clip {odd[0]} needs sides that are multiples of {2 * vae_side} (its "
+                 f"VAE's {vae_side}x, then 2x2 patches)")
     return lists
 
 
@@ -1366,13 +1398,14 @@ def main() -> None:
 
     cuda = torch.cuda.is_available()
     res, disk_res, offload_res, bnb_res, gradients_res = shape_lists(ap, args)
-    if args.targets == "attention-ffn" and args.family != "wan":
-        ap.error("--targets attention-ffn names Wan's FFN linears (ffn.net.0.proj, ffn.net.2): --family wan only")
+    if args.targets == "attention-ffn" and squareq_family(args.family) != "wan":
+        ap.error("--targets attention-ffn names Wan's FFN linears (ffn.net.0.proj, ffn.net.2): a Wan --family only "
+                 f"({', '.join(f for f in FAMILIES if squareq_family(f) == 'wan')})")
     only = set(args.only.split(","))
     unknown = only - {"slab", "squareq", "resident", "compiled", "bnb", "group_offload"}
     if unknown:
         ap.error(f"--only: unknown setups {sorted(unknown)}")
-    if args.controls and args.family != "flux":
+    if args.controls and squareq_family(args.family) != "flux":
         ap.error(f"--controls: FLUX.1 Kontext's control images (--family flux), not --family {args.family}'s")
     if args.family in SLAB_ONLY and only != {"slab"}:
         ap.error(f"--family {args.family}: its slab only (--only slab, as benchmarks/cards.py builds it)")

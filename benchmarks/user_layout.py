@@ -7,10 +7,11 @@ import contextlib
 import os
 from pathlib import Path
 
-# the repository a family's pipeline is released as (its ID is what a user passes with --model)
+# the repository a shape key's pipeline is released as (its ID is what a user passes with --model); a shape key is
+# benchmarks/train_step.py's --family: a family, or a model of one at shapes of its own (wan2.2-5b)
 REPOS = {"flux": "black-forest-labs/FLUX.1-dev", "flux2": "black-forest-labs/FLUX.2-dev",
          "qwen-image": "Qwen/Qwen-Image", "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-         "hunyuan-video": "hunyuanvideo-community/HunyuanVideo"}
+         "wan2.2-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "hunyuan-video": "hunyuanvideo-community/HunyuanVideo"}
 COMMIT = "0000000000000000000000000000000000000000"  # the snapshot's stand-in revision (refs/main points at it)
 
 

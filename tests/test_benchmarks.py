@@ -7,6 +7,7 @@ heavy libraries once (:data:`PRELOAD`): fifteen fresh interpreters would spend a
 forks only where a fork is safe (:func:`fork_refusal`), and either way a run has :data:`TIMEOUT_S` seconds."""
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import json
@@ -71,6 +72,11 @@ TINY_VARIANTS = {
                                             "--disk-res", "--steps", "2", "--warmup", "1", "--rank", "4",
                                             "--targets", "attention-ffn", "--offload-activations", "off", "on"],
                           {"frames": 5, "size": "32x48", "latent_frames": 2, "tokens": 12}),
+    # Wan 2.2-TI2V-5B's shapes: its 16x VAE's latents, so the default tiny clip (64x96) is as many tokens
+    "train_step.py-wan2.2-5b": ("train_step.py", ["--workdir", "{work}", "--family", "wan2.2-5b", "--only",
+                                                  "slab,squareq,resident", "--prefetch", "2", "--disk-res", "--steps",
+                                                  "2", "--warmup", "1", "--targets", "attention-ffn"],
+                                {"frames": 5, "size": "64x96", "latent_frames": 2, "tokens": 12}),
 }
 TINY_RUNS = {**{script: (script, args, {}) for script, args in TINY_ARGS.items()}, **TINY_VARIANTS}
 # The kernel benchmarks keep the Triton kernels (interpreted); the others run the bit-identical torch reference, as the
@@ -405,3 +411,30 @@ def test_a_kontext_step_appends_the_control_s_tokens_with_first_id_1_and_learns_
             assert (ids[side * side:, 0] == 1).all() and torch.equal(ids[side * side:, 1:], ids[:side * side, 1:])
         out = torch.randn(1, batch["hidden_states"].shape[1], 4)
         assert torch.equal(step.predicted(out, target), out[:, :side * side])
+
+
+def test_the_wan22_5b_config_runs_on_the_5b_s_slab_and_snapshot(tmp_path):
+    """cards.py: wan2.2-ti2v-5b's slab is train_step.py's wan2.2-5b (48 latent channels; at full size 30 blocks), its
+    manifest's family squareq's wan, and its Hub snapshot the 5B release's, whose VAE is Wan 2.2's (48 channels, 16x a
+    side) in a pipeline of per-token timesteps. Negative control: the 14B config's slab and snapshot are the 14B's, so
+    the 5B config on the 14B's files (the stand-in it ran on before) fails here."""
+    from squareq.slab import open_slab
+
+    cards, step = _load_cards(), _load_script("train_step")
+    from user_layout import snapshot_of  # cards.py put benchmarks/ on sys.path
+
+    args = argparse.Namespace(workdir=str(tmp_path), files_dir=None, tiny=True)
+    seen = {}
+    for name in ("wan2.2-ti2v-5b", "wan2.1-t2v-14b-16gb"):
+        shape, repo = cards.shape_of(name), cards.repo_of(name)
+        cards.ensure_slab(args, shape)
+        cards.write_user_files(args, shape, cards.CARDS[name][0], repo)
+        model = open_slab(cards.slab_path(tmp_path, shape, True), verify="off").manifest.model
+        snapshot = snapshot_of(cards.hub_dir(args), repo)
+        vae = json.loads((snapshot / "vae" / "config.json").read_text())
+        index = json.loads((snapshot / "model_index.json").read_text())
+        full = step.FAMILIES[shape][1]
+        seen[name] = (model.family, model.config["in_channels"], repo, vae["z_dim"], vae["scale_factor_spatial"],
+                      index["expand_timesteps"], full["in_channels"], full["num_layers"])
+    assert seen["wan2.2-ti2v-5b"] == ("wan", 48, "Wan-AI/Wan2.2-TI2V-5B-Diffusers", 48, 16, True, 48, 30)
+    assert seen["wan2.1-t2v-14b-16gb"] == ("wan", 4, "Wan-AI/Wan2.1-T2V-14B-Diffusers", 4, 8, False, 16, 40)
