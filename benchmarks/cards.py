@@ -970,19 +970,18 @@ def in_its_own_process(args, name: str, layout: str) -> None:
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         lines = [rec for rec in lines if rec["what"] != PARTIAL]
-        if done.returncode != 0 or not lines:
-            raise RuntimeError(f"exit code {done.returncode}")
+        if done.returncode != 0 or not lines:  # what it measured before it stopped is kept, as for a timeout
+            emit(cut_record(name, layout, done.stdout, f"exit code {done.returncode}"))
+            return
         for rec in lines:
             RECORDS.append(rec)
             print(json.dumps(rec, sort_keys=True), flush=True)
     except subprocess.TimeoutExpired as exc:
         emit(cut_record(name, layout, exc.stdout, f"timed out after {args.timeout:.0f} s (--timeout)"))
-    except RuntimeError as exc:
-        emit({"what": "card", "config": name, "layout": layout, "error": str(exc)})
 
 
 def cut_record(name: str, layout: str, stdout: str | bytes | None, why: str) -> dict:
-    """The record of a config whose process was cut while sampling: its figures up to sampling (the last
+    """The record of a config whose process was cut or failed while sampling: its figures up to sampling (the last
     :data:`PARTIAL` line it printed), sampling's not measured; else only ``why``."""
     text = stdout.decode() if isinstance(stdout, bytes) else stdout or ""
     partial = [json.loads(line) for line in text.splitlines() if line.startswith("{") and f'"{PARTIAL}"' in line]

@@ -485,6 +485,7 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
                      host_flag=host_flag)
     with open_family_pipeline(encoders, family, device, dtype, run=run) as opened:
         pipe = opened.pipeline
+        tile_clip_decodes(pipe, family)
         setattr(pipe, component, transformer)
         try:
             def draw_one(prompt, callback):
@@ -494,6 +495,21 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
             return each_prompt(settled, tuner, on_image, draw_one, progress)
         finally:
             setattr(pipe, component, None)
+
+
+def tile_clip_decodes(pipe, family: str) -> bool:
+    """Have a video family's VAE decode its clips in tiles (diffusers' ``enable_tiling``: overlapping tiles, blended);
+    whether it does. Decoding a clip whole holds every frame's feature maps at full size: Wan 2.2-TI2V-5B's VAE ran out
+    of a 16 GB card's memory on 49 frames at 928² (docs/train.md, "Samples"). Frames no larger than a tile decode as
+    before; image families keep their VAE's own setting."""
+    from ..sources.vae_memory import can_tile
+
+    recipe = getattr(ADAPTERS.get(family), "recipe", None)
+    vae = getattr(pipe, "vae", None)
+    if recipe is None or not recipe.frames or vae is None or not can_tile(vae):
+        return False
+    vae.enable_tiling()
+    return True
 
 
 def _drawer(slab, family: str, encoders: EncoderSource, stages: dict[str, str | None]) -> Callable:

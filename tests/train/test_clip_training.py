@@ -320,3 +320,23 @@ def test_a_frame_folder_reads_its_frames_by_number_and_leaves_hidden_files_out(t
     expected = [np.asarray(f) for f in _frames(12, 14)]
     got = read_frames(folder, [9, 10, 11])
     assert all(np.array_equal(np.asarray(g), expected[i]) for g, i in zip(got, [9, 10, 11], strict=True))
+
+
+def test_clip_samples_decode_in_tiles():
+    """A video family's pipeline decodes its clips in tiles; the negative controls: an image family's VAE, and a VAE
+    that cannot tile, are left as they are."""
+    from types import SimpleNamespace
+
+    from squareq.train.sample import tile_clip_decodes
+
+    calls = []
+
+    def pipe_with(tiles: bool):
+        vae = SimpleNamespace(enable_tiling=lambda: calls.append(1))
+        if tiles:
+            vae.tile_sample_min_height = 256
+        return SimpleNamespace(vae=vae)
+
+    assert not tile_clip_decodes(pipe_with(True), "qwen-image") and not calls
+    assert not tile_clip_decodes(pipe_with(False), "wan") and not calls
+    assert tile_clip_decodes(pipe_with(True), "wan") and calls == [1]
