@@ -664,7 +664,7 @@ def phase_squareq(setup: Setup, shape: Shape, prefetch: int | str, host: str, lo
                    + ("" if lora == "squareq" else f"_{lora}")
                    + ("_graphs" if graphs else "") + ("_compiled" if block_compile else "")
                    + ("_pieces" if block_compile and pieces else "")
-                   + ("_fp8grad" if fp8_backward else "") + ("_attn-default" if attention == "default" else "")
+                   + ("_fp8grad" if fp8_backward else "") + ("" if attention == "auto" else f"_attn-{attention}")
                    + (f"_keep{resident_blocks}" if resident_blocks else "") + ("_fp16" if fp16 else "")
                    + ("_offload" if offload else ""), fp16=fp16)
     if tuner is not None:
@@ -980,7 +980,7 @@ def phase_record(phase: list[str]) -> dict:
                    compute=phase[5] if len(phase) > 5 else "bf16", cold="cold" in phase[6:],
                    graphs="graphs" in phase[6:], block_compile="compiled" in phase[6:],
                    fp8_backward="fp8grad" in phase[6:], pieces="pieces" in phase[6:],
-                   attention="default" if "attn-default" in phase[6:] else "auto")
+                   attention=next((t[5:] for t in phase[6:] if t in ("attn-default", "attn-cudnn")), "auto"))
         keep = next((t[4:] for t in phase[6:] if t.startswith("keep")), "0")
         budget = next((float(t[6:]) for t in phase[6:] if t.startswith("budget")), None)
         rec.update(resident_blocks=keep if keep == "auto" else int(keep), vram_budget_GB=budget,
@@ -1037,7 +1037,7 @@ def phase_body(args) -> None:
     # only the setups that choose cuDNN attention (SquareQ's attention="auto" at FLUX.1's head width, the
     # resident model with it first) keep it on.
     torch.backends.cuda.enable_cudnn_sdp(rec.get("cudnn_attention_first", False)
-                                         or (name == "squareq" and rec["attention"] == "auto"))
+                                         or (name == "squareq" and rec["attention"] in ("auto", "cudnn")))
     setup = Setup(args)
     log(f"phase {' '.join(args.phase)} on {setup.device_name}")
     shape = None if name == "slab" else Shape.parse(args.phase[1])
@@ -1133,7 +1133,9 @@ def setup_label(r: dict) -> str:
             f"{' graphs' if r.get('cuda_graphs') else ''}{' compiled' if r.get('block_compile') else ''}" \
             f"{' (pieces)' if r.get('block_compile_pieces') else ''}" \
             f"{' fp8-backward' if r.get('fp8_backward') else ''}" \
-            f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''} {r.get('compute', 'bf16')}" + (
+            f"{' cuDNN attention' if r.get('cudnn_attention_first') else ''}" \
+            f"{'' if r.get('attention', 'auto') == 'auto' else ' attention=' + r['attention']}" \
+            f" {r.get('compute', 'bf16')}" + (
             f" ({r['compute_used']})" if r.get("compute") == "auto" and r.get("compute_used") else "") + (
             "" if r.get("lora", "squareq") == "squareq" else f", {r['lora']} LoRA layers") + (
             f", resident_blocks {r['resident_blocks']}" if r.get("resident_blocks") else "") + (
@@ -1258,9 +1260,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SquareQ setups without and/or with each block class's forward under torch.compile "
                          "(squareq train --compile); the first steps compile, reported as compile_s. pieces: the "
                          "quantized layers kept eager between compiled pieces (block_compile.WHOLE_BLOCKS off)")
-    ap.add_argument("--attention", nargs="+", choices=("auto", "default"), default=["auto"],
+    ap.add_argument("--attention", nargs="+", choices=("auto", "default", "cudnn"), default=["auto"],
                     help="SquareQ's attention kernel choice (LoadOptions.attention): auto (cuDNN first where "
-                         "measured faster), default (torch's order); several: one phase each")
+                         "measured faster; torch's order on edit pairs, --controls), default (torch's order), cudnn "
+                         "(cuDNN first, also on edit pairs); several: one phase each")
     ap.add_argument("--resident-attention", nargs="+", choices=("default", "cudnn"), default=["default"],
                     help="the compiled resident model's attention: torch's order (default), or cuDNN first; several: "
                          "one phase each")
@@ -1370,7 +1373,7 @@ def squareq_options(ap: argparse.ArgumentParser, args, cuda: bool) -> tuple[list
     dtype, activation offload: one phase each), and those of graphs and compile alone, which the disk phases take."""
     graph_tokens = [(["graphs"] if g == "on" else []) + {"off": [], "on": ["compiled"],
                                                           "pieces": ["compiled", "pieces"]}[bc]
-                    + (["fp8grad"] if fb == "on" else []) + (["attn-default"] if at == "default" else [])
+                    + (["fp8grad"] if fb == "on" else []) + ([] if at == "auto" else [f"attn-{at}"])
                     for g in dict.fromkeys(args.graphs) for bc in dict.fromkeys(args.block_compile)
                     for fb in dict.fromkeys(args.fp8_backward) for at in dict.fromkeys(args.attention)]
     budget_token = [f"budget{args.vram_budget}"] if args.vram_budget is not None else []
