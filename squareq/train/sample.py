@@ -500,7 +500,7 @@ def draw_through_pipeline(encoders: EncoderSource, family: str, transformer, set
 def tile_clip_decodes(pipe, family: str) -> bool:
     """Have a video family's VAE decode its clips in tiles (diffusers' ``enable_tiling``: overlapping tiles, blended);
     whether it does. Decoding a clip whole holds every frame's feature maps at full size: Wan 2.2-TI2V-5B's VAE ran out
-    of a 16 GB card's memory on 49 frames at 928² (docs/train.md, "Samples"). Frames no larger than a tile decode as
+    of a 16 GB card's memory on 49 frames at 928² (docs/train.md, "Clips"). Frames no larger than a tile decode as
     before; image families keep their VAE's own setting."""
     from ..sources.vae_memory import can_tile
 
