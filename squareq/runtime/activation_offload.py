@@ -73,7 +73,7 @@ class ActivationOffload:
         self.device, self.min_bytes = device, min_bytes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.stashed: dict[int, _Stashed] = {}
-        self.buffers = HostBuffers(device if device.type == "cuda" else torch.device("cpu"))
+        self.buffers = HostBuffers(device)  # page-locked on a GPU, plain pages elsewhere
         self.next_key = 0
         self.bytes_out = 0  # what this step moved to the host (telemetry, tests)
 

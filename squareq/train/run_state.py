@@ -12,10 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
-from ..runtime.attention_choice import edit_pair_attention
 from ..runtime.host.pinned import HostMemoryError
 from .buckets import BucketBatches
-from .controls import control_tokens
 from .distributed import Ranks
 from .ema import LoraEma
 from .errors import TrainError
@@ -36,10 +34,9 @@ def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo, host: Ho
         echo(f"host auto: {asked}: {host.slab_reason()}")
     # several ranks on one host read the same blobs: one shared host copy instead of one pinned copy per rank
     host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
-    attention, settled = edit_pair_attention(cfg.attention, control_tokens(cfg, plan.family) > 0)
     options = runtime.LoadOptions(host=host, prefetch=cfg.start_prefetch, verify="off", compute=plan.compute,
                                   cuda_graphs=plan.cuda_graphs, compile_blocks=plan.compile_blocks,
-                                  attention=attention, dtype=plan.dtype)
+                                  attention=plan.attention, dtype=plan.dtype)
     try:
         model = runtime.load(plan.slab, device, options=options)
     except HostMemoryError as exc:
@@ -51,7 +48,8 @@ def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo, host: Ho
         runtime.runtime_of(model).activation_offload = runtime.ActivationOffload(device)
     if cfg.attention == "auto":
         rt = runtime.runtime_of(model)
-        echo(f"attention auto: {'cuDNN first' if rt.prefer_cudnn else 'torch order'}: {settled or rt.attention_reason}")
+        why = plan.attention_why or rt.attention_reason
+        echo(f"attention auto: {'cuDNN first' if rt.prefer_cudnn else 'torch order'}: {why}")
     return model
 
 

@@ -37,6 +37,7 @@ from ..sources.encoder_source import (
 )
 from ..sources.encoders import encoder_dtype, open_decoder, open_encoders
 from ..sources.pipeline_encoders import open_family_pipeline
+from ..sources.vae_memory import can_tile
 from ..third_party import pipeline_bars
 from .clips import TEMPORAL_STRIDE
 from .edit_sample import controls_problem, edit_folder_problem, edit_inputs, edit_pipeline, prompt_pipeline
@@ -502,8 +503,6 @@ def tile_clip_decodes(pipe, family: str) -> bool:
     whether it does. Decoding a clip whole holds every frame's feature maps at full size: Wan 2.2-TI2V-5B's VAE ran out
     of a 16 GB card's memory on 49 frames at 928² (docs/train.md, "Clips"). Frames no larger than a tile decode as
     before; image families keep their VAE's own setting."""
-    from ..sources.vae_memory import can_tile
-
     recipe = getattr(ADAPTERS.get(family), "recipe", None)
     vae = getattr(pipe, "vae", None)
     if recipe is None or not recipe.frames or vae is None or not can_tile(vae):
