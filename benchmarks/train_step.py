@@ -616,7 +616,6 @@ def phase_squareq(setup: Setup, shape: Shape, prefetch: int | str, host: str, lo
     import squareq.runtime as rt
     from squareq.runtime import block_compile as block_compile_module
     from squareq.runtime import compute as compute_module
-    from squareq.runtime.attention_choice import edit_pair_attention
 
     compute_module.FP8_BACKWARD = fp8_backward
     block_compile_module.WHOLE_BLOCKS = not pieces
@@ -642,7 +641,6 @@ def phase_squareq(setup: Setup, shape: Shape, prefetch: int | str, host: str, lo
     start = time.perf_counter()
     # verify="off": the slab was written (or checked to open) by this run's slab phase, and hashing
     # 6.7 GB in every phase would only lengthen the run.
-    attention = edit_pair_attention(attention, setup.controls > 0)[0]  # as squareq train settles it for edit pairs
     model = rt.load(setup.slab, setup.device, options=rt.LoadOptions(
         prefetch=2 if prefetch == "auto" else prefetch, host=host, verify="off", trace=trace, compute=compute,
         cuda_graphs=graphs, compile_blocks=block_compile, attention=attention, dtype="fp16" if fp16 else "bf16"))
@@ -1262,8 +1260,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "quantized layers kept eager between compiled pieces (block_compile.WHOLE_BLOCKS off)")
     ap.add_argument("--attention", nargs="+", choices=("auto", "default", "cudnn"), default=["auto"],
                     help="SquareQ's attention kernel choice (LoadOptions.attention): auto (cuDNN first where "
-                         "measured faster; torch's order on edit pairs, --controls), default (torch's order), cudnn "
-                         "(cuDNN first, also on edit pairs); several: one phase each")
+                         "measured faster), default (torch's order), cudnn (cuDNN first on any GPU); several: one "
+                         "phase each")
     ap.add_argument("--resident-attention", nargs="+", choices=("default", "cudnn"), default=["default"],
                     help="the compiled resident model's attention: torch's order (default), or cuDNN first; several: "
                          "one phase each")

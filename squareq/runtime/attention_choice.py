@@ -12,10 +12,14 @@ torch goes on down the list as it always does.
   The narrow heads of the tiny test models are left out: on the device image cuDNN's backward returns NaN for them
   (docs/train.md).
 * ``cudnn``: cuDNN first on any CUDA GPU; ``default``: torch's order.
-* A training run whose sequences carry an edit pair's control tokens settles ``auto`` as ``default``
-  (:func:`edit_pair_attention`): the streamed FLUX.1 Kontext step at 1024² (8,704 tokens) with cuDNN first stopped on
-  an illegal memory access in its first backward on the H200 (torch 2.11), twice, where torch's order ran; cuDNN's
-  kernel alone at that shape did not fail, so the cause is not known yet (docs/train.md, "Edit pairs").
+* A block that runs eagerly (not under ``torch.compile``) with cuDNN first hands each attention backward its output
+  gradient in the output's own layout (:class:`GradientInOutputLayout`). Why: torch 2.11 caches cuDNN's backward
+  graph by the shapes and strides of the query, key and value only, and with cuDNN 9.5.1 and later it no longer
+  copies the output gradient into the output's strides. FLUX.1's double and single blocks call attention with the
+  same query, key and value but hand back gradients of other strides (rows of 3,072 after the double block's split,
+  of 15,360 in the single block's concatenation with its MLP), so the double blocks' backward ran the single
+  blocks' cached graph: wrong gradients at 4,608 tokens, an illegal memory access at Kontext's 8,704 (measured on the
+  H200, docs/train.md "Edit pairs"). Inductor lays the gradient out itself, so a compiled block needs nothing.
 
 The fallback stays as it was: a cuDNN attention backward that raises or returns NaN turns cuDNN off for the process
 (runtime/blocks.py :func:`disable_cudnn_attention`, which calls :func:`mark_cudnn_failed`), and then the preference
@@ -26,13 +30,16 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 MODES = ("auto", "cudnn", "default")
 AUTO_CAPABILITY = (9, 0)
 AUTO_HEAD_DIMS = (128,)  # measured: FLUX.1's heads (docs/benchmarks.md, "cuDNN attention in the streamed blocks")
 
 _cudnn_failed = False  # set once cuDNN attention failed in this process
+_SDPA = F.scaled_dot_product_attention  # torch's own, as a mode receives it (a caller may wrap the name in F)
 
 
 class AttentionModeError(ValueError):
@@ -84,22 +91,42 @@ def resolve_attention(mode: str, device: torch.device | str, width: int | None) 
                   "GPUs of this generation (docs/benchmarks.md)")
 
 
-EDIT_PAIR_REASON = ("the streamed step on an edit pair's control tokens with cuDNN attention first stopped on an "
-                    "illegal memory access on the H200 (FLUX.1 Kontext at 1024²), and ran in torch's order "
-                    "(docs/train.md); attention = \"cudnn\" tries it")
+def same_layout(shape, strides, others) -> bool:
+    """Whether two tensors of ``shape`` with these strides lay their elements out alike (a dimension of size 1 has
+    any stride)."""
+    return all(a == b for n, a, b in zip(shape, strides, others) if n > 1)
 
 
-def edit_pair_attention(mode: str, controls: bool) -> tuple[str, str | None]:
-    """(the mode a training run loads with, why ``auto`` was settled otherwise or None): ``auto`` with control tokens
-    in the sequence (``controls``) loads as ``default`` (module docstring); every other mode as it is."""
-    if mode == "auto" and controls:
-        return "default", EDIT_PAIR_REASON
-    return mode, None
+class _GradientAsOutput(torch.autograd.Function):
+    """The identity, whose backward hands the gradient on laid out as the output was (its strides)."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.shape, ctx.strides = out.shape, out.stride()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if same_layout(ctx.shape, grad.stride(), ctx.strides):
+            return grad
+        return torch.empty_strided(ctx.shape, ctx.strides, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+class GradientInOutputLayout(TorchFunctionMode):
+    """Inside: each ``F.scaled_dot_product_attention`` output that needs a gradient gets it back in its own layout,
+    so every backward that torch's cuDNN graph cache keys alike reads its gradient alike (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is _SDPA and isinstance(out, torch.Tensor) and out.requires_grad:
+            return _GradientAsOutput.apply(out)
+        return out
 
 
 def preferring_cudnn(forward, runtime):
     """``forward`` run with cuDNN attention first in torch's priority while ``runtime.prefer_cudnn`` holds, cuDNN
-    attention is on and has not failed in this process; as it is otherwise."""
+    attention is on and has not failed in this process, its attention gradients in their outputs' layout where it
+    runs eagerly and records a backward (:class:`GradientInOutputLayout`); as it is otherwise."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -110,6 +137,9 @@ def preferring_cudnn(forward, runtime):
         if not getattr(runtime, "prefer_cudnn", False) or _cudnn_failed or not torch.backends.cuda.cudnn_sdp_enabled():
             return forward(*args, **kwargs)
         with sdpa_kernel(cudnn_first, set_priority=True):
-            return forward(*args, **kwargs)
+            if getattr(runtime, "compiled", False) or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            with GradientInOutputLayout():
+                return forward(*args, **kwargs)
 
     return run

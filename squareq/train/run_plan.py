@@ -15,7 +15,6 @@ import torch
 
 from .. import runtime
 from ..models import ADAPTERS, BUILTIN_MODELS
-from ..runtime.attention_choice import edit_pair_attention
 from ..runtime.block_compile import resolve_compile
 from ..runtime.compute import ComputeError, resolve_compute, resolve_dtype
 from ..runtime.lora import matches as lora_matches
@@ -57,8 +56,6 @@ class RunPlan:
     sample_stages: tuple[Path, Path] | None  # a Würstchen stage's two pipeline folders for sample images
     offload: bool = False  # the checkpointed block inputs wait in host memory (runtime/activation_offload.py)
     offload_bytes: int = 0  # what they take there at most (the memory plan's figure; 0 where it was not made)
-    attention: str = "auto"  # the mode the model loads with: cfg.attention, settled for edit pairs
-    attention_why: str | None = None  # why auto was settled otherwise (runtime/attention_choice.py), or None
 
     def say_choices(self, echo) -> None:
         """Say what ``auto`` and fp16 chose, and why."""
@@ -90,7 +87,6 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
     family = slab.manifest.model.family
     controls = control_tokens(cfg, family)  # an edit pair's tokens beside each target (reads the control folders)
     offload, offload_bytes = _check_memory_plan(cfg, slab, device, compute, dtype, echo, controls)
-    attention, attention_why = edit_pair_attention(cfg.attention, controls > 0)
     _check_trainable(cfg.slab, family)
     _check_pairs(cfg, slab.manifest.model, echo)
     targeted = [layer.name for layer in slab.manifest.layers if lora_matches(layer.name, cfg.targets)]
@@ -108,7 +104,7 @@ def plan_run(cfg: TrainConfig, out: Path, device: torch.device, world: int, echo
                    dtype_why=dtype_why, compute=compute, compute_why=compute_why, cuda_graphs=cuda_graphs,
                    compile_blocks=compile_blocks, compile_why=compile_why, formats=formats, started=started,
                    encoder_source=encoder_source, sample_stages=sample_stages, offload=offload,
-                   offload_bytes=offload_bytes, attention=attention, attention_why=attention_why)
+                   offload_bytes=offload_bytes)
 
 
 def _compute(cfg: TrainConfig, device: torch.device, dtype: str) -> tuple[str, str]:

@@ -36,7 +36,7 @@ def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo, host: Ho
     host = "shared" if asked == "pinned" and ranks.local_world > 1 else asked
     options = runtime.LoadOptions(host=host, prefetch=cfg.start_prefetch, verify="off", compute=plan.compute,
                                   cuda_graphs=plan.cuda_graphs, compile_blocks=plan.compile_blocks,
-                                  attention=plan.attention, dtype=plan.dtype)
+                                  attention=cfg.attention, dtype=plan.dtype)
     try:
         model = runtime.load(plan.slab, device, options=options)
     except HostMemoryError as exc:
@@ -48,8 +48,7 @@ def load_model(plan: RunPlan, device: torch.device, ranks: Ranks, echo, host: Ho
         runtime.runtime_of(model).activation_offload = runtime.ActivationOffload(device)
     if cfg.attention == "auto":
         rt = runtime.runtime_of(model)
-        why = plan.attention_why or rt.attention_reason
-        echo(f"attention auto: {'cuDNN first' if rt.prefer_cudnn else 'torch order'}: {why}")
+        echo(f"attention auto: {'cuDNN first' if rt.prefer_cudnn else 'torch order'}: {rt.attention_reason}")
     return model
 
 

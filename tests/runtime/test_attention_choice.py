@@ -1,8 +1,12 @@
 """Which attention kernel the blocks prefer (runtime/attention_choice.py): the rules of ``auto``, and that a streamed
 or resident block's forward (its first pass and its checkpointed recompute) runs with cuDNN first in torch's priority
 exactly while the runtime prefers it and cuDNN attention has not failed."""
+import contextlib
+import types
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from squareq import runtime
 from squareq.runtime import attention_choice
@@ -139,11 +143,53 @@ def test_a_sampling_run_keeps_torchs_order_unless_cudnn_is_asked_for(asked, used
     assert seen["options"].attention == used
 
 
-def test_edit_pairs_settle_auto_as_torchs_order():
-    """auto on a sequence with control tokens loads in torch's order, with its reason; the negative controls: without
-    control tokens auto stays auto, and a mode the user chose is kept."""
-    from squareq.runtime.attention_choice import EDIT_PAIR_REASON, edit_pair_attention
+class AttentionBackwards(TorchDispatchMode):
+    """The strides of the output gradient each attention backward kernel receives."""
 
-    assert edit_pair_attention("auto", True) == ("default", EDIT_PAIR_REASON)
-    assert edit_pair_attention("auto", False) == ("auto", None)
-    assert edit_pair_attention("cudnn", True) == ("cudnn", None)
+    def __init__(self):
+        super().__init__()
+        self.grad_strides = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "attention" in func.__name__ and "backward" in func.__name__:
+            self.grad_strides.append(args[0].stride())
+        return func(*args, **(kwargs or {}))
+
+
+def _single_block_attention(guarded: bool):
+    """FLUX.1's single block in small: attention on [B, S, H, D] tensors seen as [B, H, S, D] (diffusers' layout), its
+    output concatenated with an MLP's before the projection, so its gradient arrives as a slice of a wider one.
+    Returns (the output's strides, the strides each backward kernel got)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=g).requires_grad_() for _ in range(3))
+    with attention_choice.GradientInOutputLayout() if guarded else contextlib.nullcontext():
+        out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    joined = torch.cat([out.transpose(1, 2).flatten(2), torch.randn(1, 64, 96, generator=g)], dim=2)
+    with AttentionBackwards() as seen:
+        (joined * torch.randn(joined.shape, generator=g)).sum().backward()
+    return out.stride(), seen.grad_strides
+
+
+def test_attention_gradients_reach_the_kernel_in_the_outputs_layout():
+    """torch's cuDNN backward graph is cached by query/key/value alone: a gradient of other strides than the one the
+    graph was built with is read wrongly (module docstring). Guarded, every backward gets its output's strides; the
+    negative control: unguarded, the single block's gradient arrives with the MLP's wider rows."""
+    shape = (1, 2, 64, 16)
+    strides, seen = _single_block_attention(guarded=True)
+    assert len(seen) == 1 and attention_choice.same_layout(shape, seen[0], strides), (seen, strides)
+    strides, seen = _single_block_attention(guarded=False)
+    assert len(seen) == 1 and not attention_choice.same_layout(shape, seen[0], strides)
+    assert seen[0][2] == 2 * 16 + 96  # a row of the concatenation
+
+
+@pytest.mark.parametrize("compiled, grad, guarded", [(False, True, True), (True, True, False), (False, False, False)])
+def test_the_guard_runs_on_eager_blocks_that_record_a_backward(cudnn_on, compiled, grad, guarded):
+    """Inductor lays a compiled block's gradients out itself, and a pass without a backward has none to lay out."""
+    rt = types.SimpleNamespace(prefer_cudnn=True, compiled=compiled)
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    forward = attention_choice.preferring_cudnn(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x), rt)
+    with torch.set_grad_enabled(grad):
+        out = forward(q)
+    kind = type(out.grad_fn).__name__ if out.grad_fn is not None else None
+    assert (kind == "_GradientAsOutputBackward") is guarded, kind
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
