@@ -29,12 +29,11 @@ def cudnn_on(monkeypatch):
 
 
 def _flux(compiled: bool):
-    """A FLUX.1 transformer with one double and one single block, heads of 128 as the 12B's, 2 of them."""
+    """FLUX.1-dev's transformer at its widths, with one double and one single block."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, num_attention_heads=2, attention_head_dim=128,
-                                   joint_attention_dim=64, pooled_projection_dim=32).to("cuda", torch.bfloat16)
+    model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True).to("cuda", torch.bfloat16)
     model.requires_grad_(False)
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     for block in blocks:
@@ -53,8 +52,9 @@ def _to_q_grads(model, blocks, forward, image_tokens: int) -> list[torch.Tensor]
     rand = lambda *shape: torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
     for block in blocks:
         block.attn.to_q.weight.grad = None
-    out = forward(hidden_states=rand(1, side * side, 64), encoder_hidden_states=rand(1, 512, 64),
-                  pooled_projections=rand(1, 32), timestep=torch.full((1,), 0.5, device="cuda"),
+    scalar = lambda value: torch.full((1,), value, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    out = forward(hidden_states=rand(1, side * side, 64), encoder_hidden_states=rand(1, 512, 4096),
+                  pooled_projections=rand(1, 768), timestep=scalar(0.5), guidance=scalar(3.5),
                   img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(512, 3, device="cuda")).sample
     (out.float() - 1).pow(2).mean().backward()
     torch.cuda.synchronize()
