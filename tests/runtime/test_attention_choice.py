@@ -182,10 +182,15 @@ def test_attention_gradients_reach_the_kernel_in_the_outputs_layout():
     assert seen[0][2] == 2 * 16 + 96  # a row of the concatenation
 
 
-@pytest.mark.parametrize("compiled, grad, guarded", [(False, True, True), (True, True, False), (False, False, False)])
-def test_the_guard_runs_on_eager_blocks_that_record_a_backward(cudnn_on, compiled, grad, guarded):
-    """Inductor lays a compiled block's gradients out itself, and a pass without a backward has none to lay out."""
-    rt = types.SimpleNamespace(prefer_cudnn=True, compiled=compiled)
+@pytest.mark.parametrize("device, compiled, grad, prefer, guarded", [
+    ("cuda", False, True, False, True),  # torch's own order may put cuDNN first (module docstring)
+    ("cuda", False, True, True, True),
+    ("cuda", True, True, True, False),  # inductor lays a compiled block's gradients out itself
+    ("cuda", False, False, True, False),  # a pass without a backward has no gradient to lay out
+    ("cpu", False, True, True, False),  # no cuDNN
+])
+def test_the_guard_runs_on_eager_gpu_blocks_that_record_a_backward(cudnn_on, device, compiled, grad, prefer, guarded):
+    rt = types.SimpleNamespace(prefer_cudnn=prefer, compiled=compiled, device=torch.device(device))
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     forward = attention_choice.preferring_cudnn(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x), rt)
     with torch.set_grad_enabled(grad):
@@ -193,3 +198,11 @@ def test_the_guard_runs_on_eager_blocks_that_record_a_backward(cudnn_on, compile
     kind = type(out.grad_fn).__name__ if out.grad_fn is not None else None
     assert (kind == "_GradientAsOutputBackward") is guarded, kind
     assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+
+def test_no_guard_once_cudnn_attention_is_off(cudnn_on):
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    rt = types.SimpleNamespace(prefer_cudnn=True, compiled=False, device=torch.device("cuda"))
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    out = attention_choice.preferring_cudnn(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x), rt)(q)
+    assert type(out.grad_fn).__name__ != "_GradientAsOutputBackward"

@@ -63,10 +63,17 @@ def _to_q_grads(model, blocks, forward, image_tokens: int) -> list[torch.Tensor]
 
 def _errors(compiled: bool, guarded: bool, image_tokens: int) -> list[float]:
     """Each block's to_q gradient with cuDNN first through ``preferring_cudnn``, relative to flash's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # the reference: an eager twin (the same seed) with flash alone; torch's order may put cuDNN first on this GPU, and
+    # a compiled block keeps the kernel it was traced with whatever the switches say later
+    reference, reference_blocks = _flux(compiled=False)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        want = _to_q_grads(reference, reference_blocks, reference.forward, image_tokens)
+    del reference, reference_blocks
     model, blocks = _flux(compiled)
-    want = _to_q_grads(model, blocks, model.forward, image_tokens)  # torch's order: flash
     # the runtime's flag says which blocks skip the guard: compiled ones (or, for the control, eager ones told so)
-    rt = types.SimpleNamespace(prefer_cudnn=True, compiled=compiled or not guarded)
+    rt = types.SimpleNamespace(prefer_cudnn=True, compiled=compiled or not guarded, device=torch.device("cuda"))
     got = _to_q_grads(model, blocks, attention_choice.preferring_cudnn(model.forward, rt), image_tokens)
     return [((a - b).norm() / b.norm()).item() for a, b in zip(got, want)]
 
