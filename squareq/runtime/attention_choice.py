@@ -12,16 +12,17 @@ torch goes on down the list as it always does.
   The narrow heads of the tiny test models are left out: on the device image cuDNN's backward returns NaN for them
   (docs/train.md).
 * ``cudnn``: cuDNN first on any CUDA GPU; ``default``: torch's order.
-* A block that runs eagerly (not under ``torch.compile``) on a GPU with cuDNN attention on hands each attention
-  backward its output gradient in the output's own layout (:class:`GradientInOutputLayout`). Why: torch 2.11 caches
-  cuDNN's backward graph by the shapes and strides of the query, key and value only, and with cuDNN 9.5.1 and later it
-  no longer copies the output gradient into the output's strides. FLUX.1's double and single blocks call attention
-  with the same query, key and value but hand back gradients of other strides (rows of 3,072 after the double block's
-  split, of 15,360 in the single block's concatenation with its MLP), so the double blocks' backward ran the single
-  blocks' cached graph: wrong gradients at 4,608 tokens, an illegal memory access at Kontext's 8,704 (measured on the
-  H200, docs/train.md "Edit pairs"). In torch's order too: torch 2.11 puts cuDNN first itself on compute capability
-  9.0 and 10.0 with cuDNN 9.9 and up (its sdp_utils.cpp, check_prefer_cudnn_attention). Inductor lays the gradient out
-  itself, so a compiled block needs nothing.
+* A block on a GPU with cuDNN attention on, eager or compiled, hands each attention backward its output gradient in
+  the output's own layout (:class:`GradientInOutputLayout`). Why: torch 2.11 caches cuDNN's backward graph by the
+  shapes and strides of the query, key and value only, and with cuDNN 9.5.1 and later it no longer copies the output
+  gradient into the output's strides. FLUX.1's double and single blocks call attention with the same query, key and
+  value but hand back gradients of other strides (rows of 3,072 after the double block's split, of 15,360 in the
+  single block's concatenation with its MLP), so the double blocks' backward ran the single blocks' cached graph:
+  wrong gradients at 4,608 tokens, an illegal memory access at Kontext's 8,704 (measured on the H200, docs/train.md
+  "Edit pairs"). In torch's order too: torch 2.11 puts cuDNN first itself on compute capability 9.0 and 10.0 with
+  cuDNN 9.9 and up (its sdp_utils.cpp, check_prefer_cudnn_attention). A compiled block is no exception: FLUX.1's
+  blocks under ``torch.compile`` without the guard stopped on the same illegal memory access on the H200
+  (tests/runtime/test_attention_layout_gpu.py).
 
 The fallback stays as it was: a cuDNN attention backward that raises or returns NaN turns cuDNN off for the process
 (runtime/blocks.py :func:`disable_cudnn_attention`, which calls :func:`mark_cudnn_failed`), and then the preference
@@ -130,7 +131,7 @@ def preferring_cudnn(forward, runtime):
     """``forward`` run with cuDNN attention first in torch's priority while ``runtime.prefer_cudnn`` holds, cuDNN
     attention is on and has not failed in this process; and, on a GPU where cuDNN attention is on (torch 2.11 puts it
     first itself on Hopper and Blackwell with cuDNN 9.9 and up), with its attention gradients in their outputs'
-    layout where it runs eagerly and records a backward (:class:`GradientInOutputLayout`)."""
+    layout where it records a backward (:class:`GradientInOutputLayout`; traced into a compiled block)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -140,8 +141,7 @@ def preferring_cudnn(forward, runtime):
     def run(*args, **kwargs):
         cudnn = torch.backends.cuda.cudnn_sdp_enabled()
         prefer = cudnn and getattr(runtime, "prefer_cudnn", False) and not _cudnn_failed
-        guard = (cudnn and torch.is_grad_enabled() and not getattr(runtime, "compiled", False)
-                 and torch.device(getattr(runtime, "device", "cpu")).type == "cuda")
+        guard = cudnn and torch.is_grad_enabled() and torch.device(getattr(runtime, "device", "cpu")).type == "cuda"
         with (sdpa_kernel(cudnn_first, set_priority=True) if prefer else contextlib.nullcontext()), \
                 (GradientInOutputLayout() if guard else contextlib.nullcontext()):
             return forward(*args, **kwargs)

@@ -185,11 +185,11 @@ def test_attention_gradients_reach_the_kernel_in_the_outputs_layout():
 @pytest.mark.parametrize("device, compiled, grad, prefer, guarded", [
     ("cuda", False, True, False, True),  # torch's own order may put cuDNN first (module docstring)
     ("cuda", False, True, True, True),
-    ("cuda", True, True, True, False),  # inductor lays a compiled block's gradients out itself
+    ("cuda", True, True, True, True),  # traced into a compiled block
     ("cuda", False, False, True, False),  # a pass without a backward has no gradient to lay out
     ("cpu", False, True, True, False),  # no cuDNN
 ])
-def test_the_guard_runs_on_eager_gpu_blocks_that_record_a_backward(cudnn_on, device, compiled, grad, prefer, guarded):
+def test_the_guard_runs_on_gpu_blocks_that_record_a_backward(cudnn_on, device, compiled, grad, prefer, guarded):
     rt = types.SimpleNamespace(prefer_cudnn=prefer, compiled=compiled, device=torch.device(device))
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     forward = attention_choice.preferring_cudnn(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x), rt)
