@@ -1,11 +1,12 @@
 """Which scaled-dot-product-attention kernel the blocks prefer (``LoadOptions(attention=...)``).
 
-torch picks its attention kernel by a fixed priority: flash first, cuDNN last. At FLUX.1's attention shapes (24 heads
-of 128, 4,608 tokens at 1024²) cuDNN's kernels take about half of flash's time, forward and backward, with the same
-error against an fp32 reference (benchmarks/attention_backends.py on an H200; docs/benchmarks.md). Attention is a
+torch picks its attention kernel by a priority: flash first and cuDNN last, except that torch 2.11 with cuDNN 9.9 and
+later puts cuDNN first itself on compute capability 9.0 and 10.0 at its first attention call. At FLUX.1's shapes (24
+heads of 128, 4,608 tokens at 1024²) cuDNN's kernels take about half of flash's time, forward and backward, with the
+same error against an fp32 reference (benchmarks/attention_backends.py on an H200; docs/benchmarks.md). Attention is a
 third of a compiled 1024² LoRA step, so the blocks run with cuDNN's kernel first in the priority where that was
-measured, and torch's own order elsewhere. Where cuDNN cannot take a call (a mask, a shape it does not support),
-torch goes on down the list as it always does.
+measured, and torch's own order elsewhere. Where cuDNN cannot take a call (a mask, a shape it does not support), torch
+goes on down the list as it always does.
 
 * ``auto``: cuDNN first on CUDA GPUs of compute capability 9.0 and up (Hopper, Blackwell), for models whose
   attention heads have a width in :data:`AUTO_HEAD_DIMS` (FLUX.1, FLUX.2, Qwen-Image: 128); torch's order otherwise.
@@ -78,7 +79,7 @@ def resolve_attention(mode: str, device: torch.device | str, width: int | None) 
     check_attention(mode)
     device = torch.device(device)
     if mode == "default":
-        return False, "torch's own order (flash first), as asked"
+        return False, "torch's own order, as asked"
     if device.type != "cuda":
         return False, f"cuDNN attention runs on CUDA GPUs only, not on {device.type}"
     if mode == "cudnn":

@@ -156,7 +156,8 @@ HELP = {
                "docs/tuning.md.",
     "attention": "Which attention kernels the blocks prefer: auto (cuDNN's first on CUDA GPUs of compute capability "
                  "9.0 and up for heads of 128, FLUX.1's, where they measured twice as fast as flash; torch's order "
-                 "elsewhere), cudnn (first on any CUDA GPU), or default (torch's order, flash first). A cuDNN "
+                 "elsewhere), cudnn (first on any CUDA GPU), or default (torch's order: flash first, though torch 2.11 "
+                 "puts cuDNN first itself on Hopper with cuDNN 9.9 and up). A cuDNN "
                  "failure turns it off for the run and redoes the step; docs/tuning.md.",
     "target_frames": "Clips: the frame counts of the windows cut from each clip, e.g. [1, 25, 45] (musubi-tuner's "
                      "key), rounded down to what the family's VAE takes (1 + 4k for Wan and HunyuanVideo, 1 + 8k for "
