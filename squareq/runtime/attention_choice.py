@@ -137,12 +137,13 @@ def preferring_cudnn(forward, runtime):
 
     cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]  # built once per block, not at every call
+    on_gpu = torch.device(getattr(runtime, "device", "cpu")).type == "cuda"  # a runtime's device does not change
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
         cudnn = torch.backends.cuda.cudnn_sdp_enabled()
         prefer = cudnn and getattr(runtime, "prefer_cudnn", False) and not _cudnn_failed
-        guard = cudnn and torch.is_grad_enabled() and torch.device(getattr(runtime, "device", "cpu")).type == "cuda"
+        guard = cudnn and on_gpu and torch.is_grad_enabled()
         with (sdpa_kernel(cudnn_first, set_priority=True) if prefer else contextlib.nullcontext()), \
                 (GradientInOutputLayout() if guard else contextlib.nullcontext()):
             return forward(*args, **kwargs)
